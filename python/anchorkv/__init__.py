@@ -1,0 +1,47 @@
+"""anchorkv: anchor-residual KV cache compression with compact decode attention.
+
+    import numpy as np, anchorkv
+    cache = anchorkv.compress(keys, values, window_queries, retain_fraction=0.1)
+    out = cache.decode(query)            # attention over every prompt position
+
+`anchorkv._capi` is the raw ctypes layer (one declaration per C function); this package is
+the owner-class API over it. The library is loaded and its version checked at import.
+"""
+from . import _capi
+from ._api import (Cache, CacheStats, Context, HeadStats, Shape, compress, compress_options,
+                   compressed_size, status_string)
+from ._enums import (Backend, DType, Method, PoolType, ResidualScale, RopeStyle, Status)
+from ._errors import (AnchorKVError, BackendError, BackendUnavailableError, BudgetError,
+                      CapacityError, CorruptDataError, InternalError, InvalidArgumentError,
+                      MismatchError, NonFiniteError, OutOfMemoryError, UnsupportedError,
+                      VersionError)
+
+__version__ = "0.1.0"  # of this binding; the library's is library_version()
+
+_loaded_number = _capi.akv_version_number()
+if _loaded_number // 10000 != _capi.BINDING_VERSION_MAJOR or \
+        _loaded_number < _capi.BINDING_VERSION_NUMBER:
+    raise ImportError(
+        f"{_capi.library_path} is anchorkv {_capi.akv_version_string().decode()} "
+        f"({_loaded_number}); this binding needs {_capi.BINDING_VERSION_MAJOR}.x at least "
+        f"{_capi.BINDING_VERSION_MAJOR}.{_capi.BINDING_VERSION_MINOR}.{_capi.BINDING_VERSION_PATCH}")
+
+
+def library_version() -> str:
+    """Version string of the loaded shared library."""
+    return _capi.akv_version_string().decode()
+
+
+def library_version_number() -> int:
+    """MAJOR*10000 + MINOR*100 + PATCH of the loaded shared library."""
+    return int(_capi.akv_version_number())
+
+
+__all__ = [
+    "Cache", "CacheStats", "Context", "HeadStats", "Shape", "compress", "compress_options",
+    "compressed_size", "status_string", "library_version", "library_version_number",
+    "Backend", "DType", "Method", "PoolType", "ResidualScale", "RopeStyle", "Status",
+    "AnchorKVError", "BackendError", "BackendUnavailableError", "BudgetError", "CapacityError",
+    "CorruptDataError", "InternalError", "InvalidArgumentError", "MismatchError",
+    "NonFiniteError", "OutOfMemoryError", "UnsupportedError", "VersionError",
+]

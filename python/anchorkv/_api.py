@@ -1,0 +1,711 @@
+"""High-level API: Context and Cache own their C handles; arrays go in without copies."""
+from __future__ import annotations
+
+import ctypes
+import threading
+from ctypes import byref, c_size_t
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from . import _capi
+from . import _tensors as tensors
+from ._enums import (Backend, DType, Method, PoolType, ResidualScale, RopeStyle, Status)
+from ._errors import InvalidArgumentError, MismatchError, check
+
+
+# ---- Plain result records ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    """Shape of one layer of one request (akv_shape)."""
+
+    seq_len: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """akv_cache_stats: byte accounting and counts of one cache."""
+
+    method: Method
+    shape: Shape
+    storage_dtype: DType
+    window: int
+    anchors: int
+    appended_tokens: int
+    append_capacity: int
+    full_bytes: int
+    budget_bytes: int
+    base_bytes: int
+    compressed_bytes: int
+    appended_bytes: int
+    allocated_bytes: int
+    ratio: float
+    key_residuals: int
+    value_residuals: int
+
+
+@dataclass(frozen=True)
+class HeadStats:
+    """akv_head_stats: what one KV head keeps."""
+
+    kept_tokens: int
+    anchors: int
+    key_residuals: int
+    value_residuals: int
+
+
+def _shape_from_c(shape: _capi.akv_shape) -> Shape:
+    return Shape(shape.seq_len, shape.num_kv_heads, shape.num_q_heads, shape.head_dim)
+
+
+# ---- Compression options ---------------------------------------------------------------------
+
+_OPTION_CONVERTERS = {
+    "method": Method.parse,
+    "retain_fraction": float,
+    "window": int,
+    "anchors": int,
+    "scored_fraction": float,
+    "pool_kernel": int,
+    "pool_type": PoolType.parse,
+    "residual_scale": ResidualScale.parse,
+    "seed": int,
+    "layer_index": int,
+    "layer_count": int,
+    "keys_post_rope": lambda value: int(bool(value)),
+    "softmax_scale": float,
+    "storage_dtype": DType.parse,
+}
+_ROPE_CONVERTERS = {"rope_style": ("style", RopeStyle.parse), "rotary_dim": ("rotary_dim", int),
+                    "rope_base": ("base", float)}
+OPTION_NAMES = tuple(_OPTION_CONVERTERS) + tuple(_ROPE_CONVERTERS) + ("inv_freq",)
+
+
+def compress_options(**options) -> tuple[_capi.akv_compress_options, Any]:
+    """An initialised akv_compress_options with the given fields set (None: the default).
+
+    Names are the C field names; the RoPE ones are rope_style, rotary_dim, rope_base and
+    inv_freq (host float32 array, rotary_dim/2 values). Returns the struct and what must stay
+    alive while the library reads it.
+    """
+    struct = _capi.akv_compress_options()
+    _capi.akv_compress_options_init(byref(struct))
+    keepalive = None
+    for name, value in options.items():
+        if value is None:
+            continue
+        if name in _OPTION_CONVERTERS:
+            setattr(struct, name, _OPTION_CONVERTERS[name](value))
+        elif name in _ROPE_CONVERTERS:
+            field, convert = _ROPE_CONVERTERS[name]
+            setattr(struct.rope, field, convert(value))
+        elif name == "inv_freq":
+            keepalive = np.ascontiguousarray(value, dtype=np.float32)
+            struct.rope.inv_freq = keepalive.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        else:
+            raise TypeError(f"unknown compression option {name!r}; known: {', '.join(OPTION_NAMES)}")
+    return struct, keepalive
+
+
+def compressed_size(seq_len: int, num_kv_heads: int, head_dim: int, *,
+                    num_q_heads: int | None = None, **options) -> int:
+    """Exact bytes a compressed cache of this shape will hold (akv_compressed_size)."""
+    struct, _keepalive = compress_options(**options)
+    shape = _capi.akv_shape(seq_len, num_kv_heads, num_q_heads or num_kv_heads, head_dim)
+    size = c_size_t()
+    check(_capi.akv_compressed_size(byref(struct), byref(shape), byref(size)))
+    return size.value
+
+
+# ---- Context -------------------------------------------------------------------------------
+
+
+class _ContextHandle:
+    """The C context and who still needs it: the Context object and every live Cache.
+
+    akv_context_destroy must come after every cache of the context is destroyed. Python's
+    garbage collector may finalize a Context before its caches (reference cycles), so the
+    handle is destroyed by whoever lets go last.
+    """
+
+    def __init__(self, raw):
+        self.raw = raw
+        self._owner_released = False
+        self._live_caches = 0
+        self._lock = threading.Lock()
+
+    def cache_opened(self):
+        with self._lock:
+            self._live_caches += 1
+
+    def cache_closed(self):
+        with self._lock:
+            self._live_caches -= 1
+            self._destroy_if_unused()
+
+    def release_owner(self):
+        with self._lock:
+            self._owner_released = True
+            self._destroy_if_unused()
+
+    def _destroy_if_unused(self):
+        if self._owner_released and self._live_caches == 0 and self.raw is not None:
+            raw, self.raw = self.raw, None
+            _capi.akv_context_destroy(raw)
+
+
+class Context:
+    """An anchorkv context (akv_context): a backend, a device, threads, an allocator.
+
+    close() (or leaving a `with` block) releases it; the C context is destroyed once its last
+    cache is closed too, so caches stay valid after their context is closed.
+
+    allocator: optional object with alloc(nbytes) -> address (0 on failure, aligned to 256)
+    and free(address, nbytes); every byte the library allocates then goes through it.
+    """
+
+    def __init__(self, backend: Backend | str = Backend.CPU, *, device: int = 0,
+                 num_threads: int = 0, allocator: Any = None):
+        options = _capi.akv_context_options()
+        _capi.akv_context_options_init(byref(options))
+        options.backend = Backend.parse(backend)
+        options.device = int(device)
+        options.num_threads = int(num_threads)
+        self._allocator_callbacks = None
+        if allocator is not None:
+            # The CFUNCTYPE objects must outlive the C context: keep them on this object and
+            # on the handle (which outlives it when caches remain).
+            alloc = _capi.akv_alloc_fn(lambda _user, nbytes: allocator.alloc(nbytes) or None)
+            free = _capi.akv_free_fn(lambda _user, address, nbytes: allocator.free(address, nbytes))
+            options.allocator.alloc = alloc
+            options.allocator.free = free
+            self._allocator_callbacks = (allocator, alloc, free)
+        raw = _capi.akv_context_p()
+        check(_capi.akv_context_create(byref(options), byref(raw)))
+        self._handle = _ContextHandle(raw)
+        self._handle.allocator_callbacks = self._allocator_callbacks
+        self.backend = Backend(options.backend)
+        self.device = options.device
+        self._closed = False
+
+    # -- ownership --
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Release the context. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._handle.release_owner()
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<anchorkv.Context {self.backend.name.lower()}:{self.device} {state}>"
+
+    def _raw(self):
+        if self._closed:
+            raise InvalidArgumentError("the context is closed")
+        return self._handle.raw
+
+    @property
+    def _device_kind(self) -> str:
+        return tensors.CUDA if self.backend == Backend.CUDA else tensors.CPU
+
+    def _check_device(self, tensor: tensors.TensorView | None, name: str) -> None:
+        if tensor is None:
+            return
+        if tensor.device != self._device_kind:
+            raise MismatchError(f"{name} is {tensor.device} memory but the context is "
+                                f"{self.backend.name.lower()}")
+        if tensor.device == tensors.CUDA and tensor.device_index != self.device:
+            raise MismatchError(f"{name} is on CUDA device {tensor.device_index}, the context on {self.device}")
+
+    # -- calls --
+    def compress(self, keys, values, queries=None, *, positions=None, dtype=None,
+                 num_q_heads: int | None = None, stream=None, **options) -> "Cache":
+        """Compress one layer: keys, values [H][S][D]; queries [Hq][W][D] (post-RoPE).
+
+        Arrays may be strided in the head and token dimensions (last dimension contiguous)
+        and are passed without copying. dtype: needed for raw uint16 bf16/f16 data.
+        window defaults to queries.shape[1]. Other options: see compress_options().
+        """
+        requested = DType.parse(dtype) if dtype is not None else None
+        user_stream = None if stream is None else tensors.resolve_stream(stream, ())
+        key_view = tensors.view(keys, name="keys", dtype=requested, stream=user_stream)
+        value_view = tensors.view(values, name="values", dtype=requested, stream=user_stream)
+        query_view = (None if queries is None else
+                      tensors.view(queries, name="queries", dtype=requested, stream=user_stream))
+        position_view = (None if positions is None else
+                         tensors.view(positions, name="positions", expect_int32=True,
+                                      stream=user_stream))
+        for view, name in ((key_view, "keys"), (value_view, "values"), (query_view, "queries"),
+                           (position_view, "positions")):
+            self._check_device(view, name)
+
+        if len(key_view.shape) != 3 or value_view.shape != key_view.shape:
+            raise InvalidArgumentError(f"keys and values must both be [H][S][D]; got "
+                                       f"{key_view.shape} and {value_view.shape}")
+        if value_view.dtype != key_view.dtype:
+            raise InvalidArgumentError("keys and values must have the same dtype")
+        heads, seq_len, head_dim = key_view.shape
+        if query_view is not None:
+            if len(query_view.shape) != 3 or query_view.shape[2] != head_dim:
+                raise InvalidArgumentError(f"queries must be [Hq][W][{head_dim}]; got {query_view.shape}")
+            if query_view.dtype != key_view.dtype:
+                raise InvalidArgumentError("queries must have the dtype of keys and values")
+            if num_q_heads is not None and num_q_heads != query_view.shape[0]:
+                raise InvalidArgumentError("num_q_heads disagrees with queries.shape[0]")
+            num_q_heads = query_view.shape[0]
+            window = query_view.shape[1]
+            if options.get("window") is None:
+                options["window"] = window
+            elif int(options["window"]) != window:
+                raise InvalidArgumentError(f"window={options['window']} but queries hold {window} positions")
+        if position_view is not None:
+            position_view = tensors.contiguous(position_view, name="positions")
+            if position_view.shape != (seq_len,):
+                raise InvalidArgumentError(f"positions must be [{seq_len}]; got {position_view.shape}")
+
+        key_view, value_view = _shared_token_strides(key_view, value_view)
+        if query_view is not None:
+            query_view = _strided_ok(query_view, "queries")
+
+        struct, keepalive = compress_options(**options)
+        prefill = _capi.akv_prefill()
+        _capi.akv_prefill_init(byref(prefill))
+        prefill.shape = _capi.akv_shape(seq_len, heads, num_q_heads or heads, head_dim)
+        prefill.dtype = key_view.dtype
+        prefill.keys = key_view.pointer
+        prefill.values = value_view.pointer
+        prefill.kv_head_stride, prefill.kv_token_stride = _stride_fields(key_view)
+        if query_view is not None:
+            prefill.queries = query_view.pointer
+            prefill.q_head_stride, prefill.q_token_stride = _stride_fields(query_view)
+        if position_view is not None:
+            prefill.positions = ctypes.cast(position_view.pointer, ctypes.POINTER(ctypes.c_int32))
+        raw_stream = self._stream(stream, (key_view, value_view, query_view))
+        raw_cache = _capi.akv_cache_p()
+        check(_capi.akv_compress(self._raw(), byref(prefill), byref(struct), byref(raw_cache),
+                                 raw_stream))
+        del keepalive, key_view, value_view, query_view, position_view  # read during the call only
+        return Cache._adopt(self, raw_cache)
+
+    def deserialize(self, data, *, stream=None) -> "Cache":
+        """A cache from akv_cache_serialize bytes (any bytes-like object, host memory)."""
+        buffer = np.frombuffer(data, dtype=np.uint8)  # no copy; read-only is fine
+        raw_cache = _capi.akv_cache_p()
+        check(_capi.akv_cache_deserialize(self._raw(), buffer.ctypes.data, buffer.nbytes,
+                                          byref(raw_cache), self._stream(stream, ())))
+        return Cache._adopt(self, raw_cache)
+
+    def decode_batch(self, caches: Sequence["Cache"], queries, out=None, *, dtype=None,
+                     stream=None):
+        """Decode many caches of this context at once: queries, out [B][Hq][q_len][D]."""
+        if not caches:
+            raise InvalidArgumentError("decode_batch needs at least one cache")
+        for cache in caches:
+            if cache._context is not self:
+                raise MismatchError("every cache must belong to this context")
+        shape = caches[0].shape
+        requested = DType.parse(dtype) if dtype is not None else None
+        user_stream = None if stream is None else tensors.resolve_stream(stream, ())
+        query_view = tensors.view(queries, name="queries", dtype=requested, stream=user_stream)
+        self._check_device(query_view, "queries")
+        if len(query_view.shape) != 4 or query_view.shape[0] != len(caches) or \
+                query_view.shape[1] != shape.num_q_heads or query_view.shape[3] != shape.head_dim:
+            raise InvalidArgumentError(
+                f"queries must be [{len(caches)}][{shape.num_q_heads}][q_len][{shape.head_dim}]; "
+                f"got {query_view.shape}")
+        query_view = tensors.contiguous(query_view, name="queries")
+        out_object, out_view = self._output(out, query_view, "out", user_stream)
+        raw_stream = self._stream(stream, (query_view, out_view))
+        raw_caches = (_capi.akv_cache_p * len(caches))()
+        for index, cache in enumerate(caches):
+            raw_caches[index] = cache._raw()
+        # One thread per cache at a time: take every cache's lock, in a fixed order.
+        ordered = sorted(set(caches), key=id)
+        for cache in ordered:
+            cache._lock.acquire()
+        try:
+            check(_capi.akv_decode_batch(self._raw(), raw_caches, len(caches), query_view.pointer,
+                                         query_view.dtype, query_view.shape[2], out_view.pointer,
+                                         raw_stream))
+        finally:
+            for cache in reversed(ordered):
+                cache._lock.release()
+        return out_object
+
+    # -- helpers --
+    def _stream(self, stream, views: Iterable) -> int | None:
+        if self.backend != Backend.CUDA:
+            return None
+        return tensors.resolve_stream(stream, [view for view in views if view is not None]) or None
+
+    def _output(self, out, like: tensors.TensorView, name: str, user_stream):
+        """(object returned to the caller, its view) for an output shaped like `like`."""
+        if out is None:
+            out = tensors.empty_like_kind(like, like.shape, like.dtype, like.device, like.device_index)
+        out_view = tensors.view(out, name=name, dtype=like.dtype if like.dtype == DType.BF16 else None,
+                                stream=user_stream, writable=True)
+        self._check_device(out_view, name)
+        if out_view.shape != like.shape or out_view.dtype != like.dtype:
+            raise InvalidArgumentError(f"{name} must be {like.shape} of {like.dtype.name}; got "
+                                       f"{out_view.shape} of {getattr(out_view.dtype, 'name', None)}")
+        if not out_view.is_contiguous:
+            raise InvalidArgumentError(f"{name} must be contiguous")
+        return out, out_view
+
+
+def _stride_fields(view: tensors.TensorView) -> tuple[int, int]:
+    return view.strides[0], view.strides[1]
+
+
+def _strided_ok(view: tensors.TensorView, name: str) -> tensors.TensorView:
+    """Keep a [A][B][D] view as is when the C strides can describe it, else copy (numpy)."""
+    heads, tokens, dim = view.shape
+    head_stride, token_stride, element_stride = view.strides
+    # Stride 0 means "default" to the C API: only positive strides can be passed through.
+    if (dim == 1 or element_stride == 1) and (head_stride > 0 or heads == 1) and \
+            (token_stride > 0 or tokens == 1):
+        compact_token = token_stride if tokens > 1 else dim
+        compact_head = head_stride if heads > 1 else tokens * compact_token
+        return tensors.TensorView(view.pointer, view.shape, (compact_head, compact_token, 1),
+                                  view.dtype, view.device, view.device_index, view.owner, view.kind)
+    return tensors.contiguous(view, name=name)
+
+
+def _shared_token_strides(keys: tensors.TensorView, values: tensors.TensorView):
+    """keys and values share one pair of strides in akv_prefill: copy when they differ."""
+    keys, values = _strided_ok(keys, "keys"), _strided_ok(values, "values")
+    if keys.strides != values.strides:
+        keys, values = tensors.contiguous(keys, name="keys"), tensors.contiguous(values, name="values")
+        if keys.strides != values.strides:  # both contiguous now unless a copy was refused
+            raise InvalidArgumentError("keys and values must have the same strides")
+    return keys, values
+
+
+# ---- Cache ----------------------------------------------------------------------------------
+
+
+class Cache:
+    """One compressed layer of one request (akv_cache). Keeps its Context alive.
+
+    Create with Context.compress, anchorkv.compress, Context.deserialize or
+    Cache.from_bytes. close() frees it (also on `with` exit and garbage collection).
+    Calls on one Cache are serialised by a lock, as the C API requires.
+    """
+
+    def __init__(self):
+        raise TypeError("create caches with Context.compress, anchorkv.compress or Cache.from_bytes")
+
+    @classmethod
+    def _adopt(cls, context: Context, raw_cache) -> "Cache":
+        cache = object.__new__(cls)
+        cache._context = context
+        cache._context_handle = context._handle
+        cache._context_handle.cache_opened()
+        cache._raw_handle = raw_cache
+        cache._lock = threading.Lock()
+        try:
+            cache._shape = cache.stats.shape
+        except BaseException:
+            cache.close()
+            raise
+        return cache
+
+    # -- ownership --
+    @property
+    def context(self) -> Context:
+        return self._context
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_raw_handle", None) is None
+
+    def close(self) -> None:
+        """Destroy the C cache. Idempotent."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            return
+        with lock:
+            raw, self._raw_handle = getattr(self, "_raw_handle", None), None
+        if raw is not None:
+            _capi.akv_cache_destroy(raw)
+            self._context_handle.cache_closed()
+
+    def __enter__(self) -> "Cache":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<anchorkv.Cache closed>"
+        return (f"<anchorkv.Cache S={self._shape.seq_len} H={self._shape.num_kv_heads} "
+                f"Hq={self._shape.num_q_heads} D={self._shape.head_dim}>")
+
+    def _raw(self):
+        raw = self._raw_handle
+        if raw is None:
+            raise InvalidArgumentError("the cache is closed")
+        return raw
+
+    # -- inspection --
+    @property
+    def shape(self) -> Shape:
+        return self._shape
+
+    @property
+    def stats(self) -> CacheStats:
+        struct = _capi.akv_cache_stats()
+        struct.struct_size = ctypes.sizeof(struct)
+        with self._lock:
+            check(_capi.akv_cache_stats_get(self._raw(), byref(struct)))
+        return CacheStats(
+            Method(struct.method), _shape_from_c(struct.shape), DType(struct.storage_dtype),
+            struct.window, struct.anchors, struct.appended_tokens, struct.append_capacity,
+            struct.full_bytes, struct.budget_bytes, struct.base_bytes, struct.compressed_bytes,
+            struct.appended_bytes, struct.allocated_bytes, struct.ratio, struct.key_residuals,
+            struct.value_residuals)
+
+    def head_stats(self) -> list[HeadStats]:
+        heads = (_capi.akv_head_stats * self._shape.num_kv_heads)()
+        with self._lock:
+            check(_capi.akv_cache_head_stats(self._raw(), heads))
+        return [HeadStats(h.kept_tokens, h.anchors, h.key_residuals, h.value_residuals)
+                for h in heads]
+
+    @property
+    def num_tokens(self) -> int:
+        """T: prompt positions plus appended tokens."""
+        return self._shape.seq_len + self.stats.appended_tokens
+
+    # -- appending and decoding --
+    def reserve(self, tokens: int, *, stream=None) -> None:
+        """Room for `tokens` appended tokens in total, so append/decode never allocate."""
+        with self._lock:
+            check(_capi.akv_cache_reserve(self._raw(), int(tokens), self._context._stream(stream, ())))
+
+    def append(self, keys, values, positions=None, *, dtype=None, stream=None) -> None:
+        """Append new tokens exactly: keys, values [H][n][D] (or [H][D] for one token)."""
+        requested = DType.parse(dtype) if dtype is not None else None
+        user_stream = None if stream is None else tensors.resolve_stream(stream, ())
+        key_view = tensors.view(keys, name="keys", dtype=requested, stream=user_stream)
+        value_view = tensors.view(values, name="values", dtype=requested, stream=user_stream)
+        for view, name in ((key_view, "keys"), (value_view, "values")):
+            self._context._check_device(view, name)
+        heads, head_dim = self._shape.num_kv_heads, self._shape.head_dim
+        if len(key_view.shape) == 2:
+            key_view, value_view = _with_token_axis(key_view), _with_token_axis(value_view)
+        if len(key_view.shape) != 3 or key_view.shape[0] != heads or key_view.shape[2] != head_dim \
+                or value_view.shape != key_view.shape:
+            raise InvalidArgumentError(f"keys and values must be [{heads}][n][{head_dim}]; got "
+                                       f"{key_view.shape} and {value_view.shape}")
+        if value_view.dtype != key_view.dtype:
+            raise InvalidArgumentError("keys and values must have the same dtype")
+        key_view = tensors.contiguous(key_view, name="keys")
+        value_view = tensors.contiguous(value_view, name="values")
+        num_tokens = key_view.shape[1]
+        position_pointer, position_array = None, None
+        if positions is not None:  # host memory for every backend
+            position_array = np.ascontiguousarray(positions, dtype=np.int32)
+            if position_array.shape != (num_tokens,):
+                raise InvalidArgumentError(f"positions must be [{num_tokens}]; got {position_array.shape}")
+            position_pointer = position_array.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        raw_stream = self._context._stream(stream, (key_view, value_view))
+        with self._lock:
+            check(_capi.akv_append(self._raw(), key_view.pointer, value_view.pointer,
+                                   key_view.dtype, num_tokens, position_pointer, raw_stream))
+        del position_array
+
+    def decode(self, queries, out=None, *, dtype=None, stream=None):
+        """Attention of new queries over the whole cache.
+
+        queries: [Hq][q_len][D] (or [Hq][D] for q_len = 1), post-RoPE; out: same shape and
+        dtype, allocated (numpy, torch or CuPy, like the queries) when not given.
+        """
+        requested = DType.parse(dtype) if dtype is not None else None
+        user_stream = None if stream is None else tensors.resolve_stream(stream, ())
+        query_view = tensors.view(queries, name="queries", dtype=requested, stream=user_stream)
+        self._context._check_device(query_view, "queries")
+        squeezed = len(query_view.shape) == 2
+        if squeezed:
+            query_view = _with_token_axis(query_view)
+        q_heads, head_dim = self._shape.num_q_heads, self._shape.head_dim
+        if len(query_view.shape) != 3 or query_view.shape[0] != q_heads or \
+                query_view.shape[2] != head_dim or query_view.shape[1] < 1:
+            raise InvalidArgumentError(f"queries must be [{q_heads}][q_len][{head_dim}] or "
+                                       f"[{q_heads}][{head_dim}]; got {query_view.shape}")
+        query_view = tensors.contiguous(query_view, name="queries")
+        if out is None:
+            out = tensors.empty_like_kind(query_view, (q_heads, head_dim) if squeezed
+                                          else query_view.shape, query_view.dtype,
+                                          query_view.device, query_view.device_index)
+        out_object = out
+        out_view = tensors.view(out, name="out", dtype=query_view.dtype
+                                if query_view.dtype == DType.BF16 else None,
+                                stream=user_stream, writable=True)
+        self._context._check_device(out_view, "out")
+        if len(out_view.shape) == 2:
+            out_view = _with_token_axis(out_view)
+        if out_view.shape != query_view.shape or out_view.dtype != query_view.dtype or \
+                not out_view.is_contiguous:
+            raise InvalidArgumentError(f"out must be contiguous {query_view.shape} of "
+                                       f"{query_view.dtype.name}")
+        raw_stream = self._context._stream(stream, (query_view, out_view))
+        with self._lock:
+            check(_capi.akv_decode(self._raw(), query_view.pointer, query_view.dtype,
+                                   query_view.shape[1], out_view.pointer, raw_stream))
+        return out_object
+
+    def reconstruct(self, dtype: DType | str = DType.F32, *, rotated: bool = True,
+                    keys=None, values=None, present=None, stream=None):
+        """Dense (keys, values, present) of every cached token: [H][T][D], [H][T] uint8.
+
+        keys are post-RoPE when rotated. On CUDA pass the outputs (or have torch installed).
+        """
+        dtype = DType.parse(dtype)
+        stats = self.stats
+        shape = (self._shape.num_kv_heads, stats.shape.seq_len + stats.appended_tokens,
+                 self._shape.head_dim)
+        on_cuda = self._context.backend == Backend.CUDA
+        device = tensors.CUDA if on_cuda else tensors.CPU
+        views = []
+        results = []
+        for given, name, element in ((keys, "keys", dtype), (values, "values", dtype),
+                                     (present, "present", None)):
+            target_shape = shape if element is not None else shape[:2]
+            if given is None:
+                given = _allocate(target_shape, element, on_cuda, self._context.device)
+            results.append(given)
+            if element is None:
+                view = _byte_view(given, name)
+            else:
+                view = tensors.view(given, name=name, dtype=element if element == DType.BF16 else None,
+                                    writable=True)
+            self._context._check_device(view, name)
+            if view.shape != target_shape or (element is not None and view.dtype != element) \
+                    or not view.is_contiguous:
+                raise InvalidArgumentError(f"{name} must be contiguous {target_shape}")
+            views.append(view)
+        raw_stream = self._context._stream(stream, views)
+        present_pointer = ctypes.cast(views[2].pointer, ctypes.POINTER(ctypes.c_uint8))
+        with self._lock:
+            check(_capi.akv_cache_reconstruct(self._raw(), dtype, int(bool(rotated)),
+                                              views[0].pointer, views[1].pointer,
+                                              present_pointer, raw_stream))
+        return tuple(results)
+
+    # -- serialization --
+    def serialized_size(self) -> int:
+        size = c_size_t()
+        with self._lock:
+            check(_capi.akv_cache_serialized_size(self._raw(), byref(size)))
+        return size.value
+
+    def serialize_into(self, buffer, *, stream=None) -> int:
+        """Write into a writable bytes-like buffer; returns the bytes written."""
+        target = np.frombuffer(buffer, dtype=np.uint8)
+        if not target.flags.writeable:
+            raise InvalidArgumentError("buffer is read-only")
+        written = c_size_t()
+        with self._lock:
+            check(_capi.akv_cache_serialize(self._raw(), target.ctypes.data, target.nbytes,
+                                            byref(written), self._context._stream(stream, ())))
+        return written.value
+
+    def to_bytes(self) -> bytes:
+        buffer = bytearray(self.serialized_size())
+        written = self.serialize_into(buffer)
+        return bytes(memoryview(buffer)[:written])
+
+    __bytes__ = to_bytes
+
+    @classmethod
+    def from_bytes(cls, data, context: Context | None = None) -> "Cache":
+        """Deserialize; without a context, a new CPU context is made and owned by the cache."""
+        # A new context lives as long as the cache that holds it.
+        return (context if context is not None else Context()).deserialize(data)
+
+
+def _with_token_axis(view: tensors.TensorView) -> tensors.TensorView:
+    """[A][D] -> [A][1][D] (a view: strides only)."""
+    return tensors.TensorView(view.pointer, (view.shape[0], 1, view.shape[1]),
+                              (view.strides[0], view.shape[1] * view.strides[1], view.strides[1]),
+                              view.dtype, view.device, view.device_index, view.owner, view.kind)
+
+
+def _allocate(shape, dtype: DType | None, on_cuda: bool, device_index: int):
+    """numpy on the CPU; torch (then CuPy) on CUDA. dtype None: uint8."""
+    if not on_cuda:
+        return np.empty(shape, dtype=np.uint8 if dtype is None else
+                        {DType.F32: np.float32, DType.F16: np.float16, DType.BF16: np.uint16}[dtype])
+    try:
+        import torch
+        torch_dtype = torch.uint8 if dtype is None else {
+            DType.F32: torch.float32, DType.F16: torch.float16, DType.BF16: torch.bfloat16}[dtype]
+        return torch.empty(shape, dtype=torch_dtype, device=torch.device("cuda", device_index))
+    except ImportError:
+        pass
+    if dtype == DType.BF16:
+        raise InvalidArgumentError("allocating bf16 device memory needs torch: pass the outputs")
+    import cupy
+    with cupy.cuda.Device(device_index):
+        return cupy.empty(shape, dtype=np.uint8 if dtype is None else
+                          {DType.F32: np.float32, DType.F16: np.float16}[dtype])
+
+
+def _byte_view(obj, name: str) -> tensors.TensorView:
+    """A uint8 array (numpy, torch, CuPy) as a view; the dtype checks of view() are for floats."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype != np.uint8 or not obj.flags.writeable:
+            raise InvalidArgumentError(f"{name} must be a writable uint8 array")
+        return tensors.TensorView(obj.ctypes.data, obj.shape, obj.strides, None, tensors.CPU, 0,
+                                  obj, "numpy")
+    interface = getattr(obj, "__cuda_array_interface__", None)
+    if interface is None or interface["typestr"][1:] not in ("u1", "b1"):
+        raise InvalidArgumentError(f"{name} must be a uint8 array")
+    shape = tuple(interface["shape"])
+    strides = tuple(interface["strides"]) if interface.get("strides") else (shape[1], 1)
+    index = getattr(getattr(obj, "device", None), "index", None) or 0
+    return tensors.TensorView(interface["data"][0], shape, strides, None, tensors.CUDA, index,
+                              obj, tensors._kind_of(obj))
+
+
+def compress(keys, values, queries=None, *, context: Context | None = None, **options) -> Cache:
+    """Compress one layer. Without a context, a CPU context is made for (and owned by) the cache.
+
+    See Context.compress for the arguments.
+    """
+    # A new context lives as long as the cache that holds it.
+    return (context if context is not None else Context()).compress(keys, values, queries, **options)
+
+
+def status_string(status: Status | int) -> str:
+    """The library's static name of a status."""
+    return _capi.akv_status_string(int(status)).decode()

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# The one script to run on a machine with an NVIDIA GPU (an H200, sm_90):
+#   1. configure build-device with the CUDA backend for sm_90, build everything;
+#   2. ctest, GPU tests included (tests/gpu skip themselves without a GPU);
+#   3. `anchorkv bench` at S = 32768, 65536, 131072;
+#   4. a summary and a short table of the benchmark lines, printed last.
+# A failing step does not stop the later ones (a failed build skips what needs it). Logs go
+# to $ANCHORKV_DEVICE_LOGS (default: build-device/logs; also copied to $OUT when set, for the
+# device tool to bring back).
+# Environment: ANCHORKV_DEVICE_BUILD_DIR (default build-device), ANCHORKV_JOBS (default: cores),
+#   ANCHORKV_BENCH_SEQ_LENS (default "32768 65536 131072"), ANCHORKV_BENCH_ARGS (extra
+#   arguments for every bench run), ANCHORKV_SKIP ("build ctest bench", any of them).
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root" || exit 1
+build_dir="${ANCHORKV_DEVICE_BUILD_DIR:-build-device}"
+case "$build_dir" in /*) ;; *) build_dir="$root/$build_dir" ;; esac
+logs="${ANCHORKV_DEVICE_LOGS:-$build_dir/logs}"
+jobs="${ANCHORKV_JOBS:-$(nproc)}"
+seq_lens="${ANCHORKV_BENCH_SEQ_LENS:-32768 65536 131072}"
+skip_list=" ${ANCHORKV_SKIP:-} "
+[ -d /usr/local/cuda/bin ] && PATH="$PATH:/usr/local/cuda/bin"
+mkdir -p "$logs"
+
+summary=()
+note() { summary+=("$(printf '%-5s %-34s %6ss' "$1" "$2" "$3")"); }
+# run_logged NAME LOGFILE COMMAND...: output to the terminal and to the log; PASS or FAIL.
+run_logged() {
+  local name="$1" log="$2" start=$SECONDS rc; shift 2
+  printf '\n==== %s ====\n' "$name"
+  "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ]; then note PASS "$name" $((SECONDS - start)); else
+    note FAIL "$name (exit $rc)" $((SECONDS - start)); fi
+  return "$rc"
+}
+skipped() { [[ "$skip_list" == *" $1 "* ]]; }
+
+echo "device-check: $(date -u +%FT%TZ) on $(hostname)"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 \
+  | sed 's/^/  GPU: /'
+echo "  nvcc: $(nvcc --version 2>/dev/null | tail -n 1 || echo 'not found')"
+
+# ---- 1. build -------------------------------------------------------------------------------
+build_ok=0
+configure_and_build() {
+  cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DANCHORKV_CUDA=ON \
+        -DCMAKE_CUDA_ARCHITECTURES=90 &&
+  cmake --build "$build_dir" --parallel "$jobs"
+}
+if skipped build; then note SKIP "build" 0; build_ok=1
+elif run_logged "build (CUDA sm_90)" "$logs/build.log" configure_and_build; then build_ok=1; fi
+
+# ---- 2. ctest ------------------------------------------------------------------------------
+if skipped ctest; then note SKIP "ctest" 0
+elif [ "$build_ok" = 1 ]; then
+  run_logged "ctest (GPU tests included)" "$logs/ctest.log" \
+    ctest --test-dir "$build_dir" --output-on-failure --no-tests=error -j 4
+  grep -E 'tests passed|tests failed' "$logs/ctest.log" | tail -n 1 | sed 's/^/  /'
+else note SKIP "ctest (build failed)" 0; fi
+
+# ---- 3. bench --------------------------------------------------------------------------------
+cli="$build_dir/tools/cli/anchorkv"
+bench_rows=()
+for s in $seq_lens; do
+  if skipped bench; then note SKIP "bench S=$s" 0; continue; fi
+  if [ ! -x "$cli" ]; then note SKIP "bench S=$s (no $cli)" 0; continue; fi
+  # shellcheck disable=SC2086  # ANCHORKV_BENCH_ARGS is a list of words
+  run_logged "bench S=$s" "$logs/bench-$s.log" \
+    "$cli" bench --backend cuda --seq-len "$s" ${ANCHORKV_BENCH_ARGS:-}
+  bench_rows+=("$s")
+done
+
+if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp "$logs"/*.log "$OUT"/ 2>/dev/null; fi
+
+# ---- 4. summary and table --------------------------------------------------------------------
+printf '\n==== device-check summary ====\n'
+printf '  %s\n' "${summary[@]}"
+if [ "${#bench_rows[@]}" -gt 0 ]; then
+  printf '\n==== bench (last lines of each run; full logs in %s) ====\n' "$logs"
+  for s in "${bench_rows[@]}"; do
+    printf -- '-- S=%s\n' "$s"
+    grep -v '^\s*$' "$logs/bench-$s.log" | tail -n 6 | sed 's/^/  /'
+  done
+fi
+failed=$(printf '%s\n' "${summary[@]}" | grep -c '^FAIL')
+echo "device-check: $failed failed step(s)"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Install what building and testing anchorkv needs on Debian 12 (bookworm).
+# Idempotent: checks first and only calls apt-get / pip for what is missing, so a second run
+# takes about a second. Uses sudo only when not root. The CUDA toolkit is optional (the
+# CUDA backend builds when nvcc is found) and is not installed here.
+set -euo pipefail
+
+log() { printf 'install-deps: %s\n' "$*"; }
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then SUDO="sudo"; else
+    log "not root and no sudo: cannot install Debian packages"; SUDO="__none__"; fi
+fi
+
+is_installed() { # dpkg knows the package as installed
+  dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"
+}
+
+# ---- Debian packages -------------------------------------------------------------------
+wanted=(build-essential cmake pkg-config libgtest-dev libcxxopts-dev nlohmann-json3-dev
+        libopenblas-dev swig)
+missing=()
+for pkg in "${wanted[@]}"; do
+  is_installed "$pkg" || missing+=("$pkg")
+done
+# Any JDK with javac will do (SWIG Java binding); bookworm's default is OpenJDK 17.
+if ! command -v javac >/dev/null 2>&1 && ! is_installed default-jdk-headless \
+   && ! is_installed openjdk-17-jdk-headless; then
+  missing+=(default-jdk-headless)
+fi
+# Python: interpreter, and pip only when the interpreter on PATH has none.
+command -v python3 >/dev/null 2>&1 || missing+=(python3)
+if ! python3 -m pip --version >/dev/null 2>&1; then missing+=(python3-pip); fi
+
+# Python modules for the binding tests and plots. Debian's own python3 is "externally
+# managed" (PEP 668), so for it we take Debian's packages; any other python3 (pyenv, venv)
+# gets them from pip.
+py_modules=(numpy pytest matplotlib)
+py_missing=()
+if command -v python3 >/dev/null 2>&1; then
+  for mod in "${py_modules[@]}"; do
+    python3 -c "import $mod" >/dev/null 2>&1 || py_missing+=("$mod")
+  done
+else
+  py_missing=("${py_modules[@]}")
+fi
+python_is_debian=0
+case "$(command -v python3 || echo /usr/bin/python3)" in
+  /usr/bin/python3) python_is_debian=1 ;;
+esac
+if [ "${#py_missing[@]}" -gt 0 ] && [ "$python_is_debian" -eq 1 ]; then
+  for mod in "${py_missing[@]}"; do missing+=("python3-$mod"); done
+  py_missing=()
+fi
+
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$SUDO" = "__none__" ]; then
+    log "missing Debian packages: ${missing[*]} (install them as root)"; exit 1
+  fi
+  log "apt-get install ${missing[*]}"
+  $SUDO apt-get update -q
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    "${missing[@]}"
+else
+  log "Debian packages: all present"
+fi
+
+if [ "${#py_missing[@]}" -gt 0 ]; then
+  log "pip install ${py_missing[*]} (into $(command -v python3))"
+  python3 -m pip install --quiet --disable-pip-version-check "${py_missing[@]}"
+fi
+for mod in "${py_modules[@]}"; do
+  python3 -c "import $mod" || { log "python3 cannot import $mod"; exit 1; }
+done
+log "python3 modules: ${py_modules[*]} importable"
+
+# ---- Rust (preinstalled via rustup; the Rust binding builds offline) -------------------
+if command -v cargo >/dev/null 2>&1 || [ -x "$HOME/.cargo/bin/cargo" ]; then
+  cargo_bin="$(command -v cargo || echo "$HOME/.cargo/bin/cargo")"
+  log "Rust: $("$cargo_bin" --version) at $cargo_bin"
+else
+  log "WARNING: cargo not found: the Rust binding tests will be skipped (install rustup)"
+fi
+
+# ---- CUDA (optional) --------------------------------------------------------------------
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  log "CUDA: $( (command -v nvcc || echo /usr/local/cuda/bin/nvcc) )"
+else
+  log "CUDA: nvcc not found; the CUDA backend is not built (optional)"
+fi
+log "done"

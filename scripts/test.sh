@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Build anchorkv and run every test it has. This is what CI runs (.ci/run).
+#   (a) cpu       Release CPU build (scripts/build.sh) + ctest
+#   (b) asan      the same suite under AddressSanitizer + UBSan (ANCHORKV_TEST_QUICK=1, label
+#                 "long" excluded)
+#   (c) cuda      compile-only CUDA build of the library for sm_80 and sm_90 (skipped without nvcc)
+#   (d) install   install/consumer test (ctest label "install") + install into ANCHORKV_PREFIX
+#   (e) bindings  scripts/test-bindings.sh, when present, with ANCHORKV_BUILD_DIR/ANCHORKV_PREFIX
+# A failing step does not stop the independent ones; the summary lists every step and the
+# script exits nonzero when any failed.
+#
+# Environment:
+#   ANCHORKV_BUILD_DIR       CPU build directory (default: build)
+#   ANCHORKV_ASAN_BUILD_DIR  sanitizer build directory (default: <build dir>-asan)
+#   ANCHORKV_CUDA_BUILD_DIR  CUDA compile-only build directory (default: <build dir>-cuda)
+#   ANCHORKV_PREFIX          install prefix handed to the bindings (default: a fresh /tmp dir,
+#                            removed at exit unless ANCHORKV_KEEP_PREFIX=1)
+#   ANCHORKV_JOBS            parallel build and test jobs (default: number of cores)
+#   ANCHORKV_SKIP            steps to skip, e.g. "asan cuda"
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+absolute() { case "$1" in /*) echo "$1" ;; *) echo "$root/$1" ;; esac; }
+jobs="${ANCHORKV_JOBS:-$(nproc)}"
+build_dir="$(absolute "${ANCHORKV_BUILD_DIR:-build}")"
+asan_dir="$(absolute "${ANCHORKV_ASAN_BUILD_DIR:-${build_dir}-asan}")"
+cuda_dir="$(absolute "${ANCHORKV_CUDA_BUILD_DIR:-${build_dir}-cuda}")"
+skip_list=" ${ANCHORKV_SKIP:-} "
+if [ -n "${ANCHORKV_PREFIX:-}" ]; then
+  prefix="$(absolute "$ANCHORKV_PREFIX")"; remove_prefix=0
+else
+  prefix="$(mktemp -d "${TMPDIR:-/tmp}/anchorkv-prefix.XXXXXX")"; remove_prefix=1
+fi
+cleanup() {
+  if [ "$remove_prefix" = 1 ] && [ "${ANCHORKV_KEEP_PREFIX:-0}" != 1 ]; then rm -rf "$prefix"; fi
+}
+trap cleanup EXIT
+
+# The Rust toolchain lives in ~/.cargo/bin, which a non-login shell may not have on PATH;
+# nvcc in /usr/local/cuda/bin likewise.
+[ -d "$HOME/.cargo/bin" ] && PATH="$PATH:$HOME/.cargo/bin"
+[ -d /usr/local/cuda/bin ] && PATH="$PATH:/usr/local/cuda/bin"
+export PATH
+
+# ---- step bookkeeping -----------------------------------------------------------------------
+names=() states=() times=() notes=()
+declare -A state_of=()
+record() { names+=("$1"); states+=("$2"); times+=("$3"); notes+=("$4"); state_of[$1]="$2"; }
+# step NAME COMMAND...: runs COMMAND in a subshell with errexit on, records PASS/FAIL.
+step() {
+  local name="$1"; shift
+  if [[ "$skip_list" == *" ${name%%:*} "* ]]; then skip "$name" "ANCHORKV_SKIP"; return 0; fi
+  printf '\n==== %s ====\n' "$name"
+  local start=$SECONDS rc
+  set +e
+  ( set -e; "$@" )
+  rc=$?
+  set -e
+  if [ "$rc" -eq 0 ]; then record "$name" PASS $((SECONDS - start)) ""
+  else record "$name" FAIL $((SECONDS - start)) "exit $rc"; fi
+}
+skip() { printf '\n==== %s: skipped (%s) ====\n' "$1" "$2"; record "$1" SKIP 0 "$2"; }
+# after DEPENDENCY NAME COMMAND...: step NAME only when step DEPENDENCY passed.
+after() {
+  local dependency="$1"; shift
+  case "${state_of[$dependency]:-}" in
+    PASS) step "$@" ;;
+    FAIL) skip "$1" "'$dependency' failed" ;;
+    *) skip "$1" "'$dependency' skipped" ;;
+  esac
+}
+
+ctest_run() { # ctest_run BUILD_DIR ARGS...: the whole suite must contain tests and pass
+  local dir="$1"; shift
+  ctest --test-dir "$dir" --output-on-failure --no-tests=error -j "$jobs" "$@"
+}
+
+echo "anchorkv test.sh: $(cmake --version | head -n 1), $(c++ --version | head -n 1), ${jobs} jobs"
+echo "  build dirs: $build_dir, $asan_dir, $cuda_dir; install prefix: $prefix"
+total_start=$SECONDS
+
+# ---- (a) CPU build + ctest --------------------------------------------------------------------
+step "cpu: build" env ANCHORKV_BUILD_DIR="$build_dir" ANCHORKV_CUDA=OFF ANCHORKV_JOBS="$jobs" \
+  "$root/scripts/build.sh"
+after "cpu: build" "cpu: ctest" ctest_run "$build_dir" -LE install
+
+# ---- (b) AddressSanitizer + UBSan ---------------------------------------------------------------
+asan_build() {
+  cmake -S "$root" -B "$asan_dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DANCHORKV_CUDA=OFF \
+        -DANCHORKV_SANITIZE=address,undefined
+  cmake --build "$asan_dir" --parallel "$jobs"
+}
+asan_ctest() {
+  # Quick mode: tests read ANCHORKV_TEST_QUICK to shrink their sizes; "long" ones are left out.
+  ANCHORKV_TEST_QUICK=1 \
+  ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=1" \
+  UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
+    ctest_run "$asan_dir" -LE 'long|install'
+}
+step "asan: build" asan_build
+after "asan: build" "asan: ctest" asan_ctest
+
+# ---- (c) CUDA compile-only ----------------------------------------------------------------------
+cuda_build() {
+  local cu_files
+  cu_files="$(find "$root/src/cuda" -name '*.cu' 2>/dev/null | wc -l)"
+  echo "CUDA sources: $cu_files .cu files in src/cuda"
+  cmake -S "$root" -B "$cuda_dir" -DCMAKE_BUILD_TYPE=Release -DANCHORKV_CUDA=ON \
+        -DCMAKE_CUDA_ARCHITECTURES="80;90" -DANCHORKV_BUILD_TESTS=OFF -DANCHORKV_BUILD_CLI=OFF
+  grep -q '^ANCHORKV_CUDA:STRING=ON' "$cuda_dir/CMakeCache.txt"
+  cmake --build "$cuda_dir" --parallel "$jobs" --target anchorkv
+}
+if command -v nvcc >/dev/null 2>&1; then
+  step "cuda: compile sm_80+sm_90" cuda_build
+else
+  skip "cuda: compile sm_80+sm_90" "nvcc not found"
+fi
+
+# ---- (d) install + consumers ---------------------------------------------------------------------
+install_test() {
+  ctest_run "$build_dir" -L install
+  cmake --install "$build_dir" --prefix "$prefix" >/dev/null
+  echo "installed into $prefix"
+}
+after "cpu: build" "install: consumer test" install_test
+
+# ---- (e) bindings --------------------------------------------------------------------------------
+if [ ! -f "$root/scripts/test-bindings.sh" ]; then
+  skip "bindings" "scripts/test-bindings.sh not present"
+else
+  after "install: consumer test" "bindings" env ANCHORKV_BUILD_DIR="$build_dir" ANCHORKV_PREFIX="$prefix" \
+    bash "$root/scripts/test-bindings.sh"
+fi
+
+# ---- summary ---------------------------------------------------------------------------------------
+n_pass=0 n_fail=0 n_skip=0
+printf '\n==== anchorkv test summary ====\n'
+for i in "${!names[@]}"; do
+  printf '  %-4s %-28s %5ss  %s\n' "${states[$i]}" "${names[$i]}" "${times[$i]}" "${notes[$i]}"
+  case "${states[$i]}" in PASS) n_pass=$((n_pass + 1)) ;; FAIL) n_fail=$((n_fail + 1)) ;;
+                          *) n_skip=$((n_skip + 1)) ;; esac
+done
+printf '  total wall time: %ss\n' $((SECONDS - total_start))
+echo "steps: $n_pass passed, $n_fail failed, $n_skip skipped"
+[ "$n_fail" -eq 0 ]

@@ -1,0 +1,502 @@
+// The C ABI: argument validation, handles, dispatch to the backend. Every function body runs
+// in guard() so no exception crosses the boundary, and nothing is modified before all
+// validation has passed (a failed call leaves every handle usable and unchanged).
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "api/guard.hpp"
+#include "core/context.hpp"
+#include "core/dtype.hpp"
+#include "core/serialize.hpp"
+#include "cpu/attention.hpp"
+#include "cpu/thread_pool.hpp"
+#include "cuda/runtime.hpp"
+#include "methods/methods.hpp"
+
+using namespace akv;
+
+namespace {
+
+template <typename T>
+void check_not_null(const T *p, const char *name) {
+  if (!p) fail(AKV_ERR_INVALID_ARGUMENT, name, " is NULL");
+}
+
+// Copy a caller's option struct over defaults, honouring struct_size (older, smaller
+// structs get defaults for the fields they lack; unknown larger ones are rejected).
+template <typename T>
+T versioned_copy(const T *user, T defaults, const char *name) {
+  if (!user) return defaults;
+  if (user->struct_size == 0 || user->struct_size > sizeof(T))
+    fail(AKV_ERR_INVALID_ARGUMENT, name, "->struct_size ", user->struct_size,
+         " is not valid (expected sizeof = ", sizeof(T), "; call the matching *_init first)");
+  std::memcpy(static_cast<void *>(&defaults), user, user->struct_size);
+  defaults.struct_size = sizeof(T);
+  return defaults;
+}
+
+void check_input_dtype(akv_dtype t, const char *name) {
+  if (t != AKV_DTYPE_F32 && t != AKV_DTYPE_F16 && t != AKV_DTYPE_BF16)
+    fail(AKV_ERR_INVALID_ARGUMENT, name, " ", static_cast<int>(t), " is not F32, F16 or BF16");
+}
+
+void require_cpu(const akv_context *ctx, const char *what) {
+  if (ctx->backend != AKV_BACKEND_CPU)
+    fail(AKV_ERR_UNSUPPORTED, what, " is not implemented for CUDA contexts in this version");
+}
+
+void *default_host_alloc(void *, size_t bytes) {
+  return std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+}
+void default_host_free(void *, void *p, size_t) { std::free(p); }
+void *default_device_alloc(void *user, size_t bytes) {
+  const int device = static_cast<int>(reinterpret_cast<intptr_t>(user));
+  return cuda::device_malloc(device, bytes);
+}
+void default_device_free(void *user, void *p, size_t) {
+  cuda::device_free(static_cast<int>(reinterpret_cast<intptr_t>(user)), p);
+}
+
+// Convert a caller tensor to fp32 and check it is finite.
+std::vector<float> to_float(const void *src, akv_dtype dtype, size_t n, const char *name) {
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = load_as_float(src, dtype, i);
+    if (!std::isfinite(out[i]))
+      fail(AKV_ERR_NON_FINITE, name, " contain a non-finite value (", out[i], ") at element ", i);
+  }
+  return out;
+}
+
+void validate_cache(const akv_cache *cache, const char *name = "cache") { check_not_null(cache, name); }
+
+// Room for `tokens` appended tokens; copies what is there.
+void reserve_suffix(akv_cache &c, int64_t tokens) {
+  if (tokens <= c.suffix_capacity) return;
+  const int64_t H = c.meta.shape.num_kv_heads, D = c.meta.shape.head_dim;
+  const size_t row = static_cast<size_t>(D) * 2;
+  Buffer keys(c.context, H * tokens * row), values(c.context, H * tokens * row);
+  for (int64_t h = 0; h < H; ++h) {
+    if (c.suffix_len == 0) break;
+    std::memcpy(keys.data() + h * tokens * row, c.suffix_keys.data() + h * c.suffix_capacity * row, c.suffix_len * row);
+    std::memcpy(values.data() + h * tokens * row, c.suffix_values.data() + h * c.suffix_capacity * row, c.suffix_len * row);
+  }
+  c.suffix_keys = std::move(keys);
+  c.suffix_values = std::move(values);
+  c.suffix_capacity = tokens;
+}
+
+void decode_batch_cpu(akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype,
+                      int32_t q_len, void *out) {
+  const akv_shape &s0 = caches[0]->meta.shape;
+  const int H = s0.num_kv_heads, Hq = s0.num_q_heads, D = s0.head_dim, G = Hq / H;
+  const size_t per_request = static_cast<size_t>(Hq) * q_len * D;
+  const std::vector<float> q = to_float(queries, dtype, per_request * batch, "queries");
+  std::vector<float> o(per_request * batch);
+  ThreadPool &pool = *caches[0]->context->pool;
+  pool.parallel_for(static_cast<int64_t>(batch) * H, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t r = i / H;
+      const int h = static_cast<int>(i % H);
+      const size_t off = r * per_request + static_cast<size_t>(h) * G * q_len * D;
+      decode_head_cpu(*caches[r], h, q.data() + off, q_len, o.data() + off);
+    }
+  });
+  for (size_t i = 0; i < o.size(); ++i) store_from_float(out, dtype, i, o[i]);
+}
+
+void validate_decode(const akv_cache *c, int32_t q_len) {
+  if (q_len < 1) fail(AKV_ERR_INVALID_ARGUMENT, "q_len ", q_len, " must be at least 1");
+  if (q_len - 1 > c->suffix_len)
+    fail(AKV_ERR_INVALID_ARGUMENT, "q_len ", q_len, " needs at least ", q_len - 1,
+         " appended tokens (the new queries' own keys), but the cache has ", c->suffix_len);
+}
+
+}  // namespace
+
+extern "C" {
+
+AKV_API unsigned akv_version_number(void) { return AKV_VERSION_NUMBER; }
+AKV_API const char *akv_version_string(void) { return AKV_VERSION_STRING; }
+
+AKV_API void akv_context_options_init(akv_context_options *o) {
+  if (!o) return;
+  std::memset(o, 0, sizeof *o);
+  o->struct_size = sizeof *o;
+  o->backend = AKV_BACKEND_CPU;
+}
+
+AKV_API akv_status akv_context_create(const akv_context_options *options, akv_context **out) {
+  return guard(__func__, [&] {
+    check_not_null(out, "out_context");
+    akv_context_options defaults;
+    akv_context_options_init(&defaults);
+    const akv_context_options o = versioned_copy(options, defaults, "options");
+    if (o.backend != AKV_BACKEND_CPU && o.backend != AKV_BACKEND_CUDA)
+      fail(AKV_ERR_INVALID_ARGUMENT, "backend ", static_cast<int>(o.backend), " is not known");
+    if ((o.allocator.alloc == nullptr) != (o.allocator.free == nullptr))
+      fail(AKV_ERR_INVALID_ARGUMENT, "allocator: set both alloc and free, or neither");
+    if (o.num_threads < 0) fail(AKV_ERR_INVALID_ARGUMENT, "num_threads ", o.num_threads, " is negative");
+    auto ctx = std::make_unique<akv_context>();
+    ctx->backend = o.backend;
+    ctx->device = o.device;
+    if (o.backend == AKV_BACKEND_CUDA) {
+      cuda::check_device(o.device);
+      ctx->allocator = {default_device_alloc, default_device_free,
+                        reinterpret_cast<void *>(static_cast<intptr_t>(o.device))};
+    } else {
+      ctx->allocator = {default_host_alloc, default_host_free, nullptr};
+    }
+    if (o.allocator.alloc) ctx->allocator = o.allocator;
+    ctx->pool = std::make_unique<ThreadPool>(o.num_threads);
+    *out = ctx.release();
+  });
+}
+
+AKV_API void akv_context_destroy(akv_context *context) { delete context; }
+
+AKV_API void akv_compress_options_init(akv_compress_options *o) {
+  if (!o) return;
+  std::memset(o, 0, sizeof *o);
+  o->struct_size = sizeof *o;
+  o->method = AKV_METHOD_ANCHORKV;
+  o->retain_fraction = 0.05;
+  o->window = 32;
+  o->anchors = 0;
+  o->scored_fraction = 0.7;
+  o->pool_kernel = 7;
+  o->pool_type = AKV_POOL_AVG;
+  o->residual_scale = AKV_SCALE_LEAST_SQUARES;
+  o->seed = 42;
+  o->layer_index = 0;
+  o->layer_count = 1;
+  o->rope.style = AKV_ROPE_NEOX;
+  o->rope.rotary_dim = 0;
+  o->rope.base = 10000.0;
+  o->rope.inv_freq = nullptr;
+  o->keys_post_rope = 0;
+  o->softmax_scale = 0.0f;
+  o->storage_dtype = AKV_DTYPE_AUTO;
+}
+
+AKV_API void akv_prefill_init(akv_prefill *p) {
+  if (!p) return;
+  std::memset(p, 0, sizeof *p);
+  p->struct_size = sizeof *p;
+  p->dtype = AKV_DTYPE_BF16;
+}
+
+namespace {
+
+akv_compress_options resolve_options(const akv_compress_options *options) {
+  akv_compress_options defaults;
+  akv_compress_options_init(&defaults);
+  akv_compress_options o = versioned_copy(options, defaults, "options");
+  if (o.method != AKV_METHOD_FULLKV && o.method != AKV_METHOD_ANCHORKV) {
+    if (o.method >= AKV_METHOD_SNAPKV && o.method <= AKV_METHOD_QUANTIZED)
+      fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(o.method), " is not implemented in this version");
+    fail(AKV_ERR_INVALID_ARGUMENT, "method ", static_cast<int>(o.method), " is not known");
+  }
+  if (o.storage_dtype != AKV_DTYPE_AUTO && o.storage_dtype != AKV_DTYPE_BF16 && o.storage_dtype != AKV_DTYPE_F16)
+    fail(AKV_ERR_INVALID_ARGUMENT, "storage_dtype ", static_cast<int>(o.storage_dtype), " must be AUTO, F16 or BF16");
+  if (!std::isfinite(o.softmax_scale) || o.softmax_scale < 0.0f)
+    fail(AKV_ERR_INVALID_ARGUMENT, "softmax_scale ", o.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
+  if (o.layer_count < 1 || o.layer_index < 0 || o.layer_index >= o.layer_count)
+    fail(AKV_ERR_INVALID_ARGUMENT, "layer_index ", o.layer_index, " must be in [0, layer_count=", o.layer_count, ")");
+  if (o.residual_scale < AKV_SCALE_LEAST_SQUARES || o.residual_scale > AKV_SCALE_ABSMAX)
+    fail(AKV_ERR_INVALID_ARGUMENT, "residual_scale ", static_cast<int>(o.residual_scale), " is not known");
+  if (o.window < 1) fail(AKV_ERR_INVALID_ARGUMENT, "window ", o.window, " must be positive");
+  if (!std::isfinite(o.retain_fraction) || o.retain_fraction <= 0.0 || o.retain_fraction > 1.0)
+    fail(AKV_ERR_INVALID_ARGUMENT, "retain_fraction ", o.retain_fraction, " must be in (0, 1]");
+  return o;
+}
+
+void validate_shape(const akv_shape &s) {
+  if (s.seq_len <= 0) fail(AKV_ERR_INVALID_ARGUMENT, "shape.seq_len ", s.seq_len, " must be positive");
+  if (s.seq_len > (int64_t{1} << 31) - 1) fail(AKV_ERR_UNSUPPORTED, "shape.seq_len ", s.seq_len, " exceeds int32 positions");
+  if (s.num_kv_heads <= 0) fail(AKV_ERR_INVALID_ARGUMENT, "shape.num_kv_heads ", s.num_kv_heads, " must be positive");
+  if (s.num_q_heads <= 0 || s.num_q_heads % s.num_kv_heads != 0)
+    fail(AKV_ERR_INVALID_ARGUMENT, "shape.num_q_heads ", s.num_q_heads, " must be a positive multiple of num_kv_heads ", s.num_kv_heads);
+  if (s.head_dim <= 0 || s.head_dim % 2 != 0)
+    fail(AKV_ERR_INVALID_ARGUMENT, "shape.head_dim ", s.head_dim, " must be positive and even");
+}
+
+}  // namespace
+
+AKV_API akv_status akv_compressed_size(const akv_compress_options *options, const akv_shape *shape,
+                                       size_t *out_bytes) {
+  return guard(__func__, [&] {
+    check_not_null(shape, "shape");
+    check_not_null(out_bytes, "out_bytes");
+    const akv_compress_options o = resolve_options(options);
+    validate_shape(*shape);
+    *out_bytes = static_cast<size_t>(compressed_footprint(o, *shape));
+  });
+}
+
+AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill,
+                                const akv_compress_options *options, akv_cache **out_cache, void *stream) {
+  (void)stream;
+  return guard(__func__, [&] {
+    check_not_null(context, "context");
+    check_not_null(prefill, "prefill");
+    check_not_null(out_cache, "out_cache");
+    akv_prefill defaults;
+    akv_prefill_init(&defaults);
+    const akv_prefill p = versioned_copy(prefill, defaults, "prefill");
+    const akv_compress_options o = resolve_options(options);
+    validate_shape(p.shape);
+    check_input_dtype(p.dtype, "prefill.dtype");
+    check_not_null(p.keys, "prefill.keys");
+    check_not_null(p.values, "prefill.values");
+    if (p.kv_head_stride < 0 || p.kv_token_stride < 0 || p.q_head_stride < 0 || p.q_token_stride < 0)
+      fail(AKV_ERR_INVALID_ARGUMENT, "prefill strides must be >= 0 (0 = contiguous)");
+    if ((p.kv_token_stride && p.kv_token_stride < p.shape.head_dim) || (p.q_token_stride && p.q_token_stride < p.shape.head_dim))
+      fail(AKV_ERR_INVALID_ARGUMENT, "prefill token strides must be at least head_dim ", p.shape.head_dim);
+    require_cpu(context, "compression");
+    compressed_footprint(o, p.shape);  // shape/budget checks for the method, before reading data
+    if (p.positions) {
+      for (int64_t t = 1; t < p.shape.seq_len; ++t)
+        if (p.positions[t] <= p.positions[t - 1])
+          fail(AKV_ERR_INVALID_ARGUMENT, "prefill.positions are not strictly increasing at index ", t, " (",
+               p.positions[t - 1], " then ", p.positions[t], ")");
+      if (p.positions[0] < 0) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.positions[0] ", p.positions[0], " is negative");
+    }
+    CompressRequest req{context, &p, &o};
+    std::unique_ptr<akv_cache> cache =
+        o.method == AKV_METHOD_ANCHORKV ? compress_anchorkv_cpu(req) : compress_fullkv_cpu(req);
+    *out_cache = cache.release();
+  });
+}
+
+AKV_API void akv_cache_destroy(akv_cache *cache) { delete cache; }
+
+AKV_API akv_status akv_cache_reserve(akv_cache *cache, int64_t tokens, void *stream) {
+  (void)stream;
+  return guard(__func__, [&] {
+    validate_cache(cache);
+    if (tokens < 0) fail(AKV_ERR_INVALID_ARGUMENT, "tokens ", tokens, " is negative");
+    require_cpu(cache->context, "akv_cache_reserve");
+    reserve_suffix(*cache, tokens);
+  });
+}
+
+AKV_API akv_status akv_append(akv_cache *cache, const void *keys, const void *values, akv_dtype dtype,
+                              int32_t num_tokens, const int32_t *positions, void *stream) {
+  (void)stream;
+  return guard(__func__, [&] {
+    validate_cache(cache);
+    check_not_null(keys, "keys");
+    check_not_null(values, "values");
+    check_input_dtype(dtype, "dtype");
+    if (num_tokens < 1) fail(AKV_ERR_INVALID_ARGUMENT, "num_tokens ", num_tokens, " must be at least 1");
+    require_cpu(cache->context, "akv_append");
+    akv_cache &c = *cache;
+    const int64_t H = c.meta.shape.num_kv_heads, D = c.meta.shape.head_dim;
+    std::vector<int32_t> pos(num_tokens);
+    for (int32_t i = 0; i < num_tokens; ++i) {
+      const int64_t p = positions ? positions[i] : c.next_position + i;
+      const int64_t floor = i == 0 ? c.next_position : static_cast<int64_t>(pos[i - 1]) + 1;
+      if (p < floor) fail(AKV_ERR_INVALID_ARGUMENT, "positions[", i, "] = ", p, " must be at least ", floor,
+                          " (strictly increasing, after every cached position)");
+      if (p > INT32_MAX) fail(AKV_ERR_INVALID_ARGUMENT, "positions exceed int32");
+      pos[i] = static_cast<int32_t>(p);
+    }
+    const size_t n = static_cast<size_t>(H) * num_tokens * D;
+    std::vector<float> k = to_float(keys, dtype, n, "keys");
+    const std::vector<float> v = to_float(values, dtype, n, "values");
+    if (c.suffix_len + num_tokens > c.suffix_capacity)
+      reserve_suffix(c, std::max<int64_t>(c.suffix_len + num_tokens, 2 * c.suffix_capacity + 16));
+    uint16_t *sk = reinterpret_cast<uint16_t *>(c.suffix_keys.data());
+    uint16_t *sv = reinterpret_cast<uint16_t *>(c.suffix_values.data());
+    for (int64_t h = 0; h < H; ++h)
+      for (int32_t i = 0; i < num_tokens; ++i) {
+        float *row = &k[(h * num_tokens + i) * D];
+        if (!c.meta.keys_post_rope) c.rope.apply(row, pos[i]);
+        const int64_t dst = (h * c.suffix_capacity + c.suffix_len + i) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          sk[dst + d] = float_to_half(row[d], c.meta.storage);
+          sv[dst + d] = float_to_half(v[(h * num_tokens + i) * D + d], c.meta.storage);
+        }
+      }
+    c.suffix_positions.insert(c.suffix_positions.end(), pos.begin(), pos.end());
+    c.suffix_len += num_tokens;
+    c.next_position = static_cast<int64_t>(pos.back()) + 1;
+  });
+}
+
+AKV_API akv_status akv_decode(akv_cache *cache, const void *queries, akv_dtype dtype, int32_t q_len,
+                              void *out, void *stream) {
+  (void)stream;
+  return guard(__func__, [&] {
+    validate_cache(cache);
+    check_not_null(queries, "queries");
+    check_not_null(out, "out");
+    check_input_dtype(dtype, "dtype");
+    validate_decode(cache, q_len);
+    require_cpu(cache->context, "akv_decode");
+    decode_batch_cpu(&cache, 1, queries, dtype, q_len, out);
+  });
+}
+
+AKV_API akv_status akv_decode_batch(akv_context *context, akv_cache *const *caches, int32_t batch,
+                                    const void *queries, akv_dtype dtype, int32_t q_len, void *out,
+                                    void *stream) {
+  (void)stream;
+  return guard(__func__, [&] {
+    check_not_null(context, "context");
+    check_not_null(caches, "caches");
+    check_not_null(queries, "queries");
+    check_not_null(out, "out");
+    check_input_dtype(dtype, "dtype");
+    if (batch < 1) fail(AKV_ERR_INVALID_ARGUMENT, "batch ", batch, " must be at least 1");
+    for (int32_t b = 0; b < batch; ++b) {
+      if (!caches[b]) fail(AKV_ERR_INVALID_ARGUMENT, "caches[", b, "] is NULL");
+      if (caches[b]->context != context)
+        fail(AKV_ERR_MISMATCH, "caches[", b, "] belongs to a different context");
+      const akv_shape &s = caches[b]->meta.shape, &s0 = caches[0]->meta.shape;
+      if (s.num_kv_heads != s0.num_kv_heads || s.num_q_heads != s0.num_q_heads || s.head_dim != s0.head_dim)
+        fail(AKV_ERR_MISMATCH, "caches[", b, "] has H=", s.num_kv_heads, ", Hq=", s.num_q_heads, ", D=", s.head_dim,
+             " but caches[0] has H=", s0.num_kv_heads, ", Hq=", s0.num_q_heads, ", D=", s0.head_dim);
+      validate_decode(caches[b], q_len);
+    }
+    require_cpu(context, "akv_decode_batch");
+    decode_batch_cpu(caches, batch, queries, dtype, q_len, out);
+  });
+}
+
+AKV_API akv_status akv_cache_stats_get(const akv_cache *cache, akv_cache_stats *out) {
+  return guard(__func__, [&] {
+    validate_cache(cache);
+    check_not_null(out, "out_stats");
+    if (out->struct_size == 0 || out->struct_size > sizeof(akv_cache_stats))
+      fail(AKV_ERR_INVALID_ARGUMENT, "out_stats->struct_size ", out->struct_size, " is not valid (expected ",
+           sizeof(akv_cache_stats), ")");
+    const akv_cache &c = *cache;
+    akv_cache_stats s;
+    std::memset(&s, 0, sizeof s);
+    s.struct_size = out->struct_size;
+    s.method = c.meta.method;
+    s.shape = c.meta.shape;
+    s.storage_dtype = c.meta.storage;
+    s.window = c.meta.method == AKV_METHOD_ANCHORKV ? c.meta.window : 0;
+    s.anchors = c.meta.anchors;
+    s.appended_tokens = c.suffix_len;
+    s.append_capacity = c.suffix_capacity;
+    s.full_bytes = 4ull * c.meta.shape.seq_len * c.meta.shape.num_kv_heads * c.meta.shape.head_dim;
+    s.budget_bytes = c.meta.method == AKV_METHOD_ANCHORKV ? c.geometry.budget_bytes : s.full_bytes;
+    s.base_bytes = c.meta.method == AKV_METHOD_ANCHORKV ? c.geometry.base_bytes : 0;
+    s.compressed_bytes = c.footprint;
+    s.appended_bytes = 4ull * c.suffix_len * c.meta.shape.num_kv_heads * c.meta.shape.head_dim;
+    s.allocated_bytes = c.allocated_bytes();
+    s.ratio = static_cast<double>(s.full_bytes) / static_cast<double>(c.footprint);
+    s.key_residuals = c.meta.key_residuals;
+    s.value_residuals = c.meta.value_residuals;
+    std::memcpy(static_cast<void *>(out), &s, out->struct_size);
+  });
+}
+
+AKV_API akv_status akv_cache_head_stats(const akv_cache *cache, akv_head_stats *out) {
+  return guard(__func__, [&] {
+    validate_cache(cache);
+    check_not_null(out, "out_heads");
+    const akv_cache &c = *cache;
+    const int H = c.meta.shape.num_kv_heads;
+    for (int h = 0; h < H; ++h) {
+      akv_head_stats s{};
+      if (c.meta.method == AKV_METHOD_ANCHORKV) {
+        s.kept_tokens = c.meta.shape.seq_len;
+        s.anchors = c.meta.anchors;
+        const uint32_t *ko = c.section<uint32_t>(kKeyOffsets), *vo = c.section<uint32_t>(kValueOffsets);
+        s.key_residuals = ko[h + 1] - ko[h];
+        s.value_residuals = vo[h + 1] - vo[h];
+      } else {
+        s.kept_tokens = c.meta.dense_counts[h];
+        s.anchors = c.meta.dense_counts[h];
+      }
+      out[h] = s;
+    }
+  });
+}
+
+AKV_API akv_status akv_cache_reconstruct(const akv_cache *cache, akv_dtype dtype, int32_t rotated,
+                                         void *keys, void *values, uint8_t *present, void *stream) {
+  (void)stream;
+  return guard(__func__, [&] {
+    validate_cache(cache);
+    check_not_null(keys, "keys");
+    check_not_null(values, "values");
+    check_input_dtype(dtype, "dtype");
+    require_cpu(cache->context, "akv_cache_reconstruct");
+    const akv_cache &c = *cache;
+    const int64_t H = c.meta.shape.num_kv_heads, D = c.meta.shape.head_dim, T = c.total_tokens();
+    c.context->pool->parallel_for(H, [&](int64_t b, int64_t e) {
+      std::vector<float> k(T * D), v(T * D);
+      for (int64_t h = b; h < e; ++h) {
+        reconstruct_head_cpu(c, static_cast<int>(h), rotated != 0, k.data(), v.data(),
+                             present ? present + h * T : nullptr);
+        for (int64_t i = 0; i < T * D; ++i) {
+          store_from_float(keys, dtype, h * T * D + i, k[i]);
+          store_from_float(values, dtype, h * T * D + i, v[i]);
+        }
+      }
+    });
+  });
+}
+
+AKV_API akv_status akv_cache_serialized_size(const akv_cache *cache, size_t *out_bytes) {
+  return guard(__func__, [&] {
+    validate_cache(cache);
+    check_not_null(out_bytes, "out_bytes");
+    require_cpu(cache->context, "serialization");
+    *out_bytes = serialize_cache(*cache, cache->data.data(), cache->suffix_keys.data(), cache->suffix_values.data()).size();
+  });
+}
+
+AKV_API akv_status akv_cache_serialize(const akv_cache *cache, void *buffer, size_t capacity,
+                                       size_t *out_written, void *stream) {
+  (void)stream;
+  return guard(__func__, [&] {
+    validate_cache(cache);
+    check_not_null(buffer, "buffer");
+    require_cpu(cache->context, "serialization");
+    const std::vector<uint8_t> bytes =
+        serialize_cache(*cache, cache->data.data(), cache->suffix_keys.data(), cache->suffix_values.data());
+    if (bytes.size() > capacity)
+      fail(AKV_ERR_CAPACITY, "buffer capacity ", capacity, " is smaller than the ", bytes.size(),
+           " bytes needed (akv_cache_serialized_size)");
+    std::memcpy(buffer, bytes.data(), bytes.size());
+    if (out_written) *out_written = bytes.size();
+  });
+}
+
+AKV_API akv_status akv_cache_deserialize(akv_context *context, const void *buffer, size_t size,
+                                         akv_cache **out_cache, void *stream) {
+  (void)stream;
+  return guard(__func__, [&] {
+    check_not_null(context, "context");
+    check_not_null(buffer, "buffer");
+    check_not_null(out_cache, "out_cache");
+    require_cpu(context, "deserialization");
+    ParsedCache parsed = deserialize_cache(static_cast<const uint8_t *>(buffer), size);
+    akv_cache &c = *parsed.cache;
+    c.context = context;
+    c.data = Buffer(context, parsed.data.size());
+    if (!parsed.data.empty()) std::memcpy(c.data.data(), parsed.data.data(), parsed.data.size());
+    const int64_t len = static_cast<int64_t>(c.suffix_positions.size());
+    c.suffix_len = 0;
+    reserve_suffix(c, len);
+    if (len) {
+      std::memcpy(c.suffix_keys.data(), parsed.suffix_keys.data(), parsed.suffix_keys.size());
+      std::memcpy(c.suffix_values.data(), parsed.suffix_values.data(), parsed.suffix_values.size());
+    }
+    c.suffix_len = len;
+    *out_cache = parsed.cache.release();
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,124 @@
+// The context (backend, allocator, CPU workers) and the cache (one layer of one request).
+// These are the definitions behind the opaque handles of the C API.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+#include "anchorkv/anchorkv.h"
+#include "core/layout.hpp"
+#include "core/rope.hpp"
+#include "core/codec.hpp"
+
+namespace akv {
+class ThreadPool;
+}
+
+struct akv_context {
+  akv_backend backend = AKV_BACKEND_CPU;
+  int32_t device = 0;
+  akv_allocator allocator{};  // resolved: never NULL functions
+  std::unique_ptr<akv::ThreadPool> pool;
+
+  akv_context();
+  ~akv_context();
+  // Allocation through the hooks; throws AKV_ERR_OUT_OF_MEMORY. Zero bytes gives nullptr.
+  void *allocate(size_t bytes);
+  void deallocate(void *ptr, size_t bytes) noexcept;
+};
+
+namespace akv {
+
+// Memory owned through a context's allocator (host for CPU, device for CUDA).
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(akv_context *ctx, size_t bytes) : ctx_(ctx), bytes_(bytes), ptr_(ctx->allocate(bytes)) {}
+  ~Buffer() { reset(); }
+  Buffer(Buffer &&o) noexcept : ctx_(o.ctx_), bytes_(o.bytes_), ptr_(o.ptr_) {
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  Buffer &operator=(Buffer &&o) noexcept {
+    if (this != &o) {
+      reset();
+      ctx_ = o.ctx_;
+      bytes_ = o.bytes_;
+      ptr_ = o.ptr_;
+      o.ptr_ = nullptr;
+      o.bytes_ = 0;
+    }
+    return *this;
+  }
+  Buffer(const Buffer &) = delete;
+  Buffer &operator=(const Buffer &) = delete;
+  void reset() noexcept {
+    if (ptr_) ctx_->deallocate(ptr_, bytes_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  size_t size() const { return bytes_; }
+  uint8_t *data() const { return static_cast<uint8_t *>(ptr_); }
+
+ private:
+  akv_context *ctx_ = nullptr;
+  size_t bytes_ = 0;
+  void *ptr_ = nullptr;
+};
+
+// Everything needed to interpret a cache's buffers; serialized in the header.
+struct CacheMeta {
+  akv_method method = AKV_METHOD_FULLKV;
+  akv_shape shape{};
+  akv_dtype storage = AKV_DTYPE_BF16;
+  int32_t keys_post_rope = 0;
+  float softmax_scale = 0.0f;
+  double retain_fraction = 1.0;
+  uint64_t seed = 42;
+  int32_t layer_index = 0;
+  int32_t layer_count = 1;
+  akv_residual_scale residual_scale = AKV_SCALE_LEAST_SQUARES;
+  akv_rope_style rope_style = AKV_ROPE_NONE;
+  int32_t rotary_dim = 0;
+  std::vector<float> inv_freq;   // rotary_dim/2 (resolved frequencies)
+  // AnchorKV
+  int32_t window = 0;
+  int32_t anchors = 0;
+  int64_t key_residuals = 0;
+  int64_t value_residuals = 0;
+  int64_t window_first_position = 0;  // the window's positions are consecutive from here
+  // Dense methods (FullKV): per-head kept token counts.
+  std::vector<int64_t> dense_counts;
+};
+
+}  // namespace akv
+
+struct akv_cache {
+  akv_context *context = nullptr;
+  akv::CacheMeta meta;
+  akv::Rope rope;              // built from meta
+  akv::ResidualCodec codec;    // AnchorKV only
+  akv::AnchorGeometry geometry;  // AnchorKV only
+  akv::AnchorLayout layout;      // AnchorKV only
+
+  // AnchorKV: one allocation holding every section of `layout`.
+  // Dense methods: keys [sum counts][D] then values [sum counts][D], post-RoPE, storage dtype.
+  akv::Buffer data;
+  uint64_t footprint = 0;          // bytes charged by the byte accounting
+  // Host-side positions of the dense prompt tokens (reconstruct only, decode never reads).
+  std::vector<int32_t> dense_positions;
+
+  // Appended tokens: keys (post-RoPE) and values [H][capacity][D], storage dtype.
+  akv::Buffer suffix_keys, suffix_values;
+  int64_t suffix_len = 0;
+  int64_t suffix_capacity = 0;
+  std::vector<int32_t> suffix_positions;  // host
+  int64_t next_position = 0;
+
+  template <typename T>
+  T *section(int index) const {
+    return reinterpret_cast<T *>(data.data() + layout.sections[index].offset);
+  }
+  int64_t total_tokens() const { return meta.shape.seq_len + suffix_len; }
+  uint64_t allocated_bytes() const { return data.size() + suffix_keys.size() + suffix_values.size(); }
+};

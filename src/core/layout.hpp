@@ -1,0 +1,80 @@
+// Byte accounting and storage layout (paper Eq. 9 and 13, App. A.1 Table 1, SPEC 2.5 and 3).
+// Everything here depends only on the shape and the options, never on the data, so the exact
+// size of a cache is known before compression.
+#pragma once
+#include <array>
+#include <cstdint>
+#include "anchorkv/anchorkv.h"
+
+namespace akv {
+
+constexpr uint64_t kSectionAlignment = 64;
+
+// The arrays of an AnchorKV cache, in storage order. Per head unless noted.
+enum AnchorSection : int {
+  kAnchorKeys = 0,      // [H][k][D] storage dtype, pre-RoPE
+  kAnchorValues,        // [H][k][D]
+  kAnchorTokens,        // [H][k-W] int64: token index of each non-window anchor
+  kKeyIndex,            // [H][P] u16 anchor index
+  kValueIndex,          // [H][P] u16
+  kKeyGamma,            // [H][P] bf16 coefficient
+  kValueGamma,          // [H][P] bf16
+  kPositions,           // [P] int32, shared by heads and sides
+  kKeyMask,             // [H][words] u64 residual bitmask
+  kValueMask,           // [H][words] u64
+  kKeyPrefix,           // [H][words] u32 residuals before each word, within the head
+  kValuePrefix,         // [H][words] u32
+  kKeyOffsets,          // [H+1] u32 first residual slot of each head
+  kValueOffsets,        // [H+1] u32
+  kKeyCodes,            // [N_K][D/4] u8, 2-bit codes
+  kKeyScales,           // [N_K] f32
+  kValueCodes,          // [N_V][D/4] u8
+  kValueScales,         // [N_V] f32
+  kValueChunkPos,       // [N_V] u8 position of the residual inside its 64-token word
+  kAnchorSectionCount
+};
+
+struct Section {
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+// Derived sizes of one AnchorKV layer.
+struct AnchorGeometry {
+  int64_t seq_len = 0;      // S
+  int64_t prefix = 0;       // P = S - W
+  int32_t heads = 0;        // H
+  int32_t q_heads = 0;      // Hq
+  int32_t dim = 0;          // D
+  int32_t window = 0;       // W
+  int32_t anchors = 0;      // k (incl. window)
+  int64_t words = 0;        // ceil(P / 64)
+  int64_t key_residuals = 0;    // N_K
+  int64_t value_residuals = 0;  // N_V
+  uint64_t full_bytes = 0;      // M_full
+  uint64_t budget_bytes = 0;    // floor(theta * M_full)
+  uint64_t base_bytes = 0;      // M_base
+  uint64_t footprint = 0;       // M_base + N_K c_K + N_V c_V
+  int64_t key_residual_bytes() const { return dim / 4 + 4; }     // c_K
+  int64_t value_residual_bytes() const { return dim / 4 + 5; }   // c_V
+  int32_t group() const { return q_heads / heads; }
+};
+
+// Validates the shape and options for AnchorKV and computes the accounting. Throws
+// AKV_ERR_BUDGET naming the smallest workable retain_fraction when M_base does not fit.
+AnchorGeometry anchor_geometry(const akv_compress_options &options, const akv_shape &shape);
+
+// Exact per-array sizes and 64-byte aligned offsets inside one allocation.
+struct AnchorLayout {
+  std::array<Section, kAnchorSectionCount> sections{};
+  uint64_t total_bytes = 0;  // allocation size: footprint plus alignment padding
+};
+AnchorLayout anchor_layout(const AnchorGeometry &g);
+
+// The default anchor budget k = max(W, S/128), clamped to S.
+int64_t default_anchor_count(int64_t seq_len, int32_t window);
+
+// Smallest retain_fraction whose budget holds the base bytes, rounded up to 6 decimals.
+double minimum_retain_fraction(uint64_t base_bytes, uint64_t full_bytes);
+
+}  // namespace akv

@@ -1,0 +1,293 @@
+#include "core/serialize.hpp"
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include "core/error.hpp"
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "serialization assumes a little-endian host");
+
+namespace akv {
+namespace {
+
+constexpr char kMagic[8] = {'A', 'N', 'C', 'H', 'O', 'R', 'K', 'V'};
+
+class Writer {
+ public:
+  template <typename T>
+  void put(const T &v) {
+    const uint8_t *p = reinterpret_cast<const uint8_t *>(&v);
+    out.insert(out.end(), p, p + sizeof(T));
+  }
+  void bytes(const void *p, size_t n) {
+    const uint8_t *b = static_cast<const uint8_t *>(p);
+    out.insert(out.end(), b, b + n);
+  }
+  std::vector<uint8_t> out;
+};
+
+class Reader {
+ public:
+  Reader(const uint8_t *p, size_t n) : p_(p), n_(n) {}
+  template <typename T>
+  T get(const char *what) {
+    T v;
+    std::memcpy(&v, take(sizeof(T), what), sizeof(T));
+    return v;
+  }
+  const uint8_t *take(size_t n, const char *what) {
+    if (n > n_ - pos_) fail(AKV_ERR_CORRUPT_DATA, "serialized cache is truncated in ", what);
+    const uint8_t *r = p_ + pos_;
+    pos_ += n;
+    return r;
+  }
+  size_t remaining() const { return n_ - pos_; }
+
+ private:
+  const uint8_t *p_;
+  size_t n_;
+  size_t pos_ = 0;
+};
+
+std::array<uint32_t, 256> make_crc_table() {
+  std::array<uint32_t, 256> t{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0xedb88320u ^ (c >> 1) : c >> 1;
+    t[i] = c;
+  }
+  return t;
+}
+
+void corrupt_unless(bool ok, const char *what) {
+  if (!ok) fail(AKV_ERR_CORRUPT_DATA, "serialized cache is inconsistent: ", what);
+}
+
+}  // namespace
+
+uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc) {
+  static const std::array<uint32_t, 256> table = make_crc_table();
+  crc = ~crc;
+  for (size_t i = 0; i < size; ++i) crc = table[(crc ^ data[i]) & 0xffu] ^ (crc >> 8);
+  return ~crc;
+}
+
+std::vector<uint8_t> serialize_cache(const akv_cache &c, const uint8_t *data, const uint8_t *sk,
+                                     const uint8_t *sv) {
+  const CacheMeta &m = c.meta;
+  Writer w;
+  w.bytes(kMagic, 8);
+  w.put<uint32_t>(kFormatVersion);
+  w.put<uint32_t>(0);  // flags
+  w.put<uint64_t>(0);  // total size, patched below
+  w.put<int32_t>(m.method);
+  w.put<int64_t>(m.shape.seq_len);
+  w.put<int32_t>(m.shape.num_kv_heads);
+  w.put<int32_t>(m.shape.num_q_heads);
+  w.put<int32_t>(m.shape.head_dim);
+  w.put<int32_t>(m.storage);
+  w.put<int32_t>(m.keys_post_rope);
+  w.put<float>(m.softmax_scale);
+  w.put<double>(m.retain_fraction);
+  w.put<uint64_t>(m.seed);
+  w.put<int32_t>(m.layer_index);
+  w.put<int32_t>(m.layer_count);
+  w.put<int32_t>(m.residual_scale);
+  w.put<int32_t>(m.rope_style);
+  w.put<int32_t>(m.rotary_dim);
+  w.put<uint32_t>(static_cast<uint32_t>(m.inv_freq.size()));
+  w.bytes(m.inv_freq.data(), m.inv_freq.size() * sizeof(float));
+  w.put<int32_t>(m.window);
+  w.put<int32_t>(m.anchors);
+  w.put<int64_t>(m.key_residuals);
+  w.put<int64_t>(m.value_residuals);
+  w.put<int64_t>(m.window_first_position);
+  w.put<int64_t>(c.next_position);
+  w.put<uint32_t>(static_cast<uint32_t>(m.dense_counts.size()));
+  for (int64_t n : m.dense_counts) w.put<int64_t>(n);
+  w.put<uint64_t>(c.dense_positions.size());
+  w.bytes(c.dense_positions.data(), c.dense_positions.size() * sizeof(int32_t));
+  if (m.method == AKV_METHOD_ANCHORKV) {
+    for (const Section &s : c.layout.sections) w.bytes(data + s.offset, s.bytes);
+  } else {
+    w.bytes(data, c.footprint);
+  }
+  const int64_t H = m.shape.num_kv_heads, D = m.shape.head_dim;
+  w.put<int64_t>(c.suffix_len);
+  w.bytes(c.suffix_positions.data(), c.suffix_len * sizeof(int32_t));
+  const size_t row = static_cast<size_t>(D) * 2;
+  for (const uint8_t *src : {sk, sv})
+    for (int64_t h = 0; h < H; ++h)
+      w.bytes(src + h * c.suffix_capacity * row, c.suffix_len * row);
+  const uint64_t total = w.out.size() + 4;
+  std::memcpy(w.out.data() + 16, &total, 8);
+  const uint32_t crc = crc32(w.out.data(), w.out.size());
+  w.put<uint32_t>(crc);
+  return std::move(w.out);
+}
+
+ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
+  require(size >= 28, AKV_ERR_CORRUPT_DATA, "serialized cache is truncated: ", size,
+          " bytes is shorter than the header");
+  require(std::memcmp(bytes, kMagic, 8) == 0, AKV_ERR_CORRUPT_DATA,
+          "serialized cache does not start with the ANCHORKV magic");
+  uint64_t total;
+  std::memcpy(&total, bytes + 16, 8);
+  require(total == size, AKV_ERR_CORRUPT_DATA, "serialized cache is ", size, " bytes but its header says ",
+          total, " (truncated or padded)");
+  uint32_t stored_crc;
+  std::memcpy(&stored_crc, bytes + size - 4, 4);
+  require(crc32(bytes, size - 4) == stored_crc, AKV_ERR_CORRUPT_DATA,
+          "serialized cache checksum mismatch (data corrupted)");
+  Reader r(bytes + 8, size - 12);
+  const uint32_t version = r.get<uint32_t>("format version");
+  require(version <= kFormatVersion && version >= 1, AKV_ERR_VERSION, "serialized cache format version ",
+          version, " is not supported by this library (it reads version ", kFormatVersion, ")");
+  r.get<uint32_t>("flags");
+  r.get<uint64_t>("size");
+
+  ParsedCache out;
+  out.cache = std::make_unique<akv_cache>();
+  akv_cache &c = *out.cache;
+  CacheMeta &m = c.meta;
+  m.method = static_cast<akv_method>(r.get<int32_t>("method"));
+  m.shape.seq_len = r.get<int64_t>("seq_len");
+  m.shape.num_kv_heads = r.get<int32_t>("num_kv_heads");
+  m.shape.num_q_heads = r.get<int32_t>("num_q_heads");
+  m.shape.head_dim = r.get<int32_t>("head_dim");
+  m.storage = static_cast<akv_dtype>(r.get<int32_t>("storage dtype"));
+  m.keys_post_rope = r.get<int32_t>("keys_post_rope");
+  m.softmax_scale = r.get<float>("softmax_scale");
+  m.retain_fraction = r.get<double>("retain_fraction");
+  m.seed = r.get<uint64_t>("seed");
+  m.layer_index = r.get<int32_t>("layer_index");
+  m.layer_count = r.get<int32_t>("layer_count");
+  m.residual_scale = static_cast<akv_residual_scale>(r.get<int32_t>("residual_scale"));
+  m.rope_style = static_cast<akv_rope_style>(r.get<int32_t>("rope style"));
+  m.rotary_dim = r.get<int32_t>("rotary_dim");
+  const uint32_t nfreq = r.get<uint32_t>("inv_freq count");
+  corrupt_unless(nfreq <= 4096, "inv_freq count");
+  m.inv_freq.resize(nfreq);
+  std::memcpy(m.inv_freq.data(), r.take(nfreq * sizeof(float), "inv_freq"), nfreq * sizeof(float));
+  m.window = r.get<int32_t>("window");
+  m.anchors = r.get<int32_t>("anchors");
+  m.key_residuals = r.get<int64_t>("key_residuals");
+  m.value_residuals = r.get<int64_t>("value_residuals");
+  m.window_first_position = r.get<int64_t>("window_first_position");
+  c.next_position = r.get<int64_t>("next_position");
+
+  const akv_shape &s = m.shape;
+  corrupt_unless(m.method == AKV_METHOD_FULLKV || m.method == AKV_METHOD_ANCHORKV, "unknown method");
+  corrupt_unless(s.seq_len > 0 && s.seq_len <= (int64_t{1} << 31) && s.num_kv_heads > 0 &&
+                     s.num_kv_heads <= 4096 && s.num_q_heads > 0 && s.num_q_heads % s.num_kv_heads == 0 &&
+                     s.head_dim > 0 && s.head_dim <= 4096,
+                 "shape");
+  corrupt_unless(m.storage == AKV_DTYPE_BF16 || m.storage == AKV_DTYPE_F16, "storage dtype");
+  corrupt_unless(std::isfinite(m.softmax_scale) && m.softmax_scale > 0, "softmax_scale");
+  corrupt_unless(m.residual_scale >= AKV_SCALE_LEAST_SQUARES && m.residual_scale <= AKV_SCALE_ABSMAX,
+                 "residual_scale");
+  akv_rope rope_cfg{m.rope_style, m.rotary_dim, 10000.0, m.inv_freq.empty() ? nullptr : m.inv_freq.data()};
+  corrupt_unless(m.rope_style == AKV_ROPE_NONE || static_cast<int32_t>(nfreq) * 2 == m.rotary_dim, "rope");
+  try {
+    c.rope = Rope(rope_cfg, s.head_dim);
+  } catch (const Error &e) {
+    fail(AKV_ERR_CORRUPT_DATA, "serialized cache has an invalid rope: ", e.what());
+  }
+
+  const uint32_t nheads = r.get<uint32_t>("dense count");
+  corrupt_unless(nheads == (m.method == AKV_METHOD_ANCHORKV ? 0u : static_cast<uint32_t>(s.num_kv_heads)),
+                 "dense head count");
+  for (uint32_t h = 0; h < nheads; ++h) {
+    const int64_t n = r.get<int64_t>("dense counts");
+    corrupt_unless(n >= 0 && n <= s.seq_len, "dense counts");
+    m.dense_counts.push_back(n);
+  }
+  const uint64_t npos = r.get<uint64_t>("dense positions");
+  corrupt_unless(npos == (nheads ? static_cast<uint64_t>(s.seq_len) : 0u), "dense positions count");
+  c.dense_positions.resize(npos);
+  std::memcpy(c.dense_positions.data(), r.take(npos * 4, "dense positions"), npos * 4);
+
+  const int64_t H = s.num_kv_heads, D = s.head_dim;
+  if (m.method == AKV_METHOD_ANCHORKV) {
+    akv_compress_options o{};
+    o.struct_size = sizeof o;
+    o.retain_fraction = m.retain_fraction;
+    o.window = m.window;
+    o.anchors = m.anchors;
+    try {
+      c.geometry = anchor_geometry(o, s);
+    } catch (const Error &e) {
+      fail(AKV_ERR_CORRUPT_DATA, "serialized cache has invalid compression parameters: ", e.what());
+    }
+    const AnchorGeometry &g = c.geometry;
+    corrupt_unless(g.key_residuals == m.key_residuals && g.value_residuals == m.value_residuals,
+                   "residual counts do not match the byte accounting");
+    c.layout = anchor_layout(g);
+    c.codec = ResidualCodec(m.seed, g.dim, m.residual_scale);
+    c.footprint = g.footprint;
+    out.data.assign(c.layout.total_bytes, 0);
+    for (const Section &sec : c.layout.sections)
+      std::memcpy(out.data.data() + sec.offset, r.take(sec.bytes, "arrays"), sec.bytes);
+    // Validate everything decode indexes with, so a crafted file cannot read out of bounds.
+    auto sec = [&](int i) { return out.data.data() + c.layout.sections[i].offset; };
+    const int64_t P = g.prefix, words = g.words, k = g.anchors;
+    const int idx_sections[2] = {kKeyIndex, kValueIndex}, mask_sections[2] = {kKeyMask, kValueMask};
+    const int prefix_sections[2] = {kKeyPrefix, kValuePrefix}, off_sections[2] = {kKeyOffsets, kValueOffsets};
+    const int64_t totals[2] = {g.key_residuals, g.value_residuals};
+    for (int side = 0; side < 2; ++side) {
+      const uint16_t *idx = reinterpret_cast<const uint16_t *>(sec(idx_sections[side]));
+      for (int64_t i = 0; i < H * P; ++i) corrupt_unless(idx[i] < k, "anchor index out of range");
+      const uint64_t *mask = reinterpret_cast<const uint64_t *>(sec(mask_sections[side]));
+      const uint32_t *prefix = reinterpret_cast<const uint32_t *>(sec(prefix_sections[side]));
+      const uint32_t *off = reinterpret_cast<const uint32_t *>(sec(off_sections[side]));
+      uint32_t running = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        corrupt_unless(off[h] == running, "residual offsets");
+        uint32_t count = 0;
+        for (int64_t wd = 0; wd < words; ++wd) {
+          corrupt_unless(prefix[h * words + wd] == count, "residual prefix counts");
+          uint64_t bits = mask[h * words + wd];
+          if (wd == words - 1 && P % 64) corrupt_unless((bits >> (P % 64)) == 0, "residual mask beyond P");
+          count += static_cast<uint32_t>(__builtin_popcountll(bits));
+        }
+        running += count;
+      }
+      corrupt_unless(off[H] == running && running == totals[side], "residual totals");
+    }
+    const uint64_t *vmask = reinterpret_cast<const uint64_t *>(sec(kValueMask));
+    const uint32_t *vprefix = reinterpret_cast<const uint32_t *>(sec(kValuePrefix));
+    const uint32_t *voff = reinterpret_cast<const uint32_t *>(sec(kValueOffsets));
+    const uint8_t *chunk = sec(kValueChunkPos);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t wd = 0; wd < words; ++wd) {
+        uint64_t bits = vmask[h * words + wd];
+        uint32_t slot = voff[h] + vprefix[h * words + wd];
+        while (bits) {
+          corrupt_unless(chunk[slot++] == __builtin_ctzll(bits), "value residual positions");
+          bits &= bits - 1;
+        }
+      }
+    const int32_t *pos = reinterpret_cast<const int32_t *>(sec(kPositions));
+    for (int64_t t = 1; t < P; ++t) corrupt_unless(pos[t] > pos[t - 1], "positions not increasing");
+    corrupt_unless(P == 0 || m.window_first_position > pos[P - 1], "window position");
+  } else {
+    int64_t kept = 0;
+    for (int64_t n : m.dense_counts) kept += n;
+    c.footprint = 4ull * kept * D;
+    out.data.resize(c.footprint);
+    std::memcpy(out.data.data(), r.take(c.footprint, "dense arrays"), c.footprint);
+  }
+  const int64_t len = r.get<int64_t>("suffix length");
+  corrupt_unless(len >= 0 && len <= (int64_t{1} << 31), "suffix length");
+  c.suffix_positions.resize(len);
+  std::memcpy(c.suffix_positions.data(), r.take(len * 4, "suffix positions"), len * 4);
+  const size_t suffix_bytes = static_cast<size_t>(H * len * D * 2);
+  const uint8_t *ks = r.take(suffix_bytes, "suffix keys");
+  out.suffix_keys.assign(ks, ks + suffix_bytes);
+  const uint8_t *vs = r.take(suffix_bytes, "suffix values");
+  out.suffix_values.assign(vs, vs + suffix_bytes);
+  corrupt_unless(r.remaining() == 0, "trailing bytes");
+  return out;
+}
+
+}  // namespace akv

@@ -1,0 +1,21 @@
+// CPU decode attention and reconstruction over a cache (reference backend).
+#pragma once
+#include <cstdint>
+#include "core/context.hpp"
+
+namespace akv {
+
+// Attention of q_len queries for KV head h of one cache. q: [G][q_len][D] fp32 rows of the
+// group's query heads, out: same layout. Never materialises dense K/V for AnchorKV.
+void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out);
+
+// Dense K^ (post-RoPE when rotated) and V^ of head h: [T][D] fp32 each, T = S + appended.
+// present: [T] (may be null).
+void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *keys, float *values,
+                          uint8_t *present);
+
+// cos/sin of position * inv_freq for n positions (n x pairs each), exact at the first
+// position and by angle addition (in double) for each consecutive successor.
+void rope_table(const Rope &rope, const int32_t *positions, int64_t n, float *cos_out, float *sin_out);
+
+}  // namespace akv

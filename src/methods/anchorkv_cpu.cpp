@@ -1,0 +1,357 @@
+// AnchorKV compression on the CPU (paper §3, Algorithm 1; SPEC 2). One layer:
+//   per head: window attention -> pooled scores -> anchors (top rho share + seeded uniform
+//   share + the window) -> per-side nearest-anchor assignment by |cos| -> utilities (Eq. 6);
+//   then residual slots chosen over all heads by utility; then Hadamard + 2-bit encoding.
+// GEMM-shaped steps go through sgemm (OpenBLAS when available); the rest is parallel over
+// tokens with the context's thread pool.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "core/rng.hpp"
+#include "cpu/gemm.hpp"
+#include "cpu/thread_pool.hpp"
+#include "methods/methods.hpp"
+#include "methods/prefill_reader.hpp"
+
+namespace akv {
+namespace {
+
+struct Candidate {
+  float utility;
+  int32_t head;
+  int32_t token;
+};
+
+// Higher utility first; ties by head, then position, so the choice is deterministic.
+bool better(const Candidate &a, const Candidate &b) {
+  if (a.utility != b.utility) return a.utility > b.utility;
+  if (a.head != b.head) return a.head < b.head;
+  return a.token < b.token;
+}
+
+void pool_scores(const std::vector<float> &raw, int kernel, akv_pool_type type, std::vector<float> &out) {
+  const int64_t n = static_cast<int64_t>(raw.size());
+  const int half = kernel / 2;
+  out.assign(n, 0.0f);
+  for (int64_t t = 0; t < n; ++t) {
+    float acc = type == AKV_POOL_MAX ? -std::numeric_limits<float>::infinity() : 0.0f;
+    for (int64_t u = t - half; u <= t + half; ++u) {
+      if (u < 0 || u >= n) continue;  // zero padding; the average divides by the full kernel
+      acc = type == AKV_POOL_MAX ? std::max(acc, raw[u]) : acc + raw[u];
+    }
+    out[t] = type == AKV_POOL_MAX ? acc : acc / static_cast<float>(kernel);
+  }
+}
+
+// Anchor token indices (sorted, non-window only) for one head.
+std::vector<int32_t> select_anchors(const std::vector<float> &score, int64_t count, double rho,
+                                    uint64_t seed, int layer, int head) {
+  const int64_t P = static_cast<int64_t>(score.size());
+  const int64_t n_top = std::min<int64_t>(count, std::llround(rho * static_cast<double>(count)));
+  std::vector<int32_t> order(P);
+  std::iota(order.begin(), order.end(), 0);
+  auto by_score = [&](int32_t a, int32_t b) {
+    return score[a] != score[b] ? score[a] > score[b] : a < b;
+  };
+  std::nth_element(order.begin(), order.begin() + n_top, order.end(), by_score);
+  std::vector<int32_t> anchors(order.begin(), order.begin() + n_top);
+  // The uniform share: the smallest counter-based keys among the remaining positions are a
+  // uniform sample without replacement, reproducible on any backend.
+  std::vector<std::pair<uint64_t, int32_t>> rest;
+  rest.reserve(P - n_top);
+  for (int64_t i = n_top; i < P; ++i)
+    rest.emplace_back(hash_keys(seed, kStreamAnchorSample, (static_cast<uint64_t>(layer) << 32) | head,
+                                static_cast<uint64_t>(order[i])),
+                      order[i]);
+  const int64_t n_rand = count - n_top;
+  std::nth_element(rest.begin(), rest.begin() + n_rand, rest.end());
+  for (int64_t i = 0; i < n_rand; ++i) anchors.push_back(rest[i].second);
+  std::sort(anchors.begin(), anchors.end());
+  return anchors;
+}
+
+}  // namespace
+
+std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
+  const akv_compress_options &o = *req.options;
+  const akv_prefill &p = *req.prefill;
+  ThreadPool &pool = *req.context->pool;
+  auto cache = std::make_unique<akv_cache>();
+  cache->context = req.context;
+  CacheMeta &meta = cache->meta;
+  fill_common_meta(req, meta);
+  const AnchorGeometry g = anchor_geometry(o, p.shape);
+  require(std::isfinite(o.scored_fraction) && o.scored_fraction >= 0.0 && o.scored_fraction <= 1.0,
+          AKV_ERR_INVALID_ARGUMENT, "scored_fraction ", o.scored_fraction, " must be in [0, 1]");
+  require(o.pool_kernel >= 1 && o.pool_kernel % 2 == 1, AKV_ERR_INVALID_ARGUMENT, "pool_kernel ",
+          o.pool_kernel, " must be a positive odd number");
+  require(o.pool_type == AKV_POOL_AVG || o.pool_type == AKV_POOL_MAX, AKV_ERR_INVALID_ARGUMENT,
+          "pool_type ", static_cast<int>(o.pool_type), " is not known");
+  require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (AnchorKV scores with the window queries)");
+  meta.anchors = g.anchors;
+  meta.key_residuals = g.key_residuals;
+  meta.value_residuals = g.value_residuals;
+  cache->geometry = g;
+  cache->layout = anchor_layout(g);
+  cache->rope = Rope(o.rope, p.shape.head_dim);
+  cache->codec = ResidualCodec(o.seed, g.dim, o.residual_scale);
+  const Rope &rope = cache->rope;
+  PrefillReader in(p, g.window, rope, o.keys_post_rope != 0);
+  const std::vector<int32_t> &pos = in.positions();
+
+  const int64_t S = g.seq_len, P = g.prefix;
+  const int H = g.heads, G = g.group(), D = g.dim, W = g.window, k = g.anchors;
+  const int64_t m = static_cast<int64_t>(G) * W;  // observation rows per KV head
+  const int64_t free_anchors = k - W;
+  // The window is stored with its first position only, so its positions must be consecutive.
+  require(pos[S - 1] - pos[P] == W - 1, AKV_ERR_UNSUPPORTED,
+          "positions of the last window=", W, " tokens must be consecutive (got ", pos[P], "..",
+          pos[S - 1], ")");
+  meta.window_first_position = pos[P];
+  cache->next_position = static_cast<int64_t>(pos[S - 1]) + 1;
+
+  cache->data = Buffer(req.context, cache->layout.total_bytes);
+  std::memset(cache->data.data(), 0, cache->layout.total_bytes);  // padding is deterministic
+  cache->footprint = g.footprint;
+  const akv_dtype storage = meta.storage;
+  uint16_t *anchor_keys = cache->section<uint16_t>(kAnchorKeys);
+  uint16_t *anchor_values = cache->section<uint16_t>(kAnchorValues);
+  int64_t *anchor_tokens = cache->section<int64_t>(kAnchorTokens);
+  uint16_t *index[2] = {cache->section<uint16_t>(kKeyIndex), cache->section<uint16_t>(kValueIndex)};
+  uint16_t *gamma[2] = {cache->section<uint16_t>(kKeyGamma), cache->section<uint16_t>(kValueGamma)};
+  std::memcpy(cache->section<int32_t>(kPositions), pos.data(), P * sizeof(int32_t));
+
+  const float scale = meta.softmax_scale;
+  std::vector<float> utility[2] = {std::vector<float>(H * P), std::vector<float>(H * P)};
+
+  std::vector<float> Kpre(S * D), Kpost(S * D), V(S * D), Q(m * D), Y(m * D), A(m * S);
+  std::vector<float> Z(m * P), VY(m * P), anchor_f(k * D), anchor_n(k * D), anchor_norm(k);
+  std::vector<float> raw(P), pooled(P), alpha_sq(P), v_norm_sq(P), rv_norm_sq(P);
+  for (int h = 0; h < H; ++h) {
+    // 1. Load this head: pre- and post-RoPE keys, values, and the group's window queries.
+    pool.parallel_for(S, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        in.key_row(h, t, &Kpre[t * D], &Kpost[t * D]);
+        in.value_row(h, t, &V[t * D]);
+      }
+    });
+    for (int gi = 0; gi < G; ++gi)
+      for (int w = 0; w < W; ++w) in.query_row(h * G + gi, w, &Q[(gi * W + w) * D]);
+
+    // 2. Window attention: A = softmax(scale * Q Kpost^T) with the causal window mask.
+    sgemm(true, m, S, D, scale, Q.data(), D, Kpost.data(), D, 0.0f, A.data(), S);
+    pool.parallel_for(m, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        float *row = &A[r * S];
+        const int64_t visible = P + (r % W) + 1;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
+        double sum = 0.0;
+        for (int64_t t = 0; t < visible; ++t) {
+          row[t] = std::exp(row[t] - mx);
+          sum += row[t];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
+        for (int64_t t = visible; t < S; ++t) row[t] = 0.0f;
+      }
+    });
+    sgemm(false, m, D, S, 1.0f, A.data(), S, V.data(), D, 0.0f, Y.data(), D);  // y^(w)
+
+    // 3. Scores: mean attention over the m rows, pooled (Eq. 14); sum of alpha^2 for Eq. 6.
+    pool.parallel_for(P, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        double s = 0.0, s2 = 0.0;
+        for (int64_t r = 0; r < m; ++r) {
+          const double a = A[r * S + t];
+          s += a;
+          s2 += a * a;
+        }
+        raw[t] = static_cast<float>(s / m);
+        alpha_sq[t] = static_cast<float>(s2 / m);
+      }
+    });
+    pool_scores(raw, o.pool_kernel, o.pool_type, pooled);
+
+    // 4. Anchors: sorted non-window picks, then the window (indices k-W..k-1).
+    const std::vector<int32_t> picks =
+        select_anchors(pooled, free_anchors, o.scored_fraction, o.seed, o.layer_index, h);
+    std::vector<int32_t> anchor_of_token(P, -1);
+    for (int64_t a = 0; a < free_anchors; ++a) {
+      anchor_tokens[h * free_anchors + a] = picks[a];
+      anchor_of_token[picks[a]] = static_cast<int32_t>(a);
+    }
+    auto anchor_token = [&](int64_t a) { return a < free_anchors ? static_cast<int64_t>(picks[a]) : P + (a - free_anchors); };
+
+    // 5. Per side: store anchors, assign every prefix token to its nearest anchor by |cos|.
+    for (int side = 0; side < 2; ++side) {
+      const std::vector<float> &X = side == 0 ? Kpre : V;
+      uint16_t *anchors_out = (side == 0 ? anchor_keys : anchor_values) + static_cast<int64_t>(h) * k * D;
+      for (int64_t a = 0; a < k; ++a) {
+        const float *src = &X[anchor_token(a) * D];
+        double n2 = 0.0;
+        for (int d = 0; d < D; ++d) {
+          anchors_out[a * D + d] = float_to_half(src[d], storage);
+          anchor_f[a * D + d] = half_to_float(anchors_out[a * D + d], storage);
+          n2 += static_cast<double>(anchor_f[a * D + d]) * anchor_f[a * D + d];
+        }
+        anchor_norm[a] = static_cast<float>(std::sqrt(n2));
+        const float inv = anchor_norm[a] > 0.0f ? 1.0f / anchor_norm[a] : 0.0f;
+        for (int d = 0; d < D; ++d) anchor_n[a * D + d] = anchor_f[a * D + d] * inv;
+      }
+      uint16_t *idx_out = index[side] + static_cast<int64_t>(h) * P;
+      uint16_t *gamma_out = gamma[side] + static_cast<int64_t>(h) * P;
+      constexpr int64_t kBlock = 1024;
+      pool.parallel_for((P + kBlock - 1) / kBlock, [&](int64_t b, int64_t e) {
+        std::vector<float> C(kBlock * k), r(D);
+        for (int64_t blk = b; blk < e; ++blk) {
+          const int64_t t0 = blk * kBlock, n = std::min(kBlock, P - t0);
+          sgemm(true, n, k, D, 1.0f, &X[t0 * D], D, anchor_n.data(), D, 0.0f, C.data(), k);
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t t = t0 + i;
+            int32_t best;
+            float g_t;
+            if (anchor_of_token[t] >= 0) {
+              best = anchor_of_token[t];
+              g_t = 1.0f;
+            } else {
+              const float *c = &C[i * k];
+              best = 0;
+              float best_abs = -1.0f;
+              for (int64_t a = 0; a < k; ++a) {
+                const float v = anchor_norm[a] > 0.0f ? std::fabs(c[a]) : -0.5f;
+                if (v > best_abs) {
+                  best_abs = v;
+                  best = static_cast<int32_t>(a);
+                }
+              }
+              g_t = anchor_norm[best] > 0.0f ? c[best] / anchor_norm[best] : 0.0f;
+            }
+            idx_out[t] = static_cast<uint16_t>(best);
+            gamma_out[t] = float_to_bf16(g_t);
+            const float gq = bf16_to_float(gamma_out[t]);
+            const float *x = &X[t * D];
+            const float *av = &anchor_f[static_cast<int64_t>(best) * D];
+            double n2 = 0.0;
+            for (int d = 0; d < D; ++d) {
+              r[d] = x[d] - gq * av[d];
+              n2 += static_cast<double>(r[d]) * r[d];
+            }
+            if (side == 0) {
+              // The key residual as attention sees it: rotated to the token's position.
+              rope.apply(r.data(), pos[t]);
+              std::memcpy(&Kpost[t * D], r.data(), D * sizeof(float));
+            } else {
+              rv_norm_sq[t] = static_cast<float>(n2);
+            }
+          }
+        }
+      });
+    }
+
+    // 6. Utilities (Eq. 6). Z = Q (R r_K)^T; ||V_t - y||^2 = ||V_t||^2 - 2 V_t.y + ||y||^2.
+    sgemm(true, m, P, D, 1.0f, Q.data(), D, Kpost.data(), D, 0.0f, Z.data(), P);
+    sgemm(true, m, P, D, 1.0f, Y.data(), D, V.data(), D, 0.0f, VY.data(), P);
+    std::vector<double> y_norm_sq(m);
+    for (int64_t r = 0; r < m; ++r) {
+      double s = 0.0;
+      for (int d = 0; d < D; ++d) s += static_cast<double>(Y[r * D + d]) * Y[r * D + d];
+      y_norm_sq[r] = s;
+    }
+    float *u_key = &utility[0][static_cast<int64_t>(h) * P];
+    float *u_value = &utility[1][static_cast<int64_t>(h) * P];
+    pool.parallel_for(P, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        if (anchor_of_token[t] >= 0) {
+          u_key[t] = u_value[t] = -1.0f;  // anchors are exact: never candidates
+          continue;
+        }
+        double vn = 0.0;
+        for (int d = 0; d < D; ++d) vn += static_cast<double>(V[t * D + d]) * V[t * D + d];
+        double uk = 0.0;
+        for (int64_t r = 0; r < m; ++r) {
+          const double a = A[r * S + t], z = Z[r * P + t];
+          const double dist = std::max(0.0, vn - 2.0 * VY[r * P + t] + y_norm_sq[r]);
+          uk += a * a * z * z * dist;
+        }
+        u_key[t] = static_cast<float>(uk / (static_cast<double>(m) * D));
+        u_value[t] = alpha_sq[t] * rv_norm_sq[t];
+      }
+    });
+  }
+
+  // 7. Residual slots: the largest utilities per side, pooled over all heads of the layer.
+  const int64_t wanted[2] = {g.key_residuals, g.value_residuals};
+  std::vector<std::vector<uint64_t>> masks(2, std::vector<uint64_t>(static_cast<size_t>(H) * g.words, 0));
+  for (int side = 0; side < 2; ++side) {
+    std::vector<Candidate> cands;
+    cands.reserve(static_cast<size_t>(H) * P);
+    for (int h = 0; h < H; ++h)
+      for (int64_t t = 0; t < P; ++t)
+        if (utility[side][h * P + t] >= 0.0f)
+          cands.push_back({utility[side][h * P + t], h, static_cast<int32_t>(t)});
+    const int64_t n = std::min<int64_t>(wanted[side], static_cast<int64_t>(cands.size()));
+    std::nth_element(cands.begin(), cands.begin() + n, cands.end(), better);
+    for (int64_t i = 0; i < n; ++i)
+      masks[side][cands[i].head * g.words + cands[i].token / 64] |= 1ull << (cands[i].token % 64);
+  }
+
+  // 8. Bitmasks, prefix counts, per-head offsets, then encode each stored residual.
+  const int sections_mask[2] = {kKeyMask, kValueMask}, sections_prefix[2] = {kKeyPrefix, kValuePrefix};
+  const int sections_offsets[2] = {kKeyOffsets, kValueOffsets};
+  const int sections_codes[2] = {kKeyCodes, kValueCodes}, sections_scales[2] = {kKeyScales, kValueScales};
+  uint8_t *chunk_pos = cache->section<uint8_t>(kValueChunkPos);
+  const ResidualCodec &codec = cache->codec;
+  for (int side = 0; side < 2; ++side) {
+    uint64_t *mask = cache->section<uint64_t>(sections_mask[side]);
+    uint32_t *prefix = cache->section<uint32_t>(sections_prefix[side]);
+    uint32_t *offsets = cache->section<uint32_t>(sections_offsets[side]);
+    uint8_t *codes = cache->section<uint8_t>(sections_codes[side]);
+    float *scales = cache->section<float>(sections_scales[side]);
+    std::memcpy(mask, masks[side].data(), masks[side].size() * sizeof(uint64_t));
+    uint32_t total = 0;
+    for (int h = 0; h < H; ++h) {
+      offsets[h] = total;
+      uint32_t count = 0;
+      for (int64_t wd = 0; wd < g.words; ++wd) {
+        prefix[h * g.words + wd] = count;
+        count += static_cast<uint32_t>(__builtin_popcountll(mask[h * g.words + wd]));
+      }
+      total += count;
+    }
+    offsets[H] = total;
+    const uint16_t *anchors_in = side == 0 ? anchor_keys : anchor_values;
+    pool.parallel_for(H, [&](int64_t hb, int64_t he) {
+      std::vector<float> x(D);
+      for (int64_t h = hb; h < he; ++h) {
+        uint32_t slot = offsets[h];
+        for (int64_t wd = 0; wd < g.words; ++wd) {
+          uint64_t bits = mask[h * g.words + wd];
+          while (bits) {
+            const int bit = __builtin_ctzll(bits);
+            bits &= bits - 1;
+            const int64_t t = wd * 64 + bit;
+            if (side == 0) in.key_row(static_cast<int>(h), t, x.data(), nullptr);
+            else in.value_row(static_cast<int>(h), t, x.data());
+            const int64_t a = index[side][h * P + t];
+            const float gq = bf16_to_float(gamma[side][h * P + t]);
+            const uint16_t *av = anchors_in + (h * k + a) * D;
+            for (int d = 0; d < D; ++d) x[d] -= gq * half_to_float(av[d], storage);
+            scales[slot] = codec.encode(x.data(), codes + static_cast<int64_t>(slot) * (D / 4));
+            if (side == 1) chunk_pos[slot] = static_cast<uint8_t>(bit);
+            ++slot;
+          }
+        }
+      }
+    });
+  }
+  return cache;
+}
+
+}  // namespace akv

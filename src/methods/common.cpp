@@ -1,0 +1,41 @@
+#include <cmath>
+#include "core/error.hpp"
+#include "methods/methods.hpp"
+
+namespace akv {
+
+void fill_common_meta(const CompressRequest &req, CacheMeta &meta) {
+  const akv_compress_options &o = *req.options;
+  const akv_prefill &p = *req.prefill;
+  meta.method = o.method;
+  meta.shape = p.shape;
+  meta.storage = o.storage_dtype != AKV_DTYPE_AUTO ? o.storage_dtype
+                 : (p.dtype == AKV_DTYPE_F16 ? AKV_DTYPE_F16 : AKV_DTYPE_BF16);
+  meta.keys_post_rope = o.keys_post_rope ? 1 : 0;
+  meta.softmax_scale = o.softmax_scale != 0.0f ? o.softmax_scale
+                                               : 1.0f / std::sqrt(static_cast<float>(p.shape.head_dim));
+  meta.retain_fraction = o.retain_fraction;
+  meta.seed = o.seed;
+  meta.layer_index = o.layer_index;
+  meta.layer_count = o.layer_count;
+  meta.residual_scale = o.residual_scale;
+  Rope rope(o.rope, p.shape.head_dim);
+  meta.rope_style = rope.style;
+  meta.rotary_dim = rope.rotary_dim;
+  meta.inv_freq = rope.inv_freq;
+  meta.window = o.window;
+}
+
+uint64_t compressed_footprint(const akv_compress_options &o, const akv_shape &s) {
+  switch (o.method) {
+    case AKV_METHOD_FULLKV:
+      return 4ull * static_cast<uint64_t>(s.seq_len) * s.num_kv_heads * s.head_dim;
+    case AKV_METHOD_ANCHORKV:
+      return anchor_geometry(o, s).footprint;
+    default:
+      fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(o.method),
+           " is not implemented in this version");
+  }
+}
+
+}  // namespace akv

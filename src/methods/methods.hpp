@@ -1,0 +1,25 @@
+// Compression methods (CPU backend). Each builds a cache from validated inputs; the C shims
+// in api/ validate arguments and own error reporting.
+#pragma once
+#include <memory>
+#include "anchorkv/anchorkv.h"
+#include "core/context.hpp"
+
+namespace akv {
+
+struct CompressRequest {
+  akv_context *context;
+  const akv_prefill *prefill;
+  const akv_compress_options *options;  // complete (defaults filled)
+};
+
+// Fills the meta fields every method shares (shape, storage dtype, rope, scale, seed...).
+void fill_common_meta(const CompressRequest &req, CacheMeta &meta);
+
+std::unique_ptr<akv_cache> compress_fullkv_cpu(const CompressRequest &req);
+std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req);
+
+// Exact bytes a method's compressed cache holds (footprint), from shape and options only.
+uint64_t compressed_footprint(const akv_compress_options &options, const akv_shape &shape);
+
+}  // namespace akv

@@ -1,0 +1,62 @@
+#include "methods/prefill_reader.hpp"
+
+#include <cmath>
+#include <cstring>
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+
+namespace akv {
+
+PrefillReader::PrefillReader(const akv_prefill &prefill, int32_t window, const Rope &rope,
+                             bool keys_post_rope)
+    : p_(prefill), S_(prefill.shape.seq_len), D_(prefill.shape.head_dim), W_(window),
+      rope_(rope), keys_post_rope_(keys_post_rope) {
+  kv_token_stride_ = p_.kv_token_stride ? p_.kv_token_stride : D_;
+  kv_head_stride_ = p_.kv_head_stride ? p_.kv_head_stride : S_ * D_;
+  q_token_stride_ = p_.q_token_stride ? p_.q_token_stride : D_;
+  q_head_stride_ = p_.q_head_stride ? p_.q_head_stride : static_cast<int64_t>(W_) * D_;
+  positions_.resize(S_);
+  if (p_.positions) {
+    std::memcpy(positions_.data(), p_.positions, S_ * sizeof(int32_t));
+  } else {
+    for (int64_t t = 0; t < S_; ++t) positions_[t] = static_cast<int32_t>(t);
+  }
+}
+
+void PrefillReader::load(const void *base, int64_t offset, const char *what, int head, int64_t row,
+                         float *out) const {
+  for (int d = 0; d < D_; ++d) {
+    const float v = load_as_float(base, p_.dtype, static_cast<size_t>(offset + d));
+    if (!std::isfinite(v))
+      fail(AKV_ERR_NON_FINITE, what, " contain a non-finite value (", v, ") at head ", head,
+           ", row ", row, ", dim ", d);
+    out[d] = v;
+  }
+}
+
+void PrefillReader::key_row(int h, int64_t t, float *pre, float *post) const {
+  float *row = pre ? pre : post;
+  if (!row) return;
+  load(p_.keys, h * kv_head_stride_ + t * kv_token_stride_, "keys", h, t, row);
+  const int64_t pos = positions_[t];
+  if (keys_post_rope_) {
+    if (post && post != row) std::memcpy(post, row, D_ * sizeof(float));
+    if (pre) rope_.apply(pre, pos, /*inverse=*/true);
+  } else {
+    if (post && post != row) {
+      std::memcpy(post, row, D_ * sizeof(float));
+    }
+    if (post) rope_.apply(post, pos);
+  }
+}
+
+void PrefillReader::value_row(int h, int64_t t, float *out) const {
+  load(p_.values, h * kv_head_stride_ + t * kv_token_stride_, "values", h, t, out);
+}
+
+void PrefillReader::query_row(int hq, int w, float *out) const {
+  load(p_.queries, hq * q_head_stride_ + static_cast<int64_t>(w) * q_token_stride_, "queries", hq, w,
+       out);
+}
+
+}  // namespace akv

@@ -1,0 +1,38 @@
+// Reads the engine's prefill tensors (host memory, any supported dtype and strides) row by
+// row as fp32, checking that every value is finite and converting keys between the pre- and
+// post-RoPE forms. The methods' CPU implementations read their inputs only through this.
+#pragma once
+#include <cstdint>
+#include <vector>
+#include "anchorkv/anchorkv.h"
+#include "core/rope.hpp"
+
+namespace akv {
+
+class PrefillReader {
+ public:
+  PrefillReader(const akv_prefill &prefill, int32_t window, const Rope &rope, bool keys_post_rope);
+
+  int64_t seq_len() const { return S_; }
+  const std::vector<int32_t> &positions() const { return positions_; }
+
+  // Either output may be null. Pre-RoPE is what AnchorKV stores; post-RoPE what attention uses.
+  void key_row(int h, int64_t t, float *pre_rope, float *post_rope) const;
+  void value_row(int h, int64_t t, float *out) const;
+  // Query head hq, window row w (0..W-1).
+  void query_row(int hq, int w, float *out) const;
+
+ private:
+  void load(const void *base, int64_t offset, const char *what, int head, int64_t row, float *out) const;
+
+  const akv_prefill &p_;
+  int64_t S_;
+  int D_;
+  int W_;
+  int64_t kv_head_stride_, kv_token_stride_, q_head_stride_, q_token_stride_;
+  const Rope &rope_;
+  bool keys_post_rope_;
+  std::vector<int32_t> positions_;
+};
+
+}  // namespace akv

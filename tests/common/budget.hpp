@@ -1,0 +1,59 @@
+// The AnchorKV byte accounting of SPEC 2.5 / paper Eq. 9 and 13, written out independently
+// of the library so tests can compare akv_compressed_size and the cache stats against it.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace akv_test {
+
+struct AnchorBudget {
+  int64_t anchors = 0;      // k, window included
+  int64_t non_window = 0;   // P = S - W
+  uint64_t full_bytes = 0;  // M_full = 4*S*H*D
+  uint64_t base_bytes = 0;  // M_base
+  double budget = 0.0;      // theta * M_full
+  bool fits = false;        // budget >= M_base
+  int64_t key_residual_bytes = 0;    // c_K
+  int64_t value_residual_bytes = 0;  // c_V
+  int64_t residuals_per_side_cap = 0;  // H * (P - (k - W)) non-anchor candidates per side
+  int64_t key_residuals = 0;    // N_K
+  int64_t value_residuals = 0;  // N_V
+  uint64_t compressed_bytes = 0;  // M_base + N_K c_K + N_V c_V
+  double min_retain_fraction = 0.0;  // M_base / M_full
+};
+
+// anchors_option 0 = the default k = max(W, S/128).
+inline AnchorBudget anchorkv_budget(int64_t S, int64_t H, int64_t D, int64_t W,
+                                    int64_t anchors_option, double retain_fraction) {
+  AnchorBudget b;
+  b.anchors = anchors_option > 0 ? anchors_option : std::max<int64_t>(W, S / 128);
+  const int64_t k = b.anchors, P = S - W;
+  b.non_window = P;
+  b.full_bytes = static_cast<uint64_t>(4 * S * H * D);
+  const int64_t index_bytes = 2, coefficient_bytes = 2;
+  b.base_bytes = static_cast<uint64_t>(H * (4 * k * D + 8 * (k - W) + 2 * P * (index_bytes + coefficient_bytes)) +
+                                       24 * H * ((P + 63) / 64) + 8 * (H + 1) + 4 * P);
+  b.budget = retain_fraction * static_cast<double>(b.full_bytes);
+  b.min_retain_fraction = static_cast<double>(b.base_bytes) / static_cast<double>(b.full_bytes);
+  b.key_residual_bytes = D / 4 + 4;
+  b.value_residual_bytes = D / 4 + 5;
+  b.residuals_per_side_cap = std::max<int64_t>(0, H * (P - (k - W)));
+  b.fits = b.budget >= static_cast<double>(b.base_bytes);
+  if (!b.fits) return b;
+  const double spare = b.budget - static_cast<double>(b.base_bytes);
+  const double mean_cost = (b.key_residual_bytes + b.value_residual_bytes) / 2.0;
+  int64_t total = std::max<int64_t>(0, static_cast<int64_t>(std::floor(spare / mean_cost)));
+  auto cost = [&](int64_t n) {
+    return static_cast<double>((n / 2) * b.key_residual_bytes + (n - n / 2) * b.value_residual_bytes);
+  };
+  while (total > 0 && cost(total) > spare) --total;
+  b.key_residuals = std::min(total / 2, b.residuals_per_side_cap);
+  b.value_residuals = std::min(total - total / 2, b.residuals_per_side_cap);
+  b.compressed_bytes = b.base_bytes + static_cast<uint64_t>(b.key_residuals * b.key_residual_bytes +
+                                                            b.value_residuals * b.value_residual_bytes);
+  return b;
+}
+
+}  // namespace akv_test
