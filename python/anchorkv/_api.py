@@ -321,9 +321,6 @@ class Context:
         """Decode many caches of this context at once: queries, out [B][Hq][q_len][D]."""
         if not caches:
             raise InvalidArgumentError("decode_batch needs at least one cache")
-        for cache in caches:
-            if cache._context is not self:
-                raise MismatchError("every cache must belong to this context")
         shape = caches[0].shape
         requested = DType.parse(dtype) if dtype is not None else None
         user_stream = None if stream is None else tensors.resolve_stream(stream, ())

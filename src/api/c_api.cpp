@@ -223,6 +223,7 @@ void validate_shape(const akv_shape &s) {
     fail(AKV_ERR_INVALID_ARGUMENT, "shape.num_q_heads ", s.num_q_heads, " must be a positive multiple of num_kv_heads ", s.num_kv_heads);
   if (s.head_dim <= 0 || s.head_dim % 2 != 0)
     fail(AKV_ERR_INVALID_ARGUMENT, "shape.head_dim ", s.head_dim, " must be positive and even");
+  if (s.head_dim > 1024) fail(AKV_ERR_UNSUPPORTED, "shape.head_dim ", s.head_dim, " exceeds 1024");
 }
 
 }  // namespace

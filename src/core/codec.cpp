@@ -6,7 +6,20 @@
 namespace akv {
 
 void fwht(float *x, int n) {
-  for (int len = 1; len < n; len <<= 1) {
+  int len = 1;
+  if (n >= 8) {  // the first three stages as one 8-point kernel per block
+    for (int i = 0; i < n; i += 8) {
+      float *b = x + i;
+      const float a0 = b[0] + b[1], a1 = b[0] - b[1], a2 = b[2] + b[3], a3 = b[2] - b[3];
+      const float a4 = b[4] + b[5], a5 = b[4] - b[5], a6 = b[6] + b[7], a7 = b[6] - b[7];
+      const float c0 = a0 + a2, c1 = a1 + a3, c2 = a0 - a2, c3 = a1 - a3;
+      const float c4 = a4 + a6, c5 = a5 + a7, c6 = a4 - a6, c7 = a5 - a7;
+      b[0] = c0 + c4; b[1] = c1 + c5; b[2] = c2 + c6; b[3] = c3 + c7;
+      b[4] = c0 - c4; b[5] = c1 - c5; b[6] = c2 - c6; b[7] = c3 - c7;
+    }
+    len = 8;
+  }
+  for (; len < n; len <<= 1) {
     for (int i = 0; i < n; i += len << 1) {
       for (int j = i; j < i + len; ++j) {
         const float a = x[j], b = x[j + len];
@@ -18,7 +31,9 @@ void fwht(float *x, int n) {
 }
 
 ResidualCodec::ResidualCodec(uint64_t seed, int head_dim, akv_residual_scale mode)
-    : dim_(head_dim), mode_(mode), signs_(head_dim) {
+    : dim_(head_dim), mode_(mode), signs_(head_dim), byte_levels_(256 * 4) {
+  for (int b = 0; b < 256; ++b)
+    for (int i = 0; i < 4; ++i) byte_levels_[b * 4 + i] = kLloydMaxLevels[(b >> (2 * i)) & 3];
   for (int d = 0; d < head_dim; ++d)
     signs_[d] = (hash_keys(seed, kStreamHadamardSigns, static_cast<uint64_t>(d)) & 1u) ? -1.0f : 1.0f;
 }
@@ -61,7 +76,10 @@ float ResidualCodec::encode(const float *residual, uint8_t *codes) const {
 }
 
 void ResidualCodec::decode_rotated(const uint8_t *codes, float scale, float *y) const {
-  for (int d = 0; d < dim_; ++d) y[d] = scale * kLloydMaxLevels[(codes[d >> 2] >> ((d & 3) * 2)) & 3];
+  for (int b = 0; b < dim_ / 4; ++b) {
+    const float *lv = &byte_levels_[codes[b] * 4];
+    for (int i = 0; i < 4; ++i) y[4 * b + i] = scale * lv[i];
+  }
 }
 
 void ResidualCodec::decode(const uint8_t *codes, float scale, float *residual) const {

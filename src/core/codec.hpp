@@ -41,6 +41,7 @@ class ResidualCodec {
   int dim_ = 0;
   akv_residual_scale mode_ = AKV_SCALE_LEAST_SQUARES;
   std::vector<float> signs_;
+  std::vector<float> byte_levels_;  // [256][4]: the four levels a packed byte decodes to
 };
 
 inline int lloyd_max_code(float z) {

@@ -1,5 +1,6 @@
 #include "core/rope.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include "core/error.hpp"
 
@@ -26,6 +27,18 @@ Rope::Rope(const akv_rope &config, int dim) : style(config.style), head_dim(dim)
     for (int j = 0; j < half; ++j)
       inv_freq[j] = static_cast<float>(std::pow(config.base, -2.0 * j / rotary_dim));
   }
+  fine_cos.resize(kTile * half);
+  fine_sin.resize(kTile * half);
+  tile_cos.resize(half);
+  tile_sin.resize(half);
+  for (int j = 0; j < half; ++j) {
+    for (int u = 0; u < kTile; ++u) {
+      fine_cos[u * half + j] = static_cast<float>(std::cos(angle(u, j)));
+      fine_sin[u * half + j] = static_cast<float>(std::sin(angle(u, j)));
+    }
+    tile_cos[j] = std::cos(angle(kTile, j));
+    tile_sin[j] = std::sin(angle(kTile, j));
+  }
   first.resize(half);
   second.resize(half);
   for (int j = 0; j < half; ++j) {
@@ -49,6 +62,55 @@ void Rope::apply(float *x, int64_t position, bool inverse) const {
     x[first[j]] = x0 * c - x1 * s;
     x[second[j]] = x0 * s + x1 * c;
   }
+}
+
+void Rope::table(const int32_t *positions, int64_t n, float *cos_out, float *sin_out) const {
+  RopeSweep sweep(*this);
+  for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+    const int64_t len = std::min<int64_t>(kTile, n - t0);
+    sweep.next(positions + t0, len, cos_out + t0 * pairs(), sin_out + t0 * pairs());
+  }
+}
+
+void RopeSweep::next(const int32_t *positions, int64_t n, float *cos_out, float *sin_out) {
+  const int np = rope_.pairs();
+  if (positions[0] == expected_) {
+    for (int j = 0; j < np; ++j) {
+      const double c = base_cos_[j] * rope_.tile_cos[j] - base_sin_[j] * rope_.tile_sin[j];
+      base_sin_[j] = base_sin_[j] * rope_.tile_cos[j] + base_cos_[j] * rope_.tile_sin[j];
+      base_cos_[j] = c;
+    }
+  } else {
+    for (int j = 0; j < np; ++j) {
+      const double a = rope_.angle(positions[0], j);
+      base_cos_[j] = std::cos(a);
+      base_sin_[j] = std::sin(a);
+    }
+  }
+  bool consecutive = true;
+  float bc[512], bs[512];  // pairs <= head_dim/2 <= 512 (validated with the shape)
+  for (int j = 0; j < np; ++j) {
+    bc[j] = static_cast<float>(base_cos_[j]);
+    bs[j] = static_cast<float>(base_sin_[j]);
+  }
+  for (int64_t u = 0; u < n; ++u) {
+    float *c = cos_out + u * np, *s = sin_out + u * np;
+    if (positions[u] == positions[0] + u) {
+      const float *fc = &rope_.fine_cos[u * np], *fs = &rope_.fine_sin[u * np];
+      for (int j = 0; j < np; ++j) {
+        c[j] = bc[j] * fc[j] - bs[j] * fs[j];
+        s[j] = bs[j] * fc[j] + bc[j] * fs[j];
+      }
+    } else {
+      consecutive = false;
+      for (int j = 0; j < np; ++j) {
+        const double a = rope_.angle(positions[u], j);
+        c[j] = static_cast<float>(std::cos(a));
+        s[j] = static_cast<float>(std::sin(a));
+      }
+    }
+  }
+  expected_ = consecutive && n == Rope::kTile ? static_cast<int64_t>(positions[0]) + Rope::kTile : -1;
 }
 
 }  // namespace akv

@@ -12,6 +12,7 @@ namespace {
 
 inline float dot(const float *a, const float *b, int n) {
   float s = 0.0f;
+#pragma omp simd reduction(+ : s)
   for (int i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
@@ -27,22 +28,13 @@ inline void half_row(const uint16_t *src, akv_dtype storage, int n, float *dst) 
   }
 }
 
-// Rotate a pre-RoPE row with precomputed cos/sin of its position.
-inline void rotate_with(const Rope &rope, const float *c, const float *s, float *x) {
-  for (int j = 0; j < rope.pairs(); ++j) {
-    const float x0 = x[rope.first[j]], x1 = x[rope.second[j]];
-    x[rope.first[j]] = x0 * c[j] - x1 * s[j];
-    x[rope.second[j]] = x0 * s[j] + x1 * c[j];
-  }
-}
-
 // Dense keys/values [n][D] (post-RoPE, storage dtype): logits into L[i][offset + t].
 void dense_logits(const uint16_t *keys, int64_t n, int D, akv_dtype storage, const float *q, int rows,
-                  float scale, float *L, int64_t ldl, int64_t offset) {
+                  float *L, int64_t ldl, int64_t offset) {
   std::vector<float> k(D);
   for (int64_t t = 0; t < n; ++t) {
     half_row(keys + t * D, storage, D, k.data());
-    for (int i = 0; i < rows; ++i) L[i * ldl + offset + t] = scale * dot(q + i * D, k.data(), D);
+    for (int i = 0; i < rows; ++i) L[i * ldl + offset + t] = dot(q + i * D, k.data(), D);
   }
 }
 
@@ -60,34 +52,9 @@ void dense_values(const uint16_t *values, int64_t n, int D, akv_dtype storage, c
   }
 }
 
-constexpr int64_t kTile = 64;
+constexpr int64_t kTile = Rope::kTile;
 
 }  // namespace
-
-void rope_table(const Rope &rope, const int32_t *positions, int64_t n, float *cos_out, float *sin_out) {
-  const int pairs = rope.pairs();
-  std::vector<double> c(pairs), s(pairs), step_c(pairs), step_s(pairs);
-  for (int j = 0; j < pairs; ++j) {
-    step_c[j] = std::cos(static_cast<double>(rope.inv_freq[j]));
-    step_s[j] = std::sin(static_cast<double>(rope.inv_freq[j]));
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    const bool consecutive = t > 0 && positions[t] == positions[t - 1] + 1;
-    for (int j = 0; j < pairs; ++j) {
-      if (consecutive) {
-        const double nc = c[j] * step_c[j] - s[j] * step_s[j];
-        s[j] = s[j] * step_c[j] + c[j] * step_s[j];
-        c[j] = nc;
-      } else {
-        const double a = rope.angle(positions[t], j);
-        c[j] = std::cos(a);
-        s[j] = std::sin(a);
-      }
-      cos_out[t * pairs + j] = static_cast<float>(c[j]);
-      sin_out[t * pairs + j] = static_cast<float>(s[j]);
-    }
-  }
-}
 
 void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out) {
   const CacheMeta &meta = cache.meta;
@@ -98,6 +65,10 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
   const float scale = meta.softmax_scale;
   const Rope &rope = cache.rope;
   const bool anchor = meta.method == AKV_METHOD_ANCHORKV;
+  // Fold the softmax scale into the queries once instead of scaling every logit.
+  std::vector<float> q_scaled(q, q + static_cast<size_t>(rows) * D);
+  for (float &x : q_scaled) x *= scale;
+  q = q_scaled.data();
   const int64_t prompt = anchor ? meta.shape.seq_len : meta.dense_counts[h];
   const int64_t suffix = cache.suffix_len;
   const int64_t total = prompt + suffix;
@@ -160,9 +131,10 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
     // Prefix logits, tile by tile: RoPE angles once per tile, keys never materialised
     // except the decoded residual of tokens that store one.
     std::vector<float> ct(kTile * std::max(pairs, 1)), st(ct.size()), r(D);
+    RopeSweep sweep(rope);
     for (int64_t t0 = 0; t0 < P; t0 += kTile) {
       const int64_t n = std::min(kTile, P - t0);
-      if (pairs) rope_table(rope, pos + t0, n, ct.data(), st.data());
+      if (pairs) sweep.next(pos + t0, n, ct.data(), st.data());
       for (int64_t u = 0; u < n; ++u) {
         const int64_t t = t0 + u;
         const int a = kidx[t];
@@ -172,6 +144,7 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
           const float *A = &coefA[(static_cast<size_t>(a) * rows + i) * pairs];
           const float *B = &coefB[(static_cast<size_t>(a) * rows + i) * pairs];
           float v = coefC[static_cast<size_t>(a) * rows + i];
+#pragma omp simd reduction(+ : v)
           for (int j = 0; j < pairs; ++j) v += A[j] * c[j] + B[j] * s[j];
           L[i * total + t] = gam * v;
         }
@@ -180,19 +153,18 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
           const uint32_t slot = kbase + kprefix[t >> 6] +
                                 static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
           cache.codec.decode(kcodes + static_cast<int64_t>(slot) * (D / 4), kscales[slot], r.data());
-          if (pairs) rotate_with(rope, c, s, r.data());
+          if (pairs) rope.apply(r.data(), c, s);
           for (int i = 0; i < rows; ++i) L[i * total + t] += dot(q + i * D, r.data(), D);
         }
-        for (int i = 0; i < rows; ++i) L[i * total + t] *= scale;
       }
     }
     // The exact window: anchors k-W..k-1 at consecutive positions.
     for (int w = 0; w < W; ++w) {
       half_row(ak + static_cast<int64_t>(k - W + w) * D, storage, D, x.data());
       rope.apply(x.data(), meta.window_first_position + w);
-      for (int i = 0; i < rows; ++i) L[i * total + P + w] = scale * dot(q + i * D, x.data(), D);
+      for (int i = 0; i < rows; ++i) L[i * total + P + w] = dot(q + i * D, x.data(), D);
     }
-    if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, scale, L.data(), total, prompt);
+    if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L.data(), total, prompt);
 
     // Softmax (unnormalised; divided at the end).
     std::vector<float> sums(rows);
@@ -252,14 +224,12 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
   // Dense methods: prompt tokens [count][D] for this head, then the suffix.
   int64_t before = 0;
   for (int hh = 0; hh < h; ++hh) before += meta.dense_counts[hh];
-  const int64_t all = 0;
-  (void)all;
   int64_t kept = 0;
   for (int64_t c : meta.dense_counts) kept += c;
   const uint16_t *dk = reinterpret_cast<const uint16_t *>(cache.data.data()) + before * D;
   const uint16_t *dv = reinterpret_cast<const uint16_t *>(cache.data.data()) + (kept + before) * D;
-  dense_logits(dk, prompt, D, storage, q, rows, scale, L.data(), total, 0);
-  if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, scale, L.data(), total, prompt);
+  dense_logits(dk, prompt, D, storage, q, rows, L.data(), total, 0);
+  if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L.data(), total, prompt);
   std::vector<float> sums(rows);
   for (int i = 0; i < rows; ++i) {
     const int64_t end = prompt + visible(i);

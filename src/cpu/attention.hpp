@@ -14,8 +14,4 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
 void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *keys, float *values,
                           uint8_t *present);
 
-// cos/sin of position * inv_freq for n positions (n x pairs each), exact at the first
-// position and by angle addition (in double) for each consecutive successor.
-void rope_table(const Rope &rope, const int32_t *positions, int64_t n, float *cos_out, float *sin_out);
-
 }  // namespace akv

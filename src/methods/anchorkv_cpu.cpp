@@ -245,7 +245,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
             }
             if (side == 0) {
               // The key residual as attention sees it: rotated to the token's position.
-              rope.apply(r.data(), pos[t]);
+              in.rotate(r.data(), t);
               std::memcpy(&Kpost[t * D], r.data(), D * sizeof(float));
             } else {
               rv_norm_sq[t] = static_cast<float>(n2);

@@ -21,6 +21,11 @@ PrefillReader::PrefillReader(const akv_prefill &prefill, int32_t window, const R
   } else {
     for (int64_t t = 0; t < S_; ++t) positions_[t] = static_cast<int32_t>(t);
   }
+  if (rope_.enabled()) {
+    cos_.resize(S_ * rope_.pairs());
+    sin_.resize(S_ * rope_.pairs());
+    rope_.table(positions_.data(), S_, cos_.data(), sin_.data());
+  }
 }
 
 void PrefillReader::load(const void *base, int64_t offset, const char *what, int head, int64_t row,
@@ -38,15 +43,16 @@ void PrefillReader::key_row(int h, int64_t t, float *pre, float *post) const {
   float *row = pre ? pre : post;
   if (!row) return;
   load(p_.keys, h * kv_head_stride_ + t * kv_token_stride_, "keys", h, t, row);
-  const int64_t pos = positions_[t];
-  if (keys_post_rope_) {
+  if (!rope_.enabled()) {
     if (post && post != row) std::memcpy(post, row, D_ * sizeof(float));
-    if (pre) rope_.apply(pre, pos, /*inverse=*/true);
-  } else {
-    if (post && post != row) {
-      std::memcpy(post, row, D_ * sizeof(float));
-    }
-    if (post) rope_.apply(post, pos);
+    return;
+  }
+  const float *c = &cos_[t * rope_.pairs()], *s = &sin_[t * rope_.pairs()];
+  if (post && post != row) std::memcpy(post, row, D_ * sizeof(float));
+  if (keys_post_rope_) {
+    if (pre) rope_.apply(pre, c, s, /*inverse=*/true);
+  } else if (post) {
+    rope_.apply(post, c, s);
   }
 }
 

@@ -19,6 +19,10 @@ class PrefillReader {
   // Either output may be null. Pre-RoPE is what AnchorKV stores; post-RoPE what attention uses.
   void key_row(int h, int64_t t, float *pre_rope, float *post_rope) const;
   void value_row(int h, int64_t t, float *out) const;
+  // x (pre-RoPE) rotated to token t's position, with the reader's precomputed angles.
+  void rotate(float *x, int64_t t) const {
+    if (rope_.enabled()) rope_.apply(x, &cos_[t * rope_.pairs()], &sin_[t * rope_.pairs()]);
+  }
   // Query head hq, window row w (0..W-1).
   void query_row(int hq, int w, float *out) const;
 
@@ -33,6 +37,7 @@ class PrefillReader {
   const Rope &rope_;
   bool keys_post_rope_;
   std::vector<int32_t> positions_;
+  std::vector<float> cos_, sin_;  // [S][pairs] angles of every position, computed once
 };
 
 }  // namespace akv

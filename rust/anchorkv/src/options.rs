@@ -1,0 +1,276 @@
+//! Enumerations, shapes, options and statistics as Rust types.
+
+use std::mem::MaybeUninit;
+
+use anchorkv_sys as sys;
+
+use crate::error::{check, Error, Result};
+
+macro_rules! c_enum {
+    ($(#[$meta:meta])* $name:ident { $($variant:ident = $value:path),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[repr(i32)]
+        pub enum $name { $($variant = $value),+ }
+
+        impl $name {
+            /// The variant of a C value, None for a value this binding does not know.
+            pub fn from_raw(value: i32) -> Option<$name> {
+                match value {
+                    $(v if v == $value => Some($name::$variant),)+
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+
+c_enum!(
+    /// Element type of tensors (`akv_dtype`). `Auto` only for storage.
+    DType { Auto = sys::AKV_DTYPE_AUTO, F32 = sys::AKV_DTYPE_F32, F16 = sys::AKV_DTYPE_F16, Bf16 = sys::AKV_DTYPE_BF16 }
+);
+c_enum!(
+    /// Where a context computes (`akv_backend`).
+    Backend { Cpu = sys::AKV_BACKEND_CPU, Cuda = sys::AKV_BACKEND_CUDA }
+);
+c_enum!(
+    /// Compression method (`akv_method`).
+    Method {
+        FullKv = sys::AKV_METHOD_FULLKV, AnchorKv = sys::AKV_METHOD_ANCHORKV,
+        SnapKv = sys::AKV_METHOD_SNAPKV, PyramidKv = sys::AKV_METHOD_PYRAMIDKV,
+        AdaKv = sys::AKV_METHOD_ADAKV, AnDPro = sys::AKV_METHOD_ANDPRO,
+        Quantized = sys::AKV_METHOD_QUANTIZED,
+    }
+);
+c_enum!(
+    /// Rotary embedding layout (`akv_rope_style`).
+    RopeStyle { None = sys::AKV_ROPE_NONE, NeoX = sys::AKV_ROPE_NEOX, GptJ = sys::AKV_ROPE_GPTJ }
+);
+c_enum!(
+    /// Pooling of window-attention scores (`akv_pool_type`).
+    PoolType { Avg = sys::AKV_POOL_AVG, Max = sys::AKV_POOL_MAX }
+);
+c_enum!(
+    /// Scaling of residuals before the 2-bit codebook (`akv_residual_scale`).
+    ResidualScale { LeastSquares = sys::AKV_SCALE_LEAST_SQUARES, Rms = sys::AKV_SCALE_RMS, Absmax = sys::AKV_SCALE_ABSMAX }
+);
+
+/// Shape of one layer of one request: S prompt positions, H KV heads, Hq query heads
+/// (a multiple of H), head dimension D.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Shape {
+    pub seq_len: usize,
+    pub num_kv_heads: usize,
+    pub num_q_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Shape {
+    pub fn new(seq_len: usize, num_kv_heads: usize, num_q_heads: usize, head_dim: usize) -> Shape {
+        Shape { seq_len, num_kv_heads, num_q_heads, head_dim }
+    }
+
+    /// Elements of keys or values: H*S*D.
+    pub fn kv_len(&self) -> usize {
+        self.num_kv_heads * self.seq_len * self.head_dim
+    }
+
+    pub(crate) fn to_raw(self) -> Result<sys::akv_shape> {
+        let narrow = |value: usize, name: &str| {
+            i32::try_from(value).map_err(|_| Error::invalid(format!("{name} {value} does not fit in int32")))
+        };
+        Ok(sys::akv_shape {
+            seq_len: i64::try_from(self.seq_len).map_err(|_| Error::invalid("seq_len too large"))?,
+            num_kv_heads: narrow(self.num_kv_heads, "num_kv_heads")?,
+            num_q_heads: narrow(self.num_q_heads, "num_q_heads")?,
+            head_dim: narrow(self.head_dim, "head_dim")?,
+        })
+    }
+
+    pub(crate) fn from_raw(raw: &sys::akv_shape) -> Shape {
+        Shape {
+            seq_len: raw.seq_len.max(0) as usize,
+            num_kv_heads: raw.num_kv_heads.max(0) as usize,
+            num_q_heads: raw.num_q_heads.max(0) as usize,
+            head_dim: raw.head_dim.max(0) as usize,
+        }
+    }
+}
+
+/// Options of a context (`akv_context_options` without the allocator hooks; use
+/// `anchorkv-sys` directly for those).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextOptions {
+    pub backend: Backend,
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// CPU worker threads; 0 = all hardware threads.
+    pub num_threads: i32,
+}
+
+impl Default for ContextOptions {
+    fn default() -> Self {
+        ContextOptions { backend: Backend::Cpu, device: 0, num_threads: 0 }
+    }
+}
+
+/// Compression options (`akv_compress_options`), starting from the library's defaults
+/// (`akv_compress_options_init`: AnchorKV, retain_fraction 0.05, window 32, NeoX RoPE...).
+/// Setters consume and return `self`, so options read as one expression.
+#[derive(Debug, Clone)]
+pub struct CompressOptions {
+    raw: sys::akv_compress_options, // rope.inv_freq is always NULL here: see to_raw
+    inv_freq: Option<Vec<f32>>,
+}
+
+// SAFETY: the only pointer in `raw` (rope.inv_freq) is kept NULL; the table lives in the Vec.
+unsafe impl Send for CompressOptions {}
+unsafe impl Sync for CompressOptions {}
+
+impl Default for CompressOptions {
+    fn default() -> Self {
+        let mut raw = MaybeUninit::<sys::akv_compress_options>::zeroed();
+        // SAFETY: init writes every field of the struct it is given.
+        unsafe { sys::akv_compress_options_init(raw.as_mut_ptr()) };
+        CompressOptions { raw: unsafe { raw.assume_init() }, inv_freq: None }
+    }
+}
+
+impl CompressOptions {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn method(mut self, method: Method) -> Self {
+        self.raw.method = method as i32;
+        self
+    }
+    /// theta in (0, 1]: the footprint stays at most theta * 4*S*H*D bytes.
+    pub fn retain_fraction(mut self, theta: f64) -> Self {
+        self.raw.retain_fraction = theta;
+        self
+    }
+    /// W: recent positions kept exactly; the prefill's queries hold W positions.
+    pub fn window(mut self, window: i32) -> Self {
+        self.raw.window = window;
+        self
+    }
+    pub fn anchors(mut self, anchors: i32) -> Self {
+        self.raw.anchors = anchors;
+        self
+    }
+    pub fn scored_fraction(mut self, rho: f64) -> Self {
+        self.raw.scored_fraction = rho;
+        self
+    }
+    pub fn pool(mut self, kernel: i32, pool_type: PoolType) -> Self {
+        self.raw.pool_kernel = kernel;
+        self.raw.pool_type = pool_type as i32;
+        self
+    }
+    pub fn residual_scale(mut self, scale: ResidualScale) -> Self {
+        self.raw.residual_scale = scale as i32;
+        self
+    }
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.raw.seed = seed;
+        self
+    }
+    pub fn layer(mut self, index: i32, count: i32) -> Self {
+        self.raw.layer_index = index;
+        self.raw.layer_count = count;
+        self
+    }
+    /// RoPE of the model: style, rotated dims (0 = head_dim), base theta.
+    pub fn rope(mut self, style: RopeStyle, rotary_dim: i32, base: f64) -> Self {
+        self.raw.rope.style = style as i32;
+        self.raw.rope.rotary_dim = rotary_dim;
+        self.raw.rope.base = base;
+        self
+    }
+    /// Explicit inverse frequencies (rotary_dim/2 of them), overriding the base.
+    pub fn inv_freq(mut self, inv_freq: Vec<f32>) -> Self {
+        self.inv_freq = Some(inv_freq);
+        self
+    }
+    pub fn keys_post_rope(mut self, post_rope: bool) -> Self {
+        self.raw.keys_post_rope = post_rope as i32;
+        self
+    }
+    /// 0 = 1/sqrt(head_dim).
+    pub fn softmax_scale(mut self, scale: f32) -> Self {
+        self.raw.softmax_scale = scale;
+        self
+    }
+    pub fn storage_dtype(mut self, dtype: DType) -> Self {
+        self.raw.storage_dtype = dtype as i32;
+        self
+    }
+
+    pub fn get_window(&self) -> i32 {
+        self.raw.window
+    }
+
+    /// The C struct, pointing into `self` for the inverse-frequency table.
+    pub fn to_raw(&self) -> sys::akv_compress_options {
+        let mut raw = self.raw;
+        raw.rope.inv_freq = self.inv_freq.as_ref().map_or(std::ptr::null(), |table| table.as_ptr());
+        raw
+    }
+}
+
+/// Exact bytes a compressed cache of this shape will hold, before any data is seen.
+pub fn compressed_size(options: &CompressOptions, shape: Shape) -> Result<usize> {
+    let raw_options = options.to_raw();
+    let raw_shape = shape.to_raw()?;
+    let mut bytes = 0usize;
+    // SAFETY: both structs are valid for the call; inv_freq points into `options`.
+    check(unsafe { sys::akv_compressed_size(&raw_options, &raw_shape, &mut bytes) })?;
+    Ok(bytes)
+}
+
+/// Byte accounting and counts of one cache (`akv_cache_stats`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheStats {
+    pub method: Option<Method>,
+    pub shape: Shape,
+    pub storage_dtype: Option<DType>,
+    pub window: i32,
+    pub anchors: i32,
+    pub appended_tokens: i64,
+    pub append_capacity: i64,
+    pub full_bytes: u64,
+    pub budget_bytes: u64,
+    pub base_bytes: u64,
+    pub compressed_bytes: u64,
+    pub appended_bytes: u64,
+    pub allocated_bytes: u64,
+    pub ratio: f64,
+    pub key_residuals: i64,
+    pub value_residuals: i64,
+}
+
+impl CacheStats {
+    pub(crate) fn from_raw(raw: &sys::akv_cache_stats) -> CacheStats {
+        CacheStats {
+            method: Method::from_raw(raw.method),
+            shape: Shape::from_raw(&raw.shape),
+            storage_dtype: DType::from_raw(raw.storage_dtype),
+            window: raw.window,
+            anchors: raw.anchors,
+            appended_tokens: raw.appended_tokens,
+            append_capacity: raw.append_capacity,
+            full_bytes: raw.full_bytes,
+            budget_bytes: raw.budget_bytes,
+            base_bytes: raw.base_bytes,
+            compressed_bytes: raw.compressed_bytes,
+            appended_bytes: raw.appended_bytes,
+            allocated_bytes: raw.allocated_bytes,
+            ratio: raw.ratio,
+            key_residuals: raw.key_residuals,
+            value_residuals: raw.value_residuals,
+        }
+    }
+}
+
+/// What one KV head keeps (`akv_head_stats`).
+pub type HeadStats = sys::akv_head_stats;

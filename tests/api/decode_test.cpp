@@ -1,0 +1,384 @@
+// Decode (SPEC 4) against exact attention in double precision:
+//  - AnchorKV: over akv_cache_reconstruct's K^/V^ (the fused kernel must equal attention over
+//    what the cache represents), whose RoPE is checked against the double-precision reference;
+//  - FullKV: over the original inputs (as stored), with the reference RoPE;
+//  - appended tokens, q_len > 1 (causal among the new tokens), GQA, RoPE variants, explicit
+//    positions, keys_post_rope, softmax_scale, F32/F16/BF16;
+//  - akv_decode_batch == a loop of akv_decode, bitwise.
+#include <thread>
+
+#include "api/api_test_util.hpp"
+#include "api/counting_allocator.hpp"
+
+namespace akv_test {
+namespace {
+
+// Output tolerance: |out - ref| <= abs + rel*|ref|, abs scaled by the RMS of the values. F32
+// leaves fp32 accumulation error; F16/BF16 outputs add one rounding of the output.
+double output_rel_tolerance(akv_dtype dtype) {
+  switch (dtype) {
+    case AKV_DTYPE_F16: return 1.5e-3;
+    case AKV_DTYPE_BF16: return 8e-3;
+    default: return 1e-4;
+  }
+}
+
+struct DecodeCase {
+  const char *name;
+  akv_method method;
+  akv_dtype dtype;  // prefill, appended tokens, queries and output
+  int64_t S;
+  int H, G, D;
+  akv_rope_style rope;
+  int rotary_dim;        // 0 = head_dim
+  bool inv_freq_table;   // explicit frequencies (Llama-3 style scaled) instead of base
+  bool explicit_positions;
+  bool keys_post_rope;
+  float softmax_scale;   // 0 = default
+  int appended;
+  bool explicit_append_positions;
+  int q_len;
+  int window = 32;
+};
+
+std::vector<float> llama3_style_frequencies(int rotary_dim, double base) {
+  // Low frequencies divided by 8, a smooth ramp in between: not expressible through `base`.
+  std::vector<float> freq(static_cast<size_t>(rotary_dim / 2));
+  for (int i = 0; i < rotary_dim / 2; ++i) {
+    const double f = std::pow(base, -2.0 * i / rotary_dim);
+    const double ramp = std::min(1.0, std::max(0.0, (i - rotary_dim / 8.0) / (rotary_dim / 4.0)));
+    freq[i] = static_cast<float>(f / (1.0 + 7.0 * ramp));
+  }
+  return freq;
+}
+
+class DecodeMatchesReference : public ::testing::TestWithParam<DecodeCase> {};
+
+TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
+  const DecodeCase &c = GetParam();
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+
+  akv_compress_options options = c.method == AKV_METHOD_FULLKV ? fullkv_options(c.window) : anchorkv_options(0.5, c.window);
+  options.rope.style = c.rope;
+  options.rope.rotary_dim = c.rotary_dim;
+  options.rope.base = 500000.0;
+  options.keys_post_rope = c.keys_post_rope ? 1 : 0;
+  options.softmax_scale = c.softmax_scale;
+  const int rotary = c.rotary_dim == 0 ? c.D : c.rotary_dim;
+  const std::vector<float> frequency_table = llama3_style_frequencies(rotary, options.rope.base);
+  if (c.inv_freq_table) options.rope.inv_freq = frequency_table.data();
+  RopeReference rope = rope_reference(options.rope);
+  if (c.inv_freq_table) rope.inv_freq.assign(frequency_table.begin(), frequency_table.end());
+
+  PrefillSpec spec;
+  spec.seq_len = c.S;
+  spec.kv_heads = c.H;
+  spec.group = c.G;
+  spec.head_dim = c.D;
+  spec.window = c.window;
+  spec.dtype = c.dtype;
+  spec.explicit_positions = c.explicit_positions;
+  const PrefillData data = make_prefill(rng, spec, c.keys_post_rope ? &rope : nullptr);
+  if (c.method == AKV_METHOD_ANCHORKV)
+    options.retain_fraction = workable_retain_fraction(data.shape, c.window, 0, 0.05);
+
+  const ContextPtr context = make_context();
+  const CachePtr cache = compress(context.get(), data, options);
+
+  // Append tokens: keys follow the cache's convention (post-RoPE when keys_post_rope).
+  std::vector<int32_t> positions = data.positions;
+  std::vector<float> appended_keys_pre = llm_like_keys(rng, c.H, c.appended, c.D);
+  std::vector<float> appended_values = nonzero_normal(rng, static_cast<size_t>(c.H) * c.appended * c.D);
+  std::vector<int32_t> appended_positions =
+      c.explicit_append_positions ? gapped_positions(rng, c.appended, positions.back() + 1 + static_cast<int32_t>(rng.uniform_int(0, 4)), 4)
+                                  : default_positions(c.appended, positions.back() + 1);
+  if (c.appended > 0) {
+    std::vector<float> handed = appended_keys_pre;
+    if (c.keys_post_rope) {
+      const std::vector<double> rotated = rope.apply(appended_keys_pre, c.H, c.appended, c.D, appended_positions);
+      handed.assign(rotated.begin(), rotated.end());
+    }
+    const Tensor keys = make_tensor(handed, c.dtype), values = make_tensor(appended_values, c.dtype);
+    ASSERT_EQ(akv_append(cache.get(), keys.data(), values.data(), c.dtype, c.appended,
+                         c.explicit_append_positions ? appended_positions.data() : nullptr, nullptr),
+              AKV_OK)
+        << akv_last_error_message();
+    positions.insert(positions.end(), appended_positions.begin(), appended_positions.end());
+  }
+  const akv_cache_stats stats = cache_stats(cache.get());
+  ASSERT_EQ(stats.appended_tokens, c.appended);
+  const int64_t T = c.S + c.appended;
+  const int Hq = c.H * c.G;
+
+  const Dense rotated = reconstruct(cache.get(), 1);
+  const Dense unrotated = reconstruct(cache.get(), 0);
+  ASSERT_EQ(rotated.tokens, T);
+
+  // The inputs as the cache should hold them: [H][T][D], rounded to the storage dtype.
+  const akv_dtype storage = c.dtype == AKV_DTYPE_F16 ? AKV_DTYPE_F16 : AKV_DTYPE_BF16;
+  std::vector<float> input_keys_pre(static_cast<size_t>(c.H) * T * c.D), input_values(input_keys_pre.size());
+  for (int h = 0; h < c.H; ++h)
+    for (int64_t t = 0; t < T; ++t)
+      for (int d = 0; d < c.D; ++d) {
+        const size_t dst = (static_cast<size_t>(h) * T + t) * c.D + d;
+        if (t < c.S) {
+          const size_t src = (static_cast<size_t>(h) * c.S + t) * c.D + d;
+          input_keys_pre[dst] = round_to_dtype(c.keys_post_rope ? data.keys_pre_rope[src] : data.keys.values[src], c.dtype);
+          input_values[dst] = round_to_dtype(data.values.values[src], storage);
+        } else {
+          const size_t src = (static_cast<size_t>(h) * c.appended + (t - c.S)) * c.D + d;
+          input_keys_pre[dst] = round_to_dtype(appended_keys_pre[src], c.dtype);
+          input_values[dst] = round_to_dtype(round_to_dtype(appended_values[src], c.dtype), storage);
+        }
+      }
+  const double key_rms = root_mean_square(input_keys_pre), value_rms = root_mean_square(input_values);
+
+  // (1) RoPE: rotated = R_t(unrotated) at every cached position.
+  const std::vector<double> rerotated = rope.apply(unrotated.keys, c.H, T, c.D, positions);
+  EXPECT_TRUE(all_near(rotated.keys, rerotated, 2e-3 * key_rms, 2e-3))
+      << "reconstruct(rotated=1) is not RoPE(reconstruct(rotated=0)) at the cached positions";
+
+  // (2) Exact rows: the window and the appended tokens (every row for FullKV).
+  const int64_t first_exact = c.method == AKV_METHOD_FULLKV ? 0 : c.S - c.window;
+  int64_t value_mismatches = 0, key_mismatches = 0;
+  for (int h = 0; h < c.H; ++h)
+    for (int64_t t = first_exact; t < T; ++t)
+      for (int d = 0; d < c.D; ++d) {
+        const size_t i = (static_cast<size_t>(h) * T + t) * c.D + d;
+        value_mismatches += rotated.values[i] != input_values[i];
+        if (!c.keys_post_rope) key_mismatches += unrotated.keys[i] != round_to_dtype(input_keys_pre[i], storage);
+      }
+  EXPECT_EQ(value_mismatches, 0) << "window/appended values are not stored exactly";
+  EXPECT_EQ(key_mismatches, 0) << "window/appended keys are not stored exactly";
+  if (c.keys_post_rope) {
+    // Keys were handed over rotated; the cache de-rotates them for storage, so they come back
+    // to within the storage rounding.
+    std::vector<double> expected_pre(input_keys_pre.begin(), input_keys_pre.end());
+    std::vector<float> exact_rows, reference_rows;
+    for (int h = 0; h < c.H; ++h)
+      for (int64_t t = first_exact; t < T; ++t)
+        for (int d = 0; d < c.D; ++d) {
+          const size_t i = (static_cast<size_t>(h) * T + t) * c.D + d;
+          exact_rows.push_back(unrotated.keys[i]);
+          reference_rows.push_back(static_cast<float>(expected_pre[i]));
+        }
+    EXPECT_TRUE(all_near(exact_rows, reference_rows, 2e-2 * key_rms, 1e-2))
+        << "post-RoPE keys were not de-rotated to the pre-RoPE keys";
+  }
+
+  // (3) Decode equals exact attention over the reconstructed cache.
+  const Tensor queries = make_tensor(nonzero_normal(rng, static_cast<size_t>(Hq) * c.q_len * c.D, 1.5), c.dtype);
+  const std::vector<float> out = decode(cache.get(), queries, c.q_len);
+  const double scale = effective_softmax_scale(options, c.D);
+  const AttentionShape shape{c.H, Hq, c.D, T, c.q_len};
+  const std::vector<double> expected = reference_attention(rotated.keys, rotated.values, queries.values, shape, scale);
+  EXPECT_TRUE(all_near(out, expected, 2e-4 * value_rms, output_rel_tolerance(c.dtype)))
+      << "decode differs from exact attention over akv_cache_reconstruct's K/V";
+
+  // (4) FullKV: exact attention over the original inputs, rotated by the reference RoPE.
+  if (c.method == AKV_METHOD_FULLKV) {
+    std::vector<float> stored_pre(input_keys_pre.size());
+    for (size_t i = 0; i < stored_pre.size(); ++i) stored_pre[i] = round_to_dtype(input_keys_pre[i], storage);
+    const std::vector<double> keys_post = rope.apply(c.keys_post_rope ? input_keys_pre : stored_pre, c.H, T, c.D, positions);
+    const std::vector<double> values_d(input_values.begin(), input_values.end());
+    const std::vector<double> original = reference_attention(keys_post, values_d, queries.values, shape, scale);
+    // keys_post_rope: the cache held bf16 keys either side of a rotation: a looser bound.
+    const double abs_tol = (c.keys_post_rope ? 3e-2 : 3e-3) * value_rms;
+    EXPECT_TRUE(all_near(out, original, abs_tol, output_rel_tolerance(c.dtype) + 1e-3))
+        << "FullKV decode differs from exact attention over the original inputs";
+  }
+
+  // (5) Decoding does not change the cache: a second call is bitwise identical.
+  const std::vector<uint8_t> first = decode_raw(cache.get(), queries, c.q_len);
+  EXPECT_EQ(decode_raw(cache.get(), queries, c.q_len), first);
+}
+
+constexpr akv_method A = AKV_METHOD_ANCHORKV, F = AKV_METHOD_FULLKV;
+
+INSTANTIATE_TEST_SUITE_P(
+    Variants, DecodeMatchesReference,
+    ::testing::Values(
+        //         name                                     meth dtype            S    H  G  D    rope            rot inv  pos    post   scale  app  app_pos q_len
+        DecodeCase{"AnchorKV_F32_G1_D64_NeoX",               A, AKV_DTYPE_F32,  300, 2, 1, 64,  AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  0, false, 1},
+        DecodeCase{"AnchorKV_F32_G4_D128_GptJ_Positions",    A, AKV_DTYPE_F32,  333, 2, 4, 128, AKV_ROPE_GPTJ, 0,  false, true,  false, 0.0f,  3, false, 1},
+        DecodeCase{"AnchorKV_BF16_G4_D64_Partial_InvFreq",   A, AKV_DTYPE_BF16, 400, 2, 4, 64,  AKV_ROPE_NEOX, 32, true,  true,  false, 0.0f,  5, true,  4},
+        DecodeCase{"AnchorKV_F16_G1_D128_PostRope_Scale",    A, AKV_DTYPE_F16,  257, 3, 1, 128, AKV_ROPE_NEOX, 0,  false, true,  true,  0.05f, 2, true,  3},
+        DecodeCase{"AnchorKV_F32_G4_D64_GptJ_Partial_Post",  A, AKV_DTYPE_F32,  500, 1, 4, 64,  AKV_ROPE_GPTJ, 48, true,  false, true,  0.0f,  6, false, 6},
+        DecodeCase{"AnchorKV_BF16_G1_D128_NoRope_Qlen2",     A, AKV_DTYPE_BF16, 301, 2, 1, 128, AKV_ROPE_NONE, 0,  false, false, false, 0.2f,  2, false, 2},
+        DecodeCase{"AnchorKV_F32_S4096_G4_D128",             A, AKV_DTYPE_F32, 4096, 2, 4, 128, AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  1, false, 2},
+        DecodeCase{"AnchorKV_F16_W16",                       A, AKV_DTYPE_F16,  260, 2, 2, 64,  AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  1, false, 1, 16},
+        DecodeCase{"FullKV_F32_G4_D64_NeoX",                 F, AKV_DTYPE_F32,  200, 2, 4, 64,  AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  4, false, 3},
+        DecodeCase{"FullKV_BF16_G1_D128_GptJ_Positions_Post",F, AKV_DTYPE_BF16, 150, 2, 1, 128, AKV_ROPE_GPTJ, 0,  false, true,  true,  0.0f,  2, true,  2},
+        DecodeCase{"FullKV_F16_G4_D64_Partial_InvFreq_Scale",F, AKV_DTYPE_F16,  180, 1, 4, 64,  AKV_ROPE_NEOX, 16, true,  true,  false, 0.1f,  3, true,  1},
+        DecodeCase{"FullKV_F32_D96_AnyHeadDim",              F, AKV_DTYPE_F32,  100, 2, 2, 96,  AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  1, false, 2}),
+    [](const ::testing::TestParamInfo<DecodeCase> &info) { return std::string(info.param.name); });
+
+// ---- incremental decoding like an engine, with a reservation --------------------------------
+
+TEST(Append, TokenByTokenAfterReserveMatchesReferenceWithoutAllocating) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  PrefillSpec spec;
+  spec.seq_len = 320;
+  spec.kv_heads = 2;
+  spec.group = 2;
+  spec.head_dim = 64;
+  spec.explicit_positions = true;
+  const PrefillData data = make_prefill(rng, spec);
+  CountingAllocator counter;
+  const akv_allocator hooks = counter.hooks();
+  const ContextPtr context = make_context(0, &hooks);
+  const akv_compress_options options = anchorkv_options(workable_retain_fraction(data.shape, 32, 0, 0.05));
+  const CachePtr cache = compress(context.get(), data, options);
+  const int steps = 8, Hq = 4, H = 2, D = 64;
+  const Tensor warmup = make_tensor(nonzero_normal(rng, static_cast<size_t>(Hq) * D), AKV_DTYPE_F32);
+  (void)decode(cache.get(), warmup, 1);  // lets a lazy workspace appear before counting
+  ASSERT_EQ(akv_cache_reserve(cache.get(), steps, nullptr), AKV_OK) << akv_last_error_message();
+  const RopeReference rope = rope_reference(options.rope);
+  for (int step = 0; step < steps; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const size_t allocations_before = counter.allocations();
+    const Tensor keys = make_tensor(llm_like_keys(rng, H, 1, D), AKV_DTYPE_F32);
+    const Tensor values = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * D), AKV_DTYPE_F32);
+    ASSERT_EQ(akv_append(cache.get(), keys.data(), values.data(), AKV_DTYPE_F32, 1, nullptr, nullptr), AKV_OK)
+        << akv_last_error_message();
+    const Tensor query = make_tensor(nonzero_normal(rng, static_cast<size_t>(Hq) * D, 1.5), AKV_DTYPE_F32);
+    const std::vector<float> out = decode(cache.get(), query, 1);
+    EXPECT_EQ(counter.allocations(), allocations_before) << "append/decode allocated inside the reservation";
+    const Dense rotated = reconstruct(cache.get(), 1);
+    ASSERT_EQ(rotated.tokens, spec.seq_len + step + 1);
+    // The appended token sits right after the last prompt position (positions NULL).
+    const Dense unrotated = reconstruct(cache.get(), 0);
+    const int32_t position = data.positions.back() + 1 + step;
+    std::vector<double> expected_row(unrotated.key_row(0, rotated.tokens - 1), unrotated.key_row(0, rotated.tokens - 1) + D);
+    rope.rotate_row(expected_row.data(), D, position, rope.frequencies(D));
+    const std::vector<float> actual_row(rotated.key_row(0, rotated.tokens - 1), rotated.key_row(0, rotated.tokens - 1) + D);
+    EXPECT_TRUE(all_near(actual_row, expected_row, 1e-3, 1e-3)) << "appended token not at position " << position;
+    const AttentionShape shape{H, Hq, D, rotated.tokens, 1};
+    const std::vector<double> expected =
+        reference_attention(rotated.keys, rotated.values, query.values, shape, 1.0 / std::sqrt(double(D)));
+    EXPECT_TRUE(all_near(out, expected, 2e-4, 1e-4));
+  }
+  const akv_cache_stats stats = cache_stats(cache.get());
+  EXPECT_EQ(stats.appended_tokens, steps);
+  EXPECT_GE(stats.append_capacity, steps);
+  EXPECT_EQ(stats.appended_bytes, 4ull * steps * H * D);
+}
+
+// ---- batched decode -------------------------------------------------------------------------
+
+class DecodeBatch : public ::testing::TestWithParam<std::tuple<akv_dtype, int>> {};
+
+TEST_P(DecodeBatch, BitwiseEqualsALoopOfDecode) {
+  const akv_dtype dtype = std::get<0>(GetParam());
+  const int q_len = std::get<1>(GetParam());
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  const int H = 2, G = 2, D = 64, Hq = H * G;
+  const ContextPtr context = make_context();
+  struct Request {
+    int64_t S;
+    akv_method method;
+    int appended;
+  };
+  const std::vector<Request> requests = {{300, AKV_METHOD_ANCHORKV, 2}, {200, AKV_METHOD_FULLKV, 3},
+                                         {520, AKV_METHOD_ANCHORKV, 1}, {97, AKV_METHOD_FULLKV, 4}};
+  std::vector<CachePtr> caches;
+  for (const Request &r : requests) {
+    PrefillSpec spec;
+    spec.seq_len = r.S;
+    spec.kv_heads = H;
+    spec.group = G;
+    spec.head_dim = D;
+    spec.dtype = dtype;
+    const PrefillData data = make_prefill(rng, spec);
+    const akv_compress_options options = r.method == AKV_METHOD_FULLKV
+                                             ? fullkv_options()
+                                             : anchorkv_options(workable_retain_fraction(data.shape, 32, 0, 0.05));
+    caches.push_back(compress(context.get(), data, options));
+    const Tensor keys = make_tensor(llm_like_keys(rng, H, r.appended, D), dtype);
+    const Tensor values = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * r.appended * D), dtype);
+    ASSERT_EQ(akv_append(caches.back().get(), keys.data(), values.data(), dtype, r.appended, nullptr, nullptr), AKV_OK)
+        << akv_last_error_message();
+  }
+  const int batch = static_cast<int>(caches.size());
+  const size_t per_request = static_cast<size_t>(Hq) * q_len * D;
+  const Tensor queries = make_tensor(nonzero_normal(rng, per_request * batch, 1.5), dtype);
+  std::vector<akv_cache *> handles;
+  for (const CachePtr &cache : caches) handles.push_back(cache.get());
+  std::vector<uint8_t> batched = poisoned(per_request * batch, dtype);
+  ASSERT_EQ(akv_decode_batch(context.get(), handles.data(), batch, queries.data(), dtype, q_len, batched.data(), nullptr),
+            AKV_OK)
+      << akv_last_error_message();
+  const size_t bytes_per_request = per_request * dtype_size(dtype);
+  for (int b = 0; b < batch; ++b) {
+    SCOPED_TRACE("request " + std::to_string(b));
+    Tensor one;
+    one.dtype = dtype;
+    one.bytes.assign(queries.bytes.begin() + b * bytes_per_request, queries.bytes.begin() + (b + 1) * bytes_per_request);
+    one.values.assign(queries.values.begin() + b * per_request, queries.values.begin() + (b + 1) * per_request);
+    const std::vector<uint8_t> single = decode_raw(caches[b].get(), one, q_len);
+    EXPECT_EQ(count_non_finite(decode_bytes(single, dtype)), 0u);
+    const std::vector<uint8_t> slice(batched.begin() + b * bytes_per_request, batched.begin() + (b + 1) * bytes_per_request);
+    EXPECT_TRUE(slice == single) << "akv_decode_batch differs from akv_decode for this request";
+  }
+  // A batch of one is the single decode as well.
+  std::vector<uint8_t> single_batch = poisoned(per_request, dtype);
+  ASSERT_EQ(akv_decode_batch(context.get(), handles.data() + 2, 1, queries.bytes.data() + 2 * bytes_per_request, dtype,
+                             q_len, single_batch.data(), nullptr),
+            AKV_OK);
+  EXPECT_TRUE(std::equal(single_batch.begin(), single_batch.end(), batched.begin() + 2 * bytes_per_request));
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypesAndQueryLengths, DecodeBatch,
+                         ::testing::Combine(::testing::Values(AKV_DTYPE_F32, AKV_DTYPE_BF16, AKV_DTYPE_F16),
+                                            ::testing::Values(1, 2)),
+                         [](const ::testing::TestParamInfo<std::tuple<akv_dtype, int>> &info) {
+                           return std::string(dtype_name(std::get<0>(info.param))) + "_qlen" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+// ---- different handles may run concurrently -------------------------------------------------
+
+TEST(Concurrency, DifferentCachesDecodeInParallelLikeSerially) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  const ContextPtr context = make_context();
+  PrefillSpec spec;
+  spec.seq_len = 400;
+  spec.kv_heads = 2;
+  spec.group = 2;
+  std::vector<CachePtr> caches;
+  std::vector<Tensor> queries;
+  for (int i = 0; i < 4; ++i) {
+    const PrefillData data = make_prefill(rng, spec);
+    caches.push_back(compress(context.get(), data, anchorkv_options(workable_retain_fraction(data.shape, 32, 0, 0.05))));
+    queries.push_back(make_tensor(nonzero_normal(rng, 4 * 64, 1.5), AKV_DTYPE_F32));
+  }
+  std::vector<std::vector<uint8_t>> serial;
+  for (int i = 0; i < 4; ++i) serial.push_back(decode_raw(caches[i].get(), queries[i], 1));
+  std::vector<std::vector<uint8_t>> parallel(4);
+  std::vector<akv_status> status(4, AKV_ERR_INTERNAL);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i)
+    threads.emplace_back([&, i] {
+      for (int repeat = 0; repeat < 20; ++repeat) {
+        parallel[i] = poisoned(queries[i].count(), AKV_DTYPE_F32);
+        status[i] = akv_decode(caches[i].get(), queries[i].data(), AKV_DTYPE_F32, 1, parallel[i].data(), nullptr);
+        if (status[i] != AKV_OK || parallel[i] != serial[i]) return;
+      }
+    });
+  for (std::thread &t : threads) t.join();
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(status[i], AKV_OK) << "cache " << i;
+    EXPECT_TRUE(parallel[i] == serial[i]) << "cache " << i << ": concurrent decode differs from serial decode";
+  }
+}
+
+}  // namespace
+}  // namespace akv_test

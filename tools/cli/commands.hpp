@@ -1,0 +1,10 @@
+// Entry points of the subcommands. argv[0] is the subcommand name; each returns an exit code
+// or throws CliError.
+#pragma once
+
+namespace akvcli {
+
+int run_eval(int argc, char **argv);
+int run_bench(int argc, char **argv);
+
+}  // namespace akvcli
