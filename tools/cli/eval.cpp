@@ -209,18 +209,22 @@ void plant_needles_for_head(int layer, int h, const EvalShape &s, const Position
       }
       if (!separable) continue;
       const double target = (1.0 - settings.needle_weight) / settings.needle_weight;
-      auto mass = [&](double lambda) {
+      auto mass = [](const std::vector<double> &terms, double lambda) {
         double sum = 0.0;
-        for (double gap : gaps) sum += std::exp(lambda * gap);
+        for (double gap : terms) sum += std::exp(lambda * gap);
         return sum;
       };
       double high = 1.0;
-      while (mass(high) > target && high < 1e6) high *= 2.0;
-      if (mass(high) > target) continue;
-      double low = 0.0;
-      for (int iteration = 0; iteration < 60; ++iteration) {
+      while (mass(gaps, high) > target && high < 1e6) high *= 2.0;
+      if (mass(gaps, high) > target) continue;
+      // The answer lies in [high/2, high]; gaps whose term is below e^-60 there do not count.
+      double low = high > 1.0 ? 0.5 * high : 0.0;
+      if (low > 0.0)
+        gaps.erase(std::remove_if(gaps.begin(), gaps.end(), [&](double gap) { return low * gap < -60.0; }),
+                   gaps.end());
+      for (int iteration = 0; iteration < 50; ++iteration) {
         const double mid = 0.5 * (low + high);
-        (mass(mid) > target ? low : high) = mid;
+        (mass(gaps, mid) > target ? low : high) = mid;
       }
       const double lambda = high;
 

@@ -33,12 +33,40 @@ void AttentionProfile::merge(const AttentionProfile &other) {
 
 namespace {
 
-// logits[i][t] = scale * q_i . k_t for t < n (keys outer so each key is loaded once).
+// logits[i][t] = scale * q_i . k_t for t < n. Keys outer, four queries at a time with
+// independent accumulators per query, so each key is loaded once per block and the
+// compiler can keep several vector FMA chains in flight.
 void scaled_logits(const double *keys, int64_t n, int D, const double *queries, int nq, double scale,
                    double *logits, int64_t row_stride) {
+  constexpr int kBlock = 4, kLanes = 4;
   for (int64_t t = 0; t < n; ++t) {
     const double *key = keys + t * D;
-    for (int i = 0; i < nq; ++i) logits[i * row_stride + t] = scale * dot(queries + static_cast<int64_t>(i) * D, key, D);
+    int i = 0;
+    for (; i + kBlock <= nq; i += kBlock) {
+      const double *q0 = queries + static_cast<int64_t>(i) * D;
+      const double *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+      double a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};
+      int d = 0;
+      for (; d + kLanes <= D; d += kLanes)
+        for (int l = 0; l < kLanes; ++l) {
+          const double k = key[d + l];
+          a0[l] += q0[d + l] * k;
+          a1[l] += q1[d + l] * k;
+          a2[l] += q2[d + l] * k;
+          a3[l] += q3[d + l] * k;
+        }
+      for (; d < D; ++d) {
+        a0[0] += q0[d] * key[d];
+        a1[0] += q1[d] * key[d];
+        a2[0] += q2[d] * key[d];
+        a3[0] += q3[d] * key[d];
+      }
+      logits[(i + 0) * row_stride + t] = scale * ((a0[0] + a0[1]) + (a0[2] + a0[3]));
+      logits[(i + 1) * row_stride + t] = scale * ((a1[0] + a1[1]) + (a1[2] + a1[3]));
+      logits[(i + 2) * row_stride + t] = scale * ((a2[0] + a2[1]) + (a2[2] + a2[3]));
+      logits[(i + 3) * row_stride + t] = scale * ((a3[0] + a3[1]) + (a3[2] + a3[3]));
+    }
+    for (; i < nq; ++i) logits[i * row_stride + t] = scale * dot(queries + static_cast<int64_t>(i) * D, key, D);
   }
 }
 
