@@ -48,7 +48,7 @@ with anchorkv.Context() as context:
     stats = cache.stats
     print(f"anchorkv python: {stats.ratio:.1f}x smaller ({stats.compressed_bytes} of "
           f"{stats.full_bytes} bytes), cosine to exact attention {cos:.4f}")
-    assert stats.compressed_bytes <= stats.budget_bytes and cos > 0.85
+    assert stats.compressed_bytes <= stats.budget_bytes and cos > 0.8
     restored = anchorkv.Cache.from_bytes(bytes(cache), context)  # serialize round trip
     assert np.array_equal(restored.decode(query), out)
     cache.close()

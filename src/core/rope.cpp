@@ -68,11 +68,12 @@ void Rope::table(const int32_t *positions, int64_t n, float *cos_out, float *sin
   RopeSweep sweep(*this);
   for (int64_t t0 = 0; t0 < n; t0 += kTile) {
     const int64_t len = std::min<int64_t>(kTile, n - t0);
-    sweep.next(positions + t0, len, cos_out + t0 * pairs(), sin_out + t0 * pairs());
+    sweep.next(positions + t0, len, cos_out + t0 * pairs(), sin_out + t0 * pairs(), pairs());
   }
 }
 
-void RopeSweep::next(const int32_t *positions, int64_t n, float *cos_out, float *sin_out) {
+void RopeSweep::next(const int32_t *positions, int64_t n, float *cos_out, float *sin_out,
+                     int64_t stride) {
   const int np = rope_.pairs();
   if (positions[0] == expected_) {
     for (int j = 0; j < np; ++j) {
@@ -94,7 +95,7 @@ void RopeSweep::next(const int32_t *positions, int64_t n, float *cos_out, float 
     bs[j] = static_cast<float>(base_sin_[j]);
   }
   for (int64_t u = 0; u < n; ++u) {
-    float *c = cos_out + u * np, *s = sin_out + u * np;
+    float *c = cos_out + u * stride, *s = sin_out + u * stride;
     if (positions[u] == positions[0] + u) {
       const float *fc = &rope_.fine_cos[u * np], *fs = &rope_.fine_sin[u * np];
       for (int j = 0; j < np; ++j) {

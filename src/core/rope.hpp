@@ -62,8 +62,9 @@ class RopeSweep {
  public:
   explicit RopeSweep(const Rope &rope)
       : rope_(rope), base_cos_(rope.pairs()), base_sin_(rope.pairs()) {}
-  // n <= Rope::kTile positions; writes n x pairs() cos and sin.
-  void next(const int32_t *positions, int64_t n, float *cos_out, float *sin_out);
+  // n <= Rope::kTile positions; writes pairs() cos and sin per position, rows `stride`
+  // floats apart (stride >= pairs()).
+  void next(const int32_t *positions, int64_t n, float *cos_out, float *sin_out, int64_t stride);
 
  private:
   const Rope &rope_;

@@ -108,19 +108,20 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
     // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (SPEC 4).
     std::vector<uint8_t> in_pair(D, 0);
     for (int j = 0; j < pairs; ++j) in_pair[rope.first[j]] = in_pair[rope.second[j]] = 1;
-    std::vector<float> coefA(static_cast<size_t>(k) * rows * pairs), coefB(coefA.size()),
-        coefC(static_cast<size_t>(k) * rows);
+    // Layout [anchor][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's angles
+    // stored as [cos | sin], its logit is one dot product of length 2*pairs.
+    const int two_p = 2 * pairs;
+    std::vector<float> coef(static_cast<size_t>(k) * rows * two_p), coefC(static_cast<size_t>(k) * rows);
     std::vector<float> x(D);
     for (int a = 0; a < k; ++a) {
       half_row(ak + static_cast<int64_t>(a) * D, storage, D, x.data());
       for (int i = 0; i < rows; ++i) {
         const float *qi = q + i * D;
-        float *A = &coefA[(static_cast<size_t>(a) * rows + i) * pairs];
-        float *B = &coefB[(static_cast<size_t>(a) * rows + i) * pairs];
+        float *AB = &coef[(static_cast<size_t>(a) * rows + i) * two_p];
         for (int j = 0; j < pairs; ++j) {
           const int f = rope.first[j], s = rope.second[j];
-          A[j] = qi[f] * x[f] + qi[s] * x[s];
-          B[j] = qi[s] * x[f] - qi[f] * x[s];
+          AB[j] = qi[f] * x[f] + qi[s] * x[s];
+          AB[pairs + j] = qi[s] * x[f] - qi[f] * x[s];
         }
         float c = 0.0f;
         for (int d = 0; d < D; ++d)
@@ -130,24 +131,20 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
     }
     // Prefix logits, tile by tile: RoPE angles once per tile, keys never materialised
     // except the decoded residual of tokens that store one.
-    std::vector<float> ct(kTile * std::max(pairs, 1)), st(ct.size()), r(D);
+    std::vector<float> trig(kTile * std::max(two_p, 1)), r(D);
     RopeSweep sweep(rope);
     for (int64_t t0 = 0; t0 < P; t0 += kTile) {
       const int64_t n = std::min(kTile, P - t0);
-      if (pairs) sweep.next(pos + t0, n, ct.data(), st.data());
+      if (pairs) sweep.next(pos + t0, n, trig.data(), trig.data() + pairs, two_p);
       for (int64_t u = 0; u < n; ++u) {
         const int64_t t = t0 + u;
         const int a = kidx[t];
         const float gam = bf16_to_float(kgam[t]);
-        const float *c = &ct[u * pairs], *s = &st[u * pairs];
-        for (int i = 0; i < rows; ++i) {
-          const float *A = &coefA[(static_cast<size_t>(a) * rows + i) * pairs];
-          const float *B = &coefB[(static_cast<size_t>(a) * rows + i) * pairs];
-          float v = coefC[static_cast<size_t>(a) * rows + i];
-#pragma omp simd reduction(+ : v)
-          for (int j = 0; j < pairs; ++j) v += A[j] * c[j] + B[j] * s[j];
-          L[i * total + t] = gam * v;
-        }
+        const float *cs = &trig[u * two_p];
+        const float *c = cs, *s = cs + pairs;
+        const float *AB = &coef[static_cast<size_t>(a) * rows * two_p];
+        const float *C = &coefC[static_cast<size_t>(a) * rows];
+        for (int i = 0; i < rows; ++i) L[i * total + t] = gam * (C[i] + dot(AB + i * two_p, cs, two_p));
         const uint64_t word = kmask[t >> 6];
         if (word >> (t & 63) & 1u) {
           const uint32_t slot = kbase + kprefix[t >> 6] +

@@ -155,6 +155,9 @@ struct PrefillSpec {
   int window = 32;
   akv_dtype dtype = AKV_DTYPE_F32;
   bool explicit_positions = false;  // gapped, offset positions instead of NULL (0..S-1)
+  // AnchorKV stores the window by its first position (the paper's layout has no per-token
+  // position for it), so it requires consecutive window positions; FullKV does not.
+  bool gaps_in_window = false;
   double query_scale = 1.5;
 };
 
@@ -186,6 +189,15 @@ struct PrefillData {
   int64_t seq_len() const { return shape.seq_len; }
 };
 
+// Explicit positions as an engine produces them: an offset (left padding), gaps in the
+// prompt, and consecutive positions in the last `window` tokens unless gaps_in_window.
+inline std::vector<int32_t> engine_positions(Rng &rng, int64_t count, int window, bool gaps_in_window) {
+  std::vector<int32_t> positions = gapped_positions(rng, count, 7, 3);
+  if (!gaps_in_window)
+    for (int64_t i = std::max<int64_t>(1, count - window); i < count; ++i) positions[i] = positions[i - 1] + 1;
+  return positions;
+}
+
 // post_rope: when given, the keys handed over carry that rotation (keys_post_rope = 1).
 inline PrefillData make_prefill(Rng &rng, const PrefillSpec &spec,
                                 const RopeReference *post_rope = nullptr) {
@@ -197,7 +209,7 @@ inline PrefillData make_prefill(Rng &rng, const PrefillSpec &spec,
   data.window = spec.window;
   data.dtype = spec.dtype;
   data.explicit_positions = spec.explicit_positions;
-  data.positions = spec.explicit_positions ? gapped_positions(rng, spec.seq_len, 7, 3)
+  data.positions = spec.explicit_positions ? engine_positions(rng, spec.seq_len, spec.window, spec.gaps_in_window)
                                            : default_positions(spec.seq_len);
   data.keys_pre_rope = llm_like_keys(rng, spec.kv_heads, spec.seq_len, spec.head_dim);
   std::vector<float> handed_keys = data.keys_pre_rope;

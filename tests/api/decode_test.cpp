@@ -80,6 +80,7 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
   spec.window = c.window;
   spec.dtype = c.dtype;
   spec.explicit_positions = c.explicit_positions;
+  spec.gaps_in_window = c.method == AKV_METHOD_FULLKV;  // only AnchorKV needs a consecutive window
   const PrefillData data = make_prefill(rng, spec, c.keys_post_rope ? &rope : nullptr);
   if (c.method == AKV_METHOD_ANCHORKV)
     options.retain_fraction = workable_retain_fraction(data.shape, c.window, 0, 0.05);
@@ -89,19 +90,21 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
 
   // Append tokens: keys follow the cache's convention (post-RoPE when keys_post_rope).
   std::vector<int32_t> positions = data.positions;
-  std::vector<float> appended_keys_pre = llm_like_keys(rng, c.H, c.appended, c.D);
-  std::vector<float> appended_values = nonzero_normal(rng, static_cast<size_t>(c.H) * c.appended * c.D);
-  std::vector<int32_t> appended_positions =
+  const std::vector<float> appended_keys_pre = llm_like_keys(rng, c.H, c.appended, c.D);
+  const std::vector<float> appended_values = nonzero_normal(rng, static_cast<size_t>(c.H) * c.appended * c.D);
+  const std::vector<int32_t> appended_positions =
       c.explicit_append_positions ? gapped_positions(rng, c.appended, positions.back() + 1 + static_cast<int32_t>(rng.uniform_int(0, 4)), 4)
                                   : default_positions(c.appended, positions.back() + 1);
+  Tensor appended_keys, appended_value_tensor;
   if (c.appended > 0) {
     std::vector<float> handed = appended_keys_pre;
     if (c.keys_post_rope) {
       const std::vector<double> rotated = rope.apply(appended_keys_pre, c.H, c.appended, c.D, appended_positions);
       handed.assign(rotated.begin(), rotated.end());
     }
-    const Tensor keys = make_tensor(handed, c.dtype), values = make_tensor(appended_values, c.dtype);
-    ASSERT_EQ(akv_append(cache.get(), keys.data(), values.data(), c.dtype, c.appended,
+    appended_keys = make_tensor(handed, c.dtype);
+    appended_value_tensor = make_tensor(appended_values, c.dtype);
+    ASSERT_EQ(akv_append(cache.get(), appended_keys.data(), appended_value_tensor.data(), c.dtype, c.appended,
                          c.explicit_append_positions ? appended_positions.data() : nullptr, nullptr),
               AKV_OK)
         << akv_last_error_message();
@@ -116,57 +119,57 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
   const Dense unrotated = reconstruct(cache.get(), 0);
   ASSERT_EQ(rotated.tokens, T);
 
-  // The inputs as the cache should hold them: [H][T][D], rounded to the storage dtype.
+  // What was handed over, [H][T][D] (prompt then appended), and those keys after RoPE.
   const akv_dtype storage = c.dtype == AKV_DTYPE_F16 ? AKV_DTYPE_F16 : AKV_DTYPE_BF16;
-  std::vector<float> input_keys_pre(static_cast<size_t>(c.H) * T * c.D), input_values(input_keys_pre.size());
+  std::vector<float> handed_keys(static_cast<size_t>(c.H) * T * c.D), stored_values(handed_keys.size());
   for (int h = 0; h < c.H; ++h)
     for (int64_t t = 0; t < T; ++t)
       for (int d = 0; d < c.D; ++d) {
         const size_t dst = (static_cast<size_t>(h) * T + t) * c.D + d;
-        if (t < c.S) {
-          const size_t src = (static_cast<size_t>(h) * c.S + t) * c.D + d;
-          input_keys_pre[dst] = round_to_dtype(c.keys_post_rope ? data.keys_pre_rope[src] : data.keys.values[src], c.dtype);
-          input_values[dst] = round_to_dtype(data.values.values[src], storage);
-        } else {
-          const size_t src = (static_cast<size_t>(h) * c.appended + (t - c.S)) * c.D + d;
-          input_keys_pre[dst] = round_to_dtype(appended_keys_pre[src], c.dtype);
-          input_values[dst] = round_to_dtype(round_to_dtype(appended_values[src], c.dtype), storage);
-        }
+        const bool prompt = t < c.S;
+        const size_t src = prompt ? (static_cast<size_t>(h) * c.S + t) * c.D + d
+                                  : (static_cast<size_t>(h) * c.appended + (t - c.S)) * c.D + d;
+        handed_keys[dst] = prompt ? data.keys.values[src] : appended_keys.values[src];
+        stored_values[dst] = round_to_dtype(prompt ? data.values.values[src] : appended_value_tensor.values[src], storage);
       }
-  const double key_rms = root_mean_square(input_keys_pre), value_rms = root_mean_square(input_values);
+  const std::vector<double> handed_keys_post =
+      c.keys_post_rope ? std::vector<double>(handed_keys.begin(), handed_keys.end())
+                       : rope.apply(handed_keys, c.H, T, c.D, positions);
+  const double key_rms = root_mean_square(handed_keys), value_rms = root_mean_square(stored_values);
 
   // (1) RoPE: rotated = R_t(unrotated) at every cached position.
   const std::vector<double> rerotated = rope.apply(unrotated.keys, c.H, T, c.D, positions);
   EXPECT_TRUE(all_near(rotated.keys, rerotated, 2e-3 * key_rms, 2e-3))
       << "reconstruct(rotated=1) is not RoPE(reconstruct(rotated=0)) at the cached positions";
 
-  // (2) Exact rows: the window and the appended tokens (every row for FullKV).
+  // (2) Exact rows: the window and the appended tokens (every row for FullKV). Values come back
+  // bit for bit in the storage dtype. Keys may be stored before or after RoPE (the AnchorKV
+  // window is an anchor: before, bit for bit); either way the post-RoPE row is the handed
+  // one up to the storage rounding (one rounding, two when keys_post_rope is de-rotated).
   const int64_t first_exact = c.method == AKV_METHOD_FULLKV ? 0 : c.S - c.window;
-  int64_t value_mismatches = 0, key_mismatches = 0;
+  const double row_tolerance = c.keys_post_rope ? 1.2e-2 : 6e-3;
+  int64_t value_mismatches = 0, window_key_mismatches = 0, key_rows_off = 0;
+  double worst_row_error = 0.0;
   for (int h = 0; h < c.H; ++h)
-    for (int64_t t = first_exact; t < T; ++t)
+    for (int64_t t = first_exact; t < T; ++t) {
+      double error = 0.0, reference = 0.0;
       for (int d = 0; d < c.D; ++d) {
         const size_t i = (static_cast<size_t>(h) * T + t) * c.D + d;
-        value_mismatches += rotated.values[i] != input_values[i];
-        if (!c.keys_post_rope) key_mismatches += unrotated.keys[i] != round_to_dtype(input_keys_pre[i], storage);
+        value_mismatches += rotated.values[i] != stored_values[i];
+        const bool anchor_window_row = c.method == AKV_METHOD_ANCHORKV && t < c.S;
+        if (anchor_window_row && !c.keys_post_rope)
+          window_key_mismatches += unrotated.keys[i] != round_to_dtype(handed_keys[i], storage);
+        error += std::pow(rotated.keys[i] - handed_keys_post[i], 2);
+        reference += handed_keys_post[i] * handed_keys_post[i];
       }
+      const double relative = std::sqrt(error / reference);
+      worst_row_error = std::max(worst_row_error, relative);
+      key_rows_off += relative > row_tolerance;
+    }
   EXPECT_EQ(value_mismatches, 0) << "window/appended values are not stored exactly";
-  EXPECT_EQ(key_mismatches, 0) << "window/appended keys are not stored exactly";
-  if (c.keys_post_rope) {
-    // Keys were handed over rotated; the cache de-rotates them for storage, so they come back
-    // to within the storage rounding.
-    std::vector<double> expected_pre(input_keys_pre.begin(), input_keys_pre.end());
-    std::vector<float> exact_rows, reference_rows;
-    for (int h = 0; h < c.H; ++h)
-      for (int64_t t = first_exact; t < T; ++t)
-        for (int d = 0; d < c.D; ++d) {
-          const size_t i = (static_cast<size_t>(h) * T + t) * c.D + d;
-          exact_rows.push_back(unrotated.keys[i]);
-          reference_rows.push_back(static_cast<float>(expected_pre[i]));
-        }
-    EXPECT_TRUE(all_near(exact_rows, reference_rows, 2e-2 * key_rms, 1e-2))
-        << "post-RoPE keys were not de-rotated to the pre-RoPE keys";
-  }
+  EXPECT_EQ(window_key_mismatches, 0) << "window keys (anchors) are not stored exactly before RoPE";
+  EXPECT_EQ(key_rows_off, 0) << "window/appended keys differ from the handed keys beyond storage rounding"
+                             << " (worst relative row error " << worst_row_error << ")";
 
   // (3) Decode equals exact attention over the reconstructed cache.
   const Tensor queries = make_tensor(nonzero_normal(rng, static_cast<size_t>(Hq) * c.q_len * c.D, 1.5), c.dtype);
@@ -177,15 +180,14 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
   EXPECT_TRUE(all_near(out, expected, 2e-4 * value_rms, output_rel_tolerance(c.dtype)))
       << "decode differs from exact attention over akv_cache_reconstruct's K/V";
 
-  // (4) FullKV: exact attention over the original inputs, rotated by the reference RoPE.
+  // (4) FullKV: exact attention over the original inputs, rotated by the reference RoPE. The
+  // keys' storage rounding (bf16: 2^-9 per element, before or after RoPE) moves logits by
+  // ~0.005 here, so this bound is loose; (3) is the tight one. It catches a wrong RoPE
+  // convention, GQA mapping, scale or causal mask, which move outputs by ~0.1-1.
   if (c.method == AKV_METHOD_FULLKV) {
-    std::vector<float> stored_pre(input_keys_pre.size());
-    for (size_t i = 0; i < stored_pre.size(); ++i) stored_pre[i] = round_to_dtype(input_keys_pre[i], storage);
-    const std::vector<double> keys_post = rope.apply(c.keys_post_rope ? input_keys_pre : stored_pre, c.H, T, c.D, positions);
-    const std::vector<double> values_d(input_values.begin(), input_values.end());
-    const std::vector<double> original = reference_attention(keys_post, values_d, queries.values, shape, scale);
-    // keys_post_rope: the cache held bf16 keys either side of a rotation: a looser bound.
-    const double abs_tol = (c.keys_post_rope ? 3e-2 : 3e-3) * value_rms;
+    const std::vector<double> values_d(stored_values.begin(), stored_values.end());
+    const std::vector<double> original = reference_attention(handed_keys_post, values_d, queries.values, shape, scale);
+    const double abs_tol = (storage == AKV_DTYPE_F16 ? 5e-3 : 3e-2) * value_rms;
     EXPECT_TRUE(all_near(out, original, abs_tol, output_rel_tolerance(c.dtype) + 1e-3))
         << "FullKV decode differs from exact attention over the original inputs";
   }

@@ -178,6 +178,7 @@ class DamagedData : public ::testing::Test {
   }
 
   void TearDown() override {
+    if (!cache_) return;  // SetUp failed and said why
     // The context and the original cache are untouched by all the failures.
     EXPECT_TRUE(decode_raw(cache_.get(), probe_, 1) == reference_output_);
     EXPECT_NE(deserialize(context_.get(), bytes_), nullptr);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "common.hpp"
@@ -33,41 +34,56 @@ void AttentionProfile::merge(const AttentionProfile &other) {
 
 namespace {
 
-// logits[i][t] = scale * q_i . k_t for t < n. Keys outer, four queries at a time with
-// independent accumulators per query, so each key is loaded once per block and the
-// compiler can keep several vector FMA chains in flight.
+// GCC/Clang vector extension: 4 doubles (one AVX2 register with -march=x86-64-v3, two SSE2
+// registers otherwise).
+typedef double Vec4 __attribute__((vector_size(32)));
+inline Vec4 load4(const double *p) {
+  Vec4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline double sum4(Vec4 v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+
+// logits[i][t] = scale * q_i . k_t for t < n. Register-blocked over 4 queries x 2 keys so
+// each loaded vector feeds several independent FMA chains.
 void scaled_logits(const double *keys, int64_t n, int D, const double *queries, int nq, double scale,
                    double *logits, int64_t row_stride) {
-  constexpr int kBlock = 4, kLanes = 4;
-  for (int64_t t = 0; t < n; ++t) {
-    const double *key = keys + t * D;
+  const int vector_dims = D - D % 4;
+  auto tail_dot = [&](const double *q, const double *k) {
+    double acc = 0.0;
+    for (int d = vector_dims; d < D; ++d) acc += q[d] * k[d];
+    return acc;
+  };
+  int64_t t = 0;
+  for (; t + 2 <= n; t += 2) {
+    const double *k0 = keys + t * D, *k1 = k0 + D;
     int i = 0;
-    for (; i + kBlock <= nq; i += kBlock) {
-      const double *q0 = queries + static_cast<int64_t>(i) * D;
-      const double *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-      double a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};
-      int d = 0;
-      for (; d + kLanes <= D; d += kLanes)
-        for (int l = 0; l < kLanes; ++l) {
-          const double k = key[d + l];
-          a0[l] += q0[d + l] * k;
-          a1[l] += q1[d + l] * k;
-          a2[l] += q2[d + l] * k;
-          a3[l] += q3[d + l] * k;
+    for (; i + 4 <= nq; i += 4) {
+      const double *q[4];
+      for (int j = 0; j < 4; ++j) q[j] = queries + static_cast<int64_t>(i + j) * D;
+      Vec4 acc0[4] = {}, acc1[4] = {};
+      for (int d = 0; d < vector_dims; d += 4) {
+        const Vec4 a = load4(k0 + d), b = load4(k1 + d);
+        for (int j = 0; j < 4; ++j) {
+          const Vec4 x = load4(q[j] + d);
+          acc0[j] += x * a;
+          acc1[j] += x * b;
         }
-      for (; d < D; ++d) {
-        a0[0] += q0[d] * key[d];
-        a1[0] += q1[d] * key[d];
-        a2[0] += q2[d] * key[d];
-        a3[0] += q3[d] * key[d];
       }
-      logits[(i + 0) * row_stride + t] = scale * ((a0[0] + a0[1]) + (a0[2] + a0[3]));
-      logits[(i + 1) * row_stride + t] = scale * ((a1[0] + a1[1]) + (a1[2] + a1[3]));
-      logits[(i + 2) * row_stride + t] = scale * ((a2[0] + a2[1]) + (a2[2] + a2[3]));
-      logits[(i + 3) * row_stride + t] = scale * ((a3[0] + a3[1]) + (a3[2] + a3[3]));
+      for (int j = 0; j < 4; ++j) {
+        logits[(i + j) * row_stride + t] = scale * (sum4(acc0[j]) + tail_dot(q[j], k0));
+        logits[(i + j) * row_stride + t + 1] = scale * (sum4(acc1[j]) + tail_dot(q[j], k1));
+      }
     }
-    for (; i < nq; ++i) logits[i * row_stride + t] = scale * dot(queries + static_cast<int64_t>(i) * D, key, D);
+    for (; i < nq; ++i) {
+      const double *q = queries + static_cast<int64_t>(i) * D;
+      logits[i * row_stride + t] = scale * dot(q, k0, D);
+      logits[i * row_stride + t + 1] = scale * dot(q, k1, D);
+    }
   }
+  for (; t < n; ++t)
+    for (int i = 0; i < nq; ++i)
+      logits[i * row_stride + t] = scale * dot(queries + static_cast<int64_t>(i) * D, keys + t * D, D);
 }
 
 // In-place softmax of the first n entries; returns the log-sum-exp.
