@@ -101,11 +101,11 @@ typedef enum akv_backend {
 typedef enum akv_method {
   AKV_METHOD_FULLKV = 0,   /* exact dense cache: reference and fallback */
   AKV_METHOD_ANCHORKV = 1, /* anchors + projection coefficients + 2-bit residuals */
-  AKV_METHOD_SNAPKV = 2,   /* reserved for the eviction baselines */
-  AKV_METHOD_PYRAMIDKV = 3,
-  AKV_METHOD_ADAKV = 4,
-  AKV_METHOD_ANDPRO = 5,
-  AKV_METHOD_QUANTIZED = 6
+  AKV_METHOD_SNAPKV = 2,   /* eviction: top pooled window attention per head */
+  AKV_METHOD_PYRAMIDKV = 3,/* eviction: SnapKV scores, budgets decreasing over layers */
+  AKV_METHOD_ADAKV = 4,    /* eviction: SnapKV scores, budget shared across heads */
+  AKV_METHOD_ANDPRO = 5,   /* eviction: chunks scored by projection on the window output */
+  AKV_METHOD_QUANTIZED = 6 /* every token, TurboQuant-style b-bit codes (about 4-6x) */
 } akv_method;
 
 typedef enum akv_rope_style {
@@ -185,9 +185,55 @@ typedef struct akv_compress_options {
   int32_t keys_post_rope;         /* 1: keys carry RoPE already; the library de-rotates */
   float softmax_scale;            /* 0 = 1/sqrt(head_dim) */
   akv_dtype storage_dtype;        /* AUTO, F16 or BF16 (anchors, window, appended) */
+  /* ---- Baseline methods (fields appended after the AnchorKV ones; see
+   * akv_compress_options_init_method for each method's paper defaults) ---- */
+  double adakv_alpha;             /* ADAKV: safeguard share; head h keeps round(cnt_h*(1-alpha)
+                                     + alpha*(B-W)) tokens, cnt_h its share of the layer-wide
+                                     top-H*(B-W). In [0, 1]; default 0.2 */
+  int32_t quant_bits;             /* QUANTIZED: bits per coordinate, 2, 3 or 4; 0 = the most
+                                     bits whose footprint fits retain_fraction. Default 0 */
+  int32_t quant_outliers;         /* QUANTIZED: largest-|x| channels of each key kept in the
+                                     storage dtype (with their index), 0..min(32, D/2); default 4 */
+  int32_t pyramid_beta;           /* PYRAMIDKV: the last layer keeps (B-W)/beta evictable tokens
+                                     per head (schedule below); >= 1; default 20 */
+  int32_t andpro_chunk;           /* ANDPRO: tokens per scored chunk, 1..64; default 4 */
 } akv_compress_options;
 
+/* Defaults (AnchorKV's, paper B.3) for every field; method = AKV_METHOD_ANCHORKV. */
 AKV_API void akv_compress_options_init(akv_compress_options *options);
+
+/* akv_compress_options_init, then `method` and that method's paper defaults where they differ
+ * from AnchorKV's. A caller who only picks the method gets the setup of the paper's baselines
+ * (App. B.4, B.5; AnDPro's rebuttal):
+ *  - FULLKV, ANCHORKV: as akv_compress_options_init.
+ *  - SNAPKV, PYRAMIDKV, ADAKV (KVPress defaults): window 64, pool_kernel 5, AKV_POOL_AVG.
+ *  - ANDPRO: window 32, pool_kernel 7, AKV_POOL_MAX, andpro_chunk 4.
+ *  - QUANTIZED (the paper's TurboQuant 3.5-bit setup): window 128 exact recent tokens,
+ *    quant_bits 3, quant_outliers 4, retain_fraction 1 (a ceiling: the ratio follows from
+ *    the bits, about 4.2x at D=128).
+ * With akv_compress_options_init instead, the baselines run with the AnchorKV window and
+ * pooling (32, 7, avg); every field can be overridden after either call.
+ *
+ * How the baselines spend retain_fraction (theta) at matched bytes (SPEC 5):
+ *  - Eviction (SNAPKV, PYRAMIDKV, ADAKV, ANDPRO) keeps exact tokens post-RoPE in the storage
+ *    dtype: B = floor(theta*S) tokens per head on average, the window included, so the
+ *    footprint is 4*D*(tokens kept) <= theta*4*S*H*D. SnapKV keeps B per head. PyramidKV
+ *    gives layer l (layer_index of layer_count) W + b_l per head, b_l linear from
+ *    max = 2(B-W) - min at layer 0 to min = (B-W)/pyramid_beta at the last layer (max clamped
+ *    to S-W, then min = 2(B-W) - max), so the layers average B while one layer may exceed
+ *    theta*M_full (budget_bytes in the stats stays floor(theta*M_full)). AdaKV and AnDPro
+ *    keep H*B tokens per layer with a data-dependent split over heads. AnDPro always keeps
+ *    the first chunk (attention sink) and the window. Fails with AKV_ERR_BUDGET when B is
+ *    below what must always be kept. seq_len must exceed window; queries are required.
+ *    Evicted tokens are gone: decode attends over the kept ones; akv_cache_reconstruct
+ *    returns zeros and present = 0 for them.
+ *  - QUANTIZED keeps every token: the last `window` tokens exact, the others rotated by the
+ *    seeded Hadamard transform of the residual codec; keys get Lloyd-Max codes for N(0,1)
+ *    with one fp32 scale plus quant_outliers exact channels, values uniform codes with an
+ *    fp32 minimum and step per token. queries may be NULL. Fails with AKV_ERR_BUDGET when
+ *    the chosen bits (or, with quant_bits 0, 2 bits) do not fit theta*M_full.
+ *  - layer_index / layer_count only shape PyramidKV's schedule (one layer: SnapKV's budget). */
+AKV_API void akv_compress_options_init_method(akv_compress_options *options, akv_method method);
 
 /* Shape of one layer of one request. Frozen layout. */
 typedef struct akv_shape {
@@ -205,7 +251,8 @@ typedef struct akv_prefill {
   const void *keys;        /* [H][S][D] (see strides) */
   const void *values;      /* [H][S][D] */
   const void *queries;     /* [Hq][W][D] post-RoPE queries of the last W prompt positions;
-                              W = options.window. May be NULL for AKV_METHOD_FULLKV. */
+                              W = options.window. May be NULL for AKV_METHOD_FULLKV
+                              and AKV_METHOD_QUANTIZED. */
   const int32_t *positions;/* optional [S], strictly increasing; NULL = 0..S-1 */
   int64_t kv_head_stride;  /* elements between heads of keys/values; 0 = S*D */
   int64_t kv_token_stride; /* elements between tokens; 0 = D */

@@ -18,13 +18,10 @@ from ._errors import (AnchorKVError, BackendError, BackendUnavailableError, Budg
 
 __version__ = "0.1.0"  # of this binding; the library's is library_version()
 
-_loaded_number = _capi.akv_version_number()
-if _loaded_number // 10000 != _capi.BINDING_VERSION_MAJOR or \
-        _loaded_number < _capi.BINDING_VERSION_NUMBER:
-    raise ImportError(
-        f"{_capi.library_path} is anchorkv {_capi.akv_version_string().decode()} "
-        f"({_loaded_number}); this binding needs {_capi.BINDING_VERSION_MAJOR}.x at least "
-        f"{_capi.BINDING_VERSION_MAJOR}.{_capi.BINDING_VERSION_MINOR}.{_capi.BINDING_VERSION_PATCH}")
+_version_problem = _capi.version_problem(_capi.akv_version_number())
+if _version_problem:
+    raise ImportError(f"{_capi.library_path} is anchorkv {_capi.akv_version_string().decode()}: "
+                      f"{_version_problem}")
 
 
 def library_version() -> str:

@@ -80,6 +80,11 @@ _OPTION_CONVERTERS = {
     "keys_post_rope": lambda value: int(bool(value)),
     "softmax_scale": float,
     "storage_dtype": DType.parse,
+    "adakv_alpha": float,
+    "quant_bits": int,
+    "quant_outliers": int,
+    "pyramid_beta": int,
+    "andpro_chunk": int,
 }
 _ROPE_CONVERTERS = {"rope_style": ("style", RopeStyle.parse), "rotary_dim": ("rotary_dim", int),
                     "rope_base": ("base", float)}
@@ -89,12 +94,17 @@ OPTION_NAMES = tuple(_OPTION_CONVERTERS) + tuple(_ROPE_CONVERTERS) + ("inv_freq"
 def compress_options(**options) -> tuple[_capi.akv_compress_options, Any]:
     """An initialised akv_compress_options with the given fields set (None: the default).
 
-    Names are the C field names; the RoPE ones are rope_style, rotary_dim, rope_base and
-    inv_freq (host float32 array, rotary_dim/2 values). Returns the struct and what must stay
-    alive while the library reads it.
+    Starts from akv_compress_options_init_method(method) when a method is given (that
+    method's paper defaults: SnapKV's window 64, QUANTIZED's 3 bits...), else from
+    akv_compress_options_init (AnchorKV). Names are the C field names; the RoPE ones are
+    rope_style, rotary_dim, rope_base and inv_freq (host float32 array, rotary_dim/2
+    values). Returns the struct and what must stay alive while the library reads it.
     """
     struct = _capi.akv_compress_options()
-    _capi.akv_compress_options_init(byref(struct))
+    if options.get("method") is not None:
+        _capi.akv_compress_options_init_method(byref(struct), Method.parse(options["method"]))
+    else:
+        _capi.akv_compress_options_init(byref(struct))
     keepalive = None
     for name, value in options.items():
         if value is None:
@@ -196,11 +206,11 @@ class Context:
     # -- ownership --
     @property
     def closed(self) -> bool:
-        return self._closed
+        return getattr(self, "_closed", True)
 
     def close(self) -> None:
         """Release the context. Idempotent."""
-        if not self._closed:
+        if not self.closed:
             self._closed = True
             self._handle.release_owner()
 
@@ -253,6 +263,12 @@ class Context:
         value_view = tensors.view(values, name="values", dtype=requested, stream=user_stream)
         query_view = (None if queries is None else
                       tensors.view(queries, name="queries", dtype=requested, stream=user_stream))
+        if isinstance(positions, np.ndarray) and positions.dtype != np.int32 and \
+                positions.dtype.kind in "iu":  # e.g. np.arange: a small host copy
+            if positions.size and (positions.min() < np.iinfo(np.int32).min or
+                                   positions.max() > np.iinfo(np.int32).max):
+                raise InvalidArgumentError("positions do not fit in int32")
+            positions = positions.astype(np.int32)
         position_view = (None if positions is None else
                          tensors.view(positions, name="positions", expect_int32=True,
                                       stream=user_stream))
@@ -591,7 +607,6 @@ class Cache:
         shape = (self._shape.num_kv_heads, stats.shape.seq_len + stats.appended_tokens,
                  self._shape.head_dim)
         on_cuda = self._context.backend == Backend.CUDA
-        device = tensors.CUDA if on_cuda else tensors.CPU
         views = []
         results = []
         for given, name, element in ((keys, "keys", dtype), (values, "values", dtype),

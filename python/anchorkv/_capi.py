@@ -27,6 +27,20 @@ BINDING_VERSION_MINOR = 1
 BINDING_VERSION_PATCH = 0
 BINDING_VERSION_NUMBER = BINDING_VERSION_MAJOR * 10000 + BINDING_VERSION_MINOR * 100 + BINDING_VERSION_PATCH
 
+
+def version_problem(loaded: int) -> str | None:
+    """Why a library of version number `loaded` cannot serve this binding (None: it can).
+
+    Same major as the header the binding was written for, and at least that version.
+    """
+    if loaded // 10000 != BINDING_VERSION_MAJOR:
+        return f"major version {loaded // 10000}, this binding needs {BINDING_VERSION_MAJOR}"
+    if loaded < BINDING_VERSION_NUMBER:
+        return (f"version number {loaded} is older than the {BINDING_VERSION_NUMBER} this "
+                "binding was written for")
+    return None
+
+
 # ---- Library lookup ----------------------------------------------------------------------
 
 if sys.platform == "darwin":
@@ -150,6 +164,12 @@ class akv_compress_options(Structure):
         ("keys_post_rope", c_int32),
         ("softmax_scale", c_float),
         ("storage_dtype", akv_dtype),
+        # Baseline methods (appended after the AnchorKV fields)
+        ("adakv_alpha", c_double),
+        ("quant_bits", c_int32),
+        ("quant_outliers", c_int32),
+        ("pyramid_beta", c_int32),
+        ("andpro_chunk", c_int32),
     ]
 
 
@@ -241,6 +261,9 @@ akv_context_destroy = _declare("akv_context_destroy", None, [akv_context_p])
 # void akv_compress_options_init(akv_compress_options *options);
 akv_compress_options_init = _declare("akv_compress_options_init", None,
                                      [POINTER(akv_compress_options)])
+# void akv_compress_options_init_method(akv_compress_options *options, akv_method method);
+akv_compress_options_init_method = _declare("akv_compress_options_init_method", None,
+                                            [POINTER(akv_compress_options), akv_method])
 # void akv_prefill_init(akv_prefill *prefill);
 akv_prefill_init = _declare("akv_prefill_init", None, [POINTER(akv_prefill)])
 # akv_status akv_compressed_size(const akv_compress_options *options, const akv_shape *shape,
@@ -304,7 +327,7 @@ akv_cache_deserialize = _declare("akv_cache_deserialize", akv_status,
 FUNCTION_NAMES = (
     "akv_version_number", "akv_version_string", "akv_status_string", "akv_last_error_message",
     "akv_context_options_init", "akv_context_create", "akv_context_destroy",
-    "akv_compress_options_init", "akv_prefill_init", "akv_compressed_size", "akv_compress",
+    "akv_compress_options_init", "akv_compress_options_init_method", "akv_prefill_init", "akv_compressed_size", "akv_compress",
     "akv_cache_destroy", "akv_cache_reserve", "akv_append", "akv_decode", "akv_decode_batch",
     "akv_cache_stats_get", "akv_cache_head_stats", "akv_cache_reconstruct",
     "akv_cache_serialized_size", "akv_cache_serialize", "akv_cache_deserialize",

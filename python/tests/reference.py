@@ -46,11 +46,11 @@ def rope(x: np.ndarray, positions: np.ndarray, style: str = "neox", rotary_dim: 
 
 
 def attention(queries: np.ndarray, keys: np.ndarray, values: np.ndarray,
-              scale: float | None = None) -> np.ndarray:
+              scale: float | None = None, present: np.ndarray | None = None) -> np.ndarray:
     """Exact attention: queries [Hq][q_len][D], keys (post-RoPE) and values [H][T][D].
 
     Query head j reads KV head j // (Hq/H); query i sees rows 0..T-q_len+i (causal among
-    the new tokens, as akv_decode defines it).
+    the new tokens, as akv_decode defines it). present [H][T]: rows an evicting method kept.
     """
     q = np.asarray(queries, dtype=np.float64)
     k = np.asarray(keys, dtype=np.float64)
@@ -64,6 +64,9 @@ def attention(queries: np.ndarray, keys: np.ndarray, values: np.ndarray,
     logits = np.einsum("hqd,htd->hqt", q, k_per_q) * scale
     visible = np.arange(tokens)[None, :] <= (tokens - q_len + np.arange(q_len))[:, None]
     logits = np.where(visible[None], logits, -np.inf)
+    if present is not None:
+        kept = np.repeat(np.asarray(present, bool), group, axis=0)  # [Hq][T]
+        logits = np.where(kept[:, None, :], logits, -np.inf)
     logits -= logits.max(axis=-1, keepdims=True)
     weights = np.exp(logits)
     weights /= weights.sum(axis=-1, keepdims=True)

@@ -98,6 +98,14 @@ def test_version_checked_and_reported():
     assert number == major * 10000 + minor * 100 + patch
 
 
+def test_version_rule_same_major_at_least_the_binding():
+    assert _capi.version_problem(_capi.BINDING_VERSION_NUMBER) is None
+    assert _capi.version_problem(_capi.BINDING_VERSION_NUMBER + 1) is None  # newer patch
+    assert "major" in _capi.version_problem((_capi.BINDING_VERSION_MAJOR + 1) * 10000)
+    if _capi.BINDING_VERSION_NUMBER > _capi.BINDING_VERSION_MAJOR * 10000:
+        assert "older" in _capi.version_problem(_capi.BINDING_VERSION_NUMBER - 1)
+
+
 def test_status_strings_and_empty_last_error():
     for status in anchorkv.Status:
         text = anchorkv.status_string(status)
@@ -132,3 +140,20 @@ def test_option_init_fills_documented_defaults():
     prefill = _capi.akv_prefill()
     _capi.akv_prefill_init(ctypes.byref(prefill))
     assert prefill.struct_size == ctypes.sizeof(prefill)
+
+
+def test_per_method_defaults_follow_the_header():
+    snap = _capi.akv_compress_options()
+    _capi.akv_compress_options_init_method(ctypes.byref(snap), anchorkv.Method.SNAPKV)
+    assert (snap.method, snap.window, snap.pool_kernel, snap.pool_type) == \
+        (anchorkv.Method.SNAPKV, 64, 5, anchorkv.PoolType.AVG)
+    quantized = _capi.akv_compress_options()
+    _capi.akv_compress_options_init_method(ctypes.byref(quantized), anchorkv.Method.QUANTIZED)
+    assert (quantized.window, quantized.quant_bits, quantized.quant_outliers) == (128, 3, 4)
+    assert quantized.retain_fraction == 1.0
+    andpro = _capi.akv_compress_options()
+    _capi.akv_compress_options_init_method(ctypes.byref(andpro), anchorkv.Method.ANDPRO)
+    assert (andpro.pool_type, andpro.andpro_chunk) == (anchorkv.PoolType.MAX, 4)
+    # The high-level options start from the method's defaults too.
+    struct, _ = anchorkv.compress_options(method="pyramidkv", pyramid_beta=10)
+    assert (struct.window, struct.pyramid_beta, struct.adakv_alpha) == (64, 10, pytest.approx(0.2))

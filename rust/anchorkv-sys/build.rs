@@ -25,7 +25,8 @@ const STRUCTS: &[(&str, &[&str])] = &[
         &[
             "struct_size", "method", "retain_fraction", "window", "anchors", "scored_fraction",
             "pool_kernel", "pool_type", "residual_scale", "seed", "layer_index", "layer_count",
-            "rope", "keys_post_rope", "softmax_scale", "storage_dtype",
+            "rope", "keys_post_rope", "softmax_scale", "storage_dtype", "adakv_alpha",
+            "quant_bits", "quant_outliers", "pyramid_beta", "andpro_chunk",
         ],
     ),
     ("akv_shape", &["seq_len", "num_kv_heads", "num_q_heads", "head_dim"]),

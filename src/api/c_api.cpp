@@ -181,6 +181,40 @@ AKV_API void akv_compress_options_init(akv_compress_options *o) {
   o->keys_post_rope = 0;
   o->softmax_scale = 0.0f;
   o->storage_dtype = AKV_DTYPE_AUTO;
+  o->adakv_alpha = 0.2;
+  o->quant_bits = 0;
+  o->quant_outliers = 4;
+  o->pyramid_beta = 20;
+  o->andpro_chunk = 4;
+}
+
+AKV_API void akv_compress_options_init_method(akv_compress_options *o, akv_method method) {
+  if (!o) return;
+  akv_compress_options_init(o);
+  o->method = method;
+  switch (method) {
+    case AKV_METHOD_SNAPKV:
+    case AKV_METHOD_PYRAMIDKV:
+    case AKV_METHOD_ADAKV:  // KVPress defaults (paper App. B.4)
+      o->window = 64;
+      o->pool_kernel = 5;
+      o->pool_type = AKV_POOL_AVG;
+      break;
+    case AKV_METHOD_ANDPRO:  // the authors' setup (rebuttal: window 32, chunks of 4)
+      o->window = 32;
+      o->pool_kernel = 7;
+      o->pool_type = AKV_POOL_MAX;
+      o->andpro_chunk = 4;
+      break;
+    case AKV_METHOD_QUANTIZED:  // the paper's TurboQuant reproduction (App. B.5): b=3, k=4
+      o->window = 128;
+      o->quant_bits = 3;
+      o->quant_outliers = 4;
+      o->retain_fraction = 1.0;
+      break;
+    default:
+      break;
+  }
 }
 
 AKV_API void akv_prefill_init(akv_prefill *p) {
@@ -196,11 +230,8 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
   akv_compress_options defaults;
   akv_compress_options_init(&defaults);
   akv_compress_options o = versioned_copy(options, defaults, "options");
-  if (o.method != AKV_METHOD_FULLKV && o.method != AKV_METHOD_ANCHORKV) {
-    if (o.method >= AKV_METHOD_SNAPKV && o.method <= AKV_METHOD_QUANTIZED)
-      fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(o.method), " is not implemented in this version");
+  if (o.method < AKV_METHOD_FULLKV || o.method > AKV_METHOD_QUANTIZED)
     fail(AKV_ERR_INVALID_ARGUMENT, "method ", static_cast<int>(o.method), " is not known");
-  }
   if (o.storage_dtype != AKV_DTYPE_AUTO && o.storage_dtype != AKV_DTYPE_BF16 && o.storage_dtype != AKV_DTYPE_F16)
     fail(AKV_ERR_INVALID_ARGUMENT, "storage_dtype ", static_cast<int>(o.storage_dtype), " must be AUTO, F16 or BF16");
   if (!std::isfinite(o.softmax_scale) || o.softmax_scale < 0.0f)
@@ -268,8 +299,7 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
       if (p.positions[0] < 0) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.positions[0] ", p.positions[0], " is negative");
     }
     CompressRequest req{context, &p, &o};
-    std::unique_ptr<akv_cache> cache =
-        o.method == AKV_METHOD_ANCHORKV ? compress_anchorkv_cpu(req) : compress_fullkv_cpu(req);
+    std::unique_ptr<akv_cache> cache = compress_method_cpu(req);
     *out_cache = cache.release();
   });
 }
@@ -384,12 +414,15 @@ AKV_API akv_status akv_cache_stats_get(const akv_cache *cache, akv_cache_stats *
     s.method = c.meta.method;
     s.shape = c.meta.shape;
     s.storage_dtype = c.meta.storage;
-    s.window = c.meta.method == AKV_METHOD_ANCHORKV ? c.meta.window : 0;
+    s.window = c.meta.method == AKV_METHOD_FULLKV ? 0 : c.meta.window;
     s.anchors = c.meta.anchors;
     s.appended_tokens = c.suffix_len;
     s.append_capacity = c.suffix_capacity;
     s.full_bytes = 4ull * c.meta.shape.seq_len * c.meta.shape.num_kv_heads * c.meta.shape.head_dim;
-    s.budget_bytes = c.meta.method == AKV_METHOD_ANCHORKV ? c.geometry.budget_bytes : s.full_bytes;
+    s.budget_bytes = c.meta.method == AKV_METHOD_ANCHORKV ? c.geometry.budget_bytes
+                     : c.meta.method == AKV_METHOD_FULLKV
+                         ? s.full_bytes
+                         : static_cast<uint64_t>(std::floor(c.meta.retain_fraction * static_cast<double>(s.full_bytes)));
     s.base_bytes = c.meta.method == AKV_METHOD_ANCHORKV ? c.geometry.base_bytes : 0;
     s.compressed_bytes = c.footprint;
     s.appended_bytes = 4ull * c.suffix_len * c.meta.shape.num_kv_heads * c.meta.shape.head_dim;
@@ -415,7 +448,10 @@ AKV_API akv_status akv_cache_head_stats(const akv_cache *cache, akv_head_stats *
         const uint32_t *ko = c.section<uint32_t>(kKeyOffsets), *vo = c.section<uint32_t>(kValueOffsets);
         s.key_residuals = ko[h + 1] - ko[h];
         s.value_residuals = vo[h + 1] - vo[h];
-      } else {
+      } else if (c.meta.method == AKV_METHOD_QUANTIZED) {
+        s.kept_tokens = c.meta.shape.seq_len;  // every token, the window exact
+        s.anchors = c.meta.window;
+      } else {  // FullKV and eviction: exact kept tokens
         s.kept_tokens = c.meta.dense_counts[h];
         s.anchors = c.meta.dense_counts[h];
       }

@@ -9,6 +9,7 @@
 #include "core/layout.hpp"
 #include "core/rope.hpp"
 #include "core/codec.hpp"
+#include "core/quantizer.hpp"
 
 namespace akv {
 class ThreadPool;
@@ -87,8 +88,11 @@ struct CacheMeta {
   int64_t key_residuals = 0;
   int64_t value_residuals = 0;
   int64_t window_first_position = 0;  // the window's positions are consecutive from here
-  // Dense methods (FullKV): per-head kept token counts.
+  // Dense methods (FullKV, eviction, quantized): per-head kept token counts.
   std::vector<int64_t> dense_counts;
+  // Quantized: bits per coordinate and exact outlier channels per key.
+  int32_t quant_bits = 0;
+  int32_t quant_outliers = 0;
 };
 
 }  // namespace akv
@@ -107,6 +111,14 @@ struct akv_cache {
   uint64_t footprint = 0;          // bytes charged by the byte accounting
   // Host-side positions of the dense prompt tokens (reconstruct only, decode never reads).
   std::vector<int32_t> dense_positions;
+  // Eviction methods: prompt token index of every kept token, [sum counts] in storage order
+  // (heads in turn, increasing within a head); empty = every token (FullKV, quantized).
+  // Host metadata for reconstruct (present mask, de-rotation); decode never reads it, so it
+  // is not part of the footprint.
+  std::vector<int32_t> dense_tokens;
+  // Quantized: layout and per-token codec.
+  akv::QuantGeometry quant;
+  akv::TokenQuantizer quantizer;
 
   // Appended tokens: keys (post-RoPE) and values [H][capacity][D], storage dtype.
   akv::Buffer suffix_keys, suffix_values;
@@ -118,6 +130,10 @@ struct akv_cache {
   template <typename T>
   T *section(int index) const {
     return reinterpret_cast<T *>(data.data() + layout.sections[index].offset);
+  }
+  template <typename T>
+  T *quant_section(int index) const {
+    return reinterpret_cast<T *>(data.data() + quant.offsets[index]);
   }
   int64_t total_tokens() const { return meta.shape.seq_len + suffix_len; }
   uint64_t allocated_bytes() const { return data.size() + suffix_keys.size() + suffix_values.size(); }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include "core/error.hpp"
+#include "core/quantizer.hpp"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "serialization assumes a little-endian host");
 
@@ -63,6 +64,10 @@ void corrupt_unless(bool ok, const char *what) {
   if (!ok) fail(AKV_ERR_CORRUPT_DATA, "serialized cache is inconsistent: ", what);
 }
 
+bool is_evicting(akv_method m) {
+  return m == AKV_METHOD_SNAPKV || m == AKV_METHOD_PYRAMIDKV || m == AKV_METHOD_ADAKV || m == AKV_METHOD_ANDPRO;
+}
+
 }  // namespace
 
 uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc) {
@@ -107,8 +112,19 @@ std::vector<uint8_t> serialize_cache(const akv_cache &c, const uint8_t *data, co
   for (int64_t n : m.dense_counts) w.put<int64_t>(n);
   w.put<uint64_t>(c.dense_positions.size());
   w.bytes(c.dense_positions.data(), c.dense_positions.size() * sizeof(int32_t));
+  // Method-specific parameters (FullKV and AnchorKV have none): the eviction methods' kept
+  // token indices [sum counts], the quantizer's bits and outlier count.
+  if (is_evicting(m.method)) {
+    w.put<uint64_t>(c.dense_tokens.size());
+    w.bytes(c.dense_tokens.data(), c.dense_tokens.size() * sizeof(int32_t));
+  } else if (m.method == AKV_METHOD_QUANTIZED) {
+    w.put<int32_t>(m.quant_bits);
+    w.put<int32_t>(m.quant_outliers);
+  }
   if (m.method == AKV_METHOD_ANCHORKV) {
     for (const Section &s : c.layout.sections) w.bytes(data + s.offset, s.bytes);
+  } else if (m.method == AKV_METHOD_QUANTIZED) {
+    for (int i = 0; i < kQuantSectionCount; ++i) w.bytes(data + c.quant.offsets[i], c.quant.bytes[i]);
   } else {
     w.bytes(data, c.footprint);
   }
@@ -177,7 +193,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   c.next_position = r.get<int64_t>("next_position");
 
   const akv_shape &s = m.shape;
-  corrupt_unless(m.method == AKV_METHOD_FULLKV || m.method == AKV_METHOD_ANCHORKV, "unknown method");
+  corrupt_unless(m.method >= AKV_METHOD_FULLKV && m.method <= AKV_METHOD_QUANTIZED, "unknown method");
   corrupt_unless(s.seq_len > 0 && s.seq_len <= (int64_t{1} << 31) && s.num_kv_heads > 0 &&
                      s.num_kv_heads <= 4096 && s.num_q_heads > 0 && s.num_q_heads % s.num_kv_heads == 0 &&
                      s.head_dim > 0 && s.head_dim <= 4096,
@@ -197,15 +213,45 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   const uint32_t nheads = r.get<uint32_t>("dense count");
   corrupt_unless(nheads == (m.method == AKV_METHOD_ANCHORKV ? 0u : static_cast<uint32_t>(s.num_kv_heads)),
                  "dense head count");
+  const bool evicting = is_evicting(m.method);
+  corrupt_unless(!evicting || (m.window > 0 && m.window < s.seq_len), "eviction window");
   for (uint32_t h = 0; h < nheads; ++h) {
     const int64_t n = r.get<int64_t>("dense counts");
-    corrupt_unless(n >= 0 && n <= s.seq_len, "dense counts");
+    // Only the eviction methods drop tokens; they always keep the window.
+    corrupt_unless(evicting ? n >= std::min<int64_t>(m.window, s.seq_len) && n <= s.seq_len : n == s.seq_len,
+                   "dense counts");
     m.dense_counts.push_back(n);
   }
   const uint64_t npos = r.get<uint64_t>("dense positions");
   corrupt_unless(npos == (nheads ? static_cast<uint64_t>(s.seq_len) : 0u), "dense positions count");
   c.dense_positions.resize(npos);
   std::memcpy(c.dense_positions.data(), r.take(npos * 4, "dense positions"), npos * 4);
+  for (uint64_t t = 1; t < npos; ++t) corrupt_unless(c.dense_positions[t] > c.dense_positions[t - 1], "dense positions not increasing");
+  if (evicting) {
+    int64_t kept = 0;
+    for (int64_t n : m.dense_counts) kept += n;
+    const uint64_t ntok = r.get<uint64_t>("kept token count");
+    corrupt_unless(ntok == static_cast<uint64_t>(kept), "kept token count");
+    c.dense_tokens.resize(ntok);
+    std::memcpy(c.dense_tokens.data(), r.take(ntok * 4, "kept tokens"), ntok * 4);
+    // Per head: strictly increasing token indices inside the prompt, ending with the window.
+    int64_t at = 0;
+    for (int64_t n : m.dense_counts) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t t = c.dense_tokens[at + i];
+        corrupt_unless(t >= 0 && t < s.seq_len && (i == 0 || t > c.dense_tokens[at + i - 1]), "kept token indices");
+      }
+      corrupt_unless(c.dense_tokens[at + n - 1] == s.seq_len - 1, "kept tokens miss the window");
+      at += n;
+    }
+  } else if (m.method == AKV_METHOD_QUANTIZED) {
+    m.quant_bits = r.get<int32_t>("quant_bits");
+    m.quant_outliers = r.get<int32_t>("quant_outliers");
+    corrupt_unless(m.quant_bits >= 2 && m.quant_bits <= 4, "quant_bits");
+    corrupt_unless(m.quant_outliers >= 0 && m.quant_outliers <= std::min(32, s.head_dim / 2), "quant_outliers");
+    corrupt_unless(m.window > 0 && m.window <= s.seq_len, "quantized window");
+    corrupt_unless(is_power_of_two(s.head_dim) && s.head_dim >= 16 && s.head_dim <= 512, "quantized head_dim");
+  }
 
   const int64_t H = s.num_kv_heads, D = s.head_dim;
   if (m.method == AKV_METHOD_ANCHORKV) {
@@ -270,6 +316,22 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     const int32_t *pos = reinterpret_cast<const int32_t *>(sec(kPositions));
     for (int64_t t = 1; t < P; ++t) corrupt_unless(pos[t] > pos[t - 1], "positions not increasing");
     corrupt_unless(P == 0 || m.window_first_position > pos[P - 1], "window position");
+  } else if (m.method == AKV_METHOD_QUANTIZED) {
+    c.quant = quant_geometry_for_bits(s, m.window, m.quant_bits, m.quant_outliers);
+    c.quant.budget_bytes = static_cast<uint64_t>(std::floor(m.retain_fraction * static_cast<double>(c.quant.full_bytes)));
+    c.quantizer = TokenQuantizer(m.seed, s.head_dim, m.quant_bits, m.quant_outliers);
+    c.footprint = c.quant.footprint;
+    out.data.assign(c.quant.total_bytes, 0);
+    for (int i = 0; i < kQuantSectionCount; ++i)
+      std::memcpy(out.data.data() + c.quant.offsets[i], r.take(c.quant.bytes[i], "quantized arrays"), c.quant.bytes[i]);
+    // Decode indexes query channels by the outlier indices.
+    const uint64_t outliers = static_cast<uint64_t>(H) * c.quant.prefix * m.quant_outliers;
+    const uint8_t *idx = out.data.data() + c.quant.offsets[kQuantKeyOutlierIndex];
+    for (uint64_t i = 0; i < outliers; ++i) {
+      uint32_t channel = idx[i * c.quant.index_bytes];
+      if (c.quant.index_bytes == 2) channel |= static_cast<uint32_t>(idx[i * 2 + 1]) << 8;
+      corrupt_unless(channel < static_cast<uint32_t>(D), "outlier channel index");
+    }
   } else {
     int64_t kept = 0;
     for (int64_t n : m.dense_counts) kept += n;

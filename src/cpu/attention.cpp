@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 #include "core/dtype.hpp"
+#include "cpu/quantized_attention.hpp"
 
 namespace akv {
 namespace {
@@ -57,6 +58,7 @@ constexpr int64_t kTile = Rope::kTile;
 }  // namespace
 
 void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out) {
+  if (cache.meta.method == AKV_METHOD_QUANTIZED) return decode_quantized_head_cpu(cache, h, q, q_len, out);
   const CacheMeta &meta = cache.meta;
   const int D = meta.shape.head_dim;
   const int G = meta.shape.num_q_heads / meta.shape.num_kv_heads;
@@ -290,7 +292,11 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
         if (side == 0 && rotated) rope.apply(o, meta.window_first_position + w);
       }
     }
+  } else if (meta.method == AKV_METHOD_QUANTIZED) {
+    reconstruct_quantized_prompt_cpu(cache, h, rotated, keys, values);
   } else {
+    // Dense methods: the head's kept tokens in token order; dense_tokens names them for the
+    // eviction methods (empty: every token, FullKV). Evicted tokens read as zeros, absent.
     int64_t before = 0, kept = 0;
     for (int hh = 0; hh < static_cast<int>(meta.dense_counts.size()); ++hh) {
       if (hh < h) before += meta.dense_counts[hh];
@@ -298,10 +304,18 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
     }
     const uint16_t *dk = reinterpret_cast<const uint16_t *>(cache.data.data()) + before * D;
     const uint16_t *dv = reinterpret_cast<const uint16_t *>(cache.data.data()) + (kept + before) * D;
-    for (int64_t t = 0; t < S; ++t) {
-      half_row(dk + t * D, storage, D, keys + t * D);
-      half_row(dv + t * D, storage, D, values + t * D);
+    const bool evicting = !cache.dense_tokens.empty();
+    if (evicting) {
+      std::memset(keys, 0, static_cast<size_t>(S) * D * sizeof(float));
+      std::memset(values, 0, static_cast<size_t>(S) * D * sizeof(float));
+      if (present) std::memset(present, 0, static_cast<size_t>(S));
+    }
+    for (int64_t i = 0; i < meta.dense_counts[h]; ++i) {
+      const int64_t t = evicting ? cache.dense_tokens[before + i] : i;
+      half_row(dk + i * D, storage, D, keys + t * D);
+      half_row(dv + i * D, storage, D, values + t * D);
       if (!rotated) rope.apply(keys + t * D, cache.dense_positions[t], /*inverse=*/true);
+      if (evicting && present) present[t] = 1;
     }
   }
   const int64_t suffix_base = (static_cast<int64_t>(h) * cache.suffix_capacity) * D;
@@ -312,7 +326,10 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
     half_row(sv + suffix_base + u * D, storage, D, values + (S + u) * D);
     if (!rotated) rope.apply(keys + (S + u) * D, cache.suffix_positions[u], /*inverse=*/true);
   }
-  if (present) std::memset(present, 1, static_cast<size_t>(S + cache.suffix_len));
+  if (present) {
+    const bool evicting = meta.method != AKV_METHOD_ANCHORKV && !cache.dense_tokens.empty();
+    std::memset(present + (evicting ? S : 0), 1, static_cast<size_t>((evicting ? 0 : S) + cache.suffix_len));
+  }
 }
 
 }  // namespace akv

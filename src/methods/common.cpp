@@ -1,5 +1,7 @@
 #include <cmath>
 #include "core/error.hpp"
+#include "core/quantizer.hpp"
+#include "methods/eviction.hpp"
 #include "methods/methods.hpp"
 
 namespace akv {
@@ -32,9 +34,30 @@ uint64_t compressed_footprint(const akv_compress_options &o, const akv_shape &s)
       return 4ull * static_cast<uint64_t>(s.seq_len) * s.num_kv_heads * s.head_dim;
     case AKV_METHOD_ANCHORKV:
       return anchor_geometry(o, s).footprint;
+    case AKV_METHOD_SNAPKV:
+    case AKV_METHOD_PYRAMIDKV:
+    case AKV_METHOD_ADAKV:
+    case AKV_METHOD_ANDPRO:
+      return eviction_budget(o, s).footprint;
+    case AKV_METHOD_QUANTIZED:
+      return quant_geometry(o, s).footprint;
     default:
       fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(o.method),
            " is not implemented in this version");
+  }
+}
+
+std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req) {
+  switch (req.options->method) {
+    case AKV_METHOD_FULLKV:
+      return compress_fullkv_cpu(req);
+    case AKV_METHOD_ANCHORKV:
+      return compress_anchorkv_cpu(req);
+    case AKV_METHOD_QUANTIZED:
+      return compress_quantized_cpu(req);
+    default:
+      if (is_eviction_method(req.options->method)) return compress_eviction_cpu(req);
+      fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(req.options->method), " is not implemented on the CPU");
   }
 }
 

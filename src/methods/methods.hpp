@@ -18,6 +18,11 @@ void fill_common_meta(const CompressRequest &req, CacheMeta &meta);
 
 std::unique_ptr<akv_cache> compress_fullkv_cpu(const CompressRequest &req);
 std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req);
+// SnapKV, PyramidKV, AdaKV, AnDPro (methods/eviction_cpu.cpp).
+std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req);
+std::unique_ptr<akv_cache> compress_quantized_cpu(const CompressRequest &req);
+// The method's CPU implementation for req.options->method.
+std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req);
 
 // Exact bytes a method's compressed cache holds (footprint), from shape and options only.
 uint64_t compressed_footprint(const akv_compress_options &options, const akv_shape &shape);

@@ -49,7 +49,9 @@ TEST_P(CacheFootprint, AllocatedBytesMatchTheHookAndTheReportedFootprint) {
     size_t predicted = 0;
     ASSERT_EQ(akv_compressed_size(&options, &data.shape, &predicted), AKV_OK) << akv_last_error_message();
     EXPECT_EQ(stats.compressed_bytes, predicted);
-    if (c.method == AKV_METHOD_FULLKV) EXPECT_EQ(stats.compressed_bytes, stats.full_bytes);
+    if (c.method == AKV_METHOD_FULLKV) {
+      EXPECT_EQ(stats.compressed_bytes, stats.full_bytes);
+    }
     EXPECT_LE(static_cast<double>(stats.compressed_bytes), options.retain_fraction * stats.full_bytes);
 
     // Reserve room for appended tokens: the dense suffix (storage dtype, K and V) goes

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cctype>
 #include <cmath>
 #include <cstdint>
@@ -367,6 +369,22 @@ template <typename E>
          << failures << " of " << actual.size() << " elements out of tolerance (abs " << abs_tol
          << ", rel " << rel_tol << "); worst at index " << worst << ": actual " << actual[worst]
          << ", expected " << static_cast<double>(expected[worst]);
+}
+
+// A measured quantity: recorded in the gtest XML report, printed when AKV_TEST_VERBOSE is set.
+inline void note(const std::string &key, double value) {
+  ::testing::Test::RecordProperty(key, std::to_string(value));
+  if (const char *verbose = std::getenv("AKV_TEST_VERBOSE"); verbose && *verbose)
+    std::printf("  [measured] %s = %.6g\n", key.c_str(), value);
+}
+
+// Largest |actual - expected| divided by `scale`.
+template <typename E>
+double max_error(const std::vector<float> &actual, const std::vector<E> &expected, double scale) {
+  double worst = 0.0;
+  for (size_t i = 0; i < actual.size() && i < expected.size(); ++i)
+    worst = std::max(worst, std::fabs(static_cast<double>(actual[i]) - static_cast<double>(expected[i])));
+  return worst / scale;
 }
 
 inline bool contains_case_insensitive(const std::string &haystack, const std::string &needle) {

@@ -44,7 +44,7 @@ TEST(PaperWorkedExample, CompressedSizeWithoutData) {
 }
 
 // The same example with real data: 2 x 64 MiB of bf16 K/V and a full compression. Slow on the
-// CPU backend; CI can skip it with --gtest_filter=-Slow* (ctest label "slow").
+// CPU backend (~20 s); ctest label "long" (skipped under sanitizers), --gtest_filter=-Slow*.
 TEST(SlowPaperExample, CacheStatsAtFullSize) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
@@ -160,6 +160,37 @@ TEST(CompressedSize, FullKvIsTheDenseBf16Cache) {
   size_t bytes = 0;
   ASSERT_EQ(akv_compressed_size(&options, &shape, &bytes), AKV_OK) << akv_last_error_message();
   EXPECT_EQ(bytes, 4u * 1000 * 3 * 96);
+}
+
+// akv_compress itself: the budget error names the minimum, and compressing at that minimum
+// works and fits.
+TEST(CompressBudget, ErrorNamesTheMinimumAndRetryingWithItSucceeds) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  PrefillSpec spec;
+  spec.seq_len = 777;
+  spec.kv_heads = 2;
+  spec.group = 2;
+  spec.head_dim = 128;
+  const PrefillData data = make_prefill(rng, spec);
+  const AnchorBudget expected = anchorkv_budget(777, 2, 128, 32, 0, 1.0);
+  akv_compress_options options = anchorkv_options(expected.min_retain_fraction * 0.9);
+  const ContextPtr context = make_context();
+  const akv_prefill prefill = data.view();
+  akv_cache *cache = nullptr;
+  ASSERT_EQ(akv_compress(context.get(), &prefill, &options, &cache, nullptr), AKV_ERR_BUDGET);
+  EXPECT_EQ(cache, nullptr);
+  const std::string message = akv_last_error_message();
+  double named = -1.0;
+  for (double number : numbers_in(message))
+    if (number >= expected.min_retain_fraction && number <= expected.min_retain_fraction * 1.01 + 1e-6) named = number;
+  ASSERT_GT(named, 0.0) << "no minimum retain_fraction near " << expected.min_retain_fraction << " in \"" << message << "\"";
+  options.retain_fraction = named;
+  const CachePtr retried = compress(context.get(), data, options);
+  const akv_cache_stats stats = cache_stats(retried.get());
+  EXPECT_LE(static_cast<double>(stats.compressed_bytes), named * stats.full_bytes);
+  EXPECT_EQ(stats.base_bytes, expected.base_bytes);
 }
 
 // ---- stats on real data against the formula ------------------------------------------------

@@ -14,7 +14,8 @@ namespace akv_test {
 namespace {
 
 // Output tolerance: |out - ref| <= abs + rel*|ref|, abs scaled by the RMS of the values. F32
-// leaves fp32 accumulation error; F16/BF16 outputs add one rounding of the output.
+// leaves fp32 accumulation error (measured ~1e-6 of the RMS); F16/BF16 outputs add one
+// rounding of the output (unit roundoff 2^-11 and 2^-8).
 double output_rel_tolerance(akv_dtype dtype) {
   switch (dtype) {
     case AKV_DTYPE_F16: return 1.5e-3;
@@ -139,6 +140,7 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
 
   // (1) RoPE: rotated = R_t(unrotated) at every cached position.
   const std::vector<double> rerotated = rope.apply(unrotated.keys, c.H, T, c.D, positions);
+  note("rope_max_error_over_key_rms", max_error(rotated.keys, rerotated, key_rms));
   EXPECT_TRUE(all_near(rotated.keys, rerotated, 2e-3 * key_rms, 2e-3))
       << "reconstruct(rotated=1) is not RoPE(reconstruct(rotated=0)) at the cached positions";
 
@@ -166,6 +168,7 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
       worst_row_error = std::max(worst_row_error, relative);
       key_rows_off += relative > row_tolerance;
     }
+  note("exact_rows_worst_relative_key_error", worst_row_error);
   EXPECT_EQ(value_mismatches, 0) << "window/appended values are not stored exactly";
   EXPECT_EQ(window_key_mismatches, 0) << "window keys (anchors) are not stored exactly before RoPE";
   EXPECT_EQ(key_rows_off, 0) << "window/appended keys differ from the handed keys beyond storage rounding"
@@ -177,7 +180,9 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
   const double scale = effective_softmax_scale(options, c.D);
   const AttentionShape shape{c.H, Hq, c.D, T, c.q_len};
   const std::vector<double> expected = reference_attention(rotated.keys, rotated.values, queries.values, shape, scale);
-  EXPECT_TRUE(all_near(out, expected, 2e-4 * value_rms, output_rel_tolerance(c.dtype)))
+  note("decode_vs_reconstruct_max_error_over_value_rms", max_error(out, expected, value_rms));
+  const double abs_tolerance = (c.dtype == AKV_DTYPE_F32 ? 2e-5 : 2e-4) * value_rms;
+  EXPECT_TRUE(all_near(out, expected, abs_tolerance, output_rel_tolerance(c.dtype)))
       << "decode differs from exact attention over akv_cache_reconstruct's K/V";
 
   // (4) FullKV: exact attention over the original inputs, rotated by the reference RoPE. The
@@ -188,6 +193,7 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
     const std::vector<double> values_d(stored_values.begin(), stored_values.end());
     const std::vector<double> original = reference_attention(handed_keys_post, values_d, queries.values, shape, scale);
     const double abs_tol = (storage == AKV_DTYPE_F16 ? 5e-3 : 3e-2) * value_rms;
+    note("fullkv_vs_original_max_error_over_value_rms", max_error(out, original, value_rms));
     EXPECT_TRUE(all_near(out, original, abs_tol, output_rel_tolerance(c.dtype) + 1e-3))
         << "FullKV decode differs from exact attention over the original inputs";
   }
@@ -262,7 +268,7 @@ TEST(Append, TokenByTokenAfterReserveMatchesReferenceWithoutAllocating) {
     const AttentionShape shape{H, Hq, D, rotated.tokens, 1};
     const std::vector<double> expected =
         reference_attention(rotated.keys, rotated.values, query.values, shape, 1.0 / std::sqrt(double(D)));
-    EXPECT_TRUE(all_near(out, expected, 2e-4, 1e-4));
+    EXPECT_TRUE(all_near(out, expected, 2e-5, 1e-4));
   }
   const akv_cache_stats stats = cache_stats(cache.get());
   EXPECT_EQ(stats.appended_tokens, steps);

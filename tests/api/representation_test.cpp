@@ -189,6 +189,8 @@ TEST_P(Representation, AnchorsExactOthersProjectedResidualsWhereCounted) {
   ASSERT_GT(residual_rows, 0);
   const double mean_projection = error_projection_sum / projection_rows;
   const double mean_residual = error_residual_sum / residual_rows;
+  note("mean_relative_error_projection_only", mean_projection);
+  note("mean_relative_error_with_residual", mean_residual);
   // A 2-bit residual leaves ~sqrt(0.115) of the residual norm; without it all of it remains.
   EXPECT_LT(mean_residual, 0.75 * mean_projection)
       << "mean relative error with residual " << mean_residual << ", projection only " << mean_projection;
@@ -458,6 +460,7 @@ TEST(ResidualAllocation, LargestUtilitiesPooledOverHeads) {
       expected_head0 += c.h == 0;
     }
     for (int64_t t = 0; t < P; ++t) stored_head0 += (side == 0 ? rows.key_kind[0][t] : rows.value_kind[0][t]) == kWithResidual;
+    note(std::string(side == 0 ? "key" : "value") + "_top_utility_agreement", static_cast<double>(agree) / count);
     // Rounding (fp32 softmax, bf16 storage) may swap near-ties at the cut; a wrong utility or a
     // per-head split moves far more than 10% of the set.
     EXPECT_GE(agree, count * 9 / 10) << agree << " of the top-" << count << " utilities got a residual";

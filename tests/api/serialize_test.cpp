@@ -252,7 +252,9 @@ TEST_F(DamagedData, FutureFormatVersionIsRejected) {
       }
     }
   EXPECT_GT(version_errors, 0) << "no header change reads as a newer format version";
-  if (version_errors > 0) EXPECT_TRUE(contains_case_insensitive(version_message, "version")) << version_message;
+  if (version_errors > 0) {
+    EXPECT_TRUE(contains_case_insensitive(version_message, "version")) << version_message;
+  }
 }
 
 }  // namespace

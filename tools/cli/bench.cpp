@@ -87,22 +87,20 @@ struct BenchSettings {
 void bench_method(akv_context *context, akv_backend backend, const EvalShape &s, const PositionConfig &pc,
                   BackendBuffer &keys, BackendBuffer &values, BackendBuffer &q_window, BackendBuffer &queries,
                   BackendBuffer &out, const BenchSettings &settings, BenchRow &row) {
-  const std::string label = row.backend + " " + row.run.entry->name + " " + ratio_label(row.run.retain_fraction);
-  akv_compress_options options;
-  akv_compress_options_init(&options);
-  options.method = row.run.entry->method;
-  options.retain_fraction = row.run.retain_fraction;
-  options.window = s.window;
+  const std::string label = row.backend + " " + row.run.entry->name + " " + row.run.target_label();
+  akv_compress_options options = method_options(row.run, s.window, 0, 1);
   options.rope = pc.rope.to_library();
   options.keys_post_rope = pc.keys_post_rope ? 1 : 0;
-  if (row.run.entry->configure != nullptr) row.run.entry->configure(&options);
   akv_prefill prefill;
   akv_prefill_init(&prefill);
   prefill.shape = akv_shape{s.seq_len, s.heads, s.q_heads, s.head_dim};
   prefill.dtype = AKV_DTYPE_F32;
   prefill.keys = keys.data();
   prefill.values = values.data();
-  prefill.queries = q_window.data();
+  if (row.run.entry->uses_window_queries) {  // the last options.window of the window queries
+    prefill.queries = static_cast<const float *>(q_window.data()) + static_cast<size_t>(s.window - options.window) * s.head_dim;
+    prefill.q_head_stride = static_cast<int64_t>(s.window) * s.head_dim;
+  }
 
   std::vector<CacheHandle> caches;
   const int compressions = std::max(settings.repeats, settings.batch);
@@ -157,7 +155,6 @@ int run_bench(int argc, char **argv) {
     ("heads", "KV heads H", cxxopts::value<int>()->default_value("8"), "H")
     ("q-heads", "Query heads Hq", cxxopts::value<int>()->default_value("32"), "HQ")
     ("head-dim", "Head dimension D", cxxopts::value<int>()->default_value("128"), "D")
-    ("window", "Observation window W", cxxopts::value<int>()->default_value("32"), "W")
     ("ratios", "Compression ratios or retain fractions", cxxopts::value<std::string>()->default_value("5,10,20"), "LIST")
     ("methods", "Methods besides FullKV: default, all, or names (" + method_names() + ")", cxxopts::value<std::string>()->default_value("default"), "LIST")
     ("repeats", "Timed compress calls per method (median reported)", cxxopts::value<int>()->default_value("3"), "N")
@@ -205,7 +202,7 @@ int run_bench(int argc, char **argv) {
   config.shape.heads = args["heads"].as<int>();
   config.shape.q_heads = args["q-heads"].as<int>();
   config.shape.head_dim = args["head-dim"].as<int>();
-  config.shape.window = args["window"].as<int>();
+  config.shape.window = widest_window(plan);
   config.shape.future = 1;
   config.seed = args["seed"].as<uint64_t>();
   config.threads = settings.threads;
@@ -262,7 +259,7 @@ int run_bench(int argc, char **argv) {
         any_failed = true;
         std::cerr << "anchorkv bench: " << row.error << std::endl;
       }
-      say(name + " " + run.entry->name + " " + ratio_label(run.retain_fraction) + " done (" +
+      say(name + " " + run.entry->name + " " + run.target_label() + " done (" +
           format_seconds(clock.seconds()) + ")");
       rows.push_back(std::move(row));
     }
@@ -326,11 +323,11 @@ int run_bench(int argc, char **argv) {
     for (const BenchRow &row : rows) {
       if (!row.error.empty()) {
         std::printf("%-7s %-10s %7s  FAILED: %s\n", row.backend.c_str(), row.run.entry->name,
-                    ratio_label(row.run.retain_fraction).c_str(), row.error.c_str());
+                    row.run.target_label().c_str(), row.error.c_str());
         continue;
       }
       std::printf("%-7s %-10s %7s %8s %12llu %12s %12s %10s\n", row.backend.c_str(), row.run.entry->name,
-                  ratio_label(row.run.retain_fraction).c_str(), (format_fixed(row.ratio, 2) + "x").c_str(),
+                  row.run.target_label().c_str(), (format_fixed(row.ratio, 2) + "x").c_str(),
                   static_cast<unsigned long long>(row.compressed_bytes),
                   format_seconds(median(row.compress_seconds)).c_str(),
                   format_seconds(median(row.decode_seconds)).c_str(),

@@ -72,7 +72,7 @@ class Rng {
   static Rng keyed(uint64_t seed, uint64_t a, uint64_t b = 0, uint64_t c = 0);
   uint64_t next_u64();
   double uniform();                 // [0, 1)
-  double normal();                  // N(0, 1), Box-Muller with a cached second value
+  double normal();                  // N(0, 1), polar method with a cached second value
   int64_t below(int64_t n);         // uniform integer in [0, n)
 
  private:

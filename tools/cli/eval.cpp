@@ -49,8 +49,14 @@ Fidelity: held-out queries (F per query head, never part of the window) are deco
   uncompressed post-RoPE keys. Columns: mean over cells, 1st percentile, share of cells
   below 0.9. FullKV should be ~1.0 (bf16/fp16 storage rounding only).
 Ratios: target = 1/retain_fraction; measured = M_full / compressed bytes from
-  akv_cache_stats (all layers). Times: compress per layer (mean), decode per call (median,
+  akv_cache_stats (all layers). Quantized runs once at its default bits (target "-": its
+  ratio follows from the bits). Times: compress per layer (mean), decode per call (median,
   one query per head, all Hq heads), and decode time relative to FullKV.
+Methods: each starts from its paper defaults (akv_compress_options_init_method); methods
+  that score with window queries get the last min(default window, W) window queries.
+  Default: FullKV and AnchorKV; --methods all adds SnapKV, PyramidKV, AdaKV, AnDPro and
+  Quantized. A method that fails (e.g. AKV_ERR_BUDGET) is shown with the library's message
+  and makes the exit status 1.
 )";
 
 struct EvalSettings {
@@ -62,6 +68,7 @@ struct EvalSettings {
   int threads = 0;
   uint64_t seed = 1;
   bool quiet = false, csv = false, json = false, check = false;
+  bool verify_decode = false;  // also compare decode with attention over akv_cache_reconstruct
 };
 
 struct Needle {
@@ -93,6 +100,8 @@ struct Row {
   int64_t key_residuals = 0, value_residuals = 0;
   std::vector<double> cell_cosines;   // [layer][Hq]
   std::vector<double> needle_cosines; // per planted needle, in plan order
+  std::vector<double> self_cosines;   // --verify-decode: cos(decode, attention over reconstruction)
+  int window = 0;                     // observation window the method used
   int layers_done = 0;
 
   bool failed() const { return !error.empty(); }
@@ -273,6 +282,7 @@ PreparedLayer prepare_layer(LayerSource &source, int layer, const EvalSettings &
   PreparedLayer prep;
   prep.tensors = source.load(layer);
   const Rotary rotary(pc.rope, D);
+  const RotaryTable rotary_table(rotary, pc.position_offset, rotary.enabled() ? S : 0);
   const double scale = pc.scale(D);
 
   int n = settings.needles_per_head;
@@ -299,7 +309,7 @@ PreparedLayer prepare_layer(LayerSource &source, int layer, const EvalSettings &
     for (int64_t t = 0; t < S; ++t) {
       double *key = &work.keys[t * D];
       for (int d = 0; d < D; ++d) key[d] = keys[t * D + d];
-      if (!pc.keys_post_rope) rotary.apply(key, static_cast<double>(pc.position_offset + t));
+      if (!pc.keys_post_rope && rotary.enabled()) rotary_table.apply(key, t);
       for (int d = 0; d < D; ++d) work.values[t * D + d] = values[t * D + d];
     }
     if (n > 0)
@@ -354,23 +364,59 @@ class Anomalies {
   std::vector<std::string> list_;
 };
 
-void run_layer(akv_context *context, const EvalShape &s, const PositionConfig &pc, akv_dtype dtype,
-               int layer, const PreparedLayer &prep, const LibraryInputs &inputs, Row &row,
-               Anomalies &anomalies) {
-  const int D = s.head_dim, F = s.future, Hq = s.q_heads;
-  const std::string label = std::string(row.run.entry->name) + " " + ratio_label(row.run.retain_fraction);
+// --verify-decode: akv_decode must equal attention over the cache's own reconstruction
+// (akv_cache_reconstruct, post-RoPE keys, tokens the method keeps). A gap here is a decode
+// bug, independent of how good the compression is.
+void verify_decode(const akv_cache *cache, const EvalShape &s, const PreparedLayer &prep,
+                   const std::vector<float> &decoded, double scale, const std::string &label,
+                   const EvalSettings &settings, Row &row, Anomalies &anomalies) {
+  const int D = s.head_dim, G = s.group(), F = s.future, Hq = s.q_heads;
+  const int64_t S = s.seq_len;
+  std::vector<float> keys(static_cast<size_t>(s.heads) * S * D), values(keys.size());
+  std::vector<uint8_t> present(static_cast<size_t>(s.heads) * S);
+  check(akv_cache_reconstruct(cache, AKV_DTYPE_F32, 1, keys.data(), values.data(), present.data(), nullptr),
+        label + ": akv_cache_reconstruct");
+  std::vector<double> head_min(s.heads, 1.0), head_sum(s.heads, 0.0);
+  parallel_for(s.heads, settings.threads, [&](int64_t h) {
+    std::vector<double> k, v;
+    for (int64_t t = 0; t < S; ++t) {
+      if (!present[static_cast<size_t>(h) * S + t]) continue;
+      k.insert(k.end(), &keys[(static_cast<size_t>(h) * S + t) * D], &keys[(static_cast<size_t>(h) * S + t) * D] + D);
+      v.insert(v.end(), &values[(static_cast<size_t>(h) * S + t) * D], &values[(static_cast<size_t>(h) * S + t) * D] + D);
+    }
+    const int64_t kept = static_cast<int64_t>(k.size() / D);
+    std::vector<double> queries(static_cast<size_t>(G) * F * D), out(queries.size());
+    for (size_t i = 0; i < queries.size(); ++i) queries[i] = prep.tensors.q_future[static_cast<size_t>(h) * G * F * D + i];
+    exact_attention(k.data(), v.data(), kept, D, queries.data(), G * F, scale, out.data());
+    for (int g = 0; g < G; ++g)
+      for (int f = 0; f < F; ++f) {
+        const int qh = static_cast<int>(h) * G + g;
+        const double c = cosine(&decoded[(static_cast<size_t>(f) * Hq + qh) * D], &out[(static_cast<size_t>(g) * F + f) * D], D);
+        head_min[h] = std::min(head_min[h], c);
+        head_sum[h] += c / (G * F);
+      }
+  });
+  double worst = 1.0;
+  for (int h = 0; h < s.heads; ++h) {
+    worst = std::min(worst, head_min[h]);
+    row.self_cosines.push_back(head_sum[h]);
+  }
+  if (worst < 0.999)
+    anomalies.add(label, "decode vs attention over akv_cache_reconstruct: worst cosine " + format_fixed(worst, 6) +
+                             " (< 0.999)");
+}
 
-  akv_compress_options options;
-  akv_compress_options_init(&options);
-  options.method = row.run.entry->method;
-  options.retain_fraction = row.run.retain_fraction;
-  options.window = s.window;
-  options.layer_index = layer;
-  options.layer_count = s.layers;
+void run_layer(akv_context *context, const EvalShape &s, const PositionConfig &pc, akv_dtype dtype,
+               int layer, const PreparedLayer &prep, const LibraryInputs &inputs,
+               const EvalSettings &settings, Row &row, Anomalies &anomalies) {
+  const int D = s.head_dim, F = s.future, Hq = s.q_heads;
+  const std::string label = std::string(row.run.entry->name) + " " + row.run.target_label();
+
+  akv_compress_options options = method_options(row.run, s.window, layer, s.layers);
+  row.window = options.window;
   options.rope = pc.rope.to_library();
   options.keys_post_rope = pc.keys_post_rope ? 1 : 0;
   options.softmax_scale = static_cast<float>(pc.softmax_scale);
-  if (row.run.entry->configure != nullptr) row.run.entry->configure(&options);
 
   akv_shape shape{s.seq_len, s.heads, s.q_heads, s.head_dim};
   akv_prefill prefill;
@@ -379,7 +425,12 @@ void run_layer(akv_context *context, const EvalShape &s, const PositionConfig &p
   prefill.dtype = dtype;
   prefill.keys = inputs.keys.data();
   prefill.values = inputs.values.data();
-  prefill.queries = inputs.q_window.data();
+  if (row.run.entry->uses_window_queries) {
+    // The method's window: the last options.window of the data's window queries.
+    const size_t element = dtype_bytes(dtype);
+    prefill.queries = inputs.q_window.data() + static_cast<size_t>(s.window - options.window) * D * element;
+    prefill.q_head_stride = static_cast<int64_t>(s.window) * D;
+  }
   prefill.positions = inputs.positions.empty() ? nullptr : inputs.positions.data();
 
   size_t predicted_bytes = 0;
@@ -401,7 +452,9 @@ void run_layer(akv_context *context, const EvalShape &s, const PositionConfig &p
   if (stats.compressed_bytes != predicted_bytes)
     anomalies.add(label, "compressed_bytes vs akv_compressed_size: " + std::to_string(stats.compressed_bytes) +
                              " != " + std::to_string(predicted_bytes));
-  if (stats.compressed_bytes > budget && options.method != AKV_METHOD_QUANTIZED)
+  // PyramidKV may exceed the budget in one layer (the layers average it): checked over all
+  // layers at the end.
+  if (stats.compressed_bytes > budget && options.method != AKV_METHOD_PYRAMIDKV)
     anomalies.add(label, "footprint over budget: compressed_bytes " + std::to_string(stats.compressed_bytes) +
                              " > theta*M_full " + std::to_string(budget));
   if (stats.compressed_bytes > 0 &&
@@ -417,6 +470,7 @@ void run_layer(akv_context *context, const EvalShape &s, const PositionConfig &p
   // Held-out queries, one position at a time (q_len 1: each sees the whole prompt).
   std::vector<float> query(static_cast<size_t>(Hq) * D), out(query.size());
   std::vector<double> cosines(static_cast<size_t>(Hq) * F);
+  std::vector<float> decoded;  // [F][Hq][D], kept for --verify-decode
   auto decode = [&](const std::string &what) {
     Stopwatch clock;
     check(akv_decode(cache.get(), query.data(), AKV_DTYPE_F32, 1, out.data(), nullptr), label + ": akv_decode (" + what + ")");
@@ -431,6 +485,7 @@ void run_layer(akv_context *context, const EvalShape &s, const PositionConfig &p
     for (int qh = 0; qh < Hq; ++qh)
       std::copy_n(&prep.tensors.q_future[(static_cast<size_t>(qh) * F + f) * D], D, &query[static_cast<size_t>(qh) * D]);
     decode("held-out query");
+    if (settings.verify_decode) decoded.insert(decoded.end(), out.begin(), out.end());
     for (int qh = 0; qh < Hq; ++qh)
       cosines[static_cast<size_t>(qh) * F + f] =
           cosine(&out[static_cast<size_t>(qh) * D], &prep.exact_future[(static_cast<size_t>(qh) * F + f) * D], D);
@@ -440,6 +495,7 @@ void run_layer(akv_context *context, const EvalShape &s, const PositionConfig &p
     for (int f = 0; f < F; ++f) sum += cosines[static_cast<size_t>(qh) * F + f];
     row.cell_cosines.push_back(sum / F);
   }
+  if (settings.verify_decode) verify_decode(cache.get(), s, prep, decoded, pc.scale(D), label, settings, row, anomalies);
 
   // Needle probes.
   const int G = s.group();
@@ -513,7 +569,7 @@ void print_table(const Summary &summary, const std::vector<Row> &rows, const Eva
   for (const Row &row : rows)
     if (row.run.entry->method == AKV_METHOD_FULLKV && !row.failed()) fullkv_decode = row.decode_median();
   for (const Row &row : rows) {
-    std::vector<std::string> line = {row.run.entry->name, ratio_label(row.run.retain_fraction)};
+    std::vector<std::string> line = {row.run.entry->name, row.run.target_label()};
     if (row.failed()) {
       line.push_back("FAILED: " + row.error);
       cells.push_back(line);
@@ -537,9 +593,9 @@ void print_table(const Summary &summary, const std::vector<Row> &rows, const Eva
   }
   std::vector<size_t> width(kColumns);
   for (int c = 0; c < kColumns; ++c) width[c] = std::string(headers[c]).size();
-  for (const auto &line : cells)
-    if (line.size() == kColumns)
-      for (int c = 0; c < kColumns; ++c) width[c] = std::max(width[c], line[c].size());
+  for (const auto &line : cells)  // failed rows: name, target, then the error unaligned
+    for (size_t c = 0; c < (line.size() == kColumns ? line.size() : line.size() - 1); ++c)
+      width[c] = std::max(width[c], line[c].size());
   auto print_line = [&](const std::vector<std::string> &line) {
     std::string text;
     for (size_t c = 0; c < line.size(); ++c) {
@@ -561,6 +617,14 @@ void print_table(const Summary &summary, const std::vector<Row> &rows, const Eva
               "per head, median per call; cos: per (layer, query head) cell, mean over held-out queries, vs exact "
               "attention; p1: 1st percentile of cells; cos<0.9: share of cells; took %s\n",
               format_seconds(summary.seconds).c_str());
+  if (settings.verify_decode) {
+    std::printf("decode vs attention over akv_cache_reconstruct (per layer and KV head, mean cos):");
+    for (const Row &row : rows)
+      if (!row.failed())
+        std::printf(" %s %s min %.6f;", row.run.entry->name, row.run.target_label().c_str(),
+                    percentile(row.self_cosines, 0.0));
+    std::printf("\n");
+  }
   for (const std::string &anomaly : anomalies) std::printf("LIBRARY ANOMALY: %s\n", anomaly.c_str());
 }
 
@@ -600,7 +664,10 @@ nlohmann::json to_json(const Summary &summary, const std::vector<Row> &rows, con
   nlohmann::json json_rows = nlohmann::json::array();
   for (const Row &row : rows) {
     nlohmann::json r = {{"method", row.run.entry->name}, {"retain_fraction", row.run.retain_fraction},
-                        {"target_ratio", row.run.target_ratio()}};
+                        {"target_ratio", row.run.entry->sweeps_ratios || row.run.entry->method == AKV_METHOD_FULLKV
+                                             ? nlohmann::json(row.run.target_ratio())
+                                             : nlohmann::json(nullptr)},
+                        {"window", row.window}};
     if (row.failed()) {
       r["error"] = row.error;
       json_rows.push_back(r);
@@ -623,12 +690,20 @@ nlohmann::json to_json(const Summary &summary, const std::vector<Row> &rows, con
     r["needles_reached"] = row.reached(settings.reach_threshold);
     r["needles_total"] = row.needle_cosines.size();
     r["needle_cosines"] = row.needle_cosines;  // in needle_list order
+    if (settings.verify_decode) r["decode_vs_reconstruction_cosines"] = row.self_cosines;  // [layer][kv_head]
     json_rows.push_back(r);
   }
   out["rows"] = json_rows;
   out["library_anomalies"] = anomalies;
   out["seconds"] = summary.seconds;
   return out;
+}
+
+std::string csv_target(const MethodRun &run) {
+  if (run.target_label() == "-") return "";  // the ratio follows from the method's bits
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%.6g", run.target_ratio());
+  return buffer;
 }
 
 void print_csv(const std::vector<Row> &rows, const EvalSettings &settings) {
@@ -641,12 +716,12 @@ void print_csv(const std::vector<Row> &rows, const EvalSettings &settings) {
     if (row.failed()) {
       std::string error = row.error;
       std::replace(error.begin(), error.end(), '"', '\'');
-      std::printf("%s,%.6g,%.6g,,,,,,,,,,,\"%s\"\n", row.run.entry->name, row.run.target_ratio(),
+      std::printf("%s,%s,%.6g,,,,,,,,,,,\"%s\"\n", row.run.entry->name, csv_target(row.run).c_str(),
                   row.run.retain_fraction, error.c_str());
       continue;
     }
-    std::printf("%s,%.6g,%.6g,%.6f,%llu,%.6g,%.6g,%.4f,%.6f,%.6f,%.6f,%lld,%zu,\n", row.run.entry->name,
-                row.run.target_ratio(), row.run.retain_fraction, row.ratio(),
+    std::printf("%s,%s,%.6g,%.6f,%llu,%.6g,%.6g,%.4f,%.6f,%.6f,%.6f,%lld,%zu,\n", row.run.entry->name,
+                csv_target(row.run).c_str(), row.run.retain_fraction, row.ratio(),
                 static_cast<unsigned long long>(row.compressed_bytes),
                 row.compress_seconds / std::max(row.layers_done, 1), row.decode_median(),
                 row.decode_median() / fullkv_decode, mean_of(row.cell_cosines), percentile(row.cell_cosines, 0.01),
@@ -680,7 +755,7 @@ int run_eval(int argc, char **argv) {
     ("heads", "Synthetic: KV heads H", cxxopts::value<int>()->default_value("8"), "H")
     ("q-heads", "Synthetic: query heads Hq (a multiple of H)", cxxopts::value<int>()->default_value("32"), "HQ")
     ("head-dim", "Synthetic: head dimension D", cxxopts::value<int>()->default_value("128"), "D")
-    ("window", "Synthetic: observation window W (queries per head handed to compress)", cxxopts::value<int>()->default_value("32"), "W")
+    ("window", "Synthetic: window queries per head (default: the widest default window of the methods; each method gets the last min(its window, W))", cxxopts::value<int>(), "W")
     ("future", "Synthetic: held-out queries F per query head", cxxopts::value<int>()->default_value("16"), "F")
     ("rope-base", "Synthetic: RoPE base (NeoX style)", cxxopts::value<double>()->default_value("10000"), "BASE")
     ("dtype", "dtype handed to akv_compress: auto (f32 synthetic, file's dtype), f32, f16, bf16", cxxopts::value<std::string>()->default_value("auto"), "T")
@@ -695,6 +770,7 @@ int run_eval(int argc, char **argv) {
     ("csv", "Print CSV instead of the table")
     ("json", "Print JSON (with per-cell cosines and per-needle results) instead of the table")
     ("quiet", "No progress on stderr")
+    ("verify-decode", "Also compare akv_decode with attention over akv_cache_reconstruct (a decode-kernel check, slower)")
     ("check", "Exit 3 unless FullKV matches exact attention (mean cos >= 0.999), every needle is reached by "
               "exact attention and FullKV, and the library stats are consistent")
     ("h,help", "Show this help");
@@ -724,6 +800,7 @@ int run_eval(int argc, char **argv) {
   settings.csv = args.count("csv") > 0;
   settings.json = args.count("json") > 0;
   settings.check = args.count("check") > 0;
+  settings.verify_decode = args.count("verify-decode") > 0;
   if (settings.csv && settings.json) throw CliError("--csv and --json are exclusive", kExitUsage);
   if (settings.needles_per_head < 0) throw CliError("--needles must be >= 0", kExitUsage);
   if (settings.threads < 0) throw CliError("--threads must be >= 0", kExitUsage);
@@ -748,7 +825,7 @@ int run_eval(int argc, char **argv) {
     config.shape.heads = args["heads"].as<int>();
     config.shape.q_heads = args["q-heads"].as<int>();
     config.shape.head_dim = args["head-dim"].as<int>();
-    config.shape.window = args["window"].as<int>();
+    config.shape.window = args.count("window") ? args["window"].as<int>() : widest_window(plan);
     config.shape.future = args["future"].as<int>();
     config.seed = settings.seed;
     config.rope_base = args["rope-base"].as<double>();
@@ -803,14 +880,14 @@ int run_eval(int argc, char **argv) {
       if (row.failed()) continue;
       Stopwatch clock;
       try {
-        run_layer(context.get(), shape, pc, source->input_dtype(), layer, prep, inputs, row, anomalies);
+        run_layer(context.get(), shape, pc, source->input_dtype(), layer, prep, inputs, settings, row, anomalies);
       } catch (const CliError &error) {
         row.error = error.what();
         std::cerr << "anchorkv eval: " << row.error << std::endl;
         continue;
       }
-      progress.say("layer ", layer + 1, "/", layers_to_run, ": ", row.run.entry->name, " ",
-                   ratio_label(row.run.retain_fraction), " done (", format_seconds(clock.seconds()), ")");
+      progress.say("layer ", layer + 1, "/", layers_to_run, ": ", row.run.entry->name, " ", row.run.target_label(),
+                   " (window ", row.window, ") done (", format_seconds(clock.seconds()), ")");
     }
     for (Needle &needle : prep.needles) {
       if (needle.position < 0) continue;
@@ -821,6 +898,11 @@ int run_eval(int argc, char **argv) {
       all_needles.push_back(std::move(needle));
     }
   }
+  for (const Row &row : rows)
+    if (!row.failed() && row.compressed_bytes > row.budget_bytes)
+      anomalies.add(std::string(row.run.entry->name) + " " + row.run.target_label(),
+                    "footprint over budget over all layers: " + std::to_string(row.compressed_bytes) + " > " +
+                        std::to_string(row.budget_bytes));
   summary.needles_unplaced = unplaced;
   if (summary.needles_planted > 0) {
     summary.mean_exact_weight /= summary.needles_planted;

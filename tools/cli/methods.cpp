@@ -91,12 +91,43 @@ std::vector<MethodRun> plan_methods(const std::string &methods, const std::vecto
   std::vector<MethodRun> runs;
   for (const MethodEntry *entry : chosen) {
     if (!entry->sweeps_ratios) {
-      runs.push_back({entry, 1.0});
+      akv_compress_options defaults;
+      akv_compress_options_init_method(&defaults, entry->method);
+      runs.push_back({entry, entry->method == AKV_METHOD_FULLKV ? 1.0 : defaults.retain_fraction});
       continue;
     }
     for (double fraction : fractions) runs.push_back({entry, fraction});
   }
   return runs;
+}
+
+std::string MethodRun::target_label() const {
+  if (entry->method == AKV_METHOD_FULLKV) return "1x";
+  if (!entry->sweeps_ratios) return "-";
+  return ratio_label(retain_fraction);
+}
+
+akv_compress_options method_options(const MethodRun &run, int window_queries, int layer_index,
+                                    int layer_count) {
+  akv_compress_options options;
+  akv_compress_options_init_method(&options, run.entry->method);
+  options.retain_fraction = run.retain_fraction;
+  if (run.entry->uses_window_queries) options.window = std::min(options.window, window_queries);
+  options.layer_index = layer_index;
+  options.layer_count = layer_count;
+  if (run.entry->configure != nullptr) run.entry->configure(&options);
+  return options;
+}
+
+int widest_window(const std::vector<MethodRun> &runs) {
+  int widest = 1;
+  for (const MethodRun &run : runs) {
+    if (!run.entry->uses_window_queries) continue;
+    akv_compress_options defaults;
+    akv_compress_options_init_method(&defaults, run.entry->method);
+    widest = std::max(widest, static_cast<int>(defaults.window));
+  }
+  return widest;
 }
 
 }  // namespace akvcli

@@ -1,8 +1,12 @@
 // The compression methods `anchorkv eval` and `anchorkv bench` compare.
 //
-// FullKV is the reference: it runs once (target ratio 1x) and the decode-time column is
-// relative to it. Every other method runs at each --ratios value with
-// retain_fraction = 1/ratio, through the same akv_compress / akv_decode calls.
+// Every row starts from the method's paper defaults (akv_compress_options_init_method) and
+// runs through the same akv_compress / akv_decode calls. FullKV is the reference: one row
+// (target 1x), the decode-time column is relative to it. Methods that sweep ratios run at
+// each --ratios value with retain_fraction = 1/ratio; Quantized runs once with its default
+// bits (its ratio follows from them). Methods that score with window queries get the last
+// `window` rows of the data's window queries, their default window capped to what the data
+// hold.
 // Adding a method to the default comparison is one line in kMethods (set on_by_default);
 // `--methods NAME,...` picks any listed method, `--methods all` every one.
 #pragma once
@@ -17,29 +21,39 @@ namespace akvcli {
 struct MethodEntry {
   const char *name;
   akv_method method;
-  bool sweeps_ratios;  // false: one row at retain_fraction 1 (FullKV)
-  bool on_by_default;  // part of the comparison when --methods is not given
-  // Method-specific option tweaks on top of the shared ones; nullptr = library defaults.
+  bool sweeps_ratios;        // false: one row at the method's own retain fraction
+  bool uses_window_queries;  // false: prefill.queries = NULL, the method's window kept
+  bool on_by_default;        // part of the comparison when --methods is not given
+  // Method-specific option tweaks on top of the paper defaults; nullptr = none.
   void (*configure)(akv_compress_options *options);
 };
 
 inline const MethodEntry kMethods[] = {
-    // name         method                  sweeps  default  configure
-    {"FullKV",      AKV_METHOD_FULLKV,      false,  true,    nullptr},
-    {"AnchorKV",    AKV_METHOD_ANCHORKV,    true,   true,    nullptr},
-    {"SnapKV",      AKV_METHOD_SNAPKV,      true,   false,   nullptr},
-    {"PyramidKV",   AKV_METHOD_PYRAMIDKV,   true,   false,   nullptr},
-    {"AdaKV",       AKV_METHOD_ADAKV,       true,   false,   nullptr},
-    {"AnDPro",      AKV_METHOD_ANDPRO,      true,   false,   nullptr},
-    {"Quantized",   AKV_METHOD_QUANTIZED,   true,   false,   nullptr},
+    // name         method                  sweeps  queries  default  configure
+    {"FullKV",      AKV_METHOD_FULLKV,      false,  false,   true,    nullptr},
+    {"AnchorKV",    AKV_METHOD_ANCHORKV,    true,   true,    true,    nullptr},
+    {"SnapKV",      AKV_METHOD_SNAPKV,      true,   true,    false,   nullptr},
+    {"PyramidKV",   AKV_METHOD_PYRAMIDKV,   true,   true,    false,   nullptr},
+    {"AdaKV",       AKV_METHOD_ADAKV,       true,   true,    false,   nullptr},
+    {"AnDPro",      AKV_METHOD_ANDPRO,      true,   true,    false,   nullptr},
+    {"Quantized",   AKV_METHOD_QUANTIZED,   false,  false,   false,   nullptr},
 };
 
 // One row of a comparison: a method at one retain fraction.
 struct MethodRun {
   const MethodEntry *entry;
-  double retain_fraction;  // 1 for FullKV
+  double retain_fraction;  // FullKV 1; Quantized: its default ceiling
   double target_ratio() const { return 1.0 / retain_fraction; }
+  std::string target_label() const;  // "5x", FullKV "1x", "-" when the ratio follows from bits
 };
+
+// The options of a row: paper defaults, the row's retain fraction, layer index/count, and
+// for methods that use window queries a window of at most `window_queries`.
+akv_compress_options method_options(const MethodRun &run, int window_queries, int layer_index,
+                                    int layer_count);
+// Widest default window among the rows that use window queries (how many window queries
+// the synthetic data should provide); at least 1.
+int widest_window(const std::vector<MethodRun> &runs);
 
 // Parses --methods ("" = defaults, "all", or comma-separated names, case-insensitive) and
 // --ratios into the rows to run; FullKV always comes first (it is the reference).

@@ -79,4 +79,28 @@ void Rotary::apply(float *x, double position, bool inverse) const {
   rotate(x, position, inverse, first_, second_, inv_freq_);
 }
 
+RotaryTable::RotaryTable(const Rotary &rotary, int64_t first_position, int64_t count) : rotary_(rotary) {
+  const int pairs = rotary.pairs();
+  cos_.resize(static_cast<size_t>(count) * pairs);
+  sin_.resize(cos_.size());
+  for (int64_t t = 0; t < count; ++t)
+    for (int j = 0; j < pairs; ++j) {
+      const double angle = static_cast<double>(first_position + t) * rotary.inv_freq()[j];
+      cos_[t * pairs + j] = std::cos(angle);
+      sin_[t * pairs + j] = std::sin(angle);
+    }
+}
+
+void RotaryTable::apply(double *x, int64_t index) const {
+  const int pairs = rotary_.pairs();
+  const double *c = &cos_[static_cast<size_t>(index) * pairs];
+  const double *s = &sin_[static_cast<size_t>(index) * pairs];
+  const std::vector<int> &first = rotary_.first(), &second = rotary_.second();
+  for (int j = 0; j < pairs; ++j) {
+    const double a = x[first[j]], b = x[second[j]];
+    x[first[j]] = a * c[j] - b * s[j];
+    x[second[j]] = a * s[j] + b * c[j];
+  }
+}
+
 }  // namespace akvcli

@@ -35,6 +35,9 @@ class Rotary {
   int pairs() const { return static_cast<int>(first_.size()); }
   const std::vector<double> &inv_freq() const { return inv_freq_; }
 
+  const std::vector<int> &first() const { return first_; }
+  const std::vector<int> &second() const { return second_; }
+
   // Rotates x (head_dim values) to `position`, or back from it when inverse.
   void apply(double *x, double position, bool inverse = false) const;
   void apply(float *x, double position, bool inverse = false) const;
@@ -42,6 +45,19 @@ class Rotary {
  private:
   std::vector<int> first_, second_;
   std::vector<double> inv_freq_;
+};
+
+// cos/sin of every pair at positions first_position .. first_position + count - 1, so that
+// rotating many heads at the same positions evaluates the trigonometry once.
+class RotaryTable {
+ public:
+  RotaryTable(const Rotary &rotary, int64_t first_position, int64_t count);
+  // Rotates x to the position of `index` (0-based from first_position).
+  void apply(double *x, int64_t index) const;
+
+ private:
+  const Rotary &rotary_;
+  std::vector<double> cos_, sin_;  // [count][pairs]
 };
 
 }  // namespace akvcli

@@ -130,6 +130,12 @@ pub struct akv_compress_options {
     pub keys_post_rope: i32,
     pub softmax_scale: c_float,
     pub storage_dtype: akv_dtype,
+    // Baseline methods (appended after the AnchorKV fields).
+    pub adakv_alpha: c_double,
+    pub quant_bits: i32,
+    pub quant_outliers: i32,
+    pub pyramid_beta: i32,
+    pub andpro_chunk: i32,
 }
 
 #[repr(C)]
@@ -202,6 +208,7 @@ extern "C" {
     pub fn akv_context_destroy(context: *mut akv_context);
 
     pub fn akv_compress_options_init(options: *mut akv_compress_options);
+    pub fn akv_compress_options_init_method(options: *mut akv_compress_options, method: akv_method);
     pub fn akv_prefill_init(prefill: *mut akv_prefill);
     pub fn akv_compressed_size(options: *const akv_compress_options, shape: *const akv_shape, out_bytes: *mut usize) -> akv_status;
     pub fn akv_compress(

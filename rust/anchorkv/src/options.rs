@@ -140,6 +140,16 @@ impl CompressOptions {
     pub fn new() -> Self {
         Self::default()
     }
+
+    /// The options `method` runs with in the paper (`akv_compress_options_init_method`):
+    /// SnapKV/PyramidKV/AdaKV window 64 and pooling 5 (avg), AnDPro max pooling and chunks
+    /// of 4, QUANTIZED 3 bits with 4 outlier channels and a 128-token window.
+    pub fn for_method(method: Method) -> Self {
+        let mut raw = MaybeUninit::<sys::akv_compress_options>::zeroed();
+        // SAFETY: init_method writes every field of the struct it is given.
+        unsafe { sys::akv_compress_options_init_method(raw.as_mut_ptr(), method as i32) };
+        CompressOptions { raw: unsafe { raw.assume_init() }, inv_freq: None }
+    }
     pub fn method(mut self, method: Method) -> Self {
         self.raw.method = method as i32;
         self
@@ -205,9 +215,36 @@ impl CompressOptions {
         self.raw.storage_dtype = dtype as i32;
         self
     }
+    /// AdaKV: share of the per-head budget every head keeps, in [0, 1].
+    pub fn adakv_alpha(mut self, alpha: f64) -> Self {
+        self.raw.adakv_alpha = alpha;
+        self
+    }
+    /// QUANTIZED: bits per coordinate (2, 3, 4; 0 = the most that fit) and exact outlier
+    /// channels per key.
+    pub fn quantization(mut self, bits: i32, outliers: i32) -> Self {
+        self.raw.quant_bits = bits;
+        self.raw.quant_outliers = outliers;
+        self
+    }
+    /// PyramidKV: the last layer keeps (B-W)/beta evictable tokens per head.
+    pub fn pyramid_beta(mut self, beta: i32) -> Self {
+        self.raw.pyramid_beta = beta;
+        self
+    }
+    /// AnDPro: tokens per scored chunk.
+    pub fn andpro_chunk(mut self, chunk: i32) -> Self {
+        self.raw.andpro_chunk = chunk;
+        self
+    }
 
     pub fn get_window(&self) -> i32 {
         self.raw.window
+    }
+
+    /// The C struct as set (inv_freq not yet pointed at the table).
+    pub fn raw(&self) -> &sys::akv_compress_options {
+        &self.raw
     }
 
     /// The C struct, pointing into `self` for the inverse-frequency table.

@@ -263,3 +263,39 @@ fn caches_outlive_their_context_and_move_between_threads() {
         .collect();
     assert_eq!(outputs[0], outputs[1]); // same input, same seed: same cache
 }
+
+#[test]
+fn baselines_decode_over_the_tokens_they_keep() {
+    let seq_len = 512;
+    let data = layer(18, seq_len);
+    let shape = Shape::new(seq_len, H, HQ, D);
+    let context = Context::cpu().unwrap();
+    let prefill = Prefill::new(shape, &data.keys, &data.values).queries(&data.window);
+    let snap = CompressOptions::for_method(Method::SnapKv);
+    assert_eq!((snap.raw().window, snap.raw().pool_kernel), (64, 5)); // the paper's KVPress setup
+    for (method, theta) in [(Method::SnapKv, 0.3), (Method::AdaKv, 0.3), (Method::AnDPro, 0.3), (Method::Quantized, 1.0)] {
+        let options = CompressOptions::for_method(method).window(W as i32).retain_fraction(theta);
+        let cache = context.compress(&prefill, &options).unwrap();
+        assert_eq!(cache.stats().unwrap().method, Some(method));
+        let dense = cache.reconstruct::<f32>(true).unwrap();
+        let kept = dense.present.iter().filter(|&&p| p == 1).count();
+        if method == Method::Quantized {
+            assert_eq!(kept, H * seq_len);
+        } else {
+            assert!(kept < H * seq_len && kept > H * W, "{method:?} kept {kept}");
+        }
+        // Exact attention over the kept rows only: an evicted row gets no weight.
+        let query = Rng::new(19).bf16_exact(HQ * D);
+        let out = cache.decode_to_vec(&query).unwrap();
+        let mut expected = vec![0f64; HQ * D];
+        for j in 0..HQ {
+            let h = j / (HQ / H);
+            let rows: Vec<usize> = (0..seq_len).filter(|&t| dense.present[h * seq_len + t] == 1).collect();
+            let pick = |x: &[f32]| rows.iter().flat_map(|&t| x[(h * seq_len + t) * D..][..D].to_vec()).collect::<Vec<f32>>();
+            let one = attention(&to_f64(&query[j * D..(j + 1) * D]), &to_f64(&pick(&dense.keys)), &to_f64(&pick(&dense.values)),
+                                &Dims { kv_heads: 1, q_heads: 1, tokens: rows.len(), d: D, q_len: 1 });
+            expected[j * D..(j + 1) * D].copy_from_slice(&one);
+        }
+        assert!(max_abs_diff(&out, &expected) < 1e-4, "{method:?}: {}", max_abs_diff(&out, &expected));
+    }
+}

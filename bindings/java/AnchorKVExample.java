@@ -1,0 +1,226 @@
+// Compress one layer's KV cache ~10x, decode a new token, compare with exact attention;
+// then check the binding's contract (exactness over the reconstruction, serialization,
+// errors, ownership). Exits non-zero on any failed check.
+import anchorkv.AnchorKV;
+import anchorkv.AnchorKVException;
+import anchorkv.Cache;
+import anchorkv.CacheStats;
+import anchorkv.CompressOptions;
+import anchorkv.Context;
+import anchorkv.DType;
+import anchorkv.Method;
+import anchorkv.Shape;
+import anchorkv.Status;
+import java.nio.ByteBuffer;
+import java.nio.ByteOrder;
+
+public final class AnchorKVExample {
+  static final int H = 2, HQ = 4, S = 1024, D = 64, W = 32; // KV heads, query heads, prompt, head dim, window
+
+  static long rngState = 0x2545f4914f6cdd1dL;
+
+  static double uniform() { // xorshift64
+    rngState ^= rngState << 13;
+    rngState ^= rngState >>> 7;
+    rngState ^= rngState << 17;
+    return ((rngState >>> 11) + 0.5) / 9007199254740992.0;
+  }
+
+  static double gaussian() {
+    return Math.sqrt(-2.0 * Math.log(uniform())) * Math.cos(6.283185307179586 * uniform());
+  }
+
+  /** NeoX RoPE (base 10000) of one row at `position`: what the model applied to its keys. */
+  static double[] rope(float[] x, int offset, int position) {
+    double[] out = new double[D];
+    for (int i = 0; i < D / 2; ++i) {
+      double angle = position * Math.pow(10000.0, -(double) i / (D / 2));
+      double a = x[offset + i], b = x[offset + i + D / 2];
+      out[i] = a * Math.cos(angle) - b * Math.sin(angle);
+      out[i + D / 2] = b * Math.cos(angle) + a * Math.sin(angle);
+    }
+    return out;
+  }
+
+  /** A direct buffer in native order: what the binding reads and writes. */
+  static ByteBuffer direct(int floats) {
+    return ByteBuffer.allocateDirect(floats * 4).order(ByteOrder.nativeOrder());
+  }
+
+  static ByteBuffer direct(float[] values) {
+    ByteBuffer buffer = direct(values.length);
+    buffer.asFloatBuffer().put(values);
+    return buffer;
+  }
+
+  static float[] floats(ByteBuffer buffer, int count) {
+    float[] out = new float[count];
+    buffer.asFloatBuffer().get(out);
+    return out;
+  }
+
+  /** Exact attention of queries [HQ][D] over rotated keys [H][T] rows and values [H][T][D]. */
+  static double[] attention(float[] query, double[][] keys, float[] values, int tokens) {
+    double[] out = new double[HQ * D];
+    for (int j = 0; j < HQ; ++j) {
+      int h = j / (HQ / H);
+      double[] logits = new double[tokens];
+      double max = Double.NEGATIVE_INFINITY, total = 0;
+      for (int t = 0; t < tokens; ++t) {
+        double dot = 0;
+        for (int d = 0; d < D; ++d) dot += keys[h * tokens + t][d] * query[j * D + d];
+        logits[t] = dot / Math.sqrt(D);
+        max = Math.max(max, logits[t]);
+      }
+      for (int t = 0; t < tokens; ++t) total += (logits[t] = Math.exp(logits[t] - max));
+      for (int t = 0; t < tokens; ++t)
+        for (int d = 0; d < D; ++d) out[j * D + d] += logits[t] / total * values[(h * tokens + t) * D + d];
+    }
+    return out;
+  }
+
+  static int failures = 0;
+
+  static void check(boolean ok, String what) {
+    if (!ok) {
+      System.err.println("FAILED: " + what);
+      failures++;
+    }
+  }
+
+  static Status statusOf(Runnable call) {
+    try {
+      call.run();
+      return Status.OK;
+    } catch (AnchorKVException error) {
+      check(!error.getMessage().isEmpty(), "the exception carries the library's message");
+      return error.status();
+    }
+  }
+
+  public static void main(String[] args) {
+    String jni = System.getProperty("anchorkv.jni");
+    if (jni != null) System.load(jni);
+    else System.loadLibrary("anchorkv_jni");
+
+    // Synthetic layer: keys drift smoothly over 8 directions per head; values are noise.
+    double[] basis = new double[H * 8 * D];
+    for (int i = 0; i < basis.length; ++i) basis[i] = gaussian();
+    float[] keys = new float[H * S * D], values = new float[H * S * D];
+    double[][] rotated = new double[H * S][];
+    for (int h = 0; h < H; ++h) {
+      double[] walk = new double[8];
+      for (int t = 0; t < S; ++t) {
+        for (int r = 0; r < 8; ++r) walk[r] += gaussian() / Math.sqrt(S);
+        for (int d = 0; d < D; ++d) {
+          double drift = 0;
+          for (int r = 0; r < 8; ++r) drift += walk[r] * basis[(h * 8 + r) * D + d];
+          keys[(h * S + t) * D + d] = (float) (drift + 0.3 * gaussian());
+        }
+        rotated[h * S + t] = rope(keys, (h * S + t) * D, t);
+      }
+    }
+    for (int i = 0; i < values.length; ++i) values[i] = (float) gaussian();
+    int[] topics = new int[HQ * 4];
+    for (int i = 0; i < topics.length; ++i) topics[i] = (int) (uniform() * (S - W));
+    float[] window = new float[HQ * W * D], query = new float[HQ * D];
+    for (int j = 0; j < HQ; ++j)
+      for (int w = 0; w < W; ++w) queryRow(j, rotated, topics, window, (j * W + w) * D);
+    for (int j = 0; j < HQ; ++j) queryRow(j, rotated, topics, query, j * D);
+
+    Shape shape = new Shape(S, H, HQ, D);
+    CompressOptions options = new CompressOptions();
+    options.setRetain_fraction(0.1);
+    ByteBuffer keyBuffer = direct(keys), valueBuffer = direct(values), windowBuffer = direct(window);
+    ByteBuffer queryBuffer = direct(query), out = direct(HQ * D);
+
+    Context context = new Context();
+    Cache cache = context.compress(shape, DType.F32, keyBuffer, valueBuffer, windowBuffer, options);
+    cache.decode(queryBuffer, DType.F32, 1, out);
+    float[] decoded = floats(out, HQ * D);
+    double[] expected = attention(query, rotated, values, S);
+    double dot = 0, normOut = 0, normExpected = 0;
+    for (int i = 0; i < HQ * D; ++i) {
+      dot += decoded[i] * expected[i];
+      normOut += (double) decoded[i] * decoded[i];
+      normExpected += expected[i] * expected[i];
+    }
+    double cosine = dot / Math.sqrt(normOut * normExpected);
+    CacheStats stats = cache.stats();
+    check(stats.getCompressed_bytes() == AnchorKV.compressed_bytes(options, shape), "compressed_bytes is known up front");
+    check(stats.getCompressed_bytes() <= stats.getBudget_bytes(), "the footprint stays within the budget");
+    check(stats.getMethod() == Method.ANCHORKV, "AnchorKV is the default method");
+    check(cosine > 0.8, "close to exact attention (cosine " + cosine + ")");
+
+    // Decode is exact attention over the cache's own reconstruction.
+    ByteBuffer denseKeys = direct(H * S * D), denseValues = direct(H * S * D);
+    cache.reconstruct(DType.F32, true, denseKeys, denseValues);
+    float[] reconstructedKeys = floats(denseKeys, H * S * D);
+    double[][] reconstructedRows = new double[H * S][D];
+    for (int row = 0; row < H * S; ++row)
+      for (int d = 0; d < D; ++d) reconstructedRows[row][d] = reconstructedKeys[row * D + d];
+    double[] overReconstruction = attention(query, reconstructedRows, floats(denseValues, H * S * D), S);
+    double worst = 0;
+    for (int i = 0; i < HQ * D; ++i) worst = Math.max(worst, Math.abs(decoded[i] - overReconstruction[i]));
+    check(worst < 2e-5, "decode equals attention over the reconstruction (max diff " + worst + ")");
+
+    // Serialize, deserialize, decode again: the same answer.
+    ByteBuffer bytes = ByteBuffer.allocateDirect((int) cache.serializedSize());
+    long written = cache.serialize(bytes);
+    bytes.limit((int) written);
+    Cache restored = context.deserialize(bytes.slice());
+    ByteBuffer again = direct(HQ * D);
+    restored.decode(queryBuffer, DType.F32, 1, again);
+    check(again.equals(out), "a deserialized cache decodes identically");
+
+    // Errors: the library's status and message, or the binding's own size checks.
+    CompressOptions tiny = new CompressOptions();
+    tiny.setRetain_fraction(0.001);
+    check(statusOf(() -> context.compress(shape, DType.F32, keyBuffer, valueBuffer, windowBuffer, tiny)) == Status.BUDGET,
+          "a too small budget raises BUDGET");
+    check(statusOf(() -> cache.decode(queryBuffer, DType.F32, 1, direct(HQ * D - 1))) == Status.INVALID_ARGUMENT,
+          "a short output buffer is refused before the library writes");
+    check(statusOf(() -> cache.decode(queryBuffer, DType.F32, 2, out)) == Status.INVALID_ARGUMENT,
+          "q_len 2 without appended tokens is refused");
+    try {
+      cache.decode(ByteBuffer.allocate(HQ * D * 4), DType.F32, 1, out);
+      check(false, "a heap buffer is refused");
+    } catch (IllegalArgumentException expectedError) {
+      // direct buffers only: a heap buffer has no stable address
+    }
+
+    // Every method through the same calls; the options start from the method's paper setup.
+    CompressOptions snap = new CompressOptions(Method.SNAPKV);
+    check(snap.getWindow() == 64 && snap.getPool_kernel() == 5, "SnapKV starts from the paper's KVPress setup");
+    snap.setWindow(W);
+    snap.setRetain_fraction(0.2);
+    try (Cache evicted = context.compress(shape, DType.F32, keyBuffer, valueBuffer, windowBuffer, snap)) {
+      check(evicted.stats().getMethod() == Method.SNAPKV, "a SnapKV cache");
+      evicted.decode(queryBuffer, DType.F32, 1, again);
+    }
+
+    // Ownership: a closed context lives on for its caches; cache_destroy (%delobject) releases.
+    context.close();
+    cache.decode(queryBuffer, DType.F32, 1, again);
+    check(again.equals(out), "a cache outlives the close() of its context");
+    AnchorKV.cache_destroy(restored);
+    check(statusOf(() -> restored.serializedSize()) == Status.INVALID_ARGUMENT, "a destroyed cache is a NULL handle");
+    cache.close();
+    cache.close(); // idempotent
+
+    System.out.printf("anchorkv Java: %.1fx smaller (%d of %d bytes), cosine to exact attention %.4f%n",
+                      stats.getRatio(), stats.getCompressed_bytes(), stats.getFull_bytes(), cosine);
+    if (failures > 0) {
+      System.err.println(failures + " check(s) failed");
+      System.exit(1);
+    }
+  }
+
+  /** A query of head j that looks for one of its "topic" tokens. */
+  static void queryRow(int j, double[][] rotated, int[] topics, float[] into, int offset) {
+    double[] key = rotated[(j / (HQ / H)) * S + topics[j * 4 + (int) (uniform() * 4)]];
+    double norm = 0;
+    for (double k : key) norm += k * k;
+    for (int d = 0; d < D; ++d) into[offset + d] = (float) (3.0 * key[d] / Math.sqrt(norm) * Math.pow(D, 0.25) + 0.5 * gaussian());
+  }
+}

@@ -1,0 +1,103 @@
+// The TurboQuant-style quantized cache (SPEC 5, paper App. B.5): every prompt token is kept;
+// the last W exactly, the others rotated by the residual codec's seeded Hadamard transform
+// U = H diag(s)/sqrt(D) and coded at b bits per coordinate:
+//  - keys (post-RoPE): the quant_outliers largest-|x| channels are kept exactly (storage
+//    dtype, with their channel index) and zeroed; the rest is rotated, scaled by one fp32 per
+//    token (RMS, then least-squares refit) and coded with the 2^b-level Lloyd-Max quantizer
+//    for N(0,1), which matches the near-Gaussian marginals the rotation produces;
+//  - values: rotated, then per-token asymmetric uniform codes (fp32 minimum and step), the
+//    per-token value quantization of KIVI that the public TurboQuant reproductions use.
+// Everything here depends only on the shape and the options, so the footprint is exact
+// before any data is seen; the layout is backend-free (the CUDA backend reads the same bytes).
+#pragma once
+#include <array>
+#include <cstdint>
+#include <vector>
+#include "anchorkv/anchorkv.h"
+#include "core/codec.hpp"
+
+namespace akv {
+
+// Lloyd-Max quantizers for a unit Gaussian, positive halves (the negative half mirrors):
+// levels l_i = E[X | X in cell i], thresholds the midpoints. Computed once by Lloyd's
+// iteration on the exact Gaussian integrals (scripts/lloyd_max.py); MSE per coordinate
+// 0.1175 (2 bits), 0.03455 (3 bits), 0.009501 (4 bits). tests/core/quantizer_test.cpp
+// checks both optimality conditions.
+constexpr float kLloydMax2[2] = {0.452780f, 1.510418f};
+constexpr float kLloydMax3[4] = {0.245094f, 0.756005f, 1.343909f, 2.151946f};
+constexpr float kLloydMax4[8] = {0.128395f, 0.388048f, 0.656759f, 0.942340f,
+                                 1.256231f, 1.618046f, 2.069017f, 2.732590f};
+
+// The 2^bits levels in increasing order (code c -> levels[c]).
+std::vector<float> lloyd_max_levels(int bits);
+
+// The arrays of a quantized cache, in storage order (64-byte aligned in one allocation).
+enum QuantSection : int {
+  kQuantWindowKeys = 0,  // [H][W][D] storage dtype, post-RoPE (exact recent tokens)
+  kQuantWindowValues,    // [H][W][D]
+  kQuantKeyCodes,        // [H][P][D*b/8] packed b-bit codes, little-endian bit order
+  kQuantKeyScales,       // [H][P] f32
+  kQuantKeyOutlierIndex, // [H][P][n_out] u8 (u16 when D > 256)
+  kQuantKeyOutlierValue, // [H][P][n_out] storage dtype, exact channel values
+  kQuantValueCodes,      // [H][P][D*b/8]
+  kQuantValueMin,        // [H][P] f32
+  kQuantValueStep,       // [H][P] f32
+  kQuantSectionCount
+};
+
+struct QuantGeometry {
+  int64_t seq_len = 0;  // S
+  int64_t prefix = 0;   // P = S - W, quantized tokens
+  int32_t heads = 0, q_heads = 0, dim = 0;
+  int32_t window = 0;   // W (exact), min(options.window, S)
+  int32_t bits = 0;     // b
+  int32_t outliers = 0; // n_out
+  int32_t index_bytes = 1;
+  uint64_t full_bytes = 0, budget_bytes = 0, footprint = 0;
+  std::array<uint64_t, kQuantSectionCount> bytes{}, offsets{};
+  uint64_t total_bytes = 0;  // allocation: footprint plus alignment padding
+
+  int64_t code_bytes() const { return static_cast<int64_t>(dim) * bits / 8; }
+  int64_t key_bytes_per_token() const { return code_bytes() + 4 + outliers * (2 + index_bytes); }
+  int64_t value_bytes_per_token() const { return code_bytes() + 8; }
+};
+
+// Footprint of a fixed bit width (no budget check).
+QuantGeometry quant_geometry_for_bits(const akv_shape &shape, int32_t window, int32_t bits, int32_t outliers);
+// Validates options and shape; picks the bits (quant_bits, or the most that fit when 0) and
+// fails with AKV_ERR_BUDGET, naming the smallest workable retain_fraction, when they do not fit.
+QuantGeometry quant_geometry(const akv_compress_options &options, const akv_shape &shape);
+
+// b-bit little-endian bit packing of n codes.
+void pack_codes(const uint8_t *codes, int n, int bits, uint8_t *out);
+void unpack_codes(const uint8_t *packed, int n, int bits, uint8_t *codes);
+
+// Per-token coding of one head's tokens, shared by compression, decode and reconstruction.
+class TokenQuantizer {
+ public:
+  TokenQuantizer() = default;
+  TokenQuantizer(uint64_t seed, int head_dim, int bits, int outliers);
+
+  const ResidualCodec &rotation() const { return rotation_; }
+  int bits() const { return bits_; }
+  const std::vector<float> &key_levels() const { return levels_; }
+
+  // key (post-RoPE) -> codes and scale of the remainder, and the outlier channels: their
+  // indices (increasing) and values as given (the caller stores them in its dtype). The coded
+  // remainder is the key with those channels zeroed.
+  void encode_key(const float *key, uint8_t *packed, float *scale, int32_t *outlier_index,
+                  float *outlier_value) const;
+  // value -> codes, minimum and step in the rotated domain.
+  void encode_value(const float *value, uint8_t *packed, float *minimum, float *step) const;
+  // Rotated-domain reconstructions (no outliers, no inverse rotation).
+  void key_rotated(const uint8_t *packed, float scale, float *y) const;
+  void value_rotated(const uint8_t *packed, float minimum, float step, float *y) const;
+
+ private:
+  int dim_ = 0, bits_ = 0, outliers_ = 0;
+  ResidualCodec rotation_;
+  std::vector<float> levels_;      // 2^bits Lloyd-Max levels, increasing
+  std::vector<float> thresholds_;  // 2^bits - 1 midpoints
+};
+
+}  // namespace akv

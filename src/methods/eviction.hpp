@@ -1,0 +1,42 @@
+// Token budgets of the eviction baselines at matched bytes (SPEC 5). An eviction cache keeps
+// exact tokens (post-RoPE keys and values in the storage dtype), 4*D bytes per token and
+// head, so retain fraction theta buys B = floor(theta*S) tokens per head, the window
+// included. Everything here depends only on the shape and the options.
+#pragma once
+#include <cstdint>
+#include <vector>
+#include "anchorkv/anchorkv.h"
+
+namespace akv {
+
+struct EvictionBudget {
+  int64_t seq_len = 0;        // S
+  int64_t prefix = 0;         // P = S - W, the evictable positions
+  int32_t heads = 0;          // H
+  int32_t window = 0;         // W, always kept
+  int32_t first_chunk = 0;    // AnDPro: tokens 0..first_chunk-1 always kept (0 otherwise)
+  int64_t per_head = 0;       // B = floor(theta*S): tokens per head incl. the window
+  int64_t head_tokens = 0;    // SnapKV, PyramidKV: tokens every head keeps (this layer)
+  int64_t layer_tokens = 0;   // tokens kept by the layer, all heads (data-independent)
+  uint64_t full_bytes = 0;    // M_full = 4*S*H*D
+  uint64_t budget_bytes = 0;  // floor(theta * M_full)
+  uint64_t footprint = 0;     // 4*D*layer_tokens
+};
+
+bool is_eviction_method(akv_method method);
+
+// Validates the options the eviction methods read and computes the budget; AKV_ERR_BUDGET
+// (naming the smallest workable retain_fraction) when B cannot hold what is always kept.
+EvictionBudget eviction_budget(const akv_compress_options &options, const akv_shape &shape);
+
+// PyramidKV: evictable tokens per head of every layer (index 0..layer_count-1) for a base
+// budget B-W, beta and P: linear from max = 2(B-W) - min to min = (B-W)/beta, max clamped to
+// P (then min = 2(B-W) - max). Integer counts are differences of the floored running sum, so
+// they add up to exactly layer_count*(B-W).
+std::vector<int64_t> pyramid_schedule(int64_t base, int64_t prefix, int32_t beta, int32_t layer_count);
+
+// AdaKV: per-head counts round(cnt_h*(1-alpha) + alpha*base) by largest remainder, so they
+// sum to exactly H*base (cnt_h sum to H*base too).
+std::vector<int64_t> adakv_counts(const std::vector<int64_t> &selected_per_head, int64_t base, double alpha);
+
+}  // namespace akv

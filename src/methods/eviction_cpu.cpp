@@ -1,0 +1,253 @@
+// The eviction baselines on the CPU (SPEC 5), all through one scoring pass per head:
+//   window attention A = softmax(scale * Qwin Kpost^T) over t <= S-W+w (causal inside the
+//   window), for the m = G*W observation rows of the head (every query head of its group);
+//  - SnapKV: score(t) = pool_kappa(mean over the m rows of A[r][t]), t < P; keep the
+//    top-(B-W) per head plus the window (KVPress: W=64, kappa=5, avg).
+//  - PyramidKV: SnapKV scores, top-b_l per head with the layer's budget (eviction.hpp).
+//  - AdaKV: SnapKV scores; the layer-wide top-H*(B-W) gives head h cnt_h; it keeps the top
+//    round(cnt_h*(1-alpha) + alpha*(B-W)) of its own scores (Feng et al., alpha = 0.2).
+//  - AnDPro (rebuttal seed and the authors' code): per row, the attention is pooled along
+//    the prompt (max, kernel 7); the pooled weights times the values, summed per chunk of 4
+//    tokens, are the chunk's contribution c_r(j); y_r = sum of c_r(j) over the evictable
+//    chunks (not the first chunk, not the window); score(j) = sum_r <c_r(j), y_r>. Chunks of
+//    all heads compete for the layer's H*(B-W-first chunk) tokens, best first; the chunk that
+//    does not fit whole gives its best tokens (by their own contribution), so the layer keeps
+//    exactly H*B tokens. The first chunk (the attention sink) and the window are always kept.
+// Kept tokens are stored exactly: keys post-RoPE, values, storage dtype, in token order per
+// head (the dense ragged layout of FullKV), with their token indices kept host-side.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "core/error.hpp"
+#include "cpu/gemm.hpp"
+#include "cpu/thread_pool.hpp"
+#include "methods/eviction.hpp"
+#include "methods/methods.hpp"
+#include "methods/prefill_reader.hpp"
+
+namespace akv {
+namespace {
+
+// Pooling along the prompt with kernel/2 padding: the average divides by the full kernel
+// (PyTorch avg_pool1d with count_include_pad, as KVPress calls it), the max ignores padding.
+void pool_along(const float *raw, int64_t n, int kernel, akv_pool_type type, float *out) {
+  const int half = kernel / 2;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t lo = std::max<int64_t>(0, t - half), hi = std::min<int64_t>(n - 1, t + half);
+    float acc = type == AKV_POOL_MAX ? -std::numeric_limits<float>::infinity() : 0.0f;
+    for (int64_t u = lo; u <= hi; ++u) acc = type == AKV_POOL_MAX ? std::max(acc, raw[u]) : acc + raw[u];
+    out[t] = type == AKV_POOL_MAX ? acc : acc / static_cast<float>(kernel);
+  }
+}
+
+// Top-n indices of score[0..count) (higher first, ties to the lower index), returned sorted.
+std::vector<int32_t> top_indices(const float *score, int64_t count, int64_t n) {
+  std::vector<int32_t> order(count);
+  std::iota(order.begin(), order.end(), 0);
+  n = std::min(n, count);
+  std::nth_element(order.begin(), order.begin() + n, order.end(), [&](int32_t a, int32_t b) {
+    return score[a] != score[b] ? score[a] > score[b] : a < b;
+  });
+  order.resize(n);
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+struct Candidate {
+  float score;
+  int32_t head;
+  int32_t index;  // token (AdaKV) or chunk (AnDPro)
+};
+bool better(const Candidate &a, const Candidate &b) {
+  if (a.score != b.score) return a.score > b.score;
+  if (a.head != b.head) return a.head < b.head;
+  return a.index < b.index;
+}
+
+}  // namespace
+
+std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
+  const akv_compress_options &o = *req.options;
+  const akv_prefill &p = *req.prefill;
+  ThreadPool &pool = *req.context->pool;
+  const EvictionBudget budget = eviction_budget(o, p.shape);
+  require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (the eviction methods score tokens with"
+          " the window queries)");
+  auto cache = std::make_unique<akv_cache>();
+  cache->context = req.context;
+  CacheMeta &meta = cache->meta;
+  fill_common_meta(req, meta);
+  cache->rope = Rope(o.rope, p.shape.head_dim);
+  PrefillReader in(p, o.window, cache->rope, o.keys_post_rope != 0);
+
+  const int64_t S = budget.seq_len, P = budget.prefix;
+  const int H = budget.heads, D = p.shape.head_dim, W = budget.window;
+  const int G = p.shape.num_q_heads / H;
+  const int64_t m = static_cast<int64_t>(G) * W;
+  const int64_t base = budget.per_head - W;  // evictable tokens per head (on average)
+  const int64_t c0 = budget.first_chunk;
+  const bool andpro = o.method == AKV_METHOD_ANDPRO;
+  const int chunk = andpro ? o.andpro_chunk : 1;
+  const int64_t chunks = andpro ? (P + chunk - 1) / chunk : 0;
+  const float scale = meta.softmax_scale;
+
+  // Per head: SnapKV-family pooled scores [P], or AnDPro token contributions [P] and chunk
+  // scores [chunks].
+  std::vector<float> scores(static_cast<size_t>(H) * P), chunk_scores(static_cast<size_t>(H) * chunks);
+  std::vector<float> K(S * D), V(andpro ? P * D : 0), Q(m * D), A(m * S);
+  std::vector<float> pooled(andpro ? m * P : 0), Y(andpro ? m * D : 0), VY(andpro ? m * P : 0);
+  std::vector<float> raw(P);
+  for (int h = 0; h < H; ++h) {
+    pool.parallel_for(S, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        in.key_row(h, t, nullptr, &K[t * D]);
+        if (andpro && t < P) in.value_row(h, t, &V[t * D]);
+      }
+    });
+    for (int gi = 0; gi < G; ++gi)
+      for (int w = 0; w < W; ++w) in.query_row(h * G + gi, w, &Q[(gi * W + w) * D]);
+    sgemm(true, m, S, D, scale, Q.data(), D, K.data(), D, 0.0f, A.data(), S);
+    pool.parallel_for(m, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        float *row = &A[r * S];
+        const int64_t visible = P + (r % W) + 1;
+        const float mx = *std::max_element(row, row + visible);
+        double sum = 0.0;
+        for (int64_t t = 0; t < visible; ++t) sum += (row[t] = std::exp(row[t] - mx));
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
+        for (int64_t t = visible; t < S; ++t) row[t] = 0.0f;
+      }
+    });
+    float *head_scores = &scores[static_cast<size_t>(h) * P];
+    if (!andpro) {
+      pool.parallel_for(P, [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) {
+          double s = 0.0;
+          for (int64_t r = 0; r < m; ++r) s += A[r * S + t];
+          raw[t] = static_cast<float>(s / m);
+        }
+      });
+      pool_along(raw.data(), P, o.pool_kernel, o.pool_type, head_scores);
+      continue;
+    }
+    // AnDPro: pooled rows, y over the evictable chunks, contributions <a'_r(t) V_t, y_r>.
+    pool.parallel_for(m, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) pool_along(&A[r * S], P, o.pool_kernel, o.pool_type, &pooled[r * P]);
+    });
+    if (P > c0)
+      sgemm(false, m, D, P - c0, 1.0f, &pooled[c0], P, &V[c0 * D], D, 0.0f, Y.data(), D);
+    else
+      std::fill(Y.begin(), Y.end(), 0.0f);
+    sgemm(true, m, P, D, 1.0f, Y.data(), D, V.data(), D, 0.0f, VY.data(), P);
+    pool.parallel_for(P, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        double s = 0.0;
+        for (int64_t r = 0; r < m; ++r) s += static_cast<double>(pooled[r * P + t]) * VY[r * P + t];
+        head_scores[t] = static_cast<float>(s);
+      }
+    });
+    for (int64_t j = 0; j < chunks; ++j) {
+      double s = 0.0;
+      for (int64_t t = j * chunk; t < std::min<int64_t>((j + 1) * chunk, P); ++t) s += head_scores[t];
+      chunk_scores[static_cast<size_t>(h) * chunks + j] = static_cast<float>(s);
+    }
+  }
+
+  // Kept evictable tokens per head (sorted), then the window (and AnDPro's first chunk).
+  std::vector<std::vector<int32_t>> kept(H);
+  if (o.method == AKV_METHOD_SNAPKV || o.method == AKV_METHOD_PYRAMIDKV) {
+    for (int h = 0; h < H; ++h) kept[h] = top_indices(&scores[static_cast<size_t>(h) * P], P, budget.head_tokens - W);
+  } else if (o.method == AKV_METHOD_ADAKV) {
+    std::vector<Candidate> cands;
+    cands.reserve(static_cast<size_t>(H) * P);
+    for (int h = 0; h < H; ++h)
+      for (int64_t t = 0; t < P; ++t) cands.push_back({scores[static_cast<size_t>(h) * P + t], h, static_cast<int32_t>(t)});
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(H) * base, static_cast<int64_t>(cands.size()));
+    std::nth_element(cands.begin(), cands.begin() + n, cands.end(), better);
+    std::vector<int64_t> selected(H, 0);
+    for (int64_t i = 0; i < n; ++i) ++selected[cands[i].head];
+    std::vector<int64_t> counts = adakv_counts(selected, base, o.adakv_alpha);
+    // Rounding never exceeds P in exact arithmetic; move any floating excess to heads with room.
+    int64_t excess = 0;
+    for (int64_t &c : counts)
+      if (c > P) excess += c - P, c = P;
+    for (int h = 0; h < H && excess > 0; ++h) {
+      const int64_t add = std::min(excess, P - counts[h]);
+      counts[h] += add;
+      excess -= add;
+    }
+    for (int h = 0; h < H; ++h) kept[h] = top_indices(&scores[static_cast<size_t>(h) * P], P, counts[h]);
+  } else {  // AnDPro
+    std::vector<Candidate> cands;
+    cands.reserve(static_cast<size_t>(H) * chunks);
+    const int64_t first_evictable = (c0 + chunk - 1) / chunk;  // chunk 0 is the protected one
+    for (int h = 0; h < H; ++h)
+      for (int64_t j = first_evictable; j < chunks; ++j)
+        cands.push_back({chunk_scores[static_cast<size_t>(h) * chunks + j], h, static_cast<int32_t>(j)});
+    std::sort(cands.begin(), cands.end(), better);
+    int64_t left = static_cast<int64_t>(H) * (budget.per_head - W - c0);
+    for (const Candidate &c : cands) {
+      if (left == 0) break;
+      const int64_t t0 = static_cast<int64_t>(c.index) * chunk, t1 = std::min<int64_t>(t0 + chunk, P);
+      std::vector<int32_t> &k = kept[c.head];
+      if (t1 - t0 <= left) {
+        for (int64_t t = t0; t < t1; ++t) k.push_back(static_cast<int32_t>(t));
+        left -= t1 - t0;
+      } else {
+        const float *contrib = &scores[static_cast<size_t>(c.head) * P];
+        const std::vector<int32_t> best = top_indices(contrib + t0, t1 - t0, left);
+        for (int32_t u : best) k.push_back(static_cast<int32_t>(t0 + u));
+        left = 0;
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      for (int64_t t = 0; t < c0; ++t) kept[h].push_back(static_cast<int32_t>(t));
+      std::sort(kept[h].begin(), kept[h].end());
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int64_t t = P; t < S; ++t) kept[h].push_back(static_cast<int32_t>(t));
+
+  // Dense ragged storage: keys [sum counts][D] then values, head after head.
+  meta.dense_counts.resize(H);
+  std::vector<int64_t> first(H + 1, 0);
+  for (int h = 0; h < H; ++h) {
+    meta.dense_counts[h] = static_cast<int64_t>(kept[h].size());
+    first[h + 1] = first[h] + meta.dense_counts[h];
+  }
+  const int64_t total = first[H];
+  require(total == budget.layer_tokens, AKV_ERR_INTERNAL, "eviction kept ", total, " tokens, the budget says ",
+          budget.layer_tokens);
+  cache->dense_tokens.reserve(total);
+  for (int h = 0; h < H; ++h) cache->dense_tokens.insert(cache->dense_tokens.end(), kept[h].begin(), kept[h].end());
+  cache->dense_positions = in.positions();
+  cache->next_position = static_cast<int64_t>(in.positions()[S - 1]) + 1;
+  cache->footprint = budget.footprint;
+  cache->data = Buffer(req.context, cache->footprint);
+  uint16_t *keys = reinterpret_cast<uint16_t *>(cache->data.data());
+  uint16_t *values = keys + total * D;
+  const akv_dtype storage = meta.storage;
+  pool.parallel_for(total, [&](int64_t b, int64_t e) {
+    std::vector<float> k(D), v(D);
+    int h = static_cast<int>(std::upper_bound(first.begin(), first.end(), b) - first.begin()) - 1;
+    for (int64_t i = b; i < e; ++i) {
+      while (i >= first[h + 1]) ++h;
+      const int64_t t = cache->dense_tokens[i];
+      in.key_row(h, t, nullptr, k.data());
+      in.value_row(h, t, v.data());
+      for (int d = 0; d < D; ++d) {
+        keys[i * D + d] = float_to_half(k[d], storage);
+        values[i * D + d] = float_to_half(v[d], storage);
+      }
+    }
+  });
+  return cache;
+}
+
+}  // namespace akv
