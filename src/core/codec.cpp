@@ -1,12 +1,32 @@
 #include "core/codec.hpp"
 
 #include <cmath>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include "core/rng.hpp"
 
 namespace akv {
 
 void fwht(float *x, int n) {
   int len = 1;
+#ifdef __AVX2__
+  if (n >= 8) {
+    // The first three stages inside each block of 8 with in-register permutes:
+    // y = x * sign + partner, with partner one, two and four lanes away.
+    const __m256 m1 = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 m2 = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 m4 = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    for (int i = 0; i < n; i += 8) {
+      __m256 v = _mm256_loadu_ps(x + i);
+      v = _mm256_fmadd_ps(v, m1, _mm256_permute_ps(v, 0xB1));
+      v = _mm256_fmadd_ps(v, m2, _mm256_permute_ps(v, 0x4E));
+      v = _mm256_fmadd_ps(v, m4, _mm256_permute2f128_ps(v, v, 1));
+      _mm256_storeu_ps(x + i, v);
+    }
+    len = 8;
+  }
+#else
   if (n >= 8) {  // the first three stages as one 8-point kernel per block
     for (int i = 0; i < n; i += 8) {
       float *b = x + i;
@@ -19,6 +39,7 @@ void fwht(float *x, int n) {
     }
     len = 8;
   }
+#endif
   for (; len < n; len <<= 1) {
     for (int i = 0; i < n; i += len << 1) {
       for (int j = i; j < i + len; ++j) {
