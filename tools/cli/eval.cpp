@@ -99,7 +99,7 @@ struct Row {
   std::vector<double> layer_ratios;   // akv_cache_stats.ratio per layer
   int64_t key_residuals = 0, value_residuals = 0;
   std::vector<double> cell_cosines;   // [layer][Hq]
-  std::vector<double> needle_cosines; // per planted needle, in plan order
+  std::vector<double> needle_cosines; // per planted needle, in the JSON needle_list order
   std::vector<double> self_cosines;   // --verify-decode: cos(decode, attention over reconstruction)
   int window = 0;                     // observation window the method used
   int layers_done = 0;
@@ -500,6 +500,7 @@ void run_layer(akv_context *context, const EvalShape &s, const PositionConfig &p
   // Needle probes.
   const int G = s.group();
   const int n = prep.probe_calls > 0 ? static_cast<int>(prep.needles.size() / s.heads) : 0;
+  std::vector<double> needle_cosines(prep.needles.size(), std::nan(""));  // [H][n], as prep.needles
   for (int call = 0; call < prep.probe_calls; ++call) {
     std::copy_n(&prep.probes[static_cast<size_t>(call) * Hq * D], Hq * D, query.begin());
     decode("needle probe");
@@ -509,9 +510,12 @@ void run_layer(akv_context *context, const EvalShape &s, const PositionConfig &p
         if (i >= n) continue;
         const Needle &needle = prep.needles[static_cast<size_t>(h) * n + i];
         if (needle.position < 0) continue;
-        row.needle_cosines.push_back(cosine(&out[static_cast<size_t>(h * G + g) * D], needle.value.data(), D));
+        needle_cosines[static_cast<size_t>(h) * n + i] =
+            cosine(&out[static_cast<size_t>(h * G + g) * D], needle.value.data(), D);
       }
   }
+  for (size_t i = 0; i < prep.needles.size(); ++i)  // the order of the JSON needle_list
+    if (prep.needles[i].position >= 0) row.needle_cosines.push_back(needle_cosines[i]);
   ++row.layers_done;
 }
 
@@ -803,6 +807,8 @@ int run_eval(int argc, char **argv) {
   settings.verify_decode = args.count("verify-decode") > 0;
   if (settings.csv && settings.json) throw CliError("--csv and --json are exclusive", kExitUsage);
   if (settings.needles_per_head < 0) throw CliError("--needles must be >= 0", kExitUsage);
+  if (!(settings.reach_threshold > 0.0 && settings.reach_threshold <= 1.0))
+    throw CliError("--reach-threshold must be in (0, 1]", kExitUsage);
   if (settings.threads < 0) throw CliError("--threads must be >= 0", kExitUsage);
   const akv_dtype dtype_option = parse_dtype(args["dtype"].as<std::string>());
   const std::vector<MethodRun> plan = plan_methods(settings.methods, settings.fractions);
