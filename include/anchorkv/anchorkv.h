@@ -17,6 +17,10 @@
  *    [heads][tokens][head_dim]. Prefill inputs accept explicit strides (in elements).
  *  - Queries given to anchorkv are always post-RoPE (what the model attends with). Keys are
  *    pre-RoPE unless the compress options say keys_post_rope.
+ *  - "Exact" tokens (AnchorKV anchors and window, FullKV, appended tokens) are exact in the
+ *    storage dtype (bf16 or fp16). Keys are stored in the form the method reads them:
+ *    AnchorKV anchors pre-RoPE, dense and appended tokens post-RoPE; the other form is
+ *    obtained through one fp32 RoPE rotation, so it can differ from the input by rounding.
  *  - Thread safety: one handle must not be used by two threads at once; different handles
  *    (including caches of the same context) may be used concurrently. akv_context is used
  *    read-only by cache calls, except that a CPU context's thread pool serialises calls.
@@ -210,7 +214,7 @@ AKV_API void akv_compress_options_init(akv_compress_options *options);
  *  - ANDPRO: window 32, pool_kernel 7, AKV_POOL_MAX, andpro_chunk 4.
  *  - QUANTIZED (the paper's TurboQuant 3.5-bit setup): window 128 exact recent tokens,
  *    quant_bits 3, quant_outliers 4, retain_fraction 1 (a ceiling: the ratio follows from
- *    the bits, about 4.2x at D=128).
+ *    the bits, about 4.3x at D=128 and S=16K).
  * With akv_compress_options_init instead, the baselines run with the AnchorKV window and
  * pooling (32, 7, avg); every field can be overridden after either call.
  *
@@ -229,8 +233,8 @@ AKV_API void akv_compress_options_init(akv_compress_options *options);
  *    returns zeros and present = 0 for them.
  *  - QUANTIZED keeps every token: the last `window` tokens exact, the others rotated by the
  *    seeded Hadamard transform of the residual codec; keys get Lloyd-Max codes for N(0,1)
- *    with one fp32 scale plus quant_outliers exact channels, values uniform codes with an
- *    fp32 minimum and step per token. queries may be NULL. Fails with AKV_ERR_BUDGET when
+ *    with one fp32 scale plus quant_outliers exact channels, values the same codes and scale
+ *    without outliers. queries may be NULL. Fails with AKV_ERR_BUDGET when
  *    the chosen bits (or, with quant_bits 0, 2 bits) do not fit theta*M_full.
  *  - layer_index / layer_count only shape PyramidKV's schedule (one layer: SnapKV's budget). */
 AKV_API void akv_compress_options_init_method(akv_compress_options *options, akv_method method);
