@@ -97,13 +97,17 @@ void decode_batch_cpu(akv_cache *const *caches, int32_t batch, const void *queri
   const size_t per_request = static_cast<size_t>(Hq) * q_len * D;
   const std::vector<float> q = to_float(queries, dtype, per_request * batch, "queries");
   std::vector<float> o(per_request * batch);
+  // Work items are (request, group of heads): as many groups per request as it takes to keep
+  // every worker busy, so that heads in a group share their walk over the prefix.
   ThreadPool &pool = *caches[0]->context->pool;
-  pool.parallel_for(static_cast<int64_t>(batch) * H, [&](int64_t b, int64_t e) {
+  const int groups = std::min(H, std::max(1, (pool.size() + batch - 1) / batch));
+  pool.parallel_for(static_cast<int64_t>(batch) * groups, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
-      const int64_t r = i / H;
-      const int h = static_cast<int>(i % H);
-      const size_t off = r * per_request + static_cast<size_t>(h) * G * q_len * D;
-      decode_head_cpu(*caches[r], h, q.data() + off, q_len, o.data() + off);
+      const int64_t r = i / groups;
+      const int grp = static_cast<int>(i % groups);
+      const int h0 = H * grp / groups, h1 = H * (grp + 1) / groups;
+      const size_t off = r * per_request + static_cast<size_t>(h0) * G * q_len * D;
+      decode_heads_cpu(*caches[r], h0, h1, q.data() + off, q_len, o.data() + off);
     }
   });
   for (size_t i = 0; i < o.size(); ++i) store_from_float(out, dtype, i, o[i]);

@@ -5,6 +5,9 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include "core/dtype.hpp"
 #include "cpu/quantized_attention.hpp"
 
@@ -16,6 +19,30 @@ inline float dot(const float *a, const float *b, int n) {
 #pragma omp simd reduction(+ : s)
   for (int i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// out[r] = dot(rows + r * stride, b, n) for r < count: four rows at a time share the loads of
+// b and one horizontal reduction (n a multiple of 8 on the AVX2 path).
+inline void dot_rows(const float *rows, int64_t stride, int count, const float *b, int n, float *out) {
+  int r = 0;
+#ifdef __AVX2__
+  if (n % 8 == 0) {
+    for (; r + 4 <= count; r += 4) {
+      const float *a0 = rows + r * stride, *a1 = a0 + stride, *a2 = a1 + stride, *a3 = a2 + stride;
+      __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      for (int i = 0; i < n; i += 8) {
+        const __m256 bv = _mm256_loadu_ps(b + i);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + i), bv, s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a1 + i), bv, s1);
+        s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a2 + i), bv, s2);
+        s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a3 + i), bv, s3);
+      }
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+      _mm_storeu_ps(out + r, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+  }
+#endif
+  for (; r < count; ++r) out[r] = dot(rows + r * stride, b, n);
 }
 
 inline void half_row(const uint16_t *src, akv_dtype storage, int n, float *dst) {
@@ -32,10 +59,11 @@ inline void half_row(const uint16_t *src, akv_dtype storage, int n, float *dst) 
 // Dense keys/values [n][D] (post-RoPE, storage dtype): logits into L[i][offset + t].
 void dense_logits(const uint16_t *keys, int64_t n, int D, akv_dtype storage, const float *q, int rows,
                   float *L, int64_t ldl, int64_t offset) {
-  std::vector<float> k(D);
+  std::vector<float> k(D), logit(rows);
   for (int64_t t = 0; t < n; ++t) {
     half_row(keys + t * D, storage, D, k.data());
-    for (int i = 0; i < rows; ++i) L[i * ldl + offset + t] = dot(q + i * D, k.data(), D);
+    dot_rows(q, D, rows, k.data(), D, logit.data());
+    for (int i = 0; i < rows; ++i) L[i * ldl + offset + t] = logit[i];
   }
 }
 
@@ -57,169 +85,252 @@ constexpr int64_t kTile = Rope::kTile;
 
 }  // namespace
 
+namespace {
+
+// Decode state of one AnchorKV head: the per-anchor RoPE coefficients of this step's queries
+// and the logits of every cached token. Prefix logits are filled tile by tile by
+// prefix_tile() (so several heads can share one tile of RoPE angles), then finish() adds the
+// window and the suffix, takes the softmax and contracts the values.
+class AnchorHead {
+ public:
+  AnchorHead(const akv_cache &cache, int h, const float *q, int32_t q_len)
+      : c_(cache), h_(h), q_len_(q_len), D_(cache.meta.shape.head_dim),
+        rows_(cache.meta.shape.num_q_heads / cache.meta.shape.num_kv_heads * q_len),
+        rope_(cache.rope), g_(cache.geometry), storage_(cache.meta.storage),
+        pairs_(cache.rope.enabled() ? cache.rope.pairs() : 0), two_p_(2 * pairs_) {
+    const int k = g_.anchors;
+    const int64_t P = g_.prefix, words = g_.words;
+    total_ = cache.meta.shape.seq_len + cache.suffix_len;
+    // Fold the softmax scale into the queries once instead of scaling every logit.
+    q_.assign(q, q + static_cast<size_t>(rows_) * D_);
+    for (float &x : q_) x *= cache.meta.softmax_scale;
+    L_.resize(static_cast<size_t>(rows_) * total_);
+    ak_ = cache.section<uint16_t>(kAnchorKeys) + static_cast<int64_t>(h) * k * D_;
+    kidx_ = cache.section<uint16_t>(kKeyIndex) + h * P;
+    kgam_ = cache.section<uint16_t>(kKeyGamma) + h * P;
+    kmask_ = cache.section<uint64_t>(kKeyMask) + h * words;
+    kprefix_ = cache.section<uint32_t>(kKeyPrefix) + h * words;
+    kbase_ = cache.section<uint32_t>(kKeyOffsets)[h];
+    kcodes_ = cache.section<uint8_t>(kKeyCodes);
+    kscales_ = cache.section<float>(kKeyScales);
+    // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (SPEC 4),
+    // laid out [anchor][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's
+    // angles stored as [cos | sin], its logit is one dot product of length 2*pairs.
+    std::vector<uint8_t> in_pair(D_, 0);
+    for (int j = 0; j < pairs_; ++j) in_pair[rope_.first[j]] = in_pair[rope_.second[j]] = 1;
+    coef_.resize(static_cast<size_t>(k) * rows_ * two_p_);
+    coefC_.resize(static_cast<size_t>(k) * rows_);
+    std::vector<float> x(D_);
+    for (int a = 0; a < k; ++a) {
+      half_row(ak_ + static_cast<int64_t>(a) * D_, storage_, D_, x.data());
+      for (int i = 0; i < rows_; ++i) {
+        const float *qi = &q_[static_cast<size_t>(i) * D_];
+        float *AB = &coef_[(static_cast<size_t>(a) * rows_ + i) * two_p_];
+        for (int j = 0; j < pairs_; ++j) {
+          const int f = rope_.first[j], s = rope_.second[j];
+          AB[j] = qi[f] * x[f] + qi[s] * x[s];
+          AB[pairs_ + j] = qi[s] * x[f] - qi[f] * x[s];
+        }
+        float cst = 0.0f;
+        for (int d = 0; d < D_; ++d)
+          if (!in_pair[d]) cst += qi[d] * x[d];
+        coefC_[static_cast<size_t>(a) * rows_ + i] = cst;
+      }
+    }
+    r_.resize(D_);
+    logit_.resize(rows_);
+  }
+
+  // Logits of prefix tokens t0..t0+n-1; trig holds [cos | sin] (2*pairs floats) per token.
+  // Keys are never materialised except the decoded residual of tokens that store one.
+  void prefix_tile(int64_t t0, int64_t n, const float *trig) {
+    for (int64_t u = 0; u < n; ++u) {
+      const int64_t t = t0 + u;
+      const int a = kidx_[t];
+      const float gam = bf16_to_float(kgam_[t]);
+      const float *cs = trig + u * two_p_;
+      dot_rows(&coef_[static_cast<size_t>(a) * rows_ * two_p_], two_p_, rows_, cs, two_p_, logit_.data());
+      const float *C = &coefC_[static_cast<size_t>(a) * rows_];
+      for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = gam * (C[i] + logit_[i]);
+      const uint64_t word = kmask_[t >> 6];
+      if (word >> (t & 63) & 1u) {
+        const uint32_t slot = kbase_ + kprefix_[t >> 6] +
+                              static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
+        c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * (D_ / 4), kscales_[slot], r_.data());
+        if (pairs_) rope_.apply(r_.data(), cs, cs + pairs_);
+        dot_rows(q_.data(), D_, rows_, r_.data(), D_, logit_.data());
+        for (int i = 0; i < rows_; ++i) L_[i * total_ + t] += logit_[i];
+      }
+    }
+  }
+
+  void finish(float *out);
+
+ private:
+  const akv_cache &c_;
+  int h_;
+  int32_t q_len_;
+  int D_, rows_;
+  const Rope &rope_;
+  const AnchorGeometry &g_;
+  akv_dtype storage_;
+  int pairs_, two_p_;
+  int64_t total_ = 0;
+  std::vector<float> q_, L_, coef_, coefC_, r_, logit_;
+  const uint16_t *ak_, *kidx_, *kgam_;
+  const uint64_t *kmask_;
+  const uint32_t *kprefix_;
+  uint32_t kbase_;
+  const uint8_t *kcodes_;
+  const float *kscales_;
+};
+
+// Softmax of each row over its visible tokens, unnormalised (divided at the end); returns
+// the row sums. Row i = g * q_len + qi sees every prompt token and the first
+// suffix - (q_len - 1 - qi) appended tokens.
+std::vector<float> softmax_rows(float *L, int rows, int64_t total, int64_t prompt, int64_t suffix, int32_t q_len) {
+  std::vector<float> sums(rows);
+  for (int i = 0; i < rows; ++i) {
+    const int64_t end = prompt + suffix - (q_len - 1 - i % q_len);
+    float *l = L + i * total;
+    const float mx = *std::max_element(l, l + end);
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent partial sums: no add chain
+    int64_t t = 0;
+    for (; t + 4 <= end; t += 4)
+      for (int j = 0; j < 4; ++j) {
+        l[t + j] = std::exp(l[t + j] - mx);
+        part[j] += l[t + j];
+      }
+    for (; t < end; ++t) {
+      l[t] = std::exp(l[t] - mx);
+      part[0] += l[t];
+    }
+    for (t = end; t < total; ++t) l[t] = 0.0f;
+    sums[i] = (part[0] + part[1]) + (part[2] + part[3]);
+  }
+  return sums;
+}
+
+void AnchorHead::finish(float *out) {
+  const akv_cache &cache = c_;
+  const int h = h_, D = D_, rows = rows_;
+  const int k = g_.anchors, W = g_.window;
+  const int64_t P = g_.prefix, words = g_.words, total = total_;
+  const int64_t prompt = cache.meta.shape.seq_len, suffix = cache.suffix_len;
+  const float *q = q_.data();
+  float *L = L_.data();
+  const akv_dtype storage = storage_;
+  const int64_t suffix_base = (static_cast<int64_t>(h) * cache.suffix_capacity) * D;
+  const uint16_t *sk = reinterpret_cast<const uint16_t *>(cache.suffix_keys.data());
+  const uint16_t *sv = reinterpret_cast<const uint16_t *>(cache.suffix_values.data());
+  const uint16_t *av = cache.section<uint16_t>(kAnchorValues) + static_cast<int64_t>(h) * k * D;
+  const uint16_t *vidx = cache.section<uint16_t>(kValueIndex) + h * P;
+  const uint16_t *vgam = cache.section<uint16_t>(kValueGamma) + h * P;
+  const uint64_t *vmask = cache.section<uint64_t>(kValueMask) + h * words;
+  const uint32_t *vprefix = cache.section<uint32_t>(kValuePrefix) + h * words;
+  const uint32_t vbase = cache.section<uint32_t>(kValueOffsets)[h];
+  const uint8_t *vcodes = cache.section<uint8_t>(kValueCodes);
+  const float *vscales = cache.section<float>(kValueScales);
+  const uint8_t *vchunk = cache.section<uint8_t>(kValueChunkPos);
+  std::vector<float> x(D), r(D);
+  // The exact window: anchors k-W..k-1 at consecutive positions.
+  for (int w = 0; w < W; ++w) {
+    half_row(ak_ + static_cast<int64_t>(k - W + w) * D, storage, D, x.data());
+    rope_.apply(x.data(), cache.meta.window_first_position + w);
+    for (int i = 0; i < rows; ++i) L[i * total + P + w] = dot(q + i * D, x.data(), D);
+  }
+  if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L, total, prompt);
+  const std::vector<float> sums = softmax_rows(L, rows, total, prompt, suffix, q_len_);
+
+  // Values are never reconstructed: per-anchor weights, then residuals in the rotated
+  // domain with one inverse Hadamard per row.
+  std::vector<float> weights(static_cast<size_t>(rows) * k, 0.0f), racc(static_cast<size_t>(rows) * D, 0.0f);
+  std::vector<float> acc(static_cast<size_t>(rows) * D, 0.0f);
+  for (int64_t t = 0; t < P; ++t) {
+    const int a = vidx[t];
+    const float gam = bf16_to_float(vgam[t]);
+    for (int i = 0; i < rows; ++i) weights[i * k + a] += L[i * total + t] * gam;
+  }
+  for (int w = 0; w < W; ++w)
+    for (int i = 0; i < rows; ++i) weights[i * k + k - W + w] += L[i * total + P + w];
+  for (int64_t wd = 0; wd < words; ++wd) {
+    const uint32_t first = vbase + vprefix[wd];
+    const uint32_t count = static_cast<uint32_t>(__builtin_popcountll(vmask[wd]));
+    for (uint32_t sl = first; sl < first + count; ++sl) {
+      const int64_t t = wd * 64 + vchunk[sl];
+      cache.codec.decode_rotated(vcodes + static_cast<int64_t>(sl) * (D / 4), vscales[sl], r.data());
+      for (int i = 0; i < rows; ++i) {
+        const float p = L[i * total + t];
+        float *ra = &racc[static_cast<size_t>(i) * D];
+        for (int d = 0; d < D; ++d) ra[d] += p * r[d];
+      }
+    }
+  }
+  for (int i = 0; i < rows; ++i) cache.codec.unrotate(&racc[static_cast<size_t>(i) * D]);
+  for (int a = 0; a < k; ++a) {
+    half_row(av + static_cast<int64_t>(a) * D, storage, D, x.data());
+    for (int i = 0; i < rows; ++i) {
+      const float wgt = weights[i * k + a];
+      if (wgt == 0.0f) continue;
+      float *o = &acc[static_cast<size_t>(i) * D];
+      for (int d = 0; d < D; ++d) o[d] += wgt * x[d];
+    }
+  }
+  for (size_t e = 0; e < acc.size(); ++e) acc[e] += racc[e];
+  if (suffix) dense_values(sv + suffix_base, suffix, D, storage, L, rows, total, prompt, acc.data());
+  for (int i = 0; i < rows; ++i)
+    for (int d = 0; d < D; ++d) out[i * D + d] = acc[i * D + d] / sums[i];
+}
+
+}  // namespace
+
+void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const float *q, int32_t q_len,
+                      float *out) {
+  const int D = cache.meta.shape.head_dim;
+  const int64_t per_head = static_cast<int64_t>(cache.meta.shape.num_q_heads / cache.meta.shape.num_kv_heads) * q_len * D;
+  if (cache.meta.method != AKV_METHOD_ANCHORKV) {
+    for (int h = h_begin; h < h_end; ++h)
+      decode_head_cpu(cache, h, q + (h - h_begin) * per_head, q_len, out + (h - h_begin) * per_head);
+    return;
+  }
+  // One walk over the prefix for all these heads: each tile's RoPE angles are computed once.
+  std::vector<AnchorHead> heads;
+  heads.reserve(h_end - h_begin);
+  for (int h = h_begin; h < h_end; ++h) heads.emplace_back(cache, h, q + (h - h_begin) * per_head, q_len);
+  const Rope &rope = cache.rope;
+  const int pairs = rope.enabled() ? rope.pairs() : 0;
+  const int64_t P = cache.geometry.prefix;
+  const int32_t *pos = cache.section<int32_t>(kPositions);
+  std::vector<float> trig(kTile * std::max(2 * pairs, 1));
+  RopeSweep sweep(rope);
+  for (int64_t t0 = 0; t0 < P; t0 += kTile) {
+    const int64_t n = std::min(kTile, P - t0);
+    if (pairs) sweep.next(pos + t0, n, trig.data(), trig.data() + pairs, 2 * pairs);
+    for (AnchorHead &head : heads) head.prefix_tile(t0, n, trig.data());
+  }
+  for (int h = h_begin; h < h_end; ++h) heads[h - h_begin].finish(out + (h - h_begin) * per_head);
+}
+
 void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out) {
   if (cache.meta.method == AKV_METHOD_QUANTIZED) return decode_quantized_head_cpu(cache, h, q, q_len, out);
+  if (cache.meta.method == AKV_METHOD_ANCHORKV) return decode_heads_cpu(cache, h, h + 1, q, q_len, out);
   const CacheMeta &meta = cache.meta;
   const int D = meta.shape.head_dim;
   const int G = meta.shape.num_q_heads / meta.shape.num_kv_heads;
   const int rows = G * q_len;
   const akv_dtype storage = meta.storage;
-  const float scale = meta.softmax_scale;
-  const Rope &rope = cache.rope;
-  const bool anchor = meta.method == AKV_METHOD_ANCHORKV;
   // Fold the softmax scale into the queries once instead of scaling every logit.
   std::vector<float> q_scaled(q, q + static_cast<size_t>(rows) * D);
-  for (float &x : q_scaled) x *= scale;
+  for (float &x : q_scaled) x *= meta.softmax_scale;
   q = q_scaled.data();
-  const int64_t prompt = anchor ? meta.shape.seq_len : meta.dense_counts[h];
   const int64_t suffix = cache.suffix_len;
-  const int64_t total = prompt + suffix;
-  std::vector<float> L(static_cast<size_t>(rows) * total);
-  std::vector<float> acc(static_cast<size_t>(rows) * D, 0.0f);
   const int64_t suffix_base = (static_cast<int64_t>(h) * cache.suffix_capacity) * D;
   const uint16_t *sk = reinterpret_cast<const uint16_t *>(cache.suffix_keys.data());
   const uint16_t *sv = reinterpret_cast<const uint16_t *>(cache.suffix_values.data());
-  // Row i = g * q_len + qi sees every prompt token and the first visible(i) appended tokens.
-  auto visible = [&](int i) { return suffix - (q_len - 1 - i % q_len); };
-
-  std::vector<float> weights;  // AnchorKV: per-anchor value weights [rows][k]
-  std::vector<float> racc;     // AnchorKV: value residuals accumulated in the rotated domain
-  if (anchor) {
-    const AnchorGeometry &g = cache.geometry;
-    const int k = g.anchors, W = g.window;
-    const int64_t P = g.prefix, words = g.words;
-    const uint16_t *ak = cache.section<uint16_t>(kAnchorKeys) + static_cast<int64_t>(h) * k * D;
-    const uint16_t *av = cache.section<uint16_t>(kAnchorValues) + static_cast<int64_t>(h) * k * D;
-    const uint16_t *kidx = cache.section<uint16_t>(kKeyIndex) + h * P;
-    const uint16_t *vidx = cache.section<uint16_t>(kValueIndex) + h * P;
-    const uint16_t *kgam = cache.section<uint16_t>(kKeyGamma) + h * P;
-    const uint16_t *vgam = cache.section<uint16_t>(kValueGamma) + h * P;
-    const int32_t *pos = cache.section<int32_t>(kPositions);
-    const uint64_t *kmask = cache.section<uint64_t>(kKeyMask) + h * words;
-    const uint64_t *vmask = cache.section<uint64_t>(kValueMask) + h * words;
-    const uint32_t *kprefix = cache.section<uint32_t>(kKeyPrefix) + h * words;
-    const uint32_t *vprefix = cache.section<uint32_t>(kValuePrefix) + h * words;
-    const uint32_t kbase = cache.section<uint32_t>(kKeyOffsets)[h];
-    const uint32_t vbase = cache.section<uint32_t>(kValueOffsets)[h];
-    const uint8_t *kcodes = cache.section<uint8_t>(kKeyCodes);
-    const float *kscales = cache.section<float>(kKeyScales);
-    const uint8_t *vcodes = cache.section<uint8_t>(kValueCodes);
-    const float *vscales = cache.section<float>(kValueScales);
-    const uint8_t *vchunk = cache.section<uint8_t>(kValueChunkPos);
-    const int pairs = rope.enabled() ? rope.pairs() : 0;
-    // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (SPEC 4).
-    std::vector<uint8_t> in_pair(D, 0);
-    for (int j = 0; j < pairs; ++j) in_pair[rope.first[j]] = in_pair[rope.second[j]] = 1;
-    // Layout [anchor][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's angles
-    // stored as [cos | sin], its logit is one dot product of length 2*pairs.
-    const int two_p = 2 * pairs;
-    std::vector<float> coef(static_cast<size_t>(k) * rows * two_p), coefC(static_cast<size_t>(k) * rows);
-    std::vector<float> x(D);
-    for (int a = 0; a < k; ++a) {
-      half_row(ak + static_cast<int64_t>(a) * D, storage, D, x.data());
-      for (int i = 0; i < rows; ++i) {
-        const float *qi = q + i * D;
-        float *AB = &coef[(static_cast<size_t>(a) * rows + i) * two_p];
-        for (int j = 0; j < pairs; ++j) {
-          const int f = rope.first[j], s = rope.second[j];
-          AB[j] = qi[f] * x[f] + qi[s] * x[s];
-          AB[pairs + j] = qi[s] * x[f] - qi[f] * x[s];
-        }
-        float c = 0.0f;
-        for (int d = 0; d < D; ++d)
-          if (!in_pair[d]) c += qi[d] * x[d];
-        coefC[static_cast<size_t>(a) * rows + i] = c;
-      }
-    }
-    // Prefix logits, tile by tile: RoPE angles once per tile, keys never materialised
-    // except the decoded residual of tokens that store one.
-    std::vector<float> trig(kTile * std::max(two_p, 1)), r(D);
-    RopeSweep sweep(rope);
-    for (int64_t t0 = 0; t0 < P; t0 += kTile) {
-      const int64_t n = std::min(kTile, P - t0);
-      if (pairs) sweep.next(pos + t0, n, trig.data(), trig.data() + pairs, two_p);
-      for (int64_t u = 0; u < n; ++u) {
-        const int64_t t = t0 + u;
-        const int a = kidx[t];
-        const float gam = bf16_to_float(kgam[t]);
-        const float *cs = &trig[u * two_p];
-        const float *c = cs, *s = cs + pairs;
-        const float *AB = &coef[static_cast<size_t>(a) * rows * two_p];
-        const float *C = &coefC[static_cast<size_t>(a) * rows];
-        for (int i = 0; i < rows; ++i) L[i * total + t] = gam * (C[i] + dot(AB + i * two_p, cs, two_p));
-        const uint64_t word = kmask[t >> 6];
-        if (word >> (t & 63) & 1u) {
-          const uint32_t slot = kbase + kprefix[t >> 6] +
-                                static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
-          cache.codec.decode(kcodes + static_cast<int64_t>(slot) * (D / 4), kscales[slot], r.data());
-          if (pairs) rope.apply(r.data(), c, s);
-          for (int i = 0; i < rows; ++i) L[i * total + t] += dot(q + i * D, r.data(), D);
-        }
-      }
-    }
-    // The exact window: anchors k-W..k-1 at consecutive positions.
-    for (int w = 0; w < W; ++w) {
-      half_row(ak + static_cast<int64_t>(k - W + w) * D, storage, D, x.data());
-      rope.apply(x.data(), meta.window_first_position + w);
-      for (int i = 0; i < rows; ++i) L[i * total + P + w] = dot(q + i * D, x.data(), D);
-    }
-    if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L.data(), total, prompt);
-
-    // Softmax (unnormalised; divided at the end).
-    std::vector<float> sums(rows);
-    for (int i = 0; i < rows; ++i) {
-      const int64_t end = prompt + visible(i);
-      float *l = &L[i * total];
-      const float mx = *std::max_element(l, l + end);
-      double sum = 0.0;
-      for (int64_t t = 0; t < end; ++t) {
-        l[t] = std::exp(l[t] - mx);
-        sum += l[t];
-      }
-      for (int64_t t = end; t < total; ++t) l[t] = 0.0f;
-      sums[i] = static_cast<float>(sum);
-    }
-    // Values are never reconstructed: per-anchor weights, then residuals in the rotated
-    // domain with one inverse Hadamard per row.
-    weights.assign(static_cast<size_t>(rows) * k, 0.0f);
-    racc.assign(static_cast<size_t>(rows) * D, 0.0f);
-    for (int64_t t = 0; t < P; ++t) {
-      const int a = vidx[t];
-      const float gam = bf16_to_float(vgam[t]);
-      for (int i = 0; i < rows; ++i) weights[i * k + a] += L[i * total + t] * gam;
-    }
-    for (int w = 0; w < W; ++w)
-      for (int i = 0; i < rows; ++i) weights[i * k + k - W + w] += L[i * total + P + w];
-    for (int64_t wd = 0; wd < words; ++wd) {
-      const uint32_t first = vbase + vprefix[wd];
-      const uint32_t count = static_cast<uint32_t>(__builtin_popcountll(vmask[wd]));
-      for (uint32_t sl = first; sl < first + count; ++sl) {
-        const int64_t t = wd * 64 + vchunk[sl];
-        cache.codec.decode_rotated(vcodes + static_cast<int64_t>(sl) * (D / 4), vscales[sl], r.data());
-        for (int i = 0; i < rows; ++i) {
-          const float p = L[i * total + t];
-          float *ra = &racc[static_cast<size_t>(i) * D];
-          for (int d = 0; d < D; ++d) ra[d] += p * r[d];
-        }
-      }
-    }
-    for (int i = 0; i < rows; ++i) cache.codec.unrotate(&racc[static_cast<size_t>(i) * D]);
-    for (int a = 0; a < k; ++a) {
-      half_row(av + static_cast<int64_t>(a) * D, storage, D, x.data());
-      for (int i = 0; i < rows; ++i) {
-        const float wgt = weights[i * k + a];
-        if (wgt == 0.0f) continue;
-        float *o = &acc[static_cast<size_t>(i) * D];
-        for (int d = 0; d < D; ++d) o[d] += wgt * x[d];
-      }
-    }
-    for (size_t e = 0; e < acc.size(); ++e) acc[e] += racc[e];
-    if (suffix) dense_values(sv + suffix_base, suffix, D, storage, L.data(), rows, total, prompt, acc.data());
-    for (int i = 0; i < rows; ++i)
-      for (int d = 0; d < D; ++d) out[i * D + d] = acc[i * D + d] / sums[i];
-    return;
-  }
-
+  const int64_t prompt = meta.dense_counts[h];
+  const int64_t total = prompt + suffix;
+  std::vector<float> L(static_cast<size_t>(rows) * total);
+  std::vector<float> acc(static_cast<size_t>(rows) * D, 0.0f);
   // Dense methods: prompt tokens [count][D] for this head, then the suffix.
   int64_t before = 0;
   for (int hh = 0; hh < h; ++hh) before += meta.dense_counts[hh];
@@ -229,19 +340,7 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
   const uint16_t *dv = reinterpret_cast<const uint16_t *>(cache.data.data()) + (kept + before) * D;
   dense_logits(dk, prompt, D, storage, q, rows, L.data(), total, 0);
   if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L.data(), total, prompt);
-  std::vector<float> sums(rows);
-  for (int i = 0; i < rows; ++i) {
-    const int64_t end = prompt + visible(i);
-    float *l = &L[i * total];
-    const float mx = *std::max_element(l, l + end);
-    double sum = 0.0;
-    for (int64_t t = 0; t < end; ++t) {
-      l[t] = std::exp(l[t] - mx);
-      sum += l[t];
-    }
-    for (int64_t t = end; t < total; ++t) l[t] = 0.0f;
-    sums[i] = static_cast<float>(sum);
-  }
+  const std::vector<float> sums = softmax_rows(L.data(), rows, total, prompt, suffix, q_len);
   dense_values(dv, prompt, D, storage, L.data(), rows, total, 0, acc.data());
   if (suffix) dense_values(sv + suffix_base, suffix, D, storage, L.data(), rows, total, prompt, acc.data());
   for (int i = 0; i < rows; ++i)
