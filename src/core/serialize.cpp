@@ -147,6 +147,12 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
           " bytes is shorter than the header");
   require(std::memcmp(bytes, kMagic, 8) == 0, AKV_ERR_CORRUPT_DATA,
           "serialized cache does not start with the ANCHORKV magic");
+  // The version comes before the checksum: a newer format may checksum differently.
+  uint32_t version;
+  std::memcpy(&version, bytes + 8, 4);
+  require(version >= 1, AKV_ERR_CORRUPT_DATA, "serialized cache has format version 0 (corrupted)");
+  require(version <= kFormatVersion, AKV_ERR_VERSION, "serialized cache format version ", version,
+          " is newer than this library reads (", kFormatVersion, "): upgrade anchorkv, or the data is corrupted");
   uint64_t total;
   std::memcpy(&total, bytes + 16, 8);
   require(total == size, AKV_ERR_CORRUPT_DATA, "serialized cache is ", size, " bytes but its header says ",
@@ -156,9 +162,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   require(crc32(bytes, size - 4) == stored_crc, AKV_ERR_CORRUPT_DATA,
           "serialized cache checksum mismatch (data corrupted)");
   Reader r(bytes + 8, size - 12);
-  const uint32_t version = r.get<uint32_t>("format version");
-  require(version <= kFormatVersion && version >= 1, AKV_ERR_VERSION, "serialized cache format version ",
-          version, " is not supported by this library (it reads version ", kFormatVersion, ")");
+  r.get<uint32_t>("format version");
   r.get<uint32_t>("flags");
   r.get<uint64_t>("size");
 

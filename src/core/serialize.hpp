@@ -1,6 +1,6 @@
 // Versioned, checksummed, backend-independent serialization of a cache (little-endian).
 //   "ANCHORKV" | u32 format | u32 flags | u64 total size | meta | arrays | suffix | u32 CRC-32
-// The CRC covers every byte before it; it is checked before anything else is interpreted.
+// The CRC covers every byte before it; it is checked right after the magic and the version.
 #pragma once
 #include <cstdint>
 #include <memory>
