@@ -230,13 +230,15 @@ AKV_API void akv_compress_options_init(akv_compress_options *options);
  *    the first chunk (attention sink) and the window. Fails with AKV_ERR_BUDGET when B is
  *    below what must always be kept. seq_len must exceed window; queries are required.
  *    Evicted tokens are gone: decode attends over the kept ones; akv_cache_reconstruct
- *    returns zeros and present = 0 for them.
+ *    returns zeros and present = 0 for them. The kept tokens' indices are host metadata
+ *    (reconstruct, serialization) outside the footprint: decode never reads them.
  *  - QUANTIZED keeps every token: the last `window` tokens exact, the others rotated by the
  *    seeded Hadamard transform of the residual codec; keys get Lloyd-Max codes for N(0,1)
  *    with one fp32 scale plus quant_outliers exact channels, values the same codes and scale
  *    without outliers. queries may be NULL. Fails with AKV_ERR_BUDGET when
  *    the chosen bits (or, with quant_bits 0, 2 bits) do not fit theta*M_full.
- *  - layer_index / layer_count only shape PyramidKV's schedule (one layer: SnapKV's budget). */
+ *  - Among the baselines, layer_index / layer_count only shape PyramidKV's schedule (one
+ *    layer: SnapKV's budget). */
 AKV_API void akv_compress_options_init_method(akv_compress_options *options, akv_method method);
 
 /* Shape of one layer of one request. Frozen layout. */
@@ -257,7 +259,10 @@ typedef struct akv_prefill {
   const void *queries;     /* [Hq][W][D] post-RoPE queries of the last W prompt positions;
                               W = options.window. May be NULL for AKV_METHOD_FULLKV
                               and AKV_METHOD_QUANTIZED. */
-  const int32_t *positions;/* optional [S], strictly increasing; NULL = 0..S-1 */
+  const int32_t *positions;/* optional host [S], strictly increasing, >= 0; NULL = 0..S-1.
+                              AnchorKV stores the window with its first position only: the
+                              last `window` positions must be consecutive, else
+                              AKV_ERR_UNSUPPORTED (left padding and offsets are fine). */
   int64_t kv_head_stride;  /* elements between heads of keys/values; 0 = S*D */
   int64_t kv_token_stride; /* elements between tokens; 0 = D */
   int64_t q_head_stride;   /* 0 = W*D */
@@ -358,6 +363,8 @@ AKV_API akv_status akv_cache_reconstruct(const akv_cache *cache, akv_dtype dtype
 /* Versioned, checksummed, backend-independent bytes (little-endian). The buffer is host
  * memory for every backend. A cache serialized by one backend deserializes on the other. */
 AKV_API akv_status akv_cache_serialized_size(const akv_cache *cache, size_t *out_bytes);
+/* Writes akv_cache_serialized_size() bytes; AKV_ERR_CAPACITY when `capacity` is smaller.
+ * out_written may be NULL. */
 AKV_API akv_status akv_cache_serialize(const akv_cache *cache, void *buffer, size_t capacity,
                                        size_t *out_written, void *stream);
 AKV_API akv_status akv_cache_deserialize(akv_context *context, const void *buffer,

@@ -39,9 +39,25 @@ T versioned_copy(const T *user, T defaults, const char *name) {
   return defaults;
 }
 
-void check_input_dtype(akv_dtype t, const char *name) {
-  if (t != AKV_DTYPE_F32 && t != AKV_DTYPE_F16 && t != AKV_DTYPE_BF16)
-    fail(AKV_ERR_INVALID_ARGUMENT, name, " ", static_cast<int>(t), " is not F32, F16 or BF16");
+// An enum as the integer the caller stored. A C caller can store any int in an enum field,
+// and reading an out-of-range value through the C++ enum type is undefined behaviour, so
+// validation looks at the bytes before anything reads the enum.
+template <typename E>
+int32_t raw_enum(const E &e) {
+  static_assert(sizeof(E) == sizeof(int32_t), "C enums are int-sized");
+  int32_t v;
+  std::memcpy(&v, &e, sizeof v);
+  return v;
+}
+
+void check_enum(int32_t value, int32_t first, int32_t last, const char *name) {
+  if (value < first || value > last) fail(AKV_ERR_INVALID_ARGUMENT, name, " ", value, " is not a known value");
+}
+
+void check_input_dtype(const akv_dtype &t, const char *name) {
+  const int32_t v = raw_enum(t);
+  if (v != AKV_DTYPE_F32 && v != AKV_DTYPE_F16 && v != AKV_DTYPE_BF16)
+    fail(AKV_ERR_INVALID_ARGUMENT, name, " ", v, " is not F32, F16 or BF16");
 }
 
 void require_cpu(const akv_context *ctx, const char *what) {
@@ -140,8 +156,7 @@ AKV_API akv_status akv_context_create(const akv_context_options *options, akv_co
     akv_context_options defaults;
     akv_context_options_init(&defaults);
     const akv_context_options o = versioned_copy(options, defaults, "options");
-    if (o.backend != AKV_BACKEND_CPU && o.backend != AKV_BACKEND_CUDA)
-      fail(AKV_ERR_INVALID_ARGUMENT, "backend ", static_cast<int>(o.backend), " is not known");
+    check_enum(raw_enum(o.backend), AKV_BACKEND_CPU, AKV_BACKEND_CUDA, "backend");
     if ((o.allocator.alloc == nullptr) != (o.allocator.free == nullptr))
       fail(AKV_ERR_INVALID_ARGUMENT, "allocator: set both alloc and free, or neither");
     if (o.num_threads < 0) fail(AKV_ERR_INVALID_ARGUMENT, "num_threads ", o.num_threads, " is negative");
@@ -234,16 +249,18 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
   akv_compress_options defaults;
   akv_compress_options_init(&defaults);
   akv_compress_options o = versioned_copy(options, defaults, "options");
-  if (o.method < AKV_METHOD_FULLKV || o.method > AKV_METHOD_QUANTIZED)
-    fail(AKV_ERR_INVALID_ARGUMENT, "method ", static_cast<int>(o.method), " is not known");
-  if (o.storage_dtype != AKV_DTYPE_AUTO && o.storage_dtype != AKV_DTYPE_BF16 && o.storage_dtype != AKV_DTYPE_F16)
-    fail(AKV_ERR_INVALID_ARGUMENT, "storage_dtype ", static_cast<int>(o.storage_dtype), " must be AUTO, F16 or BF16");
+  // Every enum field first, as integers (see raw_enum).
+  check_enum(raw_enum(o.method), AKV_METHOD_FULLKV, AKV_METHOD_QUANTIZED, "method");
+  check_enum(raw_enum(o.pool_type), AKV_POOL_AVG, AKV_POOL_MAX, "pool_type");
+  check_enum(raw_enum(o.residual_scale), AKV_SCALE_LEAST_SQUARES, AKV_SCALE_ABSMAX, "residual_scale");
+  check_enum(raw_enum(o.rope.style), AKV_ROPE_NONE, AKV_ROPE_GPTJ, "rope.style");
+  const int32_t storage = raw_enum(o.storage_dtype);
+  if (storage != AKV_DTYPE_AUTO && storage != AKV_DTYPE_BF16 && storage != AKV_DTYPE_F16)
+    fail(AKV_ERR_INVALID_ARGUMENT, "storage_dtype ", storage, " must be AUTO, F16 or BF16");
   if (!std::isfinite(o.softmax_scale) || o.softmax_scale < 0.0f)
     fail(AKV_ERR_INVALID_ARGUMENT, "softmax_scale ", o.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
   if (o.layer_count < 1 || o.layer_index < 0 || o.layer_index >= o.layer_count)
     fail(AKV_ERR_INVALID_ARGUMENT, "layer_index ", o.layer_index, " must be in [0, layer_count=", o.layer_count, ")");
-  if (o.residual_scale < AKV_SCALE_LEAST_SQUARES || o.residual_scale > AKV_SCALE_ABSMAX)
-    fail(AKV_ERR_INVALID_ARGUMENT, "residual_scale ", static_cast<int>(o.residual_scale), " is not known");
   if (o.window < 1) fail(AKV_ERR_INVALID_ARGUMENT, "window ", o.window, " must be positive");
   if (!std::isfinite(o.retain_fraction) || o.retain_fraction <= 0.0 || o.retain_fraction > 1.0)
     fail(AKV_ERR_INVALID_ARGUMENT, "retain_fraction ", o.retain_fraction, " must be in (0, 1]");

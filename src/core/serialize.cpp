@@ -21,6 +21,7 @@ class Writer {
     out.insert(out.end(), p, p + sizeof(T));
   }
   void bytes(const void *p, size_t n) {
+    if (n == 0) return;  // p may be null then
     const uint8_t *b = static_cast<const uint8_t *>(p);
     out.insert(out.end(), b, b + n);
   }
@@ -41,6 +42,11 @@ class Reader {
     const uint8_t *r = p_ + pos_;
     pos_ += n;
     return r;
+  }
+  // Copies n bytes into dst (which may be null when n is 0).
+  void read_into(void *dst, size_t n, const char *what) {
+    const uint8_t *src = take(n, what);
+    if (n) std::memcpy(dst, src, n);
   }
   size_t remaining() const { return n_ - pos_; }
 
@@ -170,25 +176,31 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   out.cache = std::make_unique<akv_cache>();
   akv_cache &c = *out.cache;
   CacheMeta &m = c.meta;
-  m.method = static_cast<akv_method>(r.get<int32_t>("method"));
+  // Enum fields are range-checked as integers before they become enums.
+  auto enum_field = [&](const char *what, int32_t first, int32_t last) {
+    const int32_t v = r.get<int32_t>(what);
+    if (v < first || v > last) fail(AKV_ERR_CORRUPT_DATA, "serialized cache has an unknown ", what, " ", v);
+    return v;
+  };
+  m.method = static_cast<akv_method>(enum_field("method", AKV_METHOD_FULLKV, AKV_METHOD_QUANTIZED));
   m.shape.seq_len = r.get<int64_t>("seq_len");
   m.shape.num_kv_heads = r.get<int32_t>("num_kv_heads");
   m.shape.num_q_heads = r.get<int32_t>("num_q_heads");
   m.shape.head_dim = r.get<int32_t>("head_dim");
-  m.storage = static_cast<akv_dtype>(r.get<int32_t>("storage dtype"));
+  m.storage = static_cast<akv_dtype>(enum_field("storage dtype", AKV_DTYPE_F16, AKV_DTYPE_BF16));
   m.keys_post_rope = r.get<int32_t>("keys_post_rope");
   m.softmax_scale = r.get<float>("softmax_scale");
   m.retain_fraction = r.get<double>("retain_fraction");
   m.seed = r.get<uint64_t>("seed");
   m.layer_index = r.get<int32_t>("layer_index");
   m.layer_count = r.get<int32_t>("layer_count");
-  m.residual_scale = static_cast<akv_residual_scale>(r.get<int32_t>("residual_scale"));
-  m.rope_style = static_cast<akv_rope_style>(r.get<int32_t>("rope style"));
+  m.residual_scale = static_cast<akv_residual_scale>(enum_field("residual_scale", AKV_SCALE_LEAST_SQUARES, AKV_SCALE_ABSMAX));
+  m.rope_style = static_cast<akv_rope_style>(enum_field("rope style", AKV_ROPE_NONE, AKV_ROPE_GPTJ));
   m.rotary_dim = r.get<int32_t>("rotary_dim");
   const uint32_t nfreq = r.get<uint32_t>("inv_freq count");
   corrupt_unless(nfreq <= 4096, "inv_freq count");
   m.inv_freq.resize(nfreq);
-  std::memcpy(m.inv_freq.data(), r.take(nfreq * sizeof(float), "inv_freq"), nfreq * sizeof(float));
+  r.read_into(m.inv_freq.data(), nfreq * sizeof(float), "inv_freq");
   m.window = r.get<int32_t>("window");
   m.anchors = r.get<int32_t>("anchors");
   m.key_residuals = r.get<int64_t>("key_residuals");
@@ -229,7 +241,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   const uint64_t npos = r.get<uint64_t>("dense positions");
   corrupt_unless(npos == (nheads ? static_cast<uint64_t>(s.seq_len) : 0u), "dense positions count");
   c.dense_positions.resize(npos);
-  std::memcpy(c.dense_positions.data(), r.take(npos * 4, "dense positions"), npos * 4);
+  r.read_into(c.dense_positions.data(), npos * 4, "dense positions");
   for (uint64_t t = 1; t < npos; ++t) corrupt_unless(c.dense_positions[t] > c.dense_positions[t - 1], "dense positions not increasing");
   if (evicting) {
     int64_t kept = 0;
@@ -237,7 +249,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     const uint64_t ntok = r.get<uint64_t>("kept token count");
     corrupt_unless(ntok == static_cast<uint64_t>(kept), "kept token count");
     c.dense_tokens.resize(ntok);
-    std::memcpy(c.dense_tokens.data(), r.take(ntok * 4, "kept tokens"), ntok * 4);
+    r.read_into(c.dense_tokens.data(), ntok * 4, "kept tokens");
     // Per head: strictly increasing token indices inside the prompt, ending with the window.
     int64_t at = 0;
     for (int64_t n : m.dense_counts) {
@@ -277,7 +289,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     c.footprint = g.footprint;
     out.data.assign(c.layout.total_bytes, 0);
     for (const Section &sec : c.layout.sections)
-      std::memcpy(out.data.data() + sec.offset, r.take(sec.bytes, "arrays"), sec.bytes);
+      r.read_into(out.data.data() + sec.offset, sec.bytes, "arrays");
     // Validate everything decode indexes with, so a crafted file cannot read out of bounds.
     auto sec = [&](int i) { return out.data.data() + c.layout.sections[i].offset; };
     const int64_t P = g.prefix, words = g.words, k = g.anchors;
@@ -327,7 +339,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     c.footprint = c.quant.footprint;
     out.data.assign(c.quant.total_bytes, 0);
     for (int i = 0; i < kQuantSectionCount; ++i)
-      std::memcpy(out.data.data() + c.quant.offsets[i], r.take(c.quant.bytes[i], "quantized arrays"), c.quant.bytes[i]);
+      r.read_into(out.data.data() + c.quant.offsets[i], c.quant.bytes[i], "quantized arrays");
     // Decode indexes query channels by the outlier indices.
     const uint64_t outliers = static_cast<uint64_t>(H) * c.quant.prefix * m.quant_outliers;
     const uint8_t *idx = out.data.data() + c.quant.offsets[kQuantKeyOutlierIndex];
@@ -341,12 +353,12 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     for (int64_t n : m.dense_counts) kept += n;
     c.footprint = 4ull * kept * D;
     out.data.resize(c.footprint);
-    std::memcpy(out.data.data(), r.take(c.footprint, "dense arrays"), c.footprint);
+    r.read_into(out.data.data(), c.footprint, "dense arrays");
   }
   const int64_t len = r.get<int64_t>("suffix length");
   corrupt_unless(len >= 0 && len <= (int64_t{1} << 31), "suffix length");
   c.suffix_positions.resize(len);
-  std::memcpy(c.suffix_positions.data(), r.take(len * 4, "suffix positions"), len * 4);
+  r.read_into(c.suffix_positions.data(), len * 4, "suffix positions");
   const size_t suffix_bytes = static_cast<size_t>(H * len * D * 2);
   const uint8_t *ks = r.take(suffix_bytes, "suffix keys");
   out.suffix_keys.assign(ks, ks + suffix_bytes);

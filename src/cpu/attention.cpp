@@ -125,7 +125,7 @@ class AnchorHead {
       half_row(ak_ + static_cast<int64_t>(a) * D_, storage_, D_, x.data());
       for (int i = 0; i < rows_; ++i) {
         const float *qi = &q_[static_cast<size_t>(i) * D_];
-        float *AB = &coef_[(static_cast<size_t>(a) * rows_ + i) * two_p_];
+        float *AB = coef_.data() + (static_cast<size_t>(a) * rows_ + i) * two_p_;
         for (int j = 0; j < pairs_; ++j) {
           const int f = rope_.first[j], s = rope_.second[j];
           AB[j] = qi[f] * x[f] + qi[s] * x[s];
@@ -149,7 +149,7 @@ class AnchorHead {
       const int a = kidx_[t];
       const float gam = bf16_to_float(kgam_[t]);
       const float *cs = trig + u * two_p_;
-      dot_rows(&coef_[static_cast<size_t>(a) * rows_ * two_p_], two_p_, rows_, cs, two_p_, logit_.data());
+      dot_rows(coef_.data() + static_cast<size_t>(a) * rows_ * two_p_, two_p_, rows_, cs, two_p_, logit_.data());
       const float *C = &coefC_[static_cast<size_t>(a) * rows_];
       for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = gam * (C[i] + logit_[i]);
       const uint64_t word = kmask_[t >> 6];
