@@ -13,6 +13,6 @@ case "$build_dir" in /*) ;; *) build_dir="$root/$build_dir" ;; esac
 jobs="${ANCHORKV_JOBS:-$(nproc)}"
 
 cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release \
-      -DANCHORKV_CUDA="${ANCHORKV_CUDA:-OFF}" "$@"
+      -DANCHORKV_CUDA="${ANCHORKV_CUDA:-OFF}" -DANCHORKV_BUILD_CLI=ON "$@"
 cmake --build "$build_dir" --parallel "$jobs"
 echo "build.sh: built in $build_dir (CLI: $build_dir/tools/cli/anchorkv)"

@@ -9,7 +9,9 @@
 # device tool to bring back).
 # Environment: ANCHORKV_DEVICE_BUILD_DIR (default build-device), ANCHORKV_JOBS (default: cores),
 #   ANCHORKV_BENCH_SEQ_LENS (default "32768 65536 131072"), ANCHORKV_BENCH_ARGS (extra
-#   arguments for every bench run), ANCHORKV_SKIP ("build ctest bench", any of them).
+#   arguments for every bench run), ANCHORKV_BENCH_BACKEND (default cuda),
+#   ANCHORKV_BENCH_TIMEOUT (seconds per bench run, default 300),
+#   ANCHORKV_SKIP ("build ctest bench", any of them).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root" || exit 1
@@ -55,32 +57,43 @@ elif run_logged "build (CUDA sm_90)" "$logs/build.log" configure_and_build; then
 if skipped ctest; then note SKIP "ctest" 0
 elif [ "$build_ok" = 1 ]; then
   run_logged "ctest (GPU tests included)" "$logs/ctest.log" \
-    ctest --test-dir "$build_dir" --output-on-failure --no-tests=error -j 4
+    ctest --test-dir "$build_dir" --output-on-failure --no-tests=error -j "$jobs" --timeout 900
   grep -E 'tests passed|tests failed' "$logs/ctest.log" | tail -n 1 | sed 's/^/  /'
+  # On a GPU machine the GPU tests must run, not skip: say how many skipped.
+  echo "  skipped tests: $(grep -cE '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*Skipped' "$logs/ctest.log")"
 else note SKIP "ctest (build failed)" 0; fi
 
 # ---- 3. bench --------------------------------------------------------------------------------
+# CSV per length (backend cuda unless ANCHORKV_BENCH_BACKEND says otherwise), merged into one table at the end.
 cli="$build_dir/tools/cli/anchorkv"
+bench_timeout="${ANCHORKV_BENCH_TIMEOUT:-300}"
+bench_backend="${ANCHORKV_BENCH_BACKEND:-cuda}"
 bench_rows=()
 for s in $seq_lens; do
   if skipped bench; then note SKIP "bench S=$s" 0; continue; fi
   if [ ! -x "$cli" ]; then note SKIP "bench S=$s (no $cli)" 0; continue; fi
   # shellcheck disable=SC2086  # ANCHORKV_BENCH_ARGS is a list of words
-  run_logged "bench S=$s" "$logs/bench-$s.log" \
-    "$cli" bench --backend cuda --seq-len "$s" ${ANCHORKV_BENCH_ARGS:-}
+  run_logged "bench S=$s" "$logs/bench-$s.csv" timeout "$bench_timeout" \
+    "$cli" bench --backend "$bench_backend" --seq-len "$s" --csv --quiet ${ANCHORKV_BENCH_ARGS:-}
   bench_rows+=("$s")
 done
 
-if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp "$logs"/*.log "$OUT"/ 2>/dev/null; fi
+if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp "$logs"/* "$OUT"/ 2>/dev/null; fi
 
 # ---- 4. summary and table --------------------------------------------------------------------
 printf '\n==== device-check summary ====\n'
 printf '  %s\n' "${summary[@]}"
 if [ "${#bench_rows[@]}" -gt 0 ]; then
-  printf '\n==== bench (last lines of each run; full logs in %s) ====\n' "$logs"
+  printf '\n==== anchorkv bench, %s backend (medians; CSV in %s) ====\n' "$bench_backend" "$logs"
+  printf '%8s %-10s %7s %8s %12s %12s %10s\n' S method target ratio compress decode "vs FullKV"
   for s in "${bench_rows[@]}"; do
-    printf -- '-- S=%s\n' "$s"
-    grep -v '^\s*$' "$logs/bench-$s.log" | tail -n 6 | sed 's/^/  /'
+    awk -F, -v S="$s" '
+      $1 == "backend" { header = 1; next }
+      header && NF >= 9 {
+        if ($4 == "") { printf "%8s %-10s %6sx  FAILED %s\n", S, $2, $3, $10; next }
+        printf "%8s %-10s %6sx %7.2fx %10.2fms %10.1fus %9.2fx\n", S, $2, $3, $4, $6 * 1e3, $7 * 1e6, $8
+      }
+      END { if (!header) printf "%8s (no CSV: see the log)\n", S }' "$logs/bench-$s.csv"
   done
 fi
 failed=$(printf '%s\n' "${summary[@]}" | grep -c '^FAIL')

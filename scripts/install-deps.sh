@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Install what building and testing anchorkv needs on Debian 12 (bookworm).
 # Idempotent: checks first and only calls apt-get / pip for what is missing, so a second run
-# takes about a second. Uses sudo only when not root. The CUDA toolkit is optional (the
+# takes a few seconds. Uses sudo only when not root. ANCHORKV_DEPS_DRY_RUN=1 only prints
+# what it would install. The CUDA toolkit is optional (the
 # CUDA backend builds when nvcc is found) and is not installed here.
 set -euo pipefail
 
 log() { printf 'install-deps: %s\n' "$*"; }
+dry_run="${ANCHORKV_DEPS_DRY_RUN:-0}"
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then
@@ -32,6 +34,9 @@ fi
 # Python: interpreter, and pip only when the interpreter on PATH has none.
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
 if ! python3 -m pip --version >/dev/null 2>&1; then missing+=(python3-pip); fi
+# scripts/test-bindings.sh installs the Python package into a venv; Debian splits ensurepip
+# out of its python3 into python3-venv.
+if ! python3 -c 'import ensurepip' >/dev/null 2>&1; then missing+=(python3-venv); fi
 
 # Python modules for the binding tests and plots. Debian's own python3 is "externally
 # managed" (PEP 668), so for it we take Debian's packages; any other python3 (pyenv, venv)
@@ -59,6 +64,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     log "missing Debian packages: ${missing[*]} (install them as root)"; exit 1
   fi
   log "apt-get install ${missing[*]}"
+  if [ "$dry_run" = 1 ]; then log "dry run: nothing installed"; exit 0; fi
   $SUDO apt-get update -q
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
     "${missing[@]}"
@@ -68,6 +74,7 @@ fi
 
 if [ "${#py_missing[@]}" -gt 0 ]; then
   log "pip install ${py_missing[*]} (into $(command -v python3))"
+  if [ "$dry_run" = 1 ]; then log "dry run: nothing installed"; exit 0; fi
   python3 -m pip install --quiet --disable-pip-version-check "${py_missing[@]}"
 fi
 for mod in "${py_modules[@]}"; do

@@ -34,7 +34,7 @@ QuantGeometry quant_geometry_for_bits(const akv_shape &s, int32_t window, int32_
   const uint64_t cb = static_cast<uint64_t>(g.code_bytes());
   g.bytes[kQuantWindowKeys] = g.bytes[kQuantWindowValues] = H * W * D * 2;
   g.bytes[kQuantKeyCodes] = g.bytes[kQuantValueCodes] = H * P * cb;
-  g.bytes[kQuantKeyScales] = g.bytes[kQuantValueMin] = g.bytes[kQuantValueStep] = H * P * 4;
+  g.bytes[kQuantKeyScales] = g.bytes[kQuantValueScales] = H * P * 4;
   g.bytes[kQuantKeyOutlierIndex] = H * P * n * g.index_bytes;
   g.bytes[kQuantKeyOutlierValue] = H * P * n * 2;
   uint64_t offset = 0;
@@ -105,6 +105,25 @@ TokenQuantizer::TokenQuantizer(uint64_t seed, int head_dim, int bits, int outlie
   for (size_t i = 0; i + 1 < levels_.size(); ++i) thresholds_.push_back(0.5f * (levels_[i] + levels_[i + 1]));
 }
 
+float TokenQuantizer::code_rotated(float *y, uint8_t *packed) const {
+  double sumsq = 0.0;
+  for (int d = 0; d < dim_; ++d) sumsq += static_cast<double>(y[d]) * y[d];
+  const double rms = std::sqrt(sumsq / dim_);
+  const double inv = rms > 0.0 ? 1.0 / rms : 0.0;
+  uint8_t codes[512];
+  double dot = 0.0, levels_sq = 0.0;
+  for (int d = 0; d < dim_; ++d) {
+    const float z = static_cast<float>(y[d] * inv);
+    const int c = static_cast<int>(std::upper_bound(thresholds_.begin(), thresholds_.end(), z) - thresholds_.begin());
+    codes[d] = static_cast<uint8_t>(c);
+    dot += static_cast<double>(y[d]) * levels_[c];
+    levels_sq += static_cast<double>(levels_[c]) * levels_[c];
+  }
+  pack_codes(codes, dim_, bits_, packed);
+  // Least squares: the scale minimising ||y - s*levels||^2 for the chosen codes.
+  return levels_sq > 0.0 ? static_cast<float>(dot / levels_sq) : 0.0f;
+}
+
 void TokenQuantizer::encode_key(const float *key, uint8_t *packed, float *scale, int32_t *outlier_index,
                                 float *outlier_value) const {
   std::vector<float> y(key, key + dim_);
@@ -124,49 +143,39 @@ void TokenQuantizer::encode_key(const float *key, uint8_t *packed, float *scale,
     }
   }
   rotation_.rotate(y.data());
-  double sumsq = 0.0;
-  for (int d = 0; d < dim_; ++d) sumsq += static_cast<double>(y[d]) * y[d];
-  const double rms = std::sqrt(sumsq / dim_);
-  const double inv = rms > 0.0 ? 1.0 / rms : 0.0;
-  std::vector<uint8_t> codes(dim_);
-  double dot = 0.0, levels_sq = 0.0;
-  for (int d = 0; d < dim_; ++d) {
-    const float z = static_cast<float>(y[d] * inv);
-    const int c = static_cast<int>(std::upper_bound(thresholds_.begin(), thresholds_.end(), z) - thresholds_.begin());
-    codes[d] = static_cast<uint8_t>(c);
-    dot += static_cast<double>(y[d]) * levels_[c];
-    levels_sq += static_cast<double>(levels_[c]) * levels_[c];
-  }
-  // Least squares: the scale minimising ||y - s*levels||^2 for the chosen codes.
-  *scale = levels_sq > 0.0 ? static_cast<float>(dot / levels_sq) : 0.0f;
-  pack_codes(codes.data(), dim_, bits_, packed);
+  *scale = code_rotated(y.data(), packed);
 }
 
-void TokenQuantizer::encode_value(const float *value, uint8_t *packed, float *minimum, float *step) const {
+void TokenQuantizer::encode_value(const float *value, uint8_t *packed, float *scale) const {
   std::vector<float> y(value, value + dim_);
   rotation_.rotate(y.data());
-  const auto [lo, hi] = std::minmax_element(y.begin(), y.end());
-  const int top = (1 << bits_) - 1;
-  const float mn = *lo, st = (*hi - *lo) / static_cast<float>(top);
-  std::vector<uint8_t> codes(dim_, 0);
-  if (st > 0.0f)
-    for (int d = 0; d < dim_; ++d)
-      codes[d] = static_cast<uint8_t>(std::clamp(static_cast<int>(std::lround((y[d] - mn) / st)), 0, top));
-  *minimum = mn;
-  *step = st;
-  pack_codes(codes.data(), dim_, bits_, packed);
+  *scale = code_rotated(y.data(), packed);
 }
 
-void TokenQuantizer::key_rotated(const uint8_t *packed, float scale, float *y) const {
-  uint8_t codes[512];
-  unpack_codes(packed, dim_, bits_, codes);
-  for (int d = 0; d < dim_; ++d) y[d] = scale * levels_[codes[d]];
-}
-
-void TokenQuantizer::value_rotated(const uint8_t *packed, float minimum, float step, float *y) const {
-  uint8_t codes[512];
-  unpack_codes(packed, dim_, bits_, codes);
-  for (int d = 0; d < dim_; ++d) y[d] = minimum + step * static_cast<float>(codes[d]);
+void TokenQuantizer::decode_rotated(const uint8_t *packed, float scale, float *y) const {
+  // Decode sits in the attention loop: whole bytes (2 and 4 bits) or 3-byte groups of eight
+  // codes (3 bits) at a time. dim_ is a power of two >= 16, so groups never straddle the end.
+  const float *lv = levels_.data();
+  if (bits_ == 3) {
+    for (int g = 0; g < dim_ / 8; ++g) {
+      const uint32_t v = packed[3 * g] | (static_cast<uint32_t>(packed[3 * g + 1]) << 8) |
+                         (static_cast<uint32_t>(packed[3 * g + 2]) << 16);
+      for (int i = 0; i < 8; ++i) y[8 * g + i] = scale * lv[(v >> (3 * i)) & 7u];
+    }
+    return;
+  }
+  if (bits_ == 2) {
+    for (int b = 0; b < dim_ / 4; ++b) {
+      const uint32_t v = packed[b];
+      for (int i = 0; i < 4; ++i) y[4 * b + i] = scale * lv[(v >> (2 * i)) & 3u];
+    }
+    return;
+  }
+  for (int b = 0; b < dim_ / 2; ++b) {
+    const uint32_t v = packed[b];
+    y[2 * b] = scale * lv[v & 15u];
+    y[2 * b + 1] = scale * lv[v >> 4];
+  }
 }
 
 }  // namespace akv

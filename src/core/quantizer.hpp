@@ -5,8 +5,12 @@
 //    dtype, with their channel index) and zeroed; the rest is rotated, scaled by one fp32 per
 //    token (RMS, then least-squares refit) and coded with the 2^b-level Lloyd-Max quantizer
 //    for N(0,1), which matches the near-Gaussian marginals the rotation produces;
-//  - values: rotated, then per-token asymmetric uniform codes (fp32 minimum and step), the
-//    per-token value quantization of KIVI that the public TurboQuant reproductions use.
+//  - values: the same without outliers (rotation, fp32 scale, Lloyd-Max codes). TurboQuant
+//    applies its MSE-optimal scalar quantizer to every vector; per-token uniform min/max
+//    codes (KIVI style, used by some reproductions) measure worse: relative squared error
+//    0.251 / 0.046 / 0.010 at 2 / 3 / 4 bits on Gaussian vectors at D=128 against
+//    0.115 / 0.034 / 0.0092 for Lloyd-Max with the least-squares scale, and they cost an
+//    extra fp32 per token.
 // Everything here depends only on the shape and the options, so the footprint is exact
 // before any data is seen; the layout is backend-free (the CUDA backend reads the same bytes).
 #pragma once
@@ -40,8 +44,7 @@ enum QuantSection : int {
   kQuantKeyOutlierIndex, // [H][P][n_out] u8 (u16 when D > 256)
   kQuantKeyOutlierValue, // [H][P][n_out] storage dtype, exact channel values
   kQuantValueCodes,      // [H][P][D*b/8]
-  kQuantValueMin,        // [H][P] f32
-  kQuantValueStep,       // [H][P] f32
+  kQuantValueScales,     // [H][P] f32
   kQuantSectionCount
 };
 
@@ -59,7 +62,7 @@ struct QuantGeometry {
 
   int64_t code_bytes() const { return static_cast<int64_t>(dim) * bits / 8; }
   int64_t key_bytes_per_token() const { return code_bytes() + 4 + outliers * (2 + index_bytes); }
-  int64_t value_bytes_per_token() const { return code_bytes() + 8; }
+  int64_t value_bytes_per_token() const { return code_bytes() + 4; }
 };
 
 // Footprint of a fixed bit width (no budget check).
@@ -87,17 +90,18 @@ class TokenQuantizer {
   // remainder is the key with those channels zeroed.
   void encode_key(const float *key, uint8_t *packed, float *scale, int32_t *outlier_index,
                   float *outlier_value) const;
-  // value -> codes, minimum and step in the rotated domain.
-  void encode_value(const float *value, uint8_t *packed, float *minimum, float *step) const;
-  // Rotated-domain reconstructions (no outliers, no inverse rotation).
-  void key_rotated(const uint8_t *packed, float scale, float *y) const;
-  void value_rotated(const uint8_t *packed, float minimum, float step, float *y) const;
+  // value -> codes and scale (no outliers).
+  void encode_value(const float *value, uint8_t *packed, float *scale) const;
+  // Rotated-domain reconstruction scale * levels (no outliers, no inverse rotation).
+  void decode_rotated(const uint8_t *packed, float scale, float *y) const;
 
  private:
   int dim_ = 0, bits_ = 0, outliers_ = 0;
   ResidualCodec rotation_;
   std::vector<float> levels_;      // 2^bits Lloyd-Max levels, increasing
   std::vector<float> thresholds_;  // 2^bits - 1 midpoints
+  // y (rotated, clobbered) -> packed codes; returns the least-squares scale.
+  float code_rotated(float *y, uint8_t *packed) const;
 };
 
 }  // namespace akv

@@ -46,8 +46,7 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
   const float *key_scales = c.quant_section<float>(kQuantKeyScales) + static_cast<int64_t>(h) * P;
   const uint16_t *outlier_values = c.quant_section<uint16_t>(kQuantKeyOutlierValue) + static_cast<int64_t>(h) * P * n;
   const uint8_t *value_codes = c.quant_section<uint8_t>(kQuantValueCodes) + static_cast<int64_t>(h) * P * cb;
-  const float *value_min = c.quant_section<float>(kQuantValueMin) + static_cast<int64_t>(h) * P;
-  const float *value_step = c.quant_section<float>(kQuantValueStep) + static_cast<int64_t>(h) * P;
+  const float *value_scales = c.quant_section<float>(kQuantValueScales) + static_cast<int64_t>(h) * P;
   const uint16_t *wk = c.quant_section<uint16_t>(kQuantWindowKeys) + static_cast<int64_t>(h) * W * D;
   const uint16_t *wv = c.quant_section<uint16_t>(kQuantWindowValues) + static_cast<int64_t>(h) * W * D;
   const int64_t suffix_base = static_cast<int64_t>(h) * c.suffix_capacity * D;
@@ -55,14 +54,18 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
   const uint16_t *sv = reinterpret_cast<const uint16_t *>(c.suffix_values.data()) + suffix_base;
 
   std::vector<float> L(static_cast<size_t>(rows) * total), y(D), x(D);
+  std::vector<int> channel(n);
+  std::vector<float> outlier(n);
   for (int64_t t = 0; t < P; ++t) {
-    tq.key_rotated(key_codes + t * cb, key_scales[t], y.data());
+    tq.decode_rotated(key_codes + t * cb, key_scales[t], y.data());
+    for (int j = 0; j < n; ++j) {
+      channel[j] = outlier_channel(c, (static_cast<int64_t>(h) * P + t) * n + j);
+      outlier[j] = half_to_float(outlier_values[t * n + j], storage);
+    }
     for (int i = 0; i < rows; ++i) {
       const float *qi = &qs[static_cast<size_t>(i) * D];
       float logit = dot(&qr[static_cast<size_t>(i) * D], y.data(), D);
-      for (int j = 0; j < n; ++j)
-        logit += qi[outlier_channel(c, (static_cast<int64_t>(h) * P + t) * n + j)] *
-                 half_to_float(outlier_values[t * n + j], storage);
+      for (int j = 0; j < n; ++j) logit += qi[channel[j]] * outlier[j];
       L[i * total + t] = logit;
     }
   }
@@ -87,28 +90,19 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
     sums[i] = sum;
   }
 
-  // Values: codes accumulate in the rotated domain (p * step * code, plus p * min on every
-  // coordinate), one inverse rotation per row; exact tokens directly.
+  // Values: p * scale * levels accumulate in the rotated domain, one inverse rotation per
+  // row; exact tokens directly.
   std::vector<float> racc(static_cast<size_t>(rows) * D, 0.0f), acc(racc.size(), 0.0f);
-  std::vector<double> min_weight(rows, 0.0);
-  std::vector<uint8_t> codes(D);
   for (int64_t t = 0; t < P; ++t) {
-    unpack_codes(value_codes + t * cb, D, g.bits, codes.data());
-    for (int d = 0; d < D; ++d) y[d] = static_cast<float>(codes[d]);
+    tq.decode_rotated(value_codes + t * cb, 1.0f, y.data());
     for (int i = 0; i < rows; ++i) {
-      const float p = L[i * total + t];
-      if (p == 0.0f) continue;
-      min_weight[i] += static_cast<double>(p) * value_min[t];
-      const float w = p * value_step[t];
+      const float w = L[i * total + t] * value_scales[t];
+      if (w == 0.0f) continue;
       float *r = &racc[static_cast<size_t>(i) * D];
       for (int d = 0; d < D; ++d) r[d] += w * y[d];
     }
   }
-  for (int i = 0; i < rows; ++i) {
-    float *r = &racc[static_cast<size_t>(i) * D];
-    for (int d = 0; d < D; ++d) r[d] += static_cast<float>(min_weight[i]);
-    tq.rotation().unrotate(r);
-  }
+  for (int i = 0; i < rows; ++i) tq.rotation().unrotate(&racc[static_cast<size_t>(i) * D]);
   auto exact_values = [&](const uint16_t *values, int64_t count, int64_t offset) {
     for (int64_t t = 0; t < count; ++t) {
       load_row(values + t * D, storage, D, x.data());
@@ -139,15 +133,14 @@ void reconstruct_quantized_prompt_cpu(const akv_cache &c, int h, bool rotated, f
   const float *key_scales = c.quant_section<float>(kQuantKeyScales);
   const uint16_t *outlier_values = c.quant_section<uint16_t>(kQuantKeyOutlierValue);
   const uint8_t *value_codes = c.quant_section<uint8_t>(kQuantValueCodes);
-  const float *value_min = c.quant_section<float>(kQuantValueMin);
-  const float *value_step = c.quant_section<float>(kQuantValueStep);
+  const float *value_scales = c.quant_section<float>(kQuantValueScales);
   for (int64_t t = 0; t < P; ++t) {
     const int64_t slot = hp + t;
     float *k = keys + t * D, *v = values + t * D;
-    tq.key_rotated(key_codes + slot * cb, key_scales[slot], k);
+    tq.decode_rotated(key_codes + slot * cb, key_scales[slot], k);
     tq.rotation().unrotate(k);
     for (int j = 0; j < n; ++j) k[outlier_channel(c, slot * n + j)] += half_to_float(outlier_values[slot * n + j], storage);
-    tq.value_rotated(value_codes + slot * cb, value_min[slot], value_step[slot], v);
+    tq.decode_rotated(value_codes + slot * cb, value_scales[slot], v);
     tq.rotation().unrotate(v);
   }
   const uint16_t *wk = c.quant_section<uint16_t>(kQuantWindowKeys) + static_cast<int64_t>(h) * W * D;

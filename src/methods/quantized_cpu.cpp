@@ -44,8 +44,7 @@ std::unique_ptr<akv_cache> compress_quantized_cpu(const CompressRequest &req) {
   uint8_t *outlier_index = c.quant_section<uint8_t>(kQuantKeyOutlierIndex);
   uint16_t *outlier_value = c.quant_section<uint16_t>(kQuantKeyOutlierValue);
   uint8_t *value_codes = c.quant_section<uint8_t>(kQuantValueCodes);
-  float *value_min = c.quant_section<float>(kQuantValueMin);
-  float *value_step = c.quant_section<float>(kQuantValueStep);
+  float *value_scales = c.quant_section<float>(kQuantValueScales);
   const TokenQuantizer &quantizer = c.quantizer;
   req.context->pool->parallel_for(static_cast<int64_t>(H) * S, [&](int64_t b, int64_t e) {
     std::vector<float> k(D), v(D), ov(n);
@@ -75,7 +74,7 @@ std::unique_ptr<akv_cache> compress_quantized_cpu(const CompressRequest &req) {
         }
         outlier_value[o_slot] = float_to_half(ov[j], storage);
       }
-      quantizer.encode_value(v.data(), value_codes + slot * cb, &value_min[slot], &value_step[slot]);
+      quantizer.encode_value(v.data(), value_codes + slot * cb, &value_scales[slot]);
     }
   });
   return cache;

@@ -7,6 +7,7 @@
 #include <functional>
 
 #include "api/api_test_util.hpp"
+#include "api/raw_enums.h"
 
 #ifndef AKV_TEST_BUILT_WITH_CUDA
 #define AKV_TEST_BUILT_WITH_CUDA 0
@@ -113,15 +114,15 @@ struct Env {
   }
 
   akv_status decode_batch_with(std::vector<akv_cache *> caches, int32_t batch, int32_t q_len,
-                               akv_context *ctx = nullptr, akv_dtype dtype = AKV_DTYPE_F32) {
+                               akv_context *ctx = nullptr, int dtype = AKV_DTYPE_F32) {
     std::vector<float> queries;
     for (int i = 0; i < static_cast<int>(caches.size()) * q_len; ++i)
       queries.insert(queries.end(), query.values.begin(), query.values.end());
     // Queries laid out [batch][Hq][q_len][D]: content does not matter for these cases.
     scratch = encode(queries, AKV_DTYPE_F32);
     out = poisoned(queries.size(), AKV_DTYPE_F32);
-    return akv_decode_batch(ctx ? ctx : context.get(), caches.data(), batch, scratch.data(), dtype, q_len, out.data(),
-                            nullptr);
+    return akv_test_decode_batch(ctx ? ctx : context.get(), caches.data(), batch, scratch.data(), dtype, q_len,
+                                 out.data());
   }
 };
 
@@ -151,7 +152,7 @@ std::vector<BadCase> bad_cases() {
       {"ContextCreate_StructSizeTooLarge", AKV_ERR_INVALID_ARGUMENT, {"struct_size"},
        [](Env &e) { return e.create_context_with([](akv_context_options &o) { o.struct_size = sizeof o + 64; }); }},
       {"ContextCreate_UnknownBackend", AKV_ERR_INVALID_ARGUMENT, {"backend"},
-       [](Env &e) { return e.create_context_with([](akv_context_options &o) { o.backend = static_cast<akv_backend>(7); }); }},
+       [](Env &e) { return e.create_context_with([](akv_context_options &o) { akv_test_set_backend(&o, 7); }); }},
       {"ContextCreate_AllocatorHalfSet", AKV_ERR_INVALID_ARGUMENT, {"allocator", "free"},
        [](Env &e) {
          return e.create_context_with([](akv_context_options &o) {
@@ -265,9 +266,9 @@ std::vector<BadCase> bad_cases() {
       {"Compress_PoolKernelZero", AKV_ERR_INVALID_ARGUMENT, {"pool_kernel"},
        [](Env &e) { return e.compress_with([](Prefill &, Options &o) { o.pool_kernel = 0; }); }},
       {"Compress_UnknownMethod", AKV_ERR_INVALID_ARGUMENT, {"method"},
-       [](Env &e) { return e.compress_with([](Prefill &, Options &o) { o.method = static_cast<akv_method>(99); }); }},
+       [](Env &e) { return e.compress_with([](Prefill &, Options &o) { akv_test_set_method(&o, 99); }); }},
       {"Compress_UnknownRopeStyle", AKV_ERR_INVALID_ARGUMENT, {"rope", "style"},
-       [](Env &e) { return e.compress_with([](Prefill &, Options &o) { o.rope.style = static_cast<akv_rope_style>(9); }); }},
+       [](Env &e) { return e.compress_with([](Prefill &, Options &o) { akv_test_set_rope_style(&o, 9); }); }},
       {"Compress_RotaryDimOdd", AKV_ERR_INVALID_ARGUMENT, {"rotary_dim"},
        [](Env &e) { return e.compress_with([](Prefill &, Options &o) { o.rope.rotary_dim = 33; }); }},
       {"Compress_RotaryDimAboveHeadDim", AKV_ERR_INVALID_ARGUMENT, {"rotary_dim"},
@@ -328,7 +329,7 @@ std::vector<BadCase> bad_cases() {
          return e.compress_with([positions](Prefill &p, Options &) { p.positions = positions; });
        }},
       {"Compress_Dtype77", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
-       [](Env &e) { return e.compress_with([](Prefill &p, Options &) { p.dtype = static_cast<akv_dtype>(77); }); }},
+       [](Env &e) { return e.compress_with([](Prefill &p, Options &) { akv_test_set_prefill_dtype(&p, 77); }); }},
       {"Compress_DtypeAuto", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
        [](Env &e) { return e.compress_with([](Prefill &p, Options &) { p.dtype = AKV_DTYPE_AUTO; }); }},
       {"Compress_NegativeStride", AKV_ERR_INVALID_ARGUMENT, {"stride"},
@@ -351,7 +352,7 @@ std::vector<BadCase> bad_cases() {
        [](Env &e) { return e.append_with(e.cache.get(), e.append_keys.data(), e.append_values.data(), AKV_DTYPE_F32, -3, nullptr); }},
       {"Append_Dtype77", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
        [](Env &e) {
-         return e.append_with(e.cache.get(), e.append_keys.data(), e.append_values.data(), static_cast<akv_dtype>(77), kAppended, nullptr);
+         return akv_test_append(e.cache.get(), e.append_keys.data(), e.append_values.data(), 77, kAppended, nullptr);
        }},
       {"Append_DtypeAuto", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
        [](Env &e) { return e.append_with(e.cache.get(), e.append_keys.data(), e.append_values.data(), AKV_DTYPE_AUTO, kAppended, nullptr); }},
@@ -385,7 +386,7 @@ std::vector<BadCase> bad_cases() {
          return akv_decode(e.cache.get(), e.scratch.data(), AKV_DTYPE_F32, kAppended + 2, e.out.data(), nullptr);
        }},
       {"Decode_Dtype77", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
-       [](Env &e) { return akv_decode(e.cache.get(), e.query.data(), static_cast<akv_dtype>(77), 1, e.out.data(), nullptr); }},
+       [](Env &e) { return akv_test_decode(e.cache.get(), e.query.data(), 77, 1, e.out.data()); }},
       {"Decode_DtypeAuto", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
        [](Env &e) { return akv_decode(e.cache.get(), e.query.data(), AKV_DTYPE_AUTO, 1, e.out.data(), nullptr); }},
 
@@ -420,7 +421,7 @@ std::vector<BadCase> bad_cases() {
       {"Batch_QLenBeyondAppended", AKV_ERR_INVALID_ARGUMENT, {"q_len"},
        [](Env &e) { return e.decode_batch_with({e.cache.get(), e.fullkv_cache.get()}, 2, 2); }},
       {"Batch_Dtype77", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
-       [](Env &e) { return e.decode_batch_with({e.cache.get()}, 1, 1, nullptr, static_cast<akv_dtype>(77)); }},
+       [](Env &e) { return e.decode_batch_with({e.cache.get()}, 1, 1, nullptr, 77); }},
 
       // ---- inspection ----
       {"Stats_NullCache", AKV_ERR_INVALID_ARGUMENT, {"cache"},
@@ -469,8 +470,7 @@ std::vector<BadCase> bad_cases() {
       {"Reconstruct_Dtype77", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
        [](Env &e) {
          e.scratch.assign(static_cast<size_t>(kH) * (kS + kAppended) * kD * 8, 0);
-         return akv_cache_reconstruct(e.cache.get(), static_cast<akv_dtype>(77), 1, e.scratch.data(),
-                                      e.scratch.data() + e.scratch.size() / 2, nullptr, nullptr);
+         return akv_test_reconstruct(e.cache.get(), 77, 1, e.scratch.data(), e.scratch.data() + e.scratch.size() / 2);
        }},
       {"Reconstruct_DtypeAuto", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
        [](Env &e) {
@@ -613,7 +613,7 @@ TEST(StructSize, OlderSmallerStructsAreAccepted) {
   AKV_TRACE_SEED(env.seed);
   akv_compress_options older = env.options;
   older.struct_size = offsetof(akv_compress_options, storage_dtype);
-  older.storage_dtype = static_cast<akv_dtype>(77);  // beyond struct_size: must be ignored
+  akv_test_set_storage_dtype(&older, 77);  // beyond struct_size: must be ignored
   const akv_prefill prefill = env.data.view();
   akv_cache *cache = nullptr;
   ASSERT_EQ(akv_compress(env.context.get(), &prefill, &older, &cache, nullptr), AKV_OK) << akv_last_error_message();

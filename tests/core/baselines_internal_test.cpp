@@ -67,7 +67,7 @@ TEST(QuantizerCodes, KeyOutliersAreKeptExactly) {
   q.encode_key(key.data(), packed.data(), &scale, index, value);
   EXPECT_EQ(std::vector<int32_t>(index, index + 4), (std::vector<int32_t>{5, 17, 30, 63}));
   EXPECT_EQ(std::vector<float>(value, value + 4), (std::vector<float>{40.0f, -35.0f, 20.0f, -18.0f}));
-  q.key_rotated(packed.data(), scale, y.data());
+  q.decode_rotated(packed.data(), scale, y.data());
   q.rotation().unrotate(y.data());
   for (int j = 0; j < 4; ++j) y[index[j]] += value[j];
   double err = 0, energy = 0;

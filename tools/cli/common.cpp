@@ -20,7 +20,7 @@ std::string describe_status(akv_status status) {
 }
 
 void check(akv_status status, const std::string &what) {
-  if (status != AKV_OK) throw CliError(what + " failed: " + describe_status(status));
+  if (status != AKV_OK) throw CliError(what + " failed: " + describe_status(status), kExitFailure, status);
 }
 
 ContextHandle create_context(akv_backend backend, int num_threads, akv_status *status_out) {

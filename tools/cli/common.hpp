@@ -26,12 +26,15 @@ constexpr int kExitCheck = 3;     // eval --check: a self-check failed
 // An error the tool reports as "anchorkv: error: <message>" before exiting with `exit_code`.
 class CliError : public std::runtime_error {
  public:
-  explicit CliError(const std::string &message, int exit_code = kExitFailure)
-      : std::runtime_error(message), exit_code_(exit_code) {}
+  explicit CliError(const std::string &message, int exit_code = kExitFailure, akv_status status = AKV_OK)
+      : std::runtime_error(message), exit_code_(exit_code), status_(status) {}
   int exit_code() const { return exit_code_; }
+  // The library status behind the error (AKV_OK when it came from the tool itself).
+  akv_status status() const { return status_; }
 
  private:
   int exit_code_;
+  akv_status status_;
 };
 
 // Text of a failed call: status name plus the library's thread-local detail.

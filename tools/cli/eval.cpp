@@ -54,8 +54,8 @@ Ratios: target = 1/retain_fraction; measured = M_full / compressed bytes from
   one query per head, all Hq heads), and decode time relative to FullKV.
 Methods: each starts from its paper defaults (akv_compress_options_init_method); methods
   that score with window queries get the last min(default window, W) window queries.
-  Default: FullKV and AnchorKV; --methods all adds SnapKV, PyramidKV, AdaKV, AnDPro and
-  Quantized. A method that fails (e.g. AKV_ERR_BUDGET) is shown with the library's message
+  Default (and --methods all): FullKV, AnchorKV, SnapKV, PyramidKV, AdaKV, AnDPro,
+  Quantized (3 bits + 4 outlier channels, the paper's TurboQuant) and Quantized-2b. A method that fails (e.g. AKV_ERR_BUDGET) is shown with the library's message
   and makes the exit status 1.
 )";
 
@@ -99,6 +99,7 @@ struct Row {
   std::vector<double> layer_ratios;   // akv_cache_stats.ratio per layer
   int64_t key_residuals = 0, value_residuals = 0;
   std::vector<double> cell_cosines;   // [layer][Hq]
+  std::vector<double> query_cosines;  // [layer][Hq][F], for --cells-csv
   std::vector<double> needle_cosines; // per planted needle, in the JSON needle_list order
   std::vector<double> self_cosines;   // --verify-decode: cos(decode, attention over reconstruction)
   int window = 0;                     // observation window the method used
@@ -495,6 +496,7 @@ void run_layer(akv_context *context, const EvalShape &s, const PositionConfig &p
     for (int f = 0; f < F; ++f) sum += cosines[static_cast<size_t>(qh) * F + f];
     row.cell_cosines.push_back(sum / F);
   }
+  row.query_cosines.insert(row.query_cosines.end(), cosines.begin(), cosines.end());
   if (settings.verify_decode) verify_decode(cache.get(), s, prep, decoded, pc.scale(D), label, settings, row, anomalies);
 
   // Needle probes.
@@ -734,6 +736,23 @@ void print_csv(const std::vector<Row> &rows, const EvalSettings &settings) {
   }
 }
 
+// --cells-csv: one line per (row, layer, query head, held-out query); the fidelity cells of
+// paper App. D.1 (there per (layer, head, sample)).
+void write_cells_csv(const std::string &path, const std::vector<Row> &rows, const EvalShape &s) {
+  std::FILE *file = std::fopen(path.c_str(), "w");
+  if (file == nullptr) throw CliError("--cells-csv: cannot write \"" + path + "\"");
+  std::fprintf(file, "method,target,target_ratio,ratio,layer,q_head,query,cosine\n");
+  for (const Row &row : rows) {
+    if (row.failed()) continue;
+    const size_t per_layer = static_cast<size_t>(s.q_heads) * s.future;
+    for (size_t i = 0; i < row.query_cosines.size(); ++i)
+      std::fprintf(file, "%s,%s,%.6g,%.6f,%zu,%zu,%zu,%.9f\n", row.run.entry->name, row.run.target_label().c_str(),
+                   row.run.target_ratio(), row.ratio(), i / per_layer, i % per_layer / s.future, i % s.future,
+                   row.query_cosines[i]);
+  }
+  if (std::fclose(file) != 0) throw CliError("--cells-csv: error writing \"" + path + "\"");
+}
+
 akv_dtype parse_dtype(const std::string &text) {
   if (text == "auto") return AKV_DTYPE_AUTO;
   if (text == "f32") return AKV_DTYPE_F32;
@@ -745,6 +764,8 @@ akv_dtype parse_dtype(const std::string &text) {
 }  // namespace
 
 int run_eval(int argc, char **argv) {
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--reach-grid") return run_reach_grid(argc, argv);
   cxxopts::Options options("anchorkv eval",
                            "Compare FullKV and AnchorKV (and any method in --methods) against exact attention:\n"
                            "compression ratio, bytes, compress and decode time, attention-output fidelity on\n"
@@ -775,6 +796,10 @@ int run_eval(int argc, char **argv) {
     ("json", "Print JSON (with per-cell cosines and per-needle results) instead of the table")
     ("quiet", "No progress on stderr")
     ("verify-decode", "Also compare akv_decode with attention over akv_cache_reconstruct (a decode-kernel check, slower)")
+    ("cells-csv", "Also write every row's per-(layer, query head, held-out query) cosine to FILE (CSV; fidelity "
+                  "CDFs: scripts/plot_eval.py)", cxxopts::value<std::string>(), "FILE")
+    ("reach-grid", "Instead of the comparison, the needle-reach grid over context lengths and depths "
+                   "(anchorkv eval --reach-grid --help)")
     ("check", "Exit 3 unless FullKV matches exact attention (mean cos >= 0.999), every needle is reached by "
               "exact attention and FullKV, and the library stats are consistent")
     ("h,help", "Show this help");
@@ -805,6 +830,7 @@ int run_eval(int argc, char **argv) {
   settings.json = args.count("json") > 0;
   settings.check = args.count("check") > 0;
   settings.verify_decode = args.count("verify-decode") > 0;
+  const std::string cells_csv = args.count("cells-csv") ? args["cells-csv"].as<std::string>() : "";
   if (settings.csv && settings.json) throw CliError("--csv and --json are exclusive", kExitUsage);
   if (settings.needles_per_head < 0) throw CliError("--needles must be >= 0", kExitUsage);
   if (!(settings.reach_threshold > 0.0 && settings.reach_threshold <= 1.0))
@@ -927,6 +953,7 @@ int run_eval(int argc, char **argv) {
   else
     print_table(summary, rows, settings, anomalies.list());
   for (const std::string &anomaly : anomalies.list()) std::cerr << "anchorkv eval: library anomaly: " << anomaly << std::endl;
+  if (!cells_csv.empty()) write_cells_csv(cells_csv, rows, shape);
 
   bool any_failed = false;
   for (const Row &row : rows) any_failed |= row.failed();
