@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # The one script to run on a machine with an NVIDIA GPU (an H200, sm_90):
 #   1. configure build-device with the CUDA backend for sm_90, build everything;
-#   2. ctest, GPU tests included (tests/gpu skip themselves without a GPU);
+#   2. ctest, GPU tests included (tests/gpu skip themselves without a GPU); the install test
+#      (label "install", needs pkg-config; CI runs it) is left out;
 #   3. `anchorkv bench` at S = 32768, 65536, 131072;
 #   4. a summary and a short table of the benchmark lines, printed last.
 # A failing step does not stop the later ones (a failed build skips what needs it). Logs go
 # to $ANCHORKV_DEVICE_LOGS (default: build-device/logs; also copied to $OUT when set, for the
 # device tool to bring back).
-# Environment: ANCHORKV_DEVICE_BUILD_DIR (default build-device), ANCHORKV_JOBS (default: cores),
+# Before the device call, run scripts/device-deps.sh here and carry build-device-deps.
+# Environment: ANCHORKV_DEVICE_CMAKE_ARGS (extra cmake arguments, split at spaces),
+#   ANCHORKV_DEVICE_BUILD_DIR (default build-device), ANCHORKV_JOBS (default: cores),
 #   ANCHORKV_BENCH_SEQ_LENS (default "32768 65536 131072"), ANCHORKV_BENCH_ARGS (extra
 #   arguments for every bench run), ANCHORKV_BENCH_BACKEND (default cuda),
-#   ANCHORKV_BENCH_TIMEOUT (seconds per bench run, default 300),
+#   ANCHORKV_BENCH_TIMEOUT (seconds per bench run, default 120: the whole script must fit in
+#   one 10-minute device call),
 #   ANCHORKV_SKIP ("build ctest bench", any of them).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -45,9 +49,18 @@ echo "  nvcc: $(nvcc --version 2>/dev/null | tail -n 1 || echo 'not found')"
 
 # ---- 1. build -------------------------------------------------------------------------------
 build_ok=0
+# The GPU machine's image lacks Debian's GoogleTest, cxxopts and nlohmann-json and cannot
+# download them: scripts/device-deps.sh unpacks them into build-device-deps here, carried along.
+carried_deps="$root/build-device-deps/root/usr"
+read -r -a extra_cmake <<<"${ANCHORKV_DEVICE_CMAKE_ARGS:-}"
+if [ -d "$carried_deps" ]; then
+  extra_cmake+=(-DCMAKE_PREFIX_PATH="$carried_deps")
+  echo "  using carried packages in $carried_deps"
+fi
 configure_and_build() {
   cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DANCHORKV_CUDA=ON \
-        -DCMAKE_CUDA_ARCHITECTURES=90 &&
+        -DCMAKE_CUDA_ARCHITECTURES=90 -DANCHORKV_BUILD_TESTS=ON -DANCHORKV_BUILD_CLI=ON \
+        "${extra_cmake[@]}" &&
   cmake --build "$build_dir" --parallel "$jobs"
 }
 if skipped build; then note SKIP "build" 0; build_ok=1
@@ -57,7 +70,8 @@ elif run_logged "build (CUDA sm_90)" "$logs/build.log" configure_and_build; then
 if skipped ctest; then note SKIP "ctest" 0
 elif [ "$build_ok" = 1 ]; then
   run_logged "ctest (GPU tests included)" "$logs/ctest.log" \
-    ctest --test-dir "$build_dir" --output-on-failure --no-tests=error -j "$jobs" --timeout 900
+    ctest --test-dir "$build_dir" --output-on-failure --no-tests=error -j "$jobs" --timeout 900 \
+      -LE install
   grep -E 'tests passed|tests failed' "$logs/ctest.log" | tail -n 1 | sed 's/^/  /'
   # On a GPU machine the GPU tests must run, not skip: say how many skipped.
   echo "  skipped tests: $(grep -cE '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*Skipped' "$logs/ctest.log")"
@@ -66,7 +80,7 @@ else note SKIP "ctest (build failed)" 0; fi
 # ---- 3. bench --------------------------------------------------------------------------------
 # CSV per length (backend cuda unless ANCHORKV_BENCH_BACKEND says otherwise), merged into one table at the end.
 cli="$build_dir/tools/cli/anchorkv"
-bench_timeout="${ANCHORKV_BENCH_TIMEOUT:-300}"
+bench_timeout="${ANCHORKV_BENCH_TIMEOUT:-120}"
 bench_backend="${ANCHORKV_BENCH_BACKEND:-cuda}"
 bench_rows=()
 for s in $seq_lens; do
@@ -85,15 +99,16 @@ printf '\n==== device-check summary ====\n'
 printf '  %s\n' "${summary[@]}"
 if [ "${#bench_rows[@]}" -gt 0 ]; then
   printf '\n==== anchorkv bench, %s backend (medians; CSV in %s) ====\n' "$bench_backend" "$logs"
-  printf '%8s %-10s %7s %8s %12s %12s %10s\n' S method target ratio compress decode "vs FullKV"
+  printf '%8s %-12s %7s %8s %12s %12s %10s\n' S method target ratio compress decode "vs FullKV"
   for s in "${bench_rows[@]}"; do
     awk -F, -v S="$s" '
       $1 == "backend" { header = 1; next }
       header && NF >= 9 {
-        if ($4 == "") { printf "%8s %-10s %6sx  FAILED %s\n", S, $2, $3, $10; next }
-        printf "%8s %-10s %6sx %7.2fx %10.2fms %10.1fus %9.2fx\n", S, $2, $3, $4, $6 * 1e3, $7 * 1e6, $8
+        rows++
+        if ($4 == "") { printf "%8s %-12s %6sx  FAILED %s\n", S, $2, $3, $10; next }
+        printf "%8s %-12s %6sx %7.2fx %10.2fms %10.1fus %9.2fx\n", S, $2, $3, $4, $6 * 1e3, $7 * 1e6, $8
       }
-      END { if (!header) printf "%8s (no CSV: see the log)\n", S }' "$logs/bench-$s.csv"
+      END { if (!rows) printf "%8s (no results: see %s)\n", S, FILENAME }' "$logs/bench-$s.csv"
   done
 fi
 failed=$(printf '%s\n' "${summary[@]}" | grep -c '^FAIL')
