@@ -7,7 +7,7 @@
 #   java      the SWIG binding built against the prefix, its example run as the test
 #   examples  C and C++ quickstarts through pkg-config (examples/Makefile) and through
 #             find_package(anchorkv) (examples/CMakeLists.txt)
-# and, in each part, the code block of docs/bindings.md marked <!-- test: LANG -->.
+# and, in each part, the code block of README.md marked <!-- test: LANG -->.
 #
 # Environment:
 #   ANCHORKV_BUILD_DIR  a configured and built build dir of the library; default: configure
@@ -75,8 +75,8 @@ need() {
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
 
 # doc_block TAG: the fenced code block after the line "<!-- test: TAG -->" in
-# docs/bindings.md, so the examples shown there are the examples run here.
-DOC=$ROOT/docs/bindings.md
+# README.md, so the examples shown there are the examples run here.
+DOC=$ROOT/README.md
 doc_block() {
   local block
   block=$(awk -v marker="<!-- test: $1 -->" '
@@ -162,7 +162,7 @@ if wants python; then
   if need python3; then
     run_step "python: pytest, source tree, ANCHORKV_LIBRARY=build dir" python_source_tree
     run_step "python: pip install ./python, pytest, library on the loader path" python_installed
-    run_step "python: docs/bindings.md example" python_doc
+    run_step "python: README.md example" python_doc
   fi
 fi
 
@@ -199,7 +199,7 @@ if wants rust; then
   if need cargo cc pkg-config; then
     run_step "rust: cargo test --offline + example, ANCHORKV_LIB_DIR=prefix" rust_lib_dir
     run_step "rust: anchorkv-sys found through pkg-config" rust_pkg_config
-    run_step "rust: docs/bindings.md example" rust_doc
+    run_step "rust: README.md example" rust_doc
   fi
 fi
 
@@ -225,7 +225,7 @@ if wants java; then
   PART=java
   if need swig javac java; then
     run_step "java: SWIG binding against the prefix, example as test" java_swig
-    run_step "java: docs/bindings.md example" java_doc
+    run_step "java: README.md example" java_doc
   fi
 fi
 
@@ -255,7 +255,7 @@ if wants examples; then
   if need cc c++ make pkg-config; then
     run_step "examples: C and C++ through pkg-config" examples_pkg_config
     run_step "examples: C and C++ through find_package(anchorkv)" examples_find_package
-    run_step "examples: docs/bindings.md C example" c_doc
+    run_step "examples: README.md C example" c_doc
   fi
 fi
 

@@ -1,4 +1,4 @@
-"""The examples shown in docs/bindings.md run and pass their own checks."""
+"""The examples shown in the README run and pass their own checks."""
 import os
 import subprocess
 import sys
