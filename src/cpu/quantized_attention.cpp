@@ -5,20 +5,10 @@
 #include <cstring>
 #include <vector>
 #include "core/dtype.hpp"
+#include "cpu/kernels.hpp"
 
 namespace akv {
 namespace {
-
-inline float dot(const float *a, const float *b, int n) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-inline void load_row(const uint16_t *src, akv_dtype storage, int n, float *dst) {
-  for (int i = 0; i < n; ++i) dst[i] = half_to_float(src[i], storage);
-}
 
 inline int outlier_channel(const akv_cache &c, int64_t slot) {
   const uint8_t *idx = c.quant_section<uint8_t>(kQuantKeyOutlierIndex);
@@ -71,7 +61,7 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
   }
   auto exact_logits = [&](const uint16_t *keys, int64_t count, int64_t offset) {
     for (int64_t t = 0; t < count; ++t) {
-      load_row(keys + t * D, storage, D, x.data());
+      half_row(keys + t * D, storage, D, x.data());
       for (int i = 0; i < rows; ++i) L[i * total + offset + t] = dot(&qs[static_cast<size_t>(i) * D], x.data(), D);
     }
   };
@@ -105,7 +95,7 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
   for (int i = 0; i < rows; ++i) tq.rotation().unrotate(&racc[static_cast<size_t>(i) * D]);
   auto exact_values = [&](const uint16_t *values, int64_t count, int64_t offset) {
     for (int64_t t = 0; t < count; ++t) {
-      load_row(values + t * D, storage, D, x.data());
+      half_row(values + t * D, storage, D, x.data());
       for (int i = 0; i < rows; ++i) {
         const float p = L[i * total + offset + t];
         if (p == 0.0f) continue;
@@ -146,8 +136,8 @@ void reconstruct_quantized_prompt_cpu(const akv_cache &c, int h, bool rotated, f
   const uint16_t *wk = c.quant_section<uint16_t>(kQuantWindowKeys) + static_cast<int64_t>(h) * W * D;
   const uint16_t *wv = c.quant_section<uint16_t>(kQuantWindowValues) + static_cast<int64_t>(h) * W * D;
   for (int64_t w = 0; w < W; ++w) {
-    load_row(wk + w * D, storage, D, keys + (P + w) * D);
-    load_row(wv + w * D, storage, D, values + (P + w) * D);
+    half_row(wk + w * D, storage, D, keys + (P + w) * D);
+    half_row(wv + w * D, storage, D, values + (P + w) * D);
   }
   if (!rotated)
     for (int64_t t = 0; t < P + W; ++t) c.rope.apply(keys + t * D, c.dense_positions[t], /*inverse=*/true);

@@ -2,7 +2,11 @@
 #include "core/error.hpp"
 #include "core/quantizer.hpp"
 #include "methods/eviction.hpp"
+#include <algorithm>
+#include "core/dtype.hpp"
+#include "cpu/thread_pool.hpp"
 #include "methods/methods.hpp"
+#include "methods/prefill_reader.hpp"
 
 namespace akv {
 
@@ -26,6 +30,31 @@ void fill_common_meta(const CompressRequest &req, CacheMeta &meta) {
   meta.rotary_dim = rope.rotary_dim;
   meta.inv_freq = rope.inv_freq;
   meta.window = o.window;
+}
+
+void store_dense_tokens(const CompressRequest &req, const PrefillReader &in, const std::vector<int64_t> &head_start,
+                        const int32_t *tokens, akv_cache &cache) {
+  const int D = req.prefill->shape.head_dim;
+  const int64_t total = head_start.back();
+  cache.footprint = 4ull * static_cast<uint64_t>(total) * D;
+  cache.data = Buffer(req.context, cache.footprint);
+  uint16_t *keys = reinterpret_cast<uint16_t *>(cache.data.data());
+  uint16_t *values = keys + total * D;
+  const akv_dtype storage = cache.meta.storage;
+  req.context->pool->parallel_for(total, [&](int64_t b, int64_t e) {
+    std::vector<float> k(D), v(D);
+    int h = static_cast<int>(std::upper_bound(head_start.begin(), head_start.end(), b) - head_start.begin()) - 1;
+    for (int64_t i = b; i < e; ++i) {
+      while (i >= head_start[h + 1]) ++h;
+      const int64_t t = tokens ? tokens[i] : i - head_start[h];
+      in.key_row(h, t, nullptr, k.data());
+      in.value_row(h, t, v.data());
+      for (int d = 0; d < D; ++d) {
+        keys[i * D + d] = float_to_half(k[d], storage);
+        values[i * D + d] = float_to_half(v[d], storage);
+      }
+    }
+  });
 }
 
 uint64_t compressed_footprint(const akv_compress_options &o, const akv_shape &s) {

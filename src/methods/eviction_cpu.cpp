@@ -228,25 +228,9 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
   for (int h = 0; h < H; ++h) cache->dense_tokens.insert(cache->dense_tokens.end(), kept[h].begin(), kept[h].end());
   cache->dense_positions = in.positions();
   cache->next_position = static_cast<int64_t>(in.positions()[S - 1]) + 1;
-  cache->footprint = budget.footprint;
-  cache->data = Buffer(req.context, cache->footprint);
-  uint16_t *keys = reinterpret_cast<uint16_t *>(cache->data.data());
-  uint16_t *values = keys + total * D;
-  const akv_dtype storage = meta.storage;
-  pool.parallel_for(total, [&](int64_t b, int64_t e) {
-    std::vector<float> k(D), v(D);
-    int h = static_cast<int>(std::upper_bound(first.begin(), first.end(), b) - first.begin()) - 1;
-    for (int64_t i = b; i < e; ++i) {
-      while (i >= first[h + 1]) ++h;
-      const int64_t t = cache->dense_tokens[i];
-      in.key_row(h, t, nullptr, k.data());
-      in.value_row(h, t, v.data());
-      for (int d = 0; d < D; ++d) {
-        keys[i * D + d] = float_to_half(k[d], storage);
-        values[i * D + d] = float_to_half(v[d], storage);
-      }
-    }
-  });
+  store_dense_tokens(req, in, first, cache->dense_tokens.data(), *cache);
+  require(cache->footprint == budget.footprint, AKV_ERR_INTERNAL, "eviction stored ", cache->footprint,
+          " bytes, the budget says ", budget.footprint);
   return cache;
 }
 

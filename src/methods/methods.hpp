@@ -2,6 +2,7 @@
 // in api/ validate arguments and own error reporting.
 #pragma once
 #include <memory>
+#include <vector>
 #include "anchorkv/anchorkv.h"
 #include "core/context.hpp"
 
@@ -15,6 +16,13 @@ struct CompressRequest {
 
 // Fills the meta fields every method shares (shape, storage dtype, rope, scale, seed...).
 void fill_common_meta(const CompressRequest &req, CacheMeta &meta);
+
+class PrefillReader;
+// Allocates the dense ragged storage of a cache (keys [total][D] post-RoPE, then values, in
+// the storage dtype) and fills it: kept row i of head h is token tokens[i] (tokens == null:
+// every token of each head in order). head_start: H+1 offsets of each head's first row.
+void store_dense_tokens(const CompressRequest &req, const PrefillReader &in, const std::vector<int64_t> &head_start,
+                        const int32_t *tokens, akv_cache &cache);
 
 std::unique_ptr<akv_cache> compress_fullkv_cpu(const CompressRequest &req);
 std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req);
