@@ -168,12 +168,7 @@ int run_bench(int argc, char **argv) {
     ("quiet", "No progress on stderr")
     ("h,help", "Show this help");
   // clang-format on
-  cxxopts::ParseResult args;
-  try {
-    args = options.parse(argc, argv);
-  } catch (const cxxopts::exceptions::exception &error) {
-    throw CliError(std::string(error.what()) + " (see anchorkv bench --help)", kExitUsage);
-  }
+  const cxxopts::ParseResult args = parse_arguments(options, argc, argv, "anchorkv bench --help");
   if (args.count("help")) {
     std::printf("%s", options.help().c_str());
     return kExitOk;

@@ -19,6 +19,14 @@ std::string describe_status(akv_status status) {
   return text;
 }
 
+cxxopts::ParseResult parse_arguments(cxxopts::Options &options, int argc, char **argv, const std::string &help_hint) {
+  try {
+    return options.parse(argc, argv);
+  } catch (const cxxopts::exceptions::exception &error) {
+    throw CliError(std::string(error.what()) + " (see " + help_hint + ")", kExitUsage);
+  }
+}
+
 void check(akv_status status, const std::string &what) {
   if (status != AKV_OK) throw CliError(what + " failed: " + describe_status(status), kExitFailure, status);
 }

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <cxxopts.hpp>
+
 #include "anchorkv/anchorkv.h"
 
 namespace akvcli {
@@ -39,6 +41,10 @@ class CliError : public std::runtime_error {
 
 // Text of a failed call: status name plus the library's thread-local detail.
 std::string describe_status(akv_status status);
+// Parses a subcommand's arguments; a parse error becomes a usage CliError that points at
+// `help_hint` (e.g. "anchorkv bench --help").
+cxxopts::ParseResult parse_arguments(cxxopts::Options &options, int argc, char **argv, const std::string &help_hint);
+
 // Throws CliError("<what>: <status>: <detail>") unless status is AKV_OK.
 void check(akv_status status, const std::string &what);
 

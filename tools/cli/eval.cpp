@@ -767,7 +767,7 @@ int run_eval(int argc, char **argv) {
   for (int i = 1; i < argc; ++i)
     if (std::string(argv[i]) == "--reach-grid") return run_reach_grid(argc, argv);
   cxxopts::Options options("anchorkv eval",
-                           "Compare FullKV and AnchorKV (and any method in --methods) against exact attention:\n"
+                           "Compare FullKV, AnchorKV and the baselines (see --methods) against exact attention:\n"
                            "compression ratio, bytes, compress and decode time, attention-output fidelity on\n"
                            "held-out queries and needle reach. Without --data it runs on synthetic LLM-like data.\n");
   options.custom_help("[OPTION...]");
@@ -804,12 +804,7 @@ int run_eval(int argc, char **argv) {
               "exact attention and FullKV, and the library stats are consistent")
     ("h,help", "Show this help");
   // clang-format on
-  cxxopts::ParseResult args;
-  try {
-    args = options.parse(argc, argv);
-  } catch (const cxxopts::exceptions::exception &error) {
-    throw CliError(std::string(error.what()) + " (see anchorkv eval --help)", kExitUsage);
-  }
+  const cxxopts::ParseResult args = parse_arguments(options, argc, argv, "anchorkv eval --help");
   if (args.count("help")) {
     std::printf("%s\n%s\n%s\n%s", options.help({"Data", "Comparison", "Output"}).c_str(), kSyntheticDataHelp,
                 kDataFormatHelp, kNeedleHelp);

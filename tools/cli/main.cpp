@@ -22,7 +22,7 @@ void print_usage(std::FILE *stream) {
                "Usage: anchorkv <command> [OPTION...]\n"
                "\n"
                "Commands:\n"
-               "  eval    Compare FullKV and AnchorKV at 5x/10x/20x against exact attention: measured ratio,\n"
+               "  eval    Compare AnchorKV and the baselines at 5x/10x/20x against exact attention: ratio,\n"
                "          bytes, compress and decode time, attention-output fidelity on held-out queries\n"
                "          and needle reach. Synthetic LLM-like data by default, or --data FILE.safetensors\n"
                "  bench   Time compress and decode against FullKV (CPU; CUDA when available)\n"

@@ -301,12 +301,7 @@ int run_reach_grid(int argc, char **argv) {
     ("quiet", "No progress on stderr")
     ("h,help", "Show this help");
   // clang-format on
-  cxxopts::ParseResult args;
-  try {
-    args = options.parse(argc, argv);
-  } catch (const cxxopts::exceptions::exception &error) {
-    throw CliError(std::string(error.what()) + " (see anchorkv eval --reach-grid --help)", kExitUsage);
-  }
+  const cxxopts::ParseResult args = parse_arguments(options, argc, argv, "anchorkv eval --reach-grid --help");
   if (args.count("help")) {
     std::printf("%s\n", options.help().c_str());
     std::printf("Needles: one per (layer, KV head, depth) at token 4 + round(depth * (S - 5)); a random key of the\n"
