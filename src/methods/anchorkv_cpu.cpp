@@ -82,10 +82,8 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   const akv_compress_options &o = *req.options;
   const akv_prefill &p = *req.prefill;
   ThreadPool &pool = *req.context->pool;
-  auto cache = std::make_unique<akv_cache>();
-  cache->context = req.context;
+  std::unique_ptr<akv_cache> cache = new_cache(req);
   CacheMeta &meta = cache->meta;
-  fill_common_meta(req, meta);
   const AnchorGeometry g = anchor_geometry(o, p.shape);
   require(std::isfinite(o.scored_fraction) && o.scored_fraction >= 0.0 && o.scored_fraction <= 1.0,
           AKV_ERR_INVALID_ARGUMENT, "scored_fraction ", o.scored_fraction, " must be in [0, 1]");
@@ -99,7 +97,6 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   meta.value_residuals = g.value_residuals;
   cache->geometry = g;
   cache->layout = anchor_layout(g);
-  cache->rope = Rope(o.rope, p.shape.head_dim);
   cache->codec = ResidualCodec(o.seed, g.dim, o.residual_scale);
   const Rope &rope = cache->rope;
   PrefillReader in(p, g.window, rope, o.keys_post_rope != 0);

@@ -10,9 +10,13 @@
 
 namespace akv {
 
-void fill_common_meta(const CompressRequest &req, CacheMeta &meta) {
+std::unique_ptr<akv_cache> new_cache(const CompressRequest &req) {
   const akv_compress_options &o = *req.options;
   const akv_prefill &p = *req.prefill;
+  auto cache = std::make_unique<akv_cache>();
+  cache->context = req.context;
+  cache->rope = Rope(o.rope, p.shape.head_dim);
+  CacheMeta &meta = cache->meta;
   meta.method = o.method;
   meta.shape = p.shape;
   meta.storage = o.storage_dtype != AKV_DTYPE_AUTO ? o.storage_dtype
@@ -25,11 +29,11 @@ void fill_common_meta(const CompressRequest &req, CacheMeta &meta) {
   meta.layer_index = o.layer_index;
   meta.layer_count = o.layer_count;
   meta.residual_scale = o.residual_scale;
-  Rope rope(o.rope, p.shape.head_dim);
-  meta.rope_style = rope.style;
-  meta.rotary_dim = rope.rotary_dim;
-  meta.inv_freq = rope.inv_freq;
+  meta.rope_style = cache->rope.style;
+  meta.rotary_dim = cache->rope.rotary_dim;
+  meta.inv_freq = cache->rope.inv_freq;
   meta.window = o.window;
+  return cache;
 }
 
 void store_dense_tokens(const CompressRequest &req, const PrefillReader &in, const std::vector<int64_t> &head_start,

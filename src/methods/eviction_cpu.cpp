@@ -78,11 +78,8 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
   const EvictionBudget budget = eviction_budget(o, p.shape);
   require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (the eviction methods score tokens with"
           " the window queries)");
-  auto cache = std::make_unique<akv_cache>();
-  cache->context = req.context;
+  std::unique_ptr<akv_cache> cache = new_cache(req);
   CacheMeta &meta = cache->meta;
-  fill_common_meta(req, meta);
-  cache->rope = Rope(o.rope, p.shape.head_dim);
   PrefillReader in(p, o.window, cache->rope, o.keys_post_rope != 0);
 
   const int64_t S = budget.seq_len, P = budget.prefix;

@@ -11,11 +11,8 @@ namespace akv {
 
 std::unique_ptr<akv_cache> compress_fullkv_cpu(const CompressRequest &req) {
   const akv_prefill &p = *req.prefill;
-  auto cache = std::make_unique<akv_cache>();
-  cache->context = req.context;
-  fill_common_meta(req, cache->meta);
+  std::unique_ptr<akv_cache> cache = new_cache(req);
   CacheMeta &meta = cache->meta;
-  cache->rope = Rope(req.options->rope, p.shape.head_dim);
   const int64_t S = p.shape.seq_len;
   const int H = p.shape.num_kv_heads;
   PrefillReader in(p, req.options->window, cache->rope, req.options->keys_post_rope != 0);

@@ -14,8 +14,9 @@ struct CompressRequest {
   const akv_compress_options *options;  // complete (defaults filled)
 };
 
-// Fills the meta fields every method shares (shape, storage dtype, rope, scale, seed...).
-void fill_common_meta(const CompressRequest &req, CacheMeta &meta);
+// A new cache of the request's context with what every method shares: the meta fields
+// (shape, storage dtype, rope, scale, seed...) and the resolved RoPE.
+std::unique_ptr<akv_cache> new_cache(const CompressRequest &req);
 
 class PrefillReader;
 // Allocates the dense ragged storage of a cache (keys [total][D] post-RoPE, then values, in

@@ -15,15 +15,12 @@ std::unique_ptr<akv_cache> compress_quantized_cpu(const CompressRequest &req) {
   const akv_compress_options &o = *req.options;
   const akv_prefill &p = *req.prefill;
   const QuantGeometry g = quant_geometry(o, p.shape);
-  auto cache = std::make_unique<akv_cache>();
-  cache->context = req.context;
+  std::unique_ptr<akv_cache> cache = new_cache(req);
   CacheMeta &meta = cache->meta;
-  fill_common_meta(req, meta);
   meta.window = g.window;
   meta.quant_bits = g.bits;
   meta.quant_outliers = g.outliers;
   meta.dense_counts.assign(g.heads, g.seq_len);
-  cache->rope = Rope(o.rope, p.shape.head_dim);
   cache->quant = g;
   cache->quantizer = TokenQuantizer(o.seed, g.dim, g.bits, g.outliers);
   PrefillReader in(p, o.window, cache->rope, o.keys_post_rope != 0);
