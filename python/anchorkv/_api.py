@@ -169,7 +169,26 @@ class _ContextHandle:
             _capi.akv_context_destroy(raw)
 
 
-class Context:
+class _Owner:
+    """Frees its handle in close(), at the end of a with block, and when collected."""
+
+    def close(self) -> None:  # pragma: no cover - every owner overrides it
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
+
+
+class Context(_Owner):
     """An anchorkv context (akv_context): a backend, a device, threads, an allocator.
 
     close() (or leaving a `with` block) releases it; the C context is destroyed once its last
@@ -214,17 +233,6 @@ class Context:
             self._closed = True
             self._handle.release_owner()
 
-    def __enter__(self) -> "Context":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: modules may already be gone
-            pass
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -418,7 +426,7 @@ def _shared_token_strides(keys: tensors.TensorView, values: tensors.TensorView):
 # ---- Cache ----------------------------------------------------------------------------------
 
 
-class Cache:
+class Cache(_Owner):
     """One compressed layer of one request (akv_cache). Keeps its Context alive.
 
     Create with Context.compress, anchorkv.compress, Context.deserialize or
@@ -464,17 +472,6 @@ class Cache:
             _capi.akv_cache_destroy(raw)
             self._context_handle.cache_closed()
 
-    def __enter__(self) -> "Cache":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         if self.closed:
