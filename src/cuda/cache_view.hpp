@@ -1,0 +1,103 @@
+// The launch-facing types of the CUDA kernels: what a kernel knows about a cache (CacheView),
+// the parameters of a decode or append launch, and the shared-memory carve-up. Plain C++ so
+// that host code (launch planning, view building, the SIMT emulation tests) shares them
+// with the kernels.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define AKV_HD __host__ __device__
+#else
+#define AKV_HD
+#endif
+
+namespace akv {
+namespace cuda {
+
+constexpr int kThreads = 128;
+constexpr int kMaxBatchPerLaunch = 128;
+
+enum CacheKind : int32_t { kKindAnchor = 0, kKindDense = 1 };
+
+// One cache as the kernels see it. Per-head arrays start at the head's offset inside each
+// array (e.g. key_index + h * prefix).
+struct CacheView {
+  int32_t kind = kKindDense;
+  int32_t storage_bf16 = 1;  // storage dtype of keys/values: 1 bf16, 0 fp16
+  int32_t heads = 0;
+  int32_t head_dim = 0;
+  int32_t prefix = 0;   // AnchorKV: P = S - W
+  int32_t anchors = 0;  // AnchorKV: k (window included)
+  int32_t window = 0;   // AnchorKV: W
+  int32_t words = 0;    // AnchorKV: ceil(P / 64)
+  int64_t window_first_position = 0;
+  float softmax_scale = 1.0f;
+  int32_t rope_pairs = 0;      // 0: no rotation
+  int32_t keys_post_rope = 0;  // append: keys arrive rotated
+  int32_t suffix_capacity = 0;
+  int32_t suffix_len = 0;      // advanced on the device by append
+  const uint16_t *anchor_keys = nullptr, *anchor_values = nullptr;
+  const uint16_t *key_index = nullptr, *key_gamma = nullptr, *value_index = nullptr, *value_gamma = nullptr;
+  const int32_t *positions = nullptr;
+  const uint64_t *key_mask = nullptr, *value_mask = nullptr;
+  const uint32_t *key_prefix = nullptr, *value_prefix = nullptr, *key_offsets = nullptr, *value_offsets = nullptr;
+  const uint8_t *key_codes = nullptr, *value_codes = nullptr, *value_chunk = nullptr;
+  const float *key_scales = nullptr, *value_scales = nullptr;
+  const uint16_t *dense_keys = nullptr, *dense_values = nullptr;
+  const int64_t *dense_start = nullptr;  // [H+1] first row of each head
+  uint16_t *suffix_keys = nullptr, *suffix_values = nullptr;  // [H][capacity][D]
+  const float *inv_freq = nullptr;                            // [pairs]
+  const int32_t *rope_first = nullptr, *rope_second = nullptr;  // [pairs]
+  const float *signs = nullptr;                               // [D] Hadamard signs
+};
+
+struct DecodeLaunch {
+  const CacheView *views[kMaxBatchPerLaunch];
+  const void *queries;  // [requests][Hq][q_len][D], this launch's first request
+  void *out;
+  int32_t dtype;        // akv_dtype of queries and out
+  int32_t heads, q_heads, q_len, rows, row_chunks, splits;
+  int32_t max_anchors, max_pairs, anchors_in_smem;
+  float *ws_o, *ws_r, *ws_ml;  // [blocks][MAXROWS][D], same, [blocks][MAXROWS][2]
+};
+
+AKV_HD inline float lloyd_max_level(int code) {
+  return code < 2 ? (code == 0 ? -1.5104f : -0.4528f) : (code == 2 ? 0.4528f : 1.5104f);
+}
+
+AKV_HD inline size_t align16(size_t x) { return (x + 15) / 16 * 16; }
+
+// Shared-memory carve-up of decode_split_kernel; the host sizes the launch with the same code.
+struct SplitSmem {
+  size_t q, w, logits, red, inv, stepc, steps, first, second, pair_of, resid, anchors, total;
+  AKV_HD SplitSmem(int D, int maxrows, int tile, int max_anchors, int max_pairs, bool anchors_in_smem) {
+    size_t o = 0;
+    q = o; o = align16(o + sizeof(float) * maxrows * D);
+    w = o; o = align16(o + sizeof(float) * maxrows * max_anchors);
+    logits = o; o = align16(o + sizeof(float) * maxrows * (tile > D ? tile : D));  // also write_partial's scratch
+    red = o; o = align16(o + sizeof(float) * (kThreads / 32) * maxrows);
+    inv = o; o = align16(o + sizeof(float) * max_pairs);
+    stepc = o; o = align16(o + sizeof(float) * max_pairs);
+    steps = o; o = align16(o + sizeof(float) * max_pairs);
+    first = o; o = align16(o + sizeof(int32_t) * max_pairs);
+    second = o; o = align16(o + sizeof(int32_t) * max_pairs);
+    pair_of = o; o = align16(o + sizeof(int32_t) * D);
+    resid = o; o = align16(o + sizeof(float) * (kThreads / 32) * D);
+    anchors = o; o = align16(o + (anchors_in_smem ? sizeof(uint16_t) * static_cast<size_t>(max_anchors) * D : 0));
+    total = o;
+  }
+};
+
+AKV_HD constexpr int run_for_rows(int maxrows) { return maxrows <= 4 ? 4 : maxrows <= 8 ? 2 : 1; }
+
+constexpr int kMaxAppendPerLaunch = 64;
+struct AppendLaunch {
+  CacheView *view;
+  const void *keys, *values;  // [H][n_total][D], this launch's tokens start at token0
+  int32_t dtype, n_total, token0, n;
+  int32_t positions[kMaxAppendPerLaunch];
+};
+
+}  // namespace cuda
+}  // namespace akv

@@ -1,0 +1,74 @@
+// Scalar helpers shared by the CUDA kernels and their host emulation (AKV_SIMT_EMULATION):
+// half/bfloat16 bits to and from float, exact RoPE angles, warp reductions.
+#pragma once
+#include <cstdint>
+#include "anchorkv/anchorkv.h"
+
+#ifdef AKV_SIMT_EMULATION
+#include "core/dtype.hpp"
+#include "cuda/simt_emulation.hpp"
+#else
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#endif
+
+namespace akv {
+namespace cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__host__ __device__ __forceinline__ float bits_to_float(uint16_t bits, bool bf16) {
+#ifdef AKV_SIMT_EMULATION
+  return bf16 ? bf16_to_float(bits) : fp16_to_float(bits);
+#else
+  return bf16 ? __uint_as_float(static_cast<uint32_t>(bits) << 16) : __half2float(__ushort_as_half(bits));
+#endif
+}
+
+__host__ __device__ __forceinline__ uint16_t float_to_bits(float v, bool bf16) {
+#ifdef AKV_SIMT_EMULATION
+  return bf16 ? float_to_bf16(v) : float_to_fp16(v);
+#else
+  return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(v)) : __half_as_ushort(__float2half_rn(v));
+#endif
+}
+
+// Caller tensors, dtype as akv_dtype: 1 = f32, 2 = f16, 3 = bf16.
+__host__ __device__ __forceinline__ float load_elem(const void *base, int dtype, int64_t i) {
+  if (dtype == AKV_DTYPE_F32) return static_cast<const float *>(base)[i];
+  return bits_to_float(static_cast<const uint16_t *>(base)[i], dtype == AKV_DTYPE_BF16);
+}
+__host__ __device__ __forceinline__ void store_elem(void *base, int dtype, int64_t i, float v) {
+  if (dtype == AKV_DTYPE_F32)
+    static_cast<float *>(base)[i] = v;
+  else
+    static_cast<uint16_t *>(base)[i] = float_to_bits(v, dtype == AKV_DTYPE_BF16);
+}
+
+// cos and sin of position * inv_freq, accurate for large positions: the product and the
+// reduction by 2*pi are done in double, the final sincos in float on |x| <= pi.
+__host__ __device__ __forceinline__ void rope_angle(int64_t position, float inv_freq, float *c, float *s) {
+  const double kTwoPi = 6.283185307179586;
+  double a = static_cast<double>(position) * static_cast<double>(inv_freq);
+  a -= rint(a * (1.0 / kTwoPi)) * kTwoPi;
+#ifdef AKV_SIMT_EMULATION
+  *c = std::cos(static_cast<float>(a));
+  *s = std::sin(static_cast<float>(a));
+#else
+  sincosf(static_cast<float>(a), s, c);
+#endif
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(kFullMask, v, m);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, m));
+  return v;
+}
+
+}  // namespace cuda
+}  // namespace akv

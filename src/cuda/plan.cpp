@@ -1,0 +1,162 @@
+#include "cuda/plan.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include "core/error.hpp"
+
+namespace akv {
+namespace cuda {
+
+void check_decodable(const akv_cache &cache) {
+  const CacheMeta &m = cache.meta;
+  const int D = m.shape.head_dim;
+  if (m.method == AKV_METHOD_QUANTIZED)
+    fail(AKV_ERR_UNSUPPORTED, "the CUDA backend does not decode the QUANTIZED baseline in this version "
+         "(decode it on a CPU context)");
+  if (D != 64 && D != 128 && D != 256)
+    fail(AKV_ERR_UNSUPPORTED, "the CUDA decode kernels take head_dim 64, 128 or 256, not ", D);
+  if (cache.rope.enabled()) {
+    // The kernels rotate the first 2*pairs dimensions and pass the rest through.
+    for (int j = 0; j < cache.rope.pairs(); ++j)
+      require(cache.rope.first[j] < 2 * cache.rope.pairs() && cache.rope.second[j] < 2 * cache.rope.pairs(),
+              AKV_ERR_UNSUPPORTED, "rotary pairs outside the first rotary_dim dimensions are not supported on CUDA");
+  }
+  if (m.shape.seq_len > INT32_MAX / 2) fail(AKV_ERR_UNSUPPORTED, "seq_len ", m.shape.seq_len, " is too long for the CUDA kernels");
+}
+
+namespace {
+
+template <typename T>
+size_t put(std::vector<uint8_t> &bytes, const T *src, size_t count) {
+  const size_t at = align16(bytes.size());
+  bytes.resize(at + sizeof(T) * count);
+  if (count) std::memcpy(bytes.data() + at, src, sizeof(T) * count);
+  return at;
+}
+
+}  // namespace
+
+std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresses &at) {
+  const CacheMeta &m = cache.meta;
+  const int H = m.shape.num_kv_heads, D = m.shape.head_dim;
+  CacheView v;
+  v.kind = m.method == AKV_METHOD_ANCHORKV ? kKindAnchor : kKindDense;
+  v.storage_bf16 = m.storage == AKV_DTYPE_BF16 ? 1 : 0;
+  v.heads = H;
+  v.head_dim = D;
+  v.softmax_scale = m.softmax_scale;
+  v.rope_pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
+  v.keys_post_rope = m.keys_post_rope;
+  v.suffix_capacity = static_cast<int32_t>(cache.suffix_capacity);
+  v.suffix_len = static_cast<int32_t>(cache.suffix_len);
+  v.suffix_keys = at.suffix_keys;
+  v.suffix_values = at.suffix_values;
+  if (v.kind == kKindAnchor) {
+    const AnchorGeometry &g = cache.geometry;
+    v.prefix = static_cast<int32_t>(g.prefix);
+    v.anchors = g.anchors;
+    v.window = g.window;
+    v.words = static_cast<int32_t>(g.words);
+    v.window_first_position = m.window_first_position;
+    auto sec = [&](int s) { return at.data + cache.layout.sections[s].offset; };
+    v.anchor_keys = reinterpret_cast<const uint16_t *>(sec(kAnchorKeys));
+    v.anchor_values = reinterpret_cast<const uint16_t *>(sec(kAnchorValues));
+    v.key_index = reinterpret_cast<const uint16_t *>(sec(kKeyIndex));
+    v.value_index = reinterpret_cast<const uint16_t *>(sec(kValueIndex));
+    v.key_gamma = reinterpret_cast<const uint16_t *>(sec(kKeyGamma));
+    v.value_gamma = reinterpret_cast<const uint16_t *>(sec(kValueGamma));
+    v.positions = reinterpret_cast<const int32_t *>(sec(kPositions));
+    v.key_mask = reinterpret_cast<const uint64_t *>(sec(kKeyMask));
+    v.value_mask = reinterpret_cast<const uint64_t *>(sec(kValueMask));
+    v.key_prefix = reinterpret_cast<const uint32_t *>(sec(kKeyPrefix));
+    v.value_prefix = reinterpret_cast<const uint32_t *>(sec(kValuePrefix));
+    v.key_offsets = reinterpret_cast<const uint32_t *>(sec(kKeyOffsets));
+    v.value_offsets = reinterpret_cast<const uint32_t *>(sec(kValueOffsets));
+    v.key_codes = sec(kKeyCodes);
+    v.value_codes = sec(kValueCodes);
+    v.value_chunk = sec(kValueChunkPos);
+    v.key_scales = reinterpret_cast<const float *>(sec(kKeyScales));
+    v.value_scales = reinterpret_cast<const float *>(sec(kValueScales));
+  } else {
+    int64_t kept = 0;
+    for (int64_t count : m.dense_counts) kept += count;
+    v.dense_keys = reinterpret_cast<const uint16_t *>(at.data);
+    v.dense_values = reinterpret_cast<const uint16_t *>(at.data) + kept * D;
+  }
+
+  std::vector<uint8_t> bytes(sizeof(CacheView));
+  const size_t inv = put(bytes, cache.rope.inv_freq.data(), v.rope_pairs);
+  std::vector<int32_t> first(cache.rope.first.begin(), cache.rope.first.end());
+  std::vector<int32_t> second(cache.rope.second.begin(), cache.rope.second.end());
+  const size_t f = put(bytes, first.data(), v.rope_pairs);
+  const size_t s = put(bytes, second.data(), v.rope_pairs);
+  size_t signs = 0, starts = 0;
+  if (v.kind == kKindAnchor) {
+    signs = put(bytes, cache.codec.signs().data(), D);
+  } else {
+    std::vector<int64_t> start(H + 1, 0);
+    for (int h = 0; h < H; ++h) start[h + 1] = start[h] + m.dense_counts[h];
+    starts = put(bytes, start.data(), start.size());
+  }
+  v.inv_freq = reinterpret_cast<const float *>(at.aux + inv);
+  v.rope_first = reinterpret_cast<const int32_t *>(at.aux + f);
+  v.rope_second = reinterpret_cast<const int32_t *>(at.aux + s);
+  if (v.kind == kKindAnchor) v.signs = reinterpret_cast<const float *>(at.aux + signs);
+  else v.dense_start = reinterpret_cast<const int64_t *>(at.aux + starts);
+  std::memcpy(bytes.data(), &v, sizeof v);
+  return bytes;
+}
+
+DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_len, int sm_count, size_t smem_limit) {
+  const akv_shape &s0 = caches[0]->meta.shape;
+  const int D = s0.head_dim, H = s0.num_kv_heads, G = s0.num_q_heads / s0.num_kv_heads;
+  const int rows = G * q_len;
+  DecodePlan plan;
+  int64_t max_work = 1;  // prompt tokens of the longest head
+  for (int32_t b = 0; b < batch; ++b) {
+    const akv_cache &c = *caches[b];
+    check_decodable(c);
+    plan.max_pairs = std::max(plan.max_pairs, c.rope.enabled() ? c.rope.pairs() : 0);
+    if (c.meta.method == AKV_METHOD_ANCHORKV) {
+      plan.max_anchors = std::max(plan.max_anchors, c.geometry.anchors);
+      max_work = std::max(max_work, c.geometry.prefix);
+    } else {
+      for (int64_t n : c.meta.dense_counts) max_work = std::max(max_work, n);
+    }
+  }
+  // The smallest row chunk that holds every row, shrunk while its shared memory does not fit.
+  plan.maxrows = rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 16 ? 16 : 32;
+  for (;; plan.maxrows /= 2) {
+    const int tile = kThreads * run_for_rows(plan.maxrows);
+    const SplitSmem without(D, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, false);
+    const SplitSmem with(D, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, true);
+    if (with.total <= smem_limit) {
+      plan.anchors_in_smem = plan.max_anchors > 0;
+      plan.smem_bytes = with.total;
+      break;
+    }
+    if (without.total <= smem_limit) {
+      plan.smem_bytes = without.total;
+      break;
+    }
+    if (plan.maxrows == 4)
+      fail(AKV_ERR_UNSUPPORTED, "decode needs ", without.total, " bytes of shared memory per block (", plan.max_anchors,
+           " anchors); the device allows ", smem_limit);
+  }
+  plan.row_chunks = (rows + plan.maxrows - 1) / plan.maxrows;
+  // Splits over the prompt: about two blocks per multiprocessor for this batch, no more
+  // splits than tiles. Depends only on the batch shape and prompt lengths, so the grid of a
+  // captured decode stays valid as tokens are appended.
+  const int tile = kThreads * run_for_rows(plan.maxrows);
+  const int64_t per_request = static_cast<int64_t>(H) * plan.row_chunks;
+  const int32_t launch_batch = std::min(batch, kMaxBatchPerLaunch);
+  const int64_t target = 2 * static_cast<int64_t>(std::max(sm_count, 1));
+  const int64_t tiles = (max_work + tile - 1) / tile;
+  plan.splits = static_cast<int>(std::clamp<int64_t>((target + per_request * launch_batch - 1) / (per_request * launch_batch), 1, std::max<int64_t>(tiles, 1)));
+  plan.blocks = per_request * launch_batch * plan.splits;
+  plan.workspace_bytes = static_cast<size_t>(plan.blocks) * plan.maxrows * (2 * D + 2) * sizeof(float);
+  return plan;
+}
+
+}  // namespace cuda
+}  // namespace akv

@@ -1,0 +1,45 @@
+// Host-side preparation for the CUDA kernels, in plain C++ (compiled in every build): the
+// CacheView of a cache and its small tables, and the launch plan of a decode. The CUDA
+// backend (cuda/backend.cu) places these in device memory; the SIMT emulation tests place
+// them in host memory and run the same kernels on the CPU.
+#pragma once
+#include <cstdint>
+#include <vector>
+#include "core/context.hpp"
+#include "cuda/cache_view.hpp"
+
+namespace akv {
+namespace cuda {
+
+// Throws AKV_ERR_UNSUPPORTED (with the reason) when the CUDA kernels cannot decode this cache.
+void check_decodable(const akv_cache &cache);
+
+// Where a cache's buffers live in the memory the kernels read.
+struct ViewAddresses {
+  const uint8_t *data = nullptr;   // cache.data
+  uint16_t *suffix_keys = nullptr;  // cache.suffix_keys
+  uint16_t *suffix_values = nullptr;
+  uint8_t *aux = nullptr;  // where the returned bytes will be copied
+};
+
+// The bytes of the cache's auxiliary block: a CacheView (first, at offset 0) followed by the
+// tables it points to (RoPE frequencies and pairs, Hadamard signs, dense head starts). Every
+// pointer in the view is expressed in `at`'s address space.
+std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresses &at);
+
+struct DecodePlan {
+  int maxrows = 4;      // template row chunk (4, 8, 16, 32)
+  int row_chunks = 1;
+  int splits = 1;
+  int max_anchors = 0, max_pairs = 0;
+  bool anchors_in_smem = false;
+  size_t smem_bytes = 0;  // dynamic shared memory of decode_split_kernel
+  int64_t blocks = 0;     // split blocks of one launch (kMaxBatchPerLaunch requests at most)
+  size_t workspace_bytes = 0;
+};
+
+// sm_count: multiprocessors; smem_limit: the opt-in dynamic shared memory per block.
+DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_len, int sm_count, size_t smem_limit);
+
+}  // namespace cuda
+}  // namespace akv

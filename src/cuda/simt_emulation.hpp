@@ -1,0 +1,188 @@
+// Host emulation of the small SIMT subset the CUDA kernels use, so that their logic is
+// tested on machines without a GPU (most CI machines): one-dimensional blocks run one at a
+// time, each CUDA thread a fiber (ucontext) on the calling thread; __syncthreads and warp
+// shuffles are barriers over the block or the warp where fibers switch; __shared__
+// variables are function statics (one block lives at a time); atomics take a lock. Slow and only for small test shapes; it checks indexing,
+// synchronisation and arithmetic, not performance. Included instead of the CUDA headers when
+// AKV_SIMT_EMULATION is defined (see src/cuda/device_common.cuh).
+#pragma once
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <algorithm>
+#include <ucontext.h>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__
+#define __shared__ static
+
+namespace simt {
+
+struct uint3_ {
+  unsigned x = 0, y = 0, z = 0;
+};
+struct uint4_ {
+  unsigned x, y, z, w;
+};
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
+
+// One emulated CUDA thread: a ucontext with its own stack. A block's threads run on the
+// calling OS thread, switching at barriers (cheap, deterministic).
+struct Fiber {
+  ucontext_t context;
+  std::vector<unsigned char> stack;
+  bool done = false;
+};
+
+struct Block {
+  Block(int threads, size_t smem) : fibers(threads), dynamic(smem + 16), exchange(threads), warp_arrived((threads + 31) / 32, 0),
+        warp_generation((threads + 31) / 32, 0) {
+    for (Fiber &f : fibers) f.stack.resize(256 * 1024);
+  }
+  std::vector<Fiber> fibers;
+  ucontext_t scheduler;
+  std::vector<unsigned char> dynamic;
+  std::vector<uint64_t> exchange;  // one slot per thread for shuffles
+  int block_arrived = 0;
+  uint64_t block_generation = 0;
+  std::vector<int> warp_arrived;
+  std::vector<uint64_t> warp_generation;
+  int current = 0;
+};
+
+inline thread_local uint3_ tl_thread, tl_block_index;
+inline thread_local Block *tl_block = nullptr;
+inline dim3 g_block_dim, g_grid_dim;
+inline std::mutex g_atomic_lock;
+
+inline void yield() {
+  Block *b = tl_block;
+  swapcontext(&b->fibers[b->current].context, &b->scheduler);
+}
+
+// Waits until `count` threads have arrived at this barrier generation.
+inline void arrive(int &arrived, uint64_t &generation, int count) {
+  if (++arrived == count) {
+    arrived = 0;
+    ++generation;
+    return;
+  }
+  const uint64_t mine = generation;
+  while (generation == mine) yield();
+}
+
+inline void syncthreads() {
+  Block *b = tl_block;
+  arrive(b->block_arrived, b->block_generation, static_cast<int>(b->fibers.size()));
+}
+inline void syncwarp() {
+  Block *b = tl_block;
+  const int w = static_cast<int>(tl_thread.x / 32);
+  const int size = std::min(32, static_cast<int>(b->fibers.size()) - 32 * w);
+  arrive(b->warp_arrived[w], b->warp_generation[w], size);
+}
+
+template <typename T>
+T shfl(T v, int src_lane) {
+  static_assert(sizeof(T) <= 8, "shuffle of at most 8 bytes");
+  const unsigned tid = tl_thread.x, base = tid / 32 * 32;
+  uint64_t slot = 0;
+  std::memcpy(&slot, &v, sizeof(T));
+  tl_block->exchange[tid] = slot;
+  syncwarp();
+  const uint64_t got = tl_block->exchange[base + (static_cast<unsigned>(src_lane) & 31u)];
+  syncwarp();
+  T r;
+  std::memcpy(&r, &got, sizeof(T));
+  return r;
+}
+
+struct Entry {
+  std::function<void()> body;
+  Block *block;
+  int index;
+};
+inline void fiber_main(int hi, int lo) {
+  Entry *e = reinterpret_cast<Entry *>((static_cast<uintptr_t>(static_cast<unsigned>(hi)) << 32) |
+                                       static_cast<unsigned>(lo));
+  e->body();
+  e->block->fibers[e->index].done = true;
+  swapcontext(&e->block->fibers[e->index].context, &e->block->scheduler);
+}
+
+// Runs kernel(args...) over the grid; blocks one after another.
+template <typename... KArgs, typename... Args>
+void launch(dim3 grid, dim3 block, size_t smem, void (*kernel)(KArgs...), Args &&...args) {
+  g_grid_dim = grid;
+  g_block_dim = block;
+  const int threads = static_cast<int>(block.x);
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        Block state(threads, smem);
+        tl_block = &state;
+        tl_block_index = {x, y, z};
+        std::vector<Entry> entries;
+        entries.reserve(threads);
+        for (int t = 0; t < threads; ++t) {
+          entries.push_back({[&] { kernel(args...); }, &state, t});
+          Fiber &f = state.fibers[t];
+          getcontext(&f.context);
+          f.context.uc_stack.ss_sp = f.stack.data();
+          f.context.uc_stack.ss_size = f.stack.size();
+          f.context.uc_link = nullptr;
+          const uintptr_t ptr = reinterpret_cast<uintptr_t>(&entries[t]);
+          makecontext(&f.context, reinterpret_cast<void (*)()>(fiber_main), 2, static_cast<int>(ptr >> 32),
+                      static_cast<int>(ptr & 0xffffffffu));
+        }
+        for (int live = threads; live > 0;) {
+          live = 0;
+          for (int t = 0; t < threads; ++t) {
+            if (state.fibers[t].done) continue;
+            state.current = t;
+            tl_thread = {static_cast<unsigned>(t), 0, 0};
+            swapcontext(&state.scheduler, &state.fibers[t].context);
+            if (!state.fibers[t].done) ++live;
+          }
+        }
+        tl_block = nullptr;
+      }
+}
+
+}  // namespace simt
+
+using uint4 = ::simt::uint4_;
+#define threadIdx (::simt::tl_thread)
+#define blockIdx (::simt::tl_block_index)
+#define blockDim (::simt::g_block_dim)
+#define gridDim (::simt::g_grid_dim)
+#define __syncthreads() ::simt::syncthreads()
+#define __syncwarp(...) ::simt::syncwarp()
+#define __shfl_xor_sync(mask, v, m) ::simt::shfl((v), static_cast<int>(::simt::tl_thread.x % 32) ^ (m))
+#define __shfl_sync(mask, v, src) ::simt::shfl((v), (src))
+
+inline float atomicAdd(float *p, float v) {
+  std::lock_guard<std::mutex> lock(::simt::g_atomic_lock);
+  const float old = *p;
+  *p = old + v;
+  return old;
+}
+inline int atomicAdd(int *p, int v) {
+  std::lock_guard<std::mutex> lock(::simt::g_atomic_lock);
+  const int old = *p;
+  *p = old + v;
+  return old;
+}
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __ffsll(long long x) { return __builtin_ffsll(x); }

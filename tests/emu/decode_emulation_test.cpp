@@ -1,0 +1,233 @@
+// The CUDA decode and append kernels, run on the CPU through the SIMT emulation
+// (src/cuda/simt_emulation.hpp), against the CPU reference decode of the same cache. This is
+// how the kernels' indexing, synchronisation and arithmetic are tested on machines without
+// a GPU; tests/gpu runs the same comparisons on a device. Shapes stay small: every emulated
+// CUDA thread is an OS thread.
+#include "api/api_test_util.hpp"
+#include "core/context.hpp"
+#include "cuda/plan.hpp"
+// Last: the emulation defines threadIdx, __shared__ and friends as macros.
+#include "cuda/decode_kernels.cuh"
+
+namespace {
+
+using namespace akv_test;
+namespace kc = akv::cuda;
+
+// A cache's view in host memory, as the CUDA backend builds it in device memory.
+struct HostView {
+  std::vector<uint8_t> block;
+  std::vector<uint16_t> suffix_keys, suffix_values;  // copies the append test writes into
+  kc::CacheView *view() { return reinterpret_cast<kc::CacheView *>(block.data()); }
+
+  explicit HostView(const akv_cache &c, bool copy_suffix = false) {
+    kc::ViewAddresses at;
+    at.data = c.data.data();
+    at.suffix_keys = reinterpret_cast<uint16_t *>(c.suffix_keys.data());
+    at.suffix_values = reinterpret_cast<uint16_t *>(c.suffix_values.data());
+    if (copy_suffix) {
+      const size_t n = c.suffix_keys.size() / 2;
+      suffix_keys.assign(at.suffix_keys, at.suffix_keys + n);
+      suffix_values.assign(at.suffix_values, at.suffix_values + n);
+      at.suffix_keys = suffix_keys.data();
+      at.suffix_values = suffix_values.data();
+    }
+    block.resize(kc::build_view_block(c, at).size());
+    at.aux = block.data();
+    const std::vector<uint8_t> bytes = kc::build_view_block(c, at);
+    std::copy(bytes.begin(), bytes.end(), block.begin());
+  }
+};
+
+template <int D, int MAXROWS>
+void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
+  simt::launch(simt::dim3(plan.splits, p.heads * plan.row_chunks, batch), simt::dim3(kc::kThreads), plan.smem_bytes,
+               kc::decode_split_kernel<D, MAXROWS>, p);
+  simt::launch(simt::dim3(p.heads * plan.row_chunks, batch), simt::dim3(kc::kThreads), 0,
+               kc::decode_merge_kernel<D, MAXROWS>, p);
+}
+
+template <int D>
+void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
+  switch (plan.maxrows) {
+    case 4: return launch_decode<D, 4>(plan, p, batch);
+    case 8: return launch_decode<D, 8>(plan, p, batch);
+    case 16: return launch_decode<D, 16>(plan, p, batch);
+    default: return launch_decode<D, 32>(plan, p, batch);
+  }
+}
+
+// Emulated GPU decode of a batch (f32 queries and output).
+std::vector<float> emulated_decode(const std::vector<akv_cache *> &caches, const std::vector<float> &queries,
+                                   int q_len, int sm_count, bool anchors_in_smem) {
+  const int32_t batch = static_cast<int32_t>(caches.size());
+  const akv_shape &s = caches[0]->meta.shape;
+  kc::DecodePlan plan = kc::plan_decode(caches.data(), batch, q_len, sm_count, 227 * 1024);
+  if (!anchors_in_smem && plan.anchors_in_smem) {
+    plan.anchors_in_smem = false;
+    plan.smem_bytes = kc::SplitSmem(s.head_dim, plan.maxrows, kc::kThreads * kc::run_for_rows(plan.maxrows),
+                                    plan.max_anchors, plan.max_pairs, false).total;
+  }
+  std::vector<HostView> views;
+  views.reserve(caches.size());
+  for (akv_cache *c : caches) views.emplace_back(*c);
+  std::vector<float> out(queries.size(), std::numeric_limits<float>::quiet_NaN());
+  std::vector<float> ws(plan.workspace_bytes / sizeof(float), std::numeric_limits<float>::quiet_NaN());
+  kc::DecodeLaunch p{};
+  for (int32_t b = 0; b < batch; ++b) p.views[b] = views[b].view();
+  p.queries = queries.data();
+  p.out = out.data();
+  p.dtype = AKV_DTYPE_F32;
+  p.heads = s.num_kv_heads;
+  p.q_heads = s.num_q_heads;
+  p.q_len = q_len;
+  p.rows = s.num_q_heads / s.num_kv_heads * q_len;
+  p.row_chunks = plan.row_chunks;
+  p.splits = plan.splits;
+  p.max_anchors = plan.max_anchors;
+  p.max_pairs = plan.max_pairs;
+  p.anchors_in_smem = plan.anchors_in_smem ? 1 : 0;
+  const size_t per_block = static_cast<size_t>(plan.maxrows) * s.head_dim;
+  p.ws_o = ws.data();
+  p.ws_r = ws.data() + plan.blocks * per_block;
+  p.ws_ml = ws.data() + 2 * plan.blocks * per_block;
+  switch (s.head_dim) {
+    case 64: launch_decode_rows<64>(plan, p, batch); break;
+    case 128: launch_decode_rows<128>(plan, p, batch); break;
+    default: launch_decode_rows<256>(plan, p, batch); break;
+  }
+  return out;
+}
+
+struct Case {
+  akv_method method;
+  int64_t seq_len;
+  int head_dim, group, q_len, appended;
+  akv_rope_style rope;
+  bool gapped_positions;
+};
+
+std::string describe(const Case &c) {
+  return "method " + std::to_string(c.method) + " S=" + std::to_string(c.seq_len) + " D=" + std::to_string(c.head_dim) +
+         " G=" + std::to_string(c.group) + " q_len=" + std::to_string(c.q_len) + " appended=" + std::to_string(c.appended) +
+         " rope=" + std::to_string(c.rope) + (c.gapped_positions ? " gapped" : "");
+}
+
+// Builds a CPU cache for the case (compress + appends) with its own data.
+CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
+  akv_compress_options o;
+  akv_compress_options_init_method(&o, c.method);
+  o.rope.style = c.rope;
+  PrefillSpec spec;
+  spec.seq_len = c.seq_len;
+  spec.kv_heads = kv_heads;
+  spec.group = c.group;
+  spec.head_dim = c.head_dim;
+  spec.window = o.window;
+  spec.explicit_positions = c.gapped_positions;
+  const PrefillData data = make_prefill(rng, spec);
+  if (c.method == AKV_METHOD_ANCHORKV) o.retain_fraction = workable_retain_fraction(data.shape, o.window, 0, 0.12);
+  if (c.method == AKV_METHOD_SNAPKV) o.retain_fraction = 0.3;
+  CachePtr cache = compress(ctx, data, o);
+  if (c.appended) {
+    const size_t n = static_cast<size_t>(kv_heads) * c.appended * c.head_dim;
+    const std::vector<float> k = nonzero_normal(rng, n), v = nonzero_normal(rng, n);
+    ok(akv_append(cache.get(), k.data(), v.data(), AKV_DTYPE_F32, c.appended, nullptr, nullptr), "akv_append");
+  }
+  return cache;
+}
+
+void check_case(const Case &c, int batch, int sm_count, bool anchors_in_smem) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  SCOPED_TRACE(describe(c) + " batch " + std::to_string(batch) + " sm_count " + std::to_string(sm_count));
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  const int H = 2;
+  std::vector<CachePtr> owned;
+  std::vector<akv_cache *> caches;
+  for (int b = 0; b < batch; ++b) {
+    Case cb = c;
+    cb.seq_len = c.seq_len - 97 * b;  // mixed lengths
+    owned.push_back(build_cache(ctx.get(), rng, cb, H));
+    caches.push_back(owned.back().get());
+  }
+  const size_t per_request = static_cast<size_t>(H) * c.group * c.q_len * c.head_dim;
+  const std::vector<float> q = nonzero_normal(rng, per_request * batch, 1.5);
+  std::vector<float> expected(q.size(), std::numeric_limits<float>::quiet_NaN());
+  ok(akv_decode_batch(ctx.get(), caches.data(), batch, q.data(), AKV_DTYPE_F32, c.q_len, expected.data(), nullptr),
+     "akv_decode_batch");
+  const std::vector<float> got = emulated_decode(caches, q, c.q_len, sm_count, anchors_in_smem);
+  ASSERT_EQ(count_non_finite(got), 0u);
+  // Same arithmetic up to summation order and the angle method (both accurate to ~1e-6).
+  EXPECT_TRUE(all_near(got, expected, 2e-4, 2e-4));
+}
+
+TEST(EmulatedDecode, AnchorKvMatchesCpuAcrossShapes) {
+  check_case({AKV_METHOD_ANCHORKV, 1100, 64, 1, 1, 0, AKV_ROPE_NEOX, false}, 1, 4, true);
+  check_case({AKV_METHOD_ANCHORKV, 1300, 128, 4, 1, 0, AKV_ROPE_NEOX, true}, 1, 8, false);
+}
+
+TEST(EmulatedDecode, AnchorKvBatchWithAppendedTokensAndQueryBlocks) {
+  check_case({AKV_METHOD_ANCHORKV, 900, 64, 4, 4, 5, AKV_ROPE_GPTJ, false}, 2, 4, true);
+  check_case({AKV_METHOD_ANCHORKV, 700, 128, 2, 4, 3, AKV_ROPE_NONE, false}, 2, 2, true);
+}
+
+TEST(EmulatedDecode, ManyRowsUseSeveralRowChunks) {
+  check_case({AKV_METHOD_ANCHORKV, 600, 64, 8, 5, 4, AKV_ROPE_NEOX, false}, 1, 2, true);  // 40 rows
+}
+
+TEST(EmulatedDecode, DenseCachesMatchCpu) {
+  check_case({AKV_METHOD_FULLKV, 700, 64, 4, 2, 3, AKV_ROPE_NEOX, false}, 2, 8, true);
+  check_case({AKV_METHOD_SNAPKV, 800, 128, 2, 1, 2, AKV_ROPE_NEOX, false}, 2, 4, true);
+}
+
+// Append on the "device" writes the same rows as the CPU append, and the kernel-side length
+// advances, so a decode captured before the append sees the new tokens.
+TEST(EmulatedAppend, RowsAndLengthMatchCpu) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  for (akv_dtype storage : {AKV_DTYPE_BF16, AKV_DTYPE_F16}) {
+    ContextPtr ctx = make_context(1);
+    PrefillSpec spec;
+    spec.seq_len = 300;
+    spec.head_dim = 64;
+    spec.dtype = storage;
+    const PrefillData data = make_prefill(rng, spec);
+    CachePtr cache = compress(ctx.get(), data, anchorkv_options(workable_retain_fraction(data.shape, 32, 0, 0.1)));
+    ok(akv_cache_reserve(cache.get(), 16, nullptr), "akv_cache_reserve");
+    HostView hv(*cache, /*copy_suffix=*/true);
+    const int n = 5, H = 2, D = 64;
+    const std::vector<float> k = nonzero_normal(rng, static_cast<size_t>(H) * n * D);
+    const std::vector<float> v = nonzero_normal(rng, static_cast<size_t>(H) * n * D);
+    std::vector<int32_t> pos = {400, 401, 405, 406, 410};
+    ok(akv_append(cache.get(), k.data(), v.data(), AKV_DTYPE_F32, n, pos.data(), nullptr), "akv_append");
+    kc::AppendLaunch a{};
+    a.view = hv.view();
+    a.keys = k.data();
+    a.values = v.data();
+    a.dtype = AKV_DTYPE_F32;
+    a.n_total = n;
+    a.token0 = 0;
+    a.n = n;
+    for (int i = 0; i < n; ++i) a.positions[i] = pos[i];
+    simt::launch(simt::dim3(n, H), simt::dim3(64), 0, kc::append_rows_kernel, a);
+    simt::launch(simt::dim3(1), simt::dim3(1), 0, kc::append_commit_kernel, hv.view(), n);
+    EXPECT_EQ(hv.view()->suffix_len, n);
+    const uint16_t *cpu_k = reinterpret_cast<const uint16_t *>(cache->suffix_keys.data());
+    const uint16_t *cpu_v = reinterpret_cast<const uint16_t *>(cache->suffix_values.data());
+    size_t key_mismatch = 0;
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < n; ++i)
+        for (int d = 0; d < D; ++d) {
+          const size_t at = (static_cast<size_t>(h) * cache->suffix_capacity + i) * D + d;
+          EXPECT_EQ(hv.suffix_values[at], cpu_v[at]);
+          // Keys are rotated in float on both sides; allow a last-bit difference.
+          if (std::abs(static_cast<int>(hv.suffix_keys[at]) - static_cast<int>(cpu_k[at])) > 1) ++key_mismatch;
+        }
+    EXPECT_EQ(key_mismatch, 0u);
+  }
+}
+
+}  // namespace
