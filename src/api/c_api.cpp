@@ -14,6 +14,8 @@
 #include "core/serialize.hpp"
 #include "cpu/attention.hpp"
 #include "cpu/thread_pool.hpp"
+#include "cuda/backend.hpp"
+#include "cuda/plan.hpp"
 #include "cuda/runtime.hpp"
 #include "methods/methods.hpp"
 
@@ -60,10 +62,7 @@ void check_input_dtype(const akv_dtype &t, const char *name) {
     fail(AKV_ERR_INVALID_ARGUMENT, name, " ", v, " is not F32, F16 or BF16");
 }
 
-void require_cpu(const akv_context *ctx, const char *what) {
-  if (ctx->backend != AKV_BACKEND_CPU)
-    fail(AKV_ERR_UNSUPPORTED, what, " is not implemented for CUDA contexts in this version");
-}
+bool on_cuda(const akv_context *ctx) { return ctx->backend == AKV_BACKEND_CUDA; }
 
 void *default_host_alloc(void *, size_t bytes) {
   return std::aligned_alloc(256, (bytes + 255) / 256 * 256);
@@ -90,20 +89,134 @@ std::vector<float> to_float(const void *src, akv_dtype dtype, size_t n, const ch
 
 void validate_cache(const akv_cache *cache, const char *name = "cache") { check_not_null(cache, name); }
 
-// Room for `tokens` appended tokens; copies what is there.
-void reserve_suffix(akv_cache &c, int64_t tokens) {
+// Room for `tokens` appended tokens; copies what is there. CUDA: device buffers, and the
+// device view is rebuilt (synchronous; not for use while capturing).
+void reserve_suffix(akv_cache &c, int64_t tokens, void *stream) {
   if (tokens <= c.suffix_capacity) return;
+  if (tokens > INT32_MAX) fail(AKV_ERR_INVALID_ARGUMENT, "tokens ", tokens, " exceeds int32");
   const int64_t H = c.meta.shape.num_kv_heads, D = c.meta.shape.head_dim;
   const size_t row = static_cast<size_t>(D) * 2;
   Buffer keys(c.context, H * tokens * row), values(c.context, H * tokens * row);
-  for (int64_t h = 0; h < H; ++h) {
-    if (c.suffix_len == 0) break;
-    std::memcpy(keys.data() + h * tokens * row, c.suffix_keys.data() + h * c.suffix_capacity * row, c.suffix_len * row);
-    std::memcpy(values.data() + h * tokens * row, c.suffix_values.data() + h * c.suffix_capacity * row, c.suffix_len * row);
+  if (on_cuda(c.context)) {
+    cuda::copy_rows(keys.data(), tokens * row, c.suffix_keys.data(), c.suffix_capacity * row, c.suffix_len * row, H, stream);
+    cuda::copy_rows(values.data(), tokens * row, c.suffix_values.data(), c.suffix_capacity * row, c.suffix_len * row, H,
+                    stream);
+    cuda::synchronize(stream);  // before the old buffers are freed
+  } else {
+    for (int64_t h = 0; h < H; ++h) {
+      if (c.suffix_len == 0) break;
+      std::memcpy(keys.data() + h * tokens * row, c.suffix_keys.data() + h * c.suffix_capacity * row, c.suffix_len * row);
+      std::memcpy(values.data() + h * tokens * row, c.suffix_values.data() + h * c.suffix_capacity * row, c.suffix_len * row);
+    }
   }
   c.suffix_keys = std::move(keys);
   c.suffix_values = std::move(values);
   c.suffix_capacity = tokens;
+  if (on_cuda(c.context)) cuda::upload_view(c, stream);
+}
+
+// A CPU context for work a CUDA context stages through the host (compression, reconstruct).
+akv_context &host_staging(akv_context &ctx) {
+  std::lock_guard<std::mutex> lock(ctx.workspace_mutex);
+  if (!ctx.host_staging) {
+    auto host = std::make_unique<akv_context>();
+    host->allocator = {default_host_alloc, default_host_free, nullptr};
+    host->pool = std::make_unique<ThreadPool>(ctx.pool->size());
+    ctx.host_staging = std::move(host);
+  }
+  return *ctx.host_staging;
+}
+
+// Serialized bytes of any cache; a CUDA cache's buffers are copied to the host first.
+std::vector<uint8_t> serialize_any(const akv_cache &c, void *stream) {
+  if (!on_cuda(c.context))
+    return serialize_cache(c, c.data.data(), c.suffix_keys.data(), c.suffix_values.data());
+  std::vector<uint8_t> data(c.data.size()), keys(c.suffix_keys.size()), values(c.suffix_values.size());
+  cuda::copy(data.data(), c.data.data(), data.size(), stream, false);
+  cuda::copy(keys.data(), c.suffix_keys.data(), keys.size(), stream, false);
+  cuda::copy(values.data(), c.suffix_values.data(), values.size(), stream, true);
+  return serialize_cache(c, data.data(), keys.data(), values.data());
+}
+
+// A parsed cache placed in `context` (host or device memory).
+std::unique_ptr<akv_cache> place(akv_context *context, ParsedCache parsed, void *stream) {
+  akv_cache &c = *parsed.cache;
+  c.context = context;
+  const bool cuda = on_cuda(context);
+  if (cuda) cuda::check_decodable(c);
+  c.data = Buffer(context, parsed.data.size());
+  if (cuda)
+    cuda::copy(c.data.data(), parsed.data.data(), parsed.data.size(), stream, false);
+  else if (!parsed.data.empty())
+    std::memcpy(c.data.data(), parsed.data.data(), parsed.data.size());
+  const int64_t len = static_cast<int64_t>(c.suffix_positions.size());
+  c.suffix_len = 0;
+  reserve_suffix(c, len, stream);
+  if (len) {  // exactly sized: [H][len][D], the capacity is len
+    if (cuda) {
+      cuda::copy(c.suffix_keys.data(), parsed.suffix_keys.data(), parsed.suffix_keys.size(), stream, false);
+      cuda::copy(c.suffix_values.data(), parsed.suffix_values.data(), parsed.suffix_values.size(), stream, false);
+    } else {
+      std::memcpy(c.suffix_keys.data(), parsed.suffix_keys.data(), parsed.suffix_keys.size());
+      std::memcpy(c.suffix_values.data(), parsed.suffix_values.data(), parsed.suffix_values.size());
+    }
+  }
+  c.suffix_len = len;
+  if (cuda) cuda::upload_view(c, stream);  // waits: the host copies above are then complete
+  return std::move(parsed.cache);
+}
+
+ParsedCache parse_bytes(const std::vector<uint8_t> &bytes) { return deserialize_cache(bytes.data(), bytes.size()); }
+
+// Dense K^/V^ of a host cache into host tensors [H][T][D] (see akv_cache_reconstruct).
+void reconstruct_host(const akv_cache &c, akv_dtype dtype, int32_t rotated, void *keys, void *values,
+                      uint8_t *present) {
+  const int64_t H = c.meta.shape.num_kv_heads, D = c.meta.shape.head_dim, T = c.total_tokens();
+  c.context->pool->parallel_for(H, [&](int64_t b, int64_t e) {
+    std::vector<float> k(T * D), v(T * D);
+    for (int64_t h = b; h < e; ++h) {
+      reconstruct_head_cpu(c, static_cast<int>(h), rotated != 0, k.data(), v.data(), present ? present + h * T : nullptr);
+      for (int64_t i = 0; i < T * D; ++i) {
+        store_from_float(keys, dtype, h * T * D + i, k[i]);
+        store_from_float(values, dtype, h * T * D + i, v[i]);
+      }
+    }
+  });
+}
+
+// Elements spanned by a strided [heads][rows][D] tensor.
+size_t strided_extent(int64_t heads, int64_t rows, int64_t head_stride, int64_t row_stride, int D) {
+  return static_cast<size_t>((heads - 1) * head_stride + (rows - 1) * row_stride + D);
+}
+
+// Compression for a CUDA context, staged through the host: the device inputs are copied to
+// the host, compressed by the CPU implementation (the same bytes the CPU backend produces)
+// and the cache is placed in device memory. The GPU compression pass replaces this.
+std::unique_ptr<akv_cache> compress_staged(akv_context &ctx, const akv_prefill &p, const akv_compress_options &o,
+                                           void *stream) {
+  cuda::check_supported(o.method, p.shape.head_dim);
+  const akv_shape &s = p.shape;
+  const int D = s.head_dim;
+  const size_t es = dtype_size(p.dtype);
+  const size_t kv = strided_extent(s.num_kv_heads, s.seq_len, p.kv_head_stride ? p.kv_head_stride : s.seq_len * D,
+                                   p.kv_token_stride ? p.kv_token_stride : D, D);
+  std::vector<uint8_t> keys(kv * es), values(kv * es), queries;
+  cuda::copy(keys.data(), p.keys, keys.size(), stream, false);
+  cuda::copy(values.data(), p.values, values.size(), stream, false);
+  akv_prefill host = p;
+  host.keys = keys.data();
+  host.values = values.data();
+  if (p.queries) {
+    const int64_t W = std::min<int64_t>(o.window, s.seq_len);
+    queries.resize(strided_extent(s.num_q_heads, W, p.q_head_stride ? p.q_head_stride : W * D,
+                                  p.q_token_stride ? p.q_token_stride : D, D) * es);
+    cuda::copy(queries.data(), p.queries, queries.size(), stream, false);
+    host.queries = queries.data();
+  }
+  cuda::synchronize(stream);
+  const CompressRequest req{&host_staging(ctx), &host, &o};
+  const std::unique_ptr<akv_cache> cache = compress_method_cpu(req);
+  return place(&ctx, parse_bytes(serialize_any(*cache, stream)), stream);
 }
 
 void decode_batch_cpu(akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype,
@@ -293,7 +406,6 @@ AKV_API akv_status akv_compressed_size(const akv_compress_options *options, cons
 
 AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill,
                                 const akv_compress_options *options, akv_cache **out_cache, void *stream) {
-  (void)stream;
   return guard(__func__, [&] {
     check_not_null(context, "context");
     check_not_null(prefill, "prefill");
@@ -310,7 +422,6 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
       fail(AKV_ERR_INVALID_ARGUMENT, "prefill strides must be >= 0 (0 = contiguous)");
     if ((p.kv_token_stride && p.kv_token_stride < p.shape.head_dim) || (p.q_token_stride && p.q_token_stride < p.shape.head_dim))
       fail(AKV_ERR_INVALID_ARGUMENT, "prefill token strides must be at least head_dim ", p.shape.head_dim);
-    require_cpu(context, "compression");
     compressed_footprint(o, p.shape);  // shape/budget checks for the method, before reading data
     if (p.positions) {
       for (int64_t t = 1; t < p.shape.seq_len; ++t)
@@ -318,6 +429,10 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
           fail(AKV_ERR_INVALID_ARGUMENT, "prefill.positions are not strictly increasing at index ", t, " (",
                p.positions[t - 1], " then ", p.positions[t], ")");
       if (p.positions[0] < 0) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.positions[0] ", p.positions[0], " is negative");
+    }
+    if (on_cuda(context)) {
+      *out_cache = compress_staged(*context, p, o, stream).release();
+      return;
     }
     CompressRequest req{context, &p, &o};
     std::unique_ptr<akv_cache> cache = compress_method_cpu(req);
@@ -328,25 +443,21 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
 AKV_API void akv_cache_destroy(akv_cache *cache) { delete cache; }
 
 AKV_API akv_status akv_cache_reserve(akv_cache *cache, int64_t tokens, void *stream) {
-  (void)stream;
   return guard(__func__, [&] {
     validate_cache(cache);
     if (tokens < 0) fail(AKV_ERR_INVALID_ARGUMENT, "tokens ", tokens, " is negative");
-    require_cpu(cache->context, "akv_cache_reserve");
-    reserve_suffix(*cache, tokens);
+    reserve_suffix(*cache, tokens, stream);
   });
 }
 
 AKV_API akv_status akv_append(akv_cache *cache, const void *keys, const void *values, akv_dtype dtype,
                               int32_t num_tokens, const int32_t *positions, void *stream) {
-  (void)stream;
   return guard(__func__, [&] {
     validate_cache(cache);
     check_not_null(keys, "keys");
     check_not_null(values, "values");
     check_input_dtype(dtype, "dtype");
     if (num_tokens < 1) fail(AKV_ERR_INVALID_ARGUMENT, "num_tokens ", num_tokens, " must be at least 1");
-    require_cpu(cache->context, "akv_append");
     akv_cache &c = *cache;
     const int64_t H = c.meta.shape.num_kv_heads, D = c.meta.shape.head_dim;
     std::vector<int32_t> pos(num_tokens);
@@ -358,11 +469,20 @@ AKV_API akv_status akv_append(akv_cache *cache, const void *keys, const void *va
       if (p > INT32_MAX) fail(AKV_ERR_INVALID_ARGUMENT, "positions exceed int32");
       pos[i] = static_cast<int32_t>(p);
     }
+    if (on_cuda(c.context)) {  // device tensors: not scanned for NaN/Inf (that would need a sync)
+      if (c.suffix_len + num_tokens > c.suffix_capacity)
+        reserve_suffix(c, std::max<int64_t>(c.suffix_len + num_tokens, 2 * c.suffix_capacity + 16), stream);
+      cuda::append(c, keys, values, dtype, num_tokens, pos.data(), stream);
+      c.suffix_positions.insert(c.suffix_positions.end(), pos.begin(), pos.end());
+      c.suffix_len += num_tokens;
+      c.next_position = static_cast<int64_t>(pos.back()) + 1;
+      return;
+    }
     const size_t n = static_cast<size_t>(H) * num_tokens * D;
     std::vector<float> k = to_float(keys, dtype, n, "keys");
     const std::vector<float> v = to_float(values, dtype, n, "values");
     if (c.suffix_len + num_tokens > c.suffix_capacity)
-      reserve_suffix(c, std::max<int64_t>(c.suffix_len + num_tokens, 2 * c.suffix_capacity + 16));
+      reserve_suffix(c, std::max<int64_t>(c.suffix_len + num_tokens, 2 * c.suffix_capacity + 16), stream);
     uint16_t *sk = reinterpret_cast<uint16_t *>(c.suffix_keys.data());
     uint16_t *sv = reinterpret_cast<uint16_t *>(c.suffix_values.data());
     for (int64_t h = 0; h < H; ++h)
@@ -383,22 +503,22 @@ AKV_API akv_status akv_append(akv_cache *cache, const void *keys, const void *va
 
 AKV_API akv_status akv_decode(akv_cache *cache, const void *queries, akv_dtype dtype, int32_t q_len,
                               void *out, void *stream) {
-  (void)stream;
   return guard(__func__, [&] {
     validate_cache(cache);
     check_not_null(queries, "queries");
     check_not_null(out, "out");
     check_input_dtype(dtype, "dtype");
     validate_decode(cache, q_len);
-    require_cpu(cache->context, "akv_decode");
-    decode_batch_cpu(&cache, 1, queries, dtype, q_len, out);
+    if (on_cuda(cache->context))
+      cuda::decode(*cache->context, &cache, 1, queries, dtype, q_len, out, stream);
+    else
+      decode_batch_cpu(&cache, 1, queries, dtype, q_len, out);
   });
 }
 
 AKV_API akv_status akv_decode_batch(akv_context *context, akv_cache *const *caches, int32_t batch,
                                     const void *queries, akv_dtype dtype, int32_t q_len, void *out,
                                     void *stream) {
-  (void)stream;
   return guard(__func__, [&] {
     check_not_null(context, "context");
     check_not_null(caches, "caches");
@@ -416,8 +536,10 @@ AKV_API akv_status akv_decode_batch(akv_context *context, akv_cache *const *cach
              " but caches[0] has H=", s0.num_kv_heads, ", Hq=", s0.num_q_heads, ", D=", s0.head_dim);
       validate_decode(caches[b], q_len);
     }
-    require_cpu(context, "akv_decode_batch");
-    decode_batch_cpu(caches, batch, queries, dtype, q_len, out);
+    if (on_cuda(context))
+      cuda::decode(*context, caches, batch, queries, dtype, q_len, out, stream);
+    else
+      decode_batch_cpu(caches, batch, queries, dtype, q_len, out);
   });
 }
 
@@ -461,12 +583,24 @@ AKV_API akv_status akv_cache_head_stats(const akv_cache *cache, akv_head_stats *
     check_not_null(out, "out_heads");
     const akv_cache &c = *cache;
     const int H = c.meta.shape.num_kv_heads;
+    std::vector<uint32_t> offsets;  // AnchorKV: key then value residual offsets [H+1] each
+    if (c.meta.method == AKV_METHOD_ANCHORKV) {
+      offsets.resize(2 * (H + 1));
+      const size_t bytes = (H + 1) * sizeof(uint32_t);
+      if (on_cuda(c.context)) {
+        cuda::copy(offsets.data(), c.section<uint32_t>(kKeyOffsets), bytes, nullptr, false);
+        cuda::copy(offsets.data() + H + 1, c.section<uint32_t>(kValueOffsets), bytes, nullptr, true);
+      } else {
+        std::memcpy(offsets.data(), c.section<uint32_t>(kKeyOffsets), bytes);
+        std::memcpy(offsets.data() + H + 1, c.section<uint32_t>(kValueOffsets), bytes);
+      }
+    }
     for (int h = 0; h < H; ++h) {
       akv_head_stats s{};
       if (c.meta.method == AKV_METHOD_ANCHORKV) {
         s.kept_tokens = c.meta.shape.seq_len;
         s.anchors = c.meta.anchors;
-        const uint32_t *ko = c.section<uint32_t>(kKeyOffsets), *vo = c.section<uint32_t>(kValueOffsets);
+        const uint32_t *ko = offsets.data(), *vo = offsets.data() + H + 1;
         s.key_residuals = ko[h + 1] - ko[h];
         s.value_residuals = vo[h + 1] - vo[h];
       } else if (c.meta.method == AKV_METHOD_QUANTIZED) {
@@ -483,26 +617,24 @@ AKV_API akv_status akv_cache_head_stats(const akv_cache *cache, akv_head_stats *
 
 AKV_API akv_status akv_cache_reconstruct(const akv_cache *cache, akv_dtype dtype, int32_t rotated,
                                          void *keys, void *values, uint8_t *present, void *stream) {
-  (void)stream;
   return guard(__func__, [&] {
     validate_cache(cache);
     check_not_null(keys, "keys");
     check_not_null(values, "values");
     check_input_dtype(dtype, "dtype");
-    require_cpu(cache->context, "akv_cache_reconstruct");
-    const akv_cache &c = *cache;
-    const int64_t H = c.meta.shape.num_kv_heads, D = c.meta.shape.head_dim, T = c.total_tokens();
-    c.context->pool->parallel_for(H, [&](int64_t b, int64_t e) {
-      std::vector<float> k(T * D), v(T * D);
-      for (int64_t h = b; h < e; ++h) {
-        reconstruct_head_cpu(c, static_cast<int>(h), rotated != 0, k.data(), v.data(),
-                             present ? present + h * T : nullptr);
-        for (int64_t i = 0; i < T * D; ++i) {
-          store_from_float(keys, dtype, h * T * D + i, k[i]);
-          store_from_float(values, dtype, h * T * D + i, v[i]);
-        }
-      }
-    });
+    if (on_cuda(cache->context)) {  // through a host copy of the cache (a test and tooling path)
+      std::unique_ptr<akv_cache> host = place(&host_staging(*cache->context), parse_bytes(serialize_any(*cache, stream)), stream);
+      const int64_t n = static_cast<int64_t>(host->meta.shape.num_kv_heads) * host->total_tokens();
+      const size_t bytes = static_cast<size_t>(n) * host->meta.shape.head_dim * dtype_size(dtype);
+      std::vector<uint8_t> k(bytes), v(bytes), pr(present ? n : 0);
+      reconstruct_host(*host, dtype, rotated, k.data(), v.data(), present ? pr.data() : nullptr);
+      cuda::copy(keys, k.data(), bytes, stream, false);
+      cuda::copy(values, v.data(), bytes, stream, false);
+      if (present) cuda::copy(present, pr.data(), pr.size(), stream, false);
+      cuda::synchronize(stream);  // the host vectors go out of scope
+      return;
+    }
+    reconstruct_host(*cache, dtype, rotated, keys, values, present);
   });
 }
 
@@ -510,20 +642,16 @@ AKV_API akv_status akv_cache_serialized_size(const akv_cache *cache, size_t *out
   return guard(__func__, [&] {
     validate_cache(cache);
     check_not_null(out_bytes, "out_bytes");
-    require_cpu(cache->context, "serialization");
-    *out_bytes = serialize_cache(*cache, cache->data.data(), cache->suffix_keys.data(), cache->suffix_values.data()).size();
+    *out_bytes = serialize_any(*cache, nullptr).size();
   });
 }
 
 AKV_API akv_status akv_cache_serialize(const akv_cache *cache, void *buffer, size_t capacity,
                                        size_t *out_written, void *stream) {
-  (void)stream;
   return guard(__func__, [&] {
     validate_cache(cache);
     check_not_null(buffer, "buffer");
-    require_cpu(cache->context, "serialization");
-    const std::vector<uint8_t> bytes =
-        serialize_cache(*cache, cache->data.data(), cache->suffix_keys.data(), cache->suffix_values.data());
+    const std::vector<uint8_t> bytes = serialize_any(*cache, stream);
     if (bytes.size() > capacity)
       fail(AKV_ERR_CAPACITY, "buffer capacity ", capacity, " is smaller than the ", bytes.size(),
            " bytes needed (akv_cache_serialized_size)");
@@ -534,26 +662,11 @@ AKV_API akv_status akv_cache_serialize(const akv_cache *cache, void *buffer, siz
 
 AKV_API akv_status akv_cache_deserialize(akv_context *context, const void *buffer, size_t size,
                                          akv_cache **out_cache, void *stream) {
-  (void)stream;
   return guard(__func__, [&] {
     check_not_null(context, "context");
     check_not_null(buffer, "buffer");
     check_not_null(out_cache, "out_cache");
-    require_cpu(context, "deserialization");
-    ParsedCache parsed = deserialize_cache(static_cast<const uint8_t *>(buffer), size);
-    akv_cache &c = *parsed.cache;
-    c.context = context;
-    c.data = Buffer(context, parsed.data.size());
-    if (!parsed.data.empty()) std::memcpy(c.data.data(), parsed.data.data(), parsed.data.size());
-    const int64_t len = static_cast<int64_t>(c.suffix_positions.size());
-    c.suffix_len = 0;
-    reserve_suffix(c, len);
-    if (len) {
-      std::memcpy(c.suffix_keys.data(), parsed.suffix_keys.data(), parsed.suffix_keys.size());
-      std::memcpy(c.suffix_values.data(), parsed.suffix_values.data(), parsed.suffix_values.size());
-    }
-    c.suffix_len = len;
-    *out_cache = parsed.cache.release();
+    *out_cache = place(context, deserialize_cache(static_cast<const uint8_t *>(buffer), size), stream).release();
   });
 }
 

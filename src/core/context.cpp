@@ -5,7 +5,9 @@
 #include "cpu/thread_pool.hpp"
 
 akv_context::akv_context() = default;
-akv_context::~akv_context() = default;
+akv_context::~akv_context() {
+  for (auto &entry : workspaces) deallocate(entry.second.ptr, entry.second.bytes);
+}
 
 void *akv_context::allocate(size_t bytes) {
   if (bytes == 0) return nullptr;

@@ -2,7 +2,9 @@
 // These are the definitions behind the opaque handles of the C API.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 #include "anchorkv/anchorkv.h"
@@ -20,6 +22,18 @@ struct akv_context {
   int32_t device = 0;
   akv_allocator allocator{};  // resolved: never NULL functions
   std::unique_ptr<akv::ThreadPool> pool;
+  // CUDA: device properties (read once) and decode workspaces, one per stream, grown on
+  // demand and kept so that a decode can be captured in a CUDA graph.
+  int sm_count = 0;
+  size_t smem_optin = 0;
+  std::mutex workspace_mutex;
+  struct Workspace {
+    void *ptr = nullptr;
+    size_t bytes = 0;
+  };
+  std::map<void *, Workspace> workspaces;
+  // CUDA: a CPU context for the work staged through the host (see akv_compress).
+  std::unique_ptr<akv_context> host_staging;
 
   akv_context();
   ~akv_context();
@@ -122,6 +136,8 @@ struct akv_cache {
 
   // Appended tokens: keys (post-RoPE) and values [H][capacity][D], storage dtype.
   akv::Buffer suffix_keys, suffix_values;
+  // CUDA: the kernels' CacheView and its tables (cuda/plan.hpp), in device memory.
+  akv::Buffer device_view;
   int64_t suffix_len = 0;
   int64_t suffix_capacity = 0;
   std::vector<int32_t> suffix_positions;  // host
@@ -136,5 +152,7 @@ struct akv_cache {
     return reinterpret_cast<T *>(data.data() + quant.offsets[index]);
   }
   int64_t total_tokens() const { return meta.shape.seq_len + suffix_len; }
-  uint64_t allocated_bytes() const { return data.size() + suffix_keys.size() + suffix_values.size(); }
+  uint64_t allocated_bytes() const {
+    return data.size() + suffix_keys.size() + suffix_values.size() + device_view.size();
+  }
 };

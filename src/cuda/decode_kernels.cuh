@@ -50,7 +50,7 @@ struct SplitBlock {
 
   float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
 
-  __device__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc)
+  __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc)
       : c(view), p(launch) {
     tid = threadIdx.x;
     lane = tid & 31;
@@ -111,7 +111,7 @@ struct SplitBlock {
   // ---- phase A -------------------------------------------------------------------------
 
   // acc[r][i] = q_i . R_{pos[r]} (anchor row a[r]) for the thread's RUN tokens.
-  __device__ void anchor_dots(const int *a, const int64_t *pos, const bool *valid, float (*acc)[MAXROWS]) const {
+  __device__ __forceinline__ void anchor_dots(const int *a, const int64_t *pos, const bool *valid, float (*acc)[MAXROWS]) const {
     for (int r = 0; r < RUN; ++r)
       for (int i = 0; i < MAXROWS; ++i) acc[r][i] = 0.0f;
     for (int j = 0; j < pairs; ++j) {
@@ -146,7 +146,7 @@ struct SplitBlock {
   }
 
   // Prefix tokens t0.. (AnchorKV): logits gamma_t (q . R_t K_a) into L_s.
-  __device__ void prefix_logits(int64_t t0, int64_t end) {
+  __device__ __forceinline__ void prefix_logits(int64_t t0, int64_t end) {
     const int64_t P = c.prefix;
     int a[RUN];
     int64_t pos[RUN];
@@ -166,7 +166,7 @@ struct SplitBlock {
   }
 
   // Window tokens w0.. (AnchorKV): exact anchors k-W+w at consecutive positions.
-  __device__ void window_logits(int w0, int end) {
+  __device__ __forceinline__ void window_logits(int w0, int end) {
     int a[RUN];
     int64_t pos[RUN];
     bool valid[RUN];
@@ -184,7 +184,7 @@ struct SplitBlock {
 
   // Dense rows keys[t0..end) (post-RoPE). causal: these are appended tokens, and row i
   // (query qi of its head) sees the first suffix_len - (q_len - 1 - qi) of them.
-  __device__ void dense_logits(const uint16_t *keys, int64_t t0, int64_t end, bool causal, int64_t suffix_len) {
+  __device__ __forceinline__ void dense_logits(const uint16_t *keys, int64_t t0, int64_t end, bool causal, int64_t suffix_len) {
     for (int r = 0; r < RUN; ++r) {
       const int64_t t = t0 + tid * RUN + r;
       float acc[MAXROWS];
@@ -210,7 +210,7 @@ struct SplitBlock {
 
   // ---- phase B: key residuals of prefix tokens t0..end (words t0/64..) ----------------------
 
-  __device__ void key_residuals(int64_t t0, int64_t end) {
+  __device__ __forceinline__ void key_residuals(int64_t t0, int64_t end) {
     const int64_t words = c.words;
     const int64_t wb = t0 / 64, we = (end + 63) / 64;
     const float norm = 1.0f / sqrtf(static_cast<float>(D));
@@ -275,7 +275,7 @@ struct SplitBlock {
 
   // ---- phase C: online softmax over the tile; L_s becomes p = exp2(logit - max) -------------
 
-  __device__ void softmax_tile() {
+  __device__ __forceinline__ void softmax_tile() {
     __syncthreads();
     float tmax[MAXROWS];
     for (int i = 0; i < MAXROWS; ++i) {
@@ -317,7 +317,7 @@ struct SplitBlock {
 
   // ---- phase D: values -----------------------------------------------------------------
 
-  __device__ void prefix_values(int64_t t0, int64_t end) {
+  __device__ __forceinline__ void prefix_values(int64_t t0, int64_t end) {
     const int64_t P = c.prefix, words = c.words;
     for (int r = 0; r < RUN; ++r) {
       const int64_t t = t0 + tid * RUN + r;
@@ -344,7 +344,7 @@ struct SplitBlock {
     __syncthreads();
   }
 
-  __device__ void window_values(int w0, int end) {
+  __device__ __forceinline__ void window_values(int w0, int end) {
     for (int r = 0; r < RUN; ++r) {
       const int w = w0 + tid * RUN + r;
       if (w >= end) continue;
@@ -353,7 +353,7 @@ struct SplitBlock {
     __syncthreads();
   }
 
-  __device__ void dense_values(const uint16_t *values, int64_t t0, int64_t end) {
+  __device__ __forceinline__ void dense_values(const uint16_t *values, int64_t t0, int64_t end) {
     const int group = tid / TPD, dim = tid % TPD;
     for (int64_t u = group; t0 + u < end && u < TILE; u += SG)
       for (int e = 0; e < DPT; ++e) {
@@ -365,7 +365,7 @@ struct SplitBlock {
 
   // ---- the block's partial result --------------------------------------------------------
 
-  __device__ void write_partial(int64_t blk) {
+  __device__ __forceinline__ void write_partial(int64_t blk) {
     const int group = tid / TPD, dim = tid % TPD;
     float o[MAXROWS][DPT];
     for (int i = 0; i < MAXROWS; ++i)
@@ -397,17 +397,18 @@ struct SplitBlock {
       if (lane == 0) red_s[warp * MAXROWS + i] = l;
     }
     __syncthreads();
-    if (tid < MAXROWS) {
-      float l = 0.0f;
-      for (int wp = 0; wp < kThreads / 32; ++wp) l += red_s[wp * MAXROWS + tid];
-      p.ws_ml[(blk * MAXROWS + tid) * 2] = m_run[tid];
-      p.ws_ml[(blk * MAXROWS + tid) * 2 + 1] = l;
-    }
+    for (int i = 0; i < MAXROWS; ++i)  // static indices keep m_run in registers
+      if (tid == i) {
+        float l = 0.0f;
+        for (int wp = 0; wp < kThreads / 32; ++wp) l += red_s[wp * MAXROWS + i];
+        p.ws_ml[(blk * MAXROWS + i) * 2] = m_run[i];
+        p.ws_ml[(blk * MAXROWS + i) * 2 + 1] = l;
+      }
   }
 };
 
 template <int D, int MAXROWS>
-__global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeLaunch p) {
+__global__ void __launch_bounds__(kThreads) decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
 #ifdef AKV_SIMT_EMULATION
   unsigned char *smem = ::simt::tl_block->dynamic.data();
 #else
@@ -464,7 +465,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(DecodeLaunch p) 
 }
 
 template <int D, int MAXROWS>
-__global__ void __launch_bounds__(kThreads) decode_merge_kernel(DecodeLaunch p) {
+__global__ void __launch_bounds__(kThreads) decode_merge_kernel(const __grid_constant__ DecodeLaunch p) {
   __shared__ float buf[D];
   constexpr int TPD = D < kThreads ? D : kThreads;
   constexpr int DPT = D / TPD;
@@ -526,7 +527,7 @@ __global__ void __launch_bounds__(kThreads) decode_merge_kernel(DecodeLaunch p) 
 
 // Append: rows [suffix_len, suffix_len + n) of every head, RoPE applied to keys unless they
 // arrive rotated. grid (n, H), 64 threads. The length itself advances in append_commit.
-__global__ void append_rows_kernel(AppendLaunch a) {
+__global__ void append_rows_kernel(const __grid_constant__ AppendLaunch a) {
   const CacheView &c = *a.view;
   const int i = blockIdx.x, h = blockIdx.y, D = c.head_dim;
   const int64_t row = static_cast<int64_t>(c.suffix_len) + i;

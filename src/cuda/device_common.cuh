@@ -19,7 +19,7 @@ namespace cuda {
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 
-__host__ __device__ __forceinline__ float bits_to_float(uint16_t bits, bool bf16) {
+__device__ __forceinline__ float bits_to_float(uint16_t bits, bool bf16) {
 #ifdef AKV_SIMT_EMULATION
   return bf16 ? bf16_to_float(bits) : fp16_to_float(bits);
 #else
@@ -27,7 +27,7 @@ __host__ __device__ __forceinline__ float bits_to_float(uint16_t bits, bool bf16
 #endif
 }
 
-__host__ __device__ __forceinline__ uint16_t float_to_bits(float v, bool bf16) {
+__device__ __forceinline__ uint16_t float_to_bits(float v, bool bf16) {
 #ifdef AKV_SIMT_EMULATION
   return bf16 ? float_to_bf16(v) : float_to_fp16(v);
 #else
@@ -36,11 +36,11 @@ __host__ __device__ __forceinline__ uint16_t float_to_bits(float v, bool bf16) {
 }
 
 // Caller tensors, dtype as akv_dtype: 1 = f32, 2 = f16, 3 = bf16.
-__host__ __device__ __forceinline__ float load_elem(const void *base, int dtype, int64_t i) {
+__device__ __forceinline__ float load_elem(const void *base, int dtype, int64_t i) {
   if (dtype == AKV_DTYPE_F32) return static_cast<const float *>(base)[i];
   return bits_to_float(static_cast<const uint16_t *>(base)[i], dtype == AKV_DTYPE_BF16);
 }
-__host__ __device__ __forceinline__ void store_elem(void *base, int dtype, int64_t i, float v) {
+__device__ __forceinline__ void store_elem(void *base, int dtype, int64_t i, float v) {
   if (dtype == AKV_DTYPE_F32)
     static_cast<float *>(base)[i] = v;
   else
@@ -49,7 +49,7 @@ __host__ __device__ __forceinline__ void store_elem(void *base, int dtype, int64
 
 // cos and sin of position * inv_freq, accurate for large positions: the product and the
 // reduction by 2*pi are done in double, the final sincos in float on |x| <= pi.
-__host__ __device__ __forceinline__ void rope_angle(int64_t position, float inv_freq, float *c, float *s) {
+__device__ __forceinline__ void rope_angle(int64_t position, float inv_freq, float *c, float *s) {
   const double kTwoPi = 6.283185307179586;
   double a = static_cast<double>(position) * static_cast<double>(inv_freq);
   a -= rint(a * (1.0 / kTwoPi)) * kTwoPi;

@@ -7,14 +7,17 @@
 namespace akv {
 namespace cuda {
 
+void check_supported(akv_method method, int head_dim) {
+  if (method == AKV_METHOD_QUANTIZED)
+    fail(AKV_ERR_UNSUPPORTED, "the CUDA backend does not hold the QUANTIZED baseline in this version "
+         "(use a CPU context)");
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256)
+    fail(AKV_ERR_UNSUPPORTED, "the CUDA decode kernels take head_dim 64, 128 or 256, not ", head_dim);
+}
+
 void check_decodable(const akv_cache &cache) {
   const CacheMeta &m = cache.meta;
-  const int D = m.shape.head_dim;
-  if (m.method == AKV_METHOD_QUANTIZED)
-    fail(AKV_ERR_UNSUPPORTED, "the CUDA backend does not decode the QUANTIZED baseline in this version "
-         "(decode it on a CPU context)");
-  if (D != 64 && D != 128 && D != 256)
-    fail(AKV_ERR_UNSUPPORTED, "the CUDA decode kernels take head_dim 64, 128 or 256, not ", D);
+  check_supported(m.method, m.shape.head_dim);
   if (cache.rope.enabled()) {
     // The kernels rotate the first 2*pairs dimensions and pass the rest through.
     for (int j = 0; j < cache.rope.pairs(); ++j)

@@ -11,7 +11,8 @@
 namespace akv {
 namespace cuda {
 
-// Throws AKV_ERR_UNSUPPORTED (with the reason) when the CUDA kernels cannot decode this cache.
+// Throw AKV_ERR_UNSUPPORTED (with the reason) when the CUDA kernels cannot decode such a cache.
+void check_supported(akv_method method, int head_dim);
 void check_decodable(const akv_cache &cache);
 
 // Where a cache's buffers live in the memory the kernels read.

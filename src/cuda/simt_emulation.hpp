@@ -22,6 +22,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __restrict__
+#define __grid_constant__
 #define __shared__ static
 
 namespace simt {

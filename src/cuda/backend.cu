@@ -1,0 +1,183 @@
+// CUDA backend: memory movement, device views of caches, decode and append launches.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+#include "core/error.hpp"
+#include "cuda/backend.hpp"
+#include "cuda/decode_kernels.cuh"
+#include "cuda/plan.hpp"
+
+namespace akv {
+namespace cuda {
+namespace {
+
+void check(cudaError_t err, const char *what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear a non-sticky error so the context stays usable
+    fail(AKV_ERR_BACKEND, what, " failed: ", cudaGetErrorString(err));
+  }
+}
+
+cudaStream_t as_stream(void *stream) { return static_cast<cudaStream_t>(stream); }
+
+// The context's device for the duration of a call; the caller's current device is restored.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+template <int D, int MAXROWS>
+void launch_decode(const DecodePlan &plan, const DecodeLaunch &p, int32_t requests, cudaStream_t stream,
+                   size_t smem_optin) {
+  static std::once_flag opt_in;
+  std::call_once(opt_in, [&] {
+    // Once per kernel, before any capture: allow the device's whole shared memory.
+    cudaFuncSetAttribute(decode_split_kernel<D, MAXROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         static_cast<int>(smem_optin));
+  });
+  decode_split_kernel<D, MAXROWS><<<dim3(plan.splits, p.heads * plan.row_chunks, requests), kThreads,
+                                    plan.smem_bytes, stream>>>(p);
+  decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests), kThreads, 0, stream>>>(p);
+}
+
+template <int D>
+void launch_decode_rows(const DecodePlan &plan, const DecodeLaunch &p, int32_t requests, cudaStream_t stream,
+                        size_t smem_optin) {
+  switch (plan.maxrows) {
+    case 4: return launch_decode<D, 4>(plan, p, requests, stream, smem_optin);
+    case 8: return launch_decode<D, 8>(plan, p, requests, stream, smem_optin);
+    case 16: return launch_decode<D, 16>(plan, p, requests, stream, smem_optin);
+    default: return launch_decode<D, 32>(plan, p, requests, stream, smem_optin);
+  }
+}
+
+// The stream's decode workspace, grown when this batch shape needs more. Growing is an
+// allocation, refused while the stream is being captured.
+void *workspace(akv_context &ctx, size_t bytes, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(ctx.workspace_mutex);
+  akv_context::Workspace &ws = ctx.workspaces[stream];
+  if (ws.bytes >= bytes) return ws.ptr;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone)
+    fail(AKV_ERR_INVALID_ARGUMENT, "decode needs ", bytes, " bytes of workspace on this stream and has ", ws.bytes,
+         "; run one decode with this batch shape on this stream before capturing it in a CUDA graph");
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");  // earlier decodes may still use it
+  ctx.deallocate(ws.ptr, ws.bytes);
+  ws = {};
+  ws.ptr = ctx.allocate(bytes);
+  ws.bytes = bytes;
+  return ws.ptr;
+}
+
+}  // namespace
+
+void copy(void *dst, const void *src, size_t bytes, void *stream, bool wait) {
+  if (bytes == 0) return;
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)), "cudaMemcpyAsync");
+  if (wait) check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize");
+}
+
+void copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t row_bytes, size_t rows,
+               void *stream) {
+  if (row_bytes == 0 || rows == 0) return;
+  check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows, cudaMemcpyDefault, as_stream(stream)),
+        "cudaMemcpy2DAsync");
+}
+
+void synchronize(void *stream) { check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize"); }
+
+void upload_view(akv_cache &cache, void *stream) {
+  DeviceScope scope(cache.context->device);
+  ViewAddresses at;
+  at.data = cache.data.data();
+  at.suffix_keys = reinterpret_cast<uint16_t *>(cache.suffix_keys.data());
+  at.suffix_values = reinterpret_cast<uint16_t *>(cache.suffix_values.data());
+  const size_t bytes = build_view_block(cache, at).size();
+  if (cache.device_view.size() != bytes) {
+    synchronize(stream);  // a pending kernel may still read the old view
+    cache.device_view = Buffer(cache.context, bytes);
+  }
+  at.aux = cache.device_view.data();
+  const std::vector<uint8_t> block = build_view_block(cache, at);
+  copy(cache.device_view.data(), block.data(), block.size(), stream, /*wait=*/true);
+}
+
+void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype,
+            int32_t q_len, void *out, void *stream) {
+  DeviceScope scope(ctx.device);
+  if (ctx.sm_count == 0) {
+    int sms = 0, optin = 0;
+    check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device), "cudaDeviceGetAttribute");
+    check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx.device), "cudaDeviceGetAttribute");
+    ctx.smem_optin = static_cast<size_t>(optin);
+    ctx.sm_count = sms;
+  }
+  const DecodePlan plan = plan_decode(caches, batch, q_len, ctx.sm_count, ctx.smem_optin);
+  const akv_shape &s = caches[0]->meta.shape;
+  const cudaStream_t st = as_stream(stream);
+  float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, st));
+  const size_t per_block = static_cast<size_t>(plan.maxrows) * s.head_dim;
+  const size_t esize = dtype == AKV_DTYPE_F32 ? 4 : 2;
+  const size_t per_request = static_cast<size_t>(s.num_q_heads) * q_len * s.head_dim * esize;
+  for (int32_t b0 = 0; b0 < batch; b0 += kMaxBatchPerLaunch) {
+    const int32_t n = std::min(batch - b0, kMaxBatchPerLaunch);
+    DecodeLaunch p{};
+    for (int32_t i = 0; i < n; ++i) p.views[i] = reinterpret_cast<const CacheView *>(caches[b0 + i]->device_view.data());
+    p.queries = static_cast<const uint8_t *>(queries) + b0 * per_request;
+    p.out = static_cast<uint8_t *>(out) + b0 * per_request;
+    p.dtype = dtype;
+    p.heads = s.num_kv_heads;
+    p.q_heads = s.num_q_heads;
+    p.q_len = q_len;
+    p.rows = s.num_q_heads / s.num_kv_heads * q_len;
+    p.row_chunks = plan.row_chunks;
+    p.splits = plan.splits;
+    p.max_anchors = plan.max_anchors;
+    p.max_pairs = plan.max_pairs;
+    p.anchors_in_smem = plan.anchors_in_smem ? 1 : 0;
+    p.ws_o = ws;
+    p.ws_r = ws + plan.blocks * per_block;
+    p.ws_ml = ws + 2 * plan.blocks * per_block;
+    switch (s.head_dim) {
+      case 64: launch_decode_rows<64>(plan, p, n, st, ctx.smem_optin); break;
+      case 128: launch_decode_rows<128>(plan, p, n, st, ctx.smem_optin); break;
+      default: launch_decode_rows<256>(plan, p, n, st, ctx.smem_optin); break;
+    }
+    check(cudaGetLastError(), "the decode kernel launch");
+  }
+}
+
+void append(akv_cache &cache, const void *keys, const void *values, akv_dtype dtype, int32_t n,
+            const int32_t *positions, void *stream) {
+  DeviceScope scope(cache.context->device);
+  const cudaStream_t st = as_stream(stream);
+  CacheView *view = reinterpret_cast<CacheView *>(cache.device_view.data());
+  for (int32_t t0 = 0; t0 < n; t0 += kMaxAppendPerLaunch) {
+    AppendLaunch a{};
+    a.view = view;
+    a.keys = keys;
+    a.values = values;
+    a.dtype = dtype;
+    a.n_total = n;
+    a.token0 = t0;
+    a.n = std::min(n - t0, kMaxAppendPerLaunch);
+    for (int32_t i = 0; i < a.n; ++i) a.positions[i] = positions[t0 + i];
+    append_rows_kernel<<<dim3(a.n, cache.meta.shape.num_kv_heads), 64, 0, st>>>(a);
+    append_commit_kernel<<<1, 1, 0, st>>>(view, a.n);
+    check(cudaGetLastError(), "the append kernel launch");
+  }
+}
+
+}  // namespace cuda
+}  // namespace akv
