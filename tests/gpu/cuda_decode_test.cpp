@@ -1,0 +1,282 @@
+// The CUDA backend against the CPU reference, on a device (skip without one): caches built
+// on the CPU are serialized and deserialized into a CUDA context; appends go to both; the
+// GPU decode of a batch with mixed lengths must match the CPU decode within the output
+// dtype's rounding. Outputs are poisoned (NaN) before every run. Also: CUDA-graph capture
+// and replay across appends, compression with device inputs, reconstruct, serialization
+// round trips, and bad input that leaves the context usable.
+#include <cuda_runtime.h>
+
+#include "api/api_test_util.hpp"
+
+namespace {
+
+using namespace akv_test;
+
+void cuda_ok(cudaError_t err, const char *what) {
+  if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// Device memory holding a copy of host bytes.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) { cuda_ok(cudaMalloc(&ptr_, std::max<size_t>(bytes, 1)), "cudaMalloc"); }
+  explicit DeviceBuffer(const std::vector<uint8_t> &host) : DeviceBuffer(host.size()) { upload(host); }
+  ~DeviceBuffer() { cudaFree(ptr_); }
+  DeviceBuffer(const DeviceBuffer &) = delete;
+  DeviceBuffer &operator=(const DeviceBuffer &) = delete;
+  void upload(const std::vector<uint8_t> &host) {
+    cuda_ok(cudaMemcpy(ptr_, host.data(), host.size(), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  }
+  void poison() { cuda_ok(cudaMemset(ptr_, 0xFF, bytes_), "cudaMemset"); }  // NaN in f32, f16 and bf16
+  std::vector<uint8_t> download() const {
+    std::vector<uint8_t> host(bytes_);
+    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    cuda_ok(cudaMemcpy(host.data(), ptr_, bytes_, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+    return host;
+  }
+  void *get() const { return ptr_; }
+
+ private:
+  void *ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+class Cuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    akv_context_options o;
+    akv_context_options_init(&o);
+    o.backend = AKV_BACKEND_CUDA;
+    akv_context *ctx = nullptr;
+    const akv_status s = akv_context_create(&o, &ctx);
+    if (s == AKV_ERR_BACKEND_UNAVAILABLE) GTEST_SKIP() << akv_last_error_message();
+    ASSERT_EQ(s, AKV_OK) << akv_last_error_message();
+    gpu_.reset(ctx);
+    cpu_ = make_context();
+  }
+  CachePtr to_gpu(const akv_cache *cache) { return deserialize(gpu_.get(), serialize(cache)); }
+  ContextPtr gpu_, cpu_;
+};
+
+struct DecodeCase {
+  akv_method method;
+  int64_t seq_len;
+  int head_dim, group, q_len;
+  akv_dtype dtype;
+};
+
+std::string describe(const DecodeCase &c) {
+  return "method " + std::to_string(c.method) + " S=" + std::to_string(c.seq_len) + " D=" + std::to_string(c.head_dim) +
+         " G=" + std::to_string(c.group) + " q_len=" + std::to_string(c.q_len) + " dtype " + dtype_name(c.dtype);
+}
+
+// Tolerance of a GPU output against the CPU one in the output dtype.
+double tolerance(akv_dtype dtype) { return dtype == AKV_DTYPE_F32 ? 2e-3 : dtype == AKV_DTYPE_F16 ? 4e-3 : 1.6e-2; }
+
+TEST_F(Cuda, DecodeMatchesCpuOverShapesMethodsAndMixedBatches) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  const int H = 2;
+  const std::vector<DecodeCase> cases = {
+      {AKV_METHOD_ANCHORKV, 1024, 64, 1, 1, AKV_DTYPE_F32},   {AKV_METHOD_ANCHORKV, 4096, 128, 4, 1, AKV_DTYPE_BF16},
+      {AKV_METHOD_ANCHORKV, 4096, 64, 8, 4, AKV_DTYPE_F16},   {AKV_METHOD_ANCHORKV, 32768, 128, 4, 1, AKV_DTYPE_BF16},
+      {AKV_METHOD_ANCHORKV, 3000, 128, 8, 4, AKV_DTYPE_F32},  {AKV_METHOD_ANCHORKV, 2048, 256, 2, 2, AKV_DTYPE_BF16},
+      {AKV_METHOD_FULLKV, 4096, 128, 4, 1, AKV_DTYPE_BF16},   {AKV_METHOD_FULLKV, 1500, 64, 8, 4, AKV_DTYPE_F32},
+      {AKV_METHOD_SNAPKV, 4096, 128, 4, 1, AKV_DTYPE_BF16},   {AKV_METHOD_ADAKV, 4096, 128, 4, 4, AKV_DTYPE_F32},
+      {AKV_METHOD_ANDPRO, 4096, 64, 1, 1, AKV_DTYPE_BF16},
+  };
+  // ANCHORKV_TEST_QUICK (compute-sanitizer runs): the cases up to 4K tokens only.
+  const bool quick = std::getenv("ANCHORKV_TEST_QUICK") != nullptr;
+  for (const DecodeCase &c : cases) {
+    if (quick && c.seq_len > 4096) continue;
+    SCOPED_TRACE(describe(c));
+    const int batch = 3, appended = 5;
+    std::vector<CachePtr> cpu_caches, gpu_caches;
+    for (int b = 0; b < batch; ++b) {
+      akv_compress_options o;
+      akv_compress_options_init_method(&o, c.method);
+      PrefillSpec spec;
+      spec.seq_len = c.seq_len - 331 * b;  // mixed lengths
+      spec.kv_heads = H;
+      spec.group = c.group;
+      spec.head_dim = c.head_dim;
+      spec.window = o.window;
+      spec.explicit_positions = b == 1;
+      const PrefillData data = make_prefill(rng, spec);
+      if (c.method == AKV_METHOD_ANCHORKV)
+        o.retain_fraction = std::max(0.05, workable_retain_fraction(data.shape, o.window, 0, 0.02));
+      else if (c.method != AKV_METHOD_FULLKV)
+        o.retain_fraction = 0.2;
+      cpu_caches.push_back(compress(cpu_.get(), data, o));
+      gpu_caches.push_back(to_gpu(cpu_caches.back().get()));
+      // The same appended tokens on both backends (device tensors for the GPU cache).
+      const Tensor k = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * appended * c.head_dim), c.dtype);
+      const Tensor v = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * appended * c.head_dim), c.dtype);
+      ok(akv_append(cpu_caches.back().get(), k.data(), v.data(), c.dtype, appended, nullptr, nullptr), "akv_append cpu");
+      DeviceBuffer dk(k.bytes), dv(v.bytes);
+      ok(akv_append(gpu_caches.back().get(), dk.get(), dv.get(), c.dtype, appended, nullptr, nullptr), "akv_append gpu");
+      cuda_ok(cudaDeviceSynchronize(), "append");
+    }
+    const Tensor q = make_tensor(
+        nonzero_normal(rng, static_cast<size_t>(batch) * H * c.group * c.q_len * c.head_dim, 1.5), c.dtype);
+    std::vector<akv_cache *> cpu_list, gpu_list;
+    for (int b = 0; b < batch; ++b) {
+      cpu_list.push_back(cpu_caches[b].get());
+      gpu_list.push_back(gpu_caches[b].get());
+    }
+    std::vector<uint8_t> expected_bytes = poisoned(q.count(), c.dtype);
+    ok(akv_decode_batch(cpu_.get(), cpu_list.data(), batch, q.data(), c.dtype, c.q_len, expected_bytes.data(), nullptr),
+       "cpu decode");
+    DeviceBuffer dq(q.bytes), dout(q.bytes.size());
+    dout.poison();
+    ok(akv_decode_batch(gpu_.get(), gpu_list.data(), batch, dq.get(), c.dtype, c.q_len, dout.get(), nullptr), "gpu decode");
+    const std::vector<float> got = decode_bytes(dout.download(), c.dtype);
+    const std::vector<float> expected = decode_bytes(expected_bytes, c.dtype);
+    EXPECT_EQ(count_non_finite(got), 0u);
+    EXPECT_TRUE(all_near(got, expected, tolerance(c.dtype), tolerance(c.dtype)));
+    note("max_abs_error_" + std::to_string(&c - cases.data()), max_error(got, expected, 1.0));
+    // One request through akv_decode equals its row of the batch.
+    DeviceBuffer one(q.bytes.size() / batch);
+    one.poison();
+    ok(akv_decode(gpu_list[1], static_cast<const uint8_t *>(dq.get()) + q.bytes.size() / batch, c.dtype, c.q_len,
+                  one.get(), nullptr),
+       "gpu akv_decode");
+    const std::vector<uint8_t> single = one.download(), all = dout.download();
+    EXPECT_TRUE(std::equal(single.begin(), single.end(), all.begin() + single.size()));
+  }
+}
+
+// A decode captured in a CUDA graph replays with no allocation and sees tokens appended
+// after the capture (the length is read on the device).
+TEST_F(Cuda, GraphCapturedDecodeReplaysAcrossAppends) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  PrefillSpec spec;
+  spec.seq_len = 5000;
+  spec.kv_heads = 2;
+  spec.group = 4;
+  spec.head_dim = 128;
+  const PrefillData data = make_prefill(rng, spec);
+  CachePtr cpu_cache = compress(cpu_.get(), data, anchorkv_options(0.05));
+  CachePtr gpu_cache = to_gpu(cpu_cache.get());
+  ok(akv_cache_reserve(gpu_cache.get(), 64, nullptr), "reserve");
+  const size_t n = 2 * 4 * 128;
+  const Tensor q = make_tensor(nonzero_normal(rng, n, 1.5), AKV_DTYPE_F32);
+  DeviceBuffer dq(q.bytes), dout(q.bytes.size());
+  cudaStream_t stream;
+  cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate");
+  akv_cache *list[1] = {gpu_cache.get()};
+  // Warm-up on the stream sizes its workspace; then capture.
+  ok(akv_decode_batch(gpu_.get(), list, 1, dq.get(), AKV_DTYPE_F32, 1, dout.get(), stream), "warm-up decode");
+  cudaGraph_t graph;
+  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+  const akv_status captured = akv_decode_batch(gpu_.get(), list, 1, dq.get(), AKV_DTYPE_F32, 1, dout.get(), stream);
+  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  ASSERT_EQ(captured, AKV_OK) << akv_last_error_message();
+  cudaGraphExec_t exec;
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  for (int step = 0; step < 3; ++step) {
+    if (step > 0) {  // one more token on both backends, outside the graph
+      const std::vector<float> k = nonzero_normal(rng, 2 * 128), v = nonzero_normal(rng, 2 * 128);
+      ok(akv_append(cpu_cache.get(), k.data(), v.data(), AKV_DTYPE_F32, 1, nullptr, nullptr), "append cpu");
+      DeviceBuffer dk(encode(k, AKV_DTYPE_F32)), dv(encode(v, AKV_DTYPE_F32));
+      ok(akv_append(gpu_cache.get(), dk.get(), dv.get(), AKV_DTYPE_F32, 1, nullptr, stream), "append gpu");
+      cuda_ok(cudaStreamSynchronize(stream), "sync");
+    }
+    dout.poison();
+    cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+    cuda_ok(cudaStreamSynchronize(stream), "sync");
+    const std::vector<float> got = decode_bytes(dout.download(), AKV_DTYPE_F32);
+    const std::vector<float> expected = decode(cpu_cache.get(), q, 1);
+    EXPECT_TRUE(all_near(got, expected, 2e-3, 2e-3)) << "replay " << step;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Compression with device inputs produces the CPU backend's bytes; reconstruct and
+// serialization of a CUDA cache agree with the CPU.
+TEST_F(Cuda, CompressReconstructAndSerializeMatchCpu) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  for (akv_method method : {AKV_METHOD_ANCHORKV, AKV_METHOD_SNAPKV, AKV_METHOD_FULLKV}) {
+    SCOPED_TRACE("method " + std::to_string(method));
+    PrefillSpec spec;
+    spec.seq_len = 3000;
+    spec.kv_heads = 2;
+    spec.group = 2;
+    spec.head_dim = 64;
+    spec.dtype = AKV_DTYPE_BF16;
+    akv_compress_options o;
+    akv_compress_options_init_method(&o, method);
+    if (method == AKV_METHOD_ANCHORKV) o.retain_fraction = 0.1;
+    if (method == AKV_METHOD_SNAPKV) o.retain_fraction = 0.2;
+    spec.window = o.window;
+    const PrefillData data = make_prefill(rng, spec);
+    CachePtr cpu_cache = compress(cpu_.get(), data, o);
+    DeviceBuffer dk(data.keys.bytes), dv(data.values.bytes), dq(data.queries.bytes);
+    akv_prefill p = data.view();
+    p.keys = dk.get();
+    p.values = dv.get();
+    p.queries = dq.get();
+    akv_cache *raw = nullptr;
+    ok(akv_compress(gpu_.get(), &p, &o, &raw, nullptr), "akv_compress on CUDA");
+    CachePtr gpu_cache(raw);
+    EXPECT_EQ(serialize(gpu_cache.get()), serialize(cpu_cache.get()));
+    const akv_cache_stats gs = cache_stats(gpu_cache.get()), cs = cache_stats(cpu_cache.get());
+    EXPECT_EQ(gs.compressed_bytes, cs.compressed_bytes);
+    EXPECT_EQ(gs.key_residuals, cs.key_residuals);
+    const std::vector<akv_head_stats> gh = head_stats(gpu_cache.get(), 2), ch = head_stats(cpu_cache.get(), 2);
+    for (int h = 0; h < 2; ++h) EXPECT_EQ(gh[h].value_residuals, ch[h].value_residuals);
+    const Dense expected = reconstruct(cpu_cache.get(), 1);
+    const size_t count = expected.keys.size() * sizeof(float);
+    DeviceBuffer keys(count), values(count), present(expected.present.size());
+    keys.poison();
+    values.poison();
+    ok(akv_cache_reconstruct(gpu_cache.get(), AKV_DTYPE_F32, 1, keys.get(), values.get(),
+                             static_cast<uint8_t *>(present.get()), nullptr),
+       "reconstruct on CUDA");
+    EXPECT_EQ(decode_bytes(keys.download(), AKV_DTYPE_F32), expected.keys);
+    EXPECT_EQ(decode_bytes(values.download(), AKV_DTYPE_F32), expected.values);
+    EXPECT_EQ(present.download(), expected.present);
+  }
+}
+
+TEST_F(Cuda, UnsupportedCachesAreRefusedAndTheContextStaysUsable) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  PrefillSpec spec;
+  spec.seq_len = 600;
+  spec.head_dim = 32;  // the CUDA kernels take 64, 128, 256
+  const PrefillData small = make_prefill(rng, spec);
+  CachePtr cache = compress(cpu_.get(), small, fullkv_options());
+  const std::vector<uint8_t> bytes = serialize(cache.get());
+  akv_cache *out = nullptr;
+  EXPECT_EQ(akv_cache_deserialize(gpu_.get(), bytes.data(), bytes.size(), &out, nullptr), AKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(out, nullptr);
+  EXPECT_TRUE(contains_case_insensitive(akv_last_error_message(), "head_dim"));
+  spec.head_dim = 64;
+  const PrefillData data = make_prefill(rng, spec);
+  akv_compress_options q;
+  akv_compress_options_init_method(&q, AKV_METHOD_QUANTIZED);
+  CachePtr quantized = compress(cpu_.get(), data, q);
+  const std::vector<uint8_t> qbytes = serialize(quantized.get());
+  EXPECT_EQ(akv_cache_deserialize(gpu_.get(), qbytes.data(), qbytes.size(), &out, nullptr), AKV_ERR_UNSUPPORTED);
+  EXPECT_EQ(out, nullptr);
+  // Corrupted bytes answer CORRUPT_DATA, and the context still works afterwards.
+  std::vector<uint8_t> bad = serialize(compress(cpu_.get(), data, fullkv_options()).get());
+  bad[bad.size() / 2] ^= 0x5A;
+  EXPECT_EQ(akv_cache_deserialize(gpu_.get(), bad.data(), bad.size(), &out, nullptr), AKV_ERR_CORRUPT_DATA);
+  CachePtr good = to_gpu(compress(cpu_.get(), data, fullkv_options()).get());
+  const Tensor qt = make_tensor(nonzero_normal(rng, 2 * 64, 1.0), AKV_DTYPE_F32);
+  DeviceBuffer dq(qt.bytes), dout(qt.bytes.size());
+  EXPECT_EQ(akv_decode(good.get(), dq.get(), AKV_DTYPE_F32, 2, dout.get(), nullptr), AKV_ERR_INVALID_ARGUMENT);
+  ok(akv_decode(good.get(), dq.get(), AKV_DTYPE_F32, 1, dout.get(), nullptr), "decode after errors");
+}
+
+}  // namespace
