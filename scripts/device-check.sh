@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
 # The one script to run on a machine with an NVIDIA GPU (an H200, sm_90):
 #   1. configure build-device with the CUDA backend for sm_90, build everything;
-#   2. ctest, GPU tests included (tests/gpu skip themselves without a GPU); the install test
-#      (label "install", needs pkg-config; CI runs it) is left out;
-#   3. `anchorkv bench` at S = 32768, 65536, 131072;
-#   4. a summary and a short table of the benchmark lines, printed last.
+#   2. ctest, GPU tests included (tests/gpu skip themselves without a GPU; the emulation tests
+#      run the same kernels on the CPU); the install test (needs pkg-config) is left out;
+#   3. compute-sanitizer memcheck and racecheck over the GPU decode tests (quick sizes);
+#   4. the Python GPU tests (torch tensors on a CUDA context), when pytest is present;
+#   5. scripts/bench_decode.py: compact decode vs our dense decode vs PyTorch SDPA,
+#      S = 8K..128K, batch 1, 8, 32, cold L2 (the issue-5 table);
+#   6. optionally (ANCHORKV_RUN="cli-bench") `anchorkv bench` per method at
+#      ANCHORKV_BENCH_SEQ_LENS (default 32768);
+#   7. a summary and the tables, printed last.
 # A failing step does not stop the later ones (a failed build skips what needs it). Logs go
 # to $ANCHORKV_DEVICE_LOGS (default: build-device/logs; also copied to $OUT when set, for the
 # device tool to bring back).
 # Before the device call, run scripts/device-deps.sh here and carry build-device-deps.
 # Environment: ANCHORKV_DEVICE_CMAKE_ARGS (extra cmake arguments, split at spaces),
 #   ANCHORKV_DEVICE_BUILD_DIR (default build-device), ANCHORKV_JOBS (default: cores),
-#   ANCHORKV_BENCH_SEQ_LENS (default "32768 65536 131072"), ANCHORKV_BENCH_ARGS (extra
-#   arguments for every bench run), ANCHORKV_BENCH_BACKEND (default cuda),
-#   ANCHORKV_BENCH_TIMEOUT (seconds per bench run, default 120: the whole script must fit in
-#   one 10-minute device call),
-#   ANCHORKV_SKIP ("build ctest bench", any of them).
+#   ANCHORKV_DECODE_BENCH_ARGS (extra arguments for bench_decode.py),
+#   ANCHORKV_BENCH_SEQ_LENS, ANCHORKV_BENCH_ARGS, ANCHORKV_BENCH_BACKEND (default cuda) and
+#   ANCHORKV_BENCH_TIMEOUT (seconds per run, default 120) for the CLI bench,
+#   ANCHORKV_SKIP ("build ctest sanitizer pytest decode-bench", any of them),
+#   ANCHORKV_RUN ("cli-bench" to add the CLI bench). The whole script must fit in one
+#   10-minute device call.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root" || exit 1
@@ -23,8 +29,9 @@ build_dir="${ANCHORKV_DEVICE_BUILD_DIR:-build-device}"
 case "$build_dir" in /*) ;; *) build_dir="$root/$build_dir" ;; esac
 logs="${ANCHORKV_DEVICE_LOGS:-$build_dir/logs}"
 jobs="${ANCHORKV_JOBS:-$(nproc)}"
-seq_lens="${ANCHORKV_BENCH_SEQ_LENS:-32768 65536 131072}"
+seq_lens="${ANCHORKV_BENCH_SEQ_LENS:-32768}"
 skip_list=" ${ANCHORKV_SKIP:-} "
+run_list=" ${ANCHORKV_RUN:-} "
 [ -d /usr/local/cuda/bin ] && PATH="$PATH:/usr/local/cuda/bin"
 mkdir -p "$logs"
 
@@ -77,26 +84,60 @@ elif [ "$build_ok" = 1 ]; then
   echo "  skipped tests: $(grep -cE '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*Skipped' "$logs/ctest.log")"
 else note SKIP "ctest (build failed)" 0; fi
 
-# ---- 3. bench --------------------------------------------------------------------------------
-# CSV per length (backend cuda unless ANCHORKV_BENCH_BACKEND says otherwise), merged into one table at the end.
+# ---- 3. compute-sanitizer --------------------------------------------------------------------
+gpu_tests="$build_dir/tests/anchorkv_gpu_tests"
+sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+for tool in memcheck racecheck; do
+  if skipped sanitizer; then note SKIP "compute-sanitizer $tool" 0; continue; fi
+  if [ ! -x "$gpu_tests" ] || [ ! -x "$sanitizer" ]; then note SKIP "compute-sanitizer $tool (missing)" 0; continue; fi
+  run_logged "compute-sanitizer $tool" "$logs/sanitizer-$tool.log" env ANCHORKV_TEST_QUICK=1 \
+    timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$gpu_tests" \
+      --gtest_filter='Cuda.DecodeMatches*:Cuda.GraphCaptured*'
+  grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/sanitizer-$tool.log" | tail -n 1 | sed 's/^/  /'
+done
+
+# ---- 4. Python GPU tests ---------------------------------------------------------------------
+py_env=(env PYTHONPATH="$root/python" ANCHORKV_LIBRARY="$build_dir/src")
+if skipped pytest; then note SKIP "pytest (GPU)" 0
+elif ! python3 -c 'import pytest, torch' 2>/dev/null; then note SKIP "pytest (GPU): no pytest/torch" 0
+else
+  run_logged "pytest python/tests/test_gpu.py" "$logs/pytest-gpu.log" "${py_env[@]}" \
+    timeout 240 python3 -m pytest -q "$root/python/tests/test_gpu.py"
+fi
+
+# ---- 5. decode benchmark against SDPA ------------------------------------------------------------
+if skipped decode-bench; then note SKIP "bench_decode.py" 0
+elif ! python3 -c 'import torch' 2>/dev/null; then note SKIP "bench_decode.py: no torch" 0
+else
+  # shellcheck disable=SC2086  # a list of words
+  run_logged "bench_decode.py (vs SDPA)" "$logs/bench-decode.txt" "${py_env[@]}" \
+    timeout 300 python3 "$root/scripts/bench_decode.py" --csv "$logs/bench-decode.csv" ${ANCHORKV_DECODE_BENCH_ARGS:-}
+fi
+
+# ---- 6. CLI bench (optional) -------------------------------------------------------------------
 cli="$build_dir/tools/cli/anchorkv"
 bench_timeout="${ANCHORKV_BENCH_TIMEOUT:-120}"
 bench_backend="${ANCHORKV_BENCH_BACKEND:-cuda}"
 bench_rows=()
-for s in $seq_lens; do
-  if skipped bench; then note SKIP "bench S=$s" 0; continue; fi
-  if [ ! -x "$cli" ]; then note SKIP "bench S=$s (no $cli)" 0; continue; fi
-  # shellcheck disable=SC2086  # ANCHORKV_BENCH_ARGS is a list of words
-  run_logged "bench S=$s" "$logs/bench-$s.csv" timeout "$bench_timeout" \
-    "$cli" bench --backend "$bench_backend" --seq-len "$s" --csv --quiet ${ANCHORKV_BENCH_ARGS:-}
-  bench_rows+=("$s")
-done
+if [[ "$run_list" == *" cli-bench "* ]]; then
+  for s in $seq_lens; do
+    if [ ! -x "$cli" ]; then note SKIP "bench S=$s (no $cli)" 0; continue; fi
+    # shellcheck disable=SC2086  # ANCHORKV_BENCH_ARGS is a list of words
+    run_logged "bench S=$s" "$logs/bench-$s.csv" timeout "$bench_timeout" \
+      "$cli" bench --backend "$bench_backend" --seq-len "$s" --csv --quiet ${ANCHORKV_BENCH_ARGS:-}
+    bench_rows+=("$s")
+  done
+fi
 
 if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp "$logs"/* "$OUT"/ 2>/dev/null; fi
 
-# ---- 4. summary and table --------------------------------------------------------------------
+# ---- 7. summary and tables --------------------------------------------------------------------
 printf '\n==== device-check summary ====\n'
 printf '  %s\n' "${summary[@]}"
+if [ -s "$logs/bench-decode.txt" ]; then
+  printf '\n==== bench_decode.py: H=8 Hq=32 D=128 bf16 theta=0.05, cold L2, medians ====\n'
+  grep -E '^#|^ *S |^ +[0-9]+ ' "$logs/bench-decode.txt"
+fi
 if [ "${#bench_rows[@]}" -gt 0 ]; then
   printf '\n==== anchorkv bench, %s backend (medians; CSV in %s) ====\n' "$bench_backend" "$logs"
   printf '%8s %-12s %7s %8s %12s %12s %10s\n' S method target ratio compress decode "vs FullKV"

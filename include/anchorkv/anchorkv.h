@@ -146,6 +146,25 @@ typedef struct akv_allocator {
   void *user_data;
 } akv_allocator;
 
+/* The CUDA backend in this version:
+ *  - holds AnchorKV, FullKV and the eviction methods' caches in device memory, for head_dim
+ *    64, 128 or 256; other caches answer AKV_ERR_UNSUPPORTED (QUANTIZED: use a CPU context);
+ *  - akv_decode / akv_decode_batch run the fused compact decode kernels (AnchorKV) or
+ *    flash-decoding over the dense caches: two launches per call (splits over the prompt,
+ *    then a merge), any batch size (launches of up to 128 requests);
+ *  - decode is CUDA-graph safe once one decode with the same batch shape (caches, q_len)
+ *    has run on the same stream: that call sizes the stream's workspace, later ones do not
+ *    allocate or synchronise, and the grid depends only on the batch shape and the prompt
+ *    lengths. The appended length is read on the device, so a captured decode replayed
+ *    after akv_append sees the new tokens. Growing the workspace while the stream is being
+ *    captured fails with AKV_ERR_INVALID_ARGUMENT;
+ *  - akv_append writes on the device from device tensors, without scanning them for NaN/Inf
+ *    (that would synchronise); reserve capacity first (akv_cache_reserve) so that it never
+ *    allocates. akv_cache_reserve, akv_cache_deserialize, akv_cache_serialize and
+ *    akv_cache_reconstruct synchronise the stream;
+ *  - akv_compress reads the device tensors and compresses through the host (the CPU
+ *    implementation, so both backends produce the same bytes), then places the cache on the
+ *    device; it synchronises the stream. A GPU compression pass is planned. */
 typedef struct akv_context_options {
   size_t struct_size;     /* sizeof(akv_context_options) */
   akv_backend backend;    /* default AKV_BACKEND_CPU */
