@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <algorithm>
 #include <ucontext.h>
@@ -38,21 +39,70 @@ struct dim3 {
   dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
 };
 
-// One emulated CUDA thread: a ucontext with its own stack. A block's threads run on the
+// x86-64: a fiber switch saves the callee-saved registers on the old stack and swaps stack
+// pointers (no signal-mask system call, unlike swapcontext, which made the emulation
+// several times slower). Other architectures use ucontext.
+#if defined(__x86_64__) && !defined(AKV_SIMT_UCONTEXT)
+#define AKV_SIMT_ASM_SWITCH 1
+extern "C" void akv_simt_switch(void **save_sp, void *next_sp);
+asm(R"(
+  .text
+  .weak akv_simt_switch
+  .type akv_simt_switch, @function
+akv_simt_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size akv_simt_switch, .-akv_simt_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+#endif
+
+// One emulated CUDA thread: its own stack and saved context. A block's threads run on the
 // calling OS thread, switching at barriers (cheap, deterministic).
 struct Fiber {
+#ifdef AKV_SIMT_ASM_SWITCH
+  void *sp = nullptr;
+#else
   ucontext_t context;
-  std::vector<unsigned char> stack;
+#endif
+  unsigned char *stack = nullptr;  // kStackBytes, from the thread's stack pool
   bool done = false;
 };
+
+// Fiber stacks are reused across blocks and launches (allocating and zeroing them per block
+// cost more than the kernels).
+constexpr size_t kStackBytes = 128 * 1024;
+inline unsigned char *fiber_stack(int index) {
+  thread_local std::vector<std::unique_ptr<unsigned char[]>> pool;
+  while (static_cast<int>(pool.size()) <= index) pool.emplace_back(new unsigned char[kStackBytes]);
+  return pool[index].get();
+}
 
 struct Block {
   Block(int threads, size_t smem) : fibers(threads), dynamic(smem + 16), exchange(threads), warp_arrived((threads + 31) / 32, 0),
         warp_generation((threads + 31) / 32, 0) {
-    for (Fiber &f : fibers) f.stack.resize(256 * 1024);
+    for (int t = 0; t < threads; ++t) fibers[t].stack = fiber_stack(t);
   }
   std::vector<Fiber> fibers;
+#ifdef AKV_SIMT_ASM_SWITCH
+  void *scheduler = nullptr;
+#else
   ucontext_t scheduler;
+#endif
   std::vector<unsigned char> dynamic;
   std::vector<uint64_t> exchange;  // one slot per thread for shuffles
   int block_arrived = 0;
@@ -67,10 +117,22 @@ inline thread_local Block *tl_block = nullptr;
 inline dim3 g_block_dim, g_grid_dim;
 inline std::mutex g_atomic_lock;
 
-inline void yield() {
-  Block *b = tl_block;
+inline void to_scheduler(Block *b) {
+#ifdef AKV_SIMT_ASM_SWITCH
+  akv_simt_switch(&b->fibers[b->current].sp, b->scheduler);
+#else
   swapcontext(&b->fibers[b->current].context, &b->scheduler);
+#endif
 }
+inline void to_fiber(Block *b, int t) {
+  b->current = t;
+#ifdef AKV_SIMT_ASM_SWITCH
+  akv_simt_switch(&b->scheduler, b->fibers[t].sp);
+#else
+  swapcontext(&b->scheduler, &b->fibers[t].context);
+#endif
+}
+inline void yield() { to_scheduler(tl_block); }
 
 // Waits until `count` threads have arrived at this barrier generation.
 inline void arrive(int &arrived, uint64_t &generation, int count) {
@@ -114,12 +176,13 @@ struct Entry {
   Block *block;
   int index;
 };
-inline void fiber_main(int hi, int lo) {
-  Entry *e = reinterpret_cast<Entry *>((static_cast<uintptr_t>(static_cast<unsigned>(hi)) << 32) |
-                                       static_cast<unsigned>(lo));
-  e->body();
-  e->block->fibers[e->index].done = true;
-  swapcontext(&e->block->fibers[e->index].context, &e->block->scheduler);
+inline thread_local Entry *tl_entries = nullptr;
+inline void fiber_main() {
+  Block *b = tl_block;
+  Entry &e = tl_entries[b->current];
+  e.body();
+  b->fibers[e.index].done = true;
+  to_scheduler(b);
 }
 
 // Runs kernel(args...) over the grid; blocks one after another.
@@ -136,24 +199,33 @@ void launch(dim3 grid, dim3 block, size_t smem, void (*kernel)(KArgs...), Args &
         tl_block_index = {x, y, z};
         std::vector<Entry> entries;
         entries.reserve(threads);
+        for (int t = 0; t < threads; ++t) entries.push_back({[&] { kernel(args...); }, &state, t});
+        tl_entries = entries.data();
         for (int t = 0; t < threads; ++t) {
-          entries.push_back({[&] { kernel(args...); }, &state, t});
           Fiber &f = state.fibers[t];
+#ifdef AKV_SIMT_ASM_SWITCH
+          // A stack the first switch "returns" from into fiber_main: six saved registers,
+          // then fiber_main's address, then a fake return address (keeps the ABI alignment).
+          uintptr_t top = reinterpret_cast<uintptr_t>(f.stack + kStackBytes) & ~uintptr_t{15};
+          void **sp = reinterpret_cast<void **>(top);
+          *--sp = nullptr;
+          *--sp = reinterpret_cast<void *>(&fiber_main);
+          for (int r = 0; r < 6; ++r) *--sp = nullptr;
+          f.sp = sp;
+#else
           getcontext(&f.context);
-          f.context.uc_stack.ss_sp = f.stack.data();
-          f.context.uc_stack.ss_size = f.stack.size();
+          f.context.uc_stack.ss_sp = f.stack;
+          f.context.uc_stack.ss_size = kStackBytes;
           f.context.uc_link = nullptr;
-          const uintptr_t ptr = reinterpret_cast<uintptr_t>(&entries[t]);
-          makecontext(&f.context, reinterpret_cast<void (*)()>(fiber_main), 2, static_cast<int>(ptr >> 32),
-                      static_cast<int>(ptr & 0xffffffffu));
+          makecontext(&f.context, fiber_main, 0);
+#endif
         }
         for (int live = threads; live > 0;) {
           live = 0;
           for (int t = 0; t < threads; ++t) {
             if (state.fibers[t].done) continue;
-            state.current = t;
             tl_thread = {static_cast<unsigned>(t), 0, 0};
-            swapcontext(&state.scheduler, &state.fibers[t].context);
+            to_fiber(&state, t);
             if (!state.fibers[t].done) ++live;
           }
         }
@@ -183,6 +255,12 @@ inline int atomicAdd(int *p, int v) {
   std::lock_guard<std::mutex> lock(::simt::g_atomic_lock);
   const int old = *p;
   *p = old + v;
+  return old;
+}
+inline unsigned long long atomicOr(unsigned long long *p, unsigned long long v) {
+  std::lock_guard<std::mutex> lock(::simt::g_atomic_lock);
+  const unsigned long long old = *p;
+  *p = old | v;
   return old;
 }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }

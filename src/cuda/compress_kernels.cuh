@@ -1,0 +1,486 @@
+// Kernels of the AnchorKV compression pass on the GPU (SPEC 2, the CPU reference is
+// methods/anchorkv_cpu.cpp): loading the prefill tensors, a plain GEMM (used where cuBLAS is
+// not, e.g. by the SIMT emulation tests), the window softmax, scores and pooling, anchors,
+// nearest-anchor assignment, utilities, residual bitmasks and the residual encoding. The
+// orchestration is in cuda/compress_pipeline.hpp.
+#pragma once
+#include "cuda/device_common.cuh"
+
+namespace akv {
+namespace cuda {
+
+struct PrefillArgs {
+  const void *keys = nullptr, *values = nullptr, *queries = nullptr;
+  int32_t dtype = 0;
+  int64_t kv_head_stride = 0, kv_token_stride = 0, q_head_stride = 0, q_token_stride = 0;
+  int64_t seq_len = 0;
+  int32_t heads = 0, q_heads = 0, head_dim = 0, window = 0;
+  int32_t keys_post_rope = 0, rope_pairs = 0;
+  const int32_t *positions = nullptr;                          // device [S]
+  const float *inv_freq = nullptr;                             // device [pairs]
+  const int32_t *rope_first = nullptr, *rope_second = nullptr;  // device [pairs]
+  int32_t *bad = nullptr;                                      // device flag: non-finite input
+};
+
+__device__ __forceinline__ bool finite(float x) { return (x - x) == 0.0f; }
+
+// One token per warp (4 per block): pre- and post-RoPE keys and values of head h, in float.
+__global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h, float *kpre, float *kpost, float *v) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (t >= a.seq_len) return;
+  const int D = a.head_dim;
+  const int64_t src = h * a.kv_head_stride + t * a.kv_token_stride;
+  float *given = (a.keys_post_rope ? kpost : kpre) + t * D;
+  float *other = (a.keys_post_rope ? kpre : kpost) + t * D;
+  bool bad = false;
+  for (int d = lane; d < D; d += 32) {
+    const float k = load_elem(a.keys, a.dtype, src + d), x = load_elem(a.values, a.dtype, src + d);
+    bad = bad || !finite(k) || !finite(x);
+    given[d] = k;
+    v[t * D + d] = x;
+  }
+  __syncwarp();
+  for (int d = 2 * a.rope_pairs + lane; d < D; d += 32) other[d] = given[d];
+  const int64_t pos = a.positions[t];
+  for (int j = lane; j < a.rope_pairs; j += 32) {
+    const int f = a.rope_first[j], s = a.rope_second[j];
+    float c, sn;
+    rope_angle(pos, a.inv_freq[j], &c, &sn);
+    if (a.keys_post_rope) sn = -sn;  // pre-RoPE from post-RoPE: rotate back
+    const float x0 = given[f], x1 = given[s];
+    other[f] = x0 * c - x1 * sn;
+    other[s] = x0 * sn + x1 * c;
+  }
+  if (bad) atomicAdd(a.bad, 1);
+}
+
+// The window queries of KV head h's group: Q[g * W + w][D] (one row per block of 32).
+__global__ void load_queries_kernel(const __grid_constant__ PrefillArgs a, int h, float *q) {
+  const int r = blockIdx.x, lane = threadIdx.x;
+  const int G = a.q_heads / a.heads, W = a.window, D = a.head_dim;
+  const int hq = h * G + r / W, w = r % W;
+  const int64_t src = hq * a.q_head_stride + static_cast<int64_t>(w) * a.q_token_stride;
+  bool bad = false;
+  for (int d = lane; d < D; d += 32) {
+    const float x = load_elem(a.queries, a.dtype, src + d);
+    bad = bad || !finite(x);
+    q[static_cast<int64_t>(r) * D + d] = x;
+  }
+  if (bad) atomicAdd(a.bad, 1);
+}
+
+// C[i][j] = alpha * sum_k A(i,k) B(k,j), A(i,k) = A[i*a_i + k*a_k], B(k,j) = B[k*b_k + j*b_j],
+// C row-major with ldc. 32x32 tiles, 256 threads (2x2 outputs each).
+constexpr int kGemmTile = 32, kGemmK = 16;
+__global__ void __launch_bounds__(256) gemm_kernel(int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+                                                   int64_t a_i, int64_t a_k, const float *B, int64_t b_k,
+                                                   int64_t b_j, float *C, int64_t ldc) {
+  __shared__ float As[kGemmK][kGemmTile + 1], Bs[kGemmK][kGemmTile + 1];
+  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kGemmTile, j0 = static_cast<int64_t>(blockIdx.x) * kGemmTile;
+  float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+  for (int64_t k0 = 0; k0 < K; k0 += kGemmK) {
+    for (int e = tid; e < kGemmK * kGemmTile; e += 256) {
+      const int kk = e / kGemmTile, ii = e % kGemmTile;
+      const int64_t k = k0 + kk;
+      As[kk][ii] = (i0 + ii < M && k < K) ? A[(i0 + ii) * a_i + k * a_k] : 0.0f;
+      Bs[kk][ii] = (j0 + ii < N && k < K) ? B[k * b_k + (j0 + ii) * b_j] : 0.0f;
+    }
+    __syncthreads();
+    for (int kk = 0; kk < kGemmK; ++kk) {
+      const float a0 = As[kk][ty * 2], a1 = As[kk][ty * 2 + 1], b0 = Bs[kk][tx * 2], b1 = Bs[kk][tx * 2 + 1];
+      acc[0][0] += a0 * b0;
+      acc[0][1] += a0 * b1;
+      acc[1][0] += a1 * b0;
+      acc[1][1] += a1 * b1;
+    }
+    __syncthreads();
+  }
+  for (int r = 0; r < 2; ++r)
+    for (int c = 0; c < 2; ++c) {
+      const int64_t i = i0 + ty * 2 + r, j = j0 + tx * 2 + c;
+      if (i < M && j < N) C[i * ldc + j] = alpha * acc[r][c];
+    }
+}
+
+// Block-wide reductions over 128 threads (scratch: 4 floats of shared memory).
+__device__ __forceinline__ float block_sum128(float v, float *scratch) {
+  v = warp_sum(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  return (scratch[0] + scratch[1]) + (scratch[2] + scratch[3]);
+}
+__device__ __forceinline__ float block_max128(float v, float *scratch) {
+  v = warp_max(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  return fmaxf(fmaxf(scratch[0], scratch[1]), fmaxf(scratch[2], scratch[3]));
+}
+
+// Window attention rows in place: row r of A [m][S] sees tokens 0..P + r % W (causal window
+// mask), softmax over them, zeros after. One block of 128 per row.
+__global__ void __launch_bounds__(128) window_softmax_kernel(float *A, int64_t S, int64_t P, int W) {
+  __shared__ float scratch[4];
+  const int64_t r = blockIdx.x;
+  float *row = A + r * S;
+  const int64_t visible = P + r % W + 1;
+  float mx = -INFINITY;
+  for (int64_t t = threadIdx.x; t < visible; t += 128) mx = fmaxf(mx, row[t]);
+  mx = block_max128(mx, scratch);
+  float sum = 0.0f;
+  for (int64_t t = threadIdx.x; t < visible; t += 128) {
+    const float e = expf(row[t] - mx);
+    row[t] = e;
+    sum += e;
+  }
+  sum = block_sum128(sum, scratch);
+  const float inv = 1.0f / sum;
+  for (int64_t t = threadIdx.x; t < S; t += 128) row[t] = t < visible ? row[t] * inv : 0.0f;
+}
+
+// Mean attention over the m rows (raw scores) and mean squared attention, per prefix token.
+__global__ void scores_kernel(const float *A, int64_t S, int64_t P, int m, float *raw, float *alpha_sq) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= P) return;
+  float s = 0.0f, s2 = 0.0f;
+  for (int r = 0; r < m; ++r) {
+    const float a = A[r * S + t];
+    s += a;
+    s2 += a * a;
+  }
+  raw[t] = s / m;
+  alpha_sq[t] = s2 / m;
+}
+
+// Pooling over a window of `kernel` tokens (zero padding; the average divides by kernel).
+// Also the sort keys of the anchor selection: descending pooled score as an ascending key.
+__global__ void pool_kernel(const float *raw, int64_t P, int kernel, int max_pool, uint32_t *keys, uint32_t *index) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= P) return;
+  const int half = kernel / 2;
+  float acc = max_pool ? -INFINITY : 0.0f;
+  for (int64_t u = t - half; u <= t + half; ++u) {
+    if (u < 0 || u >= P) continue;
+    acc = max_pool ? fmaxf(acc, raw[u]) : acc + raw[u];
+  }
+  const float pooled = max_pool ? acc : acc / static_cast<float>(kernel);
+  // Order-preserving map of a float to uint32, inverted so that ascending = descending score.
+  uint32_t bits;
+  memcpy(&bits, &pooled, 4);
+  bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+  keys[t] = ~bits;
+  index[t] = static_cast<uint32_t>(t);
+}
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+__device__ __forceinline__ uint64_t hash_keys(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  uint64_t h = splitmix64(a ^ 0x6a09e667f3bcc909ull);
+  h = splitmix64(h ^ b);
+  h = splitmix64(h ^ c);
+  return splitmix64(h ^ d);
+}
+
+// The uniform share's keys: tokens ranked after the top share get their counter hash.
+__global__ void sample_keys_kernel(const uint32_t *ranked, int64_t from, int64_t P, uint64_t seed, uint64_t stream,
+                                   uint64_t layer_head, uint64_t *keys, uint32_t *index) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= P - from) return;
+  const uint32_t t = ranked[from + i];
+  keys[i] = hash_keys(seed, stream, layer_head, t);
+  index[i] = t;
+}
+
+// Anchor rows of head h for one side: storage-dtype copies into the cache, float copies,
+// norms and normalised rows. One block of 128 per anchor; anchor a's token is picks[a]
+// (sorted non-window picks) or P + a - free for the window.
+__global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint32_t *picks, int64_t free_anchors,
+                                                      int64_t P, int D, int storage_bf16, uint16_t *out, float *anchor_f,
+                                                      float *anchor_n, float *norms, int64_t *anchor_tokens,
+                                                      int32_t *anchor_of_token) {
+  __shared__ float scratch[4];
+  const int64_t a = blockIdx.x;
+  const int64_t token = a < free_anchors ? static_cast<int64_t>(picks[a]) : P + (a - free_anchors);
+  if (threadIdx.x == 0 && a < free_anchors) {
+    if (anchor_tokens) anchor_tokens[a] = token;
+    anchor_of_token[token] = static_cast<int32_t>(a);
+  }
+  float n2 = 0.0f;
+  for (int d = threadIdx.x; d < D; d += 128) {
+    const uint16_t bits = float_to_bits(X[token * D + d], storage_bf16 != 0);
+    out[a * D + d] = bits;
+    const float f = bits_to_float(bits, storage_bf16 != 0);
+    anchor_f[a * D + d] = f;
+    n2 += f * f;
+  }
+  const float norm = sqrtf(block_sum128(n2, scratch));
+  const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
+  for (int d = threadIdx.x; d < D; d += 128) anchor_n[a * D + d] = anchor_f[a * D + d] * inv;
+  if (threadIdx.x == 0) norms[a] = norm;
+}
+
+// Nearest anchor by |cos| for tokens t0..t0+n (C [n][k] = X . anchor_n^T), the bf16
+// coefficient, and the residual: keys rotated to the token's position into rk (for the
+// utilities), values' squared norms into rv_norm_sq. One warp per token.
+__global__ void assign_kernel(const float *C, int64_t t0, int64_t n, int k, int D, const float *X,
+                              const float *anchor_f, const float *anchor_n, const float *norms,
+                              const int32_t *anchor_of_token, uint16_t *index_out, uint16_t *gamma_out, int side,
+                              const int32_t *positions, int pairs, const float *inv_freq, const int32_t *rope_first,
+                              const int32_t *rope_second, float *rk, float *rv_norm_sq) {
+  const int lane = threadIdx.x & 31;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (i >= n) return;
+  const int64_t t = t0 + i;
+  const float *x = X + t * D;
+  int best;
+  float g;
+  if (anchor_of_token[t] >= 0) {
+    best = anchor_of_token[t];
+    g = 1.0f;
+  } else {
+    // First index of the largest |c| (zero-norm anchors rank below every other).
+    const float *c = C + i * k;
+    float best_abs = -1.0f;
+    best = 0;
+    for (int a = lane; a < k; a += 32) {
+      const float v = norms[a] > 0.0f ? fabsf(c[a]) : -0.5f;
+      if (v > best_abs) {
+        best_abs = v;
+        best = a;
+      }
+    }
+    for (int m = 16; m > 0; m >>= 1) {
+      const float ov = __shfl_xor_sync(kFullMask, best_abs, m);
+      const int oa = __shfl_xor_sync(kFullMask, best, m);
+      if (ov > best_abs || (ov == best_abs && oa < best)) {
+        best_abs = ov;
+        best = oa;
+      }
+    }
+    // The coefficient from an fp32 dot with the chosen anchor (the GEMM may be TF32).
+    float dot = 0.0f;
+    for (int d = lane; d < D; d += 32) dot += x[d] * anchor_n[static_cast<int64_t>(best) * D + d];
+    dot = warp_sum(dot);
+    g = norms[best] > 0.0f ? dot / norms[best] : 0.0f;
+  }
+  const uint16_t gbits = float_to_bits(g, true);
+  if (lane == 0) {
+    index_out[t] = static_cast<uint16_t>(best);
+    gamma_out[t] = gbits;
+  }
+  const float gq = bits_to_float(gbits, true);
+  const float *av = anchor_f + static_cast<int64_t>(best) * D;
+  if (side == 1) {
+    float n2 = 0.0f;
+    for (int d = lane; d < D; d += 32) {
+      const float r = x[d] - gq * av[d];
+      n2 += r * r;
+    }
+    n2 = warp_sum(n2);
+    if (lane == 0) rv_norm_sq[t] = n2;
+    return;
+  }
+  float *out = rk + t * D;
+  for (int d = lane; d < D; d += 32) out[d] = x[d] - gq * av[d];
+  __syncwarp();
+  const int64_t pos = positions[t];
+  for (int j = lane; j < pairs; j += 32) {
+    const int f = rope_first[j], s = rope_second[j];
+    float c, sn;
+    rope_angle(pos, inv_freq[j], &c, &sn);
+    const float x0 = out[f], x1 = out[s];
+    out[f] = x0 * c - x1 * sn;
+    out[s] = x0 * sn + x1 * c;
+  }
+}
+
+// Utilities (Eq. 6) of the prefix tokens of one head; anchors get -1 (never candidates).
+// Also the sort keys of the residual selection (descending utility as an ascending key) and
+// the candidate ids h * P + t.
+__global__ void utility_kernel(const float *A, int64_t S, int64_t P, int m, int D, const float *Z, const float *VY,
+                               const float *y_norm_sq, const float *V, const float *alpha_sq,
+                               const float *rv_norm_sq, const int32_t *anchor_of_token, int h,
+                               uint32_t *key_keys, uint32_t *value_keys, uint32_t *key_ids, uint32_t *value_ids) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= P) return;
+  float uk = -1.0f, uv = -1.0f;
+  if (anchor_of_token[t] < 0) {
+    float vn = 0.0f;
+    for (int d = 0; d < D; ++d) vn += V[t * D + d] * V[t * D + d];
+    float acc = 0.0f;
+    for (int r = 0; r < m; ++r) {
+      const float a = A[r * S + t], z = Z[r * P + t];
+      const float dist = fmaxf(0.0f, vn - 2.0f * VY[r * P + t] + y_norm_sq[r]);
+      acc += a * a * z * z * dist;
+    }
+    uk = acc / (static_cast<float>(m) * D);
+    uv = alpha_sq[t] * rv_norm_sq[t];
+  }
+  const float u[2] = {uk, uv};
+  uint32_t *keys[2] = {key_keys, value_keys};
+  for (int side = 0; side < 2; ++side) {
+    uint32_t bits;
+    memcpy(&bits, &u[side], 4);
+    bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+    keys[side][h * P + t] = ~bits;
+  }
+  key_ids[h * P + t] = value_ids[h * P + t] = static_cast<uint32_t>(h * P + t);
+}
+
+// ||y_r||^2 of the window outputs (one thread per row).
+__global__ void row_norms_kernel(const float *Y, int m, int D, float *out) {
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= m) return;
+  float s = 0.0f;
+  for (int d = 0; d < D; ++d) s += Y[static_cast<int64_t>(r) * D + d] * Y[static_cast<int64_t>(r) * D + d];
+  out[r] = s;
+}
+
+// Bits of the n best candidates (sorted ids h * P + t) into the per-head masks.
+__global__ void mask_kernel(const uint32_t *sorted_ids, int64_t n, int64_t P, int64_t words,
+                            unsigned long long *mask) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t id = sorted_ids[i], h = id / P, t = id % P;
+  atomicOr(&mask[h * words + t / 64], 1ull << (t % 64));
+}
+
+// Per-word prefix counts within each head and the per-head offsets (H+1): one thread per
+// head, then thread 0 over the heads.
+__global__ void prefix_kernel(const uint64_t *mask, int H, int64_t words, uint32_t *prefix, uint32_t *offsets,
+                              uint32_t *head_counts) {
+  const int h = threadIdx.x;
+  if (h < H) {
+    uint32_t count = 0;
+    for (int64_t wd = 0; wd < words; ++wd) {
+      prefix[h * words + wd] = count;
+      count += static_cast<uint32_t>(__popcll(mask[h * words + wd]));
+    }
+    head_counts[h] = count;
+  }
+  __syncthreads();
+  if (h == 0) {
+    uint32_t total = 0;
+    for (int i = 0; i < H; ++i) {
+      offsets[i] = total;
+      total += head_counts[i];
+    }
+    offsets[H] = total;
+  }
+}
+
+// Encodes the residuals of one side (SPEC 2.6): grid (words, H), one warp per block walking
+// the word's set bits. The residual x - gamma * anchor is rebuilt from the prefill input
+// (pre-RoPE keys or values), rotated (signs, Walsh-Hadamard, 1/sqrt(D)), scaled (least
+// squares, RMS or absmax) and packed 4 codes per byte.
+template <int D>
+__global__ void __launch_bounds__(32) encode_kernel(const __grid_constant__ PrefillArgs a, int side, int64_t P,
+                                                    int64_t words, int k, int storage_bf16, int scale_mode,
+                                                    const uint64_t *mask, const uint32_t *prefix,
+                                                    const uint32_t *offsets, const uint16_t *anchors,
+                                                    const uint16_t *index, const uint16_t *gamma, const float *signs,
+                                                    uint8_t *codes, float *scales, uint8_t *chunk_pos) {
+  constexpr int EPL = D / 32;
+  const int lane = threadIdx.x;
+  const int64_t wd = blockIdx.x;
+  const int h = blockIdx.y;
+  uint64_t bits = mask[h * words + wd];
+  uint32_t slot = offsets[h] + prefix[h * words + wd];
+  const float norm = 1.0f / sqrtf(static_cast<float>(D));
+  for (; bits; ++slot) {
+    const int bit = __ffsll(static_cast<long long>(bits)) - 1;
+    bits &= bits - 1;
+    const int64_t t = wd * 64 + bit;
+    const int64_t src = h * a.kv_head_stride + t * a.kv_token_stride;
+    const int an = index[h * P + t];
+    const float gq = bits_to_float(gamma[h * P + t], true);
+    const uint16_t *av = anchors + (static_cast<int64_t>(h) * k + an) * D;
+    const int64_t pos = a.positions[t];
+    float x[EPL];
+    // Lane l holds dims l*EPL.., the layout of the cross-lane Hadamard stages.
+    if (side == 0 && a.keys_post_rope && a.rope_pairs > 0) {
+      // Keys given rotated: pre-RoPE rows need the partner dimension of each pair.
+      for (int e = 0; e < EPL; ++e) {
+        const int d = lane * EPL + e;
+        float v = load_elem(a.keys, a.dtype, src + d);
+        for (int j = 0; j < a.rope_pairs; ++j) {
+          const int f = a.rope_first[j], s = a.rope_second[j];
+          if (d != f && d != s) continue;
+          float c, sn;
+          rope_angle(pos, a.inv_freq[j], &c, &sn);
+          const float x0 = load_elem(a.keys, a.dtype, src + f), x1 = load_elem(a.keys, a.dtype, src + s);
+          v = d == f ? x0 * c + x1 * sn : -x0 * sn + x1 * c;
+        }
+        x[e] = v;
+      }
+    } else {
+      for (int e = 0; e < EPL; ++e) x[e] = load_elem(side == 0 ? a.keys : a.values, a.dtype, src + lane * EPL + e);
+    }
+    for (int e = 0; e < EPL; ++e) {
+      const int d = lane * EPL + e;
+      x[e] = (x[e] - gq * bits_to_float(av[d], storage_bf16 != 0)) * signs[d];
+    }
+    for (int len = 1; len < EPL; len <<= 1)
+      for (int e = 0; e < EPL; ++e)
+        if (!(e & len)) {
+          const float u = x[e], v = x[e + len];
+          x[e] = u + v;
+          x[e + len] = u - v;
+        }
+    for (int lm = 1; lm < 32; lm <<= 1)
+      for (int e = 0; e < EPL; ++e) {
+        const float other = __shfl_xor_sync(kFullMask, x[e], lm);
+        x[e] = (lane & lm) ? other - x[e] : x[e] + other;
+      }
+    float sumsq = 0.0f, absmax = 0.0f;
+    for (int e = 0; e < EPL; ++e) {
+      x[e] *= norm;
+      sumsq += x[e] * x[e];
+      absmax = fmaxf(absmax, fabsf(x[e]));
+    }
+    sumsq = warp_sum(sumsq);
+    absmax = warp_max(absmax);
+    float scale = scale_mode == 2 ? absmax / 1.5104f : sqrtf(sumsq / D);
+    const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+    int code[EPL];
+    float dot = 0.0f, levels_sq = 0.0f;
+    for (int e = 0; e < EPL; ++e) {
+      const float z = x[e] * inv;
+      code[e] = z < 0.0f ? (z < -0.9816f ? 0 : 1) : (z < 0.9816f ? 2 : 3);
+      const float level = code[e] < 2 ? (code[e] == 0 ? -1.5104f : -0.4528f) : (code[e] == 2 ? 0.4528f : 1.5104f);
+      dot += x[e] * level;
+      levels_sq += level * level;
+    }
+    dot = warp_sum(dot);
+    levels_sq = warp_sum(levels_sq);
+    if (scale_mode == 0 && levels_sq > 0.0f) scale = dot / levels_sq;
+    // Pack: code of dim d at bits 2*(d%4) of byte d/4. Lanes gather whole bytes.
+    uint8_t *out = codes + static_cast<int64_t>(slot) * (D / 4);
+    if (EPL >= 4) {
+      for (int b = 0; b < EPL / 4; ++b) {
+        uint8_t byte = 0;
+        for (int i = 0; i < 4; ++i) byte |= static_cast<uint8_t>(code[4 * b + i] << (2 * i));
+        out[lane * (EPL / 4) + b] = byte;
+      }
+    } else {  // EPL == 2 (D == 64): two lanes per byte
+      const int mine = code[0] | (code[1] << 2);
+      const int other = __shfl_xor_sync(kFullMask, mine, 1);
+      if (!(lane & 1)) out[lane / 2] = static_cast<uint8_t>(mine | (other << 4));
+    }
+    if (lane == 0) {
+      scales[slot] = scale;
+      if (chunk_pos) chunk_pos[slot] = static_cast<uint8_t>(bit);
+    }
+    __syncwarp();
+  }
+}
+
+}  // namespace cuda
+}  // namespace akv

@@ -1,0 +1,265 @@
+// The AnchorKV compression pass on the GPU, step by step (SPEC 2; the CPU reference is
+// methods/anchorkv_cpu.cpp), written once over a small device policy so that the same
+// orchestration runs on a CUDA device (cuda/compress.cu: launches on a stream, cuBLAS GEMMs,
+// CUB radix sorts) and on the CPU through the SIMT emulation (tests/emu: the kernels run as
+// fibers, sorts are std::stable_sort, GEMMs the plain kernel).
+//
+// The policy provides:
+//   launch(kernel, gx, gy, block, args...)          a kernel over a (gx, gy) grid
+//   gemm_nt(M, N, K, alpha, A, lda, B, ldb, C, ldc)  C = alpha A B^T  (row-major)
+//   gemm_nn(M, N, K, alpha, A, lda, B, ldb, C, ldc)  C = alpha A B
+//   sort_u32(keys, values, n), sort_u64(keys, values, n)  stable ascending, in place
+//   copy(dst, src, bytes), fill(dst, byte, bytes)    ordered with the kernels
+//   int read_int(const int32_t *)                    waits for the work so far
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "core/context.hpp"
+#include "core/error.hpp"
+#include "core/rng.hpp"
+#include "cuda/compress_kernels.cuh"
+
+namespace akv {
+namespace cuda {
+
+// Scratch of one compression, carved out of one allocation.
+struct CompressScratch {
+  static constexpr int64_t kAssignChunk = 8192;  // tokens per assignment GEMM
+  float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *c, *rk, *rv_norm_sq, *z,
+      *vy, *y_norm_sq, *inv_freq, *signs;
+  uint32_t *rank_keys, *rank_index, *sample_index, *picks, *picks_dummy, *util_keys[2], *util_ids[2], *head_counts;
+  uint64_t *sample_keys;
+  int32_t *anchor_of_token, *positions, *rope_first, *rope_second, *bad;
+
+  // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used.
+  size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int k, int pairs) {
+    size_t at = 0;
+    auto take = [&](auto *&ptr, int64_t count) {
+      using T = std::remove_reference_t<decltype(*ptr)>;
+      at = (at + 255) / 256 * 256;
+      ptr = base ? reinterpret_cast<T *>(base + at) : nullptr;
+      at += sizeof(T) * static_cast<size_t>(std::max<int64_t>(count, 1));
+    };
+    const int64_t chunk = std::min<int64_t>(kAssignChunk, P);
+    take(kpre, S * D);
+    take(kpost, S * D);
+    take(v, S * D);
+    take(q, int64_t{m} * D);
+    take(attn, int64_t{m} * S);
+    take(y, int64_t{m} * D);
+    take(raw, P);
+    take(alpha_sq, P);
+    take(anchor_f, int64_t{k} * D);
+    take(anchor_n, int64_t{k} * D);
+    take(norms, k);
+    take(c, chunk * k);
+    take(rk, P * D);
+    take(rv_norm_sq, P);
+    take(z, int64_t{m} * P);
+    take(vy, int64_t{m} * P);
+    take(y_norm_sq, m);
+    take(inv_freq, pairs);
+    take(signs, D);
+    take(rank_keys, P);
+    take(rank_index, P);
+    take(sample_index, P);
+    take(picks, k);
+    take(picks_dummy, k);
+    for (int side = 0; side < 2; ++side) {
+      take(util_keys[side], int64_t{H} * P);
+      take(util_ids[side], int64_t{H} * P);
+    }
+    take(head_counts, H);
+    take(sample_keys, P);
+    take(anchor_of_token, P);
+    take(positions, S);
+    take(rope_first, pairs);
+    take(rope_second, pairs);
+    take(bad, 1);
+    return at;
+  }
+};
+
+// The host-side parts of an AnchorKV cache for these inputs (meta, geometry, layout,
+// codec, positions), exactly as the CPU compression sets them; no tensor is read.
+// Returns the prompt positions (host).
+inline std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const akv_compress_options &o, akv_cache &cache) {
+  CacheMeta &meta = cache.meta;
+  const AnchorGeometry g = anchor_geometry(o, p.shape);
+  require(std::isfinite(o.scored_fraction) && o.scored_fraction >= 0.0 && o.scored_fraction <= 1.0,
+          AKV_ERR_INVALID_ARGUMENT, "scored_fraction ", o.scored_fraction, " must be in [0, 1]");
+  require(o.pool_kernel >= 1 && o.pool_kernel % 2 == 1, AKV_ERR_INVALID_ARGUMENT, "pool_kernel ", o.pool_kernel,
+          " must be a positive odd number");
+  require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (AnchorKV scores with the window queries)");
+  meta.anchors = g.anchors;
+  meta.key_residuals = g.key_residuals;
+  meta.value_residuals = g.value_residuals;
+  cache.geometry = g;
+  cache.layout = anchor_layout(g);
+  cache.codec = ResidualCodec(o.seed, g.dim, o.residual_scale);
+  cache.footprint = g.footprint;
+  std::vector<int32_t> pos(g.seq_len);
+  for (int64_t t = 0; t < g.seq_len; ++t) pos[t] = p.positions ? p.positions[t] : static_cast<int32_t>(t);
+  const int64_t S = g.seq_len, P = g.prefix;
+  require(pos[S - 1] - pos[P] == g.window - 1, AKV_ERR_UNSUPPORTED, "positions of the last window=", g.window,
+          " tokens must be consecutive (got ", pos[P], "..", pos[S - 1], ")");
+  meta.window_first_position = pos[P];
+  cache.next_position = static_cast<int64_t>(pos[S - 1]) + 1;
+  return pos;
+}
+
+// Compresses into `data` (device memory of cache.layout.total_bytes) with scratch memory of
+// at least scratch_bytes(); the prefill tensors are device pointers. Throws
+// AKV_ERR_NON_FINITE (after waiting for the work) when an input holds NaN or Inf.
+template <class Dev>
+void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_options &o, const akv_cache &cache,
+                       const std::vector<int32_t> &positions, uint8_t *data, uint8_t *scratch_base) {
+  const AnchorGeometry &g = cache.geometry;
+  const int64_t S = g.seq_len, P = g.prefix, words = g.words;
+  const int H = g.heads, G = g.group(), D = g.dim, W = g.window, k = g.anchors;
+  const int m = G * W;
+  const int64_t free_anchors = k - W;
+  const Rope &rope = cache.rope;
+  const int pairs = rope.enabled() ? rope.pairs() : 0;
+  CompressScratch s;
+  s.carve(scratch_base, S, P, H, D, m, k, pairs);
+  auto section = [&](int index) { return data + cache.layout.sections[index].offset; };
+
+  // Constants: positions, RoPE tables, Hadamard signs; the cache starts zeroed.
+  dev.fill(data, 0, cache.layout.total_bytes);
+  dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
+  dev.copy(section(kPositions), positions.data(), P * sizeof(int32_t));
+  if (pairs) {
+    std::vector<int32_t> first(rope.first.begin(), rope.first.end()), second(rope.second.begin(), rope.second.end());
+    dev.copy(s.inv_freq, rope.inv_freq.data(), pairs * sizeof(float));
+    dev.copy(s.rope_first, first.data(), pairs * sizeof(int32_t));
+    dev.copy(s.rope_second, second.data(), pairs * sizeof(int32_t));
+  }
+  dev.copy(s.signs, cache.codec.signs().data(), D * sizeof(float));
+  dev.fill(s.bad, 0, sizeof(int32_t));
+
+  PrefillArgs a;
+  a.keys = p.keys;
+  a.values = p.values;
+  a.queries = p.queries;
+  a.dtype = p.dtype;
+  a.kv_token_stride = p.kv_token_stride ? p.kv_token_stride : D;
+  a.kv_head_stride = p.kv_head_stride ? p.kv_head_stride : S * D;
+  a.q_token_stride = p.q_token_stride ? p.q_token_stride : D;
+  a.q_head_stride = p.q_head_stride ? p.q_head_stride : static_cast<int64_t>(W) * D;
+  a.seq_len = S;
+  a.heads = H;
+  a.q_heads = g.q_heads;
+  a.head_dim = D;
+  a.window = W;
+  a.keys_post_rope = o.keys_post_rope ? 1 : 0;
+  a.rope_pairs = pairs;
+  a.positions = s.positions;
+  a.inv_freq = s.inv_freq;
+  a.rope_first = s.rope_first;
+  a.rope_second = s.rope_second;
+  a.bad = s.bad;
+
+  const bool bf16 = cache.meta.storage == AKV_DTYPE_BF16;
+  const int64_t n_top = std::min<int64_t>(free_anchors, std::llround(o.scored_fraction * static_cast<double>(free_anchors)));
+  const int64_t n_rand = free_anchors - n_top;
+  auto blocks = [](int64_t n, int per) { return static_cast<int>((n + per - 1) / per); };
+  uint16_t *index[2] = {reinterpret_cast<uint16_t *>(section(kKeyIndex)), reinterpret_cast<uint16_t *>(section(kValueIndex))};
+  uint16_t *gamma[2] = {reinterpret_cast<uint16_t *>(section(kKeyGamma)), reinterpret_cast<uint16_t *>(section(kValueGamma))};
+  uint16_t *anchors_out[2] = {reinterpret_cast<uint16_t *>(section(kAnchorKeys)),
+                              reinterpret_cast<uint16_t *>(section(kAnchorValues))};
+  int64_t *anchor_tokens = reinterpret_cast<int64_t *>(section(kAnchorTokens));
+
+  for (int h = 0; h < H; ++h) {
+    // 1. This head's keys (both forms), values and the group's window queries.
+    dev.launch(load_head_kernel, blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
+    dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q);
+    // 2. Window attention with the causal window mask, and its outputs y.
+    dev.gemm_nt(m, S, D, cache.meta.softmax_scale, s.q, D, s.kpost, D, s.attn, S);
+    dev.launch(window_softmax_kernel, m, 1, 128, s.attn, S, P, W);
+    dev.gemm_nn(m, D, S, 1.0f, s.attn, S, s.v, D, s.y, D);
+    // 3. Scores, pooled; 4. anchors: the top share by pooled score (ties: lower index), then
+    // the smallest counter hashes among the rest, sorted by token.
+    dev.launch(scores_kernel, blocks(P, 128), 1, 128, s.attn, S, P, m, s.raw, s.alpha_sq);
+    dev.launch(pool_kernel, blocks(P, 128), 1, 128, s.raw, P, o.pool_kernel, o.pool_type == AKV_POOL_MAX ? 1 : 0,
+               s.rank_keys, s.rank_index);
+    dev.sort_u32(s.rank_keys, s.rank_index, P);
+    if (P > n_top) {
+      dev.launch(sample_keys_kernel, blocks(P - n_top, 128), 1, 128, s.rank_index, n_top, P, o.seed,
+                 static_cast<uint64_t>(kStreamAnchorSample),
+                 (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(h), s.sample_keys, s.sample_index);
+      dev.sort_u64(s.sample_keys, s.sample_index, P - n_top);
+    }
+    dev.copy(s.picks, s.rank_index, n_top * sizeof(uint32_t));
+    dev.copy(s.picks + n_top, s.sample_index, n_rand * sizeof(uint32_t));
+    dev.sort_u32(s.picks, s.picks_dummy, free_anchors);
+    dev.fill(s.anchor_of_token, 0xFF, P * sizeof(int32_t));  // -1: not an anchor
+    // 5. Per side: anchors into the cache, nearest anchor of every prefix token.
+    for (int side = 0; side < 2; ++side) {
+      const float *X = side == 0 ? s.kpre : s.v;
+      dev.launch(anchors_kernel, k, 1, 128, X, s.picks, free_anchors, P, D, bf16 ? 1 : 0,
+                 anchors_out[side] + static_cast<int64_t>(h) * k * D, s.anchor_f, s.anchor_n, s.norms,
+                 side == 0 ? anchor_tokens + h * free_anchors : static_cast<int64_t *>(nullptr), s.anchor_of_token);
+      for (int64_t t0 = 0; t0 < P; t0 += CompressScratch::kAssignChunk) {
+        const int64_t n = std::min<int64_t>(CompressScratch::kAssignChunk, P - t0);
+        dev.gemm_nt(n, k, D, 1.0f, X + t0 * D, D, s.anchor_n, D, s.c, k);
+        dev.launch(assign_kernel, blocks(n, 4), 1, 128, static_cast<const float *>(s.c), t0, n, k, D, X,
+                   static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
+                   static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token),
+                   index[side] + h * P, gamma[side] + h * P, side, static_cast<const int32_t *>(s.positions), pairs,
+                   static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
+                   static_cast<const int32_t *>(s.rope_second), s.rk, s.rv_norm_sq);
+      }
+    }
+    // 6. Utilities (Eq. 6): Z = Q (R r_K)^T, V.y, ||y||^2.
+    dev.gemm_nt(m, P, D, 1.0f, s.q, D, s.rk, D, s.z, P);
+    dev.gemm_nt(m, P, D, 1.0f, s.y, D, s.v, D, s.vy, P);
+    dev.launch(row_norms_kernel, blocks(m, 128), 1, 128, static_cast<const float *>(s.y), m, D, s.y_norm_sq);
+    dev.launch(utility_kernel, blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, D,
+               static_cast<const float *>(s.z), static_cast<const float *>(s.vy),
+               static_cast<const float *>(s.y_norm_sq), static_cast<const float *>(s.v),
+               static_cast<const float *>(s.alpha_sq), static_cast<const float *>(s.rv_norm_sq),
+               static_cast<const int32_t *>(s.anchor_of_token), h, s.util_keys[0], s.util_keys[1], s.util_ids[0],
+               s.util_ids[1]);
+  }
+
+  // 7-8. Per side: the best utilities over all heads (ties: head, then token), bitmasks,
+  // prefix counts and offsets, then every stored residual encoded.
+  const int64_t wanted[2] = {g.key_residuals, g.value_residuals};
+  const int mask_sec[2] = {kKeyMask, kValueMask}, prefix_sec[2] = {kKeyPrefix, kValuePrefix};
+  const int offsets_sec[2] = {kKeyOffsets, kValueOffsets}, codes_sec[2] = {kKeyCodes, kValueCodes};
+  const int scales_sec[2] = {kKeyScales, kValueScales};
+  for (int side = 0; side < 2; ++side) {
+    const int64_t n = std::min<int64_t>(wanted[side], static_cast<int64_t>(H) * (P - free_anchors));
+    dev.sort_u32(s.util_keys[side], s.util_ids[side], static_cast<int64_t>(H) * P);
+    auto *mask = reinterpret_cast<unsigned long long *>(section(mask_sec[side]));
+    auto *prefix = reinterpret_cast<uint32_t *>(section(prefix_sec[side]));
+    auto *offsets = reinterpret_cast<uint32_t *>(section(offsets_sec[side]));
+    if (n > 0) dev.launch(mask_kernel, blocks(n, 128), 1, 128, static_cast<const uint32_t *>(s.util_ids[side]), n, P, words, mask);
+    dev.launch(prefix_kernel, 1, 1, std::max(32, (H + 31) / 32 * 32), reinterpret_cast<const uint64_t *>(mask), H, words,
+               prefix, offsets, s.head_counts);
+    uint8_t *chunk = side == 1 ? section(kValueChunkPos) : nullptr;
+    auto encode = [&](auto kernel) {
+      dev.launch(kernel, static_cast<int>(words), H, 32, a, side, P, words, k, bf16 ? 1 : 0,
+                 static_cast<int>(o.residual_scale), reinterpret_cast<const uint64_t *>(mask),
+                 static_cast<const uint32_t *>(prefix), static_cast<const uint32_t *>(offsets),
+                 static_cast<const uint16_t *>(anchors_out[side]), static_cast<const uint16_t *>(index[side]),
+                 static_cast<const uint16_t *>(gamma[side]), static_cast<const float *>(s.signs),
+                 section(codes_sec[side]), reinterpret_cast<float *>(section(scales_sec[side])), chunk);
+    };
+    if (words > 0) {
+      if (D == 64) encode(encode_kernel<64>);
+      else if (D == 128) encode(encode_kernel<128>);
+      else encode(encode_kernel<256>);
+    }
+  }
+  if (dev.read_int(s.bad) != 0)
+    fail(AKV_ERR_NON_FINITE, "the keys, values or queries contain NaN or Inf (CUDA compression)");
+}
+
+}  // namespace cuda
+}  // namespace akv

@@ -1,0 +1,208 @@
+// The GPU compression pass (cuda/compress_pipeline.hpp), run on the CPU through the SIMT
+// emulation, against the CPU compression of the same inputs: the caches must agree section
+// by section except where a floating-point near-tie flips a choice (counted and bounded),
+// and their decode outputs must agree closely.
+#include "api/api_test_util.hpp"
+#include "core/context.hpp"
+#include "methods/methods.hpp"
+// Last: the emulation defines threadIdx, __shared__ and friends as macros.
+#include "cuda/compress_pipeline.hpp"
+
+namespace {
+
+using namespace akv_test;
+namespace kc = akv::cuda;
+
+// The device policy of the pipeline on host memory.
+struct EmulatedDevice {
+  template <typename... KArgs, typename... Args>
+  void launch(void (*kernel)(KArgs...), int gx, int gy, int block, Args &&...args) {
+    simt::launch(simt::dim3(gx, gy), simt::dim3(block), 0, kernel, static_cast<KArgs>(args)...);
+  }
+  // GEMMs on the host (gemm_kernel itself is checked by EmulatedGemm below): the emulated
+  // kernel would dominate the run time of these tests.
+  static void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t a_i, int64_t a_k,
+                   const float *B, int64_t b_k, int64_t b_j, float *C, int64_t ldc) {
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; ++k) acc += A[i * a_i + k * a_k] * B[k * b_k + j * b_j];
+        C[i * ldc + j] = alpha * acc;
+      }
+  }
+  void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
+               float *C, int64_t ldc) {
+    gemm(M, N, K, alpha, A, lda, 1, B, 1, ldb, C, ldc);
+  }
+  void gemm_nn(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
+               float *C, int64_t ldc) {
+    gemm(M, N, K, alpha, A, lda, 1, B, ldb, 1, C, ldc);
+  }
+  template <typename K>
+  void sort(K *keys, uint32_t *values, int64_t n) {
+    std::vector<std::pair<K, uint32_t>> v(n);
+    for (int64_t i = 0; i < n; ++i) v[i] = {keys[i], values[i]};
+    std::stable_sort(v.begin(), v.end(), [](const auto &x, const auto &y) { return x.first < y.first; });
+    for (int64_t i = 0; i < n; ++i) keys[i] = v[i].first, values[i] = v[i].second;
+  }
+  void sort_u32(uint32_t *keys, uint32_t *values, int64_t n) { sort(keys, values, n); }
+  void sort_u64(uint64_t *keys, uint32_t *values, int64_t n) { sort(keys, values, n); }
+  void copy(void *dst, const void *src, size_t bytes) { std::memmove(dst, src, bytes); }
+  void fill(void *dst, int byte, size_t bytes) { std::memset(dst, byte, bytes); }
+  int read_int(const int32_t *p) { return *p; }
+};
+
+struct Compared {
+  int64_t tokens = 0, index_diff = 0, gamma_diff = 0, mask_diff = 0, anchor_diff = 0;
+  int64_t codes_compared = 0, codes_diff = 0;
+  double worst_scale = 0.0;
+};
+
+// Section-by-section comparison of two AnchorKV caches of the same geometry.
+Compared compare(const akv_cache &a, const akv_cache &b) {
+  const akv::AnchorGeometry &g = a.geometry;
+  const int64_t H = g.heads, P = g.prefix, D = g.dim, k = g.anchors, W = g.window;
+  Compared r;
+  r.tokens = H * P;
+  auto sec = [](const akv_cache &c, int i) { return c.data.data() + c.layout.sections[i].offset; };
+  const int64_t *ta = reinterpret_cast<const int64_t *>(sec(a, akv::kAnchorTokens));
+  const int64_t *tb = reinterpret_cast<const int64_t *>(sec(b, akv::kAnchorTokens));
+  for (int64_t i = 0; i < H * (k - W); ++i) r.anchor_diff += ta[i] != tb[i];
+  for (int side = 0; side < 2; ++side) {
+    const int idx = side ? akv::kValueIndex : akv::kKeyIndex, gam = side ? akv::kValueGamma : akv::kKeyGamma;
+    const uint16_t *ia = reinterpret_cast<const uint16_t *>(sec(a, idx)), *ib = reinterpret_cast<const uint16_t *>(sec(b, idx));
+    const uint16_t *ga = reinterpret_cast<const uint16_t *>(sec(a, gam)), *gb = reinterpret_cast<const uint16_t *>(sec(b, gam));
+    for (int64_t i = 0; i < H * P; ++i) {
+      r.index_diff += ia[i] != ib[i];
+      if (ia[i] == ib[i]) r.gamma_diff += std::abs(static_cast<int>(ga[i]) - static_cast<int>(gb[i])) > 1;
+    }
+    const int msk = side ? akv::kValueMask : akv::kKeyMask;
+    const uint64_t *ma = reinterpret_cast<const uint64_t *>(sec(a, msk)), *mb = reinterpret_cast<const uint64_t *>(sec(b, msk));
+    for (int64_t w = 0; w < H * g.words; ++w) r.mask_diff += __builtin_popcountll(ma[w] ^ mb[w]);
+    // Codes and scales of the residuals both caches store (same head, token, slot order).
+    const int off = side ? akv::kValueOffsets : akv::kKeyOffsets, pre = side ? akv::kValuePrefix : akv::kKeyPrefix;
+    const int cod = side ? akv::kValueCodes : akv::kKeyCodes, scl = side ? akv::kValueScales : akv::kKeyScales;
+    const uint32_t *oa = reinterpret_cast<const uint32_t *>(sec(a, off)), *ob = reinterpret_cast<const uint32_t *>(sec(b, off));
+    const uint32_t *pa = reinterpret_cast<const uint32_t *>(sec(a, pre)), *pb = reinterpret_cast<const uint32_t *>(sec(b, pre));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t w = 0; w < g.words; ++w) {
+        const uint64_t both = ma[h * g.words + w] & mb[h * g.words + w];
+        for (int bit = 0; bit < 64; ++bit) {
+          if (!(both >> bit & 1)) continue;
+          const uint64_t below = (bit ? (~0ull >> (64 - bit)) : 0ull);
+          const int64_t t = w * 64 + bit;
+          const int64_t i = h * P + t;
+          if (ia[i] != ib[i] || ga[i] != gb[i]) continue;  // a different residual altogether
+          const uint32_t sa = oa[h] + pa[h * g.words + w] + __builtin_popcountll(ma[h * g.words + w] & below);
+          const uint32_t sb = ob[h] + pb[h * g.words + w] + __builtin_popcountll(mb[h * g.words + w] & below);
+          const uint8_t *ca = sec(a, cod) + static_cast<int64_t>(sa) * (D / 4), *cb = sec(b, cod) + static_cast<int64_t>(sb) * (D / 4);
+          for (int64_t d = 0; d < D; ++d) {
+            r.codes_compared++;
+            r.codes_diff += ((ca[d / 4] >> (2 * (d % 4))) & 3) != ((cb[d / 4] >> (2 * (d % 4))) & 3);
+          }
+          const float xa = reinterpret_cast<const float *>(sec(a, scl))[sa], xb = reinterpret_cast<const float *>(sec(b, scl))[sb];
+          r.worst_scale = std::max(r.worst_scale, std::fabs(static_cast<double>(xa) - xb) / std::max(1e-30, std::fabs(static_cast<double>(xb))));
+        }
+      }
+  }
+  return r;
+}
+
+struct CompressCase {
+  int64_t seq_len;
+  int head_dim, group;
+  akv_dtype dtype;
+  akv_rope_style rope;
+  bool post_rope, gapped;
+};
+
+void check(const CompressCase &c) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  SCOPED_TRACE("S=" + std::to_string(c.seq_len) + " D=" + std::to_string(c.head_dim) + " G=" + std::to_string(c.group) +
+               " rope " + std::to_string(c.rope) + (c.post_rope ? " post-rope keys" : "") + (c.gapped ? " gapped" : ""));
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  PrefillSpec spec;
+  spec.seq_len = c.seq_len;
+  spec.kv_heads = 2;
+  spec.group = c.group;
+  spec.head_dim = c.head_dim;
+  spec.dtype = c.dtype;
+  spec.explicit_positions = c.gapped;
+  akv_compress_options o = anchorkv_options(0.1);
+  o.rope.style = c.rope;
+  o.keys_post_rope = c.post_rope ? 1 : 0;
+  const RopeReference ref = rope_reference(o.rope);
+  const PrefillData data = make_prefill(rng, spec, c.post_rope ? &ref : nullptr);
+  o.retain_fraction = workable_retain_fraction(data.shape, 32, 0, 0.1);
+  CachePtr expected = compress(ctx.get(), data, o);
+
+  // The pipeline on host memory, into a cache shaped like the CPU one.
+  const akv_prefill prefill = data.view();
+  const akv::CompressRequest req{ctx.get(), &prefill, &o};
+  std::unique_ptr<akv_cache> got = akv::new_cache(req);
+  const std::vector<int32_t> positions = kc::prepare_anchor_cache(prefill, o, *got);
+  got->data = akv::Buffer(ctx.get(), got->layout.total_bytes);
+  std::memset(got->data.data(), 0xA5, got->data.size());  // poisoned
+  const akv::AnchorGeometry &g = got->geometry;
+  kc::CompressScratch measure;
+  const size_t scratch_bytes = measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window, g.anchors,
+                                             got->rope.enabled() ? got->rope.pairs() : 0);
+  std::vector<uint8_t> scratch(scratch_bytes + 256);
+  uint8_t *base = reinterpret_cast<uint8_t *>((reinterpret_cast<uintptr_t>(scratch.data()) + 255) / 256 * 256);
+  EmulatedDevice dev;
+  kc::compress_anchorkv(dev, prefill, o, *got, positions, got->data.data(), base);
+
+  const Compared r = compare(*got, *expected);
+  note("index_diff", static_cast<double>(r.index_diff));
+  // Bounds: anchors and assignments agree except near-ties (at most 1 in 200 tokens), the
+  // coefficients within one bf16 step, the residual choice within 1% of the tokens, codes
+  // of the same residual within 0.5%, scales within 1e-3.
+  EXPECT_LE(r.anchor_diff, 2) << "anchor tokens differing";
+  EXPECT_LE(r.index_diff, r.tokens / 200 + 2) << "assignments differing (of " << r.tokens << " per side)";
+  EXPECT_LE(r.gamma_diff, r.tokens / 200 + 2) << "coefficients differing by more than one bf16 step";
+  EXPECT_LE(r.mask_diff, r.tokens / 100 + 4) << "residual bits differing";
+  EXPECT_LE(r.codes_diff, r.codes_compared / 200 + 2) << "2-bit codes differing of " << r.codes_compared;
+  EXPECT_LT(r.worst_scale, 1e-3);
+  // The byte layout around the arrays matches exactly (offsets start at 0, padding is zero).
+  EXPECT_EQ(got->meta.window_first_position, expected->meta.window_first_position);
+
+  // Decode outputs of the two caches agree closely.
+  const int rows = 2 * c.group;
+  const Tensor q = make_tensor(nonzero_normal(rng, static_cast<size_t>(rows) * c.head_dim, 1.5), AKV_DTYPE_F32);
+  const std::vector<float> out_expected = decode(expected.get(), q, 1);
+  const std::vector<float> out_got = decode(got.get(), q, 1);
+  EXPECT_TRUE(all_near(out_got, out_expected, 2e-2, 2e-2));
+}
+
+// The GEMM kernel the pipeline uses where cuBLAS is not available: both operand layouts,
+// sizes that are not multiples of the tile.
+TEST(EmulatedGemm, MatchesHostProduct) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  const int64_t M = 37, N = 45, K = 70;
+  const std::vector<float> A = nonzero_normal(rng, M * K), B = nonzero_normal(rng, K * N);
+  for (bool transposed : {false, true}) {
+    std::vector<float> got(M * N, std::nanf("")), want(M * N);
+    // transposed: B read as [N][K] (ld K); else [K][N] (ld N).
+    const int64_t b_k = transposed ? 1 : N, b_j = transposed ? K : 1;
+    EmulatedDevice::gemm(M, N, K, 0.5f, A.data(), K, 1, B.data(), b_k, b_j, want.data(), N);
+    simt::launch(simt::dim3((N + 31) / 32, (M + 31) / 32), simt::dim3(256), 0, kc::gemm_kernel, M, N, K, 0.5f, A.data(),
+                 K, int64_t{1}, B.data(), b_k, b_j, got.data(), N);
+    EXPECT_TRUE(all_near(got, want, 1e-4, 1e-4)) << (transposed ? "A B^T" : "A B");
+  }
+}
+
+TEST(EmulatedCompress, MatchesCpuCompression) {
+  check({700, 64, 1, AKV_DTYPE_F32, AKV_ROPE_NEOX, false, false});
+  check({900, 128, 4, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, true});
+}
+
+TEST(EmulatedCompress, GptjAndPostRopeKeys) {
+  check({600, 64, 2, AKV_DTYPE_F16, AKV_ROPE_GPTJ, true, false});
+  check({600, 64, 2, AKV_DTYPE_F32, AKV_ROPE_NONE, false, false});
+}
+
+}  // namespace
