@@ -6,7 +6,9 @@
 #   3. compute-sanitizer memcheck and racecheck over the GPU decode tests (quick sizes);
 #   4. the Python GPU tests (torch tensors on a CUDA context), when pytest is present;
 #   5. scripts/bench_decode.py: compact decode vs our dense decode vs PyTorch SDPA,
-#      S = 8K..128K, batch 1, 8, 32, cold L2 (the issue-5 table);
+#      S = 8K..128K, batch 1, 8, 32, cold L2 (the issue-5 table); then
+#      scripts/bench_compress.py: the GPU compression pass vs SDPA causal prefill attention
+#      and our SnapKV, S = 32K..128K (the issue-4 table);
 #   6. optionally (ANCHORKV_RUN="cli-bench") `anchorkv bench` per method at
 #      ANCHORKV_BENCH_SEQ_LENS (default 32768);
 #   7. a summary and the tables, printed last.
@@ -19,7 +21,7 @@
 #   ANCHORKV_DECODE_BENCH_ARGS (extra arguments for bench_decode.py),
 #   ANCHORKV_BENCH_SEQ_LENS, ANCHORKV_BENCH_ARGS, ANCHORKV_BENCH_BACKEND (default cuda) and
 #   ANCHORKV_BENCH_TIMEOUT (seconds per run, default 120) for the CLI bench,
-#   ANCHORKV_SKIP ("build ctest sanitizer pytest decode-bench", any of them),
+#   ANCHORKV_SKIP ("build ctest sanitizer pytest decode-bench compress-bench", any of them),
 #   ANCHORKV_RUN ("cli-bench" to add the CLI bench). The whole script must fit in one
 #   10-minute device call.
 set -uo pipefail
@@ -92,7 +94,7 @@ for tool in memcheck racecheck; do
   if [ ! -x "$gpu_tests" ] || [ ! -x "$sanitizer" ]; then note SKIP "compute-sanitizer $tool (missing)" 0; continue; fi
   run_logged "compute-sanitizer $tool" "$logs/sanitizer-$tool.log" env ANCHORKV_TEST_QUICK=1 \
     timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$gpu_tests" \
-      --gtest_filter='Cuda.DecodeMatches*:Cuda.GraphCaptured*'
+      --gtest_filter='Cuda.DecodeMatches*:Cuda.GraphCaptured*:Cuda.CompressionPass*'
   grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/sanitizer-$tool.log" | tail -n 1 | sed 's/^/  /'
 done
 
@@ -112,6 +114,14 @@ else
   # shellcheck disable=SC2086  # a list of words
   run_logged "bench_decode.py (vs SDPA)" "$logs/bench-decode.txt" "${py_env[@]}" \
     timeout 300 python3 "$root/scripts/bench_decode.py" --csv "$logs/bench-decode.csv" ${ANCHORKV_DECODE_BENCH_ARGS:-}
+fi
+
+# ---- 5b. compression benchmark against SDPA prefill -----------------------------------------
+if skipped compress-bench; then note SKIP "bench_compress.py" 0
+elif ! python3 -c 'import torch' 2>/dev/null; then note SKIP "bench_compress.py: no torch" 0
+else
+  run_logged "bench_compress.py (vs SDPA prefill)" "$logs/bench-compress.txt" "${py_env[@]}" \
+    timeout 240 python3 "$root/scripts/bench_compress.py"
 fi
 
 # ---- 6. CLI bench (optional) -------------------------------------------------------------------
@@ -134,6 +144,10 @@ if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp "$logs"/* "$OUT"/ 2>/dev/null
 # ---- 7. summary and tables --------------------------------------------------------------------
 printf '\n==== device-check summary ====\n'
 printf '  %s\n' "${summary[@]}"
+if [ -s "$logs/bench-compress.txt" ]; then
+  printf '\n==== bench_compress.py: one layer, H=8 Hq=32 D=128 bf16 theta=0.05, medians ====\n'
+  grep -E '^#|^ *S |^ +[0-9]+ ' "$logs/bench-compress.txt"
+fi
 if [ -s "$logs/bench-decode.txt" ]; then
   printf '\n==== bench_decode.py: H=8 Hq=32 D=128 bf16 theta=0.05, cold L2, medians ====\n'
   grep -E '^#|^ *S |^ +[0-9]+ ' "$logs/bench-decode.txt"

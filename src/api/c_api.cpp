@@ -431,7 +431,15 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
       if (p.positions[0] < 0) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.positions[0] ", p.positions[0], " is negative");
     }
     if (on_cuda(context)) {
-      *out_cache = compress_staged(*context, p, o, stream).release();
+      cuda::check_supported(o.method, p.shape.head_dim);
+      if (o.method == AKV_METHOD_ANCHORKV) {  // the GPU pass
+        const CompressRequest req{context, &p, &o};
+        std::unique_ptr<akv_cache> cache = cuda::compress_anchorkv_cuda(req, stream);
+        cuda::upload_view(*cache, stream);
+        *out_cache = cache.release();
+      } else {  // the baselines: through the host for now
+        *out_cache = compress_staged(*context, p, o, stream).release();
+      }
       return;
     }
     CompressRequest req{context, &p, &o};

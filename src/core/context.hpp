@@ -34,6 +34,8 @@ struct akv_context {
   std::map<void *, Workspace> workspaces;
   // CUDA: a CPU context for the work staged through the host (see akv_compress).
   std::unique_ptr<akv_context> host_staging;
+  // CUDA: the cuBLAS handle of the compression pass (created on first use).
+  std::shared_ptr<void> blas;
 
   akv_context();
   ~akv_context();

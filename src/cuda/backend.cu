@@ -61,9 +61,10 @@ void launch_decode_rows(const DecodePlan &plan, const DecodeLaunch &p, int32_t r
   }
 }
 
-// The stream's decode workspace, grown when this batch shape needs more. Growing is an
-// allocation, refused while the stream is being captured.
-void *workspace(akv_context &ctx, size_t bytes, cudaStream_t stream) {
+}  // namespace
+
+void *workspace(akv_context &ctx, size_t bytes, void *raw_stream) {
+  const cudaStream_t stream = as_stream(raw_stream);
   std::lock_guard<std::mutex> lock(ctx.workspace_mutex);
   akv_context::Workspace &ws = ctx.workspaces[stream];
   if (ws.bytes >= bytes) return ws.ptr;
@@ -79,8 +80,6 @@ void *workspace(akv_context &ctx, size_t bytes, cudaStream_t stream) {
   ws.bytes = bytes;
   return ws.ptr;
 }
-
-}  // namespace
 
 void copy(void *dst, const void *src, size_t bytes, void *stream, bool wait) {
   if (bytes == 0) return;
@@ -126,7 +125,7 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
   const DecodePlan plan = plan_decode(caches, batch, q_len, ctx.sm_count, ctx.smem_optin);
   const akv_shape &s = caches[0]->meta.shape;
   const cudaStream_t st = as_stream(stream);
-  float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, st));
+  float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, stream));
   const size_t per_block = static_cast<size_t>(plan.maxrows) * s.head_dim;
   const size_t esize = dtype == AKV_DTYPE_F32 ? 4 : 2;
   const size_t per_request = static_cast<size_t>(s.num_q_heads) * q_len * s.head_dim * esize;

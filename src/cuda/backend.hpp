@@ -5,7 +5,9 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include "core/context.hpp"
+#include "methods/methods.hpp"
 
 namespace akv {
 namespace cuda {
@@ -17,6 +19,15 @@ void copy(void *dst, const void *src, size_t bytes, void *stream, bool wait);
 void copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, size_t row_bytes, size_t rows,
                void *stream);
 void synchronize(void *stream);
+
+// The stream's scratch memory (decode and compression), grown through the context's
+// allocator when `bytes` exceed it; growing synchronises the stream and is refused while the
+// stream is being captured.
+void *workspace(akv_context &context, size_t bytes, void *stream);
+
+// AnchorKV compression of device tensors on the device (cuda/compress.cu); waits for the
+// work at the end (the non-finite input check). The cache is returned without its view.
+std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &request, void *stream);
 
 // (Re)builds cache.device_view from the cache's device buffers and host length; call after
 // any change of those buffers (deserialize, reserve). Synchronous.

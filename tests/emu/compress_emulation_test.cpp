@@ -3,6 +3,7 @@
 // by section except where a floating-point near-tie flips a choice (counted and bounded),
 // and their decode outputs must agree closely.
 #include "api/api_test_util.hpp"
+#include "common/anchor_compare.hpp"
 #include "core/context.hpp"
 #include "methods/methods.hpp"
 // Last: the emulation defines threadIdx, __shared__ and friends as macros.
@@ -52,62 +53,6 @@ struct EmulatedDevice {
   int read_int(const int32_t *p) { return *p; }
 };
 
-struct Compared {
-  int64_t tokens = 0, index_diff = 0, gamma_diff = 0, mask_diff = 0, anchor_diff = 0;
-  int64_t codes_compared = 0, codes_diff = 0;
-  double worst_scale = 0.0;
-};
-
-// Section-by-section comparison of two AnchorKV caches of the same geometry.
-Compared compare(const akv_cache &a, const akv_cache &b) {
-  const akv::AnchorGeometry &g = a.geometry;
-  const int64_t H = g.heads, P = g.prefix, D = g.dim, k = g.anchors, W = g.window;
-  Compared r;
-  r.tokens = H * P;
-  auto sec = [](const akv_cache &c, int i) { return c.data.data() + c.layout.sections[i].offset; };
-  const int64_t *ta = reinterpret_cast<const int64_t *>(sec(a, akv::kAnchorTokens));
-  const int64_t *tb = reinterpret_cast<const int64_t *>(sec(b, akv::kAnchorTokens));
-  for (int64_t i = 0; i < H * (k - W); ++i) r.anchor_diff += ta[i] != tb[i];
-  for (int side = 0; side < 2; ++side) {
-    const int idx = side ? akv::kValueIndex : akv::kKeyIndex, gam = side ? akv::kValueGamma : akv::kKeyGamma;
-    const uint16_t *ia = reinterpret_cast<const uint16_t *>(sec(a, idx)), *ib = reinterpret_cast<const uint16_t *>(sec(b, idx));
-    const uint16_t *ga = reinterpret_cast<const uint16_t *>(sec(a, gam)), *gb = reinterpret_cast<const uint16_t *>(sec(b, gam));
-    for (int64_t i = 0; i < H * P; ++i) {
-      r.index_diff += ia[i] != ib[i];
-      if (ia[i] == ib[i]) r.gamma_diff += std::abs(static_cast<int>(ga[i]) - static_cast<int>(gb[i])) > 1;
-    }
-    const int msk = side ? akv::kValueMask : akv::kKeyMask;
-    const uint64_t *ma = reinterpret_cast<const uint64_t *>(sec(a, msk)), *mb = reinterpret_cast<const uint64_t *>(sec(b, msk));
-    for (int64_t w = 0; w < H * g.words; ++w) r.mask_diff += __builtin_popcountll(ma[w] ^ mb[w]);
-    // Codes and scales of the residuals both caches store (same head, token, slot order).
-    const int off = side ? akv::kValueOffsets : akv::kKeyOffsets, pre = side ? akv::kValuePrefix : akv::kKeyPrefix;
-    const int cod = side ? akv::kValueCodes : akv::kKeyCodes, scl = side ? akv::kValueScales : akv::kKeyScales;
-    const uint32_t *oa = reinterpret_cast<const uint32_t *>(sec(a, off)), *ob = reinterpret_cast<const uint32_t *>(sec(b, off));
-    const uint32_t *pa = reinterpret_cast<const uint32_t *>(sec(a, pre)), *pb = reinterpret_cast<const uint32_t *>(sec(b, pre));
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t w = 0; w < g.words; ++w) {
-        const uint64_t both = ma[h * g.words + w] & mb[h * g.words + w];
-        for (int bit = 0; bit < 64; ++bit) {
-          if (!(both >> bit & 1)) continue;
-          const uint64_t below = (bit ? (~0ull >> (64 - bit)) : 0ull);
-          const int64_t t = w * 64 + bit;
-          const int64_t i = h * P + t;
-          if (ia[i] != ib[i] || ga[i] != gb[i]) continue;  // a different residual altogether
-          const uint32_t sa = oa[h] + pa[h * g.words + w] + __builtin_popcountll(ma[h * g.words + w] & below);
-          const uint32_t sb = ob[h] + pb[h * g.words + w] + __builtin_popcountll(mb[h * g.words + w] & below);
-          const uint8_t *ca = sec(a, cod) + static_cast<int64_t>(sa) * (D / 4), *cb = sec(b, cod) + static_cast<int64_t>(sb) * (D / 4);
-          for (int64_t d = 0; d < D; ++d) {
-            r.codes_compared++;
-            r.codes_diff += ((ca[d / 4] >> (2 * (d % 4))) & 3) != ((cb[d / 4] >> (2 * (d % 4))) & 3);
-          }
-          const float xa = reinterpret_cast<const float *>(sec(a, scl))[sa], xb = reinterpret_cast<const float *>(sec(b, scl))[sb];
-          r.worst_scale = std::max(r.worst_scale, std::fabs(static_cast<double>(xa) - xb) / std::max(1e-30, std::fabs(static_cast<double>(xb))));
-        }
-      }
-  }
-  return r;
-}
-
 struct CompressCase {
   int64_t seq_len;
   int head_dim, group;
@@ -154,17 +99,7 @@ void check(const CompressCase &c) {
   EmulatedDevice dev;
   kc::compress_anchorkv(dev, prefill, o, *got, positions, got->data.data(), base);
 
-  const Compared r = compare(*got, *expected);
-  note("index_diff", static_cast<double>(r.index_diff));
-  // Bounds: anchors and assignments agree except near-ties (at most 1 in 200 tokens), the
-  // coefficients within one bf16 step, the residual choice within 1% of the tokens, codes
-  // of the same residual within 0.5%, scales within 1e-3.
-  EXPECT_LE(r.anchor_diff, 2) << "anchor tokens differing";
-  EXPECT_LE(r.index_diff, r.tokens / 200 + 2) << "assignments differing (of " << r.tokens << " per side)";
-  EXPECT_LE(r.gamma_diff, r.tokens / 200 + 2) << "coefficients differing by more than one bf16 step";
-  EXPECT_LE(r.mask_diff, r.tokens / 100 + 4) << "residual bits differing";
-  EXPECT_LE(r.codes_diff, r.codes_compared / 200 + 2) << "2-bit codes differing of " << r.codes_compared;
-  EXPECT_LT(r.worst_scale, 1e-3);
+  EXPECT_TRUE(anchor_caches_agree(*got, *expected));
   // The byte layout around the arrays matches exactly (offsets start at 0, padding is zero).
   EXPECT_EQ(got->meta.window_first_position, expected->meta.window_first_position);
 
@@ -198,6 +133,8 @@ TEST(EmulatedGemm, MatchesHostProduct) {
 TEST(EmulatedCompress, MatchesCpuCompression) {
   check({700, 64, 1, AKV_DTYPE_F32, AKV_ROPE_NEOX, false, false});
   check({900, 128, 4, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, true});
+  check({4096, 128, 4, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, false});
+  check({2500, 256, 1, AKV_DTYPE_F32, AKV_ROPE_NEOX, false, false});
 }
 
 TEST(EmulatedCompress, GptjAndPostRopeKeys) {

@@ -1,0 +1,163 @@
+// The AnchorKV compression pass on a CUDA device: the pipeline of cuda/compress_pipeline.hpp
+// with GEMMs through cuBLAS (fp32) and sorts through CUB's radix sort, on the caller's
+// stream, with scratch memory from the context's per-stream workspace.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cub/device/device_radix_sort.cuh>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+
+#include "core/error.hpp"
+#include "cuda/backend.hpp"
+#include "cuda/compress_pipeline.hpp"
+#include "methods/methods.hpp"
+
+namespace akv {
+namespace cuda {
+namespace {
+
+void check(cudaError_t err, const char *what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    fail(AKV_ERR_BACKEND, what, " failed: ", cudaGetErrorString(err));
+  }
+}
+void check(cublasStatus_t status, const char *what) {
+  if (status != CUBLAS_STATUS_SUCCESS) fail(AKV_ERR_BACKEND, what, " failed: cuBLAS status ", static_cast<int>(status));
+}
+
+// The context's cuBLAS handle, created on first use with a workspace from the context's
+// allocator (so every device allocation goes through the allocator hooks).
+cublasHandle_t blas_handle(akv_context &ctx) {
+  std::lock_guard<std::mutex> lock(ctx.workspace_mutex);
+  if (!ctx.blas) {
+    cublasHandle_t handle = nullptr;
+    check(cublasCreate(&handle), "cublasCreate");
+    constexpr size_t kBlasWorkspace = 4u << 20;
+    void *ws = nullptr;
+    try {
+      ws = ctx.allocate(kBlasWorkspace);
+      check(cublasSetWorkspace(handle, ws, kBlasWorkspace), "cublasSetWorkspace");
+    } catch (...) {
+      cublasDestroy(handle);
+      ctx.deallocate(ws, kBlasWorkspace);
+      throw;
+    }
+    akv_context *owner = &ctx;
+    ctx.blas = std::shared_ptr<void>(handle, [owner, ws](void *h) {
+      cublasDestroy(static_cast<cublasHandle_t>(h));
+      owner->deallocate(ws, kBlasWorkspace);
+    });
+  }
+  return static_cast<cublasHandle_t>(ctx.blas.get());
+}
+
+struct CudaDevice {
+  cudaStream_t stream;
+  cublasHandle_t blas;
+  void *sort_temp = nullptr;
+  size_t sort_temp_bytes = 0;
+  uint32_t *alt_keys32 = nullptr, *alt_values = nullptr;
+  uint64_t *alt_keys64 = nullptr;
+
+  template <typename... KArgs, typename... Args>
+  void launch(void (*kernel)(KArgs...), int gx, int gy, int block, Args &&...args) {
+    kernel<<<dim3(gx, gy), block, 0, stream>>>(static_cast<KArgs>(args)...);
+    check(cudaGetLastError(), "a compression kernel launch");
+  }
+  // Row-major C = alpha A B^T and C = alpha A B as column-major cuBLAS calls on the transposes.
+  void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
+               float *C, int64_t ldc) {
+    const float beta = 0.0f;
+    check(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), static_cast<int>(K),
+                      &alpha, B, static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)),
+          "cublasSgemm");
+  }
+  void gemm_nn(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
+               float *C, int64_t ldc) {
+    const float beta = 0.0f;
+    check(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), static_cast<int>(K),
+                      &alpha, B, static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)),
+          "cublasSgemm");
+  }
+  template <typename K>
+  void sort(K *keys, K *alt, uint32_t *values, int64_t n) {
+    if (n <= 1) return;
+    cub::DoubleBuffer<K> dk(keys, alt);
+    cub::DoubleBuffer<uint32_t> dv(values, alt_values);
+    size_t bytes = sort_temp_bytes;
+    check(cub::DeviceRadixSort::SortPairs(sort_temp, bytes, dk, dv, static_cast<int>(n), 0, 8 * sizeof(K), stream),
+          "cub::DeviceRadixSort::SortPairs");
+    if (dk.Current() != keys) copy(keys, dk.Current(), n * sizeof(K));
+    if (dv.Current() != values) copy(values, dv.Current(), n * sizeof(uint32_t));
+  }
+  void sort_u32(uint32_t *keys, uint32_t *values, int64_t n) { sort(keys, alt_keys32, values, n); }
+  void sort_u64(uint64_t *keys, uint32_t *values, int64_t n) { sort(keys, alt_keys64, values, n); }
+  void copy(void *dst, const void *src, size_t bytes) {
+    if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync");
+  }
+  void fill(void *dst, int byte, size_t bytes) {
+    if (bytes) check(cudaMemsetAsync(dst, byte, bytes, stream), "cudaMemsetAsync");
+  }
+  int read_int(const int32_t *p) {
+    int32_t value = 0;
+    check(cudaMemcpyAsync(&value, p, sizeof value, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    return value;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, void *stream) {
+  akv_context &ctx = *req.context;
+  const akv_prefill &p = *req.prefill;
+  const akv_compress_options &o = *req.options;
+  int previous = 0;
+  check(cudaGetDevice(&previous), "cudaGetDevice");
+  check(cudaSetDevice(ctx.device), "cudaSetDevice");
+  struct Restore {
+    int device;
+    ~Restore() { cudaSetDevice(device); }
+  } restore{previous};
+
+  std::unique_ptr<akv_cache> cache = new_cache(req);
+  const std::vector<int32_t> positions = prepare_anchor_cache(p, o, *cache);
+  const AnchorGeometry &g = cache->geometry;
+  cache->data = Buffer(&ctx, cache->layout.total_bytes);
+
+  CudaDevice dev;
+  dev.stream = static_cast<cudaStream_t>(stream);
+  dev.blas = blas_handle(ctx);
+  check(cublasSetStream(dev.blas, dev.stream), "cublasSetStream");
+  // Scratch: the pipeline's arrays, then the sorts' second buffers and temporary storage.
+  CompressScratch measure;
+  const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
+  const size_t pipeline_bytes = measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window,
+                                              g.anchors, pairs);
+  const int64_t most = std::max<int64_t>(static_cast<int64_t>(g.heads) * g.prefix, 2);
+  size_t temp32 = 0, temp64 = 0;
+  {
+    cub::DoubleBuffer<uint32_t> k32(nullptr, nullptr), v(nullptr, nullptr);
+    cub::DoubleBuffer<uint64_t> k64(nullptr, nullptr);
+    check(cub::DeviceRadixSort::SortPairs(nullptr, temp32, k32, v, static_cast<int>(most), 0, 32, dev.stream), "cub sizing");
+    check(cub::DeviceRadixSort::SortPairs(nullptr, temp64, k64, v, static_cast<int>(most), 0, 64, dev.stream), "cub sizing");
+  }
+  auto up = [](size_t x) { return (x + 255) / 256 * 256; };
+  dev.sort_temp_bytes = std::max(temp32, temp64);
+  const size_t total = up(pipeline_bytes) + up(most * 4) * 2 + up(most * 8) + up(dev.sort_temp_bytes);
+  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, total, stream));
+  uint8_t *extra = base + up(pipeline_bytes);
+  dev.alt_keys32 = reinterpret_cast<uint32_t *>(extra);
+  dev.alt_values = reinterpret_cast<uint32_t *>(extra + up(most * 4));
+  dev.alt_keys64 = reinterpret_cast<uint64_t *>(extra + 2 * up(most * 4));
+  dev.sort_temp = extra + 2 * up(most * 4) + up(most * 8);
+
+  compress_anchorkv(dev, p, o, *cache, positions, cache->data.data(), base);  // waits at the end (NaN check)
+  return cache;
+}
+
+}  // namespace cuda
+}  // namespace akv
