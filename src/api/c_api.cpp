@@ -432,12 +432,13 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
     }
     if (on_cuda(context)) {
       cuda::check_supported(o.method, p.shape.head_dim);
-      if (o.method == AKV_METHOD_ANCHORKV) {  // the GPU pass
+      if (o.method == AKV_METHOD_ANCHORKV || o.method == AKV_METHOD_FULLKV) {  // on the device
         const CompressRequest req{context, &p, &o};
-        std::unique_ptr<akv_cache> cache = cuda::compress_anchorkv_cuda(req, stream);
+        std::unique_ptr<akv_cache> cache = o.method == AKV_METHOD_ANCHORKV ? cuda::compress_anchorkv_cuda(req, stream)
+                                                                           : cuda::compress_fullkv_cuda(req, stream);
         cuda::upload_view(*cache, stream);
         *out_cache = cache.release();
-      } else {  // the baselines: through the host for now
+      } else {  // the eviction baselines: through the host for now
         *out_cache = compress_staged(*context, p, o, stream).release();
       }
       return;

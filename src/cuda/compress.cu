@@ -109,19 +109,39 @@ struct CudaDevice {
   }
 };
 
+// The context's device for the duration of a call; the caller's current device is restored.
+struct DeviceScope {
+  int previous = 0;
+  explicit DeviceScope(int device) {
+    check(cudaGetDevice(&previous), "cudaGetDevice");
+    check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceScope() { cudaSetDevice(previous); }
+};
+
 }  // namespace
+
+std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &req, void *stream) {
+  akv_context &ctx = *req.context;
+  const akv_prefill &p = *req.prefill;
+  DeviceScope scope(ctx.device);
+  std::unique_ptr<akv_cache> cache = new_cache(req);
+  cache->data = Buffer(&ctx, 4ull * p.shape.seq_len * p.shape.num_kv_heads * p.shape.head_dim);
+  FullScratch measure;
+  const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
+  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, measure.carve(nullptr, p.shape.seq_len, pairs), stream));
+  CudaDevice dev;
+  dev.stream = static_cast<cudaStream_t>(stream);
+  dev.blas = nullptr;
+  compress_fullkv(dev, p, *req.options, *cache, cache->data.data(), base);
+  return cache;
+}
 
 std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, void *stream) {
   akv_context &ctx = *req.context;
   const akv_prefill &p = *req.prefill;
   const akv_compress_options &o = *req.options;
-  int previous = 0;
-  check(cudaGetDevice(&previous), "cudaGetDevice");
-  check(cudaSetDevice(ctx.device), "cudaSetDevice");
-  struct Restore {
-    int device;
-    ~Restore() { cudaSetDevice(device); }
-  } restore{previous};
+  DeviceScope scope(ctx.device);
 
   std::unique_ptr<akv_cache> cache = new_cache(req);
   const std::vector<int32_t> positions = prepare_anchor_cache(p, o, *cache);

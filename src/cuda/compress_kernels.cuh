@@ -482,5 +482,38 @@ __global__ void __launch_bounds__(32) encode_kernel(const __grid_constant__ Pref
   }
 }
 
+// FullKV: every token of head blockIdx.y stored exactly, keys post-RoPE, in the storage
+// dtype ([H][S][D] keys, then values). One token per warp.
+__global__ void dense_store_kernel(const __grid_constant__ PrefillArgs a, int storage_bf16, uint16_t *keys_out,
+                                   uint16_t *values_out) {
+  const int lane = threadIdx.x & 31;
+  const int h = blockIdx.y;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (t >= a.seq_len) return;
+  const int D = a.head_dim;
+  const bool bf16 = storage_bf16 != 0;
+  const int64_t src = h * a.kv_head_stride + t * a.kv_token_stride, dst = (h * a.seq_len + t) * D;
+  const bool rotate = !a.keys_post_rope && a.rope_pairs > 0;
+  bool bad = false;
+  for (int d = lane; d < D; d += 32) {
+    const float k = load_elem(a.keys, a.dtype, src + d), v = load_elem(a.values, a.dtype, src + d);
+    bad = bad || !finite(k) || !finite(v);
+    values_out[dst + d] = float_to_bits(v, bf16);
+    if (!rotate || d >= 2 * a.rope_pairs) keys_out[dst + d] = float_to_bits(k, bf16);
+  }
+  if (rotate) {
+    const int64_t pos = a.positions[t];
+    for (int j = lane; j < a.rope_pairs; j += 32) {
+      const int f = a.rope_first[j], s = a.rope_second[j];
+      float c, sn;
+      rope_angle(pos, a.inv_freq[j], &c, &sn);
+      const float x0 = load_elem(a.keys, a.dtype, src + f), x1 = load_elem(a.keys, a.dtype, src + s);
+      keys_out[dst + f] = float_to_bits(x0 * c - x1 * sn, bf16);
+      keys_out[dst + s] = float_to_bits(x0 * sn + x1 * c, bf16);
+    }
+  }
+  if (bad) atomicAdd(a.bad, 1);
+}
+
 }  // namespace cuda
 }  // namespace akv

@@ -112,6 +112,96 @@ inline std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const akv
   return pos;
 }
 
+// The kernels' view of the prefill tensors (device pointers) and of the device constants.
+inline PrefillArgs prefill_args(const akv_prefill &p, const akv_compress_options &o, const akv_cache &cache,
+                                const int32_t *positions, const float *inv_freq, const int32_t *rope_first,
+                                const int32_t *rope_second, int32_t *bad) {
+  const int64_t S = p.shape.seq_len;
+  const int D = p.shape.head_dim, W = o.window;
+  const int pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
+  PrefillArgs a;
+  a.keys = p.keys;
+  a.values = p.values;
+  a.queries = p.queries;
+  a.dtype = p.dtype;
+  a.kv_token_stride = p.kv_token_stride ? p.kv_token_stride : D;
+  a.kv_head_stride = p.kv_head_stride ? p.kv_head_stride : S * D;
+  a.q_token_stride = p.q_token_stride ? p.q_token_stride : D;
+  a.q_head_stride = p.q_head_stride ? p.q_head_stride : static_cast<int64_t>(W) * D;
+  a.seq_len = S;
+  a.heads = p.shape.num_kv_heads;
+  a.q_heads = p.shape.num_q_heads;
+  a.head_dim = D;
+  a.window = W;
+  a.keys_post_rope = o.keys_post_rope ? 1 : 0;
+  a.rope_pairs = pairs;
+  a.positions = positions;
+  a.inv_freq = inv_freq;
+  a.rope_first = rope_first;
+  a.rope_second = rope_second;
+  a.bad = bad;
+  return a;
+}
+
+// Copies the RoPE tables into device memory (the scratch arrays of the given pointers).
+template <class Dev>
+void upload_rope(Dev &dev, const Rope &rope, float *inv_freq, int32_t *first, int32_t *second) {
+  if (!rope.enabled()) return;
+  const int pairs = rope.pairs();
+  const std::vector<int32_t> f(rope.first.begin(), rope.first.end()), s(rope.second.begin(), rope.second.end());
+  dev.copy(inv_freq, rope.inv_freq.data(), pairs * sizeof(float));
+  dev.copy(first, f.data(), pairs * sizeof(int32_t));
+  dev.copy(second, s.data(), pairs * sizeof(int32_t));
+}
+
+// FullKV on the device: every token stored exactly (keys post-RoPE) into `data` (device, the
+// cache's 4*S*H*D bytes); scratch: FullScratch::bytes(S, pairs). The host parts of the cache
+// (counts, positions) are set here. Waits at the end (non-finite check).
+struct FullScratch {
+  int32_t *positions, *rope_first, *rope_second, *bad;
+  float *inv_freq;
+  size_t carve(uint8_t *base, int64_t S, int pairs) {
+    size_t at = 0;
+    auto take = [&](auto *&ptr, int64_t count) {
+      using T = std::remove_reference_t<decltype(*ptr)>;
+      at = (at + 255) / 256 * 256;
+      ptr = base ? reinterpret_cast<T *>(base + at) : nullptr;
+      at += sizeof(T) * static_cast<size_t>(std::max<int64_t>(count, 1));
+    };
+    take(positions, S);
+    take(rope_first, pairs);
+    take(rope_second, pairs);
+    take(inv_freq, pairs);
+    take(bad, 1);
+    return at;
+  }
+};
+
+template <class Dev>
+void compress_fullkv(Dev &dev, const akv_prefill &p, const akv_compress_options &o, akv_cache &cache, uint8_t *data,
+                     uint8_t *scratch_base) {
+  const int64_t S = p.shape.seq_len;
+  const int H = p.shape.num_kv_heads, D = p.shape.head_dim;
+  const int pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
+  FullScratch s;
+  s.carve(scratch_base, S, pairs);
+  std::vector<int32_t> positions(S);
+  for (int64_t t = 0; t < S; ++t) positions[t] = p.positions ? p.positions[t] : static_cast<int32_t>(t);
+  cache.meta.dense_counts.assign(H, S);
+  cache.dense_positions = positions;
+  cache.next_position = static_cast<int64_t>(positions[S - 1]) + 1;
+  cache.footprint = 4ull * static_cast<uint64_t>(S) * H * D;
+  dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
+  upload_rope(dev, cache.rope, s.inv_freq, s.rope_first, s.rope_second);
+  dev.fill(s.bad, 0, sizeof(int32_t));
+  const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad);
+  uint16_t *keys = reinterpret_cast<uint16_t *>(data);
+  dev.launch(dense_store_kernel, static_cast<int>((S + 3) / 4), H, 128, a,
+             cache.meta.storage == AKV_DTYPE_BF16 ? 1 : 0, keys, keys + static_cast<int64_t>(H) * S * D);
+  if (dev.read_int(s.bad) != 0)
+    fail(AKV_ERR_NON_FINITE, "the keys or values contain NaN or Inf (CUDA compression)");
+}
+
 // Compresses into `data` (device memory of cache.layout.total_bytes) with scratch memory of
 // at least scratch_bytes(); the prefill tensors are device pointers. Throws
 // AKV_ERR_NON_FINITE (after waiting for the work) when an input holds NaN or Inf.
@@ -133,36 +223,11 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   dev.fill(data, 0, cache.layout.total_bytes);
   dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
   dev.copy(section(kPositions), positions.data(), P * sizeof(int32_t));
-  if (pairs) {
-    std::vector<int32_t> first(rope.first.begin(), rope.first.end()), second(rope.second.begin(), rope.second.end());
-    dev.copy(s.inv_freq, rope.inv_freq.data(), pairs * sizeof(float));
-    dev.copy(s.rope_first, first.data(), pairs * sizeof(int32_t));
-    dev.copy(s.rope_second, second.data(), pairs * sizeof(int32_t));
-  }
+  upload_rope(dev, rope, s.inv_freq, s.rope_first, s.rope_second);
   dev.copy(s.signs, cache.codec.signs().data(), D * sizeof(float));
   dev.fill(s.bad, 0, sizeof(int32_t));
 
-  PrefillArgs a;
-  a.keys = p.keys;
-  a.values = p.values;
-  a.queries = p.queries;
-  a.dtype = p.dtype;
-  a.kv_token_stride = p.kv_token_stride ? p.kv_token_stride : D;
-  a.kv_head_stride = p.kv_head_stride ? p.kv_head_stride : S * D;
-  a.q_token_stride = p.q_token_stride ? p.q_token_stride : D;
-  a.q_head_stride = p.q_head_stride ? p.q_head_stride : static_cast<int64_t>(W) * D;
-  a.seq_len = S;
-  a.heads = H;
-  a.q_heads = g.q_heads;
-  a.head_dim = D;
-  a.window = W;
-  a.keys_post_rope = o.keys_post_rope ? 1 : 0;
-  a.rope_pairs = pairs;
-  a.positions = s.positions;
-  a.inv_freq = s.inv_freq;
-  a.rope_first = s.rope_first;
-  a.rope_second = s.rope_second;
-  a.bad = s.bad;
+  const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad);
 
   const bool bf16 = cache.meta.storage == AKV_DTYPE_BF16;
   const int64_t n_top = std::min<int64_t>(free_anchors, std::llround(o.scored_fraction * static_cast<double>(free_anchors)));

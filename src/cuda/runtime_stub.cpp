@@ -42,6 +42,10 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &, void 
   check_device(0);
   return nullptr;
 }
+std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &, void *) {
+  check_device(0);
+  return nullptr;
+}
 
 }  // namespace cuda
 }  // namespace akv

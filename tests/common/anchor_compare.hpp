@@ -85,4 +85,23 @@ inline ::testing::AssertionResult anchor_caches_agree(const akv_cache &got, cons
                 << ", codes " << r.codes_diff << " of " << r.codes_compared << ", worst scale error " << r.worst_scale;
 }
 
+// FullKV caches from the device and the CPU: same counts and positions, values bit for bit,
+// keys (rotated in float with differently computed angles) within one storage step.
+inline ::testing::AssertionResult dense_caches_agree(const akv_cache &got, const akv_cache &expected) {
+  if (got.data.size() != expected.data.size() || got.meta.dense_counts != expected.meta.dense_counts ||
+      got.dense_positions != expected.dense_positions)
+    return ::testing::AssertionFailure() << "sizes, counts or positions differ";
+  const uint16_t *a = reinterpret_cast<const uint16_t *>(got.data.data());
+  const uint16_t *b = reinterpret_cast<const uint16_t *>(expected.data.data());
+  const size_t half = expected.data.size() / 4;  // elements per side
+  size_t key_steps = 0, value_diff = 0;
+  for (size_t i = 0; i < half; ++i) {
+    key_steps += std::abs(static_cast<int>(a[i]) - static_cast<int>(b[i])) > 1;
+    value_diff += a[half + i] != b[half + i];
+  }
+  if (key_steps == 0 && value_diff == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << key_steps << " keys differ by more than one step, " << value_diff
+                                       << " values differ";
+}
+
 }  // namespace akv_test

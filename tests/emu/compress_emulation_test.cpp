@@ -143,3 +143,39 @@ TEST(EmulatedCompress, GptjAndPostRopeKeys) {
 }
 
 }  // namespace
+
+namespace {
+
+// FullKV on the device stores what the CPU stores: values bit for bit, keys (rotated in
+// float on both sides, with differently computed angles) within one storage step.
+TEST(EmulatedCompress, FullKvMatchesCpu) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  for (akv_rope_style style : {AKV_ROPE_NEOX, AKV_ROPE_GPTJ, AKV_ROPE_NONE}) {
+    ContextPtr ctx = make_context(2);
+    PrefillSpec spec;
+    spec.seq_len = 333;
+    spec.head_dim = 64;
+    spec.dtype = AKV_DTYPE_F16;
+    spec.explicit_positions = true;
+    const PrefillData data = make_prefill(rng, spec);
+    akv_compress_options o = fullkv_options();
+    o.rope.style = style;
+    CachePtr expected = compress(ctx.get(), data, o);
+    const akv_prefill prefill = data.view();
+    const akv::CompressRequest req{ctx.get(), &prefill, &o};
+    std::unique_ptr<akv_cache> got = akv::new_cache(req);
+    got->data = akv::Buffer(ctx.get(), expected->data.size());
+    std::memset(got->data.data(), 0xA5, got->data.size());
+    kc::FullScratch measure;
+    std::vector<uint8_t> scratch(measure.carve(nullptr, spec.seq_len, 32) + 256);
+    uint8_t *base = reinterpret_cast<uint8_t *>((reinterpret_cast<uintptr_t>(scratch.data()) + 255) / 256 * 256);
+    EmulatedDevice dev;
+    kc::compress_fullkv(dev, prefill, o, *got, got->data.data(), base);
+    EXPECT_EQ(got->footprint, expected->footprint);
+    EXPECT_TRUE(dense_caches_agree(*got, *expected)) << "style " << style;
+  }
+}
+
+}  // namespace
