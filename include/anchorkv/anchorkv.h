@@ -162,9 +162,12 @@ typedef struct akv_allocator {
  *    (that would synchronise); reserve capacity first (akv_cache_reserve) so that it never
  *    allocates. akv_cache_reserve, akv_cache_deserialize, akv_cache_serialize and
  *    akv_cache_reconstruct synchronise the stream;
- *  - akv_compress reads the device tensors and compresses through the host (the CPU
- *    implementation, so both backends produce the same bytes), then places the cache on the
- *    device; it synchronises the stream. A GPU compression pass is planned. */
+ *  - akv_compress runs AnchorKV and FullKV on the device (the same layout as the CPU; the
+ *    GPU pass computes in a different order, so a floating-point near-tie can flip an
+ *    anchor, an assignment or a residual choice: rare, and bounded by the GPU tests). It
+ *    checks the inputs for NaN/Inf, so it waits for its work before returning. The eviction
+ *    baselines are compressed through the host in this version (the CPU implementation on a
+ *    copy of the inputs), then placed on the device. */
 typedef struct akv_context_options {
   size_t struct_size;     /* sizeof(akv_context_options) */
   akv_backend backend;    /* default AKV_BACKEND_CPU */
