@@ -58,8 +58,9 @@ void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, i
 }
 
 // Emulated GPU decode of a batch (f32 queries and output).
-std::vector<float> emulated_decode(const std::vector<akv_cache *> &caches, const std::vector<float> &queries,
-                                   int q_len, int sm_count, bool anchors_in_smem) {
+// queries, and the result: bytes in `io` dtype.
+std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, const std::vector<uint8_t> &queries,
+                                     akv_dtype io, int q_len, int sm_count, bool anchors_in_smem) {
   const int32_t batch = static_cast<int32_t>(caches.size());
   const akv_shape &s = caches[0]->meta.shape;
   kc::DecodePlan plan = kc::plan_decode(caches.data(), batch, q_len, sm_count, 227 * 1024);
@@ -71,13 +72,13 @@ std::vector<float> emulated_decode(const std::vector<akv_cache *> &caches, const
   std::vector<HostView> views;
   views.reserve(caches.size());
   for (akv_cache *c : caches) views.emplace_back(*c);
-  std::vector<float> out(queries.size(), std::numeric_limits<float>::quiet_NaN());
+  std::vector<uint8_t> out(queries.size(), 0xFF);  // NaN in every dtype
   std::vector<float> ws(plan.workspace_bytes / sizeof(float), std::numeric_limits<float>::quiet_NaN());
   kc::DecodeLaunch p{};
   for (int32_t b = 0; b < batch; ++b) p.views[b] = views[b].view();
   p.queries = queries.data();
   p.out = out.data();
-  p.dtype = AKV_DTYPE_F32;
+  p.dtype = io;
   p.heads = s.num_kv_heads;
   p.q_heads = s.num_q_heads;
   p.q_len = q_len;
@@ -105,6 +106,9 @@ struct Case {
   int head_dim, group, q_len, appended;
   akv_rope_style rope;
   bool gapped_positions;
+  int window = 0;      // 0: the method's default
+  int rotary_dim = 0;  // 0: all of head_dim
+  akv_dtype io = AKV_DTYPE_F32;
 };
 
 std::string describe(const Case &c) {
@@ -118,6 +122,8 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
   akv_compress_options o;
   akv_compress_options_init_method(&o, c.method);
   o.rope.style = c.rope;
+  o.rope.rotary_dim = c.rotary_dim;
+  if (c.window) o.window = c.window;
   PrefillSpec spec;
   spec.seq_len = c.seq_len;
   spec.kv_heads = kv_heads;
@@ -153,14 +159,17 @@ void check_case(const Case &c, int batch, int sm_count, bool anchors_in_smem) {
     caches.push_back(owned.back().get());
   }
   const size_t per_request = static_cast<size_t>(H) * c.group * c.q_len * c.head_dim;
-  const std::vector<float> q = nonzero_normal(rng, per_request * batch, 1.5);
-  std::vector<float> expected(q.size(), std::numeric_limits<float>::quiet_NaN());
-  ok(akv_decode_batch(ctx.get(), caches.data(), batch, q.data(), AKV_DTYPE_F32, c.q_len, expected.data(), nullptr),
+  const Tensor q = make_tensor(nonzero_normal(rng, per_request * batch, 1.5), c.io);
+  std::vector<uint8_t> expected_bytes = poisoned(q.count(), c.io);
+  ok(akv_decode_batch(ctx.get(), caches.data(), batch, q.data(), c.io, c.q_len, expected_bytes.data(), nullptr),
      "akv_decode_batch");
-  const std::vector<float> got = emulated_decode(caches, q, c.q_len, sm_count, anchors_in_smem);
+  const std::vector<float> got = decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, anchors_in_smem), c.io);
+  const std::vector<float> expected = decode_bytes(expected_bytes, c.io);
   ASSERT_EQ(count_non_finite(got), 0u);
-  // Same arithmetic up to summation order and the angle method (both accurate to ~1e-6).
-  EXPECT_TRUE(all_near(got, expected, 2e-4, 2e-4));
+  // Same arithmetic up to summation order and the angle method (both accurate to ~1e-6);
+  // a 16-bit output may round the other way.
+  const double tol = c.io == AKV_DTYPE_F32 ? 2e-4 : c.io == AKV_DTYPE_F16 ? 2e-3 : 1e-2;
+  EXPECT_TRUE(all_near(got, expected, tol, tol));
 }
 
 TEST(EmulatedDecode, AnchorKvMatchesCpuAcrossShapes) {
@@ -175,6 +184,21 @@ TEST(EmulatedDecode, AnchorKvBatchWithAppendedTokensAndQueryBlocks) {
 
 TEST(EmulatedDecode, ManyRowsUseSeveralRowChunks) {
   check_case({AKV_METHOD_ANCHORKV, 600, 64, 8, 5, 4, AKV_ROPE_NEOX, false}, 1, 2, true);  // 40 rows
+}
+
+TEST(EmulatedDecode, WideHeadsLongWindowPartialRotaryAndHalfPrecisionIo) {
+  // D=256; a window longer than a tile; RoPE on half the dimensions; bf16 and f16 I/O.
+  Case wide{AKV_METHOD_ANCHORKV, 1500, 256, 2, 1, 0, AKV_ROPE_NEOX, false};
+  wide.io = AKV_DTYPE_BF16;
+  check_case(wide, 1, 4, true);
+  Case long_window{AKV_METHOD_ANCHORKV, 2000, 64, 4, 2, 3, AKV_ROPE_NEOX, true};
+  long_window.window = 600;
+  long_window.rotary_dim = 32;
+  long_window.io = AKV_DTYPE_F16;
+  check_case(long_window, 2, 3, true);
+  Case gptj_partial{AKV_METHOD_ANCHORKV, 900, 128, 1, 1, 0, AKV_ROPE_GPTJ, false};
+  gptj_partial.rotary_dim = 64;
+  check_case(gptj_partial, 1, 8, false);
 }
 
 TEST(EmulatedDecode, DenseCachesMatchCpu) {
