@@ -432,13 +432,18 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
     }
     if (on_cuda(context)) {
       cuda::check_supported(o.method, p.shape.head_dim);
-      if (o.method == AKV_METHOD_ANCHORKV || o.method == AKV_METHOD_FULLKV) {  // on the device
-        const CompressRequest req{context, &p, &o};
-        std::unique_ptr<akv_cache> cache = o.method == AKV_METHOD_ANCHORKV ? cuda::compress_anchorkv_cuda(req, stream)
-                                                                           : cuda::compress_fullkv_cuda(req, stream);
+      const CompressRequest req{context, &p, &o};
+      std::unique_ptr<akv_cache> cache;
+      if (o.method == AKV_METHOD_ANCHORKV)
+        cache = cuda::compress_anchorkv_cuda(req, stream);
+      else if (o.method == AKV_METHOD_FULLKV)
+        cache = cuda::compress_fullkv_cuda(req, stream);
+      else if (o.method == AKV_METHOD_SNAPKV || o.method == AKV_METHOD_PYRAMIDKV || o.method == AKV_METHOD_ADAKV)
+        cache = cuda::compress_eviction_cuda(req, stream);
+      if (cache) {  // compressed on the device
         cuda::upload_view(*cache, stream);
         *out_cache = cache.release();
-      } else {  // the eviction baselines: through the host for now
+      } else {  // AnDPro: through the host for now
         *out_cache = compress_staged(*context, p, o, stream).release();
       }
       return;

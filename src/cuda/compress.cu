@@ -101,6 +101,10 @@ struct CudaDevice {
   void fill(void *dst, int byte, size_t bytes) {
     if (bytes) check(cudaMemsetAsync(dst, byte, bytes, stream), "cudaMemsetAsync");
   }
+  void read(void *host, const void *src, size_t bytes) {
+    if (bytes) check(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  }
   int read_int(const int32_t *p) {
     int32_t value = 0;
     check(cudaMemcpyAsync(&value, p, sizeof value, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
@@ -108,6 +112,26 @@ struct CudaDevice {
     return value;
   }
 };
+
+// The stream's workspace for a pipeline of `pipeline_bytes` plus the radix sorts of up to
+// `most` items (second buffers and CUB's temporary storage), wired into `dev`.
+uint8_t *reserve_sort_scratch(akv_context &ctx, CudaDevice &dev, size_t pipeline_bytes, int64_t most, void *stream) {
+  size_t temp32 = 0, temp64 = 0;
+  cub::DoubleBuffer<uint32_t> k32(nullptr, nullptr), v(nullptr, nullptr);
+  cub::DoubleBuffer<uint64_t> k64(nullptr, nullptr);
+  check(cub::DeviceRadixSort::SortPairs(nullptr, temp32, k32, v, static_cast<int>(most), 0, 32, dev.stream), "cub sizing");
+  check(cub::DeviceRadixSort::SortPairs(nullptr, temp64, k64, v, static_cast<int>(most), 0, 64, dev.stream), "cub sizing");
+  auto up = [](size_t x) { return (x + 255) / 256 * 256; };
+  dev.sort_temp_bytes = std::max(temp32, temp64);
+  const size_t total = up(pipeline_bytes) + up(most * 4) * 2 + up(most * 8) + up(dev.sort_temp_bytes);
+  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, total, stream));
+  uint8_t *extra = base + up(pipeline_bytes);
+  dev.alt_keys32 = reinterpret_cast<uint32_t *>(extra);
+  dev.alt_values = reinterpret_cast<uint32_t *>(extra + up(most * 4));
+  dev.alt_keys64 = reinterpret_cast<uint64_t *>(extra + 2 * up(most * 4));
+  dev.sort_temp = extra + 2 * up(most * 4) + up(most * 8);
+  return base;
+}
 
 // The context's device for the duration of a call; the caller's current device is restored.
 struct DeviceScope {
@@ -137,6 +161,28 @@ std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &req, void
   return cache;
 }
 
+std::unique_ptr<akv_cache> compress_eviction_cuda(const CompressRequest &req, void *stream) {
+  akv_context &ctx = *req.context;
+  const akv_prefill &p = *req.prefill;
+  const akv_compress_options &o = *req.options;
+  DeviceScope scope(ctx.device);
+  const EvictionBudget budget = eviction_budget(o, p.shape);
+  std::unique_ptr<akv_cache> cache = new_cache(req);
+  cache->data = Buffer(&ctx, budget.footprint);
+  CudaDevice dev;
+  dev.stream = static_cast<cudaStream_t>(stream);
+  dev.blas = blas_handle(ctx);
+  check(cublasSetStream(dev.blas, dev.stream), "cublasSetStream");
+  const int H = p.shape.num_kv_heads, D = p.shape.head_dim, pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
+  EvictionScratch measure;
+  const size_t pipeline_bytes = measure.carve(nullptr, budget.seq_len, budget.prefix, H, D,
+                                              p.shape.num_q_heads / H * budget.window, pairs, budget.layer_tokens);
+  const int64_t most = std::max<int64_t>(static_cast<int64_t>(H) * budget.prefix, 2);
+  uint8_t *base = reserve_sort_scratch(ctx, dev, pipeline_bytes, most, stream);
+  compress_eviction(dev, p, o, *cache, budget, cache->data.data(), base);
+  return cache;
+}
+
 std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, void *stream) {
   akv_context &ctx = *req.context;
   const akv_prefill &p = *req.prefill;
@@ -158,23 +204,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   const size_t pipeline_bytes = measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window,
                                               g.anchors, pairs);
   const int64_t most = std::max<int64_t>(static_cast<int64_t>(g.heads) * g.prefix, 2);
-  size_t temp32 = 0, temp64 = 0;
-  {
-    cub::DoubleBuffer<uint32_t> k32(nullptr, nullptr), v(nullptr, nullptr);
-    cub::DoubleBuffer<uint64_t> k64(nullptr, nullptr);
-    check(cub::DeviceRadixSort::SortPairs(nullptr, temp32, k32, v, static_cast<int>(most), 0, 32, dev.stream), "cub sizing");
-    check(cub::DeviceRadixSort::SortPairs(nullptr, temp64, k64, v, static_cast<int>(most), 0, 64, dev.stream), "cub sizing");
-  }
-  auto up = [](size_t x) { return (x + 255) / 256 * 256; };
-  dev.sort_temp_bytes = std::max(temp32, temp64);
-  const size_t total = up(pipeline_bytes) + up(most * 4) * 2 + up(most * 8) + up(dev.sort_temp_bytes);
-  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, total, stream));
-  uint8_t *extra = base + up(pipeline_bytes);
-  dev.alt_keys32 = reinterpret_cast<uint32_t *>(extra);
-  dev.alt_values = reinterpret_cast<uint32_t *>(extra + up(most * 4));
-  dev.alt_keys64 = reinterpret_cast<uint64_t *>(extra + 2 * up(most * 4));
-  dev.sort_temp = extra + 2 * up(most * 4) + up(most * 8);
-
+  uint8_t *base = reserve_sort_scratch(ctx, dev, pipeline_bytes, most, stream);
   compress_anchorkv(dev, p, o, *cache, positions, cache->data.data(), base);  // waits at the end (NaN check)
   return cache;
 }

@@ -482,17 +482,17 @@ __global__ void __launch_bounds__(32) encode_kernel(const __grid_constant__ Pref
   }
 }
 
-// FullKV: every token of head blockIdx.y stored exactly, keys post-RoPE, in the storage
-// dtype ([H][S][D] keys, then values). One token per warp.
-__global__ void dense_store_kernel(const __grid_constant__ PrefillArgs a, int storage_bf16, uint16_t *keys_out,
-                                   uint16_t *values_out) {
+// Dense storage of head h (FullKV, eviction): row i of the outputs is token tokens[i] (or i
+// when tokens is null), keys post-RoPE, values, both in the storage dtype. One token per warp.
+__global__ void dense_store_kernel(const __grid_constant__ PrefillArgs a, int h, const int32_t *tokens, int64_t n,
+                                   int storage_bf16, uint16_t *keys_out, uint16_t *values_out) {
   const int lane = threadIdx.x & 31;
-  const int h = blockIdx.y;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
-  if (t >= a.seq_len) return;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
+  if (i >= n) return;
+  const int64_t t = tokens ? tokens[i] : i;
   const int D = a.head_dim;
   const bool bf16 = storage_bf16 != 0;
-  const int64_t src = h * a.kv_head_stride + t * a.kv_token_stride, dst = (h * a.seq_len + t) * D;
+  const int64_t src = h * a.kv_head_stride + t * a.kv_token_stride, dst = i * D;
   const bool rotate = !a.keys_post_rope && a.rope_pairs > 0;
   bool bad = false;
   for (int d = lane; d < D; d += 32) {
@@ -513,6 +513,12 @@ __global__ void dense_store_kernel(const __grid_constant__ PrefillArgs a, int st
     }
   }
   if (bad) atomicAdd(a.bad, 1);
+}
+
+// ids[i] = first + i (candidate ids h * P + t of the layer-wide selections).
+__global__ void iota_kernel(uint32_t *ids, uint32_t first, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) ids[i] = first + static_cast<uint32_t>(i);
 }
 
 }  // namespace cuda

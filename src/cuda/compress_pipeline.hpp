@@ -10,7 +10,8 @@
 //   gemm_nn(M, N, K, alpha, A, lda, B, ldb, C, ldc)  C = alpha A B
 //   sort_u32(keys, values, n), sort_u64(keys, values, n)  stable ascending, in place
 //   copy(dst, src, bytes), fill(dst, byte, bytes)    ordered with the kernels
-//   int read_int(const int32_t *)                    waits for the work so far
+//   read(host_dst, src, bytes)                        waits for the work so far, then copies
+//   int read_int(const int32_t *)                    the same for one int
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "cuda/compress_kernels.cuh"
+#include "methods/eviction.hpp"
 
 namespace akv {
 namespace cuda {
@@ -195,11 +197,136 @@ void compress_fullkv(Dev &dev, const akv_prefill &p, const akv_compress_options 
   upload_rope(dev, cache.rope, s.inv_freq, s.rope_first, s.rope_second);
   dev.fill(s.bad, 0, sizeof(int32_t));
   const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad);
-  uint16_t *keys = reinterpret_cast<uint16_t *>(data);
-  dev.launch(dense_store_kernel, static_cast<int>((S + 3) / 4), H, 128, a,
-             cache.meta.storage == AKV_DTYPE_BF16 ? 1 : 0, keys, keys + static_cast<int64_t>(H) * S * D);
+  uint16_t *keys = reinterpret_cast<uint16_t *>(data), *values = keys + static_cast<int64_t>(H) * S * D;
+  for (int h = 0; h < H; ++h)
+    dev.launch(dense_store_kernel, static_cast<int>((S + 3) / 4), 1, 128, a, h, static_cast<const int32_t *>(nullptr), S,
+               cache.meta.storage == AKV_DTYPE_BF16 ? 1 : 0, keys + static_cast<int64_t>(h) * S * D,
+               values + static_cast<int64_t>(h) * S * D);
   if (dev.read_int(s.bad) != 0)
     fail(AKV_ERR_NON_FINITE, "the keys or values contain NaN or Inf (CUDA compression)");
+}
+
+// SnapKV, PyramidKV and AdaKV on the device: the window-attention scores of every head, a
+// per-head radix sort (AdaKV: also the layer-wide one), the kept tokens (downloaded: the
+// cache keeps them host-side) and their rows gathered into the ragged dense storage.
+struct EvictionScratch {
+  float *kpre, *kpost, *v, *q, *attn, *raw, *alpha_sq, *inv_freq;
+  uint32_t *keys, *index, *all_keys, *all_ids;
+  int32_t *positions, *rope_first, *rope_second, *bad, *kept;
+  size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int pairs, int64_t kept_tokens) {
+    size_t at = 0;
+    auto take = [&](auto *&ptr, int64_t count) {
+      using T = std::remove_reference_t<decltype(*ptr)>;
+      at = (at + 255) / 256 * 256;
+      ptr = base ? reinterpret_cast<T *>(base + at) : nullptr;
+      at += sizeof(T) * static_cast<size_t>(std::max<int64_t>(count, 1));
+    };
+    take(kpre, S * D);
+    take(kpost, S * D);
+    take(v, S * D);
+    take(q, int64_t{m} * D);
+    take(attn, int64_t{m} * S);
+    take(raw, P);
+    take(alpha_sq, P);
+    take(inv_freq, pairs);
+    take(keys, int64_t{H} * P);
+    take(index, int64_t{H} * P);
+    take(all_keys, int64_t{H} * P);
+    take(all_ids, int64_t{H} * P);
+    take(positions, S);
+    take(rope_first, pairs);
+    take(rope_second, pairs);
+    take(bad, 1);
+    take(kept, kept_tokens);
+    return at;
+  }
+};
+
+inline bool eviction_on_device(akv_method method) {
+  return method == AKV_METHOD_SNAPKV || method == AKV_METHOD_PYRAMIDKV || method == AKV_METHOD_ADAKV;
+}
+
+// `data`: device memory of budget.footprint bytes. Sets the cache's counts, kept tokens,
+// positions and footprint. Waits for the work (downloads, non-finite check).
+template <class Dev>
+void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_options &o, akv_cache &cache,
+                       const EvictionBudget &b, uint8_t *data, uint8_t *scratch_base) {
+  const int64_t S = b.seq_len, P = b.prefix;
+  const int H = b.heads, W = b.window, D = p.shape.head_dim;
+  const int m = p.shape.num_q_heads / H * W;
+  const int pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
+  require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT,
+          "queries is NULL (the eviction methods score tokens with the window queries)");
+  EvictionScratch s;
+  s.carve(scratch_base, S, P, H, D, m, pairs, b.layer_tokens);
+  std::vector<int32_t> positions(S);
+  for (int64_t t = 0; t < S; ++t) positions[t] = p.positions ? p.positions[t] : static_cast<int32_t>(t);
+  dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
+  upload_rope(dev, cache.rope, s.inv_freq, s.rope_first, s.rope_second);
+  dev.fill(s.bad, 0, sizeof(int32_t));
+  const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad);
+  const bool adakv = o.method == AKV_METHOD_ADAKV;
+  auto blocks = [](int64_t n, int per) { return static_cast<int>((n + per - 1) / per); };
+  for (int h = 0; h < H; ++h) {
+    dev.launch(load_head_kernel, blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
+    dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q);
+    dev.gemm_nt(m, S, D, cache.meta.softmax_scale, s.q, D, s.kpost, D, s.attn, S);
+    dev.launch(window_softmax_kernel, m, 1, 128, s.attn, S, P, W);
+    dev.launch(scores_kernel, blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, s.raw, s.alpha_sq);
+    uint32_t *keys = s.keys + h * P, *index = s.index + h * P;
+    dev.launch(pool_kernel, blocks(P, 128), 1, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
+               o.pool_type == AKV_POOL_MAX ? 1 : 0, keys, index);
+    if (adakv) {
+      dev.copy(s.all_keys + h * P, keys, P * sizeof(uint32_t));
+      dev.launch(iota_kernel, blocks(P, 128), 1, 128, s.all_ids + h * P, static_cast<uint32_t>(h * P), P);
+    }
+    dev.sort_u32(keys, index, P);  // best first, ties to the lower index
+  }
+  // Evictable tokens kept per head.
+  std::vector<int64_t> counts(H, b.head_tokens - W);
+  if (adakv) {
+    const int64_t base = b.per_head - W;
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(H) * base, static_cast<int64_t>(H) * P);
+    dev.sort_u32(s.all_keys, s.all_ids, static_cast<int64_t>(H) * P);  // ties: head, then token
+    std::vector<uint32_t> best(n);
+    dev.read(best.data(), s.all_ids, n * sizeof(uint32_t));
+    std::vector<int64_t> selected(H, 0);
+    for (uint32_t id : best) ++selected[id / P];
+    counts = adakv_counts(selected, base, o.adakv_alpha);
+    int64_t excess = 0;  // as the CPU: rounding never exceeds P in exact arithmetic
+    for (int64_t &c : counts)
+      if (c > P) excess += c - P, c = P;
+    for (int h = 0; h < H && excess > 0; ++h) {
+      const int64_t add = std::min(excess, P - counts[h]);
+      counts[h] += add;
+      excess -= add;
+    }
+  }
+  std::vector<int64_t> first(H + 1, 0);
+  cache.dense_tokens.clear();
+  cache.meta.dense_counts.assign(H, 0);
+  for (int h = 0; h < H; ++h) {
+    std::vector<uint32_t> top(std::min<int64_t>(counts[h], P));
+    dev.read(top.data(), s.index + h * P, top.size() * sizeof(uint32_t));
+    std::sort(top.begin(), top.end());
+    for (uint32_t t : top) cache.dense_tokens.push_back(static_cast<int32_t>(t));
+    for (int64_t t = P; t < S; ++t) cache.dense_tokens.push_back(static_cast<int32_t>(t));
+    first[h + 1] = static_cast<int64_t>(cache.dense_tokens.size());
+    cache.meta.dense_counts[h] = first[h + 1] - first[h];
+  }
+  const int64_t total = first[H];
+  require(total == b.layer_tokens, AKV_ERR_INTERNAL, "eviction kept ", total, " tokens, the budget says ", b.layer_tokens);
+  cache.footprint = 4ull * static_cast<uint64_t>(total) * D;
+  cache.dense_positions = positions;
+  cache.next_position = static_cast<int64_t>(positions[S - 1]) + 1;
+  dev.copy(s.kept, cache.dense_tokens.data(), total * sizeof(int32_t));
+  uint16_t *keys = reinterpret_cast<uint16_t *>(data), *values = keys + total * D;
+  for (int h = 0; h < H; ++h)
+    dev.launch(dense_store_kernel, blocks(first[h + 1] - first[h], 4), 1, 128, a, h,
+               static_cast<const int32_t *>(s.kept + first[h]), first[h + 1] - first[h],
+               cache.meta.storage == AKV_DTYPE_BF16 ? 1 : 0, keys + first[h] * D, values + first[h] * D);
+  if (dev.read_int(s.bad) != 0)
+    fail(AKV_ERR_NON_FINITE, "the keys, values or queries contain NaN or Inf (CUDA compression)");
 }
 
 // Compresses into `data` (device memory of cache.layout.total_bytes) with scratch memory of

@@ -46,6 +46,10 @@ std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &, void *)
   check_device(0);
   return nullptr;
 }
+std::unique_ptr<akv_cache> compress_eviction_cuda(const CompressRequest &, void *) {
+  check_device(0);
+  return nullptr;
+}
 
 }  // namespace cuda
 }  // namespace akv

@@ -50,6 +50,7 @@ struct EmulatedDevice {
   void sort_u64(uint64_t *keys, uint32_t *values, int64_t n) { sort(keys, values, n); }
   void copy(void *dst, const void *src, size_t bytes) { std::memmove(dst, src, bytes); }
   void fill(void *dst, int byte, size_t bytes) { std::memset(dst, byte, bytes); }
+  void read(void *host, const void *src, size_t bytes) { std::memcpy(host, src, bytes); }
   int read_int(const int32_t *p) { return *p; }
 };
 
@@ -175,6 +176,52 @@ TEST(EmulatedCompress, FullKvMatchesCpu) {
     kc::compress_fullkv(dev, prefill, o, *got, got->data.data(), base);
     EXPECT_EQ(got->footprint, expected->footprint);
     EXPECT_TRUE(dense_caches_agree(*got, *expected)) << "style " << style;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// SnapKV, PyramidKV and AdaKV on the device keep the CPU's tokens (a near-tie may swap a
+// token: at most 1 in 100 kept) and store the same rows.
+TEST(EmulatedCompress, EvictionMatchesCpu) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  for (akv_method method : {AKV_METHOD_SNAPKV, AKV_METHOD_PYRAMIDKV, AKV_METHOD_ADAKV}) {
+    SCOPED_TRACE("method " + std::to_string(method));
+    ContextPtr ctx = make_context(2);
+    akv_compress_options o;
+    akv_compress_options_init_method(&o, method);
+    o.retain_fraction = 0.2;
+    o.layer_index = 1;
+    o.layer_count = 4;
+    PrefillSpec spec;
+    spec.seq_len = 1500;
+    spec.kv_heads = 3;
+    spec.group = 2;
+    spec.head_dim = 64;
+    spec.window = o.window;
+    spec.dtype = AKV_DTYPE_BF16;
+    const PrefillData data = make_prefill(rng, spec);
+    CachePtr expected = compress(ctx.get(), data, o);
+    const akv_prefill prefill = data.view();
+    const akv::CompressRequest req{ctx.get(), &prefill, &o};
+    const akv::EvictionBudget budget = akv::eviction_budget(o, prefill.shape);
+    std::unique_ptr<akv_cache> got = akv::new_cache(req);
+    got->data = akv::Buffer(ctx.get(), budget.footprint);
+    std::memset(got->data.data(), 0xA5, got->data.size());
+    kc::EvictionScratch measure;
+    std::vector<uint8_t> scratch(measure.carve(nullptr, budget.seq_len, budget.prefix, 3, 64, 2 * budget.window, 32,
+                                               budget.layer_tokens) + 256);
+    uint8_t *base = reinterpret_cast<uint8_t *>((reinterpret_cast<uintptr_t>(scratch.data()) + 255) / 256 * 256);
+    EmulatedDevice dev;
+    kc::compress_eviction(dev, prefill, o, *got, budget, got->data.data(), base);
+    EXPECT_EQ(got->footprint, expected->footprint);
+    EXPECT_TRUE(eviction_caches_agree(*got, *expected));
+    const Tensor q = make_tensor(nonzero_normal(rng, static_cast<size_t>(6) * 64, 1.5), AKV_DTYPE_F32);
+    EXPECT_TRUE(all_near(decode(got.get(), q, 1), decode(expected.get(), q, 1), 2e-2, 2e-2));
   }
 }
 
