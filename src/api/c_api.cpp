@@ -189,12 +189,11 @@ size_t strided_extent(int64_t heads, int64_t rows, int64_t head_stride, int64_t 
   return static_cast<size_t>((heads - 1) * head_stride + (rows - 1) * row_stride + D);
 }
 
-// Compression for a CUDA context, staged through the host: the device inputs are copied to
-// the host, compressed by the CPU implementation (the same bytes the CPU backend produces)
-// and the cache is placed in device memory. The GPU compression pass replaces this.
+// Compression for a CUDA context staged through the host (the methods without a device
+// pass, AnDPro): the device inputs are copied to the host, compressed by the CPU
+// implementation (the CPU backend's bytes) and the cache is placed in device memory.
 std::unique_ptr<akv_cache> compress_staged(akv_context &ctx, const akv_prefill &p, const akv_compress_options &o,
                                            void *stream) {
-  cuda::check_supported(o.method, p.shape.head_dim);
   const akv_shape &s = p.shape;
   const int D = s.head_dim;
   const size_t es = dtype_size(p.dtype);
