@@ -46,7 +46,8 @@ struct SplitBlock {
   int k, pairs;
   float *q_s, *w_s, *L_s, *red_s, *inv_s, *stepc_s, *steps_s, *resid_s;
   int32_t *first_s, *second_s, *pair_of_s;
-  const uint16_t *akeys;
+  const uint16_t *akeys;           // anchor keys of this head in global memory
+  const uint32_t *aw = nullptr;    // the same in shared memory, pair words, swizzled (or null)
 
   float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
 
@@ -93,12 +94,21 @@ struct SplitBlock {
     }
     akeys = k ? c.anchor_keys + static_cast<int64_t>(h) * k * D : nullptr;
     if (k && p.anchors_in_smem) {
-      // Rows of D >= 64 halves: 16-byte chunks, and the head's block is 16-byte aligned.
-      uint16_t *dst = reinterpret_cast<uint16_t *>(smem + lay.anchors);
-      const int chunks = k * D / 8;
-      for (int e = tid; e < chunks; e += kThreads)
-        reinterpret_cast<uint4 *>(dst)[e] = reinterpret_cast<const uint4 *>(akeys)[e];
-      akeys = dst;
+      // Anchor rows as D/2 words: word j < pairs holds the rotary pair (first[j], second[j]),
+      // the rest consecutive pairs of the unrotated dimensions, so a pair is one 32-bit load.
+      // Row a is rotated by a words: threads reading the same word of different rows hit
+      // different banks.
+      __syncthreads();  // the pair tables
+      uint32_t *dst = reinterpret_cast<uint32_t *>(smem + lay.anchors);
+      constexpr int W2 = D / 2;
+      for (int e = tid; e < k * W2; e += kThreads) {
+        const int a = e / W2, j = e % W2;
+        const int d0 = j < pairs ? first_s[j] : 2 * pairs + 2 * (j - pairs);
+        const int d1 = j < pairs ? second_s[j] : d0 + 1;
+        const uint16_t *row = akeys + static_cast<int64_t>(a) * D;
+        dst[a * W2 + ((j + a) & (W2 - 1))] = static_cast<uint32_t>(row[d0]) | (static_cast<uint32_t>(row[d1]) << 16);
+      }
+      aw = dst;
     }
     for (int i = 0; i < MAXROWS; ++i) {
       m_run[i] = -INFINITY;
@@ -131,18 +141,34 @@ struct SplitBlock {
         } else {
           rope_angle(pos[r], inv_s[j], &cs, &sn);
         }
-        const uint16_t *row = akeys + static_cast<int64_t>(a[r]) * D;
-        const float x0 = bits_to_float(row[f], bf16), x1 = bits_to_float(row[s], bf16);
+        float x0, x1;
+        word_pair(a[r], j, f, s, x0, x1);
         const float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
         for (int i = 0; i < MAXROWS; ++i) acc[r][i] += qf[i] * y0 + qs[i] * y1;
       }
     }
-    for (int d = 2 * pairs; d < D; ++d)  // dimensions outside the rotary part
+    for (int j = pairs; j < D / 2; ++j) {  // dimensions outside the rotary part, two at a time
+      const int d = 2 * pairs + 2 * (j - pairs);
       for (int r = 0; r < RUN; ++r) {
         if (!valid[r]) continue;
-        const float x = bits_to_float(akeys[static_cast<int64_t>(a[r]) * D + d], bf16);
-        for (int i = 0; i < MAXROWS; ++i) acc[r][i] += q_s[i * D + d] * x;
+        float x0, x1;
+        word_pair(a[r], j, d, d + 1, x0, x1);
+        for (int i = 0; i < MAXROWS; ++i) acc[r][i] += q_s[i * D + d] * x0 + q_s[i * D + d + 1] * x1;
       }
+    }
+  }
+
+  // Dimensions d0, d1 (word j of the pair layout) of anchor a.
+  __device__ __forceinline__ void word_pair(int a, int j, int d0, int d1, float &x0, float &x1) const {
+    if (aw) {
+      const uint32_t w = aw[a * (D / 2) + ((j + a) & (D / 2 - 1))];
+      x0 = bits_to_float(static_cast<uint16_t>(w & 0xffffu), bf16);
+      x1 = bits_to_float(static_cast<uint16_t>(w >> 16), bf16);
+    } else {
+      const uint16_t *row = akeys + static_cast<int64_t>(a) * D;
+      x0 = bits_to_float(row[d0], bf16);
+      x1 = bits_to_float(row[d1], bf16);
+    }
   }
 
   // Prefix tokens t0.. (AnchorKV): logits gamma_t (q . R_t K_a) into L_s.
