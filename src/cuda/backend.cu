@@ -45,7 +45,7 @@ void launch_decode(const DecodePlan &plan, const DecodeLaunch &p, int32_t reques
     cudaFuncSetAttribute(decode_split_kernel<D, MAXROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                          static_cast<int>(smem_optin));
   });
-  decode_split_kernel<D, MAXROWS><<<dim3(plan.splits, p.heads * plan.row_chunks, requests), kThreads,
+  decode_split_kernel<D, MAXROWS><<<dim3(plan.splits * plan.slices, p.heads * plan.row_chunks, requests), kThreads,
                                     plan.smem_bytes, stream>>>(p);
   decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests), kThreads, 0, stream>>>(p);
 }
@@ -144,7 +144,8 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
     p.splits = plan.splits;
     p.max_anchors = plan.max_anchors;
     p.max_pairs = plan.max_pairs;
-    p.anchors_in_smem = plan.anchors_in_smem ? 1 : 0;
+    p.slices = plan.slices;
+    p.slice_anchors = plan.slice_anchors;
     p.ws_o = ws;
     p.ws_r = ws + plan.blocks * per_block;
     p.ws_ml = ws + 2 * plan.blocks * per_block;

@@ -58,7 +58,9 @@ struct DecodeLaunch {
   void *out;
   int32_t dtype;        // akv_dtype of queries and out
   int32_t heads, q_heads, q_len, rows, row_chunks, splits;
-  int32_t max_anchors, max_pairs, anchors_in_smem;
+  int32_t max_anchors, max_pairs;
+  int32_t slices;         // anchor slices: grid.x = splits * slices
+  int32_t slice_anchors;  // anchors staged in shared memory per block; 0: read from global memory
   float *ws_o, *ws_r, *ws_ml;  // [blocks][MAXROWS][D], same, [blocks][MAXROWS][2]
 };
 
@@ -71,7 +73,7 @@ AKV_HD inline size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 // Shared-memory carve-up of decode_split_kernel; the host sizes the launch with the same code.
 struct SplitSmem {
   size_t q, w, logits, red, inv, stepc, steps, first, second, pair_of, resid, anchors, total;
-  AKV_HD SplitSmem(int D, int maxrows, int tile, int max_anchors, int max_pairs, bool anchors_in_smem) {
+  AKV_HD SplitSmem(int D, int maxrows, int tile, int max_anchors, int max_pairs, int staged_anchors) {
     size_t o = 0;
     q = o; o = align16(o + sizeof(float) * maxrows * D);
     w = o; o = align16(o + sizeof(float) * maxrows * max_anchors);
@@ -84,7 +86,7 @@ struct SplitSmem {
     second = o; o = align16(o + sizeof(int32_t) * max_pairs);
     pair_of = o; o = align16(o + sizeof(int32_t) * D);
     resid = o; o = align16(o + sizeof(float) * (kThreads / 32) * D);
-    anchors = o; o = align16(o + (anchors_in_smem ? sizeof(uint16_t) * static_cast<size_t>(max_anchors) * D : 0));
+    anchors = o; o = align16(o + sizeof(uint16_t) * static_cast<size_t>(staged_anchors) * D);
     total = o;
   }
 };

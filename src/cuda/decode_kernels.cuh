@@ -47,11 +47,13 @@ struct SplitBlock {
   float *q_s, *w_s, *L_s, *red_s, *inv_s, *stepc_s, *steps_s, *resid_s;
   int32_t *first_s, *second_s, *pair_of_s;
   const uint16_t *akeys;           // anchor keys of this head in global memory
-  const uint32_t *aw = nullptr;    // the same in shared memory, pair words, swizzled (or null)
+  const uint32_t *aw = nullptr;    // this block's slice of them in shared memory (or null)
+  int a0 = 0, a1 = 0;              // the anchors this block handles
 
   float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
 
-  __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc)
+  __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc,
+                                        int slice)
       : c(view), p(launch) {
     tid = threadIdx.x;
     lane = tid & 31;
@@ -62,7 +64,7 @@ struct SplitBlock {
     bf16 = c.storage_bf16 != 0;
     k = c.kind == kKindAnchor ? c.anchors : 0;
     pairs = c.rope_pairs;
-    const SplitSmem lay(D, MAXROWS, TILE, p.max_anchors, p.max_pairs, p.anchors_in_smem != 0);
+    const SplitSmem lay(D, MAXROWS, TILE, p.max_anchors, p.max_pairs, p.slice_anchors);
     q_s = reinterpret_cast<float *>(smem + lay.q);
     w_s = reinterpret_cast<float *>(smem + lay.w);
     L_s = reinterpret_cast<float *>(smem + lay.logits);
@@ -93,7 +95,11 @@ struct SplitBlock {
       rope_angle(1, c.inv_freq[j], &stepc_s[j], &steps_s[j]);
     }
     akeys = k ? c.anchor_keys + static_cast<int64_t>(h) * k * D : nullptr;
-    if (k && p.anchors_in_smem) {
+    // This block's anchors: slice `slice` of the head's anchors (all of them when they are
+    // read from global memory). Tokens of other anchors are left to the other slices.
+    a0 = p.slice_anchors ? slice * p.slice_anchors : 0;
+    a1 = p.slice_anchors ? (a0 + p.slice_anchors < k ? a0 + p.slice_anchors : k) : k;
+    if (a1 > a0 && p.slice_anchors) {
       // Anchor rows as D/2 words: word j < pairs holds the rotary pair (first[j], second[j]),
       // the rest consecutive pairs of the unrotated dimensions, so a pair is one 32-bit load.
       // Row a is rotated by a words: threads reading the same word of different rows hit
@@ -101,11 +107,11 @@ struct SplitBlock {
       __syncthreads();  // the pair tables
       uint32_t *dst = reinterpret_cast<uint32_t *>(smem + lay.anchors);
       constexpr int W2 = D / 2;
-      for (int e = tid; e < k * W2; e += kThreads) {
-        const int a = e / W2, j = e % W2;
+      for (int e = tid; e < (a1 - a0) * W2; e += kThreads) {
+        const int a = e / W2, j = e % W2;  // a: row within the slice
         const int d0 = j < pairs ? first_s[j] : 2 * pairs + 2 * (j - pairs);
         const int d1 = j < pairs ? second_s[j] : d0 + 1;
-        const uint16_t *row = akeys + static_cast<int64_t>(a) * D;
+        const uint16_t *row = akeys + static_cast<int64_t>(a0 + a) * D;
         dst[a * W2 + ((j + a) & (W2 - 1))] = static_cast<uint32_t>(row[d0]) | (static_cast<uint32_t>(row[d1]) << 16);
       }
       aw = dst;
@@ -161,6 +167,7 @@ struct SplitBlock {
   // Dimensions d0, d1 (word j of the pair layout) of anchor a.
   __device__ __forceinline__ void word_pair(int a, int j, int d0, int d1, float &x0, float &x1) const {
     if (aw) {
+      a -= a0;
       const uint32_t w = aw[a * (D / 2) + ((j + a) & (D / 2 - 1))];
       x0 = bits_to_float(static_cast<uint16_t>(w & 0xffffu), bf16);
       x1 = bits_to_float(static_cast<uint16_t>(w >> 16), bf16);
@@ -180,8 +187,8 @@ struct SplitBlock {
     float gam[RUN];
     for (int r = 0; r < RUN; ++r) {
       const int64_t t = t0 + tid * RUN + r;
-      valid[r] = t < end;
-      a[r] = valid[r] ? c.key_index[h * P + t] : 0;
+      a[r] = t < end ? c.key_index[h * P + t] : 0;
+      valid[r] = t < end && a[r] >= a0 && a[r] < a1;
       gam[r] = valid[r] ? bits_to_float(c.key_gamma[h * P + t], true) : 0.0f;
       pos[r] = valid[r] ? c.positions[t] : 0;
     }
@@ -198,8 +205,8 @@ struct SplitBlock {
     bool valid[RUN];
     for (int r = 0; r < RUN; ++r) {
       const int w = w0 + tid * RUN + r;
-      valid[r] = w < end;
-      a[r] = valid[r] ? k - c.window + w : 0;
+      a[r] = k - c.window + w;
+      valid[r] = w < end && a[r] >= a0 && a[r] < a1;
       pos[r] = c.window_first_position + w;
     }
     float acc[RUN][MAXROWS];
@@ -248,6 +255,8 @@ struct SplitBlock {
         const int bit = __ffsll(static_cast<long long>(mask)) - 1;
         mask &= mask - 1;
         const int64_t t = wd * 64 + bit;
+        const int an = c.key_index[h * c.prefix + t];
+        if (an < a0 || an >= a1) continue;  // another slice's token (its logit stays -inf here)
         const uint8_t *codes = c.key_codes + static_cast<int64_t>(slot) * (D / 4);
         const float scale = c.key_scales[slot];
         float x[EPL];
@@ -441,10 +450,10 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const __grid_con
   extern __shared__ __align__(16) unsigned char smem[];
 #endif
   using Block = SplitBlock<D, MAXROWS>;
-  const int split = blockIdx.x;
+  const int split = blockIdx.x / p.slices, slice = blockIdx.x % p.slices;
   const int h = blockIdx.y / p.row_chunks, rc = blockIdx.y % p.row_chunks;
   const CacheView &c = *p.views[blockIdx.z];
-  Block blk(c, p, smem, h, rc);
+  Block blk(c, p, smem, h, rc, slice);
   const int splits = p.splits;
   const int64_t suffix_len = c.suffix_len;
 
@@ -466,7 +475,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const __grid_con
         blk.softmax_tile();
         blk.window_values(w0, end);
       }
-  } else {
+  } else if (slice == 0) {
     const int64_t first = c.dense_start[h], count = c.dense_start[h + 1] - first;
     const uint16_t *keys = c.dense_keys + first * D, *values = c.dense_values + first * D;
     const int64_t tiles = (count + Block::TILE - 1) / Block::TILE;
@@ -477,7 +486,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const __grid_con
       blk.dense_values(values, t0, end);
     }
   }
-  if (split == 0 && suffix_len > 0) {
+  if (split == 0 && slice == 0 && suffix_len > 0) {
     const uint16_t *keys = c.suffix_keys + static_cast<int64_t>(h) * c.suffix_capacity * D;
     const uint16_t *values = c.suffix_values + static_cast<int64_t>(h) * c.suffix_capacity * D;
     for (int64_t t0 = 0; t0 < suffix_len; t0 += Block::TILE) {
@@ -487,7 +496,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const __grid_con
       blk.dense_values(values, t0, end);
     }
   }
-  blk.write_partial((static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + split);
+  blk.write_partial((static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
 }
 
 template <int D, int MAXROWS>
@@ -501,15 +510,16 @@ __global__ void __launch_bounds__(kThreads) decode_merge_kernel(const __grid_con
   const CacheView &c = *p.views[b];
   const int row0 = rc * MAXROWS, rows = p.rows - row0 < MAXROWS ? p.rows - row0 : MAXROWS;
   const int G = p.q_heads / p.heads;
-  const int64_t first_blk = (static_cast<int64_t>(b) * p.heads * p.row_chunks + blockIdx.x) * p.splits;
+  const int parts = p.splits * p.slices;
+  const int64_t first_blk = (static_cast<int64_t>(b) * p.heads * p.row_chunks + blockIdx.x) * parts;
   const bool anchor = c.kind == kKindAnchor;
   const float norm = 1.0f / sqrtf(static_cast<float>(D));
   for (int i = 0; i < rows; ++i) {
     float m = -INFINITY;
-    for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.ws_ml[((first_blk + s) * MAXROWS + i) * 2]);
+    for (int s = 0; s < parts; ++s) m = fmaxf(m, p.ws_ml[((first_blk + s) * MAXROWS + i) * 2]);
     float l = 0.0f, o[DPT], r[DPT];
     for (int e = 0; e < DPT; ++e) o[e] = r[e] = 0.0f;
-    for (int s = 0; s < p.splits; ++s) {
+    for (int s = 0; s < parts; ++s) {
       const int64_t at = (first_blk + s) * MAXROWS + i;
       const float ms = p.ws_ml[at * 2];
       if (ms == -INFINITY) continue;

@@ -127,31 +127,33 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
       for (int64_t n : c.meta.dense_counts) max_work = std::max(max_work, n);
     }
   }
-  // The smallest row chunk that holds every row, shrunk while its shared memory does not fit.
+  // The smallest row chunk that holds every row, shrunk while its shared memory does not fit;
+  // then the anchors: all of a head's in shared memory when they fit, else split into slices
+  // handled by sibling blocks (each token's logit is computed by the block holding its anchor).
   plan.maxrows = rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 16 ? 16 : 32;
   for (;; plan.maxrows /= 2) {
     const int tile = kThreads * run_for_rows(plan.maxrows);
-    const SplitSmem without(D, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, false);
-    const SplitSmem with(D, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, true);
-    if (with.total <= smem_limit) {
-      plan.anchors_in_smem = plan.max_anchors > 0;
-      plan.smem_bytes = with.total;
+    const size_t base = SplitSmem(D, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, 0).total;
+    const size_t per_anchor = sizeof(uint16_t) * static_cast<size_t>(D);
+    if (base + 16 * per_anchor <= smem_limit || plan.maxrows == 4) {
+      if (base + 16 * per_anchor > smem_limit)
+        fail(AKV_ERR_UNSUPPORTED, "decode needs ", base, " bytes of shared memory per block (", plan.max_anchors,
+             " anchors); the device allows ", smem_limit);
+      if (plan.max_anchors > 0) {
+        const int64_t fit = static_cast<int64_t>((smem_limit - base) / per_anchor) / 16 * 16;
+        plan.slices = static_cast<int>((plan.max_anchors + fit - 1) / fit);
+        plan.slice_anchors = (plan.max_anchors + plan.slices - 1) / plan.slices;
+      }
+      plan.smem_bytes = SplitSmem(D, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, plan.slice_anchors).total;
       break;
     }
-    if (without.total <= smem_limit) {
-      plan.smem_bytes = without.total;
-      break;
-    }
-    if (plan.maxrows == 4)
-      fail(AKV_ERR_UNSUPPORTED, "decode needs ", without.total, " bytes of shared memory per block (", plan.max_anchors,
-           " anchors); the device allows ", smem_limit);
   }
   plan.row_chunks = (rows + plan.maxrows - 1) / plan.maxrows;
   // Splits over the prompt: about two blocks per multiprocessor for this batch, no more
   // splits than tiles. Depends only on the batch shape and prompt lengths, so the grid of a
   // captured decode stays valid as tokens are appended.
   const int tile = kThreads * run_for_rows(plan.maxrows);
-  const int64_t per_request = static_cast<int64_t>(H) * plan.row_chunks;
+  const int64_t per_request = static_cast<int64_t>(H) * plan.row_chunks * plan.slices;
   const int32_t launch_batch = std::min(batch, kMaxBatchPerLaunch);
   const int64_t target = 2 * static_cast<int64_t>(std::max(sm_count, 1));
   const int64_t tiles = (max_work + tile - 1) / tile;

@@ -33,7 +33,8 @@ struct DecodePlan {
   int row_chunks = 1;
   int splits = 1;
   int max_anchors = 0, max_pairs = 0;
-  bool anchors_in_smem = false;
+  int slices = 1;         // blocks sharing one (request, head, split), each with a slice of anchors
+  int slice_anchors = 0;  // anchors staged in shared memory per block (0: none)
   size_t smem_bytes = 0;  // dynamic shared memory of decode_split_kernel
   int64_t blocks = 0;     // split blocks of one launch (kMaxBatchPerLaunch requests at most)
   size_t workspace_bytes = 0;

@@ -41,7 +41,8 @@ struct HostView {
 
 template <int D, int MAXROWS>
 void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
-  simt::launch(simt::dim3(plan.splits, p.heads * plan.row_chunks, batch), simt::dim3(kc::kThreads), plan.smem_bytes,
+  simt::launch(simt::dim3(plan.splits * plan.slices, p.heads * plan.row_chunks, batch), simt::dim3(kc::kThreads),
+               plan.smem_bytes,
                kc::decode_split_kernel<D, MAXROWS>, p);
   simt::launch(simt::dim3(p.heads * plan.row_chunks, batch), simt::dim3(kc::kThreads), 0,
                kc::decode_merge_kernel<D, MAXROWS>, p);
@@ -59,15 +60,24 @@ void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, i
 
 // Emulated GPU decode of a batch (f32 queries and output).
 // queries, and the result: bytes in `io` dtype.
+// smem: kAll (a device's 227 KB), kGlobal (anchors read from global memory) or kTight
+// (room for a third of the anchors: slices of anchors in sibling blocks).
+enum Smem { kAll, kGlobal, kTight };
 std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, const std::vector<uint8_t> &queries,
-                                     akv_dtype io, int q_len, int sm_count, bool anchors_in_smem) {
+                                     akv_dtype io, int q_len, int sm_count, Smem smem) {
   const int32_t batch = static_cast<int32_t>(caches.size());
   const akv_shape &s = caches[0]->meta.shape;
   kc::DecodePlan plan = kc::plan_decode(caches.data(), batch, q_len, sm_count, 227 * 1024);
-  if (!anchors_in_smem && plan.anchors_in_smem) {
-    plan.anchors_in_smem = false;
-    plan.smem_bytes = kc::SplitSmem(s.head_dim, plan.maxrows, kc::kThreads * kc::run_for_rows(plan.maxrows),
-                                    plan.max_anchors, plan.max_pairs, false).total;
+  const int tile = kc::kThreads * kc::run_for_rows(plan.maxrows);
+  if (smem == kGlobal && plan.slice_anchors) {
+    plan.slices = 1;
+    plan.slice_anchors = 0;
+    plan.smem_bytes = kc::SplitSmem(s.head_dim, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, 0).total;
+  } else if (smem == kTight && plan.slice_anchors) {
+    const size_t base = kc::SplitSmem(s.head_dim, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, 0).total;
+    plan = kc::plan_decode(caches.data(), batch, q_len, sm_count,
+                           base + (plan.max_anchors / 3 + 16) * sizeof(uint16_t) * s.head_dim);
+    EXPECT_GT(plan.slices, 1);
   }
   std::vector<HostView> views;
   views.reserve(caches.size());
@@ -87,7 +97,8 @@ std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, con
   p.splits = plan.splits;
   p.max_anchors = plan.max_anchors;
   p.max_pairs = plan.max_pairs;
-  p.anchors_in_smem = plan.anchors_in_smem ? 1 : 0;
+  p.slices = plan.slices;
+  p.slice_anchors = plan.slice_anchors;
   const size_t per_block = static_cast<size_t>(plan.maxrows) * s.head_dim;
   p.ws_o = ws.data();
   p.ws_r = ws.data() + plan.blocks * per_block;
@@ -143,7 +154,7 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
   return cache;
 }
 
-void check_case(const Case &c, int batch, int sm_count, bool anchors_in_smem) {
+void check_case(const Case &c, int batch, int sm_count, Smem smem) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   SCOPED_TRACE(describe(c) + " batch " + std::to_string(batch) + " sm_count " + std::to_string(sm_count));
@@ -163,7 +174,7 @@ void check_case(const Case &c, int batch, int sm_count, bool anchors_in_smem) {
   std::vector<uint8_t> expected_bytes = poisoned(q.count(), c.io);
   ok(akv_decode_batch(ctx.get(), caches.data(), batch, q.data(), c.io, c.q_len, expected_bytes.data(), nullptr),
      "akv_decode_batch");
-  const std::vector<float> got = decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, anchors_in_smem), c.io);
+  const std::vector<float> got = decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, smem), c.io);
   const std::vector<float> expected = decode_bytes(expected_bytes, c.io);
   ASSERT_EQ(count_non_finite(got), 0u);
   // Same arithmetic up to summation order and the angle method (both accurate to ~1e-6);
@@ -173,37 +184,37 @@ void check_case(const Case &c, int batch, int sm_count, bool anchors_in_smem) {
 }
 
 TEST(EmulatedDecode, AnchorKvMatchesCpuAcrossShapes) {
-  check_case({AKV_METHOD_ANCHORKV, 1100, 64, 1, 1, 0, AKV_ROPE_NEOX, false}, 1, 4, true);
-  check_case({AKV_METHOD_ANCHORKV, 1300, 128, 4, 1, 0, AKV_ROPE_NEOX, true}, 1, 8, false);
+  check_case({AKV_METHOD_ANCHORKV, 1100, 64, 1, 1, 0, AKV_ROPE_NEOX, false}, 1, 4, kAll);
+  check_case({AKV_METHOD_ANCHORKV, 1300, 128, 4, 1, 0, AKV_ROPE_NEOX, true}, 1, 8, kGlobal);
 }
 
 TEST(EmulatedDecode, AnchorKvBatchWithAppendedTokensAndQueryBlocks) {
-  check_case({AKV_METHOD_ANCHORKV, 900, 64, 4, 4, 5, AKV_ROPE_GPTJ, false}, 2, 4, true);
-  check_case({AKV_METHOD_ANCHORKV, 700, 128, 2, 4, 3, AKV_ROPE_NONE, false}, 2, 2, true);
+  check_case({AKV_METHOD_ANCHORKV, 900, 64, 4, 4, 5, AKV_ROPE_GPTJ, false}, 2, 4, kTight);
+  check_case({AKV_METHOD_ANCHORKV, 700, 128, 2, 4, 3, AKV_ROPE_NONE, false}, 2, 2, kAll);
 }
 
 TEST(EmulatedDecode, ManyRowsUseSeveralRowChunks) {
-  check_case({AKV_METHOD_ANCHORKV, 600, 64, 8, 5, 4, AKV_ROPE_NEOX, false}, 1, 2, true);  // 40 rows
+  check_case({AKV_METHOD_ANCHORKV, 600, 64, 8, 5, 4, AKV_ROPE_NEOX, false}, 1, 2, kTight);  // 40 rows
 }
 
 TEST(EmulatedDecode, WideHeadsLongWindowPartialRotaryAndHalfPrecisionIo) {
   // D=256; a window longer than a tile; RoPE on half the dimensions; bf16 and f16 I/O.
   Case wide{AKV_METHOD_ANCHORKV, 1500, 256, 2, 1, 0, AKV_ROPE_NEOX, false};
   wide.io = AKV_DTYPE_BF16;
-  check_case(wide, 1, 4, true);
+  check_case(wide, 1, 4, kAll);
   Case long_window{AKV_METHOD_ANCHORKV, 2000, 64, 4, 2, 3, AKV_ROPE_NEOX, true};
   long_window.window = 600;
   long_window.rotary_dim = 32;
   long_window.io = AKV_DTYPE_F16;
-  check_case(long_window, 2, 3, true);
+  check_case(long_window, 2, 3, kTight);
   Case gptj_partial{AKV_METHOD_ANCHORKV, 900, 128, 1, 1, 0, AKV_ROPE_GPTJ, false};
   gptj_partial.rotary_dim = 64;
-  check_case(gptj_partial, 1, 8, false);
+  check_case(gptj_partial, 1, 8, kGlobal);
 }
 
 TEST(EmulatedDecode, DenseCachesMatchCpu) {
-  check_case({AKV_METHOD_FULLKV, 700, 64, 4, 2, 3, AKV_ROPE_NEOX, false}, 2, 8, true);
-  check_case({AKV_METHOD_SNAPKV, 800, 128, 2, 1, 2, AKV_ROPE_NEOX, false}, 2, 4, true);
+  check_case({AKV_METHOD_FULLKV, 700, 64, 4, 2, 3, AKV_ROPE_NEOX, false}, 2, 8, kAll);
+  check_case({AKV_METHOD_SNAPKV, 800, 128, 2, 1, 2, AKV_ROPE_NEOX, false}, 2, 4, kTight);
 }
 
 // Append on the "device" writes the same rows as the CPU append, and the kernel-side length
