@@ -162,12 +162,11 @@ typedef struct akv_allocator {
  *    (that would synchronise); reserve capacity first (akv_cache_reserve) so that it never
  *    allocates. akv_cache_reserve, akv_cache_deserialize, akv_cache_serialize and
  *    akv_cache_reconstruct synchronise the stream;
- *  - akv_compress runs AnchorKV and FullKV on the device (the same layout as the CPU; the
- *    GPU pass computes in a different order, so a floating-point near-tie can flip an
- *    anchor, an assignment or a residual choice: rare, and bounded by the GPU tests). It
- *    checks the inputs for NaN/Inf, so it waits for its work before returning. The eviction
- *    baselines are compressed through the host in this version (the CPU implementation on a
- *    copy of the inputs), then placed on the device. */
+ *  - akv_compress runs on the device for every method but QUANTIZED (the same layout as the
+ *    CPU; the GPU computes in a different order, so a floating-point near-tie can flip an
+ *    anchor, an assignment, a residual or a kept token: rare, and bounded by the GPU
+ *    tests). It checks the inputs for NaN/Inf and the eviction methods download their kept
+ *    token indices (host metadata), so it waits for its work before returning. */
 typedef struct akv_context_options {
   size_t struct_size;     /* sizeof(akv_context_options) */
   akv_backend backend;    /* default AKV_BACKEND_CPU */

@@ -184,40 +184,6 @@ void reconstruct_host(const akv_cache &c, akv_dtype dtype, int32_t rotated, void
   });
 }
 
-// Elements spanned by a strided [heads][rows][D] tensor.
-size_t strided_extent(int64_t heads, int64_t rows, int64_t head_stride, int64_t row_stride, int D) {
-  return static_cast<size_t>((heads - 1) * head_stride + (rows - 1) * row_stride + D);
-}
-
-// Compression for a CUDA context staged through the host (the methods without a device
-// pass, AnDPro): the device inputs are copied to the host, compressed by the CPU
-// implementation (the CPU backend's bytes) and the cache is placed in device memory.
-std::unique_ptr<akv_cache> compress_staged(akv_context &ctx, const akv_prefill &p, const akv_compress_options &o,
-                                           void *stream) {
-  const akv_shape &s = p.shape;
-  const int D = s.head_dim;
-  const size_t es = dtype_size(p.dtype);
-  const size_t kv = strided_extent(s.num_kv_heads, s.seq_len, p.kv_head_stride ? p.kv_head_stride : s.seq_len * D,
-                                   p.kv_token_stride ? p.kv_token_stride : D, D);
-  std::vector<uint8_t> keys(kv * es), values(kv * es), queries;
-  cuda::copy(keys.data(), p.keys, keys.size(), stream, false);
-  cuda::copy(values.data(), p.values, values.size(), stream, false);
-  akv_prefill host = p;
-  host.keys = keys.data();
-  host.values = values.data();
-  if (p.queries) {
-    const int64_t W = std::min<int64_t>(o.window, s.seq_len);
-    queries.resize(strided_extent(s.num_q_heads, W, p.q_head_stride ? p.q_head_stride : W * D,
-                                  p.q_token_stride ? p.q_token_stride : D, D) * es);
-    cuda::copy(queries.data(), p.queries, queries.size(), stream, false);
-    host.queries = queries.data();
-  }
-  cuda::synchronize(stream);
-  const CompressRequest req{&host_staging(ctx), &host, &o};
-  const std::unique_ptr<akv_cache> cache = compress_method_cpu(req);
-  return place(&ctx, parse_bytes(serialize_any(*cache, stream)), stream);
-}
-
 void decode_batch_cpu(akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype,
                       int32_t q_len, void *out) {
   const akv_shape &s0 = caches[0]->meta.shape;
@@ -432,19 +398,11 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
     if (on_cuda(context)) {
       cuda::check_supported(o.method, p.shape.head_dim);
       const CompressRequest req{context, &p, &o};
-      std::unique_ptr<akv_cache> cache;
-      if (o.method == AKV_METHOD_ANCHORKV)
-        cache = cuda::compress_anchorkv_cuda(req, stream);
-      else if (o.method == AKV_METHOD_FULLKV)
-        cache = cuda::compress_fullkv_cuda(req, stream);
-      else if (o.method == AKV_METHOD_SNAPKV || o.method == AKV_METHOD_PYRAMIDKV || o.method == AKV_METHOD_ADAKV)
-        cache = cuda::compress_eviction_cuda(req, stream);
-      if (cache) {  // compressed on the device
-        cuda::upload_view(*cache, stream);
-        *out_cache = cache.release();
-      } else {  // AnDPro: through the host for now
-        *out_cache = compress_staged(*context, p, o, stream).release();
-      }
+      std::unique_ptr<akv_cache> cache = o.method == AKV_METHOD_ANCHORKV ? cuda::compress_anchorkv_cuda(req, stream)
+                                         : o.method == AKV_METHOD_FULLKV ? cuda::compress_fullkv_cuda(req, stream)
+                                                                         : cuda::compress_eviction_cuda(req, stream);
+      cuda::upload_view(*cache, stream);
+      *out_cache = cache.release();
       return;
     }
     CompressRequest req{context, &p, &o};

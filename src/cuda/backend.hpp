@@ -30,7 +30,7 @@ void *workspace(akv_context &context, size_t bytes, void *stream);
 std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &request, void *stream);
 // FullKV on the device: keys rotated and both sides stored in the storage dtype.
 std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &request, void *stream);
-// SnapKV, PyramidKV, AdaKV on the device (scores, radix sorts, gathered storage).
+// The eviction baselines on the device (scores, radix sorts, gathered storage).
 std::unique_ptr<akv_cache> compress_eviction_cuda(const CompressRequest &request, void *stream);
 
 // (Re)builds cache.device_view from the cache's device buffers and host length; call after

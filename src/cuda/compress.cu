@@ -176,7 +176,8 @@ std::unique_ptr<akv_cache> compress_eviction_cuda(const CompressRequest &req, vo
   const int H = p.shape.num_kv_heads, D = p.shape.head_dim, pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
   EvictionScratch measure;
   const size_t pipeline_bytes = measure.carve(nullptr, budget.seq_len, budget.prefix, H, D,
-                                              p.shape.num_q_heads / H * budget.window, pairs, budget.layer_tokens);
+                                              p.shape.num_q_heads / H * budget.window, pairs, budget.layer_tokens,
+                                              o.method == AKV_METHOD_ANDPRO);
   const int64_t most = std::max<int64_t>(static_cast<int64_t>(H) * budget.prefix, 2);
   uint8_t *base = reserve_sort_scratch(ctx, dev, pipeline_bytes, most, stream);
   compress_eviction(dev, p, o, *cache, budget, cache->data.data(), base);

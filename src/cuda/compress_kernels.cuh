@@ -515,6 +515,44 @@ __global__ void dense_store_kernel(const __grid_constant__ PrefillArgs a, int h,
   if (bad) atomicAdd(a.bad, 1);
 }
 
+// AnDPro: row r of the window attention pooled along the prompt (first P tokens), into
+// pooled [m][P]. grid (ceil(P/128), m).
+__global__ void pool_rows_kernel(const float *A, int64_t S, int64_t P, int kernel, int max_pool, float *pooled) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t r = blockIdx.y;
+  if (t >= P) return;
+  const int half = kernel / 2;
+  const float *row = A + r * S;
+  float acc = max_pool ? -INFINITY : 0.0f;
+  for (int64_t u = t - half; u <= t + half; ++u) {
+    if (u < 0 || u >= P) continue;
+    acc = max_pool ? fmaxf(acc, row[u]) : acc + row[u];
+  }
+  pooled[r * P + t] = max_pool ? acc : acc / static_cast<float>(kernel);
+}
+
+// AnDPro: each prompt token's contribution sum_r pooled[r][t] * (V_t . y_r), then its chunk's
+// score with the layer-wide sort key (descending score) and candidate id h * chunks + j.
+__global__ void andpro_contrib_kernel(const float *pooled, const float *vy, int64_t P, int m, float *contrib) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= P) return;
+  float s = 0.0f;
+  for (int r = 0; r < m; ++r) s += pooled[r * P + t] * vy[r * P + t];
+  contrib[t] = s;
+}
+__global__ void andpro_chunks_kernel(const float *contrib, int64_t P, int chunk, int64_t chunks, int h, uint32_t *keys,
+                                     uint32_t *ids) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= chunks) return;
+  float s = 0.0f;
+  for (int64_t t = j * chunk; t < (j + 1) * chunk && t < P; ++t) s += contrib[t];
+  uint32_t bits;
+  memcpy(&bits, &s, 4);
+  bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+  keys[h * chunks + j] = ~bits;
+  ids[h * chunks + j] = static_cast<uint32_t>(h * chunks + j);
+}
+
 // ids[i] = first + i (candidate ids h * P + t of the layer-wide selections).
 __global__ void iota_kernel(uint32_t *ids, uint32_t first, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

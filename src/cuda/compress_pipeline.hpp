@@ -206,14 +206,17 @@ void compress_fullkv(Dev &dev, const akv_prefill &p, const akv_compress_options 
     fail(AKV_ERR_NON_FINITE, "the keys or values contain NaN or Inf (CUDA compression)");
 }
 
-// SnapKV, PyramidKV and AdaKV on the device: the window-attention scores of every head, a
-// per-head radix sort (AdaKV: also the layer-wide one), the kept tokens (downloaded: the
-// cache keeps them host-side) and their rows gathered into the ragged dense storage.
+// The eviction baselines on the device: the window attention of every head; SnapKV,
+// PyramidKV, AdaKV: pooled scores and a per-head radix sort (AdaKV: also the layer-wide
+// one); AnDPro: pooled rows, contributions and a layer-wide sort of chunk scores. The kept
+// tokens are downloaded (the cache keeps them host-side) and their rows gathered into the
+// ragged dense storage.
 struct EvictionScratch {
-  float *kpre, *kpost, *v, *q, *attn, *raw, *alpha_sq, *inv_freq;
+  float *kpre, *kpost, *v, *q, *attn, *raw, *alpha_sq, *inv_freq, *pooled, *y, *vy, *contrib;
   uint32_t *keys, *index, *all_keys, *all_ids;
   int32_t *positions, *rope_first, *rope_second, *bad, *kept;
-  size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int pairs, int64_t kept_tokens) {
+  // andpro: room for AnDPro's pooled rows, window outputs and per-token contributions.
+  size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int pairs, int64_t kept_tokens, bool andpro) {
     size_t at = 0;
     auto take = [&](auto *&ptr, int64_t count) {
       using T = std::remove_reference_t<decltype(*ptr)>;
@@ -238,13 +241,15 @@ struct EvictionScratch {
     take(rope_second, pairs);
     take(bad, 1);
     take(kept, kept_tokens);
+    take(pooled, andpro ? int64_t{m} * P : 0);
+    take(y, andpro ? int64_t{m} * D : 0);
+    take(vy, andpro ? int64_t{m} * P : 0);
+    take(contrib, andpro ? int64_t{H} * P : 0);
     return at;
   }
 };
 
-inline bool eviction_on_device(akv_method method) {
-  return method == AKV_METHOD_SNAPKV || method == AKV_METHOD_PYRAMIDKV || method == AKV_METHOD_ADAKV;
-}
+inline bool eviction_on_device(akv_method method) { return is_eviction_method(method); }
 
 // `data`: device memory of budget.footprint bytes. Sets the cache's counts, kept tokens,
 // positions and footprint. Waits for the work (downloads, non-finite check).
@@ -257,8 +262,11 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
   const int pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
   require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT,
           "queries is NULL (the eviction methods score tokens with the window queries)");
+  const bool andpro = o.method == AKV_METHOD_ANDPRO;
+  const int chunk = andpro ? o.andpro_chunk : 1;
+  const int64_t chunks = andpro ? (P + chunk - 1) / chunk : 0, c0 = b.first_chunk;
   EvictionScratch s;
-  s.carve(scratch_base, S, P, H, D, m, pairs, b.layer_tokens);
+  s.carve(scratch_base, S, P, H, D, m, pairs, b.layer_tokens, andpro);
   std::vector<int32_t> positions(S);
   for (int64_t t = 0; t < S; ++t) positions[t] = p.positions ? p.positions[t] : static_cast<int32_t>(t);
   dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
@@ -272,6 +280,20 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q);
     dev.gemm_nt(m, S, D, cache.meta.softmax_scale, s.q, D, s.kpost, D, s.attn, S);
     dev.launch(window_softmax_kernel, m, 1, 128, s.attn, S, P, W);
+    if (andpro) {  // pooled rows, y over the evictable chunks, contributions, chunk scores
+      dev.launch(pool_rows_kernel, blocks(P, 128), m, 128, static_cast<const float *>(s.attn), S, P, o.pool_kernel,
+                 o.pool_type == AKV_POOL_MAX ? 1 : 0, s.pooled);
+      if (P > c0)
+        dev.gemm_nn(m, D, P - c0, 1.0f, s.pooled + c0, P, s.v + c0 * D, D, s.y, D);
+      else
+        dev.fill(s.y, 0, sizeof(float) * m * D);
+      dev.gemm_nt(m, P, D, 1.0f, s.y, D, s.v, D, s.vy, P);
+      dev.launch(andpro_contrib_kernel, blocks(P, 128), 1, 128, static_cast<const float *>(s.pooled),
+                 static_cast<const float *>(s.vy), P, m, s.contrib + h * P);
+      dev.launch(andpro_chunks_kernel, blocks(chunks, 128), 1, 128, static_cast<const float *>(s.contrib + h * P), P,
+                 chunk, chunks, h, s.all_keys, s.all_ids);
+      continue;
+    }
     dev.launch(scores_kernel, blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, s.raw, s.alpha_sq);
     uint32_t *keys = s.keys + h * P, *index = s.index + h * P;
     dev.launch(pool_kernel, blocks(P, 128), 1, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
@@ -302,14 +324,49 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
       excess -= add;
     }
   }
+  std::vector<std::vector<int32_t>> kept(H);
+  if (andpro) {
+    // Chunks of all heads, best first (ties: head, then chunk), until the layer's tokens are
+    // spent; the chunk that does not fit whole gives its best tokens. Then the first chunk.
+    dev.sort_u32(s.all_keys, s.all_ids, static_cast<int64_t>(H) * chunks);
+    std::vector<uint32_t> order(static_cast<size_t>(H) * chunks);
+    dev.read(order.data(), s.all_ids, order.size() * sizeof(uint32_t));
+    const int64_t first_evictable = (c0 + chunk - 1) / chunk;
+    int64_t left = static_cast<int64_t>(H) * (b.per_head - W - c0);
+    for (uint32_t id : order) {
+      if (left == 0) break;
+      const int h = static_cast<int>(id / chunks);
+      const int64_t j = id % chunks;
+      if (j < first_evictable) continue;
+      const int64_t t0 = j * chunk, t1 = std::min<int64_t>(t0 + chunk, P);
+      if (t1 - t0 <= left) {
+        for (int64_t t = t0; t < t1; ++t) kept[h].push_back(static_cast<int32_t>(t));
+        left -= t1 - t0;
+      } else {
+        std::vector<float> contrib(t1 - t0);
+        dev.read(contrib.data(), s.contrib + h * P + t0, contrib.size() * sizeof(float));
+        std::vector<int32_t> idx(contrib.size());
+        for (size_t u = 0; u < idx.size(); ++u) idx[u] = static_cast<int32_t>(u);
+        std::stable_sort(idx.begin(), idx.end(), [&](int32_t x, int32_t y) { return contrib[x] > contrib[y]; });
+        for (int64_t u = 0; u < left; ++u) kept[h].push_back(static_cast<int32_t>(t0 + idx[u]));
+        left = 0;
+      }
+    }
+    for (int h = 0; h < H; ++h)
+      for (int64_t t = 0; t < c0; ++t) kept[h].push_back(static_cast<int32_t>(t));
+  } else {
+    for (int h = 0; h < H; ++h) {
+      std::vector<uint32_t> top(std::min<int64_t>(counts[h], P));
+      dev.read(top.data(), s.index + h * P, top.size() * sizeof(uint32_t));
+      kept[h].assign(top.begin(), top.end());
+    }
+  }
   std::vector<int64_t> first(H + 1, 0);
   cache.dense_tokens.clear();
   cache.meta.dense_counts.assign(H, 0);
   for (int h = 0; h < H; ++h) {
-    std::vector<uint32_t> top(std::min<int64_t>(counts[h], P));
-    dev.read(top.data(), s.index + h * P, top.size() * sizeof(uint32_t));
-    std::sort(top.begin(), top.end());
-    for (uint32_t t : top) cache.dense_tokens.push_back(static_cast<int32_t>(t));
+    std::sort(kept[h].begin(), kept[h].end());
+    cache.dense_tokens.insert(cache.dense_tokens.end(), kept[h].begin(), kept[h].end());
     for (int64_t t = P; t < S; ++t) cache.dense_tokens.push_back(static_cast<int32_t>(t));
     first[h + 1] = static_cast<int64_t>(cache.dense_tokens.size());
     cache.meta.dense_counts[h] = first[h + 1] - first[h];

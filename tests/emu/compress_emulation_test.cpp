@@ -183,13 +183,13 @@ TEST(EmulatedCompress, FullKvMatchesCpu) {
 
 namespace {
 
-// SnapKV, PyramidKV and AdaKV on the device keep the CPU's tokens (a near-tie may swap a
-// token: at most 1 in 100 kept) and store the same rows.
+// The eviction baselines on the device keep the CPU's tokens (a near-tie may swap a token:
+// at most 1 in 100 kept) and store the same rows.
 TEST(EmulatedCompress, EvictionMatchesCpu) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   Rng rng(seed);
-  for (akv_method method : {AKV_METHOD_SNAPKV, AKV_METHOD_PYRAMIDKV, AKV_METHOD_ADAKV}) {
+  for (akv_method method : {AKV_METHOD_SNAPKV, AKV_METHOD_PYRAMIDKV, AKV_METHOD_ADAKV, AKV_METHOD_ANDPRO}) {
     SCOPED_TRACE("method " + std::to_string(method));
     ContextPtr ctx = make_context(2);
     akv_compress_options o;
@@ -214,7 +214,7 @@ TEST(EmulatedCompress, EvictionMatchesCpu) {
     std::memset(got->data.data(), 0xA5, got->data.size());
     kc::EvictionScratch measure;
     std::vector<uint8_t> scratch(measure.carve(nullptr, budget.seq_len, budget.prefix, 3, 64, 2 * budget.window, 32,
-                                               budget.layer_tokens) + 256);
+                                               budget.layer_tokens, method == AKV_METHOD_ANDPRO) + 256);
     uint8_t *base = reinterpret_cast<uint8_t *>((reinterpret_cast<uintptr_t>(scratch.data()) + 255) / 256 * 256);
     EmulatedDevice dev;
     kc::compress_eviction(dev, prefill, o, *got, budget, got->data.data(), base);

@@ -200,13 +200,14 @@ TEST_F(Cuda, GraphCapturedDecodeReplaysAcrossAppends) {
 
 // Compression with device inputs: the AnchorKV GPU pass agrees with the CPU compression
 // section by section (near-ties counted and bounded, tests/common/anchor_compare.hpp) and
-// its decode output closely; FullKV within one storage step of the CPU's keys; SnapKV keeps
-// the CPU's tokens up to near-tie swaps. Reconstruct and serialization of a CUDA cache agree with the CPU.
+// its decode output closely; FullKV within one storage step of the CPU's keys; the eviction
+// baselines keep the CPU's tokens up to near-tie swaps. Reconstruct and serialization of a CUDA cache agree with the CPU.
 TEST_F(Cuda, CompressReconstructAndSerializeMatchCpu) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   Rng rng(seed);
-  for (akv_method method : {AKV_METHOD_ANCHORKV, AKV_METHOD_SNAPKV, AKV_METHOD_FULLKV}) {
+  for (akv_method method : {AKV_METHOD_ANCHORKV, AKV_METHOD_SNAPKV, AKV_METHOD_FULLKV, AKV_METHOD_ADAKV,
+                            AKV_METHOD_ANDPRO, AKV_METHOD_PYRAMIDKV}) {
     SCOPED_TRACE("method " + std::to_string(method));
     PrefillSpec spec;
     spec.seq_len = 3000;
@@ -217,7 +218,7 @@ TEST_F(Cuda, CompressReconstructAndSerializeMatchCpu) {
     akv_compress_options o;
     akv_compress_options_init_method(&o, method);
     if (method == AKV_METHOD_ANCHORKV) o.retain_fraction = 0.1;
-    if (method == AKV_METHOD_SNAPKV) o.retain_fraction = 0.2;
+    if (method != AKV_METHOD_ANCHORKV && method != AKV_METHOD_FULLKV) o.retain_fraction = 0.2;
     spec.window = o.window;
     const PrefillData data = make_prefill(rng, spec);
     CachePtr cpu_cache = compress(cpu_.get(), data, o);
@@ -238,7 +239,7 @@ TEST_F(Cuda, CompressReconstructAndSerializeMatchCpu) {
       CachePtr back = deserialize(cpu_.get(), serialize(gpu_cache.get()));
       EXPECT_TRUE(dense_caches_agree(*back, *cpu_cache));
       cpu_cache = std::move(back);
-    } else {  // SnapKV on the device too
+    } else {  // the eviction baselines on the device too
       CachePtr back = deserialize(cpu_.get(), serialize(gpu_cache.get()));
       EXPECT_TRUE(eviction_caches_agree(*back, *cpu_cache));
       cpu_cache = std::move(back);
