@@ -1,14 +1,16 @@
 // Fused compact decode attention (SPEC 4) for AnchorKV caches, and flash-decoding over the
 // dense caches (FullKV, eviction methods), in one kernel family:
 //
-//   decode_split_kernel  grid (splits, H x row chunks, requests), 128 threads. A block takes
-//       one KV head of one request, all query rows of its GQA group (G x q_len, in chunks of
-//       MAXROWS), and one contiguous range of prompt tokens; split 0 also takes the exact
-//       window and the appended suffix. Tiles of TILE tokens:
+//   decode_split_kernel  grid (splits x slices, H x row chunks, requests), 128 threads. A
+//       block takes one KV head of one request, all query rows of its GQA group (G x q_len,
+//       in chunks of MAXROWS), one contiguous range of prompt tokens and one slice of the
+//       head's anchors, staged in shared memory (one slice when they fit; otherwise each
+//       token's logit comes from the block holding its anchor and the others see -inf);
+//       split 0 also takes the exact window and the appended suffix. Tiles of TILE tokens:
 //         A. logits, one thread per RUN consecutive tokens. AnchorKV keys are never written
-//            out: gamma_t * (q . R_t K_a) from the anchor row (shared memory when it fits)
-//            rotated pair by pair, with the angles of consecutive positions stepped by one
-//            complex product; dense keys are read as stored (post-RoPE).
+//            out: gamma_t * (q . R_t K_a) from the anchor row (swizzled pair words in shared
+//            memory) rotated pair by pair, with the angles of consecutive positions stepped
+//            by one complex product; dense keys are read as stored (post-RoPE).
 //         B. key residuals: one warp per stored residual, inverse Hadamard across the warp,
 //            RoPE, dot with the rows, added to the token's logit.
 //         C. online softmax (base 2; the scale and log2(e) are folded into the queries).
@@ -16,12 +18,12 @@
 //            residuals accumulated in the rotated domain, dense values accumulated directly.
 //       The block writes its running max, sum, sum_a w_a V_a + dense part, and the rotated
 //       residual sum to the workspace.
-//   decode_merge_kernel  grid (H x row chunks, requests): merges the splits, applies the one
-//       inverse Hadamard per row, normalises and stores in the caller's dtype.
+//   decode_merge_kernel  grid (H x row chunks, requests): merges the splits and slices,
+//       applies the one inverse Hadamard per row, normalises and stores in the caller's dtype.
 //
 // Everything a kernel reads about a cache is in its CacheView (device memory), including the
 // appended length that akv_append advances on the device, so a captured decode replays
-// correctly after appends. Compiled by nvcc (cuda/decode.cu) and, on the host, by the SIMT
+// correctly after appends. Compiled by nvcc (cuda/backend.cu) and, on the host, by the SIMT
 // emulation tests (tests/emu).
 #pragma once
 #include "cuda/cache_view.hpp"
