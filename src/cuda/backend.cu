@@ -126,29 +126,13 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
   const akv_shape &s = caches[0]->meta.shape;
   const cudaStream_t st = as_stream(stream);
   float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, stream));
-  const size_t per_block = static_cast<size_t>(plan.maxrows) * s.head_dim;
   const size_t esize = dtype == AKV_DTYPE_F32 ? 4 : 2;
   const size_t per_request = static_cast<size_t>(s.num_q_heads) * q_len * s.head_dim * esize;
   for (int32_t b0 = 0; b0 < batch; b0 += kMaxBatchPerLaunch) {
     const int32_t n = std::min(batch - b0, kMaxBatchPerLaunch);
-    DecodeLaunch p{};
+    DecodeLaunch p = decode_launch(plan, s, q_len, dtype, static_cast<const uint8_t *>(queries) + b0 * per_request,
+                                   static_cast<uint8_t *>(out) + b0 * per_request, ws);
     for (int32_t i = 0; i < n; ++i) p.views[i] = reinterpret_cast<const CacheView *>(caches[b0 + i]->device_view.data());
-    p.queries = static_cast<const uint8_t *>(queries) + b0 * per_request;
-    p.out = static_cast<uint8_t *>(out) + b0 * per_request;
-    p.dtype = dtype;
-    p.heads = s.num_kv_heads;
-    p.q_heads = s.num_q_heads;
-    p.q_len = q_len;
-    p.rows = s.num_q_heads / s.num_kv_heads * q_len;
-    p.row_chunks = plan.row_chunks;
-    p.splits = plan.splits;
-    p.max_anchors = plan.max_anchors;
-    p.max_pairs = plan.max_pairs;
-    p.slices = plan.slices;
-    p.slice_anchors = plan.slice_anchors;
-    p.ws_o = ws;
-    p.ws_r = ws + plan.blocks * per_block;
-    p.ws_ml = ws + 2 * plan.blocks * per_block;
     switch (s.head_dim) {
       case 64: launch_decode_rows<64>(plan, p, n, st, ctx.smem_optin); break;
       case 128: launch_decode_rows<128>(plan, p, n, st, ctx.smem_optin); break;

@@ -427,18 +427,7 @@ __global__ void __launch_bounds__(32) encode_kernel(const __grid_constant__ Pref
       const int d = lane * EPL + e;
       x[e] = (x[e] - gq * bits_to_float(av[d], storage_bf16 != 0)) * signs[d];
     }
-    for (int len = 1; len < EPL; len <<= 1)
-      for (int e = 0; e < EPL; ++e)
-        if (!(e & len)) {
-          const float u = x[e], v = x[e + len];
-          x[e] = u + v;
-          x[e + len] = u - v;
-        }
-    for (int lm = 1; lm < 32; lm <<= 1)
-      for (int e = 0; e < EPL; ++e) {
-        const float other = __shfl_xor_sync(kFullMask, x[e], lm);
-        x[e] = (lane & lm) ? other - x[e] : x[e] + other;
-      }
+    warp_fwht<EPL>(x, lane);
     float sumsq = 0.0f, absmax = 0.0f;
     for (int e = 0; e < EPL; ++e) {
       x[e] *= norm;

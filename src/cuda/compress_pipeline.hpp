@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "core/context.hpp"
@@ -27,6 +26,24 @@
 
 namespace akv {
 namespace cuda {
+
+// Lays arrays out one after another (256-byte aligned) from `base`; with a null base it only
+// measures.
+class Carver {
+ public:
+  explicit Carver(uint8_t *base) : base_(base) {}
+  template <typename T>
+  void operator()(T *&ptr, int64_t count) {
+    at_ = (at_ + 255) / 256 * 256;
+    ptr = base_ ? reinterpret_cast<T *>(base_ + at_) : nullptr;
+    at_ += sizeof(T) * static_cast<size_t>(std::max<int64_t>(count, 1));
+  }
+  size_t bytes() const { return at_; }
+
+ private:
+  uint8_t *base_;
+  size_t at_ = 0;
+};
 
 // Scratch of one compression, carved out of one allocation.
 struct CompressScratch {
@@ -39,13 +56,7 @@ struct CompressScratch {
 
   // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used.
   size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int k, int pairs) {
-    size_t at = 0;
-    auto take = [&](auto *&ptr, int64_t count) {
-      using T = std::remove_reference_t<decltype(*ptr)>;
-      at = (at + 255) / 256 * 256;
-      ptr = base ? reinterpret_cast<T *>(base + at) : nullptr;
-      at += sizeof(T) * static_cast<size_t>(std::max<int64_t>(count, 1));
-    };
+    Carver take(base);
     const int64_t chunk = std::min<int64_t>(kAssignChunk, P);
     take(kpre, S * D);
     take(kpost, S * D);
@@ -82,7 +93,7 @@ struct CompressScratch {
     take(rope_first, pairs);
     take(rope_second, pairs);
     take(bad, 1);
-    return at;
+    return take.bytes();
   }
 };
 
@@ -163,19 +174,13 @@ struct FullScratch {
   int32_t *positions, *rope_first, *rope_second, *bad;
   float *inv_freq;
   size_t carve(uint8_t *base, int64_t S, int pairs) {
-    size_t at = 0;
-    auto take = [&](auto *&ptr, int64_t count) {
-      using T = std::remove_reference_t<decltype(*ptr)>;
-      at = (at + 255) / 256 * 256;
-      ptr = base ? reinterpret_cast<T *>(base + at) : nullptr;
-      at += sizeof(T) * static_cast<size_t>(std::max<int64_t>(count, 1));
-    };
+    Carver take(base);
     take(positions, S);
     take(rope_first, pairs);
     take(rope_second, pairs);
     take(inv_freq, pairs);
     take(bad, 1);
-    return at;
+    return take.bytes();
   }
 };
 
@@ -217,13 +222,7 @@ struct EvictionScratch {
   int32_t *positions, *rope_first, *rope_second, *bad, *kept;
   // andpro: room for AnDPro's pooled rows, window outputs and per-token contributions.
   size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int pairs, int64_t kept_tokens, bool andpro) {
-    size_t at = 0;
-    auto take = [&](auto *&ptr, int64_t count) {
-      using T = std::remove_reference_t<decltype(*ptr)>;
-      at = (at + 255) / 256 * 256;
-      ptr = base ? reinterpret_cast<T *>(base + at) : nullptr;
-      at += sizeof(T) * static_cast<size_t>(std::max<int64_t>(count, 1));
-    };
+    Carver take(base);
     take(kpre, S * D);
     take(kpost, S * D);
     take(v, S * D);
@@ -245,7 +244,7 @@ struct EvictionScratch {
     take(y, andpro ? int64_t{m} * D : 0);
     take(vy, andpro ? int64_t{m} * P : 0);
     take(contrib, andpro ? int64_t{H} * P : 0);
-    return at;
+    return take.bytes();
   }
 };
 

@@ -266,20 +266,8 @@ struct SplitBlock {
           const int d = lane * EPL + e;
           x[e] = scale * lloyd_max_level((codes[d >> 2] >> ((d & 3) * 2)) & 3);
         }
-        // Inverse rotation U^T y = diag(signs) H y / sqrt(D): the in-lane stages, then the
-        // stages across lanes (partner lane = lane ^ lm).
-        for (int len = 1; len < EPL; len <<= 1)
-          for (int e = 0; e < EPL; ++e)
-            if (!(e & len)) {
-              const float u = x[e], v = x[e + len];
-              x[e] = u + v;
-              x[e + len] = u - v;
-            }
-        for (int lm = 1; lm < 32; lm <<= 1)
-          for (int e = 0; e < EPL; ++e) {
-            const float other = __shfl_xor_sync(kFullMask, x[e], lm);
-            x[e] = (lane & lm) ? other - x[e] : x[e] + other;
-          }
+        // Inverse rotation U^T y = diag(signs) H y / sqrt(D).
+        warp_fwht<EPL>(x, lane);
         for (int e = 0; e < EPL; ++e) {
           const int d = lane * EPL + e;
           x[e] *= norm * c.signs[d];

@@ -70,5 +70,24 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Unnormalised Walsh-Hadamard transform of D = 32 * EPL values spread over a warp, lane l
+// holding values l*EPL .. l*EPL+EPL-1: the in-lane stages, then the stages across lanes
+// (partner lane = lane ^ lm), the butterflies of core/codec.cpp's fwht in the same order.
+template <int EPL>
+__device__ __forceinline__ void warp_fwht(float (&x)[EPL], int lane) {
+  for (int len = 1; len < EPL; len <<= 1)
+    for (int e = 0; e < EPL; ++e)
+      if (!(e & len)) {
+        const float u = x[e], v = x[e + len];
+        x[e] = u + v;
+        x[e + len] = u - v;
+      }
+  for (int lm = 1; lm < 32; lm <<= 1)
+    for (int e = 0; e < EPL; ++e) {
+      const float other = __shfl_xor_sync(kFullMask, x[e], lm);
+      x[e] = (lane & lm) ? other - x[e] : x[e] + other;
+    }
+}
+
 }  // namespace cuda
 }  // namespace akv

@@ -163,5 +163,28 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   return plan;
 }
 
+DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32_t q_len, akv_dtype dtype,
+                           const void *queries, void *out, float *workspace) {
+  DecodeLaunch p{};
+  p.queries = queries;
+  p.out = out;
+  p.dtype = dtype;
+  p.heads = shape.num_kv_heads;
+  p.q_heads = shape.num_q_heads;
+  p.q_len = q_len;
+  p.rows = shape.num_q_heads / shape.num_kv_heads * q_len;
+  p.row_chunks = plan.row_chunks;
+  p.splits = plan.splits;
+  p.max_anchors = plan.max_anchors;
+  p.max_pairs = plan.max_pairs;
+  p.slices = plan.slices;
+  p.slice_anchors = plan.slice_anchors;
+  const size_t per_block = static_cast<size_t>(plan.maxrows) * shape.head_dim;
+  p.ws_o = workspace;
+  p.ws_r = workspace + plan.blocks * per_block;
+  p.ws_ml = workspace + 2 * plan.blocks * per_block;
+  return p;
+}
+
 }  // namespace cuda
 }  // namespace akv

@@ -43,5 +43,10 @@ struct DecodePlan {
 // sm_count: multiprocessors; smem_limit: the opt-in dynamic shared memory per block.
 DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_len, int sm_count, size_t smem_limit);
 
+// The parameters of a decode launch under `plan` (views left for the caller): queries and
+// out of its first request, the workspace of plan.workspace_bytes.
+DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32_t q_len, akv_dtype dtype,
+                           const void *queries, void *out, float *workspace);
+
 }  // namespace cuda
 }  // namespace akv

@@ -84,25 +84,8 @@ std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, con
   for (akv_cache *c : caches) views.emplace_back(*c);
   std::vector<uint8_t> out(queries.size(), 0xFF);  // NaN in every dtype
   std::vector<float> ws(plan.workspace_bytes / sizeof(float), std::numeric_limits<float>::quiet_NaN());
-  kc::DecodeLaunch p{};
+  kc::DecodeLaunch p = kc::decode_launch(plan, s, q_len, io, queries.data(), out.data(), ws.data());
   for (int32_t b = 0; b < batch; ++b) p.views[b] = views[b].view();
-  p.queries = queries.data();
-  p.out = out.data();
-  p.dtype = io;
-  p.heads = s.num_kv_heads;
-  p.q_heads = s.num_q_heads;
-  p.q_len = q_len;
-  p.rows = s.num_q_heads / s.num_kv_heads * q_len;
-  p.row_chunks = plan.row_chunks;
-  p.splits = plan.splits;
-  p.max_anchors = plan.max_anchors;
-  p.max_pairs = plan.max_pairs;
-  p.slices = plan.slices;
-  p.slice_anchors = plan.slice_anchors;
-  const size_t per_block = static_cast<size_t>(plan.maxrows) * s.head_dim;
-  p.ws_o = ws.data();
-  p.ws_r = ws.data() + plan.blocks * per_block;
-  p.ws_ml = ws.data() + 2 * plan.blocks * per_block;
   switch (s.head_dim) {
     case 64: launch_decode_rows<64>(plan, p, batch); break;
     case 128: launch_decode_rows<128>(plan, p, batch); break;
