@@ -157,7 +157,9 @@ typedef struct akv_allocator {
  *    allocate or synchronise, and the grid depends only on the batch shape and the prompt
  *    lengths. The appended length is read on the device, so a captured decode replayed
  *    after akv_append sees the new tokens. Growing the workspace while the stream is being
- *    captured fails with AKV_ERR_INVALID_ARGUMENT;
+ *    captured fails with AKV_ERR_INVALID_ARGUMENT; a later decode with a larger batch shape
+ *    on the same stream grows it and invalidates graphs captured before (capture the
+ *    largest shape first, or one stream per shape). Compression has its own workspace;
  *  - akv_append writes on the device from device tensors, without scanning them for NaN/Inf
  *    (that would synchronise); reserve capacity first (akv_cache_reserve) so that it never
  *    allocates. akv_cache_reserve, akv_cache_deserialize, akv_cache_serialize and

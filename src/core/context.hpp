@@ -22,8 +22,10 @@ struct akv_context {
   int32_t device = 0;
   akv_allocator allocator{};  // resolved: never NULL functions
   std::unique_ptr<akv::ThreadPool> pool;
-  // CUDA: device properties (read once) and decode workspaces, one per stream, grown on
-  // demand and kept so that a decode can be captured in a CUDA graph.
+  // CUDA: device properties (read once) and scratch memory per (stream, use), grown on
+  // demand and kept so that a decode can be captured in a CUDA graph. Decode and compression
+  // have separate workspaces: compressing a new request on a stream never moves the memory
+  // a captured decode on that stream uses.
   int sm_count = 0;
   size_t smem_optin = 0;
   std::mutex workspace_mutex;
@@ -31,7 +33,8 @@ struct akv_context {
     void *ptr = nullptr;
     size_t bytes = 0;
   };
-  std::map<void *, Workspace> workspaces;
+  enum WorkspaceUse : int { kDecodeWorkspace = 0, kCompressWorkspace = 1 };
+  std::map<std::pair<void *, int>, Workspace> workspaces;
   // CUDA: a CPU context for the work staged through the host (see akv_compress).
   std::unique_ptr<akv_context> host_staging;
   // CUDA: the cuBLAS handle of the compression pass (created on first use).

@@ -63,10 +63,10 @@ void launch_decode_rows(const DecodePlan &plan, const DecodeLaunch &p, int32_t r
 
 }  // namespace
 
-void *workspace(akv_context &ctx, size_t bytes, void *raw_stream) {
+void *workspace(akv_context &ctx, size_t bytes, void *raw_stream, int use) {
   const cudaStream_t stream = as_stream(raw_stream);
   std::lock_guard<std::mutex> lock(ctx.workspace_mutex);
-  akv_context::Workspace &ws = ctx.workspaces[stream];
+  akv_context::Workspace &ws = ctx.workspaces[{raw_stream, use}];
   if (ws.bytes >= bytes) return ws.ptr;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
@@ -125,7 +125,7 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
   const DecodePlan plan = plan_decode(caches, batch, q_len, ctx.sm_count, ctx.smem_optin);
   const akv_shape &s = caches[0]->meta.shape;
   const cudaStream_t st = as_stream(stream);
-  float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, stream));
+  float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, stream, akv_context::kDecodeWorkspace));
   const size_t esize = dtype == AKV_DTYPE_F32 ? 4 : 2;
   const size_t per_request = static_cast<size_t>(s.num_q_heads) * q_len * s.head_dim * esize;
   for (int32_t b0 = 0; b0 < batch; b0 += kMaxBatchPerLaunch) {

@@ -20,10 +20,10 @@ void copy_rows(void *dst, size_t dst_pitch, const void *src, size_t src_pitch, s
                void *stream);
 void synchronize(void *stream);
 
-// The stream's scratch memory (decode and compression), grown through the context's
-// allocator when `bytes` exceed it; growing synchronises the stream and is refused while the
-// stream is being captured.
-void *workspace(akv_context &context, size_t bytes, void *stream);
+// The stream's scratch memory for one use (akv_context::kDecodeWorkspace or
+// kCompressWorkspace), grown through the context's allocator when `bytes` exceed it; growing
+// synchronises the stream and is refused while the stream is being captured.
+void *workspace(akv_context &context, size_t bytes, void *stream, int use);
 
 // AnchorKV compression of device tensors on the device (cuda/compress.cu); waits for the
 // work at the end (the non-finite input check). The cache is returned without its view.

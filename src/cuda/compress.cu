@@ -124,7 +124,7 @@ uint8_t *reserve_sort_scratch(akv_context &ctx, CudaDevice &dev, size_t pipeline
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   dev.sort_temp_bytes = std::max(temp32, temp64);
   const size_t total = up(pipeline_bytes) + up(most * 4) * 2 + up(most * 8) + up(dev.sort_temp_bytes);
-  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, total, stream));
+  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, total, stream, akv_context::kCompressWorkspace));
   uint8_t *extra = base + up(pipeline_bytes);
   dev.alt_keys32 = reinterpret_cast<uint32_t *>(extra);
   dev.alt_values = reinterpret_cast<uint32_t *>(extra + up(most * 4));
@@ -153,7 +153,7 @@ std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &req, void
   cache->data = Buffer(&ctx, 4ull * p.shape.seq_len * p.shape.num_kv_heads * p.shape.head_dim);
   FullScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
-  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, measure.carve(nullptr, p.shape.seq_len, pairs), stream));
+  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, measure.carve(nullptr, p.shape.seq_len, pairs), stream, akv_context::kCompressWorkspace));
   CudaDevice dev;
   dev.stream = static_cast<cudaStream_t>(stream);
   dev.blas = nullptr;

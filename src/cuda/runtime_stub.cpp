@@ -34,7 +34,7 @@ void decode(akv_context &, akv_cache *const *, int32_t, const void *, akv_dtype,
   check_device(0);
 }
 void append(akv_cache &, const void *, const void *, akv_dtype, int32_t, const int32_t *, void *) { check_device(0); }
-void *workspace(akv_context &, size_t, void *) {
+void *workspace(akv_context &, size_t, void *, int) {
   check_device(0);
   return nullptr;
 }
