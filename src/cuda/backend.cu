@@ -7,6 +7,7 @@
 
 #include "core/error.hpp"
 #include "cuda/backend.hpp"
+#include "cuda/cuda_util.cuh"
 #include "cuda/decode_kernels.cuh"
 #include "cuda/plan.hpp"
 
@@ -14,27 +15,7 @@ namespace akv {
 namespace cuda {
 namespace {
 
-void check(cudaError_t err, const char *what) {
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear a non-sticky error so the context stays usable
-    fail(AKV_ERR_BACKEND, what, " failed: ", cudaGetErrorString(err));
-  }
-}
-
 cudaStream_t as_stream(void *stream) { return static_cast<cudaStream_t>(stream); }
-
-// The context's device for the duration of a call; the caller's current device is restored.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
 
 template <int D, int MAXROWS>
 void launch_decode(const DecodePlan &plan, const DecodeLaunch &p, int32_t requests, cudaStream_t stream,

@@ -12,18 +12,14 @@
 #include "core/error.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/compress_pipeline.hpp"
+#include "cuda/cuda_util.cuh"
 #include "methods/methods.hpp"
 
 namespace akv {
 namespace cuda {
 namespace {
 
-void check(cudaError_t err, const char *what) {
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    fail(AKV_ERR_BACKEND, what, " failed: ", cudaGetErrorString(err));
-  }
-}
+using cuda::check;  // the cudaError_t overload (cuda_util.cuh) beside this one
 void check(cublasStatus_t status, const char *what) {
   if (status != CUBLAS_STATUS_SUCCESS) fail(AKV_ERR_BACKEND, what, " failed: cuBLAS status ", static_cast<int>(status));
 }
@@ -55,6 +51,10 @@ cublasHandle_t blas_handle(akv_context &ctx) {
 }
 
 struct CudaDevice {
+  // blas may be null (no GEMMs); otherwise its work goes on `stream`.
+  CudaDevice(void *raw_stream, cublasHandle_t handle) : stream(static_cast<cudaStream_t>(raw_stream)), blas(handle) {
+    if (blas) check(cublasSetStream(blas, stream), "cublasSetStream");
+  }
   cudaStream_t stream;
   cublasHandle_t blas;
   void *sort_temp = nullptr;
@@ -133,16 +133,6 @@ uint8_t *reserve_sort_scratch(akv_context &ctx, CudaDevice &dev, size_t pipeline
   return base;
 }
 
-// The context's device for the duration of a call; the caller's current device is restored.
-struct DeviceScope {
-  int previous = 0;
-  explicit DeviceScope(int device) {
-    check(cudaGetDevice(&previous), "cudaGetDevice");
-    check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceScope() { cudaSetDevice(previous); }
-};
-
 }  // namespace
 
 std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &req, void *stream) {
@@ -154,9 +144,7 @@ std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &req, void
   FullScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
   uint8_t *base = static_cast<uint8_t *>(workspace(ctx, measure.carve(nullptr, p.shape.seq_len, pairs), stream, akv_context::kCompressWorkspace));
-  CudaDevice dev;
-  dev.stream = static_cast<cudaStream_t>(stream);
-  dev.blas = nullptr;
+  CudaDevice dev(stream, nullptr);
   compress_fullkv(dev, p, *req.options, *cache, cache->data.data(), base);
   return cache;
 }
@@ -169,10 +157,7 @@ std::unique_ptr<akv_cache> compress_eviction_cuda(const CompressRequest &req, vo
   const EvictionBudget budget = eviction_budget(o, p.shape);
   std::unique_ptr<akv_cache> cache = new_cache(req);
   cache->data = Buffer(&ctx, budget.footprint);
-  CudaDevice dev;
-  dev.stream = static_cast<cudaStream_t>(stream);
-  dev.blas = blas_handle(ctx);
-  check(cublasSetStream(dev.blas, dev.stream), "cublasSetStream");
+  CudaDevice dev(stream, blas_handle(ctx));
   const int H = p.shape.num_kv_heads, D = p.shape.head_dim, pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
   EvictionScratch measure;
   const size_t pipeline_bytes = measure.carve(nullptr, budget.seq_len, budget.prefix, H, D,
@@ -195,10 +180,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   const AnchorGeometry &g = cache->geometry;
   cache->data = Buffer(&ctx, cache->layout.total_bytes);
 
-  CudaDevice dev;
-  dev.stream = static_cast<cudaStream_t>(stream);
-  dev.blas = blas_handle(ctx);
-  check(cublasSetStream(dev.blas, dev.stream), "cublasSetStream");
+  CudaDevice dev(stream, blas_handle(ctx));
   // Scratch: the pipeline's arrays, then the sorts' second buffers and temporary storage.
   CompressScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
