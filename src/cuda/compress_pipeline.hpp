@@ -97,6 +97,16 @@ struct CompressScratch {
   }
 };
 
+// The prompt positions (host): the prefill's, or 0..S-1.
+inline std::vector<int32_t> prompt_positions(const akv_prefill &p) {
+  std::vector<int32_t> pos(p.shape.seq_len);
+  for (int64_t t = 0; t < p.shape.seq_len; ++t) pos[t] = p.positions ? p.positions[t] : static_cast<int32_t>(t);
+  return pos;
+}
+
+// Blocks of `per` items covering n.
+inline int grid_blocks(int64_t n, int per) { return static_cast<int>((n + per - 1) / per); }
+
 // The host-side parts of an AnchorKV cache for these inputs (meta, geometry, layout,
 // codec, positions), exactly as the CPU compression sets them; no tensor is read.
 // Returns the prompt positions (host).
@@ -115,8 +125,7 @@ inline std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const akv
   cache.layout = anchor_layout(g);
   cache.codec = ResidualCodec(o.seed, g.dim, o.residual_scale);
   cache.footprint = g.footprint;
-  std::vector<int32_t> pos(g.seq_len);
-  for (int64_t t = 0; t < g.seq_len; ++t) pos[t] = p.positions ? p.positions[t] : static_cast<int32_t>(t);
+  const std::vector<int32_t> pos = prompt_positions(p);
   const int64_t S = g.seq_len, P = g.prefix;
   require(pos[S - 1] - pos[P] == g.window - 1, AKV_ERR_UNSUPPORTED, "positions of the last window=", g.window,
           " tokens must be consecutive (got ", pos[P], "..", pos[S - 1], ")");
@@ -192,8 +201,7 @@ void compress_fullkv(Dev &dev, const akv_prefill &p, const akv_compress_options 
   const int pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
   FullScratch s;
   s.carve(scratch_base, S, pairs);
-  std::vector<int32_t> positions(S);
-  for (int64_t t = 0; t < S; ++t) positions[t] = p.positions ? p.positions[t] : static_cast<int32_t>(t);
+  const std::vector<int32_t> positions = prompt_positions(p);
   cache.meta.dense_counts.assign(H, S);
   cache.dense_positions = positions;
   cache.next_position = static_cast<int64_t>(positions[S - 1]) + 1;
@@ -204,7 +212,7 @@ void compress_fullkv(Dev &dev, const akv_prefill &p, const akv_compress_options 
   const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad);
   uint16_t *keys = reinterpret_cast<uint16_t *>(data), *values = keys + static_cast<int64_t>(H) * S * D;
   for (int h = 0; h < H; ++h)
-    dev.launch(dense_store_kernel, static_cast<int>((S + 3) / 4), 1, 128, a, h, static_cast<const int32_t *>(nullptr), S,
+    dev.launch(dense_store_kernel, grid_blocks(S, 4), 1, 128, a, h, static_cast<const int32_t *>(nullptr), S,
                cache.meta.storage == AKV_DTYPE_BF16 ? 1 : 0, keys + static_cast<int64_t>(h) * S * D,
                values + static_cast<int64_t>(h) * S * D);
   if (dev.read_int(s.bad) != 0)
@@ -248,8 +256,6 @@ struct EvictionScratch {
   }
 };
 
-inline bool eviction_on_device(akv_method method) { return is_eviction_method(method); }
-
 // `data`: device memory of budget.footprint bytes. Sets the cache's counts, kept tokens,
 // positions and footprint. Waits for the work (downloads, non-finite check).
 template <class Dev>
@@ -266,40 +272,38 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
   const int64_t chunks = andpro ? (P + chunk - 1) / chunk : 0, c0 = b.first_chunk;
   EvictionScratch s;
   s.carve(scratch_base, S, P, H, D, m, pairs, b.layer_tokens, andpro);
-  std::vector<int32_t> positions(S);
-  for (int64_t t = 0; t < S; ++t) positions[t] = p.positions ? p.positions[t] : static_cast<int32_t>(t);
+  const std::vector<int32_t> positions = prompt_positions(p);
   dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
   upload_rope(dev, cache.rope, s.inv_freq, s.rope_first, s.rope_second);
   dev.fill(s.bad, 0, sizeof(int32_t));
   const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad);
   const bool adakv = o.method == AKV_METHOD_ADAKV;
-  auto blocks = [](int64_t n, int per) { return static_cast<int>((n + per - 1) / per); };
   for (int h = 0; h < H; ++h) {
-    dev.launch(load_head_kernel, blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
+    dev.launch(load_head_kernel, grid_blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
     dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q);
     dev.gemm_nt(m, S, D, cache.meta.softmax_scale, s.q, D, s.kpost, D, s.attn, S);
     dev.launch(window_softmax_kernel, m, 1, 128, s.attn, S, P, W);
     if (andpro) {  // pooled rows, y over the evictable chunks, contributions, chunk scores
-      dev.launch(pool_rows_kernel, blocks(P, 128), m, 128, static_cast<const float *>(s.attn), S, P, o.pool_kernel,
+      dev.launch(pool_rows_kernel, grid_blocks(P, 128), m, 128, static_cast<const float *>(s.attn), S, P, o.pool_kernel,
                  o.pool_type == AKV_POOL_MAX ? 1 : 0, s.pooled);
       if (P > c0)
         dev.gemm_nn(m, D, P - c0, 1.0f, s.pooled + c0, P, s.v + c0 * D, D, s.y, D);
       else
         dev.fill(s.y, 0, sizeof(float) * m * D);
       dev.gemm_nt(m, P, D, 1.0f, s.y, D, s.v, D, s.vy, P);
-      dev.launch(andpro_contrib_kernel, blocks(P, 128), 1, 128, static_cast<const float *>(s.pooled),
+      dev.launch(andpro_contrib_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.pooled),
                  static_cast<const float *>(s.vy), P, m, s.contrib + h * P);
-      dev.launch(andpro_chunks_kernel, blocks(chunks, 128), 1, 128, static_cast<const float *>(s.contrib + h * P), P,
+      dev.launch(andpro_chunks_kernel, grid_blocks(chunks, 128), 1, 128, static_cast<const float *>(s.contrib + h * P), P,
                  chunk, chunks, h, s.all_keys, s.all_ids);
       continue;
     }
-    dev.launch(scores_kernel, blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, s.raw, s.alpha_sq);
+    dev.launch(scores_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, s.raw, s.alpha_sq);
     uint32_t *keys = s.keys + h * P, *index = s.index + h * P;
-    dev.launch(pool_kernel, blocks(P, 128), 1, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
+    dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
                o.pool_type == AKV_POOL_MAX ? 1 : 0, keys, index);
     if (adakv) {
       dev.copy(s.all_keys + h * P, keys, P * sizeof(uint32_t));
-      dev.launch(iota_kernel, blocks(P, 128), 1, 128, s.all_ids + h * P, static_cast<uint32_t>(h * P), P);
+      dev.launch(iota_kernel, grid_blocks(P, 128), 1, 128, s.all_ids + h * P, static_cast<uint32_t>(h * P), P);
     }
     dev.sort_u32(keys, index, P);  // best first, ties to the lower index
   }
@@ -378,7 +382,7 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
   dev.copy(s.kept, cache.dense_tokens.data(), total * sizeof(int32_t));
   uint16_t *keys = reinterpret_cast<uint16_t *>(data), *values = keys + total * D;
   for (int h = 0; h < H; ++h)
-    dev.launch(dense_store_kernel, blocks(first[h + 1] - first[h], 4), 1, 128, a, h,
+    dev.launch(dense_store_kernel, grid_blocks(first[h + 1] - first[h], 4), 1, 128, a, h,
                static_cast<const int32_t *>(s.kept + first[h]), first[h + 1] - first[h],
                cache.meta.storage == AKV_DTYPE_BF16 ? 1 : 0, keys + first[h] * D, values + first[h] * D);
   if (dev.read_int(s.bad) != 0)
@@ -415,7 +419,6 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   const bool bf16 = cache.meta.storage == AKV_DTYPE_BF16;
   const int64_t n_top = std::min<int64_t>(free_anchors, std::llround(o.scored_fraction * static_cast<double>(free_anchors)));
   const int64_t n_rand = free_anchors - n_top;
-  auto blocks = [](int64_t n, int per) { return static_cast<int>((n + per - 1) / per); };
   uint16_t *index[2] = {reinterpret_cast<uint16_t *>(section(kKeyIndex)), reinterpret_cast<uint16_t *>(section(kValueIndex))};
   uint16_t *gamma[2] = {reinterpret_cast<uint16_t *>(section(kKeyGamma)), reinterpret_cast<uint16_t *>(section(kValueGamma))};
   uint16_t *anchors_out[2] = {reinterpret_cast<uint16_t *>(section(kAnchorKeys)),
@@ -424,7 +427,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
 
   for (int h = 0; h < H; ++h) {
     // 1. This head's keys (both forms), values and the group's window queries.
-    dev.launch(load_head_kernel, blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
+    dev.launch(load_head_kernel, grid_blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
     dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q);
     // 2. Window attention with the causal window mask, and its outputs y.
     dev.gemm_nt(m, S, D, cache.meta.softmax_scale, s.q, D, s.kpost, D, s.attn, S);
@@ -432,12 +435,12 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.gemm_nn(m, D, S, 1.0f, s.attn, S, s.v, D, s.y, D);
     // 3. Scores, pooled; 4. anchors: the top share by pooled score (ties: lower index), then
     // the smallest counter hashes among the rest, sorted by token.
-    dev.launch(scores_kernel, blocks(P, 128), 1, 128, s.attn, S, P, m, s.raw, s.alpha_sq);
-    dev.launch(pool_kernel, blocks(P, 128), 1, 128, s.raw, P, o.pool_kernel, o.pool_type == AKV_POOL_MAX ? 1 : 0,
+    dev.launch(scores_kernel, grid_blocks(P, 128), 1, 128, s.attn, S, P, m, s.raw, s.alpha_sq);
+    dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, s.raw, P, o.pool_kernel, o.pool_type == AKV_POOL_MAX ? 1 : 0,
                s.rank_keys, s.rank_index);
     dev.sort_u32(s.rank_keys, s.rank_index, P);
     if (P > n_top) {
-      dev.launch(sample_keys_kernel, blocks(P - n_top, 128), 1, 128, s.rank_index, n_top, P, o.seed,
+      dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, s.rank_index, n_top, P, o.seed,
                  static_cast<uint64_t>(kStreamAnchorSample),
                  (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(h), s.sample_keys, s.sample_index);
       dev.sort_u64(s.sample_keys, s.sample_index, P - n_top);
@@ -455,7 +458,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
       for (int64_t t0 = 0; t0 < P; t0 += CompressScratch::kAssignChunk) {
         const int64_t n = std::min<int64_t>(CompressScratch::kAssignChunk, P - t0);
         dev.gemm_nt(n, k, D, 1.0f, X + t0 * D, D, s.anchor_n, D, s.c, k);
-        dev.launch(assign_kernel, blocks(n, 4), 1, 128, static_cast<const float *>(s.c), t0, n, k, D, X,
+        dev.launch(assign_kernel, grid_blocks(n, 4), 1, 128, static_cast<const float *>(s.c), t0, n, k, D, X,
                    static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
                    static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token),
                    index[side] + h * P, gamma[side] + h * P, side, static_cast<const int32_t *>(s.positions), pairs,
@@ -466,8 +469,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     // 6. Utilities (Eq. 6): Z = Q (R r_K)^T, V.y, ||y||^2.
     dev.gemm_nt(m, P, D, 1.0f, s.q, D, s.rk, D, s.z, P);
     dev.gemm_nt(m, P, D, 1.0f, s.y, D, s.v, D, s.vy, P);
-    dev.launch(row_norms_kernel, blocks(m, 128), 1, 128, static_cast<const float *>(s.y), m, D, s.y_norm_sq);
-    dev.launch(utility_kernel, blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, D,
+    dev.launch(row_norms_kernel, grid_blocks(m, 128), 1, 128, static_cast<const float *>(s.y), m, D, s.y_norm_sq);
+    dev.launch(utility_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, D,
                static_cast<const float *>(s.z), static_cast<const float *>(s.vy),
                static_cast<const float *>(s.y_norm_sq), static_cast<const float *>(s.v),
                static_cast<const float *>(s.alpha_sq), static_cast<const float *>(s.rv_norm_sq),
@@ -487,7 +490,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     auto *mask = reinterpret_cast<unsigned long long *>(section(mask_sec[side]));
     auto *prefix = reinterpret_cast<uint32_t *>(section(prefix_sec[side]));
     auto *offsets = reinterpret_cast<uint32_t *>(section(offsets_sec[side]));
-    if (n > 0) dev.launch(mask_kernel, blocks(n, 128), 1, 128, static_cast<const uint32_t *>(s.util_ids[side]), n, P, words, mask);
+    if (n > 0) dev.launch(mask_kernel, grid_blocks(n, 128), 1, 128, static_cast<const uint32_t *>(s.util_ids[side]), n, P, words, mask);
     dev.launch(prefix_kernel, 1, 1, std::max(32, (H + 31) / 32 * 32), reinterpret_cast<const uint64_t *>(mask), H, words,
                prefix, offsets, s.head_counts);
     uint8_t *chunk = side == 1 ? section(kValueChunkPos) : nullptr;
