@@ -42,6 +42,20 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// A prefill's tensors copied to the device (keys from `key_bytes`, by default the prefill's
+// own), and the akv_prefill that points at them.
+struct DevicePrefill {
+  DeviceBuffer keys, values, queries;
+  akv_prefill view;
+  explicit DevicePrefill(const PrefillData &data) : DevicePrefill(data, data.keys.bytes) {}
+  DevicePrefill(const PrefillData &data, const std::vector<uint8_t> &key_bytes)
+      : keys(key_bytes), values(data.values.bytes), queries(data.queries.bytes), view(data.view()) {
+    view.keys = keys.get();
+    view.values = values.get();
+    view.queries = queries.get();
+  }
+};
+
 class Cuda : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -56,6 +70,13 @@ class Cuda : public ::testing::Test {
     cpu_ = make_context();
   }
   CachePtr to_gpu(const akv_cache *cache) { return deserialize(gpu_.get(), serialize(cache)); }
+  // akv_compress on the CUDA context from device copies of the prefill.
+  CachePtr compress_on_gpu(const PrefillData &data, const akv_compress_options &o) {
+    const DevicePrefill device(data);
+    akv_cache *raw = nullptr;
+    ok(akv_compress(gpu_.get(), &device.view, &o, &raw, nullptr), "akv_compress on CUDA");
+    return CachePtr(raw);
+  }
   ContextPtr gpu_, cpu_;
 };
 
@@ -222,14 +243,7 @@ TEST_F(Cuda, CompressReconstructAndSerializeMatchCpu) {
     spec.window = o.window;
     const PrefillData data = make_prefill(rng, spec);
     CachePtr cpu_cache = compress(cpu_.get(), data, o);
-    DeviceBuffer dk(data.keys.bytes), dv(data.values.bytes), dq(data.queries.bytes);
-    akv_prefill p = data.view();
-    p.keys = dk.get();
-    p.values = dv.get();
-    p.queries = dq.get();
-    akv_cache *raw = nullptr;
-    ok(akv_compress(gpu_.get(), &p, &o, &raw, nullptr), "akv_compress on CUDA");
-    CachePtr gpu_cache(raw);
+    CachePtr gpu_cache = compress_on_gpu(data, o);
     if (method == AKV_METHOD_ANCHORKV) {
       CachePtr back = deserialize(cpu_.get(), serialize(gpu_cache.get()));
       EXPECT_TRUE(anchor_caches_agree(*back, *cpu_cache));
@@ -290,14 +304,7 @@ TEST_F(Cuda, CompressionPassMatchesCpuOverShapes) {
     const PrefillData data = make_prefill(rng, spec);
     const akv_compress_options o = anchorkv_options(std::max(0.05, workable_retain_fraction(data.shape, 32, 0, 0.02)));
     CachePtr cpu_cache = compress(cpu_.get(), data, o);
-    DeviceBuffer dk(data.keys.bytes), dv(data.values.bytes), dq(data.queries.bytes);
-    akv_prefill p = data.view();
-    p.keys = dk.get();
-    p.values = dv.get();
-    p.queries = dq.get();
-    akv_cache *raw = nullptr;
-    ok(akv_compress(gpu_.get(), &p, &o, &raw, nullptr), "akv_compress on CUDA");
-    CachePtr gpu_cache(raw);
+    CachePtr gpu_cache = compress_on_gpu(data, o);
     CachePtr back = deserialize(cpu_.get(), serialize(gpu_cache.get()));
     EXPECT_TRUE(anchor_caches_agree(*back, *cpu_cache));
     const Tensor q = make_tensor(nonzero_normal(rng, static_cast<size_t>(2) * c.G * c.D, 1.5), AKV_DTYPE_F32);
@@ -331,13 +338,9 @@ TEST_F(Cuda, UnsupportedCachesAreRefusedAndTheContextStaysUsable) {
   {
     std::vector<float> keys = decode_bytes(data.keys.bytes, data.keys.dtype);
     keys[keys.size() / 3] = std::nanf("");
-    DeviceBuffer dk(encode(keys, data.keys.dtype)), dv(data.values.bytes), dq(data.queries.bytes);
-    akv_prefill p = data.view();
-    p.keys = dk.get();
-    p.values = dv.get();
-    p.queries = dq.get();
+    const DevicePrefill device(data, encode(keys, data.keys.dtype));
     const akv_compress_options o = anchorkv_options(0.3);
-    EXPECT_EQ(akv_compress(gpu_.get(), &p, &o, &out, nullptr), AKV_ERR_NON_FINITE);
+    EXPECT_EQ(akv_compress(gpu_.get(), &device.view, &o, &out, nullptr), AKV_ERR_NON_FINITE);
     EXPECT_EQ(out, nullptr);
   }
   // Corrupted bytes answer CORRUPT_DATA, and the context still works afterwards.
