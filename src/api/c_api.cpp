@@ -613,7 +613,7 @@ AKV_API akv_status akv_cache_serialized_size(const akv_cache *cache, size_t *out
   return guard(__func__, [&] {
     validate_cache(cache);
     check_not_null(out_bytes, "out_bytes");
-    *out_bytes = serialize_any(*cache, nullptr).size();
+    *out_bytes = serialized_size(*cache);
   });
 }
 

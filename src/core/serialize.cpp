@@ -28,6 +28,17 @@ class Writer {
   std::vector<uint8_t> out;
 };
 
+// The same interface, counting bytes without reading them (serialized_size).
+class Counter {
+ public:
+  template <typename T>
+  void put(const T &) {
+    size += sizeof(T);
+  }
+  void bytes(const void *, size_t n) { size += n; }
+  size_t size = 0;
+};
+
 class Reader {
  public:
   Reader(const uint8_t *p, size_t n) : p_(p), n_(n) {}
@@ -83,49 +94,57 @@ uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc) {
   return ~crc;
 }
 
-std::vector<uint8_t> serialize_cache(const akv_cache &c, const uint8_t *data, const uint8_t *sk,
-                                     const uint8_t *sv) {
+namespace {
+
+// w.put<T>(v) for a Writer or a Counter.
+template <typename T, class W>
+void put(W &w, const T &v) {
+  w.put(v);
+}
+
+// Everything before the CRC, in format order, through a Writer or a Counter.
+template <class W>
+void write_cache(W &w, const akv_cache &c, const uint8_t *data, const uint8_t *sk, const uint8_t *sv) {
   const CacheMeta &m = c.meta;
-  Writer w;
   w.bytes(kMagic, 8);
-  w.put<uint32_t>(kFormatVersion);
-  w.put<uint32_t>(0);  // flags
-  w.put<uint64_t>(0);  // total size, patched below
-  w.put<int32_t>(m.method);
-  w.put<int64_t>(m.shape.seq_len);
-  w.put<int32_t>(m.shape.num_kv_heads);
-  w.put<int32_t>(m.shape.num_q_heads);
-  w.put<int32_t>(m.shape.head_dim);
-  w.put<int32_t>(m.storage);
-  w.put<int32_t>(m.keys_post_rope);
-  w.put<float>(m.softmax_scale);
-  w.put<double>(m.retain_fraction);
-  w.put<uint64_t>(m.seed);
-  w.put<int32_t>(m.layer_index);
-  w.put<int32_t>(m.layer_count);
-  w.put<int32_t>(m.residual_scale);
-  w.put<int32_t>(m.rope_style);
-  w.put<int32_t>(m.rotary_dim);
-  w.put<uint32_t>(static_cast<uint32_t>(m.inv_freq.size()));
+  put<uint32_t>(w, kFormatVersion);
+  put<uint32_t>(w, 0);  // flags
+  put<uint64_t>(w, 0);  // total size, patched below
+  put<int32_t>(w, m.method);
+  put<int64_t>(w, m.shape.seq_len);
+  put<int32_t>(w, m.shape.num_kv_heads);
+  put<int32_t>(w, m.shape.num_q_heads);
+  put<int32_t>(w, m.shape.head_dim);
+  put<int32_t>(w, m.storage);
+  put<int32_t>(w, m.keys_post_rope);
+  put<float>(w, m.softmax_scale);
+  put<double>(w, m.retain_fraction);
+  put<uint64_t>(w, m.seed);
+  put<int32_t>(w, m.layer_index);
+  put<int32_t>(w, m.layer_count);
+  put<int32_t>(w, m.residual_scale);
+  put<int32_t>(w, m.rope_style);
+  put<int32_t>(w, m.rotary_dim);
+  put<uint32_t>(w, static_cast<uint32_t>(m.inv_freq.size()));
   w.bytes(m.inv_freq.data(), m.inv_freq.size() * sizeof(float));
-  w.put<int32_t>(m.window);
-  w.put<int32_t>(m.anchors);
-  w.put<int64_t>(m.key_residuals);
-  w.put<int64_t>(m.value_residuals);
-  w.put<int64_t>(m.window_first_position);
-  w.put<int64_t>(c.next_position);
-  w.put<uint32_t>(static_cast<uint32_t>(m.dense_counts.size()));
-  for (int64_t n : m.dense_counts) w.put<int64_t>(n);
-  w.put<uint64_t>(c.dense_positions.size());
+  put<int32_t>(w, m.window);
+  put<int32_t>(w, m.anchors);
+  put<int64_t>(w, m.key_residuals);
+  put<int64_t>(w, m.value_residuals);
+  put<int64_t>(w, m.window_first_position);
+  put<int64_t>(w, c.next_position);
+  put<uint32_t>(w, static_cast<uint32_t>(m.dense_counts.size()));
+  for (int64_t n : m.dense_counts) put<int64_t>(w, n);
+  put<uint64_t>(w, c.dense_positions.size());
   w.bytes(c.dense_positions.data(), c.dense_positions.size() * sizeof(int32_t));
   // Method-specific parameters (FullKV and AnchorKV have none): the eviction methods' kept
   // token indices [sum counts], the quantizer's bits and outlier count.
   if (is_evicting(m.method)) {
-    w.put<uint64_t>(c.dense_tokens.size());
+    put<uint64_t>(w, c.dense_tokens.size());
     w.bytes(c.dense_tokens.data(), c.dense_tokens.size() * sizeof(int32_t));
   } else if (m.method == AKV_METHOD_QUANTIZED) {
-    w.put<int32_t>(m.quant_bits);
-    w.put<int32_t>(m.quant_outliers);
+    put<int32_t>(w, m.quant_bits);
+    put<int32_t>(w, m.quant_outliers);
   }
   if (m.method == AKV_METHOD_ANCHORKV) {
     for (const Section &s : c.layout.sections) w.bytes(data + s.offset, s.bytes);
@@ -135,12 +154,26 @@ std::vector<uint8_t> serialize_cache(const akv_cache &c, const uint8_t *data, co
     w.bytes(data, c.footprint);
   }
   const int64_t H = m.shape.num_kv_heads, D = m.shape.head_dim;
-  w.put<int64_t>(c.suffix_len);
+  put<int64_t>(w, c.suffix_len);
   w.bytes(c.suffix_positions.data(), c.suffix_len * sizeof(int32_t));
   const size_t row = static_cast<size_t>(D) * 2;
   for (const uint8_t *src : {sk, sv})
     for (int64_t h = 0; h < H; ++h)
       w.bytes(src + h * c.suffix_capacity * row, c.suffix_len * row);
+}
+
+}  // namespace
+
+size_t serialized_size(const akv_cache &c) {
+  Counter w;
+  write_cache(w, c, c.data.data(), c.suffix_keys.data(), c.suffix_values.data());  // never read
+  return w.size + sizeof(uint32_t);  // and the CRC
+}
+
+std::vector<uint8_t> serialize_cache(const akv_cache &c, const uint8_t *data, const uint8_t *sk,
+                                     const uint8_t *sv) {
+  Writer w;
+  write_cache(w, c, data, sk, sv);
   const uint64_t total = w.out.size() + 4;
   std::memcpy(w.out.data() + 16, &total, 8);
   const uint32_t crc = crc32(w.out.data(), w.out.size());

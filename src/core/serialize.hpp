@@ -17,6 +17,10 @@ uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc = 0);
 std::vector<uint8_t> serialize_cache(const akv_cache &cache, const uint8_t *data,
                                      const uint8_t *suffix_keys, const uint8_t *suffix_values);
 
+// The byte count serialize_cache() would produce, without reading the cache's buffers (they
+// may be device memory).
+size_t serialized_size(const akv_cache &cache);
+
 // Parses and validates; returns a cache whose buffers are host vectors in `host_data`,
 // `host_suffix_keys`/`values` ([H][len][D], exactly sized); the caller uploads them.
 struct ParsedCache {
