@@ -23,6 +23,7 @@
 #include "core/rng.hpp"
 #include "cuda/compress_kernels.cuh"
 #include "methods/eviction.hpp"
+#include "methods/methods.hpp"
 
 namespace akv {
 namespace cuda {
@@ -97,42 +98,8 @@ struct CompressScratch {
   }
 };
 
-// The prompt positions (host): the prefill's, or 0..S-1.
-inline std::vector<int32_t> prompt_positions(const akv_prefill &p) {
-  std::vector<int32_t> pos(p.shape.seq_len);
-  for (int64_t t = 0; t < p.shape.seq_len; ++t) pos[t] = p.positions ? p.positions[t] : static_cast<int32_t>(t);
-  return pos;
-}
-
 // Blocks of `per` items covering n.
 inline int grid_blocks(int64_t n, int per) { return static_cast<int>((n + per - 1) / per); }
-
-// The host-side parts of an AnchorKV cache for these inputs (meta, geometry, layout,
-// codec, positions), exactly as the CPU compression sets them; no tensor is read.
-// Returns the prompt positions (host).
-inline std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const akv_compress_options &o, akv_cache &cache) {
-  CacheMeta &meta = cache.meta;
-  const AnchorGeometry g = anchor_geometry(o, p.shape);
-  require(std::isfinite(o.scored_fraction) && o.scored_fraction >= 0.0 && o.scored_fraction <= 1.0,
-          AKV_ERR_INVALID_ARGUMENT, "scored_fraction ", o.scored_fraction, " must be in [0, 1]");
-  require(o.pool_kernel >= 1 && o.pool_kernel % 2 == 1, AKV_ERR_INVALID_ARGUMENT, "pool_kernel ", o.pool_kernel,
-          " must be a positive odd number");
-  require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (AnchorKV scores with the window queries)");
-  meta.anchors = g.anchors;
-  meta.key_residuals = g.key_residuals;
-  meta.value_residuals = g.value_residuals;
-  cache.geometry = g;
-  cache.layout = anchor_layout(g);
-  cache.codec = ResidualCodec(o.seed, g.dim, o.residual_scale);
-  cache.footprint = g.footprint;
-  const std::vector<int32_t> pos = prompt_positions(p);
-  const int64_t S = g.seq_len, P = g.prefix;
-  require(pos[S - 1] - pos[P] == g.window - 1, AKV_ERR_UNSUPPORTED, "positions of the last window=", g.window,
-          " tokens must be consecutive (got ", pos[P], "..", pos[S - 1], ")");
-  meta.window_first_position = pos[P];
-  cache.next_position = static_cast<int64_t>(pos[S - 1]) + 1;
-  return pos;
-}
 
 // The kernels' view of the prefill tensors (device pointers) and of the device constants.
 inline PrefillArgs prefill_args(const akv_prefill &p, const akv_compress_options &o, const akv_cache &cache,

@@ -84,20 +84,8 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   ThreadPool &pool = *req.context->pool;
   std::unique_ptr<akv_cache> cache = new_cache(req);
   CacheMeta &meta = cache->meta;
-  const AnchorGeometry g = anchor_geometry(o, p.shape);
-  require(std::isfinite(o.scored_fraction) && o.scored_fraction >= 0.0 && o.scored_fraction <= 1.0,
-          AKV_ERR_INVALID_ARGUMENT, "scored_fraction ", o.scored_fraction, " must be in [0, 1]");
-  require(o.pool_kernel >= 1 && o.pool_kernel % 2 == 1, AKV_ERR_INVALID_ARGUMENT, "pool_kernel ",
-          o.pool_kernel, " must be a positive odd number");
-  require(o.pool_type == AKV_POOL_AVG || o.pool_type == AKV_POOL_MAX, AKV_ERR_INVALID_ARGUMENT,
-          "pool_type ", static_cast<int>(o.pool_type), " is not known");
-  require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (AnchorKV scores with the window queries)");
-  meta.anchors = g.anchors;
-  meta.key_residuals = g.key_residuals;
-  meta.value_residuals = g.value_residuals;
-  cache->geometry = g;
-  cache->layout = anchor_layout(g);
-  cache->codec = ResidualCodec(o.seed, g.dim, o.residual_scale);
+  prepare_anchor_cache(p, o, *cache);
+  const AnchorGeometry &g = cache->geometry;
   const Rope &rope = cache->rope;
   PrefillReader in(p, g.window, rope, o.keys_post_rope != 0);
   const std::vector<int32_t> &pos = in.positions();
@@ -106,16 +94,9 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   const int H = g.heads, G = g.group(), D = g.dim, W = g.window, k = g.anchors;
   const int64_t m = static_cast<int64_t>(G) * W;  // observation rows per KV head
   const int64_t free_anchors = k - W;
-  // The window is stored with its first position only, so its positions must be consecutive.
-  require(pos[S - 1] - pos[P] == W - 1, AKV_ERR_UNSUPPORTED,
-          "positions of the last window=", W, " tokens must be consecutive (got ", pos[P], "..",
-          pos[S - 1], ")");
-  meta.window_first_position = pos[P];
-  cache->next_position = static_cast<int64_t>(pos[S - 1]) + 1;
 
   cache->data = Buffer(req.context, cache->layout.total_bytes);
   std::memset(cache->data.data(), 0, cache->layout.total_bytes);  // padding is deterministic
-  cache->footprint = g.footprint;
   const akv_dtype storage = meta.storage;
   uint16_t *anchor_keys = cache->section<uint16_t>(kAnchorKeys);
   uint16_t *anchor_values = cache->section<uint16_t>(kAnchorValues);

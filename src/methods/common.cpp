@@ -36,6 +36,38 @@ std::unique_ptr<akv_cache> new_cache(const CompressRequest &req) {
   return cache;
 }
 
+std::vector<int32_t> prompt_positions(const akv_prefill &p) {
+  std::vector<int32_t> pos(p.shape.seq_len);
+  for (int64_t t = 0; t < p.shape.seq_len; ++t) pos[t] = p.positions ? p.positions[t] : static_cast<int32_t>(t);
+  return pos;
+}
+
+std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const akv_compress_options &o, akv_cache &cache) {
+  CacheMeta &meta = cache.meta;
+  const AnchorGeometry g = anchor_geometry(o, p.shape);
+  require(std::isfinite(o.scored_fraction) && o.scored_fraction >= 0.0 && o.scored_fraction <= 1.0,
+          AKV_ERR_INVALID_ARGUMENT, "scored_fraction ", o.scored_fraction, " must be in [0, 1]");
+  require(o.pool_kernel >= 1 && o.pool_kernel % 2 == 1, AKV_ERR_INVALID_ARGUMENT, "pool_kernel ",
+          o.pool_kernel, " must be a positive odd number");
+  require(o.pool_type == AKV_POOL_AVG || o.pool_type == AKV_POOL_MAX, AKV_ERR_INVALID_ARGUMENT,
+          "pool_type ", static_cast<int>(o.pool_type), " is not known");
+  require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (AnchorKV scores with the window queries)");
+  meta.anchors = g.anchors;
+  meta.key_residuals = g.key_residuals;
+  meta.value_residuals = g.value_residuals;
+  cache.geometry = g;
+  cache.layout = anchor_layout(g);
+  cache.codec = ResidualCodec(o.seed, g.dim, o.residual_scale);
+  cache.footprint = g.footprint;
+  std::vector<int32_t> pos = prompt_positions(p);
+  const int64_t S = g.seq_len, P = g.prefix;
+  require(pos[S - 1] - pos[P] == g.window - 1, AKV_ERR_UNSUPPORTED, "positions of the last window=", g.window,
+          " tokens must be consecutive (got ", pos[P], "..", pos[S - 1], ")");
+  meta.window_first_position = pos[P];
+  cache.next_position = static_cast<int64_t>(pos[S - 1]) + 1;
+  return pos;
+}
+
 void store_dense_tokens(const CompressRequest &req, const PrefillReader &in, const std::vector<int64_t> &head_start,
                         const int32_t *tokens, akv_cache &cache) {
   const int D = req.prefill->shape.head_dim;

@@ -18,6 +18,16 @@ struct CompressRequest {
 // (shape, storage dtype, rope, scale, seed...) and the resolved RoPE.
 std::unique_ptr<akv_cache> new_cache(const CompressRequest &req);
 
+// The prompt positions (host): the prefill's, or 0..S-1.
+std::vector<int32_t> prompt_positions(const akv_prefill &prefill);
+
+// AnchorKV, either backend: validates the options it reads and sets the cache's host-side
+// parts (meta, geometry, layout, codec, footprint, window and next positions); no tensor is
+// read. Returns the prompt positions. Throws AKV_ERR_UNSUPPORTED when the last `window`
+// positions are not consecutive (the window is stored by its first position).
+std::vector<int32_t> prepare_anchor_cache(const akv_prefill &prefill, const akv_compress_options &options,
+                                          akv_cache &cache);
+
 class PrefillReader;
 // Allocates the dense ragged storage of a cache (keys [total][D] post-RoPE, then values, in
 // the storage dtype) and fills it: kept row i of head h is token tokens[i] (tokens == null:

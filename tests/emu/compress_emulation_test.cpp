@@ -88,7 +88,7 @@ void check(const CompressCase &c) {
   const akv_prefill prefill = data.view();
   const akv::CompressRequest req{ctx.get(), &prefill, &o};
   std::unique_ptr<akv_cache> got = akv::new_cache(req);
-  const std::vector<int32_t> positions = kc::prepare_anchor_cache(prefill, o, *got);
+  const std::vector<int32_t> positions = akv::prepare_anchor_cache(prefill, o, *got);
   got->data = akv::Buffer(ctx.get(), got->layout.total_bytes);
   std::memset(got->data.data(), 0xA5, got->data.size());  // poisoned
   const akv::AnchorGeometry &g = got->geometry;
