@@ -285,14 +285,7 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     std::vector<int64_t> selected(H, 0);
     for (uint32_t id : best) ++selected[id / P];
     counts = adakv_counts(selected, base, o.adakv_alpha);
-    int64_t excess = 0;  // as the CPU: rounding never exceeds P in exact arithmetic
-    for (int64_t &c : counts)
-      if (c > P) excess += c - P, c = P;
-    for (int h = 0; h < H && excess > 0; ++h) {
-      const int64_t add = std::min(excess, P - counts[h]);
-      counts[h] += add;
-      excess -= add;
-    }
+    cap_counts(counts, P);
   }
   std::vector<std::vector<int32_t>> kept(H);
   if (andpro) {
@@ -331,21 +324,9 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
       kept[h].assign(top.begin(), top.end());
     }
   }
-  std::vector<int64_t> first(H + 1, 0);
-  cache.dense_tokens.clear();
-  cache.meta.dense_counts.assign(H, 0);
-  for (int h = 0; h < H; ++h) {
-    std::sort(kept[h].begin(), kept[h].end());
-    cache.dense_tokens.insert(cache.dense_tokens.end(), kept[h].begin(), kept[h].end());
-    for (int64_t t = P; t < S; ++t) cache.dense_tokens.push_back(static_cast<int32_t>(t));
-    first[h + 1] = static_cast<int64_t>(cache.dense_tokens.size());
-    cache.meta.dense_counts[h] = first[h + 1] - first[h];
-  }
+  const std::vector<int64_t> first = adopt_kept_tokens(kept, b, positions, cache);
   const int64_t total = first[H];
-  require(total == b.layer_tokens, AKV_ERR_INTERNAL, "eviction kept ", total, " tokens, the budget says ", b.layer_tokens);
   cache.footprint = 4ull * static_cast<uint64_t>(total) * D;
-  cache.dense_positions = positions;
-  cache.next_position = static_cast<int64_t>(positions[S - 1]) + 1;
   dev.copy(s.kept, cache.dense_tokens.data(), total * sizeof(int32_t));
   uint16_t *keys = reinterpret_cast<uint16_t *>(data), *values = keys + total * D;
   for (int h = 0; h < H; ++h)

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <vector>
 #include "anchorkv/anchorkv.h"
+#include "core/context.hpp"
 
 namespace akv {
 
@@ -38,5 +39,15 @@ std::vector<int64_t> pyramid_schedule(int64_t base, int64_t prefix, int32_t beta
 // AdaKV: per-head counts round(cnt_h*(1-alpha) + alpha*base) by largest remainder, so they
 // sum to exactly H*base (cnt_h sum to H*base too).
 std::vector<int64_t> adakv_counts(const std::vector<int64_t> &selected_per_head, int64_t base, double alpha);
+
+// Counts above `prefix` (floating rounding; never in exact arithmetic) capped, the excess
+// moved to the first heads with room.
+void cap_counts(std::vector<int64_t> &counts, int64_t prefix);
+
+// The kept prompt tokens of each head (any order; the window is appended here) as the
+// cache's ragged dense layout: counts, token indices, positions. Returns the first row of
+// each head (H+1). AKV_ERR_INTERNAL when the total is not the budget's.
+std::vector<int64_t> adopt_kept_tokens(std::vector<std::vector<int32_t>> &kept, const EvictionBudget &budget,
+                                       const std::vector<int32_t> &positions, akv_cache &cache);
 
 }  // namespace akv

@@ -108,4 +108,37 @@ EvictionBudget eviction_budget(const akv_compress_options &o, const akv_shape &s
   return b;
 }
 
+void cap_counts(std::vector<int64_t> &counts, int64_t prefix) {
+  int64_t excess = 0;
+  for (int64_t &c : counts)
+    if (c > prefix) excess += c - prefix, c = prefix;
+  for (size_t h = 0; h < counts.size() && excess > 0; ++h) {
+    const int64_t add = std::min(excess, prefix - counts[h]);
+    counts[h] += add;
+    excess -= add;
+  }
+}
+
+std::vector<int64_t> adopt_kept_tokens(std::vector<std::vector<int32_t>> &kept, const EvictionBudget &b,
+                                       const std::vector<int32_t> &positions, akv_cache &cache) {
+  const int H = b.heads;
+  std::vector<int64_t> first(H + 1, 0);
+  cache.meta.dense_counts.assign(H, 0);
+  for (int h = 0; h < H; ++h) {
+    std::sort(kept[h].begin(), kept[h].end());
+    for (int64_t t = b.prefix; t < b.seq_len; ++t) kept[h].push_back(static_cast<int32_t>(t));
+    cache.meta.dense_counts[h] = static_cast<int64_t>(kept[h].size());
+    first[h + 1] = first[h] + cache.meta.dense_counts[h];
+  }
+  const int64_t total = first[H];
+  require(total == b.layer_tokens, AKV_ERR_INTERNAL, "eviction kept ", total, " tokens, the budget says ",
+          b.layer_tokens);
+  cache.dense_tokens.clear();
+  cache.dense_tokens.reserve(total);
+  for (int h = 0; h < H; ++h) cache.dense_tokens.insert(cache.dense_tokens.end(), kept[h].begin(), kept[h].end());
+  cache.dense_positions = positions;
+  cache.next_position = static_cast<int64_t>(positions[b.seq_len - 1]) + 1;
+  return first;
+}
+
 }  // namespace akv

@@ -170,15 +170,7 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
     std::vector<int64_t> selected(H, 0);
     for (int64_t i = 0; i < n; ++i) ++selected[cands[i].head];
     std::vector<int64_t> counts = adakv_counts(selected, base, o.adakv_alpha);
-    // Rounding never exceeds P in exact arithmetic; move any floating excess to heads with room.
-    int64_t excess = 0;
-    for (int64_t &c : counts)
-      if (c > P) excess += c - P, c = P;
-    for (int h = 0; h < H && excess > 0; ++h) {
-      const int64_t add = std::min(excess, P - counts[h]);
-      counts[h] += add;
-      excess -= add;
-    }
+    cap_counts(counts, P);
     for (int h = 0; h < H; ++h) kept[h] = top_indices(&scores[static_cast<size_t>(h) * P], P, counts[h]);
   } else {  // AnDPro
     std::vector<Candidate> cands;
@@ -203,28 +195,11 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
         left = 0;
       }
     }
-    for (int h = 0; h < H; ++h) {
-      for (int64_t t = 0; t < c0; ++t) kept[h].push_back(static_cast<int32_t>(t));
-      std::sort(kept[h].begin(), kept[h].end());
-    }
+    for (int h = 0; h < H; ++h)
+      for (int64_t t = 0; t < c0; ++t) kept[h].push_back(static_cast<int32_t>(t));  // sorted on adoption
   }
-  for (int h = 0; h < H; ++h)
-    for (int64_t t = P; t < S; ++t) kept[h].push_back(static_cast<int32_t>(t));
-
   // Dense ragged storage: keys [sum counts][D] then values, head after head.
-  meta.dense_counts.resize(H);
-  std::vector<int64_t> first(H + 1, 0);
-  for (int h = 0; h < H; ++h) {
-    meta.dense_counts[h] = static_cast<int64_t>(kept[h].size());
-    first[h + 1] = first[h] + meta.dense_counts[h];
-  }
-  const int64_t total = first[H];
-  require(total == budget.layer_tokens, AKV_ERR_INTERNAL, "eviction kept ", total, " tokens, the budget says ",
-          budget.layer_tokens);
-  cache->dense_tokens.reserve(total);
-  for (int h = 0; h < H; ++h) cache->dense_tokens.insert(cache->dense_tokens.end(), kept[h].begin(), kept[h].end());
-  cache->dense_positions = in.positions();
-  cache->next_position = static_cast<int64_t>(in.positions()[S - 1]) + 1;
+  const std::vector<int64_t> first = adopt_kept_tokens(kept, budget, in.positions(), *cache);
   store_dense_tokens(req, in, first, cache->dense_tokens.data(), *cache);
   require(cache->footprint == budget.footprint, AKV_ERR_INTERNAL, "eviction stored ", cache->footprint,
           " bytes, the budget says ", budget.footprint);
