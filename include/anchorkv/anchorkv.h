@@ -72,8 +72,10 @@ typedef enum akv_status {
   AKV_ERR_UNSUPPORTED = 2,          /* valid request this build/backend/method cannot do */
   AKV_ERR_BUDGET = 3,               /* retain_fraction too small: message names the minimum */
   AKV_ERR_NON_FINITE = 4,           /* NaN or Inf in K, V or Q */
-  AKV_ERR_OUT_OF_MEMORY = 5,        /* the allocator returned NULL */
-  AKV_ERR_CORRUPT_DATA = 6,         /* serialized data truncated, bad magic or checksum */
+  AKV_ERR_OUT_OF_MEMORY = 5,        /* the allocator returned NULL, or the system refused
+                                       memory or a CPU worker thread */
+  AKV_ERR_CORRUPT_DATA = 6,         /* serialized data truncated, inconsistent, bad magic
+                                       or checksum */
   AKV_ERR_VERSION = 7,              /* serialized data from a newer, unknown format */
   AKV_ERR_BACKEND_UNAVAILABLE = 8,  /* backend not compiled in or no device present */
   AKV_ERR_BACKEND = 9,              /* the device runtime reported an error */
@@ -173,7 +175,8 @@ typedef struct akv_context_options {
   size_t struct_size;     /* sizeof(akv_context_options) */
   akv_backend backend;    /* default AKV_BACKEND_CPU */
   int32_t device;         /* CUDA device ordinal; default 0 */
-  int32_t num_threads;    /* CPU worker threads; 0 = all hardware threads */
+  int32_t num_threads;    /* CPU worker threads, at most 1024; 0 = all hardware threads
+                             (capped at 1024) */
   akv_allocator allocator;/* all NULL = the library's own (aligned malloc / cudaMalloc) */
 } akv_context_options;
 

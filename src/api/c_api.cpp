@@ -237,7 +237,9 @@ AKV_API akv_status akv_context_create(const akv_context_options *options, akv_co
     check_enum(raw_enum(o.backend), AKV_BACKEND_CPU, AKV_BACKEND_CUDA, "backend");
     if ((o.allocator.alloc == nullptr) != (o.allocator.free == nullptr))
       fail(AKV_ERR_INVALID_ARGUMENT, "allocator: set both alloc and free, or neither");
-    if (o.num_threads < 0) fail(AKV_ERR_INVALID_ARGUMENT, "num_threads ", o.num_threads, " is negative");
+    if (o.num_threads < 0 || o.num_threads > kMaxThreads)
+      fail(AKV_ERR_INVALID_ARGUMENT, "num_threads ", o.num_threads, " must be in [0, ", kMaxThreads,
+           "] (0 = every hardware thread)");
     auto ctx = std::make_unique<akv_context>();
     ctx->backend = o.backend;
     ctx->device = o.device;

@@ -1,7 +1,9 @@
 #include "core/serialize.hpp"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include "core/error.hpp"
 #include "core/quantizer.hpp"
@@ -13,14 +15,10 @@ namespace {
 
 constexpr char kMagic[8] = {'A', 'N', 'C', 'H', 'O', 'R', 'K', 'V'};
 
+// Sinks for write_cache(): each field arrives as field(name, pointer, bytes).
 class Writer {
  public:
-  template <typename T>
-  void put(const T &v) {
-    const uint8_t *p = reinterpret_cast<const uint8_t *>(&v);
-    out.insert(out.end(), p, p + sizeof(T));
-  }
-  void bytes(const void *p, size_t n) {
+  void field(const char *, const void *p, size_t n) {
     if (n == 0) return;  // p may be null then
     const uint8_t *b = static_cast<const uint8_t *>(p);
     out.insert(out.end(), b, b + n);
@@ -28,15 +26,22 @@ class Writer {
   std::vector<uint8_t> out;
 };
 
-// The same interface, counting bytes without reading them (serialized_size).
+// Counts bytes without reading them (serialized_size: the buffers may be device memory).
 class Counter {
  public:
-  template <typename T>
-  void put(const T &) {
-    size += sizeof(T);
-  }
-  void bytes(const void *, size_t n) { size += n; }
+  void field(const char *, const void *, size_t n) { size += n; }
   size_t size = 0;
+};
+
+// Names and places every field (serialized_fields: tests and the fuzzer's corpus tools).
+class Recorder {
+ public:
+  void field(const char *name, const void *, size_t n) {
+    fields.push_back({name, offset, n});
+    offset += n;
+  }
+  std::vector<SerializedField> fields;
+  size_t offset = 0;
 };
 
 class Reader {
@@ -53,6 +58,21 @@ class Reader {
     const uint8_t *r = p_ + pos_;
     pos_ += n;
     return r;
+  }
+  // Fails unless `count` items of `size` bytes are left. Every count read from the data is
+  // checked this way before anything is allocated from it.
+  void need(uint64_t count, uint64_t size, const char *what) {
+    if (count > remaining() / size)
+      fail(AKV_ERR_CORRUPT_DATA, "serialized cache is truncated in ", what, ": ", count, " x ", size,
+           " bytes announced, ", remaining(), " bytes left");
+  }
+  // `count` items of T, after need().
+  template <typename T>
+  std::vector<T> array(uint64_t count, const char *what) {
+    need(count, sizeof(T), what);
+    std::vector<T> v(static_cast<size_t>(count));
+    if (count) std::memcpy(v.data(), take(count * sizeof(T), what), count * sizeof(T));
+    return v;
   }
   // Copies n bytes into dst (which may be null when n is 0).
   void read_into(void *dst, size_t n, const char *what) {
@@ -96,70 +116,85 @@ uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc) {
 
 namespace {
 
-// w.put<T>(v) for a Writer or a Counter.
+// Section names, for serialized_fields() and the deserializer's messages.
+constexpr const char *kAnchorSectionNames[kAnchorSectionCount] = {
+    "anchor keys", "anchor values", "anchor tokens", "key anchor indices", "value anchor indices",
+    "key gammas", "value gammas", "prefix positions", "key residual masks", "value residual masks",
+    "key residual prefix counts", "value residual prefix counts", "key residual offsets",
+    "value residual offsets", "key residual codes", "key residual scales", "value residual codes",
+    "value residual scales", "value residual chunk positions"};
+constexpr const char *kQuantSectionNames[kQuantSectionCount] = {
+    "quantized window keys", "quantized window values", "quantized key codes", "quantized key scales",
+    "quantized key outlier indices", "quantized key outlier values", "quantized value codes",
+    "quantized value scales"};
+
+// One fixed-size field through a Writer, Counter or Recorder.
 template <typename T, class W>
-void put(W &w, const T &v) {
-  w.put(v);
+void put(W &w, const char *name, const T &v) {
+  w.field(name, &v, sizeof(T));
 }
 
-// Everything before the CRC, in format order, through a Writer or a Counter.
+// Everything before the CRC, in format order, through a Writer, a Counter or a Recorder.
 template <class W>
 void write_cache(W &w, const akv_cache &c, const uint8_t *data, const uint8_t *sk, const uint8_t *sv) {
   const CacheMeta &m = c.meta;
-  w.bytes(kMagic, 8);
-  put<uint32_t>(w, kFormatVersion);
-  put<uint32_t>(w, 0);  // flags
-  put<uint64_t>(w, 0);  // total size, patched below
-  put<int32_t>(w, m.method);
-  put<int64_t>(w, m.shape.seq_len);
-  put<int32_t>(w, m.shape.num_kv_heads);
-  put<int32_t>(w, m.shape.num_q_heads);
-  put<int32_t>(w, m.shape.head_dim);
-  put<int32_t>(w, m.storage);
-  put<int32_t>(w, m.keys_post_rope);
-  put<float>(w, m.softmax_scale);
-  put<double>(w, m.retain_fraction);
-  put<uint64_t>(w, m.seed);
-  put<int32_t>(w, m.layer_index);
-  put<int32_t>(w, m.layer_count);
-  put<int32_t>(w, m.residual_scale);
-  put<int32_t>(w, m.rope_style);
-  put<int32_t>(w, m.rotary_dim);
-  put<uint32_t>(w, static_cast<uint32_t>(m.inv_freq.size()));
-  w.bytes(m.inv_freq.data(), m.inv_freq.size() * sizeof(float));
-  put<int32_t>(w, m.window);
-  put<int32_t>(w, m.anchors);
-  put<int64_t>(w, m.key_residuals);
-  put<int64_t>(w, m.value_residuals);
-  put<int64_t>(w, m.window_first_position);
-  put<int64_t>(w, c.next_position);
-  put<uint32_t>(w, static_cast<uint32_t>(m.dense_counts.size()));
-  for (int64_t n : m.dense_counts) put<int64_t>(w, n);
-  put<uint64_t>(w, c.dense_positions.size());
-  w.bytes(c.dense_positions.data(), c.dense_positions.size() * sizeof(int32_t));
+  w.field("magic", kMagic, 8);
+  put<uint32_t>(w, "format version", kFormatVersion);
+  put<uint32_t>(w, "flags", 0);
+  put<uint64_t>(w, "total size", 0);  // patched by serialize_cache
+  put<int32_t>(w, "method", m.method);
+  put<int64_t>(w, "seq_len", m.shape.seq_len);
+  put<int32_t>(w, "num_kv_heads", m.shape.num_kv_heads);
+  put<int32_t>(w, "num_q_heads", m.shape.num_q_heads);
+  put<int32_t>(w, "head_dim", m.shape.head_dim);
+  put<int32_t>(w, "storage dtype", m.storage);
+  put<int32_t>(w, "keys_post_rope", m.keys_post_rope);
+  put<float>(w, "softmax_scale", m.softmax_scale);
+  put<double>(w, "retain_fraction", m.retain_fraction);
+  put<uint64_t>(w, "seed", m.seed);
+  put<int32_t>(w, "layer_index", m.layer_index);
+  put<int32_t>(w, "layer_count", m.layer_count);
+  put<int32_t>(w, "residual_scale", m.residual_scale);
+  put<int32_t>(w, "rope style", m.rope_style);
+  put<int32_t>(w, "rotary_dim", m.rotary_dim);
+  put<uint32_t>(w, "inv_freq count", static_cast<uint32_t>(m.inv_freq.size()));
+  w.field("inv_freq", m.inv_freq.data(), m.inv_freq.size() * sizeof(float));
+  put<int32_t>(w, "window", m.window);
+  put<int32_t>(w, "anchors", m.anchors);
+  put<int64_t>(w, "key_residuals", m.key_residuals);
+  put<int64_t>(w, "value_residuals", m.value_residuals);
+  put<int64_t>(w, "window_first_position", m.window_first_position);
+  put<int64_t>(w, "next_position", c.next_position);
+  put<uint32_t>(w, "dense count", static_cast<uint32_t>(m.dense_counts.size()));
+  for (int64_t n : m.dense_counts) put<int64_t>(w, "dense counts", n);
+  put<uint64_t>(w, "dense positions count", c.dense_positions.size());
+  w.field("dense positions", c.dense_positions.data(), c.dense_positions.size() * sizeof(int32_t));
   // Method-specific parameters (FullKV and AnchorKV have none): the eviction methods' kept
   // token indices [sum counts], the quantizer's bits and outlier count.
   if (is_evicting(m.method)) {
-    put<uint64_t>(w, c.dense_tokens.size());
-    w.bytes(c.dense_tokens.data(), c.dense_tokens.size() * sizeof(int32_t));
+    put<uint64_t>(w, "kept token count", c.dense_tokens.size());
+    w.field("kept tokens", c.dense_tokens.data(), c.dense_tokens.size() * sizeof(int32_t));
   } else if (m.method == AKV_METHOD_QUANTIZED) {
-    put<int32_t>(w, m.quant_bits);
-    put<int32_t>(w, m.quant_outliers);
+    put<int32_t>(w, "quant_bits", m.quant_bits);
+    put<int32_t>(w, "quant_outliers", m.quant_outliers);
   }
   if (m.method == AKV_METHOD_ANCHORKV) {
-    for (const Section &s : c.layout.sections) w.bytes(data + s.offset, s.bytes);
+    for (int i = 0; i < kAnchorSectionCount; ++i)
+      w.field(kAnchorSectionNames[i], data + c.layout.sections[i].offset, c.layout.sections[i].bytes);
   } else if (m.method == AKV_METHOD_QUANTIZED) {
-    for (int i = 0; i < kQuantSectionCount; ++i) w.bytes(data + c.quant.offsets[i], c.quant.bytes[i]);
-  } else {
-    w.bytes(data, c.footprint);
+    for (int i = 0; i < kQuantSectionCount; ++i) w.field(kQuantSectionNames[i], data + c.quant.offsets[i], c.quant.bytes[i]);
+  } else {  // keys then values, [sum counts][D] each
+    w.field("dense keys", data, c.footprint / 2);
+    w.field("dense values", data ? data + c.footprint / 2 : data, c.footprint / 2);
   }
   const int64_t H = m.shape.num_kv_heads, D = m.shape.head_dim;
-  put<int64_t>(w, c.suffix_len);
-  w.bytes(c.suffix_positions.data(), c.suffix_len * sizeof(int32_t));
+  put<int64_t>(w, "suffix length", c.suffix_len);
+  w.field("suffix positions", c.suffix_positions.data(), c.suffix_len * sizeof(int32_t));
   const size_t row = static_cast<size_t>(D) * 2;
   for (const uint8_t *src : {sk, sv})
     for (int64_t h = 0; h < H; ++h)
-      w.bytes(src + h * c.suffix_capacity * row, c.suffix_len * row);
+      w.field(src == sk ? "suffix keys" : "suffix values", src ? src + h * c.suffix_capacity * row : src,
+              c.suffix_len * row);
 }
 
 }  // namespace
@@ -170,6 +205,13 @@ size_t serialized_size(const akv_cache &c) {
   return w.size + sizeof(uint32_t);  // and the CRC
 }
 
+std::vector<SerializedField> serialized_fields(const akv_cache &c) {
+  Recorder w;
+  write_cache(w, c, c.data.data(), c.suffix_keys.data(), c.suffix_values.data());  // never read
+  w.field("crc", nullptr, sizeof(uint32_t));
+  return std::move(w.fields);
+}
+
 std::vector<uint8_t> serialize_cache(const akv_cache &c, const uint8_t *data, const uint8_t *sk,
                                      const uint8_t *sv) {
   Writer w;
@@ -177,9 +219,46 @@ std::vector<uint8_t> serialize_cache(const akv_cache &c, const uint8_t *data, co
   const uint64_t total = w.out.size() + 4;
   std::memcpy(w.out.data() + 16, &total, 8);
   const uint32_t crc = crc32(w.out.data(), w.out.size());
-  w.put<uint32_t>(crc);
+  put<uint32_t>(w, "crc", crc);
   return std::move(w.out);
 }
+
+namespace {
+
+// Stored values are read as they are by decode, append and reconstruct: NaN or Inf in them
+// would only come from damage (compression and append refuse non-finite inputs).
+void require_finite_halves(const uint8_t *p, uint64_t bytes, akv_dtype dtype, const char *what) {
+  const uint16_t exponent = dtype == AKV_DTYPE_F16 ? 0x7c00u : 0x7f80u;  // all ones: Inf or NaN
+  for (uint64_t i = 0; i + 2 <= bytes; i += 2) {
+    uint16_t h;
+    std::memcpy(&h, p + i, 2);
+    if ((h & exponent) == exponent)
+      fail(AKV_ERR_CORRUPT_DATA, "serialized cache holds a non-finite value in ", what, " (element ", i / 2, ")");
+  }
+}
+void require_finite_floats(const uint8_t *p, uint64_t bytes, const char *what) {
+  for (uint64_t i = 0; i + 4 <= bytes; i += 4) {
+    uint32_t f;
+    std::memcpy(&f, p + i, 4);
+    if ((f & 0x7f800000u) == 0x7f800000u)
+      fail(AKV_ERR_CORRUPT_DATA, "serialized cache holds a non-finite value in ", what, " (element ", i / 4, ")");
+  }
+}
+
+// Positions are strictly increasing and above `after` (the last position before them).
+void require_increasing(const int32_t *p, uint64_t n, int64_t after, const char *what) {
+  int64_t previous = after;
+  for (uint64_t i = 0; i < n; ++i) {
+    if (p[i] <= previous)
+      fail(AKV_ERR_CORRUPT_DATA, "serialized cache is inconsistent: ", what, "[", i, "] = ", p[i],
+           " does not follow ", previous);
+    previous = p[i];
+  }
+}
+
+constexpr int32_t kMaxKvHeads = 4096, kMaxQHeads = 65536, kMaxHeadDim = 1024;
+
+}  // namespace
 
 ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   require(size >= 28, AKV_ERR_CORRUPT_DATA, "serialized cache is truncated: ", size,
@@ -200,9 +279,12 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   std::memcpy(&stored_crc, bytes + size - 4, 4);
   require(crc32(bytes, size - 4) == stored_crc, AKV_ERR_CORRUPT_DATA,
           "serialized cache checksum mismatch (data corrupted)");
+  // From here on the checksum only says the bytes are what was written: every field is still
+  // checked, and every count against the bytes left before anything is allocated from it.
   Reader r(bytes + 8, size - 12);
   r.get<uint32_t>("format version");
-  r.get<uint32_t>("flags");
+  const uint32_t flags = r.get<uint32_t>("flags");
+  require(flags == 0, AKV_ERR_CORRUPT_DATA, "serialized cache has unknown flags ", flags);
   r.get<uint64_t>("size");
 
   ParsedCache out;
@@ -231,9 +313,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   m.rope_style = static_cast<akv_rope_style>(enum_field("rope style", AKV_ROPE_NONE, AKV_ROPE_GPTJ));
   m.rotary_dim = r.get<int32_t>("rotary_dim");
   const uint32_t nfreq = r.get<uint32_t>("inv_freq count");
-  corrupt_unless(nfreq <= 4096, "inv_freq count");
-  m.inv_freq.resize(nfreq);
-  r.read_into(m.inv_freq.data(), nfreq * sizeof(float), "inv_freq");
+  m.inv_freq = r.array<float>(nfreq, "inv_freq");
   m.window = r.get<int32_t>("window");
   m.anchors = r.get<int32_t>("anchors");
   m.key_residuals = r.get<int64_t>("key_residuals");
@@ -241,48 +321,59 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   m.window_first_position = r.get<int64_t>("window_first_position");
   c.next_position = r.get<int64_t>("next_position");
 
+  // What akv_compress accepts and stores (c_api.cpp validate_shape / resolve_options).
   const akv_shape &s = m.shape;
-  corrupt_unless(m.method >= AKV_METHOD_FULLKV && m.method <= AKV_METHOD_QUANTIZED, "unknown method");
-  corrupt_unless(s.seq_len > 0 && s.seq_len <= (int64_t{1} << 31) && s.num_kv_heads > 0 &&
-                     s.num_kv_heads <= 4096 && s.num_q_heads > 0 && s.num_q_heads % s.num_kv_heads == 0 &&
-                     s.head_dim > 0 && s.head_dim <= 4096,
-                 "shape");
-  corrupt_unless(m.storage == AKV_DTYPE_BF16 || m.storage == AKV_DTYPE_F16, "storage dtype");
+  require(s.seq_len > 0 && s.seq_len <= INT32_MAX, AKV_ERR_CORRUPT_DATA, "serialized cache has seq_len ", s.seq_len);
+  require(s.num_kv_heads > 0 && s.num_kv_heads <= kMaxKvHeads && s.num_q_heads > 0 && s.num_q_heads <= kMaxQHeads &&
+              s.num_q_heads % s.num_kv_heads == 0,
+          AKV_ERR_CORRUPT_DATA, "serialized cache has num_kv_heads ", s.num_kv_heads, " and num_q_heads ",
+          s.num_q_heads);
+  require(s.head_dim > 0 && s.head_dim % 2 == 0 && s.head_dim <= kMaxHeadDim, AKV_ERR_CORRUPT_DATA,
+          "serialized cache has head_dim ", s.head_dim);
+  corrupt_unless(m.keys_post_rope == 0 || m.keys_post_rope == 1, "keys_post_rope");
   corrupt_unless(std::isfinite(m.softmax_scale) && m.softmax_scale > 0, "softmax_scale");
-  corrupt_unless(m.residual_scale >= AKV_SCALE_LEAST_SQUARES && m.residual_scale <= AKV_SCALE_ABSMAX,
-                 "residual_scale");
+  corrupt_unless(std::isfinite(m.retain_fraction) && m.retain_fraction > 0.0 && m.retain_fraction <= 1.0,
+                 "retain_fraction");
+  corrupt_unless(m.layer_count >= 1 && m.layer_index >= 0 && m.layer_index < m.layer_count, "layer_index");
+  corrupt_unless(m.window >= 1, "window");
+  // The rope as compression resolved it: no table without rotation, rotary_dim/2 frequencies
+  // with it (the Rope constructor checks rotary_dim against head_dim and the values).
+  if (m.rope_style == AKV_ROPE_NONE)
+    corrupt_unless(nfreq == 0 && m.rotary_dim == 0, "rope: frequencies stored without a rotation");
+  else
+    corrupt_unless(nfreq >= 1 && static_cast<int64_t>(nfreq) * 2 == m.rotary_dim, "rope: rotary_dim and frequency count");
   akv_rope rope_cfg{m.rope_style, m.rotary_dim, 10000.0, m.inv_freq.empty() ? nullptr : m.inv_freq.data()};
-  corrupt_unless(m.rope_style == AKV_ROPE_NONE || static_cast<int32_t>(nfreq) * 2 == m.rotary_dim, "rope");
   try {
     c.rope = Rope(rope_cfg, s.head_dim);
   } catch (const Error &e) {
     fail(AKV_ERR_CORRUPT_DATA, "serialized cache has an invalid rope: ", e.what());
   }
+  const bool anchor = m.method == AKV_METHOD_ANCHORKV;
+  if (!anchor)  // compression sets these for AnchorKV only
+    corrupt_unless(m.anchors == 0 && m.key_residuals == 0 && m.value_residuals == 0 && m.window_first_position == 0,
+                   "AnchorKV fields set for another method");
 
   const uint32_t nheads = r.get<uint32_t>("dense count");
-  corrupt_unless(nheads == (m.method == AKV_METHOD_ANCHORKV ? 0u : static_cast<uint32_t>(s.num_kv_heads)),
-                 "dense head count");
+  corrupt_unless(nheads == (anchor ? 0u : static_cast<uint32_t>(s.num_kv_heads)), "dense head count");
   const bool evicting = is_evicting(m.method);
-  corrupt_unless(!evicting || (m.window > 0 && m.window < s.seq_len), "eviction window");
+  corrupt_unless(!evicting || m.window < s.seq_len, "eviction window");
+  r.need(nheads, sizeof(int64_t), "dense counts");
   for (uint32_t h = 0; h < nheads; ++h) {
     const int64_t n = r.get<int64_t>("dense counts");
     // Only the eviction methods drop tokens; they always keep the window.
-    corrupt_unless(evicting ? n >= std::min<int64_t>(m.window, s.seq_len) && n <= s.seq_len : n == s.seq_len,
-                   "dense counts");
+    corrupt_unless(evicting ? n >= m.window && n <= s.seq_len : n == s.seq_len, "dense counts");
     m.dense_counts.push_back(n);
   }
-  const uint64_t npos = r.get<uint64_t>("dense positions");
+  const uint64_t npos = r.get<uint64_t>("dense positions count");
   corrupt_unless(npos == (nheads ? static_cast<uint64_t>(s.seq_len) : 0u), "dense positions count");
-  c.dense_positions.resize(npos);
-  r.read_into(c.dense_positions.data(), npos * 4, "dense positions");
-  for (uint64_t t = 1; t < npos; ++t) corrupt_unless(c.dense_positions[t] > c.dense_positions[t - 1], "dense positions not increasing");
+  c.dense_positions = r.array<int32_t>(npos, "dense positions");
+  require_increasing(c.dense_positions.data(), npos, -1, "dense positions");
   if (evicting) {
     int64_t kept = 0;
     for (int64_t n : m.dense_counts) kept += n;
     const uint64_t ntok = r.get<uint64_t>("kept token count");
     corrupt_unless(ntok == static_cast<uint64_t>(kept), "kept token count");
-    c.dense_tokens.resize(ntok);
-    r.read_into(c.dense_tokens.data(), ntok * 4, "kept tokens");
+    c.dense_tokens = r.array<int32_t>(ntok, "kept tokens");
     // Per head: strictly increasing token indices inside the prompt, ending with the window.
     int64_t at = 0;
     for (int64_t n : m.dense_counts) {
@@ -298,12 +389,15 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     m.quant_outliers = r.get<int32_t>("quant_outliers");
     corrupt_unless(m.quant_bits >= 2 && m.quant_bits <= 4, "quant_bits");
     corrupt_unless(m.quant_outliers >= 0 && m.quant_outliers <= std::min(32, s.head_dim / 2), "quant_outliers");
-    corrupt_unless(m.window > 0 && m.window <= s.seq_len, "quantized window");
+    corrupt_unless(m.window <= s.seq_len, "quantized window");
     corrupt_unless(is_power_of_two(s.head_dim) && s.head_dim >= 16 && s.head_dim <= 512, "quantized head_dim");
   }
 
   const int64_t H = s.num_kv_heads, D = s.head_dim;
-  if (m.method == AKV_METHOD_ANCHORKV) {
+  int64_t last_prompt_position = 0;  // the prompt's last position: appended ones come after it
+  if (anchor) {
+    // Compression stores the anchor count it used (explicit k): the geometry follows from it.
+    corrupt_unless(m.anchors >= m.window, "anchors");
     akv_compress_options o{};
     o.struct_size = sizeof o;
     o.retain_fraction = m.retain_fraction;
@@ -315,16 +409,24 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
       fail(AKV_ERR_CORRUPT_DATA, "serialized cache has invalid compression parameters: ", e.what());
     }
     const AnchorGeometry &g = c.geometry;
+    corrupt_unless(g.anchors == m.anchors, "anchor count does not match the byte accounting");
     corrupt_unless(g.key_residuals == m.key_residuals && g.value_residuals == m.value_residuals,
                    "residual counts do not match the byte accounting");
     c.layout = anchor_layout(g);
     c.codec = ResidualCodec(m.seed, g.dim, m.residual_scale);
     c.footprint = g.footprint;
+    uint64_t stored = 0;
+    for (const Section &sec : c.layout.sections) stored += sec.bytes;
+    r.need(stored, 1, "AnchorKV arrays");
     out.data.assign(c.layout.total_bytes, 0);
-    for (const Section &sec : c.layout.sections)
-      r.read_into(out.data.data() + sec.offset, sec.bytes, "arrays");
+    for (int i = 0; i < kAnchorSectionCount; ++i)
+      r.read_into(out.data.data() + c.layout.sections[i].offset, c.layout.sections[i].bytes, kAnchorSectionNames[i]);
     // Validate everything decode indexes with, so a crafted file cannot read out of bounds.
     auto sec = [&](int i) { return out.data.data() + c.layout.sections[i].offset; };
+    auto sec_bytes = [&](int i) { return c.layout.sections[i].bytes; };
+    for (int i : {kAnchorKeys, kAnchorValues}) require_finite_halves(sec(i), sec_bytes(i), m.storage, kAnchorSectionNames[i]);
+    for (int i : {kKeyGamma, kValueGamma}) require_finite_halves(sec(i), sec_bytes(i), AKV_DTYPE_BF16, kAnchorSectionNames[i]);
+    for (int i : {kKeyScales, kValueScales}) require_finite_floats(sec(i), sec_bytes(i), kAnchorSectionNames[i]);
     const int64_t P = g.prefix, words = g.words, k = g.anchors;
     const int idx_sections[2] = {kKeyIndex, kValueIndex}, mask_sections[2] = {kKeyMask, kValueMask};
     const int prefix_sections[2] = {kKeyPrefix, kValuePrefix}, off_sections[2] = {kKeyOffsets, kValueOffsets};
@@ -335,19 +437,19 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
       const uint64_t *mask = reinterpret_cast<const uint64_t *>(sec(mask_sections[side]));
       const uint32_t *prefix = reinterpret_cast<const uint32_t *>(sec(prefix_sections[side]));
       const uint32_t *off = reinterpret_cast<const uint32_t *>(sec(off_sections[side]));
-      uint32_t running = 0;
+      uint64_t running = 0;  // 64-bit: a sum that wraps in 32 bits must not match
       for (int64_t h = 0; h < H; ++h) {
         corrupt_unless(off[h] == running, "residual offsets");
-        uint32_t count = 0;
+        uint64_t count = 0;
         for (int64_t wd = 0; wd < words; ++wd) {
           corrupt_unless(prefix[h * words + wd] == count, "residual prefix counts");
           uint64_t bits = mask[h * words + wd];
           if (wd == words - 1 && P % 64) corrupt_unless((bits >> (P % 64)) == 0, "residual mask beyond P");
-          count += static_cast<uint32_t>(__builtin_popcountll(bits));
+          count += static_cast<uint64_t>(__builtin_popcountll(bits));
         }
         running += count;
       }
-      corrupt_unless(off[H] == running && running == totals[side], "residual totals");
+      corrupt_unless(off[H] == running && running == static_cast<uint64_t>(totals[side]), "residual totals");
     }
     const uint64_t *vmask = reinterpret_cast<const uint64_t *>(sec(kValueMask));
     const uint32_t *vprefix = reinterpret_cast<const uint32_t *>(sec(kValuePrefix));
@@ -362,41 +464,63 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
           bits &= bits - 1;
         }
       }
+    // Prefix positions, then the window's W consecutive positions from window_first_position:
+    // decode rotates with them, so all of them must be int32 and increasing.
     const int32_t *pos = reinterpret_cast<const int32_t *>(sec(kPositions));
-    for (int64_t t = 1; t < P; ++t) corrupt_unless(pos[t] > pos[t - 1], "positions not increasing");
-    corrupt_unless(P == 0 || m.window_first_position > pos[P - 1], "window position");
+    require_increasing(pos, static_cast<uint64_t>(P), -1, "prefix positions");
+    require(m.window_first_position > pos[P - 1] && m.window_first_position <= int64_t{INT32_MAX} - (m.window - 1),
+            AKV_ERR_CORRUPT_DATA, "serialized cache has window_first_position ", m.window_first_position,
+            ": the window must follow the prefix (last position ", pos[P - 1], ") and end within int32");
+    last_prompt_position = m.window_first_position + m.window - 1;
   } else if (m.method == AKV_METHOD_QUANTIZED) {
     c.quant = quant_geometry_for_bits(s, m.window, m.quant_bits, m.quant_outliers);
     c.quant.budget_bytes = static_cast<uint64_t>(std::floor(m.retain_fraction * static_cast<double>(c.quant.full_bytes)));
     c.quantizer = TokenQuantizer(m.seed, s.head_dim, m.quant_bits, m.quant_outliers);
     c.footprint = c.quant.footprint;
+    r.need(c.quant.footprint, 1, "quantized arrays");  // the sections' bytes, without padding
     out.data.assign(c.quant.total_bytes, 0);
     for (int i = 0; i < kQuantSectionCount; ++i)
-      r.read_into(out.data.data() + c.quant.offsets[i], c.quant.bytes[i], "quantized arrays");
+      r.read_into(out.data.data() + c.quant.offsets[i], c.quant.bytes[i], kQuantSectionNames[i]);
+    auto sec = [&](int i) { return out.data.data() + c.quant.offsets[i]; };
+    for (int i : {kQuantWindowKeys, kQuantWindowValues, kQuantKeyOutlierValue})
+      require_finite_halves(sec(i), c.quant.bytes[i], m.storage, kQuantSectionNames[i]);
+    for (int i : {kQuantKeyScales, kQuantValueScales}) require_finite_floats(sec(i), c.quant.bytes[i], kQuantSectionNames[i]);
     // Decode indexes query channels by the outlier indices.
     const uint64_t outliers = static_cast<uint64_t>(H) * c.quant.prefix * m.quant_outliers;
-    const uint8_t *idx = out.data.data() + c.quant.offsets[kQuantKeyOutlierIndex];
+    const uint8_t *idx = sec(kQuantKeyOutlierIndex);
     for (uint64_t i = 0; i < outliers; ++i) {
       uint32_t channel = idx[i * c.quant.index_bytes];
       if (c.quant.index_bytes == 2) channel |= static_cast<uint32_t>(idx[i * 2 + 1]) << 8;
       corrupt_unless(channel < static_cast<uint32_t>(D), "outlier channel index");
     }
+    last_prompt_position = c.dense_positions.back();
   } else {
     int64_t kept = 0;
     for (int64_t n : m.dense_counts) kept += n;
     c.footprint = 4ull * kept * D;
+    r.need(c.footprint, 1, "dense arrays");
     out.data.resize(c.footprint);
     r.read_into(out.data.data(), c.footprint, "dense arrays");
+    require_finite_halves(out.data.data(), c.footprint, m.storage, "dense keys and values");
+    last_prompt_position = c.dense_positions.back();
   }
   const int64_t len = r.get<int64_t>("suffix length");
-  corrupt_unless(len >= 0 && len <= (int64_t{1} << 31), "suffix length");
-  c.suffix_positions.resize(len);
-  r.read_into(c.suffix_positions.data(), len * 4, "suffix positions");
-  const size_t suffix_bytes = static_cast<size_t>(H * len * D * 2);
+  corrupt_unless(len >= 0 && len <= INT32_MAX, "suffix length");
+  c.suffix_positions = r.array<int32_t>(static_cast<uint64_t>(len), "suffix positions");
+  require_increasing(c.suffix_positions.data(), static_cast<uint64_t>(len), last_prompt_position, "suffix positions");
+  const uint64_t row = static_cast<uint64_t>(D) * 2;
+  r.need(static_cast<uint64_t>(len), 2 * H * row, "suffix keys and values");
+  const size_t suffix_bytes = static_cast<size_t>(H * len) * row;
   const uint8_t *ks = r.take(suffix_bytes, "suffix keys");
   out.suffix_keys.assign(ks, ks + suffix_bytes);
   const uint8_t *vs = r.take(suffix_bytes, "suffix values");
   out.suffix_values.assign(vs, vs + suffix_bytes);
+  require_finite_halves(ks, suffix_bytes, m.storage, "suffix keys");
+  require_finite_halves(vs, suffix_bytes, m.storage, "suffix values");
+  // Appending continues from next_position: it is always one past the last stored position.
+  const int64_t last = len ? c.suffix_positions.back() : last_prompt_position;
+  require(c.next_position == last + 1, AKV_ERR_CORRUPT_DATA, "serialized cache has next_position ", c.next_position,
+          " but its last position is ", last);
   corrupt_unless(r.remaining() == 0, "trailing bytes");
   return out;
 }

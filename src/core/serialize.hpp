@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 #include "core/context.hpp"
 
@@ -21,8 +22,21 @@ std::vector<uint8_t> serialize_cache(const akv_cache &cache, const uint8_t *data
 // may be device memory).
 size_t serialized_size(const akv_cache &cache);
 
-// Parses and validates; returns a cache whose buffers are host vectors in `host_data`,
-// `host_suffix_keys`/`values` ([H][len][D], exactly sized); the caller uploads them.
+// Name, offset and size of every field serialize_cache() writes for this cache, in order, the
+// CRC last (a count of n items and the n items are separate fields). For tests and the fuzz
+// corpus tools, which damage one field at a time under a recomputed checksum.
+struct SerializedField {
+  std::string name;
+  size_t offset = 0, bytes = 0;
+};
+std::vector<SerializedField> serialized_fields(const akv_cache &cache);
+
+// Parses and validates everything decode, append, reconstruct and serialize trust (counts
+// against the bytes left before any allocation, shapes, positions, indices, offsets, finite
+// stored floats), so that data which passes the checksum but was crafted or damaged before
+// it was checksummed is refused with AKV_ERR_CORRUPT_DATA instead of being read out of bounds;
+// returns a cache whose buffers are host vectors in `data`, `suffix_keys`/`values`
+// ([H][len][D], exactly sized); the caller uploads them.
 struct ParsedCache {
   std::unique_ptr<akv_cache> cache;  // meta, geometry, layout, rope, codec, positions set
   std::vector<uint8_t> data;         // layout.total_bytes (AnchorKV) or footprint (dense)

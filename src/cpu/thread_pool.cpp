@@ -1,21 +1,41 @@
 #include "cpu/thread_pool.hpp"
 
 #include <algorithm>
+#include <system_error>
+#include "core/error.hpp"
 
 namespace akv {
 
 ThreadPool::ThreadPool(int threads) {
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  threads = std::min(threads, kMaxThreads);
+  workers_.reserve(static_cast<size_t>(threads - 1));  // emplace_back below cannot reallocate
+  // A std::thread that fails to start throws; the workers already running must be stopped
+  // and joined before the members go (a joinable std::thread's destructor terminates, and
+  // the condition variables must have no waiters when destroyed).
+  try {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  } catch (const std::system_error &e) {
+    const size_t started = workers_.size();
+    stop_workers();
+    fail(AKV_ERR_OUT_OF_MEMORY, "could not start CPU worker thread ", started + 1, " of ", threads - 1, " (", e.what(),
+         "): the system refused it; ask for fewer num_threads");
+  } catch (...) {
+    stop_workers();
+    throw;
+  }
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::~ThreadPool() { stop_workers(); }
+
+void ThreadPool::stop_workers() noexcept {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
   }
   wake_.notify_all();
-  for (auto &t : workers_) t.join();
+  for (auto &t : workers_)
+    if (t.joinable()) t.join();
 }
 
 static void run_chunk(const std::function<void(int64_t, int64_t)> &body, int64_t n, int chunks,

@@ -10,9 +10,15 @@
 
 namespace akv {
 
+// The most threads a pool runs (akv_context_options.num_threads is refused above it).
+constexpr int kMaxThreads = 1024;
+
 class ThreadPool {
  public:
-  explicit ThreadPool(int threads);  // total threads including the caller; <= 0 = hardware
+  // Total threads including the caller; <= 0 = hardware, capped at kMaxThreads. When the
+  // system refuses a thread, the ones already started are stopped and joined and
+  // akv::Error(AKV_ERR_OUT_OF_MEMORY) is thrown: nothing is left running or waiting.
+  explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool &) = delete;
   ThreadPool &operator=(const ThreadPool &) = delete;
@@ -23,6 +29,7 @@ class ThreadPool {
 
  private:
   void worker_loop(int index);
+  void stop_workers() noexcept;  // wakes, stops and joins every started worker
 
   std::vector<std::thread> workers_;
   std::mutex call_mutex_;  // serialises parallel_for calls on one pool

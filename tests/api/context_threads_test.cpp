@@ -1,0 +1,105 @@
+// CPU worker threads of a context (issue 12, defect 3): num_threads has an upper bound, and a
+// thread the system refuses gives AKV_ERR_OUT_OF_MEMORY instead of aborting the process
+// ("terminate called without an active exception") or hanging in pthread_cond_destroy.
+#include <pthread.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+
+#include "api/api_test_util.hpp"
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define AKV_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define AKV_TEST_SANITIZED 1
+#endif
+#endif
+#ifndef AKV_TEST_SANITIZED
+#define AKV_TEST_SANITIZED 0
+#endif
+
+namespace akv_test {
+namespace {
+
+akv_status create_with_threads(int32_t threads, akv_context **out) {
+  akv_context_options options;
+  akv_context_options_init(&options);
+  options.num_threads = threads;
+  return akv_context_create(&options, out);
+}
+
+TEST(ContextThreads, CountAboveTheBoundIsRefused) {
+  for (int32_t threads : {1025, 1000000, INT32_MAX}) {
+    akv_context *context = nullptr;
+    EXPECT_EQ(create_with_threads(threads, &context), AKV_ERR_INVALID_ARGUMENT) << threads;
+    EXPECT_EQ(context, nullptr);
+    EXPECT_TRUE(contains_case_insensitive(akv_last_error_message(), "num_threads")) << akv_last_error_message();
+    akv_context_destroy(context);
+  }
+}
+
+TEST(ContextThreads, SmallCountsWork) {
+  for (int32_t threads : {1, 3, 64}) {
+    akv_context *context = nullptr;
+    ASSERT_EQ(create_with_threads(threads, &context), AKV_OK) << threads << ": " << akv_last_error_message();
+    akv_context_destroy(context);
+  }
+}
+
+long vm_size_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmSize:", 0) == 0) return std::stol(line.substr(7)) * 1024;
+  return -1;
+}
+
+// In a child process whose address space leaves room for a few 8 MiB thread stacks only,
+// a context with 256 threads fails cleanly (status, message, nothing left running) and a
+// small context still works afterwards. The child has 60 s before SIGALRM counts as a hang.
+TEST(ContextThreads, RefusedThreadGivesOutOfMemory) {
+  if (AKV_TEST_SANITIZED) GTEST_SKIP() << "address-space limits do not mix with sanitizer shadow memory";
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(60);
+    pthread_attr_t attr;  // std::thread takes the default attributes: 8 MiB stacks
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 8u << 20);
+    pthread_setattr_default_np(&attr);
+    const long used = vm_size_bytes();
+    if (used <= 0) _exit(10);
+    rlimit limit{};
+    getrlimit(RLIMIT_AS, &limit);
+    const rlimit saved = limit;
+    limit.rlim_cur = static_cast<rlim_t>(used) + (48u << 20);
+    if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(11);
+    akv_context *context = nullptr;
+    const akv_status status = create_with_threads(256, &context);
+    const std::string message = akv_last_error_message();
+    if (status == AKV_OK) _exit(12);  // the limit did not bite
+    if (status != AKV_ERR_OUT_OF_MEMORY || context != nullptr) _exit(13);
+    if (message.find("thread") == std::string::npos) _exit(14);
+    setrlimit(RLIMIT_AS, &saved);
+    if (create_with_threads(2, &context) != AKV_OK) _exit(15);
+    akv_context_destroy(context);
+    _exit(0);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  ASSERT_FALSE(WIFSIGNALED(wstatus)) << "the child died of signal " << WTERMSIG(wstatus)
+                                     << (WTERMSIG(wstatus) == SIGALRM ? " (hung)" : " (aborted)");
+  ASSERT_TRUE(WIFEXITED(wstatus));
+  const int code = WEXITSTATUS(wstatus);
+  EXPECT_EQ(code, 0) << "child exit code " << code
+                     << " (10/11: could not set the limit, 12: 256 threads started under it, 13: wrong status, "
+                        "14: message does not name the thread, 15: no context afterwards)";
+}
+
+}  // namespace
+}  // namespace akv_test
