@@ -6,9 +6,12 @@
  *    are freed by close()/delete() (AutoCloseable) or the collector; AnchorKV.cache_destroy
  *    and context_destroy are the C calls, marked %delobject and releasing the Java proxy.
  *    A Cache keeps its Context alive; Context.close() waits for its last cache.
- *  - Host buffers are direct java.nio.ByteBuffers in native byte order, read from their start
- *    and checked against the sizes the call needs; device pointers and CUDA streams are
- *    addresses passed as long (the *Device methods).
+ *  - Host buffers are direct java.nio.ByteBuffers, read from their start and checked against
+ *    the sizes the call needs. Tensors (keys, values, queries, outputs) must be in native byte
+ *    order (.order(ByteOrder.nativeOrder())): one in another order (Java's default is big
+ *    endian) is refused with IllegalArgumentException rather than read as garbage. Serialized
+ *    bytes take any order. Device pointers and CUDA streams are addresses passed as long
+ *    (the *Device methods).
  *  - A failed call throws anchorkv.AnchorKVException with the akv_status code and message.
  */
 %module(jniclassname="AnchorKVJNI") AnchorKV
@@ -128,6 +131,15 @@ static int akv_java_shape(const akv_cache *cache, akv_cache_stats *stats) {
   }
 }
 
+/* Tensors: the same, in native byte order (the library reads host floats and halves as they
+ * lie in memory; a big-endian buffer on a little-endian host would be garbage). */
+%apply (void *BUFFER, size_t BUFFER_BYTES) { (void *TENSOR, size_t TENSOR_BYTES) };
+%typemap(javain,
+         pre="    if ($javainput != null && $javainput.order() != java.nio.ByteOrder.nativeOrder())\n"
+             "      throw new IllegalArgumentException(\"$javainput must be in native byte order: \"\n"
+             "          + \"call .order(java.nio.ByteOrder.nativeOrder()) on it\");")
+  (void *TENSOR, size_t TENSOR_BYTES) "$javainput"
+
 /* ---- Ownership ------------------------------------------------------------------------------ */
 %nodefaultctor akv_context;
 %nodefaultdtor akv_context;
@@ -224,11 +236,11 @@ static int akv_java_shape(const akv_cache *cache, akv_cache_stats *stats) {
 %newobject akv_context::deserialize;
 %newobject akv_cache::get_stats;
 
-%apply (void *BUFFER, size_t BUFFER_BYTES) {
+%apply (void *TENSOR, size_t TENSOR_BYTES) {
   (void *keys, size_t keys_bytes), (void *values, size_t values_bytes),
-  (void *queries, size_t queries_bytes), (void *out, size_t out_bytes),
-  (void *bytes, size_t size)
+  (void *queries, size_t queries_bytes), (void *out, size_t out_bytes)
 };
+%apply (void *BUFFER, size_t BUFFER_BYTES) { (void *bytes, size_t size), (void *buffer, size_t buffer_bytes) };
 
 /* Opaque in C; proxy classes in Java. Declared after every typemap they use: C-mode SWIG
  * keys class typemaps on the struct tag, and %extend bodies join the struct's node. */
@@ -365,14 +377,14 @@ typedef struct akv_cache {} akv_cache;
     return (int64_t)bytes;
   }
 
-  /** Serialize into `out` (its capacity is the limit); returns the bytes written. */
-  int64_t serialize_into(void *out, size_t out_bytes) {
+  /** Serialize into `buffer` (its capacity is the limit); returns the bytes written. */
+  int64_t serialize_into(void *buffer, size_t buffer_bytes) {
     size_t written = 0;
-    if (!out) {
-      akv_java_fail(AKV_ERR_INVALID_ARGUMENT, "out is null");
+    if (!buffer) {
+      akv_java_fail(AKV_ERR_INVALID_ARGUMENT, "buffer is null");
       return 0;
     }
-    akv_java_ok(akv_cache_serialize($self, out, out_bytes, &written, NULL));
+    akv_java_ok(akv_cache_serialize($self, buffer, buffer_bytes, &written, NULL));
     return (int64_t)written;
   }
 }
@@ -417,6 +429,7 @@ int64_t akv_compressed_bytes(const akv_compress_options *options, const akv_shap
 %include <anchorkv/anchorkv.h>
 
 %clear (void *keys, size_t keys_bytes), (void *values, size_t values_bytes),
-       (void *queries, size_t queries_bytes), (void *out, size_t out_bytes), (void *bytes, size_t size);
+       (void *queries, size_t queries_bytes), (void *out, size_t out_bytes), (void *bytes, size_t size),
+       (void *buffer, size_t buffer_bytes);
 %clear akv_cache *cache;
 %clear akv_context *context;

@@ -188,6 +188,27 @@ public final class AnchorKVExample {
     } catch (IllegalArgumentException expectedError) {
       // direct buffers only: a heap buffer has no stable address
     }
+    // Tensors in Java's default (big-endian) order would be read as garbage: refused. Serialized
+    // bytes take any order (the deserialize above read a big-endian slice).
+    ByteBuffer bigEndianQuery = ByteBuffer.allocateDirect(HQ * D * 4);
+    bigEndianQuery.asFloatBuffer().put(query);
+    for (int which = 0; which < 2; ++which) {
+      try {
+        if (which == 0) cache.decode(bigEndianQuery, DType.F32, 1, out);
+        else cache.decode(queryBuffer, DType.F32, 1, ByteBuffer.allocateDirect(HQ * D * 4));
+        check(false, "a big-endian " + (which == 0 ? "query" : "output") + " buffer is refused");
+      } catch (IllegalArgumentException expectedError) {
+        check(expectedError.getMessage().contains("byte order"), "the refusal names the byte order");
+      }
+    }
+    try {
+      context.compress(shape, DType.F32, ByteBuffer.allocateDirect(keys.length * 4), valueBuffer, windowBuffer, options);
+      check(false, "big-endian keys are refused");
+    } catch (IllegalArgumentException expectedError) {
+      // as above
+    }
+    restored.decode(queryBuffer, DType.F32, 1, again);
+    check(again.equals(out), "the refused calls left the cache as it was");
 
     // Every method through the same calls; the options start from the method's paper setup.
     CompressOptions snap = new CompressOptions(Method.SNAPKV);

@@ -91,7 +91,8 @@ _ROPE_CONVERTERS = {"rope_style": ("style", RopeStyle.parse), "rotary_dim": ("ro
 OPTION_NAMES = tuple(_OPTION_CONVERTERS) + tuple(_ROPE_CONVERTERS) + ("inv_freq",)
 
 
-def compress_options(**options) -> tuple[_capi.akv_compress_options, Any]:
+def compress_options(*, head_dim: int | None = None,
+                     **options) -> tuple[_capi.akv_compress_options, Any]:
     """An initialised akv_compress_options with the given fields set (None: the default).
 
     Starts from akv_compress_options_init_method(method) when a method is given (that
@@ -99,6 +100,10 @@ def compress_options(**options) -> tuple[_capi.akv_compress_options, Any]:
     akv_compress_options_init (AnchorKV). Names are the C field names; the RoPE ones are
     rope_style, rotary_dim, rope_base and inv_freq (host float32 array, rotary_dim/2
     values). Returns the struct and what must stay alive while the library reads it.
+
+    The C struct carries no length for inv_freq: the library reads rotary_dim/2 floats (with
+    rotary_dim 0 meaning head_dim), so a table of another length is refused here
+    (InvalidArgumentError); head_dim is needed for that check when rotary_dim is 0.
     """
     struct = _capi.akv_compress_options()
     if options.get("method") is not None:
@@ -119,13 +124,30 @@ def compress_options(**options) -> tuple[_capi.akv_compress_options, Any]:
             struct.rope.inv_freq = keepalive.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         else:
             raise TypeError(f"unknown compression option {name!r}; known: {', '.join(OPTION_NAMES)}")
+    if keepalive is not None:
+        _check_inv_freq(keepalive, struct.rope, head_dim)
     return struct, keepalive
+
+
+def _check_inv_freq(table: np.ndarray, rope: _capi.akv_rope, head_dim: int | None) -> None:
+    """The library reads rotary_dim/2 frequencies from the table: it must hold exactly that."""
+    if table.ndim != 1:
+        raise InvalidArgumentError(f"inv_freq must be one-dimensional; got shape {table.shape}")
+    if rope.style == RopeStyle.NONE:
+        return  # not read without a rotation
+    rotary_dim = rope.rotary_dim or head_dim
+    if rotary_dim is None:
+        raise InvalidArgumentError("inv_freq with rotary_dim 0 (= head_dim): pass head_dim so that "
+                                   "its length can be checked")
+    if rotary_dim > 0 and table.size != rotary_dim // 2:
+        raise InvalidArgumentError(f"inv_freq holds {table.size} frequencies; rotary_dim {rotary_dim} "
+                                   f"needs {rotary_dim // 2}")
 
 
 def compressed_size(seq_len: int, num_kv_heads: int, head_dim: int, *,
                     num_q_heads: int | None = None, **options) -> int:
     """Exact bytes a compressed cache of this shape will hold (akv_compressed_size)."""
-    struct, _keepalive = compress_options(**options)
+    struct, _keepalive = compress_options(head_dim=head_dim, **options)
     shape = _capi.akv_shape(seq_len, num_kv_heads, num_q_heads or num_kv_heads, head_dim)
     size = c_size_t()
     check(_capi.akv_compressed_size(byref(struct), byref(shape), byref(size)))
@@ -312,7 +334,7 @@ class Context(_Owner):
         if query_view is not None:
             query_view = _strided_ok(query_view, "queries")
 
-        struct, keepalive = compress_options(**options)
+        struct, keepalive = compress_options(head_dim=head_dim, **options)
         prefill = _capi.akv_prefill()
         _capi.akv_prefill_init(byref(prefill))
         prefill.shape = _capi.akv_shape(seq_len, heads, num_q_heads or heads, head_dim)

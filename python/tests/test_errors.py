@@ -45,6 +45,28 @@ def test_bad_option_values(layer):
         anchorkv.compress(keys, values, window, retain_fractoin=0.1)  # typo: Python-side
 
 
+def test_inv_freq_of_the_wrong_length_is_refused(layer):
+    """The C struct has no length for inv_freq: the library reads rotary_dim/2 floats, so a
+    shorter table would be read past its end (issue 12). The binding checks the length."""
+    keys, values, window = layer  # head_dim 64: 32 frequencies
+    for table in (np.full(10, 1e-3, np.float32), np.full(33, 1e-3, np.float32),
+                  np.full((2, 16), 1e-3, np.float32)):
+        with pytest.raises(anchorkv.InvalidArgumentError) as info:
+            anchorkv.compress(keys, values, window, retain_fraction=0.5, inv_freq=table)
+        assert "inv_freq" in info.value.message
+        with pytest.raises(anchorkv.InvalidArgumentError):
+            anchorkv.compressed_size(256, 2, 64, retain_fraction=0.5, inv_freq=table)
+    with pytest.raises(anchorkv.InvalidArgumentError):  # partial rotation: rotary_dim/2 = 8
+        anchorkv.compress(keys, values, window, method="fullkv", rotary_dim=16,
+                          inv_freq=np.full(32, 1e-3, np.float32))
+    anchorkv.compress(keys, values, window, method="fullkv", rotary_dim=16,
+                      inv_freq=np.full(8, 1e-3, np.float32))
+    anchorkv.compress(keys, values, window, method="fullkv", inv_freq=np.full(32, 1e-3, np.float32))
+    # Without a rotation the table is not read.
+    anchorkv.compress(keys, values, window, method="fullkv", rope_style="none",
+                      inv_freq=np.full(3, 1e-3, np.float32))
+
+
 def test_head_dim_not_a_power_of_two(rng):
     keys = rng.standard_normal((2, 256, 96), dtype=np.float32)
     queries = rng.standard_normal((2, 32, 96), dtype=np.float32)

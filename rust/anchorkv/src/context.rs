@@ -186,7 +186,7 @@ impl Context {
         options: &CompressOptions,
         stream: *mut c_void,
     ) -> Result<Cache> {
-        let raw_options = options.to_raw();
+        let raw_options = options.to_raw_for(prefill.shape.head_dim)?;
         let mut raw_cache = ptr::null_mut();
         check(sys::akv_compress(self.as_raw(), prefill, &raw_options, &mut raw_cache, stream))?;
         Cache::adopt(self, raw_cache)

@@ -197,7 +197,9 @@ impl CompressOptions {
         self.raw.rope.base = base;
         self
     }
-    /// Explicit inverse frequencies (rotary_dim/2 of them), overriding the base.
+    /// Explicit inverse frequencies (rotary_dim/2 of them, rotary_dim 0 meaning head_dim),
+    /// overriding the base. The length is checked when the options are used: a table of
+    /// another length fails with `Status::InvalidArgument` (the C struct has no length).
     pub fn inv_freq(mut self, inv_freq: Vec<f32>) -> Self {
         self.inv_freq = Some(inv_freq);
         self
@@ -247,18 +249,39 @@ impl CompressOptions {
         &self.raw
     }
 
-    /// The C struct, pointing into `self` for the inverse-frequency table.
+    /// The C struct, pointing into `self` for the inverse-frequency table. The table's
+    /// length is not checked here (the library reads rotary_dim/2 floats from it): callers
+    /// of the raw API check it, as `to_raw_for` does.
     pub fn to_raw(&self) -> sys::akv_compress_options {
         let mut raw = self.raw;
         raw.rope.inv_freq = self.inv_freq.as_ref().map_or(std::ptr::null(), |table| table.as_ptr());
         raw
     }
+
+    /// `to_raw` for a layer of `head_dim`, after checking that the inverse-frequency table
+    /// holds the rotary_dim/2 entries the library will read.
+    pub fn to_raw_for(&self, head_dim: i32) -> Result<sys::akv_compress_options> {
+        if let Some(table) = &self.inv_freq {
+            let rope = &self.raw.rope;
+            let rotary_dim = if rope.rotary_dim == 0 { head_dim } else { rope.rotary_dim };
+            // Without a rotation the table is not read; a negative or odd rotary_dim is
+            // refused by the library before it reads the table.
+            if rope.style != sys::AKV_ROPE_NONE && rotary_dim > 0 && table.len() != (rotary_dim / 2) as usize {
+                return Err(Error::invalid(format!(
+                    "inv_freq holds {} frequencies; rotary_dim {rotary_dim} needs {}",
+                    table.len(),
+                    rotary_dim / 2
+                )));
+            }
+        }
+        Ok(self.to_raw())
+    }
 }
 
 /// Exact bytes a compressed cache of this shape will hold, before any data is seen.
 pub fn compressed_size(options: &CompressOptions, shape: Shape) -> Result<usize> {
-    let raw_options = options.to_raw();
     let raw_shape = shape.to_raw()?;
+    let raw_options = options.to_raw_for(raw_shape.head_dim)?;
     let mut bytes = 0usize;
     // SAFETY: both structs are valid for the call; inv_freq points into `options`.
     check(unsafe { sys::akv_compressed_size(&raw_options, &raw_shape, &mut bytes) })?;

@@ -1,7 +1,7 @@
 //! The safe API end to end on the CPU backend, against a reference computed here.
 mod common;
 
-use anchorkv::{Backend, Bf16, CompressOptions, Context, ContextOptions, Element, Method, Prefill, Shape, Status, F16};
+use anchorkv::{Backend, Bf16, CompressOptions, Context, ContextOptions, Element, Method, Prefill, RopeStyle, Shape, Status, F16};
 use common::{attention, bf16_round, max_abs_diff, rope, to_f64, Dims, Rng};
 
 const H: usize = 2;
@@ -210,6 +210,31 @@ fn errors_carry_status_and_message() {
     let mismatch = context.decode_batch(&[&cache, &foreign], &vec![0f32; 2 * HQ * D], &mut batch_out).unwrap_err();
     assert_eq!(mismatch.status(), Status::Mismatch);
     assert!(!mismatch.message().is_empty());
+}
+
+/// The C options carry no length for the inverse-frequency table: the library reads
+/// rotary_dim/2 floats from it. A table of another length is refused before the library
+/// reads past it (issue 12: `inv_freq(vec![1e-3])` with D = 128 was accepted).
+#[test]
+fn inv_freq_of_the_wrong_length_is_refused() {
+    let data = layer(15, S);
+    let context = Context::cpu().unwrap();
+    let prefill = Prefill::new(shape(), &data.keys, &data.values).queries(&data.window);
+    for table in [vec![1e-3f32], vec![1e-3f32; D / 2 - 1], vec![1e-3f32; D / 2 + 1], vec![1e-3f32; D]] {
+        let options = CompressOptions::new().retain_fraction(0.5).inv_freq(table.clone());
+        let error = context.compress(&prefill, &options).err().expect("a short or long table was accepted");
+        assert_eq!(error.status(), Status::InvalidArgument);
+        assert!(error.message().contains("inv_freq"), "{error}");
+        assert_eq!(anchorkv::compressed_size(&options, shape()).unwrap_err().status(), Status::InvalidArgument);
+    }
+    // Partial rotation: rotary_dim/2 entries.
+    let partial = CompressOptions::new().method(Method::FullKv).rope(RopeStyle::NeoX, 16, 10000.0);
+    assert!(context.compress(&prefill, &partial.clone().inv_freq(vec![1e-3; D / 2])).is_err());
+    context.compress(&prefill, &partial.inv_freq(vec![1e-3; 8])).unwrap();
+    context.compress(&prefill, &CompressOptions::new().method(Method::FullKv).inv_freq(vec![1e-3; D / 2])).unwrap();
+    // Without a rotation the table is not read.
+    let none = CompressOptions::new().method(Method::FullKv).rope(RopeStyle::None, 0, 10000.0).inv_freq(vec![1e-3; 3]);
+    context.compress(&prefill, &none).unwrap();
 }
 
 #[test]
