@@ -105,7 +105,8 @@ typedef enum akv_backend {
 } akv_backend;
 
 typedef enum akv_method {
-  AKV_METHOD_FULLKV = 0,   /* exact dense cache: reference and fallback */
+  AKV_METHOD_FULLKV = 0,   /* exact dense cache: reference and fallback; keeps every token
+                              whatever retain_fraction says (footprint M_full) */
   AKV_METHOD_ANCHORKV = 1, /* anchors + projection coefficients + 2-bit residuals */
   AKV_METHOD_SNAPKV = 2,   /* eviction: top pooled window attention per head */
   AKV_METHOD_PYRAMIDKV = 3,/* eviction: SnapKV scores, budgets decreasing over layers */
@@ -201,7 +202,9 @@ typedef struct akv_rope {
 typedef struct akv_compress_options {
   size_t struct_size;             /* sizeof(akv_compress_options) */
   akv_method method;              /* default AKV_METHOD_ANCHORKV */
-  double retain_fraction;         /* theta in (0,1]: footprint <= theta * 4*S*H*D; 0.05 */
+  double retain_fraction;         /* theta in (0,1]: footprint <= theta * 4*S*H*D; 0.05.
+                                     FullKV, the exact reference, validates and ignores it
+                                     (footprint and budget_bytes = 4*S*H*D) */
   int32_t window;                 /* W, always-exact recent positions; default 32 */
   int32_t anchors;                /* k per head incl. the window; 0 = max(W, S/128) */
   double scored_fraction;         /* rho: share of k-W chosen by score; default 0.7 */
@@ -355,7 +358,7 @@ typedef struct akv_cache_stats {
   int64_t appended_tokens;
   int64_t append_capacity;
   uint64_t full_bytes;       /* M_full = 4*S*H*D */
-  uint64_t budget_bytes;     /* floor(theta * M_full) */
+  uint64_t budget_bytes;     /* floor(theta * M_full); FullKV: M_full (theta ignored) */
   uint64_t base_bytes;       /* M_base (AnchorKV): anchors and per-token metadata */
   uint64_t compressed_bytes; /* footprint of the compressed prompt; == akv_compressed_size */
   uint64_t appended_bytes;   /* dense suffix in use: 4*appended*H*D */

@@ -162,6 +162,45 @@ TEST(CompressedSize, FullKvIsTheDenseBf16Cache) {
   EXPECT_EQ(bytes, 4u * 1000 * 3 * 96);
 }
 
+// FullKV is the exact reference: it keeps every token whatever retain_fraction says (the
+// header states the exception; engines and benchmarks create it with default options, whose
+// theta is 0.05), validates theta like every method, and its stats say the budget is M_full.
+TEST(FullKvBudget, IgnoresRetainFractionAndTheStatsSaySo) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  PrefillSpec spec;
+  spec.seq_len = 300;
+  spec.kv_heads = 2;
+  spec.group = 2;
+  spec.head_dim = 64;
+  const PrefillData data = make_prefill(rng, spec);
+  const uint64_t full = 4ull * 300 * 2 * 64;
+  const ContextPtr context = make_context();
+  akv_compress_options defaults;
+  akv_compress_options_init_method(&defaults, AKV_METHOD_FULLKV);
+  for (double theta : {defaults.retain_fraction, 0.3, 1.0}) {
+    SCOPED_TRACE("retain_fraction " + std::to_string(theta));
+    akv_compress_options options = defaults;
+    options.retain_fraction = theta;
+    size_t predicted = 0;
+    ASSERT_EQ(akv_compressed_size(&options, &data.shape, &predicted), AKV_OK) << akv_last_error_message();
+    EXPECT_EQ(predicted, full);
+    const CachePtr cache = compress(context.get(), data, options);
+    const akv_cache_stats stats = cache_stats(cache.get());
+    EXPECT_EQ(stats.full_bytes, full);
+    EXPECT_EQ(stats.compressed_bytes, full);
+    EXPECT_EQ(stats.budget_bytes, full) << "budget_bytes must say that FullKV's budget is M_full";
+    EXPECT_EQ(stats.ratio, 1.0);
+  }
+  for (double theta : {0.0, 1.5, std::nan("")}) {
+    akv_compress_options options = defaults;
+    options.retain_fraction = theta;
+    size_t bytes = 0;
+    EXPECT_EQ(akv_compressed_size(&options, &data.shape, &bytes), AKV_ERR_INVALID_ARGUMENT) << theta;
+  }
+}
+
 // akv_compress itself: the budget error names the minimum, and compressing at that minimum
 // works and fits.
 TEST(CompressBudget, ErrorNamesTheMinimumAndRetryingWithItSucceeds) {

@@ -154,7 +154,8 @@ impl CompressOptions {
         self.raw.method = method as i32;
         self
     }
-    /// theta in (0, 1]: the footprint stays at most theta * 4*S*H*D bytes.
+    /// theta in (0, 1]: the footprint stays at most theta * 4*S*H*D bytes. FullKV, the exact
+    /// reference, keeps every token and ignores it (`budget_bytes` = `full_bytes`).
     pub fn retain_fraction(mut self, theta: f64) -> Self {
         self.raw.retain_fraction = theta;
         self
