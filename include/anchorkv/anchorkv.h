@@ -206,7 +206,8 @@ typedef struct akv_compress_options {
                                      FullKV, the exact reference, validates and ignores it
                                      (footprint and budget_bytes = 4*S*H*D) */
   int32_t window;                 /* W, always-exact recent positions; default 32 */
-  int32_t anchors;                /* k per head incl. the window; 0 = max(W, S/128) */
+  int32_t anchors;                /* k per head incl. the window; 0 = automatic (see
+                                     min_free_anchors and fill_budget) */
   double scored_fraction;         /* rho: share of k-W chosen by score; default 0.7 */
   int32_t pool_kernel;            /* kappa, odd; default 7 */
   akv_pool_type pool_type;        /* default AKV_POOL_AVG (paper Eq. 14) */
@@ -230,6 +231,31 @@ typedef struct akv_compress_options {
   int32_t pyramid_beta;           /* PYRAMIDKV: the last layer keeps (B-W)/beta evictable tokens
                                      per head (schedule below); >= 1; default 20 */
   int32_t andpro_chunk;           /* ANDPRO: tokens per scored chunk, 1..64; default 4 */
+  /* ---- AnchorKV beyond the paper (appended in 0.2). The defaults are the ones measured
+   * best on a real model (README, "Quality on a real model"); akv_compress_options_init_paper
+   * sets all four to the paper's behaviour (0). ---- */
+  int32_t sink_tokens;            /* ANCHORKV: the first sink_tokens prompt positions are always
+                                     anchors (the attention sink, stored exactly); they take
+                                     slots of the scored share (which grows to hold them) and
+                                     are capped at k-W. >= 0; default 4 */
+  int32_t min_free_anchors;       /* ANCHORKV with anchors = 0: k = max(W + min_free_anchors,
+                                     S/128), clamped to S and lowered (not below
+                                     max(W, S/128)) to what the budget holds. >= 0; default 64 */
+  int32_t fill_budget;            /* ANCHORKV with anchors = 0: 1 = while every non-anchor token
+                                     already gets both residuals and budget is left, add anchors
+                                     (exact tokens) to spend it, so the footprint follows
+                                     retain_fraction at low ratios; 0 = no. Default 1 */
+  double guard_fraction;          /* ANCHORKV: share of each side's residual slots that goes,
+                                     after the utility ranking (Eq. 6) has filled the rest, to
+                                     the tokens with the largest residual energy
+                                     ||x - gamma x_a||^2 (query-agnostic: it protects tokens
+                                     the window does not look at, such as a needle).
+                                     In [0, 1]; default 0.5 */
+  int32_t coverage_rounds;        /* ANCHORKV: how the anchors after the scored share are chosen.
+                                     0 = a seeded uniform sample (paper); r >= 1 = in r rounds,
+                                     the tokens that the anchors so far represent worst (largest
+                                     residual energy against their best-|cos| anchor, keys and
+                                     values each relative to their mean). 0..64; default 4 */
 } akv_compress_options;
 
 /* Defaults (AnchorKV's, paper B.3) for every field; method = AKV_METHOD_ANCHORKV. */
@@ -269,6 +295,11 @@ AKV_API void akv_compress_options_init(akv_compress_options *options);
  *  - Among the baselines, layer_index / layer_count only shape PyramidKV's schedule (one
  *    layer: SnapKV's budget). */
 AKV_API void akv_compress_options_init_method(akv_compress_options *options, akv_method method);
+
+/* akv_compress_options_init with the AnchorKV paper's own settings (B.3): no sink anchors,
+ * k = max(W, S/128), no budget filling, residual slots by the Eq. 6 utility alone. The
+ * preset for comparisons with the paper. */
+AKV_API void akv_compress_options_init_paper(akv_compress_options *options);
 
 /* Shape of one layer of one request. Frozen layout. */
 typedef struct akv_shape {

@@ -85,10 +85,15 @@ _OPTION_CONVERTERS = {
     "quant_outliers": int,
     "pyramid_beta": int,
     "andpro_chunk": int,
+    "sink_tokens": int,
+    "min_free_anchors": int,
+    "fill_budget": lambda value: int(bool(value)),
+    "guard_fraction": float,
+    "coverage_rounds": int,
 }
 _ROPE_CONVERTERS = {"rope_style": ("style", RopeStyle.parse), "rotary_dim": ("rotary_dim", int),
                     "rope_base": ("base", float)}
-OPTION_NAMES = tuple(_OPTION_CONVERTERS) + tuple(_ROPE_CONVERTERS) + ("inv_freq",)
+OPTION_NAMES = tuple(_OPTION_CONVERTERS) + tuple(_ROPE_CONVERTERS) + ("inv_freq", "preset")
 
 
 def compress_options(*, head_dim: int | None = None,
@@ -96,8 +101,9 @@ def compress_options(*, head_dim: int | None = None,
     """An initialised akv_compress_options with the given fields set (None: the default).
 
     Starts from akv_compress_options_init_method(method) when a method is given (that
-    method's paper defaults: SnapKV's window 64, QUANTIZED's 3 bits...), else from
-    akv_compress_options_init (AnchorKV). Names are the C field names; the RoPE ones are
+    method's paper defaults: SnapKV's window 64, QUANTIZED's 3 bits...), from
+    akv_compress_options_init_paper with preset="paper" (AnchorKV as in its paper), else
+    from akv_compress_options_init (AnchorKV). Names are the C field names; the RoPE ones are
     rope_style, rotary_dim, rope_base and inv_freq (host float32 array, rotary_dim/2
     values). Returns the struct and what must stay alive while the library reads it.
 
@@ -106,7 +112,14 @@ def compress_options(*, head_dim: int | None = None,
     (InvalidArgumentError); head_dim is needed for that check when rotary_dim is 0.
     """
     struct = _capi.akv_compress_options()
-    if options.get("method") is not None:
+    preset = options.pop("preset", None)
+    if preset not in (None, "paper"):
+        raise ValueError(f"unknown preset {preset!r}; known: 'paper'")
+    if preset == "paper":
+        if options.get("method") not in (None, Method.ANCHORKV, "anchorkv", "ANCHORKV"):
+            raise ValueError("preset='paper' is AnchorKV's; pass no other method")
+        _capi.akv_compress_options_init_paper(byref(struct))
+    elif options.get("method") is not None:
         _capi.akv_compress_options_init_method(byref(struct), Method.parse(options["method"]))
     else:
         _capi.akv_compress_options_init(byref(struct))

@@ -170,6 +170,12 @@ class akv_compress_options(Structure):
         ("quant_outliers", c_int32),
         ("pyramid_beta", c_int32),
         ("andpro_chunk", c_int32),
+        # AnchorKV beyond the paper (0.2)
+        ("sink_tokens", c_int32),
+        ("min_free_anchors", c_int32),
+        ("fill_budget", c_int32),
+        ("guard_fraction", c_double),
+        ("coverage_rounds", c_int32),
     ]
 
 
@@ -264,6 +270,9 @@ akv_compress_options_init = _declare("akv_compress_options_init", None,
 # void akv_compress_options_init_method(akv_compress_options *options, akv_method method);
 akv_compress_options_init_method = _declare("akv_compress_options_init_method", None,
                                             [POINTER(akv_compress_options), akv_method])
+# void akv_compress_options_init_paper(akv_compress_options *options);
+akv_compress_options_init_paper = _declare("akv_compress_options_init_paper", None,
+                                           [POINTER(akv_compress_options)])
 # void akv_prefill_init(akv_prefill *prefill);
 akv_prefill_init = _declare("akv_prefill_init", None, [POINTER(akv_prefill)])
 # akv_status akv_compressed_size(const akv_compress_options *options, const akv_shape *shape,
@@ -327,7 +336,8 @@ akv_cache_deserialize = _declare("akv_cache_deserialize", akv_status,
 FUNCTION_NAMES = (
     "akv_version_number", "akv_version_string", "akv_status_string", "akv_last_error_message",
     "akv_context_options_init", "akv_context_create", "akv_context_destroy",
-    "akv_compress_options_init", "akv_compress_options_init_method", "akv_prefill_init", "akv_compressed_size", "akv_compress",
+    "akv_compress_options_init", "akv_compress_options_init_method",
+    "akv_compress_options_init_paper", "akv_prefill_init", "akv_compressed_size", "akv_compress",
     "akv_cache_destroy", "akv_cache_reserve", "akv_append", "akv_decode", "akv_decode_batch",
     "akv_cache_stats_get", "akv_cache_head_stats", "akv_cache_reconstruct",
     "akv_cache_serialized_size", "akv_cache_serialize", "akv_cache_deserialize",

@@ -7,8 +7,26 @@
 
 namespace akv {
 
-int64_t default_anchor_count(int64_t seq_len, int32_t window) {
-  return std::min<int64_t>(seq_len, std::max<int64_t>(window, seq_len / 128));
+int64_t default_anchor_count(int64_t seq_len, int32_t window, int32_t min_free_anchors) {
+  return std::min<int64_t>({seq_len, int64_t{65536},
+                            std::max<int64_t>(int64_t{window} + min_free_anchors, seq_len / 128)});
+}
+
+int64_t sink_anchor_count(const akv_compress_options &o, const AnchorGeometry &g) {
+  return std::min<int64_t>({int64_t{o.sink_tokens}, int64_t{g.anchors} - g.window, g.prefix});
+}
+
+int64_t scored_anchor_count(const akv_compress_options &o, const AnchorGeometry &g) {
+  const int64_t free_anchors = g.anchors - g.window;
+  const int64_t n_top = std::min<int64_t>(free_anchors, std::llround(o.scored_fraction * static_cast<double>(free_anchors)));
+  return std::max(n_top, sink_anchor_count(o, g));
+}
+
+ResidualSplit residual_split(const akv_compress_options &o, int64_t n) {
+  ResidualSplit split;
+  split.by_energy = std::min<int64_t>(n, std::llround(o.guard_fraction * static_cast<double>(n)));
+  split.by_utility = n - split.by_energy;
+  return split;
 }
 
 double minimum_retain_fraction(uint64_t base_bytes, uint64_t full_bytes) {
@@ -17,26 +35,12 @@ double minimum_retain_fraction(uint64_t base_bytes, uint64_t full_bytes) {
   return std::min(theta, 1.0);
 }
 
-AnchorGeometry anchor_geometry(const akv_compress_options &o, const akv_shape &s) {
+namespace {
+
+// The accounting for k anchors per head (shape and options already validated). fits is false
+// when M_base exceeds the budget.
+AnchorGeometry geometry_for(const akv_compress_options &o, const akv_shape &s, int64_t k, bool *fits) {
   AnchorGeometry g;
-  require(s.seq_len > 0, AKV_ERR_INVALID_ARGUMENT, "shape.seq_len ", s.seq_len, " must be positive");
-  require(s.num_kv_heads > 0, AKV_ERR_INVALID_ARGUMENT, "shape.num_kv_heads ", s.num_kv_heads,
-          " must be positive");
-  require(s.num_q_heads > 0 && s.num_q_heads % s.num_kv_heads == 0, AKV_ERR_INVALID_ARGUMENT,
-          "shape.num_q_heads ", s.num_q_heads, " must be a positive multiple of num_kv_heads ",
-          s.num_kv_heads);
-  require(s.head_dim > 0, AKV_ERR_INVALID_ARGUMENT, "shape.head_dim ", s.head_dim, " must be positive");
-  require(is_power_of_two(s.head_dim) && s.head_dim >= 16 && s.head_dim <= 512, AKV_ERR_UNSUPPORTED,
-          "head_dim ", s.head_dim, " is not supported by the residual codec: it must be a power of"
-          " two in [16, 512]");
-  require(std::isfinite(o.retain_fraction) && o.retain_fraction > 0.0 && o.retain_fraction <= 1.0,
-          AKV_ERR_INVALID_ARGUMENT, "retain_fraction ", o.retain_fraction, " must be in (0, 1]");
-  require(o.window > 0, AKV_ERR_INVALID_ARGUMENT, "window ", o.window, " must be positive");
-  require(s.seq_len > o.window, AKV_ERR_INVALID_ARGUMENT, "seq_len ", s.seq_len,
-          " must exceed the window ", o.window, " for AnchorKV");
-  const int64_t k = o.anchors == 0 ? default_anchor_count(s.seq_len, o.window) : o.anchors;
-  require(k >= o.window && k <= s.seq_len && k <= 65536, AKV_ERR_INVALID_ARGUMENT, "anchors ", k,
-          " must be within [window=", o.window, ", min(seq_len=", s.seq_len, ", 65536)]");
   g.seq_len = s.seq_len;
   g.prefix = s.seq_len - o.window;
   g.heads = s.num_kv_heads;
@@ -53,13 +57,8 @@ AnchorGeometry anchor_geometry(const akv_compress_options &o, const akv_shape &s
   const uint64_t index_bytes = 2, gamma_bytes = 2;  // b_a, b_gamma
   g.base_bytes = H * (4ull * k * D + 8ull * (k - W) + 2ull * P * (index_bytes + gamma_bytes)) +
                  24ull * H * static_cast<uint64_t>(g.words) + 8ull * (H + 1) + 4ull * P;
-  if (static_cast<double>(g.base_bytes) > budget) {
-    fail(AKV_ERR_BUDGET, "retain_fraction ", o.retain_fraction, " leaves ", g.budget_bytes,
-         " bytes, less than the ", g.base_bytes, " bytes the anchors and metadata need (S=",
-         s.seq_len, ", H=", H, ", D=", D, ", k=", k, ", W=", W,
-         "); the smallest workable retain_fraction is ",
-         minimum_retain_fraction(g.base_bytes, g.full_bytes));
-  }
+  *fits = static_cast<double>(g.base_bytes) <= budget;
+  if (!*fits) return g;
   const double per_residual = (g.key_residual_bytes() + g.value_residual_bytes()) / 2.0;
   int64_t n = static_cast<int64_t>(std::floor((budget - static_cast<double>(g.base_bytes)) / per_residual));
   n = std::max<int64_t>(0, n);
@@ -70,6 +69,72 @@ AnchorGeometry anchor_geometry(const akv_compress_options &o, const akv_shape &s
     g.footprint = g.base_bytes + g.key_residuals * g.key_residual_bytes() +
                   g.value_residuals * g.value_residual_bytes();
     if (static_cast<double>(g.footprint) <= budget || n == 0) break;
+  }
+  return g;
+}
+
+// Every non-anchor token holds both residuals: the budget has room the residuals cannot use.
+bool residuals_saturated(const AnchorGeometry &g) {
+  const int64_t candidates = static_cast<int64_t>(g.heads) * (g.prefix - (g.anchors - g.window));
+  return g.key_residuals >= candidates && g.value_residuals >= candidates;
+}
+
+}  // namespace
+
+AnchorGeometry anchor_geometry(const akv_compress_options &o, const akv_shape &s) {
+  require(s.seq_len > 0, AKV_ERR_INVALID_ARGUMENT, "shape.seq_len ", s.seq_len, " must be positive");
+  require(s.num_kv_heads > 0, AKV_ERR_INVALID_ARGUMENT, "shape.num_kv_heads ", s.num_kv_heads,
+          " must be positive");
+  require(s.num_q_heads > 0 && s.num_q_heads % s.num_kv_heads == 0, AKV_ERR_INVALID_ARGUMENT,
+          "shape.num_q_heads ", s.num_q_heads, " must be a positive multiple of num_kv_heads ",
+          s.num_kv_heads);
+  require(s.head_dim > 0, AKV_ERR_INVALID_ARGUMENT, "shape.head_dim ", s.head_dim, " must be positive");
+  require(is_power_of_two(s.head_dim) && s.head_dim >= 16 && s.head_dim <= 512, AKV_ERR_UNSUPPORTED,
+          "head_dim ", s.head_dim, " is not supported by the residual codec: it must be a power of"
+          " two in [16, 512]");
+  require(std::isfinite(o.retain_fraction) && o.retain_fraction > 0.0 && o.retain_fraction <= 1.0,
+          AKV_ERR_INVALID_ARGUMENT, "retain_fraction ", o.retain_fraction, " must be in (0, 1]");
+  require(o.window > 0, AKV_ERR_INVALID_ARGUMENT, "window ", o.window, " must be positive");
+  require(s.seq_len > o.window, AKV_ERR_INVALID_ARGUMENT, "seq_len ", s.seq_len,
+          " must exceed the window ", o.window, " for AnchorKV");
+  require(o.min_free_anchors >= 0, AKV_ERR_INVALID_ARGUMENT, "min_free_anchors ", o.min_free_anchors,
+          " must be >= 0");
+  // Automatic anchors: the paper's k, raised to the floor as far as the budget allows.
+  int64_t k = o.anchors == 0 ? default_anchor_count(s.seq_len, o.window, 0) : o.anchors;
+  require(k >= o.window && k <= s.seq_len && k <= 65536, AKV_ERR_INVALID_ARGUMENT, "anchors ", k,
+          " must be within [window=", o.window, ", min(seq_len=", s.seq_len, ", 65536)]");
+  bool fits = false;
+  AnchorGeometry g = geometry_for(o, s, k, &fits);
+  const int64_t floor_k = default_anchor_count(s.seq_len, o.window, o.min_free_anchors);
+  if (fits && o.anchors == 0 && floor_k > k) {
+    int64_t lo = k, hi = floor_k;  // M_base grows with k: the largest k that fits
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      geometry_for(o, s, mid, &fits);
+      if (fits) lo = mid;
+      else hi = mid - 1;
+    }
+    g = geometry_for(o, s, lo, &fits);
+    k = lo;
+  }
+  if (!fits) {
+    fail(AKV_ERR_BUDGET, "retain_fraction ", o.retain_fraction, " leaves ", g.budget_bytes,
+         " bytes, less than the ", g.base_bytes, " bytes the anchors and metadata need (S=",
+         s.seq_len, ", H=", g.heads, ", D=", g.dim, ", k=", k, ", W=", o.window,
+         "); the smallest workable retain_fraction is ",
+         minimum_retain_fraction(g.base_bytes, g.full_bytes));
+  }
+  if (o.anchors == 0 && o.fill_budget && residuals_saturated(g)) {
+    // The largest k that still fits with every non-anchor token holding both residuals: both
+    // conditions hold up to some k and fail beyond it, so a binary search finds it.
+    int64_t lo = k, hi = std::min<int64_t>(s.seq_len, 65536);
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo + 1) / 2;
+      const AnchorGeometry trial = geometry_for(o, s, mid, &fits);
+      if (fits && residuals_saturated(trial)) lo = mid;
+      else hi = mid - 1;
+    }
+    if (lo != k) g = geometry_for(o, s, lo, &fits);
   }
   return g;
 }

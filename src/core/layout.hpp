@@ -71,8 +71,23 @@ struct AnchorLayout {
 };
 AnchorLayout anchor_layout(const AnchorGeometry &g);
 
-// The default anchor budget k = max(W, S/128), clamped to S.
-int64_t default_anchor_count(int64_t seq_len, int32_t window);
+// The automatic anchor count before budget filling: k = max(W + min_free_anchors, S/128),
+// clamped to S and to 65536 (u16 anchor indices). The paper's is min_free_anchors = 0.
+int64_t default_anchor_count(int64_t seq_len, int32_t window, int32_t min_free_anchors);
+
+// Anchor selection shares of one head, the same on every backend: the sink anchors (the first
+// positions, min(sink_tokens, k-W, P)) and the scored share round(rho (k-W)), raised to hold
+// the sinks, which rank first in it.
+int64_t sink_anchor_count(const akv_compress_options &options, const AnchorGeometry &g);
+int64_t scored_anchor_count(const akv_compress_options &options, const AnchorGeometry &g);
+
+// How one side's n residual slots are chosen: by_utility by Eq. 6, then by_energy (the
+// guard_fraction share) by residual energy among the tokens left.
+struct ResidualSplit {
+  int64_t by_utility = 0;
+  int64_t by_energy = 0;
+};
+ResidualSplit residual_split(const akv_compress_options &options, int64_t n);
 
 // Smallest retain_fraction whose budget holds the base bytes, rounded up to 6 decimals.
 double minimum_retain_fraction(uint64_t base_bytes, uint64_t full_bytes);

@@ -155,9 +155,19 @@ __global__ void scores_kernel(const float *A, int64_t S, int64_t P, int m, float
   alpha_sq[t] = s2 / m;
 }
 
+// Order-preserving map of a float to uint32, inverted so that ascending = descending value.
+__device__ __forceinline__ uint32_t descending_key(float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, 4);
+  bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+  return ~bits;
+}
+
 // Pooling over a window of `kernel` tokens (zero padding; the average divides by kernel).
-// Also the sort keys of the anchor selection: descending pooled score as an ascending key.
-__global__ void pool_kernel(const float *raw, int64_t P, int kernel, int max_pool, uint32_t *keys, uint32_t *index) {
+// Also the sort keys of the anchor selection: descending pooled score as an ascending key;
+// the first `sinks` tokens get key 0, ahead of every score (ties: lower index).
+__global__ void pool_kernel(const float *raw, int64_t P, int kernel, int max_pool, int64_t sinks, uint32_t *keys,
+                            uint32_t *index) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
   const int half = kernel / 2;
@@ -167,11 +177,7 @@ __global__ void pool_kernel(const float *raw, int64_t P, int kernel, int max_poo
     acc = max_pool ? fmaxf(acc, raw[u]) : acc + raw[u];
   }
   const float pooled = max_pool ? acc : acc / static_cast<float>(kernel);
-  // Order-preserving map of a float to uint32, inverted so that ascending = descending score.
-  uint32_t bits;
-  memcpy(&bits, &pooled, 4);
-  bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
-  keys[t] = ~bits;
+  keys[t] = t < sinks ? 0u : descending_key(pooled);
   index[t] = static_cast<uint32_t>(t);
 }
 
@@ -227,13 +233,13 @@ __global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint
 }
 
 // Nearest anchor by |cos| for tokens t0..t0+n (C [n][k] = X . anchor_n^T), the bf16
-// coefficient, and the residual: keys rotated to the token's position into rk (for the
-// utilities), values' squared norms into rv_norm_sq. One warp per token.
+// coefficient, and the residual: its squared norm into r_norm_sq, and keys rotated to the
+// token's position into rk (for the utilities). One warp per token.
 __global__ void assign_kernel(const float *C, int64_t t0, int64_t n, int k, int D, const float *X,
                               const float *anchor_f, const float *anchor_n, const float *norms,
                               const int32_t *anchor_of_token, uint16_t *index_out, uint16_t *gamma_out, int side,
                               const int32_t *positions, int pairs, const float *inv_freq, const int32_t *rope_first,
-                              const int32_t *rope_second, float *rk, float *rv_norm_sq) {
+                              const int32_t *rope_second, float *rk, float *r_norm_sq) {
   const int lane = threadIdx.x & 31;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
@@ -277,16 +283,14 @@ __global__ void assign_kernel(const float *C, int64_t t0, int64_t n, int k, int 
   }
   const float gq = bits_to_float(gbits, true);
   const float *av = anchor_f + static_cast<int64_t>(best) * D;
-  if (side == 1) {
-    float n2 = 0.0f;
-    for (int d = lane; d < D; d += 32) {
-      const float r = x[d] - gq * av[d];
-      n2 += r * r;
-    }
-    n2 = warp_sum(n2);
-    if (lane == 0) rv_norm_sq[t] = n2;
-    return;
+  float n2 = 0.0f;
+  for (int d = lane; d < D; d += 32) {
+    const float r = x[d] - gq * av[d];
+    n2 += r * r;
   }
+  n2 = warp_sum(n2);
+  if (lane == 0) r_norm_sq[t] = n2;
+  if (side == 1) return;
   float *out = rk + t * D;
   for (int d = lane; d < D; d += 32) out[d] = x[d] - gq * av[d];
   __syncwarp();
@@ -302,12 +306,14 @@ __global__ void assign_kernel(const float *C, int64_t t0, int64_t n, int k, int 
 }
 
 // Utilities (Eq. 6) of the prefix tokens of one head; anchors get -1 (never candidates).
-// Also the sort keys of the residual selection (descending utility as an ascending key) and
-// the candidate ids h * P + t.
+// Also the sort keys of the residual selection (descending utility as an ascending key), the
+// guard's keys (descending residual energy; anchors last) and the candidate ids h * P + t.
 __global__ void utility_kernel(const float *A, int64_t S, int64_t P, int m, int D, const float *Z, const float *VY,
                                const float *y_norm_sq, const float *V, const float *alpha_sq,
-                               const float *rv_norm_sq, const int32_t *anchor_of_token, int h,
-                               uint32_t *key_keys, uint32_t *value_keys, uint32_t *key_ids, uint32_t *value_ids) {
+                               const float *rk_norm_sq, const float *rv_norm_sq, const int32_t *anchor_of_token,
+                               int h, uint32_t *key_keys, uint32_t *value_keys, uint32_t *key_ids,
+                               uint32_t *value_ids, uint32_t *key_energy, uint32_t *value_energy,
+                               uint32_t *key_energy_ids, uint32_t *value_energy_ids) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
   float uk = -1.0f, uv = -1.0f;
@@ -324,14 +330,21 @@ __global__ void utility_kernel(const float *A, int64_t S, int64_t P, int m, int 
     uv = alpha_sq[t] * rv_norm_sq[t];
   }
   const float u[2] = {uk, uv};
-  uint32_t *keys[2] = {key_keys, value_keys};
+  const float e[2] = {rk_norm_sq[t], rv_norm_sq[t]};
+  uint32_t *keys[2] = {key_keys, value_keys}, *energy[2] = {key_energy, value_energy};
+  const bool anchor = anchor_of_token[t] >= 0;
   for (int side = 0; side < 2; ++side) {
-    uint32_t bits;
-    memcpy(&bits, &u[side], 4);
-    bits = (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
-    keys[side][h * P + t] = ~bits;
+    keys[side][h * P + t] = descending_key(u[side]);
+    energy[side][h * P + t] = anchor ? 0xFFFFFFFFu : descending_key(e[side]);
   }
-  key_ids[h * P + t] = value_ids[h * P + t] = static_cast<uint32_t>(h * P + t);
+  const uint32_t id = static_cast<uint32_t>(h * P + t);
+  key_ids[h * P + t] = value_ids[h * P + t] = key_energy_ids[h * P + t] = value_energy_ids[h * P + t] = id;
+}
+
+// The guard ranks the tokens the utilities left: the n already chosen (sorted ids) go last.
+__global__ void exclude_chosen_kernel(const uint32_t *sorted_ids, int64_t n, uint32_t *energy_keys) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) energy_keys[sorted_ids[i]] = 0xFFFFFFFFu;
 }
 
 // ||y_r||^2 of the window outputs (one thread per row).
@@ -546,6 +559,77 @@ __global__ void andpro_chunks_kernel(const float *contrib, int64_t P, int chunk,
 __global__ void iota_kernel(uint32_t *ids, uint32_t first, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) ids[i] = first + static_cast<uint32_t>(i);
+}
+
+// ---- Coverage anchors (coverage_rounds > 0; CPU: add_coverage_anchors) ----------------------
+
+// Unit rows of one side's prefix (zero rows stay zero) and their squared norms; one warp per row.
+__global__ void unit_rows_kernel(const float *X, int64_t P, int D, float *unit, float *norm_sq) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (t >= P) return;
+  float n2 = 0.0f;
+  for (int d = lane; d < D; d += 32) n2 += X[t * D + d] * X[t * D + d];
+  n2 = warp_sum(n2);
+  const float inv = n2 > 0.0f ? 1.0f / sqrtf(n2) : 0.0f;
+  for (int d = lane; d < D; d += 32) unit[t * D + d] = X[t * D + d] * inv;
+  if (lane == 0) norm_sq[t] = n2;
+}
+
+// rows[i] = X[ids[i]] / ||X[ids[i]]|| for the n anchors just added; one warp per row.
+__global__ void gather_unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n, int D, float *rows) {
+  const int lane = threadIdx.x & 31;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (i >= n) return;
+  const float *x = X + static_cast<int64_t>(ids[i]) * D;
+  float n2 = 0.0f;
+  for (int d = lane; d < D; d += 32) n2 += x[d] * x[d];
+  n2 = warp_sum(n2);
+  const float inv = n2 > 0.0f ? 1.0f / sqrtf(n2) : 0.0f;
+  for (int d = lane; d < D; d += 32) rows[i * D + d] = x[d] * inv;
+}
+
+// best[t0 + i] = max(best, C[i][j]^2 over the n new anchors): the best |cos| so far, squared.
+__global__ void coverage_update_kernel(const float *C, int64_t t0, int64_t count, int64_t n, float *best) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  float b = best[t0 + i];
+  for (int64_t j = 0; j < n; ++j) b = fmaxf(b, C[i * n + j] * C[i * n + j]);
+  best[t0 + i] = b;
+}
+
+// Mean residual energy ||x||^2 (1 - best) over the prefix, for side blockIdx.x (0 keys, 1
+// values); 1 when it is 0. One block of 128 per side.
+__global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_norm_sq, const float *key_best,
+                                                             const float *value_norm_sq, const float *value_best,
+                                                             int64_t P, float *means) {
+  __shared__ float scratch[4];
+  const float *norm_sq = blockIdx.x == 0 ? key_norm_sq : value_norm_sq;
+  const float *best = blockIdx.x == 0 ? key_best : value_best;
+  float acc = 0.0f;
+  for (int64_t t = threadIdx.x; t < P; t += 128) acc += norm_sq[t] * fmaxf(0.0f, 1.0f - best[t]);
+  const float sum = block_sum128(acc, scratch);
+  if (threadIdx.x == 0) means[blockIdx.x] = sum > 0.0f ? sum / static_cast<float>(P) : 1.0f;
+}
+
+// Sort keys of one round: descending summed relative error; anchors last. Ids are tokens.
+__global__ void coverage_keys_kernel(const float *key_norm_sq, const float *key_best, const float *value_norm_sq,
+                                     const float *value_best, const float *means, const int32_t *is_anchor,
+                                     int64_t P, uint32_t *keys, uint32_t *ids) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= P) return;
+  const float e = key_norm_sq[t] * fmaxf(0.0f, 1.0f - key_best[t]) / means[0] +
+                  value_norm_sq[t] * fmaxf(0.0f, 1.0f - value_best[t]) / means[1];
+  keys[t] = is_anchor[t] ? 0xFFFFFFFFu : descending_key(e);
+  ids[t] = static_cast<uint32_t>(t);
+}
+
+// The n tokens ids[0..n) become anchors: flagged, and appended to picks (when given).
+__global__ void coverage_take_kernel(const uint32_t *ids, int64_t n, int32_t *is_anchor, uint32_t *picks) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  is_anchor[ids[i]] = 1;
+  if (picks) picks[i] = ids[i];
 }
 
 }  // namespace cuda

@@ -49,11 +49,17 @@ class Carver {
 // Scratch of one compression, carved out of one allocation.
 struct CompressScratch {
   static constexpr int64_t kAssignChunk = 8192;  // tokens per assignment GEMM
-  float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *c, *rk, *rv_norm_sq, *z,
+  float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *c, *rk, *rk_norm_sq, *rv_norm_sq, *z,
       *vy, *y_norm_sq, *inv_freq, *signs;
-  uint32_t *rank_keys, *rank_index, *sample_index, *picks, *picks_dummy, *util_keys[2], *util_ids[2], *head_counts;
+  uint32_t *rank_keys, *rank_index, *sample_index, *picks, *picks_dummy, *util_keys[2], *util_ids[2], *energy_keys[2],
+      *energy_ids[2], *head_counts;
   uint64_t *sample_keys;
   int32_t *anchor_of_token, *positions, *rope_first, *rope_second, *bad;
+  // Coverage anchors: squared norms and best |cos|^2 per side, ranking, flags, the rows
+  // absorbed next (the unit prefix rows reuse rk and kpost, free at that point).
+  float *cover_norm_sq[2], *cover_best[2], *cover_means;
+  uint32_t *cover_keys, *cover_ids, *cover_fresh;
+  int32_t *cover_anchor;
 
   // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used.
   size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int k, int pairs) {
@@ -72,6 +78,7 @@ struct CompressScratch {
     take(norms, k);
     take(c, chunk * k);
     take(rk, P * D);
+    take(rk_norm_sq, P);
     take(rv_norm_sq, P);
     take(z, int64_t{m} * P);
     take(vy, int64_t{m} * P);
@@ -86,6 +93,8 @@ struct CompressScratch {
     for (int side = 0; side < 2; ++side) {
       take(util_keys[side], int64_t{H} * P);
       take(util_ids[side], int64_t{H} * P);
+      take(energy_keys[side], int64_t{H} * P);
+      take(energy_ids[side], int64_t{H} * P);
     }
     take(head_counts, H);
     take(sample_keys, P);
@@ -94,6 +103,15 @@ struct CompressScratch {
     take(rope_first, pairs);
     take(rope_second, pairs);
     take(bad, 1);
+    for (int side = 0; side < 2; ++side) {
+      take(cover_norm_sq[side], P);
+      take(cover_best[side], P);
+    }
+    take(cover_means, 2);
+    take(cover_keys, P);
+    take(cover_ids, P);
+    take(cover_fresh, k);
+    take(cover_anchor, P);
     return take.bytes();
   }
 };
@@ -267,7 +285,7 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.launch(scores_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, s.raw, s.alpha_sq);
     uint32_t *keys = s.keys + h * P, *index = s.index + h * P;
     dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
-               o.pool_type == AKV_POOL_MAX ? 1 : 0, keys, index);
+               o.pool_type == AKV_POOL_MAX ? 1 : 0, int64_t{0}, keys, index);
     if (adakv) {
       dev.copy(s.all_keys + h * P, keys, P * sizeof(uint32_t));
       dev.launch(iota_kernel, grid_blocks(P, 128), 1, 128, s.all_ids + h * P, static_cast<uint32_t>(h * P), P);
@@ -337,6 +355,58 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     fail(AKV_ERR_NON_FINITE, "the keys, values or queries contain NaN or Inf (CUDA compression)");
 }
 
+// The coverage share of one head's anchors (CPU: add_coverage_anchors): s.picks holds the
+// n_top scored picks; appends `count` more, chosen in `rounds` rounds as the tokens the anchors
+// so far (and the window) represent worst. Uses s.rk and s.kpost (free before the assignment)
+// for the unit prefix rows of keys and values, and s.anchor_n for the rows being absorbed.
+template <class Dev>
+void coverage_anchors(Dev &dev, const CompressScratch &s, int64_t S, int64_t P, int D, int W, int64_t n_top,
+                      int64_t count, int rounds) {
+  const float *X[2] = {s.kpre, s.v};
+  float *unit[2] = {s.rk, s.kpost};
+  for (int side = 0; side < 2; ++side) {
+    dev.launch(unit_rows_kernel, grid_blocks(P, 4), 1, 128, X[side], P, D, unit[side], s.cover_norm_sq[side]);
+    dev.fill(s.cover_best[side], 0, P * sizeof(float));
+  }
+  dev.fill(s.cover_anchor, 0, P * sizeof(int32_t));
+  // Raise every prefix token's best |cos|^2 with the n anchor tokens ids[0..n).
+  auto absorb = [&](const uint32_t *ids, int64_t n) {
+    if (n == 0) return;
+    for (int side = 0; side < 2; ++side) {
+      dev.launch(gather_unit_rows_kernel, grid_blocks(n, 4), 1, 128, X[side], ids, n, D, s.anchor_n);
+      for (int64_t t0 = 0; t0 < P; t0 += CompressScratch::kAssignChunk) {
+        const int64_t m = std::min<int64_t>(CompressScratch::kAssignChunk, P - t0);
+        dev.gemm_nt(m, n, D, 1.0f, unit[side] + t0 * D, D, s.anchor_n, D, s.c, n);
+        dev.launch(coverage_update_kernel, grid_blocks(m, 128), 1, 128, static_cast<const float *>(s.c), t0, m, n,
+                   s.cover_best[side]);
+      }
+    }
+  };
+  dev.launch(coverage_take_kernel, grid_blocks(n_top, 128), 1, 128, static_cast<const uint32_t *>(s.picks), n_top,
+             s.cover_anchor, static_cast<uint32_t *>(nullptr));
+  dev.copy(s.cover_fresh, s.picks, n_top * sizeof(uint32_t));
+  dev.launch(iota_kernel, grid_blocks(W, 128), 1, 128, s.cover_fresh + n_top, static_cast<uint32_t>(P), int64_t{W});
+  absorb(s.cover_fresh, n_top + W);
+  int64_t left = count, at = n_top;
+  for (int round = 0; round < rounds && left > 0; ++round) {
+    const int64_t take = std::min<int64_t>((left + (rounds - round) - 1) / (rounds - round), P - at);
+    dev.launch(coverage_means_kernel, 2, 1, 128, static_cast<const float *>(s.cover_norm_sq[0]),
+               static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
+               static_cast<const float *>(s.cover_best[1]), P, s.cover_means);
+    dev.launch(coverage_keys_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.cover_norm_sq[0]),
+               static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
+               static_cast<const float *>(s.cover_best[1]), static_cast<const float *>(s.cover_means),
+               static_cast<const int32_t *>(s.cover_anchor), P, s.cover_keys, s.cover_ids);
+    dev.sort_u32(s.cover_keys, s.cover_ids, P);  // ties: the lower token
+    if (take <= 0) break;
+    dev.launch(coverage_take_kernel, grid_blocks(take, 128), 1, 128, static_cast<const uint32_t *>(s.cover_ids), take,
+               s.cover_anchor, s.picks + at);
+    absorb(s.cover_ids, take);
+    at += take;
+    left -= take;
+  }
+}
+
 // Compresses into `data` (device memory of cache.layout.total_bytes) with scratch memory of
 // at least scratch_bytes(); the prefill tensors are device pointers. Throws
 // AKV_ERR_NON_FINITE (after waiting for the work) when an input holds NaN or Inf.
@@ -365,7 +435,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad);
 
   const bool bf16 = cache.meta.storage == AKV_DTYPE_BF16;
-  const int64_t n_top = std::min<int64_t>(free_anchors, std::llround(o.scored_fraction * static_cast<double>(free_anchors)));
+  const int64_t n_sink = sink_anchor_count(o, g), n_top = scored_anchor_count(o, g);
   const int64_t n_rand = free_anchors - n_top;
   uint16_t *index[2] = {reinterpret_cast<uint16_t *>(section(kKeyIndex)), reinterpret_cast<uint16_t *>(section(kValueIndex))};
   uint16_t *gamma[2] = {reinterpret_cast<uint16_t *>(section(kKeyGamma)), reinterpret_cast<uint16_t *>(section(kValueGamma))};
@@ -385,16 +455,20 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     // the smallest counter hashes among the rest, sorted by token.
     dev.launch(scores_kernel, grid_blocks(P, 128), 1, 128, s.attn, S, P, m, s.raw, s.alpha_sq);
     dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, s.raw, P, o.pool_kernel, o.pool_type == AKV_POOL_MAX ? 1 : 0,
-               s.rank_keys, s.rank_index);
+               n_sink, s.rank_keys, s.rank_index);
     dev.sort_u32(s.rank_keys, s.rank_index, P);
-    if (P > n_top) {
+    if (P > n_top && o.coverage_rounds == 0) {
       dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, s.rank_index, n_top, P, o.seed,
                  static_cast<uint64_t>(kStreamAnchorSample),
                  (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(h), s.sample_keys, s.sample_index);
       dev.sort_u64(s.sample_keys, s.sample_index, P - n_top);
     }
     dev.copy(s.picks, s.rank_index, n_top * sizeof(uint32_t));
-    dev.copy(s.picks + n_top, s.sample_index, n_rand * sizeof(uint32_t));
+    if (o.coverage_rounds > 0) {
+      if (n_rand > 0) coverage_anchors(dev, s, S, P, D, W, n_top, n_rand, o.coverage_rounds);
+    } else {
+      dev.copy(s.picks + n_top, s.sample_index, n_rand * sizeof(uint32_t));
+    }
     dev.sort_u32(s.picks, s.picks_dummy, free_anchors);
     dev.fill(s.anchor_of_token, 0xFF, P * sizeof(int32_t));  // -1: not an anchor
     // 5. Per side: anchors into the cache, nearest anchor of every prefix token.
@@ -411,7 +485,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                    static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token),
                    index[side] + h * P, gamma[side] + h * P, side, static_cast<const int32_t *>(s.positions), pairs,
                    static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
-                   static_cast<const int32_t *>(s.rope_second), s.rk, s.rv_norm_sq);
+                   static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
       }
     }
     // 6. Utilities (Eq. 6): Z = Q (R r_K)^T, V.y, ||y||^2.
@@ -421,24 +495,38 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.launch(utility_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, D,
                static_cast<const float *>(s.z), static_cast<const float *>(s.vy),
                static_cast<const float *>(s.y_norm_sq), static_cast<const float *>(s.v),
-               static_cast<const float *>(s.alpha_sq), static_cast<const float *>(s.rv_norm_sq),
-               static_cast<const int32_t *>(s.anchor_of_token), h, s.util_keys[0], s.util_keys[1], s.util_ids[0],
-               s.util_ids[1]);
+               static_cast<const float *>(s.alpha_sq), static_cast<const float *>(s.rk_norm_sq),
+               static_cast<const float *>(s.rv_norm_sq), static_cast<const int32_t *>(s.anchor_of_token), h,
+               s.util_keys[0], s.util_keys[1], s.util_ids[0], s.util_ids[1], s.energy_keys[0], s.energy_keys[1],
+               s.energy_ids[0], s.energy_ids[1]);
   }
 
-  // 7-8. Per side: the best utilities over all heads (ties: head, then token), bitmasks,
-  // prefix counts and offsets, then every stored residual encoded.
+  // 7-8. Per side: the best utilities over all heads (ties: head, then token), then the guard
+  // share by residual energy among the rest; bitmasks, prefix counts and offsets, then every
+  // stored residual encoded.
   const int64_t wanted[2] = {g.key_residuals, g.value_residuals};
   const int mask_sec[2] = {kKeyMask, kValueMask}, prefix_sec[2] = {kKeyPrefix, kValuePrefix};
   const int offsets_sec[2] = {kKeyOffsets, kValueOffsets}, codes_sec[2] = {kKeyCodes, kValueCodes};
   const int scales_sec[2] = {kKeyScales, kValueScales};
   for (int side = 0; side < 2; ++side) {
-    const int64_t n = std::min<int64_t>(wanted[side], static_cast<int64_t>(H) * (P - free_anchors));
-    dev.sort_u32(s.util_keys[side], s.util_ids[side], static_cast<int64_t>(H) * P);
+    const ResidualSplit split =
+        residual_split(o, std::min<int64_t>(wanted[side], static_cast<int64_t>(H) * (P - free_anchors)));
+    const int64_t candidates = static_cast<int64_t>(H) * P;
+    dev.sort_u32(s.util_keys[side], s.util_ids[side], candidates);
     auto *mask = reinterpret_cast<unsigned long long *>(section(mask_sec[side]));
     auto *prefix = reinterpret_cast<uint32_t *>(section(prefix_sec[side]));
     auto *offsets = reinterpret_cast<uint32_t *>(section(offsets_sec[side]));
-    if (n > 0) dev.launch(mask_kernel, grid_blocks(n, 128), 1, 128, static_cast<const uint32_t *>(s.util_ids[side]), n, P, words, mask);
+    if (split.by_utility > 0)
+      dev.launch(mask_kernel, grid_blocks(split.by_utility, 128), 1, 128, static_cast<const uint32_t *>(s.util_ids[side]),
+                 split.by_utility, P, words, mask);
+    if (split.by_energy > 0) {
+      if (split.by_utility > 0)
+        dev.launch(exclude_chosen_kernel, grid_blocks(split.by_utility, 128), 1, 128,
+                   static_cast<const uint32_t *>(s.util_ids[side]), split.by_utility, s.energy_keys[side]);
+      dev.sort_u32(s.energy_keys[side], s.energy_ids[side], candidates);
+      dev.launch(mask_kernel, grid_blocks(split.by_energy, 128), 1, 128, static_cast<const uint32_t *>(s.energy_ids[side]),
+                 split.by_energy, P, words, mask);
+    }
     dev.launch(prefix_kernel, 1, 1, std::max(32, (H + 31) / 32 * 32), reinterpret_cast<const uint64_t *>(mask), H, words,
                prefix, offsets, s.head_counts);
     uint8_t *chunk = side == 1 ? section(kValueChunkPos) : nullptr;

@@ -49,11 +49,11 @@ void pool_scores(const std::vector<float> &raw, int kernel, akv_pool_type type, 
   }
 }
 
-// Anchor token indices (sorted, non-window only) for one head.
-std::vector<int32_t> select_anchors(const std::vector<float> &score, int64_t count, double rho,
+// Anchor token indices (sorted, non-window only) for one head: the n_top best pooled scores
+// (the sinks score +inf, so they come first), then a seeded uniform sample of the rest.
+std::vector<int32_t> select_anchors(const std::vector<float> &score, int64_t count, int64_t n_top,
                                     uint64_t seed, int layer, int head) {
   const int64_t P = static_cast<int64_t>(score.size());
-  const int64_t n_top = std::min<int64_t>(count, std::llround(rho * static_cast<double>(count)));
   std::vector<int32_t> order(P);
   std::iota(order.begin(), order.end(), 0);
   auto by_score = [&](int32_t a, int32_t b) {
@@ -74,6 +74,87 @@ std::vector<int32_t> select_anchors(const std::vector<float> &score, int64_t cou
   for (int64_t i = 0; i < n_rand; ++i) anchors.push_back(rest[i].second);
   std::sort(anchors.begin(), anchors.end());
   return anchors;
+}
+
+// The coverage share: `count` more anchors for one head, chosen in `rounds` rounds as the
+// tokens that the anchors so far (`anchors` plus the window P..S-1) represent worst. A token's
+// error on one side is its residual energy against the anchor of largest |cos|,
+// ||x||^2 (1 - cos^2); keys and values count each relative to their mean over the prefix.
+// Ties go to the lower index. Appends to `anchors` (unsorted).
+void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<float> &V, int64_t S, int64_t P, int D,
+                          int rounds, int64_t count, std::vector<int32_t> &anchors, ThreadPool &pool) {
+  const std::vector<float> *X[2] = {&Kpre, &V};
+  std::vector<float> unit[2] = {std::vector<float>(S * D), std::vector<float>(S * D)};
+  std::vector<float> norm_sq[2] = {std::vector<float>(P), std::vector<float>(P)};
+  std::vector<float> best_cos_sq[2] = {std::vector<float>(P, 0.0f), std::vector<float>(P, 0.0f)};
+  for (int side = 0; side < 2; ++side) {
+    pool.parallel_for(S, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const float *x = &(*X[side])[t * D];
+        double n2 = 0.0;
+        for (int d = 0; d < D; ++d) n2 += static_cast<double>(x[d]) * x[d];
+        const float inv = n2 > 0.0 ? static_cast<float>(1.0 / std::sqrt(n2)) : 0.0f;
+        for (int d = 0; d < D; ++d) unit[side][t * D + d] = x[d] * inv;
+        if (t < P) norm_sq[side][t] = static_cast<float>(n2);
+      }
+    });
+  }
+  std::vector<char> is_anchor(P, 0);
+  for (int32_t a : anchors) is_anchor[a] = 1;
+  // Raise every token's best |cos| with the anchor tokens `fresh`.
+  auto absorb = [&](const std::vector<int32_t> &fresh) {
+    const int64_t n = static_cast<int64_t>(fresh.size());
+    if (n == 0) return;
+    std::vector<float> rows(n * D);
+    for (int side = 0; side < 2; ++side) {
+      for (int64_t i = 0; i < n; ++i)
+        std::memcpy(&rows[i * D], &unit[side][static_cast<int64_t>(fresh[i]) * D], D * sizeof(float));
+      constexpr int64_t kBlock = 1024;
+      pool.parallel_for((P + kBlock - 1) / kBlock, [&](int64_t b, int64_t e) {
+        std::vector<float> C(kBlock * n);
+        for (int64_t blk = b; blk < e; ++blk) {
+          const int64_t t0 = blk * kBlock, m = std::min(kBlock, P - t0);
+          sgemm(true, m, n, D, 1.0f, &unit[side][t0 * D], D, rows.data(), D, 0.0f, C.data(), n);
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j)
+              best_cos_sq[side][t0 + i] = std::max(best_cos_sq[side][t0 + i], C[i * n + j] * C[i * n + j]);
+        }
+      });
+    }
+  };
+  std::vector<int32_t> fresh(anchors);
+  for (int64_t t = P; t < S; ++t) fresh.push_back(static_cast<int32_t>(t));
+  absorb(fresh);
+  int64_t left = count;
+  for (int round = 0; round < rounds && left > 0; ++round) {
+    const int64_t take = (left + (rounds - round) - 1) / (rounds - round);
+    double mean[2] = {0.0, 0.0};
+    std::vector<float> error[2] = {std::vector<float>(P), std::vector<float>(P)};
+    for (int side = 0; side < 2; ++side) {
+      for (int64_t t = 0; t < P; ++t) {
+        error[side][t] = norm_sq[side][t] * std::max(0.0f, 1.0f - best_cos_sq[side][t]);
+        mean[side] += error[side][t];
+      }
+      mean[side] = mean[side] > 0.0 ? mean[side] / P : 1.0;
+    }
+    std::vector<std::pair<float, int32_t>> order;
+    order.reserve(P);
+    for (int64_t t = 0; t < P; ++t)
+      if (!is_anchor[t])
+        order.emplace_back(static_cast<float>(error[0][t] / mean[0] + error[1][t] / mean[1]), static_cast<int32_t>(t));
+    const int64_t n = std::min<int64_t>(take, static_cast<int64_t>(order.size()));
+    std::nth_element(order.begin(), order.begin() + n, order.end(), [](const auto &a, const auto &b) {
+      return a.first != b.first ? a.first > b.first : a.second < b.second;
+    });
+    fresh.clear();
+    for (int64_t i = 0; i < n; ++i) {
+      fresh.push_back(order[i].second);
+      is_anchor[order[i].second] = 1;
+      anchors.push_back(order[i].second);
+    }
+    absorb(fresh);
+    left -= n;
+  }
 }
 
 }  // namespace
@@ -106,7 +187,9 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   std::memcpy(cache->section<int32_t>(kPositions), pos.data(), P * sizeof(int32_t));
 
   const float scale = meta.softmax_scale;
+  const int64_t n_sink = sink_anchor_count(o, g), n_top = scored_anchor_count(o, g);
   std::vector<float> utility[2] = {std::vector<float>(H * P), std::vector<float>(H * P)};
+  std::vector<float> energy[2] = {std::vector<float>(H * P), std::vector<float>(H * P)};  // ||r||^2
 
   std::vector<float> Kpre(S * D), Kpost(S * D), V(S * D), Q(m * D), Y(m * D), A(m * S);
   std::vector<float> Z(m * P), VY(m * P), anchor_f(k * D), anchor_n(k * D), anchor_norm(k);
@@ -156,10 +239,18 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
       }
     });
     pool_scores(raw, o.pool_kernel, o.pool_type, pooled);
+    for (int64_t t = 0; t < n_sink; ++t) pooled[t] = std::numeric_limits<float>::infinity();
 
-    // 4. Anchors: sorted non-window picks, then the window (indices k-W..k-1).
-    const std::vector<int32_t> picks =
-        select_anchors(pooled, free_anchors, o.scored_fraction, o.seed, o.layer_index, h);
+    // 4. Anchors: sorted non-window picks, then the window (indices k-W..k-1). The share
+    // after the scored one is a uniform sample (paper) or chosen for coverage.
+    std::vector<int32_t> picks;
+    if (o.coverage_rounds > 0) {
+      picks = select_anchors(pooled, n_top, n_top, o.seed, o.layer_index, h);
+      add_coverage_anchors(Kpre, V, S, P, D, o.coverage_rounds, free_anchors - n_top, picks, pool);
+      std::sort(picks.begin(), picks.end());
+    } else {
+      picks = select_anchors(pooled, free_anchors, n_top, o.seed, o.layer_index, h);
+    }
     std::vector<int32_t> anchor_of_token(P, -1);
     for (int64_t a = 0; a < free_anchors; ++a) {
       anchor_tokens[h * free_anchors + a] = picks[a];
@@ -221,6 +312,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
               r[d] = x[d] - gq * av[d];
               n2 += static_cast<double>(r[d]) * r[d];
             }
+            energy[side][h * P + t] = static_cast<float>(n2);
             if (side == 0) {
               // The key residual as attention sees it: rotated to the token's position.
               in.rotate(r.data(), t);
@@ -264,7 +356,8 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     });
   }
 
-  // 7. Residual slots: the largest utilities per side, pooled over all heads of the layer.
+  // 7. Residual slots per side, pooled over all heads of the layer: the largest utilities,
+  // then (guard share) the largest residual energies among the tokens left.
   const int64_t wanted[2] = {g.key_residuals, g.value_residuals};
   std::vector<std::vector<uint64_t>> masks(2, std::vector<uint64_t>(static_cast<size_t>(H) * g.words, 0));
   for (int side = 0; side < 2; ++side) {
@@ -274,9 +367,15 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
       for (int64_t t = 0; t < P; ++t)
         if (utility[side][h * P + t] >= 0.0f)
           cands.push_back({utility[side][h * P + t], h, static_cast<int32_t>(t)});
-    const int64_t n = std::min<int64_t>(wanted[side], static_cast<int64_t>(cands.size()));
-    std::nth_element(cands.begin(), cands.begin() + n, cands.end(), better);
-    for (int64_t i = 0; i < n; ++i)
+    const ResidualSplit split = residual_split(o, std::min<int64_t>(wanted[side], static_cast<int64_t>(cands.size())));
+    std::nth_element(cands.begin(), cands.begin() + split.by_utility, cands.end(), better);
+    if (split.by_energy > 0) {
+      for (auto c = cands.begin() + split.by_utility; c != cands.end(); ++c)
+        c->utility = energy[side][c->head * P + c->token];
+      std::nth_element(cands.begin() + split.by_utility, cands.begin() + split.by_utility + split.by_energy,
+                       cands.end(), better);
+    }
+    for (int64_t i = 0; i < split.by_utility + split.by_energy; ++i)
       masks[side][cands[i].head * g.words + cands[i].token / 64] |= 1ull << (cands[i].token % 64);
   }
 

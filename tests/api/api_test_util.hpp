@@ -232,9 +232,12 @@ inline PrefillData make_prefill(Rng &rng, const PrefillSpec &spec,
 
 // ---- options -------------------------------------------------------------------------------
 
+// AnchorKV as its paper sets it up (akv_compress_options_init_paper): the accounting of
+// common/budget.hpp and the selection rules the representation tests check. Tests of the
+// additions beyond the paper start from akv_compress_options_init.
 inline akv_compress_options anchorkv_options(double retain_fraction, int window = 32, int anchors = 0) {
   akv_compress_options options;
-  akv_compress_options_init(&options);
+  akv_compress_options_init_paper(&options);
   options.method = AKV_METHOD_ANCHORKV;
   options.retain_fraction = retain_fraction;
   options.window = window;

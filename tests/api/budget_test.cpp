@@ -154,6 +154,63 @@ TEST(CompressedSize, DoesNotDependOnQueryHeads) {
   }
 }
 
+// akv_compress_options_init's automatic anchors (anchor floor, budget filling) against the
+// linear search of common/budget.hpp, and the footprint following retain_fraction where the
+// residuals alone cannot spend it.
+TEST(CompressedSize, AutomaticAnchorsFollowTheBudget) {
+  size_t checked = 0, filled = 0, floored = 0;
+  for (int64_t S : {100, 1000, 2048, 4096, 8192, 20000})
+    for (int H : {1, 3, 8})
+      for (int D : {64, 128})
+        for (double theta : {0.05, 0.1, 0.2, 0.25, 0.5, 0.9}) {
+          akv_compress_options options;
+          akv_compress_options_init(&options);
+          options.retain_fraction = theta;
+          const akv_shape shape{S, H, H, D};
+          const int64_t k = anchorkv_auto_anchors(S, H, D, 32, options.min_free_anchors, options.fill_budget != 0, theta);
+          size_t bytes = 0;
+          const akv_status status = akv_compressed_size(&options, &shape, &bytes);
+          const std::string where = "S=" + std::to_string(S) + " H=" + std::to_string(H) + " D=" + std::to_string(D) +
+                                    " theta=" + std::to_string(theta);
+          if (k == 0) {
+            EXPECT_EQ(status, AKV_ERR_BUDGET) << where;
+            continue;
+          }
+          ASSERT_EQ(status, AKV_OK) << where << ": " << akv_last_error_message();
+          const AnchorBudget expected = anchorkv_budget(S, H, D, 32, k, theta);
+          EXPECT_EQ(bytes, expected.compressed_bytes) << where << " k=" << k;
+          EXPECT_LE(static_cast<double>(bytes), theta * expected.full_bytes) << where;
+          ++checked;
+          floored += k > std::max<int64_t>(32, S / 128);
+          if (expected.key_residuals >= expected.residuals_per_side_cap && k < S) {
+            // Filled: what is left is less than one more anchor and its metadata.
+            ++filled;
+            EXPECT_LT(expected.budget - static_cast<double>(bytes), static_cast<double>(H * (4 * D + 8 + D / 2 + 9)))
+                << where << ": budget left unspent";
+          }
+        }
+  EXPECT_GT(checked, 150u);
+  EXPECT_GT(filled, 20u);
+  EXPECT_GT(floored, 40u);
+}
+
+// The paper preset keeps the paper's k and leaves budget the residuals cannot use unspent.
+TEST(CompressedSize, PaperPresetKeepsThePaperAnchors) {
+  akv_compress_options options;
+  akv_compress_options_init_paper(&options);
+  EXPECT_EQ(options.sink_tokens, 0);
+  EXPECT_EQ(options.min_free_anchors, 0);
+  EXPECT_EQ(options.fill_budget, 0);
+  EXPECT_EQ(options.guard_fraction, 0.0);
+  EXPECT_EQ(options.coverage_rounds, 0);
+  options.retain_fraction = 0.5;
+  const akv_shape shape{4096, 3, 9, 64};
+  size_t bytes = 0;
+  ASSERT_EQ(akv_compressed_size(&options, &shape, &bytes), AKV_OK) << akv_last_error_message();
+  EXPECT_EQ(bytes, anchorkv_budget(4096, 3, 64, 32, 0, 0.5).compressed_bytes);
+  EXPECT_LT(static_cast<double>(bytes), 0.25 * 4 * 4096 * 3 * 64) << "the paper's k cannot spend half the cache";
+}
+
 TEST(CompressedSize, FullKvIsTheDenseBf16Cache) {
   const akv_compress_options options = fullkv_options();
   const akv_shape shape{1000, 3, 6, 96};  // FullKV takes any head_dim

@@ -472,5 +472,175 @@ TEST(ResidualAllocation, LargestUtilitiesPooledOverHeads) {
   }
 }
 
+// ---- additions beyond the paper (akv_compress_options_init) ---------------------------------
+
+// A prefill whose token `needle` (in every head) has key and value in a direction u of their
+// own (coordinates 0..3, zero in every other token), 4x the typical norm, and that the window
+// queries avoid (their coordinates 0..3 are -3u: the needle's logits are about -12 with RoPE
+// off): only a query-agnostic rule can find it.
+PrefillData needle_prefill(Rng &rng, int64_t S, int H, int G, int D, int64_t needle) {
+  PrefillSpec spec;
+  spec.seq_len = S;
+  spec.kv_heads = H;
+  spec.group = G;
+  spec.head_dim = D;
+  PrefillData data = make_prefill(rng, spec);
+  std::vector<float> keys = data.keys.values, values = data.values.values, queries = data.queries.values;
+  const float raw[4] = {1.0f, -2.0f, 3.0f, 0.5f};
+  const float length = std::sqrt(1.0f + 4.0f + 9.0f + 0.25f);
+  float u[4];
+  for (int i = 0; i < 4; ++i) u[i] = raw[i] / length;
+  for (int h = 0; h < H; ++h) {
+    for (int64_t t = 0; t < S; ++t) {
+      const size_t row = (static_cast<size_t>(h) * S + t) * D;
+      for (int i = 0; i < 4; ++i) keys[row + i] = values[row + i] = 0.0f;
+    }
+    const size_t row = (static_cast<size_t>(h) * S + needle) * D;
+    for (int d = 0; d < D; ++d) keys[row + d] = values[row + d] = 0.0f;
+    for (int i = 0; i < 4; ++i) keys[row + i] = values[row + i] = 4.0f * std::sqrt(static_cast<float>(D)) * u[i];
+  }
+  for (size_t q = 0; q < queries.size(); q += D)
+    for (int i = 0; i < 4; ++i) queries[q + i] = -3.0f * u[i];
+  data.keys_pre_rope = keys;
+  data.keys = make_tensor(keys, AKV_DTYPE_F32);
+  data.values = make_tensor(values, AKV_DTYPE_F32);
+  data.queries = make_tensor(queries, AKV_DTYPE_F32);
+  return data;
+}
+
+TEST(Additions, SinkTokensAreAnchors) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  PrefillSpec spec;
+  spec.seq_len = 700;
+  spec.kv_heads = 2;
+  spec.group = 2;
+  spec.head_dim = 64;
+  const PrefillData data = make_prefill(rng, spec);
+  for (int sinks : {1, 4, 9}) {
+    akv_compress_options options;
+    akv_compress_options_init(&options);
+    options.retain_fraction = 0.2;
+    options.sink_tokens = sinks;
+    options.scored_fraction = 0.0;  // the sinks still take scored slots
+    const ContextPtr context = make_context();
+    const CachePtr cache = compress(context.get(), data, options);
+    const auto anchors = anchors_of(cache.get(), data);
+    for (int h = 0; h < 2; ++h) {
+      const std::set<int64_t> anchor_set(anchors[h].begin(), anchors[h].end());
+      for (int64_t t = 0; t < sinks; ++t)
+        EXPECT_EQ(anchor_set.count(t), 1u) << "sink " << t << " of " << sinks << " is not an anchor in head " << h;
+      EXPECT_EQ(static_cast<int64_t>(anchor_set.size()), cache_stats(cache.get()).anchors);
+    }
+  }
+}
+
+TEST(Additions, CoverageAnchorsTakeTheWorstRepresentedToken) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  const int64_t S = 900, needle = 437;
+  const PrefillData data = needle_prefill(rng, S, 2, 2, 64, needle);
+  akv_compress_options options;
+  akv_compress_options_init(&options);
+  options.rope.style = AKV_ROPE_NONE;
+  options.retain_fraction = 0.2;
+  options.scored_fraction = 0.5;
+  const ContextPtr context = make_context();
+  const CachePtr cache = compress(context.get(), data, options);
+  const auto anchors = anchors_of(cache.get(), data);
+  for (int h = 0; h < 2; ++h)
+    EXPECT_TRUE(std::binary_search(anchors[h].begin(), anchors[h].end(), needle))
+        << "head " << h << ": the token no anchor represents did not become one";
+}
+
+// guard_fraction: a share of the residual slots by residual energy. The needle (orthogonal to
+// every anchor, unattended) gets no anchor (coverage off, all anchors scored) and no
+// residual from the utilities, but one from the guard. With guard_fraction 1, the tokens with
+// key residuals are the ones of largest energy ||x - gamma x_a||^2.
+TEST(Additions, GuardResidualsGoToTheLargestResidualEnergy) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  const int64_t S = 900, needle = 300;
+  const int H = 2, D = 64, W = 32;
+  const PrefillData data = needle_prefill(rng, S, H, 2, D, needle);
+  akv_compress_options options;
+  akv_compress_options_init(&options);
+  options.rope.style = AKV_ROPE_NONE;
+  options.coverage_rounds = 0;
+  options.scored_fraction = 1.0;
+  options.sink_tokens = 0;
+  options.fill_budget = 0;
+  options.retain_fraction = 0.08;
+  const ContextPtr context = make_context();
+  const std::vector<float> stored_keys = rounded(data.keys.values, AKV_DTYPE_BF16);
+  const std::vector<float> stored_values = rounded(data.values.values, AKV_DTYPE_BF16);
+  auto compress_with = [&](double guard) {
+    akv_compress_options o = options;
+    o.guard_fraction = guard;
+    CachePtr cache = compress(context.get(), data, o);
+    const akv_cache_stats stats = cache_stats(cache.get());
+    EXPECT_LT(stats.key_residuals, static_cast<int64_t>(H) * (S - stats.anchors)) << "the test needs a scarce budget";
+    return cache;
+  };
+  // The needle is orthogonal to every anchor: gamma is about 0, so without a residual its
+  // rows reconstruct to about 0, with one to about themselves.
+  auto needle_error = [&](const Dense &recon, int h, int side) {
+    const float *got = side == 0 ? recon.key_row(h, needle) : recon.value_row(h, needle);
+    const float *want = &(side == 0 ? data.keys.values : data.values.values)[(static_cast<size_t>(h) * S + needle) * D];
+    double err = 0.0, ref = 0.0;
+    for (int d = 0; d < D; ++d) err += (got[d] - want[d]) * (got[d] - want[d]), ref += want[d] * want[d];
+    return std::sqrt(err / ref);
+  };
+  {
+    const CachePtr cache = compress_with(0.0);
+    const Dense recon = reconstruct(cache.get(), 0);
+    const auto anchors = anchors_of(cache.get(), data);
+    for (int h = 0; h < H; ++h) {
+      ASSERT_FALSE(std::binary_search(anchors[h].begin(), anchors[h].end(), needle));
+      for (int side = 0; side < 2; ++side)
+        EXPECT_GT(needle_error(recon, h, side), 0.9) << "head " << h << " side " << side << ": the utilities kept it";
+    }
+  }
+  {
+    const CachePtr cache = compress_with(0.5);
+    const Dense recon = reconstruct(cache.get(), 0);
+    for (int h = 0; h < H; ++h)
+      for (int side = 0; side < 2; ++side)
+        EXPECT_LT(needle_error(recon, h, side), 0.5) << "head " << h << " side " << side << ": the guard missed it";
+  }
+  const CachePtr guard_only = compress_with(1.0);
+  const RowAnalysis all = analyse_rows(reconstruct(guard_only.get(), 0), stored_keys, stored_values, S, W);
+
+  // guard 1: every chosen key residual has at least the energy of every unchosen one.
+  const int64_t P = S - W;
+  for (int h = 0; h < H; ++h) {
+    std::vector<double> chosen, unchosen;
+    for (int64_t t = 0; t < P; ++t) {
+      if (std::binary_search(all.anchors[h].begin(), all.anchors[h].end(), t)) continue;
+      const std::vector<double> x = row(&data.keys.values[(static_cast<size_t>(h) * S + t) * D], D);
+      double best = -1.0, energy = 0.0;
+      for (int64_t a : all.anchors[h]) {
+        const std::vector<double> xa = row(&stored_keys[(static_cast<size_t>(h) * S + a) * D], D);
+        const double c = std::fabs(cosine(x.data(), xa.data(), D));
+        if (c > best) {
+          best = c;
+          const double gamma = dot(x.data(), xa.data(), D) / dot(xa.data(), xa.data(), D);
+          energy = 0.0;
+          for (int d = 0; d < D; ++d) energy += (x[d] - gamma * xa[d]) * (x[d] - gamma * xa[d]);
+        }
+      }
+      (all.key_kind[h][t] == kWithResidual ? chosen : unchosen).push_back(energy);
+    }
+    ASSERT_FALSE(chosen.empty());
+    ASSERT_FALSE(unchosen.empty());
+    const double least_chosen = *std::min_element(chosen.begin(), chosen.end());
+    const double most_unchosen = *std::max_element(unchosen.begin(), unchosen.end());
+    EXPECT_GE(least_chosen, most_unchosen * (1.0 - 1e-2)) << "head " << h;  // bf16 coefficient rounding
+  }
+}
+
 }  // namespace
 }  // namespace akv_test

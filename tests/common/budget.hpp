@@ -56,4 +56,24 @@ inline AnchorBudget anchorkv_budget(int64_t S, int64_t H, int64_t D, int64_t W,
   return b;
 }
 
+// The automatic k of akv_compress_options_init (anchors = 0), by linear search: the paper's
+// max(W, S/128) raised towards W + min_free_anchors (clamped to S) as far as the budget holds;
+// then, with fill_budget, while every non-anchor token holds both residuals, the largest k that
+// still fits with that true. 0 when even the paper's k does not fit.
+inline int64_t anchorkv_auto_anchors(int64_t S, int64_t H, int64_t D, int64_t W, int64_t min_free_anchors,
+                                     bool fill_budget, double retain_fraction) {
+  const int64_t cap = std::min<int64_t>(S, 65536);
+  int64_t k = std::min<int64_t>(cap, std::max<int64_t>(W, S / 128));
+  if (!anchorkv_budget(S, H, D, W, k, retain_fraction).fits) return 0;
+  const int64_t floor_k = std::min<int64_t>(cap, std::max<int64_t>(W + min_free_anchors, S / 128));
+  while (k < floor_k && anchorkv_budget(S, H, D, W, k + 1, retain_fraction).fits) ++k;
+  auto saturated = [&](int64_t anchors) {
+    const AnchorBudget b = anchorkv_budget(S, H, D, W, anchors, retain_fraction);
+    return b.fits && b.key_residuals >= b.residuals_per_side_cap && b.value_residuals >= b.residuals_per_side_cap;
+  };
+  if (fill_budget && saturated(k))
+    while (k < cap && saturated(k + 1)) ++k;
+  return k;
+}
+
 }  // namespace akv_test

@@ -60,13 +60,15 @@ struct CompressCase {
   akv_dtype dtype;
   akv_rope_style rope;
   bool post_rope, gapped;
+  bool additions = false;  // akv_compress_options_init's defaults (sinks, anchor floor, coverage, guard)
 };
 
 void check(const CompressCase &c) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   SCOPED_TRACE("S=" + std::to_string(c.seq_len) + " D=" + std::to_string(c.head_dim) + " G=" + std::to_string(c.group) +
-               " rope " + std::to_string(c.rope) + (c.post_rope ? " post-rope keys" : "") + (c.gapped ? " gapped" : ""));
+               " rope " + std::to_string(c.rope) + (c.post_rope ? " post-rope keys" : "") + (c.gapped ? " gapped" : "") +
+               (c.additions ? " with the additions" : " paper"));
   Rng rng(seed);
   ContextPtr ctx = make_context(2);
   PrefillSpec spec;
@@ -77,6 +79,7 @@ void check(const CompressCase &c) {
   spec.dtype = c.dtype;
   spec.explicit_positions = c.gapped;
   akv_compress_options o = anchorkv_options(0.1);
+  if (c.additions) akv_compress_options_init(&o);
   o.rope.style = c.rope;
   o.keys_post_rope = c.post_rope ? 1 : 0;
   const RopeReference ref = rope_reference(o.rope);
@@ -136,6 +139,13 @@ TEST(EmulatedCompress, MatchesCpuCompression) {
   check({900, 128, 4, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, true});
   check({4096, 128, 4, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, false});
   check({2500, 256, 1, AKV_DTYPE_F32, AKV_ROPE_NEOX, false, false});
+}
+
+// The additions beyond the paper: sink anchors, the anchor floor, coverage anchors, the guard
+// share of the residuals (and, at 0.5, budget filling).
+TEST(EmulatedCompress, AdditionsMatchCpuCompression) {
+  check({1500, 64, 3, AKV_DTYPE_F32, AKV_ROPE_GPTJ, false, false, true});
+  check({3000, 128, 2, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, true, true});
 }
 
 TEST(EmulatedCompress, GptjAndPostRopeKeys) {

@@ -32,6 +32,18 @@ inline const MethodEntry kMethods[] = {
     // name         method                  sweeps  queries  default  configure
     {"FullKV",      AKV_METHOD_FULLKV,      false,  false,   true,    nullptr},
     {"AnchorKV",    AKV_METHOD_ANCHORKV,    true,   true,    true,    nullptr},
+    // The AnchorKV paper's own settings (akv_compress_options_init_paper): no sink anchors,
+    // k = max(W, S/128), no budget filling, residual slots by utility alone.
+    {"AnchorKV-paper", AKV_METHOD_ANCHORKV, true,   true,    true,
+     [](akv_compress_options *o) {
+       akv_compress_options paper;
+       akv_compress_options_init_paper(&paper);
+       o->sink_tokens = paper.sink_tokens;
+       o->min_free_anchors = paper.min_free_anchors;
+       o->fill_budget = paper.fill_budget;
+       o->guard_fraction = paper.guard_fraction;
+       o->coverage_rounds = paper.coverage_rounds;
+     }},
     {"SnapKV",      AKV_METHOD_SNAPKV,      true,   true,    true,    nullptr},
     {"PyramidKV",   AKV_METHOD_PYRAMIDKV,   true,   true,    true,    nullptr},
     {"AdaKV",       AKV_METHOD_ADAKV,       true,   true,    true,    nullptr},

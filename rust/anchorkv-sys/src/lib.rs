@@ -136,6 +136,12 @@ pub struct akv_compress_options {
     pub quant_outliers: i32,
     pub pyramid_beta: i32,
     pub andpro_chunk: i32,
+    // AnchorKV beyond the paper (appended in 0.2).
+    pub sink_tokens: i32,
+    pub min_free_anchors: i32,
+    pub fill_budget: i32,
+    pub guard_fraction: c_double,
+    pub coverage_rounds: i32,
 }
 
 #[repr(C)]
@@ -209,6 +215,7 @@ extern "C" {
 
     pub fn akv_compress_options_init(options: *mut akv_compress_options);
     pub fn akv_compress_options_init_method(options: *mut akv_compress_options, method: akv_method);
+    pub fn akv_compress_options_init_paper(options: *mut akv_compress_options);
     pub fn akv_prefill_init(prefill: *mut akv_prefill);
     pub fn akv_compressed_size(options: *const akv_compress_options, shape: *const akv_shape, out_bytes: *mut usize) -> akv_status;
     pub fn akv_compress(

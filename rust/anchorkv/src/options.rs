@@ -150,8 +150,42 @@ impl CompressOptions {
         unsafe { sys::akv_compress_options_init_method(raw.as_mut_ptr(), method as i32) };
         CompressOptions { raw: unsafe { raw.assume_init() }, inv_freq: None }
     }
+    /// AnchorKV as its paper sets it up (`akv_compress_options_init_paper`): no sink anchors,
+    /// k = max(W, S/128), no budget filling, residual slots by the Eq. 6 utility alone.
+    pub fn paper() -> Self {
+        let mut raw = MaybeUninit::<sys::akv_compress_options>::zeroed();
+        // SAFETY: init_paper writes every field of the struct it is given.
+        unsafe { sys::akv_compress_options_init_paper(raw.as_mut_ptr()) };
+        CompressOptions { raw: unsafe { raw.assume_init() }, inv_freq: None }
+    }
     pub fn method(mut self, method: Method) -> Self {
         self.raw.method = method as i32;
+        self
+    }
+    /// AnchorKV: the first `tokens` prompt positions are always anchors (attention sinks).
+    pub fn sink_tokens(mut self, tokens: i32) -> Self {
+        self.raw.sink_tokens = tokens;
+        self
+    }
+    /// AnchorKV with automatic anchors: at least W + `anchors` anchors per head.
+    pub fn min_free_anchors(mut self, anchors: i32) -> Self {
+        self.raw.min_free_anchors = anchors;
+        self
+    }
+    /// AnchorKV with automatic anchors: spend budget the residuals cannot use on more anchors.
+    pub fn fill_budget(mut self, fill: bool) -> Self {
+        self.raw.fill_budget = fill as i32;
+        self
+    }
+    /// AnchorKV: share of the residual slots ranked by residual energy (query-agnostic).
+    pub fn guard_fraction(mut self, share: f64) -> Self {
+        self.raw.guard_fraction = share;
+        self
+    }
+    /// AnchorKV: the anchors after the scored share are picked for coverage in `rounds`
+    /// rounds (0: a seeded uniform sample, as in the paper).
+    pub fn coverage_rounds(mut self, rounds: i32) -> Self {
+        self.raw.coverage_rounds = rounds;
         self
     }
     /// theta in (0, 1]: the footprint stays at most theta * 4*S*H*D bytes. FullKV, the exact
