@@ -20,8 +20,10 @@ is_installed() { # dpkg knows the package as installed
 }
 
 # ---- Debian packages -------------------------------------------------------------------
+# clang + libclang-rt-dev: the libFuzzer, ASan and UBSan runtimes of the fuzz step
+# (scripts/fuzz.sh); without them it falls back to the gcc sanitizer build's driver.
 wanted=(build-essential cmake pkg-config libgtest-dev libcxxopts-dev nlohmann-json3-dev
-        libopenblas-dev swig)
+        libopenblas-dev swig clang libclang-rt-dev)
 missing=()
 for pkg in "${wanted[@]}"; do
   is_installed "$pkg" || missing+=("$pkg")

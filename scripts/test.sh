@@ -3,6 +3,8 @@
 #   (a) cpu       Release CPU build (scripts/build.sh) + ctest
 #   (b) asan      the same suite under AddressSanitizer + UBSan (ANCHORKV_TEST_QUICK=1, label
 #                 "long" excluded)
+#       fuzz      scripts/fuzz.sh: the deserializer fuzz target for ANCHORKV_FUZZ_SECONDS (60)
+#                 under ASan + UBSan (clang libFuzzer; else the asan build's mutation driver)
 #   (c) cuda      compile-only CUDA build of the library for sm_80 and sm_90 (skipped without nvcc)
 #   (d) install   install/consumer test (ctest label "install") + install into ANCHORKV_PREFIX
 #   (e) bindings  scripts/test-bindings.sh, when present, with ANCHORKV_BUILD_DIR/ANCHORKV_PREFIX
@@ -13,10 +15,12 @@
 #   ANCHORKV_BUILD_DIR       CPU build directory (default: build)
 #   ANCHORKV_ASAN_BUILD_DIR  sanitizer build directory (default: <build dir>-asan)
 #   ANCHORKV_CUDA_BUILD_DIR  CUDA compile-only build directory (default: <build dir>-cuda)
+#   ANCHORKV_FUZZ_BUILD_DIR  clang libFuzzer build directory (default: <build dir>-fuzz)
+#   ANCHORKV_FUZZ_SECONDS    fuzzing time (default 60)
 #   ANCHORKV_PREFIX          install prefix handed to the bindings (default: a fresh /tmp dir,
 #                            removed at exit unless ANCHORKV_KEEP_PREFIX=1)
 #   ANCHORKV_JOBS            parallel build and test jobs (default: number of cores)
-#   ANCHORKV_SKIP            steps to skip, e.g. "asan cuda"
+#   ANCHORKV_SKIP            steps to skip, e.g. "asan fuzz cuda"
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -26,6 +30,8 @@ jobs="${ANCHORKV_JOBS:-$(nproc)}"
 build_dir="$(absolute "${ANCHORKV_BUILD_DIR:-build}")"
 asan_dir="$(absolute "${ANCHORKV_ASAN_BUILD_DIR:-${build_dir}-asan}")"
 cuda_dir="$(absolute "${ANCHORKV_CUDA_BUILD_DIR:-${build_dir}-cuda}")"
+fuzz_dir="$(absolute "${ANCHORKV_FUZZ_BUILD_DIR:-${build_dir}-fuzz}")"
+fuzz_seconds="${ANCHORKV_FUZZ_SECONDS:-60}"
 skip_list=" ${ANCHORKV_SKIP:-} "
 if [ -n "${ANCHORKV_PREFIX:-}" ]; then
   prefix="$(absolute "$ANCHORKV_PREFIX")"; remove_prefix=0
@@ -77,7 +83,7 @@ ctest_run() { # ctest_run BUILD_DIR ARGS...: the whole suite must contain tests 
 }
 
 echo "anchorkv test.sh: $(cmake --version | head -n 1), $(c++ --version | head -n 1), ${jobs} jobs"
-echo "  build dirs: $build_dir, $asan_dir, $cuda_dir; install prefix: $prefix"
+echo "  build dirs: $build_dir, $asan_dir, $cuda_dir, $fuzz_dir; install prefix: $prefix"
 total_start=$SECONDS
 
 # ---- (a) CPU build + ctest --------------------------------------------------------------------
@@ -103,6 +109,14 @@ asan_ctest() {
 }
 step "asan: build" asan_build
 after "asan: build" "asan: ctest" asan_ctest
+
+# ---- (b2) fuzzing -------------------------------------------------------------------------------
+# The seeds are checked in (tests/fuzz/corpus); new inputs stay in the fuzz build directory.
+fuzz_run() {
+  ANCHORKV_FUZZ_BUILD_DIR="$fuzz_dir" ANCHORKV_ASAN_BUILD_DIR="$asan_dir" ANCHORKV_JOBS="$jobs" \
+    "$root/scripts/fuzz.sh" "$fuzz_seconds"
+}
+after "asan: build" "fuzz: deserialize ${fuzz_seconds}s" fuzz_run
 
 # ---- (c) CUDA compile-only ----------------------------------------------------------------------
 cuda_build() {

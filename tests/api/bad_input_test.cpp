@@ -2,9 +2,13 @@
 //  - the status;
 //  - that akv_last_error_message() is non-empty and names the culprit;
 //  - that no cache was handed out, and that the context and caches used in the failed call
-//    still work: a decode gives the same output bitwise, a compression still succeeds.
+//    still work: every cache of the environment decodes to the same output bitwise, the
+//    AnchorKV cache serializes to the same bytes, a compression still succeeds.
+// Every status-returning entry point has cases (EveryEntryPointHasCases checks the list), and
+// deserialization gets buffers whose checksum is valid but whose content is not.
 #include <cstddef>
 #include <functional>
+#include <map>
 
 #include "api/api_test_util.hpp"
 #include "api/raw_enums.h"
@@ -33,7 +37,9 @@ struct Env {
   std::vector<int32_t> append_positions;
   Tensor query;                  // [Hq][1][D], F32
   std::vector<uint8_t> bytes;    // serialized `cache`
-  std::vector<uint8_t> baseline_output;
+  std::vector<uint8_t> baseline_output;  // decode of `cache`
+  std::vector<uint8_t> baseline_fullkv, baseline_other_shape, baseline_other_context;
+  Tensor other_shape_query;      // [Hq][1][D] for other_shape_cache (same Hq and D)
   akv_cache_stats baseline_stats{};
 
   // Scratch the cases write into.
@@ -70,6 +76,10 @@ struct Env {
     other_context_cache = compress(other_context.get(), data, fullkv_options());
     query = make_tensor(nonzero_normal(rng, static_cast<size_t>(kH) * kG * kD, 1.5), AKV_DTYPE_F32);
     baseline_output = decode_raw(cache.get(), query, 1);
+    baseline_fullkv = decode_raw(fullkv_cache.get(), query, 1);
+    other_shape_query = query;
+    baseline_other_shape = decode_raw(other_shape_cache.get(), other_shape_query, 1);
+    baseline_other_context = decode_raw(other_context_cache.get(), query, 1);
     baseline_stats = cache_stats(cache.get());
     bytes = serialize(cache.get());
     out = poisoned(static_cast<size_t>(kH) * kG * kD * 8, AKV_DTYPE_F32);
@@ -82,6 +92,35 @@ struct Env {
     scratch = encode(values, tensor.dtype);
     return scratch.data();
   }
+
+  // The serialized AnchorKV cache with `value` written at `offset` and the CRC-32 recomputed:
+  // data that passes the checksum but was damaged (or crafted) before it was computed.
+  template <typename T>
+  akv_status deserialize_damaged(size_t offset, T value) {
+    scratch = bytes;
+    std::memcpy(scratch.data() + offset, &value, sizeof value);
+    const uint32_t crc = crc32(scratch.data(), scratch.size() - 4);
+    std::memcpy(scratch.data() + scratch.size() - 4, &crc, 4);
+    return akv_cache_deserialize(context.get(), scratch.data(), scratch.size(), &out_cache, nullptr);
+  }
+  static uint32_t crc32(const uint8_t *data, size_t size) {
+    uint32_t crc = ~0u;
+    for (size_t i = 0; i < size; ++i) {
+      crc ^= data[i];
+      for (int k = 0; k < 8; ++k) crc = (crc & 1u) ? 0xedb88320u ^ (crc >> 1) : crc >> 1;
+    }
+    return ~crc;
+  }
+  // Offsets in the serialized format (src/core/serialize.cpp): a fixed header up to the
+  // inv_freq count at 96, the table, then window, anchors, two residual counts and the window
+  // start; the suffix (count, positions, keys, values of kAppended tokens) ends before the CRC.
+  size_t window_position_offset() const {
+    uint32_t frequencies;
+    std::memcpy(&frequencies, bytes.data() + 96, 4);
+    return 100 + 4 * static_cast<size_t>(frequencies) + 4 + 4 + 8 + 8;
+  }
+  size_t suffix_keys_offset() const { return bytes.size() - 4 - 2 * static_cast<size_t>(kH) * kAppended * kD * 2; }
+  size_t suffix_count_offset() const { return suffix_keys_offset() - 4 * kAppended - 8; }
 
   akv_status compress_with(const std::function<void(akv_prefill &, akv_compress_options &)> &mutate) {
     akv_prefill prefill = data.view();
@@ -161,6 +200,8 @@ std::vector<BadCase> bad_cases() {
        }},
       {"ContextCreate_NegativeThreads", AKV_ERR_INVALID_ARGUMENT, {"num_threads"},
        [](Env &e) { return e.create_context_with([](akv_context_options &o) { o.num_threads = -1; }); }},
+      {"ContextCreate_MillionThreads", AKV_ERR_INVALID_ARGUMENT, {"num_threads"},
+       [](Env &e) { return e.create_context_with([](akv_context_options &o) { o.num_threads = 1000000; }); }},
 
       // ---- akv_compressed_size ----
       {"Size_NullShape", AKV_ERR_INVALID_ARGUMENT, {"shape"},
@@ -188,6 +229,24 @@ std::vector<BadCase> bad_cases() {
        [](Env &e) { return e.size_with([](akv_shape &, Options &o) { o.retain_fraction = std::nan(""); }); }},
       {"Size_BudgetTooSmall", AKV_ERR_BUDGET, {"retain_fraction"},
        [](Env &e) { return e.size_with([](akv_shape &, Options &o) { o.retain_fraction = 0.01; }); }},
+      {"Size_SeqLenBeyondInt32", AKV_ERR_UNSUPPORTED, {"seq_len"},
+       [](Env &e) { return e.size_with([](akv_shape &s, Options &) { s.seq_len = int64_t{1} << 31; }); }},
+      {"Size_FullKvHeadDimAbove1024", AKV_ERR_UNSUPPORTED, {"head_dim"},
+       [](Env &e) {
+         return e.size_with([](akv_shape &s, Options &o) { s.head_dim = 2048, o.method = AKV_METHOD_FULLKV; });
+       }},
+      {"Size_EvictionBudgetBelowWindow", AKV_ERR_BUDGET, {"retain_fraction"},
+       [](Env &e) {
+         return e.size_with([](akv_shape &, Options &o) { o.method = AKV_METHOD_SNAPKV, o.retain_fraction = 0.05; });
+       }},
+      {"Size_QuantBitsFive", AKV_ERR_INVALID_ARGUMENT, {"quant_bits"},
+       [](Env &e) {
+         return e.size_with([](akv_shape &, Options &o) { o.method = AKV_METHOD_QUANTIZED, o.quant_bits = 5; });
+       }},
+      {"Size_QuantizedBudgetTooSmall", AKV_ERR_BUDGET, {"retain_fraction"},
+       [](Env &e) {
+         return e.size_with([](akv_shape &, Options &o) { o.method = AKV_METHOD_QUANTIZED, o.retain_fraction = 0.05; });
+       }},
 
       // ---- akv_compress: pointers ----
       {"Compress_NullContext", AKV_ERR_INVALID_ARGUMENT, {"context"},
@@ -334,12 +393,51 @@ std::vector<BadCase> bad_cases() {
        [](Env &e) { return e.compress_with([](Prefill &p, Options &) { p.dtype = AKV_DTYPE_AUTO; }); }},
       {"Compress_NegativeStride", AKV_ERR_INVALID_ARGUMENT, {"stride"},
        [](Env &e) { return e.compress_with([](Prefill &p, Options &) { p.kv_token_stride = -kD; }); }},
+      {"Compress_TokenStrideBelowHeadDim", AKV_ERR_INVALID_ARGUMENT, {"stride"},
+       [](Env &e) { return e.compress_with([](Prefill &p, Options &) { p.kv_token_stride = kD - 1; }); }},
+      {"Compress_InvFreqNaN", AKV_ERR_NON_FINITE, {"inv_freq"},
+       [](Env &e) {
+         static std::vector<float> table;
+         table.assign(kD / 2, 1e-3f);
+         table[5] = std::numeric_limits<float>::quiet_NaN();
+         return e.compress_with([](Prefill &, Options &o) { o.rope.inv_freq = table.data(); });
+       }},
+      {"Compress_RopeBaseOne", AKV_ERR_INVALID_ARGUMENT, {"base"},
+       [](Env &e) { return e.compress_with([](Prefill &, Options &o) { o.rope.base = 1.0; }); }},
+      {"Compress_EvictionWindowNotBelowSeqLen", AKV_ERR_INVALID_ARGUMENT, {"window", "seq_len"},
+       [](Env &e) {
+         return e.compress_with([](Prefill &, Options &o) { o.method = AKV_METHOD_SNAPKV, o.window = kS, o.retain_fraction = 1.0; });
+       }},
+      {"Compress_EvictionNullQueries", AKV_ERR_INVALID_ARGUMENT, {"queries"},
+       [](Env &e) {
+         return e.compress_with([](Prefill &p, Options &o) { p.queries = nullptr, o.method = AKV_METHOD_ADAKV, o.retain_fraction = 0.5; });
+       }},
+      {"Compress_AdaKvAlphaAboveOne", AKV_ERR_INVALID_ARGUMENT, {"adakv_alpha"},
+       [](Env &e) {
+         return e.compress_with([](Prefill &, Options &o) { o.method = AKV_METHOD_ADAKV, o.retain_fraction = 0.5, o.adakv_alpha = 1.5; });
+       }},
+      {"Compress_PyramidBetaZero", AKV_ERR_INVALID_ARGUMENT, {"pyramid_beta"},
+       [](Env &e) {
+         return e.compress_with([](Prefill &, Options &o) { o.method = AKV_METHOD_PYRAMIDKV, o.retain_fraction = 0.5, o.pyramid_beta = 0; });
+       }},
+      {"Compress_AndProChunkZero", AKV_ERR_INVALID_ARGUMENT, {"andpro_chunk"},
+       [](Env &e) {
+         return e.compress_with([](Prefill &, Options &o) { o.method = AKV_METHOD_ANDPRO, o.retain_fraction = 0.5, o.andpro_chunk = 0; });
+       }},
+      {"Compress_QuantOutliersTooMany", AKV_ERR_INVALID_ARGUMENT, {"quant_outliers"},
+       [](Env &e) {
+         return e.compress_with([](Prefill &, Options &o) {
+           o.method = AKV_METHOD_QUANTIZED, o.retain_fraction = 1.0, o.quant_outliers = kD;
+         });
+       }},
 
       // ---- akv_cache_reserve / akv_append ----
       {"Reserve_NullCache", AKV_ERR_INVALID_ARGUMENT, {"cache"},
        [](Env &) { return akv_cache_reserve(nullptr, 10, nullptr); }},
       {"Reserve_Negative", AKV_ERR_INVALID_ARGUMENT, {"tokens"},
        [](Env &e) { return akv_cache_reserve(e.cache.get(), -1, nullptr); }},
+      {"Reserve_BeyondInt32", AKV_ERR_INVALID_ARGUMENT, {"tokens", "int32"},
+       [](Env &e) { return akv_cache_reserve(e.cache.get(), int64_t{1} << 31, nullptr); }},
       {"Append_NullCache", AKV_ERR_INVALID_ARGUMENT, {"cache"},
        [](Env &e) { return e.append_with(nullptr, e.append_keys.data(), e.append_values.data(), AKV_DTYPE_F32, kAppended, nullptr); }},
       {"Append_NullKeys", AKV_ERR_INVALID_ARGUMENT, {"keys"},
@@ -510,6 +608,31 @@ std::vector<BadCase> bad_cases() {
        [](Env &e) { return akv_cache_deserialize(e.context.get(), nullptr, e.bytes.size(), &e.out_cache, nullptr); }},
       {"Deserialize_NullOutCache", AKV_ERR_INVALID_ARGUMENT, {"out_cache"},
        [](Env &e) { return akv_cache_deserialize(e.context.get(), e.bytes.data(), e.bytes.size(), nullptr, nullptr); }},
+      {"Deserialize_Truncated", AKV_ERR_CORRUPT_DATA, {"truncat", "bytes"},
+       [](Env &e) {
+         return akv_cache_deserialize(e.context.get(), e.bytes.data(), e.bytes.size() - 1, &e.out_cache, nullptr);
+       }},
+      {"Deserialize_ChecksumMismatch", AKV_ERR_CORRUPT_DATA, {"checksum"},
+       [](Env &e) {
+         e.scratch = e.bytes;
+         e.scratch[e.scratch.size() / 2] ^= 0x10;
+         return akv_cache_deserialize(e.context.get(), e.scratch.data(), e.scratch.size(), &e.out_cache, nullptr);
+       }},
+      {"Deserialize_FutureVersion", AKV_ERR_VERSION, {"version"},
+       [](Env &e) { return e.deserialize_damaged<uint32_t>(8, 99); }},
+      // Issue 12, defect 1: a count announcing 2^28 appended tokens (valid CRC) made the
+      // library allocate 1 GB before noticing the buffer was too short.
+      {"Deserialize_SuffixCount2Pow28", AKV_ERR_CORRUPT_DATA, {"suffix"},
+       [](Env &e) { return e.deserialize_damaged<int64_t>(e.suffix_count_offset(), int64_t{1} << 28); }},
+      // Defect 2: a window start of INT64_MAX was accepted and decode overflowed.
+      {"Deserialize_WindowPositionInt64Max", AKV_ERR_CORRUPT_DATA, {"window_first_position"},
+       [](Env &e) {
+         return e.deserialize_damaged<int64_t>(e.window_position_offset(), std::numeric_limits<int64_t>::max());
+       }},
+      {"Deserialize_NonFiniteAppendedKey", AKV_ERR_CORRUPT_DATA, {"non-finite"},
+       [](Env &e) { return e.deserialize_damaged<uint16_t>(e.suffix_keys_offset(), 0x7f80); }},
+      {"Deserialize_UnknownFlags", AKV_ERR_CORRUPT_DATA, {"flags"},
+       [](Env &e) { return e.deserialize_damaged<uint32_t>(12, 1); }},
       {"Deserialize_Garbage", AKV_ERR_CORRUPT_DATA, {"magic", "checksum", "corrupt", "truncat", "serialized"},
        [](Env &e) {
          Rng rng(e.seed ^ 0xBAD);
@@ -551,6 +674,11 @@ TEST_P(BadInput, FailsWithStatusAndMessageAndLeavesHandlesUsable) {
 
   // The handles survived: same decode output, same stats, and the context still compresses.
   EXPECT_TRUE(decode_raw(env.cache.get(), env.query, 1) == env.baseline_output) << "the cache changed";
+  EXPECT_TRUE(decode_raw(env.fullkv_cache.get(), env.query, 1) == env.baseline_fullkv) << "the FullKV cache changed";
+  EXPECT_TRUE(decode_raw(env.other_shape_cache.get(), env.other_shape_query, 1) == env.baseline_other_shape)
+      << "the H=1 cache changed";
+  EXPECT_TRUE(decode_raw(env.other_context_cache.get(), env.query, 1) == env.baseline_other_context)
+      << "the cache of the other context changed";
   const akv_cache_stats after = cache_stats(env.cache.get());
   EXPECT_EQ(after.appended_tokens, env.baseline_stats.appended_tokens);
   EXPECT_EQ(after.compressed_bytes, env.baseline_stats.compressed_bytes);
@@ -561,6 +689,41 @@ TEST_P(BadInput, FailsWithStatusAndMessageAndLeavesHandlesUsable) {
 
 INSTANTIATE_TEST_SUITE_P(EveryEntryPoint, BadInput, ::testing::ValuesIn(bad_cases()),
                          [](const ::testing::TestParamInfo<BadCase> &info) { return info.param.name; });
+
+// The table covers every entry point that returns a status: each has cases under its prefix.
+TEST(BadInputTable, EveryEntryPointHasCases) {
+  const std::map<std::string, std::string> prefixes = {
+      {"akv_context_create", "ContextCreate_"}, {"akv_compressed_size", "Size_"},
+      {"akv_compress", "Compress_"},             {"akv_cache_reserve", "Reserve_"},
+      {"akv_append", "Append_"},                 {"akv_decode", "Decode_"},
+      {"akv_decode_batch", "Batch_"},            {"akv_cache_stats_get", "Stats_"},
+      {"akv_cache_head_stats", "HeadStats_"},    {"akv_cache_reconstruct", "Reconstruct_"},
+      {"akv_cache_serialized_size", "SerializedSize_"}, {"akv_cache_serialize", "Serialize_"},
+      {"akv_cache_deserialize", "Deserialize_"}};
+  const std::vector<BadCase> cases = bad_cases();
+  for (const auto &[function, prefix] : prefixes) {
+    const auto count = std::count_if(cases.begin(), cases.end(),
+                                     [&](const BadCase &c) { return c.name.rfind(prefix, 0) == 0; });
+    EXPECT_GE(count, 2) << function << " has " << count << " bad-input cases (" << prefix << "*)";
+  }
+}
+
+// The calls without a status take NULL (and any status value) without effect on the handles.
+TEST(BadInputTable, VoidEntryPointsTakeNull) {
+  Env env;
+  env.set_up();
+  AKV_TRACE_SEED(env.seed);
+  akv_context_options_init(nullptr);
+  akv_compress_options_init(nullptr);
+  akv_compress_options_init_method(nullptr, AKV_METHOD_SNAPKV);
+  akv_prefill_init(nullptr);
+  akv_context_destroy(nullptr);
+  akv_cache_destroy(nullptr);
+  EXPECT_NE(akv_status_string(static_cast<akv_status>(-3)), nullptr);
+  EXPECT_NE(akv_last_error_message(), nullptr);
+  EXPECT_TRUE(decode_raw(env.cache.get(), env.query, 1) == env.baseline_output);
+  EXPECT_TRUE(serialize(env.cache.get()) == env.bytes);
+}
 
 // ---- cases that do not fit the table --------------------------------------------------------
 
