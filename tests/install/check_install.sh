@@ -99,6 +99,16 @@ pc_libdir="$(pkg-config --variable=libdir anchorkv)"
 [ "$(readlink -f "$pc_libdir")" = "$(readlink -f "$libdir")" ] \
   || die "anchorkv.pc libdir is $pc_libdir, the library is in $libdir"
 ok "anchorkv.pc: version $pc_version, libdir in the install prefix"
+# A static link needs the library's own dependencies: each shared library it depends on that is
+# not part of the C/C++ runtime must be in Libs.private (OpenBLAS, CUDA when built with them).
+pc_static="$(pkg-config --libs --static anchorkv)"
+for needed in $(readelf -d "$library" | sed -n 's/.*(NEEDED).*\[lib\([^.]*\)\..*\].*/\1/p'); do
+  case "$needed" in c|m|stdc++|gcc_s|pthread|dl|rt|asan|ubsan) continue ;; esac
+  case " $pc_static " in *" -l$needed "*) ;; *)
+    die "libanchorkv needs lib$needed but 'pkg-config --libs --static anchorkv' gives: $pc_static" ;;
+  esac
+done
+ok "anchorkv.pc Libs.private lists the library's dependencies ($pc_static)"
 
 # ---- 6. CMake version compatibility (SameMajorVersion) -----------------------------------
 cat >"$work/version_check.cmake" <<EOF
