@@ -71,7 +71,8 @@ typedef enum akv_status {
   AKV_ERR_INVALID_ARGUMENT = 1,     /* NULL pointer, bad size, shape or option value */
   AKV_ERR_UNSUPPORTED = 2,          /* valid request this build/backend/method cannot do */
   AKV_ERR_BUDGET = 3,               /* retain_fraction too small: message names the minimum */
-  AKV_ERR_NON_FINITE = 4,           /* NaN or Inf in K, V or Q */
+  AKV_ERR_NON_FINITE = 4,           /* NaN or Inf in K, V or Q, or a value the storage
+                                       dtype cannot hold (f32 above 65504 into f16) */
   AKV_ERR_OUT_OF_MEMORY = 5,        /* the allocator returned NULL, or the system refused
                                        memory or a CPU worker thread */
   AKV_ERR_CORRUPT_DATA = 6,         /* serialized data truncated, inconsistent, bad magic

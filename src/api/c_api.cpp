@@ -433,6 +433,11 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
     }
     CompressRequest req{context, &p, &o};
     std::unique_ptr<akv_cache> cache = compress_method_cpu(req);
+    // Finite inputs can still overflow: f32 keys above 65504 stored as f16, or values near the
+    // fp32 limit through RoPE and the coefficients. A stored NaN or Inf would make every
+    // decode NaN and the serialized cache unreadable (the deserializer refuses it).
+    require_finite_storage(*cache, cache->data.data(), AKV_ERR_NON_FINITE,
+                           "an input overflows the storage dtype or fp32: the compressed cache would hold");
     *out_cache = cache.release();
   });
 }
@@ -478,19 +483,34 @@ AKV_API akv_status akv_append(akv_cache *cache, const void *keys, const void *va
     const size_t n = static_cast<size_t>(H) * num_tokens * D;
     std::vector<float> k = to_float(keys, dtype, n, "keys");
     const std::vector<float> v = to_float(values, dtype, n, "values");
+    // Rows in the storage dtype first: a value that overflows it (f32 above 65504 into f16)
+    // is refused before the cache changes.
+    std::vector<uint16_t> hk(n), hv(n);
+    for (int64_t h = 0; h < H; ++h)
+      for (int32_t i = 0; i < num_tokens; ++i) {
+        const size_t row = static_cast<size_t>(h * num_tokens + i) * D;
+        if (!c.meta.keys_post_rope) c.rope.apply(&k[row], pos[i]);
+        for (int64_t d = 0; d < D; ++d) {
+          hk[row + d] = float_to_half(k[row + d], c.meta.storage);
+          hv[row + d] = float_to_half(v[row + d], c.meta.storage);
+        }
+      }
+    for (const std::vector<uint16_t> *half : {&hk, &hv})
+      for (size_t e = 0; e < n; ++e)
+        if (!std::isfinite(half_to_float((*half)[e], c.meta.storage)))
+          fail(AKV_ERR_NON_FINITE, half == &hk ? "keys" : "values", " element ", e, " (",
+               (half == &hk ? k[e] : v[e]), (half == &hk && !c.meta.keys_post_rope ? " after RoPE" : ""),
+               ") overflows the ", c.meta.storage == AKV_DTYPE_F16 ? "f16" : "bf16", " storage dtype");
     if (c.suffix_len + num_tokens > c.suffix_capacity)
       reserve_suffix(c, std::max<int64_t>(c.suffix_len + num_tokens, 2 * c.suffix_capacity + 16), stream);
     uint16_t *sk = reinterpret_cast<uint16_t *>(c.suffix_keys.data());
     uint16_t *sv = reinterpret_cast<uint16_t *>(c.suffix_values.data());
     for (int64_t h = 0; h < H; ++h)
       for (int32_t i = 0; i < num_tokens; ++i) {
-        float *row = &k[(h * num_tokens + i) * D];
-        if (!c.meta.keys_post_rope) c.rope.apply(row, pos[i]);
+        const size_t row = static_cast<size_t>(h * num_tokens + i) * D;
         const int64_t dst = (h * c.suffix_capacity + c.suffix_len + i) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          sk[dst + d] = float_to_half(row[d], c.meta.storage);
-          sv[dst + d] = float_to_half(v[(h * num_tokens + i) * D + d], c.meta.storage);
-        }
+        std::memcpy(sk + dst, &hk[row], D * sizeof(uint16_t));
+        std::memcpy(sv + dst, &hv[row], D * sizeof(uint16_t));
       }
     c.suffix_positions.insert(c.suffix_positions.end(), pos.begin(), pos.end());
     c.suffix_len += num_tokens;

@@ -225,25 +225,64 @@ std::vector<uint8_t> serialize_cache(const akv_cache &c, const uint8_t *data, co
 
 namespace {
 
-// Stored values are read as they are by decode, append and reconstruct: NaN or Inf in them
-// would only come from damage (compression and append refuse non-finite inputs).
-void require_finite_halves(const uint8_t *p, uint64_t bytes, akv_dtype dtype, const char *what) {
-  const uint16_t exponent = dtype == AKV_DTYPE_F16 ? 0x7c00u : 0x7f80u;  // all ones: Inf or NaN
-  for (uint64_t i = 0; i + 2 <= bytes; i += 2) {
-    uint16_t h;
-    std::memcpy(&h, p + i, 2);
-    if ((h & exponent) == exponent)
-      fail(AKV_ERR_CORRUPT_DATA, "serialized cache holds a non-finite value in ", what, " (element ", i / 2, ")");
+// Index of the first non-finite value among `bytes` of halves (dtype) or fp32, or -1. Blocks
+// are scanned branch-free (vectorised: a FullKV cache is all values), then searched when hit.
+template <typename Word>
+int64_t first_with_exponent(const uint8_t *p, uint64_t count, Word exponent) {
+  constexpr uint64_t kBlock = 4096;
+  for (uint64_t begin = 0; begin < count; begin += kBlock) {
+    const uint64_t end = std::min(count, begin + kBlock);
+    unsigned hit = 0;
+    for (uint64_t i = begin; i < end; ++i) {
+      Word w;
+      std::memcpy(&w, p + i * sizeof(Word), sizeof(Word));
+      hit |= (w & exponent) == exponent;  // exponent all ones: Inf or NaN
+    }
+    if (!hit) continue;
+    for (uint64_t i = begin; i < end; ++i) {
+      Word w;
+      std::memcpy(&w, p + i * sizeof(Word), sizeof(Word));
+      if ((w & exponent) == exponent) return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+int64_t first_non_finite(const uint8_t *p, uint64_t bytes, akv_dtype dtype) {
+  if (dtype == AKV_DTYPE_F32) return first_with_exponent<uint32_t>(p, bytes / 4, 0x7f800000u);
+  return first_with_exponent<uint16_t>(p, bytes / 2, dtype == AKV_DTYPE_F16 ? uint16_t{0x7c00} : uint16_t{0x7f80});
+}
+
+void require_finite(const uint8_t *p, uint64_t bytes, akv_dtype dtype, const char *what, akv_status status,
+                    const char *why) {
+  const int64_t at = first_non_finite(p, bytes, dtype);
+  if (at >= 0) fail(status, why, " a non-finite value in ", what, " (element ", at, ")");
+}
+
+}  // namespace
+
+void require_finite_storage(const akv_cache &c, const uint8_t *data, akv_status status, const char *why) {
+  const CacheMeta &m = c.meta;
+  if (m.method == AKV_METHOD_ANCHORKV) {
+    auto check = [&](int i, akv_dtype dtype) {
+      require_finite(data + c.layout.sections[i].offset, c.layout.sections[i].bytes, dtype, kAnchorSectionNames[i],
+                     status, why);
+    };
+    for (int i : {kAnchorKeys, kAnchorValues}) check(i, m.storage);
+    for (int i : {kKeyGamma, kValueGamma}) check(i, AKV_DTYPE_BF16);
+    for (int i : {kKeyScales, kValueScales}) check(i, AKV_DTYPE_F32);
+  } else if (m.method == AKV_METHOD_QUANTIZED) {
+    auto check = [&](int i, akv_dtype dtype) {
+      require_finite(data + c.quant.offsets[i], c.quant.bytes[i], dtype, kQuantSectionNames[i], status, why);
+    };
+    for (int i : {kQuantWindowKeys, kQuantWindowValues, kQuantKeyOutlierValue}) check(i, m.storage);
+    for (int i : {kQuantKeyScales, kQuantValueScales}) check(i, AKV_DTYPE_F32);
+  } else {
+    require_finite(data, c.footprint, m.storage, "dense keys and values", status, why);
   }
 }
-void require_finite_floats(const uint8_t *p, uint64_t bytes, const char *what) {
-  for (uint64_t i = 0; i + 4 <= bytes; i += 4) {
-    uint32_t f;
-    std::memcpy(&f, p + i, 4);
-    if ((f & 0x7f800000u) == 0x7f800000u)
-      fail(AKV_ERR_CORRUPT_DATA, "serialized cache holds a non-finite value in ", what, " (element ", i / 4, ")");
-  }
-}
+
+namespace {
 
 // Positions are strictly increasing and above `after` (the last position before them).
 void require_increasing(const int32_t *p, uint64_t n, int64_t after, const char *what) {
@@ -257,6 +296,9 @@ void require_increasing(const int32_t *p, uint64_t n, int64_t after, const char 
 }
 
 constexpr int32_t kMaxKvHeads = 4096, kMaxQHeads = 65536, kMaxHeadDim = 1024;
+// Stored values are read as they are by decode, append and reconstruct: compression and
+// append refuse to store NaN or Inf, so one in serialized data is damage.
+constexpr const char *kHoldsNonFinite = "serialized cache holds";
 
 }  // namespace
 
@@ -423,10 +465,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
       r.read_into(out.data.data() + c.layout.sections[i].offset, c.layout.sections[i].bytes, kAnchorSectionNames[i]);
     // Validate everything decode indexes with, so a crafted file cannot read out of bounds.
     auto sec = [&](int i) { return out.data.data() + c.layout.sections[i].offset; };
-    auto sec_bytes = [&](int i) { return c.layout.sections[i].bytes; };
-    for (int i : {kAnchorKeys, kAnchorValues}) require_finite_halves(sec(i), sec_bytes(i), m.storage, kAnchorSectionNames[i]);
-    for (int i : {kKeyGamma, kValueGamma}) require_finite_halves(sec(i), sec_bytes(i), AKV_DTYPE_BF16, kAnchorSectionNames[i]);
-    for (int i : {kKeyScales, kValueScales}) require_finite_floats(sec(i), sec_bytes(i), kAnchorSectionNames[i]);
+    require_finite_storage(c, out.data.data(), AKV_ERR_CORRUPT_DATA, kHoldsNonFinite);
     const int64_t P = g.prefix, words = g.words, k = g.anchors;
     const int idx_sections[2] = {kKeyIndex, kValueIndex}, mask_sections[2] = {kKeyMask, kValueMask};
     const int prefix_sections[2] = {kKeyPrefix, kValuePrefix}, off_sections[2] = {kKeyOffsets, kValueOffsets};
@@ -482,9 +521,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     for (int i = 0; i < kQuantSectionCount; ++i)
       r.read_into(out.data.data() + c.quant.offsets[i], c.quant.bytes[i], kQuantSectionNames[i]);
     auto sec = [&](int i) { return out.data.data() + c.quant.offsets[i]; };
-    for (int i : {kQuantWindowKeys, kQuantWindowValues, kQuantKeyOutlierValue})
-      require_finite_halves(sec(i), c.quant.bytes[i], m.storage, kQuantSectionNames[i]);
-    for (int i : {kQuantKeyScales, kQuantValueScales}) require_finite_floats(sec(i), c.quant.bytes[i], kQuantSectionNames[i]);
+    require_finite_storage(c, out.data.data(), AKV_ERR_CORRUPT_DATA, kHoldsNonFinite);
     // Decode indexes query channels by the outlier indices.
     const uint64_t outliers = static_cast<uint64_t>(H) * c.quant.prefix * m.quant_outliers;
     const uint8_t *idx = sec(kQuantKeyOutlierIndex);
@@ -501,7 +538,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     r.need(c.footprint, 1, "dense arrays");
     out.data.resize(c.footprint);
     r.read_into(out.data.data(), c.footprint, "dense arrays");
-    require_finite_halves(out.data.data(), c.footprint, m.storage, "dense keys and values");
+    require_finite_storage(c, out.data.data(), AKV_ERR_CORRUPT_DATA, kHoldsNonFinite);
     last_prompt_position = c.dense_positions.back();
   }
   const int64_t len = r.get<int64_t>("suffix length");
@@ -515,8 +552,8 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   out.suffix_keys.assign(ks, ks + suffix_bytes);
   const uint8_t *vs = r.take(suffix_bytes, "suffix values");
   out.suffix_values.assign(vs, vs + suffix_bytes);
-  require_finite_halves(ks, suffix_bytes, m.storage, "suffix keys");
-  require_finite_halves(vs, suffix_bytes, m.storage, "suffix values");
+  require_finite(ks, suffix_bytes, m.storage, "suffix keys", AKV_ERR_CORRUPT_DATA, kHoldsNonFinite);
+  require_finite(vs, suffix_bytes, m.storage, "suffix values", AKV_ERR_CORRUPT_DATA, kHoldsNonFinite);
   // Appending continues from next_position: it is always one past the last stored position.
   const int64_t last = len ? c.suffix_positions.back() : last_prompt_position;
   require(c.next_position == last + 1, AKV_ERR_CORRUPT_DATA, "serialized cache has next_position ", c.next_position,

@@ -31,6 +31,12 @@ struct SerializedField {
 };
 std::vector<SerializedField> serialized_fields(const akv_cache &cache);
 
+// Fails with `status` and the message "<why> a non-finite value in <array> (element i)" when an
+// array of stored values (storage-dtype halves, bf16 gammas, fp32 scales) of `data`, laid out
+// as `cache` says (host memory), holds NaN or Inf. The deserializer refuses such data, and
+// compression refuses to produce it.
+void require_finite_storage(const akv_cache &cache, const uint8_t *data, akv_status status, const char *why);
+
 // Parses and validates everything decode, append, reconstruct and serialize trust (counts
 // against the bytes left before any allocation, shapes, positions, indices, offsets, finite
 // stored floats), so that data which passes the checksum but was crafted or damaged before

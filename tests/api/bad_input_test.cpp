@@ -424,6 +424,15 @@ std::vector<BadCase> bad_cases() {
        [](Env &e) {
          return e.compress_with([](Prefill &, Options &o) { o.method = AKV_METHOD_ANDPRO, o.retain_fraction = 0.5, o.andpro_chunk = 0; });
        }},
+      // Finite inputs that the storage dtype cannot hold: refused rather than stored as Inf
+      // (a cache holding Inf decodes to NaN and does not deserialize).
+      {"Compress_ValueOverflowsF16Storage", AKV_ERR_NON_FINITE, {"non-finite", "overflow"},
+       [](Env &e) {
+         const void *values = e.with_value(e.data.values, 77, 1.0e5f);
+         return e.compress_with([values](Prefill &p, Options &o) {
+           p.values = values, o.method = AKV_METHOD_FULLKV, o.retain_fraction = 1.0, o.storage_dtype = AKV_DTYPE_F16;
+         });
+       }},
       {"Compress_QuantOutliersTooMany", AKV_ERR_INVALID_ARGUMENT, {"quant_outliers"},
        [](Env &e) {
          return e.compress_with([](Prefill &, Options &o) {
@@ -454,6 +463,11 @@ std::vector<BadCase> bad_cases() {
        }},
       {"Append_DtypeAuto", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
        [](Env &e) { return e.append_with(e.cache.get(), e.append_keys.data(), e.append_values.data(), AKV_DTYPE_AUTO, kAppended, nullptr); }},
+      {"Append_ValueOverflowsBf16Storage", AKV_ERR_NON_FINITE, {"values", "overflow"},
+       [](Env &e) {
+         const void *values = e.with_value(e.append_values, 5, std::numeric_limits<float>::max());
+         return e.append_with(e.cache.get(), e.append_keys.data(), values, AKV_DTYPE_F32, kAppended, nullptr);
+       }},
       {"Append_PositionsRepeated", AKV_ERR_INVALID_ARGUMENT, {"positions"},
        [](Env &e) {
          e.scratch_positions = {5000, 5000};
