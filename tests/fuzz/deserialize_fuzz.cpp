@@ -60,8 +60,10 @@ akv_context *context() {
   return shared;
 }
 
-// Bounded work per input: decode and reconstruct of a cache whose tensors would be large
-// (many query heads over many tokens) are skipped, not failed.
+// Bounded work per input: decode and reconstruct of a cache whose work would be large are
+// skipped, not failed. Decode costs about Hq x tokens x D (AnchorKV: a coefficient table of
+// k x G x D per KV head), so a header announcing 65536 query heads over a small cache is a
+// legitimate request that would take seconds and hundreds of MB per input.
 constexpr uint64_t kMaxElements = uint64_t{1} << 22;
 
 std::vector<float> values(uint64_t count, uint32_t salt, float scale) {
@@ -92,7 +94,7 @@ std::vector<uint8_t> serialize(const akv_cache *cache) {
 void decode_all(akv_cache *cache, const akv_cache_stats &stats, uint32_t salt) {
   const uint64_t Hq = static_cast<uint64_t>(stats.shape.num_q_heads), D = static_cast<uint64_t>(stats.shape.head_dim);
   const uint64_t tokens = static_cast<uint64_t>(stats.shape.seq_len + stats.appended_tokens);
-  if (Hq * D * 2 > kMaxElements || Hq * tokens * 2 > kMaxElements) return;
+  if (Hq * (tokens + 2) * D > kMaxElements) return;
   const int q_len = stats.appended_tokens >= 1 ? 2 : 1;
   const std::vector<float> queries = values(Hq * q_len * D, salt, 2.0f);
   std::vector<float> out(Hq * q_len * D, std::nanf(""));
