@@ -248,7 +248,7 @@ typedef struct akv_context {} akv_context;
 typedef struct akv_cache {} akv_cache;
 
 %extend akv_context {
-  /** A context: backend, CUDA device ordinal, CPU threads (0 = all). */
+  /** A context: backend, CUDA device ordinal, CPU threads (0 = all, at most 1024). */
   akv_context(akv_backend backend, int32_t device, int32_t num_threads) {
     akv_context_options options;
     akv_context *context = NULL;

@@ -104,7 +104,8 @@ pub struct ContextOptions {
     pub backend: Backend,
     /// CUDA device ordinal.
     pub device: i32,
-    /// CPU worker threads; 0 = all hardware threads.
+    /// CPU worker threads, at most 1024; 0 = all hardware threads (capped at 1024). A thread
+    /// the system refuses gives `Status::OutOfMemory`.
     pub num_threads: i32,
 }
 
