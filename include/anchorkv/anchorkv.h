@@ -305,8 +305,8 @@ AKV_API void akv_compress_options_init_paper(akv_compress_options *options);
 /* Shape of one layer of one request. Frozen layout. */
 typedef struct akv_shape {
   int64_t seq_len;        /* S, prompt positions */
-  int32_t num_kv_heads;   /* H */
-  int32_t num_q_heads;    /* Hq, a multiple of H (GQA group G = Hq/H) */
+  int32_t num_kv_heads;   /* H, at most 4096 */
+  int32_t num_q_heads;    /* Hq, a multiple of H (GQA group G = Hq/H), at most 65536 */
   int32_t head_dim;       /* D: a power of two in [16, 512] for AnchorKV (codec) */
 } akv_shape;
 

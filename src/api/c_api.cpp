@@ -377,9 +377,11 @@ void validate_shape(const akv_shape &s) {
   if (s.num_kv_heads <= 0) fail(AKV_ERR_INVALID_ARGUMENT, "shape.num_kv_heads ", s.num_kv_heads, " must be positive");
   if (s.num_q_heads <= 0 || s.num_q_heads % s.num_kv_heads != 0)
     fail(AKV_ERR_INVALID_ARGUMENT, "shape.num_q_heads ", s.num_q_heads, " must be a positive multiple of num_kv_heads ", s.num_kv_heads);
+  if (s.num_kv_heads > kMaxKvHeads) fail(AKV_ERR_UNSUPPORTED, "shape.num_kv_heads ", s.num_kv_heads, " exceeds ", kMaxKvHeads);
+  if (s.num_q_heads > kMaxQHeads) fail(AKV_ERR_UNSUPPORTED, "shape.num_q_heads ", s.num_q_heads, " exceeds ", kMaxQHeads);
   if (s.head_dim <= 0 || s.head_dim % 2 != 0)
     fail(AKV_ERR_INVALID_ARGUMENT, "shape.head_dim ", s.head_dim, " must be positive and even");
-  if (s.head_dim > 1024) fail(AKV_ERR_UNSUPPORTED, "shape.head_dim ", s.head_dim, " exceeds 1024");
+  if (s.head_dim > kMaxHeadDim) fail(AKV_ERR_UNSUPPORTED, "shape.head_dim ", s.head_dim, " exceeds ", kMaxHeadDim);
 }
 
 }  // namespace

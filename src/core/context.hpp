@@ -49,6 +49,10 @@ struct akv_context {
 
 namespace akv {
 
+// Shape limits: akv_compress refuses a shape beyond them (AKV_ERR_UNSUPPORTED) and the
+// deserializer treats one as damage, so that every cache the library makes reads back.
+constexpr int32_t kMaxKvHeads = 4096, kMaxQHeads = 65536, kMaxHeadDim = 1024;
+
 // Memory owned through a context's allocator (host for CPU, device for CUDA).
 class Buffer {
  public:

@@ -295,7 +295,6 @@ void require_increasing(const int32_t *p, uint64_t n, int64_t after, const char 
   }
 }
 
-constexpr int32_t kMaxKvHeads = 4096, kMaxQHeads = 65536, kMaxHeadDim = 1024;
 // Stored values are read as they are by decode, append and reconstruct: compression and
 // append refuse to store NaN or Inf, so one in serialized data is damage.
 constexpr const char *kHoldsNonFinite = "serialized cache holds";
