@@ -86,8 +86,8 @@ _OPTION_CONVERTERS = {
     "pyramid_beta": int,
     "andpro_chunk": int,
     "sink_tokens": int,
-    "min_free_anchors": int,
     "fill_budget": lambda value: int(bool(value)),
+    "anchor_share": float,
     "guard_fraction": float,
     "coverage_rounds": int,
 }

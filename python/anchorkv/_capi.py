@@ -172,8 +172,8 @@ class akv_compress_options(Structure):
         ("andpro_chunk", c_int32),
         # AnchorKV beyond the paper (0.2)
         ("sink_tokens", c_int32),
-        ("min_free_anchors", c_int32),
         ("fill_budget", c_int32),
+        ("anchor_share", c_double),
         ("guard_fraction", c_double),
         ("coverage_rounds", c_int32),
     ]

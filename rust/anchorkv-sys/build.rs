@@ -27,7 +27,7 @@ const STRUCTS: &[(&str, &[&str])] = &[
             "pool_kernel", "pool_type", "residual_scale", "seed", "layer_index", "layer_count",
             "rope", "keys_post_rope", "softmax_scale", "storage_dtype", "adakv_alpha",
             "quant_bits", "quant_outliers", "pyramid_beta", "andpro_chunk", "sink_tokens",
-            "min_free_anchors", "fill_budget", "guard_fraction", "coverage_rounds",
+            "fill_budget", "anchor_share", "guard_fraction", "coverage_rounds",
         ],
     ),
     ("akv_shape", &["seq_len", "num_kv_heads", "num_q_heads", "head_dim"]),

@@ -286,9 +286,9 @@ AKV_API void akv_compress_options_init(akv_compress_options *o) {
   o->pyramid_beta = 20;
   o->andpro_chunk = 4;
   o->sink_tokens = 4;
-  o->min_free_anchors = 64;
   o->fill_budget = 1;
-  o->guard_fraction = 0.5;
+  o->anchor_share = 0.4;
+  o->guard_fraction = 0.75;
   o->coverage_rounds = 4;
 }
 
@@ -296,8 +296,8 @@ AKV_API void akv_compress_options_init_paper(akv_compress_options *o) {
   if (!o) return;
   akv_compress_options_init(o);
   o->sink_tokens = 0;
-  o->min_free_anchors = 0;
   o->fill_budget = 0;
+  o->anchor_share = 0.0;
   o->guard_fraction = 0.0;
   o->coverage_rounds = 0;
 }
@@ -360,8 +360,8 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
   if (!std::isfinite(o.retain_fraction) || o.retain_fraction <= 0.0 || o.retain_fraction > 1.0)
     fail(AKV_ERR_INVALID_ARGUMENT, "retain_fraction ", o.retain_fraction, " must be in (0, 1]");
   if (o.sink_tokens < 0) fail(AKV_ERR_INVALID_ARGUMENT, "sink_tokens ", o.sink_tokens, " must be >= 0");
-  if (o.min_free_anchors < 0)
-    fail(AKV_ERR_INVALID_ARGUMENT, "min_free_anchors ", o.min_free_anchors, " must be >= 0");
+  if (!std::isfinite(o.anchor_share) || o.anchor_share < 0.0 || o.anchor_share > 1.0)
+    fail(AKV_ERR_INVALID_ARGUMENT, "anchor_share ", o.anchor_share, " must be in [0, 1]");
   if (o.fill_budget != 0 && o.fill_budget != 1)
     fail(AKV_ERR_INVALID_ARGUMENT, "fill_budget ", o.fill_budget, " must be 0 or 1");
   if (!std::isfinite(o.guard_fraction) || o.guard_fraction < 0.0 || o.guard_fraction > 1.0)

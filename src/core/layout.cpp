@@ -7,9 +7,8 @@
 
 namespace akv {
 
-int64_t default_anchor_count(int64_t seq_len, int32_t window, int32_t min_free_anchors) {
-  return std::min<int64_t>({seq_len, int64_t{65536},
-                            std::max<int64_t>(int64_t{window} + min_free_anchors, seq_len / 128)});
+int64_t default_anchor_count(int64_t seq_len, int32_t window) {
+  return std::min<int64_t>({seq_len, int64_t{65536}, std::max<int64_t>(window, seq_len / 128)});
 }
 
 int64_t sink_anchor_count(const akv_compress_options &o, const AnchorGeometry &g) {
@@ -97,25 +96,23 @@ AnchorGeometry anchor_geometry(const akv_compress_options &o, const akv_shape &s
   require(o.window > 0, AKV_ERR_INVALID_ARGUMENT, "window ", o.window, " must be positive");
   require(s.seq_len > o.window, AKV_ERR_INVALID_ARGUMENT, "seq_len ", s.seq_len,
           " must exceed the window ", o.window, " for AnchorKV");
-  require(o.min_free_anchors >= 0, AKV_ERR_INVALID_ARGUMENT, "min_free_anchors ", o.min_free_anchors,
-          " must be >= 0");
-  // Automatic anchors: the paper's k, raised to the floor as far as the budget allows.
-  int64_t k = o.anchors == 0 ? default_anchor_count(s.seq_len, o.window, 0) : o.anchors;
+  require(std::isfinite(o.anchor_share) && o.anchor_share >= 0.0 && o.anchor_share <= 1.0,
+          AKV_ERR_INVALID_ARGUMENT, "anchor_share ", o.anchor_share, " must be in [0, 1]");
+  // Automatic anchors: the paper's k, raised by what anchor_share of the spare budget buys.
+  int64_t k = o.anchors == 0 ? default_anchor_count(s.seq_len, o.window) : o.anchors;
   require(k >= o.window && k <= s.seq_len && k <= 65536, AKV_ERR_INVALID_ARGUMENT, "anchors ", k,
           " must be within [window=", o.window, ", min(seq_len=", s.seq_len, ", 65536)]");
   bool fits = false;
   AnchorGeometry g = geometry_for(o, s, k, &fits);
-  const int64_t floor_k = default_anchor_count(s.seq_len, o.window, o.min_free_anchors);
-  if (fits && o.anchors == 0 && floor_k > k) {
-    int64_t lo = k, hi = floor_k;  // M_base grows with k: the largest k that fits
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo + 1) / 2;
-      geometry_for(o, s, mid, &fits);
-      if (fits) lo = mid;
-      else hi = mid - 1;
+  if (fits && o.anchors == 0 && o.anchor_share > 0.0) {
+    const double spare = o.retain_fraction * static_cast<double>(g.full_bytes) - static_cast<double>(g.base_bytes);
+    const double per_anchor = static_cast<double>(g.heads) * (4.0 * g.dim + 8.0);  // M_base per extra anchor
+    const int64_t extra = static_cast<int64_t>(std::floor(o.anchor_share * spare / per_anchor));
+    const int64_t raised = std::min<int64_t>({k + extra, s.seq_len, int64_t{65536}});
+    if (raised > k) {
+      k = raised;
+      g = geometry_for(o, s, k, &fits);
     }
-    g = geometry_for(o, s, lo, &fits);
-    k = lo;
   }
   if (!fits) {
     fail(AKV_ERR_BUDGET, "retain_fraction ", o.retain_fraction, " leaves ", g.budget_bytes,

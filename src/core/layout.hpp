@@ -71,9 +71,9 @@ struct AnchorLayout {
 };
 AnchorLayout anchor_layout(const AnchorGeometry &g);
 
-// The automatic anchor count before budget filling: k = max(W + min_free_anchors, S/128),
-// clamped to S and to 65536 (u16 anchor indices). The paper's is min_free_anchors = 0.
-int64_t default_anchor_count(int64_t seq_len, int32_t window, int32_t min_free_anchors);
+// The paper's anchor count k = max(W, S/128), clamped to S and to 65536 (u16 anchor indices);
+// anchor_geometry raises it by anchor_share and fill_budget.
+int64_t default_anchor_count(int64_t seq_len, int32_t window);
 
 // Anchor selection shares of one head, the same on every backend: the sink anchors (the first
 // positions, min(sink_tokens, k-W, P)) and the scored share round(rho (k-W)), raised to hold

@@ -158,7 +158,7 @@ TEST(CompressedSize, DoesNotDependOnQueryHeads) {
 // linear search of common/budget.hpp, and the footprint following retain_fraction where the
 // residuals alone cannot spend it.
 TEST(CompressedSize, AutomaticAnchorsFollowTheBudget) {
-  size_t checked = 0, filled = 0, floored = 0;
+  size_t checked = 0, filled = 0, raised = 0;
   for (int64_t S : {100, 1000, 2048, 4096, 8192, 20000})
     for (int H : {1, 3, 8})
       for (int D : {64, 128})
@@ -167,7 +167,7 @@ TEST(CompressedSize, AutomaticAnchorsFollowTheBudget) {
           akv_compress_options_init(&options);
           options.retain_fraction = theta;
           const akv_shape shape{S, H, H, D};
-          const int64_t k = anchorkv_auto_anchors(S, H, D, 32, options.min_free_anchors, options.fill_budget != 0, theta);
+          const int64_t k = anchorkv_auto_anchors(S, H, D, 32, options.anchor_share, options.fill_budget != 0, theta);
           size_t bytes = 0;
           const akv_status status = akv_compressed_size(&options, &shape, &bytes);
           const std::string where = "S=" + std::to_string(S) + " H=" + std::to_string(H) + " D=" + std::to_string(D) +
@@ -181,7 +181,7 @@ TEST(CompressedSize, AutomaticAnchorsFollowTheBudget) {
           EXPECT_EQ(bytes, expected.compressed_bytes) << where << " k=" << k;
           EXPECT_LE(static_cast<double>(bytes), theta * expected.full_bytes) << where;
           ++checked;
-          floored += k > std::max<int64_t>(32, S / 128);
+          raised += k > std::max<int64_t>(32, S / 128);
           if (expected.key_residuals >= expected.residuals_per_side_cap && k < S) {
             // Filled: what is left is less than one more anchor and its metadata.
             ++filled;
@@ -191,7 +191,7 @@ TEST(CompressedSize, AutomaticAnchorsFollowTheBudget) {
         }
   EXPECT_GT(checked, 150u);
   EXPECT_GT(filled, 20u);
-  EXPECT_GT(floored, 40u);
+  EXPECT_GT(raised, 40u);
 }
 
 // The paper preset keeps the paper's k and leaves budget the residuals cannot use unspent.
@@ -199,7 +199,7 @@ TEST(CompressedSize, PaperPresetKeepsThePaperAnchors) {
   akv_compress_options options;
   akv_compress_options_init_paper(&options);
   EXPECT_EQ(options.sink_tokens, 0);
-  EXPECT_EQ(options.min_free_anchors, 0);
+  EXPECT_EQ(options.anchor_share, 0.0);
   EXPECT_EQ(options.fill_budget, 0);
   EXPECT_EQ(options.guard_fraction, 0.0);
   EXPECT_EQ(options.coverage_rounds, 0);

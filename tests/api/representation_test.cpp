@@ -571,6 +571,7 @@ TEST(Additions, GuardResidualsGoToTheLargestResidualEnergy) {
   options.rope.style = AKV_ROPE_NONE;
   options.coverage_rounds = 0;
   options.scored_fraction = 1.0;
+  options.pool_kernel = 1;  // pooling would lift the needle with a hot neighbour into the anchors
   options.sink_tokens = 0;
   options.fill_budget = 0;
   options.retain_fraction = 0.08;

@@ -57,16 +57,18 @@ inline AnchorBudget anchorkv_budget(int64_t S, int64_t H, int64_t D, int64_t W,
 }
 
 // The automatic k of akv_compress_options_init (anchors = 0), by linear search: the paper's
-// max(W, S/128) raised towards W + min_free_anchors (clamped to S) as far as the budget holds;
-// then, with fill_budget, while every non-anchor token holds both residuals, the largest k that
-// still fits with that true. 0 when even the paper's k does not fit.
-inline int64_t anchorkv_auto_anchors(int64_t S, int64_t H, int64_t D, int64_t W, int64_t min_free_anchors,
+// max(W, S/128), plus as many anchors as anchor_share of the budget left after its M_base
+// pays for (one anchor adds H (4D + 8) bytes to M_base; clamped to S); then, with
+// fill_budget, while every non-anchor token holds both residuals, the largest k that still
+// fits with that true. 0 when even the paper's k does not fit.
+inline int64_t anchorkv_auto_anchors(int64_t S, int64_t H, int64_t D, int64_t W, double anchor_share,
                                      bool fill_budget, double retain_fraction) {
   const int64_t cap = std::min<int64_t>(S, 65536);
   int64_t k = std::min<int64_t>(cap, std::max<int64_t>(W, S / 128));
-  if (!anchorkv_budget(S, H, D, W, k, retain_fraction).fits) return 0;
-  const int64_t floor_k = std::min<int64_t>(cap, std::max<int64_t>(W + min_free_anchors, S / 128));
-  while (k < floor_k && anchorkv_budget(S, H, D, W, k + 1, retain_fraction).fits) ++k;
+  const AnchorBudget paper = anchorkv_budget(S, H, D, W, k, retain_fraction);
+  if (!paper.fits) return 0;
+  const double spare = anchor_share * (paper.budget - static_cast<double>(paper.base_bytes));
+  while (k < cap && static_cast<double>((k + 1 - paper.anchors) * H * (4 * D + 8)) <= spare) ++k;
   auto saturated = [&](int64_t anchors) {
     const AnchorBudget b = anchorkv_budget(S, H, D, W, anchors, retain_fraction);
     return b.fits && b.key_residuals >= b.residuals_per_side_cap && b.value_residuals >= b.residuals_per_side_cap;

@@ -39,7 +39,7 @@ inline const MethodEntry kMethods[] = {
        akv_compress_options paper;
        akv_compress_options_init_paper(&paper);
        o->sink_tokens = paper.sink_tokens;
-       o->min_free_anchors = paper.min_free_anchors;
+       o->anchor_share = paper.anchor_share;
        o->fill_budget = paper.fill_budget;
        o->guard_fraction = paper.guard_fraction;
        o->coverage_rounds = paper.coverage_rounds;

@@ -138,8 +138,8 @@ pub struct akv_compress_options {
     pub andpro_chunk: i32,
     // AnchorKV beyond the paper (appended in 0.2).
     pub sink_tokens: i32,
-    pub min_free_anchors: i32,
     pub fill_budget: i32,
+    pub anchor_share: c_double,
     pub guard_fraction: c_double,
     pub coverage_rounds: i32,
 }

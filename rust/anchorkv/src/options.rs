@@ -168,9 +168,10 @@ impl CompressOptions {
         self.raw.sink_tokens = tokens;
         self
     }
-    /// AnchorKV with automatic anchors: at least W + `anchors` anchors per head.
-    pub fn min_free_anchors(mut self, anchors: i32) -> Self {
-        self.raw.min_free_anchors = anchors;
+    /// AnchorKV with automatic anchors: the share of the budget left after the paper's base
+    /// bytes that buys more anchors.
+    pub fn anchor_share(mut self, share: f64) -> Self {
+        self.raw.anchor_share = share;
         self
     }
     /// AnchorKV with automatic anchors: spend budget the residuals cannot use on more anchors.
