@@ -195,7 +195,8 @@ TEST_F(SerializeValidation, SuffixCountIsCheckedBeforeAllocating) {
   const akv_test::SmallCache &small = caches_[3];
   ASSERT_EQ(small.name, "anchorkv_bf16_neox_appended");
   Bytes bytes = akv_test::serialized_bytes(small.cache.get());
-  const akv::SerializedField *count = find_field(akv::serialized_fields(*small.cache), "suffix length");
+  const std::vector<akv::SerializedField> fields = akv::serialized_fields(*small.cache);
+  const akv::SerializedField *count = find_field(fields, "suffix length");
   ASSERT_NE(count, nullptr);
   const int64_t huge = int64_t{1} << 28;
   std::memcpy(bytes.data() + count->offset, &huge, 8);
@@ -213,7 +214,8 @@ TEST_F(SerializeValidation, SuffixCountIsCheckedBeforeAllocating) {
 TEST_F(SerializeValidation, WindowPositionBeyondInt32IsCorrupt) {
   const akv_test::SmallCache &small = caches_[3];
   Bytes bytes = akv_test::serialized_bytes(small.cache.get());
-  const akv::SerializedField *field = find_field(akv::serialized_fields(*small.cache), "window_first_position");
+  const std::vector<akv::SerializedField> fields = akv::serialized_fields(*small.cache);
+  const akv::SerializedField *field = find_field(fields, "window_first_position");
   ASSERT_NE(field, nullptr);
   const int64_t position = std::numeric_limits<int64_t>::max();
   std::memcpy(bytes.data() + field->offset, &position, 8);
