@@ -42,7 +42,10 @@ FILLER = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
                "memorize it. I will quiz you about the important information there.")
 QUESTION = "What is the pass key?"
-PREFIX = "The pass key is"
+# The trailing space forces the space token before the digits: without it the 135M model often
+# continues "The pass key is a unique identifier..." although it knows the digits.
+PREFIX = "The pass key is "
+FIRST_PREFIX = "The pass key is"  # the prefix of the first cache version (meta.json references)
 MAX_NEW = 8
 PREFILL_FORMAT = 1  # bump when the cached prefill layout changes
 AKV_WINDOW = 32
@@ -212,7 +215,7 @@ def load_trial(model, tok, cache_dir, length, trial, seed, depth, prefix_in_prom
     ref_path = directory / f"reference-{digest}.json"
     if ref_path.is_file():
         ref = json.loads(ref_path.read_text())
-    elif "ref_tokens" in meta and answer_prefix == PREFIX:  # written by the first version
+    elif "ref_tokens" in meta and answer_prefix == FIRST_PREFIX:  # written by the first version
         ref = meta
     else:
         ref = _reference(model, tok, keys, values, logits, prompt)
