@@ -209,7 +209,7 @@ typedef struct akv_compress_options {
   int32_t window;                 /* W, always-exact recent positions; default 32 */
   int32_t anchors;                /* k per head incl. the window; 0 = automatic (see
                                      anchor_share and fill_budget) */
-  double scored_fraction;         /* rho: share of k-W chosen by score; default 0.7 */
+  double scored_fraction;         /* rho: share of k-W chosen by score; default 0.3 (paper 0.7) */
   int32_t pool_kernel;            /* kappa, odd; default 7 */
   akv_pool_type pool_type;        /* default AKV_POOL_AVG (paper Eq. 14) */
   akv_residual_scale residual_scale; /* default AKV_SCALE_LEAST_SQUARES */
@@ -234,7 +234,7 @@ typedef struct akv_compress_options {
   int32_t andpro_chunk;           /* ANDPRO: tokens per scored chunk, 1..64; default 4 */
   /* ---- AnchorKV beyond the paper (appended in 0.2). The defaults are the ones measured
    * best on a real model (README, "Quality on a real model"); akv_compress_options_init_paper
-   * sets all four to the paper's behaviour (0). ---- */
+   * sets them (and scored_fraction) to the paper's behaviour. ---- */
   int32_t sink_tokens;            /* ANCHORKV: the first sink_tokens prompt positions are always
                                      anchors (the attention sink, stored exactly); they take
                                      slots of the scored share (which grows to hold them) and
@@ -246,7 +246,7 @@ typedef struct akv_compress_options {
   double anchor_share;            /* ANCHORKV with anchors = 0: k starts from the paper's
                                      max(W, S/128) and grows by as many anchors as this share of
                                      the budget left after M_base pays for (each 4D+8 bytes per
-                                     head), clamped to S. In [0, 1]; default 0.4 */
+                                     head), clamped to S. In [0, 1]; default 0.7 */
   double guard_fraction;          /* ANCHORKV: share of each side's residual slots that goes,
                                      after the utility ranking (Eq. 6) has filled the rest, to
                                      the tokens with the largest residual energy
@@ -261,17 +261,17 @@ typedef struct akv_compress_options {
 } akv_compress_options;
 
 /* Defaults for every field; method = AKV_METHOD_ANCHORKV. The AnchorKV fields take the paper's
- * values (B.3: W 32, rho 0.7, pooling 7 avg, 2-bit residuals, seed 42) except where a real
+ * values (B.3: W 32, pooling 7 avg, 2-bit residuals, seed 42) except where a real
  * model (SmolLM2-135M, pass-key prompts of 2K-8K tokens; README "Quality on a real model")
  * measured better, each a deviation from the paper:
  *  - sink_tokens 4: the first positions are always anchors (exact);
- *  - anchor_share 0.4 and fill_budget 1: more anchors than max(W, S/128) where the budget has
+ *  - anchor_share 0.7 and fill_budget 1: more anchors than max(W, S/128) where the budget has
  *    room (at 4K tokens the paper's k is the window alone);
- *  - coverage_rounds 4: the anchors after the scored share are the worst-represented tokens,
- *    not a uniform sample;
+ *  - coverage_rounds 4 and scored_fraction 0.3 (paper: rho 0.7): after the scored share, most
+ *    anchors are the tokens the others represent worst, not a uniform sample;
  *  - guard_fraction 0.75: most residual slots go by residual energy, the rest by the Eq. 6
  *    utility (which only sees what the window queries attend to).
- * akv_compress_options_init_paper gives the paper's setup. */
+ * akv_compress_options_init_paper gives the paper's setup (these six fields as the paper). */
 AKV_API void akv_compress_options_init(akv_compress_options *options);
 
 /* akv_compress_options_init, then `method` and that method's paper defaults where they differ
@@ -310,8 +310,8 @@ AKV_API void akv_compress_options_init(akv_compress_options *options);
 AKV_API void akv_compress_options_init_method(akv_compress_options *options, akv_method method);
 
 /* akv_compress_options_init with the AnchorKV paper's own settings (B.3): no sink anchors,
- * k = max(W, S/128), no budget filling, residual slots by the Eq. 6 utility alone. The
- * preset for comparisons with the paper. */
+ * k = max(W, S/128), no budget filling, rho 0.7 with a uniform sample for the rest, residual
+ * slots by the Eq. 6 utility alone. The preset for comparisons with the paper. */
 AKV_API void akv_compress_options_init_paper(akv_compress_options *options);
 
 /* Shape of one layer of one request. Frozen layout. */

@@ -128,8 +128,15 @@ def test_option_init_fills_documented_defaults():
     assert options.method == anchorkv.Method.ANCHORKV
     assert options.retain_fraction == pytest.approx(0.05)
     assert options.window == 32
-    assert options.scored_fraction == pytest.approx(0.7)
+    assert options.scored_fraction == pytest.approx(0.3)  # measured on a real model; paper 0.7
     assert options.pool_kernel == 7
+    assert (options.sink_tokens, options.fill_budget, options.coverage_rounds) == (4, 1, 4)
+    assert (options.anchor_share, options.guard_fraction) == (pytest.approx(0.7), pytest.approx(0.75))
+    paper = _capi.akv_compress_options()
+    _capi.akv_compress_options_init_paper(ctypes.byref(paper))
+    assert paper.scored_fraction == pytest.approx(0.7)
+    assert (paper.sink_tokens, paper.fill_budget, paper.coverage_rounds) == (0, 0, 0)
+    assert (paper.anchor_share, paper.guard_fraction) == (0.0, 0.0)
     assert options.seed == 42
     assert options.rope.style == anchorkv.RopeStyle.NEOX
     assert options.rope.base == 10000.0

@@ -266,7 +266,7 @@ AKV_API void akv_compress_options_init(akv_compress_options *o) {
   o->retain_fraction = 0.05;
   o->window = 32;
   o->anchors = 0;
-  o->scored_fraction = 0.7;
+  o->scored_fraction = 0.3;
   o->pool_kernel = 7;
   o->pool_type = AKV_POOL_AVG;
   o->residual_scale = AKV_SCALE_LEAST_SQUARES;
@@ -287,7 +287,7 @@ AKV_API void akv_compress_options_init(akv_compress_options *o) {
   o->andpro_chunk = 4;
   o->sink_tokens = 4;
   o->fill_budget = 1;
-  o->anchor_share = 0.4;
+  o->anchor_share = 0.7;
   o->guard_fraction = 0.75;
   o->coverage_rounds = 4;
 }
@@ -295,6 +295,7 @@ AKV_API void akv_compress_options_init(akv_compress_options *o) {
 AKV_API void akv_compress_options_init_paper(akv_compress_options *o) {
   if (!o) return;
   akv_compress_options_init(o);
+  o->scored_fraction = 0.7;
   o->sink_tokens = 0;
   o->fill_budget = 0;
   o->anchor_share = 0.0;

@@ -198,6 +198,7 @@ TEST(CompressedSize, AutomaticAnchorsFollowTheBudget) {
 TEST(CompressedSize, PaperPresetKeepsThePaperAnchors) {
   akv_compress_options options;
   akv_compress_options_init_paper(&options);
+  EXPECT_EQ(options.scored_fraction, 0.7);
   EXPECT_EQ(options.sink_tokens, 0);
   EXPECT_EQ(options.anchor_share, 0.0);
   EXPECT_EQ(options.fill_budget, 0);

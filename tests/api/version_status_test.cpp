@@ -69,7 +69,7 @@ TEST(Handles, ContextWithNullOptionsUsesCpuDefaults) {
   akv_context_destroy(context);
 }
 
-TEST(Options, InitFillsPaperDefaults) {
+TEST(Options, InitFillsDocumentedDefaults) {
   akv_compress_options options;
   std::memset(&options, 0x5A, sizeof options);
   akv_compress_options_init(&options);
@@ -78,7 +78,7 @@ TEST(Options, InitFillsPaperDefaults) {
   EXPECT_DOUBLE_EQ(options.retain_fraction, 0.05);
   EXPECT_EQ(options.window, 32);
   EXPECT_EQ(options.anchors, 0);
-  EXPECT_DOUBLE_EQ(options.scored_fraction, 0.7);
+  EXPECT_DOUBLE_EQ(options.scored_fraction, 0.3);  // the paper's 0.7 is in akv_compress_options_init_paper
   EXPECT_EQ(options.pool_kernel, 7);
   EXPECT_EQ(options.pool_type, AKV_POOL_AVG);
   EXPECT_EQ(options.residual_scale, AKV_SCALE_LEAST_SQUARES);

@@ -33,11 +33,13 @@ inline const MethodEntry kMethods[] = {
     {"FullKV",      AKV_METHOD_FULLKV,      false,  false,   true,    nullptr},
     {"AnchorKV",    AKV_METHOD_ANCHORKV,    true,   true,    true,    nullptr},
     // The AnchorKV paper's own settings (akv_compress_options_init_paper): no sink anchors,
-    // k = max(W, S/128), no budget filling, residual slots by utility alone.
+    // k = max(W, S/128), no budget filling, rho 0.7 and a uniform sample, residual slots by
+    // utility alone.
     {"AnchorKV-paper", AKV_METHOD_ANCHORKV, true,   true,    true,
      [](akv_compress_options *o) {
        akv_compress_options paper;
        akv_compress_options_init_paper(&paper);
+       o->scored_fraction = paper.scored_fraction;
        o->sink_tokens = paper.sink_tokens;
        o->anchor_share = paper.anchor_share;
        o->fill_budget = paper.fill_budget;

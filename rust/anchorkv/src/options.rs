@@ -152,7 +152,8 @@ impl CompressOptions {
         CompressOptions { raw: unsafe { raw.assume_init() }, inv_freq: None }
     }
     /// AnchorKV as its paper sets it up (`akv_compress_options_init_paper`): no sink anchors,
-    /// k = max(W, S/128), no budget filling, residual slots by the Eq. 6 utility alone.
+    /// k = max(W, S/128), no budget filling, rho 0.7 with a uniform sample for the rest,
+    /// residual slots by the Eq. 6 utility alone.
     pub fn paper() -> Self {
         let mut raw = MaybeUninit::<sys::akv_compress_options>::zeroed();
         // SAFETY: init_paper writes every field of the struct it is given.
