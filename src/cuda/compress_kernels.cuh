@@ -563,30 +563,20 @@ __global__ void iota_kernel(uint32_t *ids, uint32_t first, int64_t n) {
 
 // ---- Coverage anchors (coverage_rounds > 0; CPU: add_coverage_anchors) ----------------------
 
-// Unit rows of one side's prefix (zero rows stay zero) and their squared norms; one warp per row.
-__global__ void unit_rows_kernel(const float *X, int64_t P, int D, float *unit, float *norm_sq) {
-  const int lane = threadIdx.x & 31;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
-  if (t >= P) return;
-  float n2 = 0.0f;
-  for (int d = lane; d < D; d += 32) n2 += X[t * D + d] * X[t * D + d];
-  n2 = warp_sum(n2);
-  const float inv = n2 > 0.0f ? 1.0f / sqrtf(n2) : 0.0f;
-  for (int d = lane; d < D; d += 32) unit[t * D + d] = X[t * D + d] * inv;
-  if (lane == 0) norm_sq[t] = n2;
-}
-
-// rows[i] = X[ids[i]] / ||X[ids[i]]|| for the n anchors just added; one warp per row.
-__global__ void gather_unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n, int D, float *rows) {
+// rows[i] = X[r] / ||X[r]|| (zero rows stay zero) for r = ids[i], or r = i without ids, and
+// ||X[r]||^2 into norm_sq when given: the unit prefix rows, and the rows of the anchors being
+// absorbed. One warp per row.
+__global__ void unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n, int D, float *rows, float *norm_sq) {
   const int lane = threadIdx.x & 31;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
-  const float *x = X + static_cast<int64_t>(ids[i]) * D;
+  const float *x = X + (ids ? static_cast<int64_t>(ids[i]) : i) * D;
   float n2 = 0.0f;
   for (int d = lane; d < D; d += 32) n2 += x[d] * x[d];
   n2 = warp_sum(n2);
   const float inv = n2 > 0.0f ? 1.0f / sqrtf(n2) : 0.0f;
   for (int d = lane; d < D; d += 32) rows[i * D + d] = x[d] * inv;
+  if (norm_sq && lane == 0) norm_sq[i] = n2;
 }
 
 // best[t0 + i] = max(best, C[i][j]^2 over the n new anchors): the best |cos| so far, squared.

@@ -365,7 +365,8 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int64_t S, int64_t P, 
   const float *X[2] = {s.kpre, s.v};
   float *unit[2] = {s.rk, s.kpost};
   for (int side = 0; side < 2; ++side) {
-    dev.launch(unit_rows_kernel, grid_blocks(P, 4), 1, 128, X[side], P, D, unit[side], s.cover_norm_sq[side]);
+    dev.launch(unit_rows_kernel, grid_blocks(P, 4), 1, 128, X[side], static_cast<const uint32_t *>(nullptr), P, D,
+               unit[side], s.cover_norm_sq[side]);
     dev.fill(s.cover_best[side], 0, P * sizeof(float));
   }
   dev.fill(s.cover_anchor, 0, P * sizeof(int32_t));
@@ -373,7 +374,8 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int64_t S, int64_t P, 
   auto absorb = [&](const uint32_t *ids, int64_t n) {
     if (n == 0) return;
     for (int side = 0; side < 2; ++side) {
-      dev.launch(gather_unit_rows_kernel, grid_blocks(n, 4), 1, 128, X[side], ids, n, D, s.anchor_n);
+      dev.launch(unit_rows_kernel, grid_blocks(n, 4), 1, 128, X[side], ids, n, D, s.anchor_n,
+                 static_cast<float *>(nullptr));
       for (int64_t t0 = 0; t0 < P; t0 += CompressScratch::kAssignChunk) {
         const int64_t m = std::min<int64_t>(CompressScratch::kAssignChunk, P - t0);
         dev.gemm_nt(m, n, D, 1.0f, unit[side] + t0 * D, D, s.anchor_n, D, s.c, n);

@@ -193,7 +193,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
 
   std::vector<float> Kpre(S * D), Kpost(S * D), V(S * D), Q(m * D), Y(m * D), A(m * S);
   std::vector<float> Z(m * P), VY(m * P), anchor_f(k * D), anchor_n(k * D), anchor_norm(k);
-  std::vector<float> raw(P), pooled(P), alpha_sq(P), v_norm_sq(P), rv_norm_sq(P);
+  std::vector<float> raw(P), pooled(P), alpha_sq(P);
   for (int h = 0; h < H; ++h) {
     // 1. Load this head: pre- and post-RoPE keys, values, and the group's window queries.
     pool.parallel_for(S, [&](int64_t b, int64_t e) {
@@ -317,8 +317,6 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
               // The key residual as attention sees it: rotated to the token's position.
               in.rotate(r.data(), t);
               std::memcpy(&Kpost[t * D], r.data(), D * sizeof(float));
-            } else {
-              rv_norm_sq[t] = static_cast<float>(n2);
             }
           }
         }
@@ -351,7 +349,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
           uk += a * a * z * z * dist;
         }
         u_key[t] = static_cast<float>(uk / (static_cast<double>(m) * D));
-        u_value[t] = alpha_sq[t] * rv_norm_sq[t];
+        u_value[t] = alpha_sq[t] * energy[1][h * P + t];
       }
     });
   }

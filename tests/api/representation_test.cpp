@@ -26,6 +26,22 @@ double cosine(const double *a, const double *b, int n) {
 
 std::vector<double> row(const float *x, int n) { return std::vector<double>(x, x + n); }
 
+// x - gamma x_a for the stored row x_a (head h of [H][S][D]) of the anchor with the largest
+// |cos| to x (ties: the first), gamma = <x, x_a> / ||x_a||^2: the residual AnchorKV encodes.
+std::vector<double> residual_against_best_anchor(const std::vector<double> &x, const std::vector<float> &stored, int h,
+                                                 int64_t S, int D, const std::vector<int64_t> &anchors) {
+  double best = -1.0, gamma = 0.0;
+  std::vector<double> best_anchor;
+  for (int64_t a : anchors) {
+    const std::vector<double> xa = row(&stored[(static_cast<size_t>(h) * S + a) * D], D);
+    const double c = std::fabs(cosine(x.data(), xa.data(), D));
+    if (c > best) best = c, gamma = dot(x.data(), xa.data(), D) / dot(xa.data(), xa.data(), D), best_anchor = xa;
+  }
+  std::vector<double> r(D);
+  for (int d = 0; d < D; ++d) r[d] = x[d] - gamma * best_anchor[d];
+  return r;
+}
+
 // Per head: which positions are anchors (K and V both exact), and per side whether every
 // other position is a pure projection (collinear with an anchor) or carries a residual.
 struct RowAnalysis {
@@ -406,18 +422,8 @@ TEST(ResidualAllocation, LargestUtilitiesPooledOverHeads) {
       for (int side = 0; side < 2; ++side) {
         const std::vector<float> &input = side == 0 ? data.keys.values : data.values.values;
         const std::vector<float> &stored = side == 0 ? stored_keys : stored_values;
-        const std::vector<double> x(&input[(static_cast<size_t>(h) * S + t) * D],
-                                    &input[(static_cast<size_t>(h) * S + t) * D] + D);
-        const double *x_ptr = x.data();
-        double best = -1.0, gamma = 0.0;
-        std::vector<double> best_anchor;
-        for (int64_t a : rows.anchors[h]) {
-          std::vector<double> xa(&stored[(static_cast<size_t>(h) * S + a) * D], &stored[(static_cast<size_t>(h) * S + a) * D] + D);
-          const double c = std::fabs(cosine(x_ptr, xa.data(), D));
-          if (c > best) best = c, gamma = dot(x_ptr, xa.data(), D) / dot(xa.data(), xa.data(), D), best_anchor = xa;
-        }
-        std::vector<double> r(D);
-        for (int d = 0; d < D; ++d) r[d] = x[d] - gamma * best_anchor[d];
+        const std::vector<double> x = row(&input[(static_cast<size_t>(h) * S + t) * D], D);
+        std::vector<double> r = residual_against_best_anchor(x, stored, h, S, D, rows.anchors[h]);
         if (side == 0) rope.rotate_row(r.data(), D, data.positions[t], freq);
         double utility = 0.0;
         for (int g = 0; g < G; ++g)
@@ -622,18 +628,8 @@ TEST(Additions, GuardResidualsGoToTheLargestResidualEnergy) {
     for (int64_t t = 0; t < P; ++t) {
       if (std::binary_search(all.anchors[h].begin(), all.anchors[h].end(), t)) continue;
       const std::vector<double> x = row(&data.keys.values[(static_cast<size_t>(h) * S + t) * D], D);
-      double best = -1.0, energy = 0.0;
-      for (int64_t a : all.anchors[h]) {
-        const std::vector<double> xa = row(&stored_keys[(static_cast<size_t>(h) * S + a) * D], D);
-        const double c = std::fabs(cosine(x.data(), xa.data(), D));
-        if (c > best) {
-          best = c;
-          const double gamma = dot(x.data(), xa.data(), D) / dot(xa.data(), xa.data(), D);
-          energy = 0.0;
-          for (int d = 0; d < D; ++d) energy += (x[d] - gamma * xa[d]) * (x[d] - gamma * xa[d]);
-        }
-      }
-      (all.key_kind[h][t] == kWithResidual ? chosen : unchosen).push_back(energy);
+      const std::vector<double> r = residual_against_best_anchor(x, stored_keys, h, S, D, all.anchors[h]);
+      (all.key_kind[h][t] == kWithResidual ? chosen : unchosen).push_back(dot(r.data(), r.data(), D));
     }
     ASSERT_FALSE(chosen.empty());
     ASSERT_FALSE(unchosen.empty());
