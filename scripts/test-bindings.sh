@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Bindings and consumer examples against a built and an installed libanchorkv (CPU backend):
-#   python    pytest from the source tree (ANCHORKV_LIBRARY), then `pip install` of python/
-#             into a throwaway venv and pytest again (library through the loader path)
+#   python    pytest from the source tree (ANCHORKV_LIBRARY), then `pip install ./python`
+#             (which builds and bundles the library) into a throwaway venv, the README
+#             example and pytest again with no environment variable
 #   rust      cargo test --offline (ANCHORKV_LIB_DIR) and the quickstart example; the
 #             -sys crate once more through pkg-config
 #   java      the SWIG binding built against the prefix, its example run as the test
@@ -138,35 +139,34 @@ python_source_tree() {
 }
 
 python_installed() {
-  # A venv that sees the system's numpy and pytest; the package is installed from a copy
-  # so the source tree gets no build/ or egg-info.
+  # `pip install ./python` builds the library with CMake (scikit-build-core) and bundles it
+  # in the wheel. A venv that sees the system's numpy and pytest; the build backend comes
+  # from PyPI, or from the system when offline (--no-build-isolation).
   python3 -m venv --system-site-packages "$WORK/venv"
-  cp -r "$ROOT/python" "$WORK/python-src"
-  rm -rf "$WORK/python-src/build" "$WORK/python-src"/*.egg-info
-  "$WORK/venv/bin/pip" install --no-deps -q "$WORK/python-src" ||
-    "$WORK/venv/bin/pip" install --no-deps --no-build-isolation -q "$WORK/python-src"
-  # Run outside the source tree so `import anchorkv` is the installed package, with the
-  # library found by the dynamic loader (no ANCHORKV_LIBRARY).
+  local started=$SECONDS
+  "$WORK/venv/bin/pip" install --no-deps -q "$ROOT/python" ||
+    "$WORK/venv/bin/pip" install --no-deps --no-build-isolation -q "$ROOT/python"
+  echo "pip install ./python: $((SECONDS - started)) s"
+  # Run outside the source tree so `import anchorkv` is the installed package, with no
+  # ANCHORKV_LIBRARY and no loader path: the library must be the bundled one.
   cd "$WORK"
-  env -u ANCHORKV_LIBRARY LD_LIBRARY_PATH="$PREFIX_LIB_DIR"${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
-    "$WORK/venv/bin/python" -c 'import anchorkv, sys; print("installed:", anchorkv.__file__, "library:", anchorkv._capi.library_path, anchorkv.library_version())'
-  env -u ANCHORKV_LIBRARY LD_LIBRARY_PATH="$PREFIX_LIB_DIR"${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
-    ANCHORKV_INCLUDE_DIR="$PREFIX/include" \
-    "$WORK/venv/bin/python" -m pytest -q -p no:cacheprovider "$WORK/python-src/tests"
-}
-
-python_doc() {
+  env -u ANCHORKV_LIBRARY -u LD_LIBRARY_PATH "$WORK/venv/bin/python" - <<'PY'
+import os, anchorkv
+bundled = os.path.join(os.path.dirname(anchorkv.__file__), "libanchorkv.so.0")
+print("installed:", anchorkv.__file__, "library:", anchorkv._capi.library_path, anchorkv.library_version())
+assert anchorkv._capi.library_path == bundled, "the wheel's own library was not the one loaded"
+PY
   doc_block python >"$WORK/doc_example.py"
-  ANCHORKV_LIBRARY="$BUILT_LIBRARY" PYTHONPATH="$ROOT/python"${PYTHONPATH:+:$PYTHONPATH} \
-    python3 "$WORK/doc_example.py"
+  env -u ANCHORKV_LIBRARY -u LD_LIBRARY_PATH "$WORK/venv/bin/python" "$WORK/doc_example.py"
+  env -u ANCHORKV_LIBRARY -u LD_LIBRARY_PATH ANCHORKV_INCLUDE_DIR="$PREFIX/include" \
+    "$WORK/venv/bin/python" -m pytest -q -p no:cacheprovider "$ROOT/python/tests"
 }
 
 if wants python; then
   PART=python
   if need python3; then
     run_step "python: pytest, source tree, ANCHORKV_LIBRARY=build dir" python_source_tree
-    run_step "python: pip install ./python, pytest, library on the loader path" python_installed
-    run_step "python: README.md example" python_doc
+    run_step "python: pip install ./python (library built and bundled), README example, pytest" python_installed
   fi
 fi
 

@@ -5,7 +5,7 @@ import ctypes
 import threading
 from ctypes import byref, c_size_t
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, Union, overload
 
 import numpy as np
 
@@ -13,6 +13,11 @@ from . import _capi
 from . import _tensors as tensors
 from ._enums import (Backend, DType, Method, PoolType, ResidualScale, RopeStyle, Status)
 from ._errors import InvalidArgumentError, MismatchError, check
+
+
+# An array argument: a numpy array, any object with __dlpack__ or __cuda_array_interface__
+# (torch, CuPy, JAX), or a nested sequence of numbers (copied into numpy).
+ArrayLike = Union[np.ndarray, Any]
 
 
 # ---- Plain result records ----------------------------------------------------------------
@@ -120,7 +125,8 @@ def compress_options(*, head_dim: int | None = None,
             raise ValueError("preset='paper' is AnchorKV's; pass no other method")
         _capi.akv_compress_options_init_paper(byref(struct))
     elif options.get("method") is not None:
-        _capi.akv_compress_options_init_method(byref(struct), Method.parse(options["method"]))
+        _capi.akv_compress_options_init_method(
+            byref(struct), _convert_option("method", Method.parse, options["method"]))
     else:
         _capi.akv_compress_options_init(byref(struct))
     keepalive = None
@@ -128,18 +134,35 @@ def compress_options(*, head_dim: int | None = None,
         if value is None:
             continue
         if name in _OPTION_CONVERTERS:
-            setattr(struct, name, _OPTION_CONVERTERS[name](value))
+            setattr(struct, name, _convert_option(name, _OPTION_CONVERTERS[name], value))
         elif name in _ROPE_CONVERTERS:
             field, convert = _ROPE_CONVERTERS[name]
-            setattr(struct.rope, field, convert(value))
+            setattr(struct.rope, field, _convert_option(name, convert, value))
         elif name == "inv_freq":
-            keepalive = np.ascontiguousarray(value, dtype=np.float32)
+            keepalive = _convert_option(name, _float32_array, value)
             struct.rope.inv_freq = keepalive.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
         else:
             raise TypeError(f"unknown compression option {name!r}; known: {', '.join(OPTION_NAMES)}")
     if keepalive is not None:
         _check_inv_freq(keepalive, struct.rope, head_dim)
     return struct, keepalive
+
+
+def _convert_option(name: str, convert, value):
+    """convert(value), with a TypeError that names the option when value has the wrong type."""
+    try:
+        return convert(value)
+    except TypeError:
+        raise TypeError(f"compression option {name} must be a number or a name, not "
+                        f"{type(value).__name__}") from None
+    except ValueError as error:
+        if isinstance(error, InvalidArgumentError):
+            raise
+        raise ValueError(f"compression option {name}: {error}") from None
+
+
+def _float32_array(value) -> np.ndarray:
+    return np.ascontiguousarray(value, dtype=np.float32)
 
 
 def _check_inv_freq(table: np.ndarray, rope: _capi.akv_rope, head_dim: int | None) -> None:
@@ -298,7 +321,10 @@ class Context(_Owner):
 
         Arrays may be strided in the head and token dimensions (last dimension contiguous)
         and are passed without copying. dtype: needed for raw uint16 bf16/f16 data.
-        window defaults to queries.shape[1]. Other options: see compress_options().
+        queries must hold the method's window of positions (AnchorKV 32, SnapKV 64, ...: see
+        compress_options()) or `window` must say how many they hold; a mismatch is refused.
+        num_q_heads: Hq when no queries are given (default H). Other options: see
+        compress_options().
         """
         requested = DType.parse(dtype) if dtype is not None else None
         user_stream = None if stream is None else tensors.resolve_stream(stream, ())
@@ -333,11 +359,6 @@ class Context(_Owner):
             if num_q_heads is not None and num_q_heads != query_view.shape[0]:
                 raise InvalidArgumentError("num_q_heads disagrees with queries.shape[0]")
             num_q_heads = query_view.shape[0]
-            window = query_view.shape[1]
-            if options.get("window") is None:
-                options["window"] = window
-            elif int(options["window"]) != window:
-                raise InvalidArgumentError(f"window={options['window']} but queries hold {window} positions")
         if position_view is not None:
             position_view = tensors.contiguous(position_view, name="positions")
             if position_view.shape != (seq_len,):
@@ -348,6 +369,8 @@ class Context(_Owner):
             query_view = _strided_ok(query_view, "queries")
 
         struct, keepalive = compress_options(head_dim=head_dim, **options)
+        if query_view is not None:
+            _check_window(struct, query_view.shape[1], options.get("window") is not None)
         prefill = _capi.akv_prefill()
         _capi.akv_prefill_init(byref(prefill))
         prefill.shape = _capi.akv_shape(seq_len, heads, num_q_heads or heads, head_dim)
@@ -430,6 +453,27 @@ class Context(_Owner):
         return out, out_view
 
 
+def _check_window(struct: _capi.akv_compress_options, positions: int, given: bool) -> None:
+    """The queries must cover the method's window: refuse a mismatch rather than pick a winner.
+
+    Taking the window from the queries would silently change a method's setup (SnapKV,
+    PyramidKV and AdaKV observe 64 positions in their papers; an engine following AnchorKV's
+    32 would get another SnapKV). FullKV reads no window, so any count of queries is fine.
+    """
+    if positions == struct.window:
+        return
+    if given:
+        raise InvalidArgumentError(f"window={struct.window} but queries hold {positions} positions")
+    if struct.method == Method.FULLKV:
+        struct.window = positions
+        return
+    method = Method(struct.method).name
+    raise InvalidArgumentError(
+        f"queries hold {positions} positions but {method}'s window is {struct.window}: pass "
+        f"window={positions} to observe {positions} positions, or the queries of the last "
+        f"{struct.window}")
+
+
 def _stride_fields(view: tensors.TensorView) -> tuple[int, int]:
     return view.strides[0], view.strides[1]
 
@@ -480,6 +524,7 @@ class Cache(_Owner):
         cache._context_handle.cache_opened()
         cache._raw_handle = raw_cache
         cache._lock = threading.Lock()
+        cache._host = context.backend == Backend.CPU  # numpy arrays take the fast paths
         try:
             cache._shape = cache.stats.shape
         except BaseException:
@@ -556,8 +601,21 @@ class Cache(_Owner):
         with self._lock:
             check(_capi.akv_cache_reserve(self._raw(), int(tokens), self._context._stream(stream, ())))
 
-    def append(self, keys, values, positions=None, *, dtype=None, stream=None) -> None:
+    def append(self, keys: ArrayLike, values: ArrayLike, positions: ArrayLike | None = None, *,
+               dtype: DType | str | None = None, stream: Any = None) -> None:
         """Append new tokens exactly: keys, values [H][n][D] (or [H][D] for one token)."""
+        if self._host and dtype is None and positions is None:  # the per-token call (numpy)
+            code = _plain_host(keys)
+            shape = keys.shape if code is not None else ()
+            if len(shape) in (2, 3) and shape[0] == self._shape.num_kv_heads and \
+                    shape[-1] == self._shape.head_dim and shape[-2] > 0 and \
+                    _plain_host(values) == code and values.shape == shape:
+                with self._lock:
+                    status = _capi.akv_append(self._raw(), keys.ctypes.data, values.ctypes.data,
+                                              code, shape[1] if len(shape) == 3 else 1, None, None)
+                if status:
+                    check(status)
+                return
         requested = DType.parse(dtype) if dtype is not None else None
         user_stream = None if stream is None else tensors.resolve_stream(stream, ())
         key_view = tensors.view(keys, name="keys", dtype=requested, stream=user_stream)
@@ -588,12 +646,39 @@ class Cache(_Owner):
                                    key_view.dtype, num_tokens, position_pointer, raw_stream))
         del position_array
 
+    @overload
+    def decode(self, queries: np.ndarray, out: np.ndarray | None = None, *,
+               dtype: DType | str | None = None, stream: None = None) -> np.ndarray: ...
+
+    @overload
+    def decode(self, queries: ArrayLike, out: ArrayLike | None = None, *,
+               dtype: DType | str | None = None, stream: Any = None) -> Any: ...
+
     def decode(self, queries, out=None, *, dtype=None, stream=None):
         """Attention of new queries over the whole cache.
 
         queries: [Hq][q_len][D] (or [Hq][D] for q_len = 1), post-RoPE; out: same shape and
-        dtype, allocated (numpy, torch or CuPy, like the queries) when not given.
+        dtype, allocated (numpy, torch or CuPy, like the queries) when not given. Returns out.
         """
+        if self._host and dtype is None:  # the per-token call: numpy without the general path
+            code = _plain_host(queries)
+            shape = queries.shape if code is not None else ()
+            if len(shape) in (2, 3) and shape[0] == self._shape.num_q_heads and \
+                    shape[-1] == self._shape.head_dim and shape[-2] > 0:
+                if out is None:
+                    out = np.empty(shape, queries.dtype)
+                if _plain_host(out) == code and out.shape == shape and out.flags.writeable:
+                    with self._lock:
+                        status = _capi.akv_decode(self._raw(), queries.ctypes.data, code,
+                                                  shape[1] if len(shape) == 3 else 1,
+                                                  out.ctypes.data, None)
+                    if status:
+                        check(status)
+                    return out
+        return self._decode_any(queries, out, dtype, stream)
+
+    def _decode_any(self, queries, out, dtype, stream):
+        """decode() for every kind of array: views, device checks, strides, streams."""
         requested = DType.parse(dtype) if dtype is not None else None
         user_stream = None if stream is None else tensors.resolve_stream(stream, ())
         query_view = tensors.view(queries, name="queries", dtype=requested, stream=user_stream)
@@ -692,9 +777,19 @@ class Cache(_Owner):
 
     @classmethod
     def from_bytes(cls, data, context: Context | None = None) -> "Cache":
-        """Deserialize; without a context, a new CPU context is made and owned by the cache."""
-        # A new context lives as long as the cache that holds it.
-        return (context if context is not None else Context()).deserialize(data)
+        """Deserialize; without a context, into the shared default CPU context."""
+        return (context if context is not None else _default_context()).deserialize(data)
+
+
+_HOST_DTYPES = {np.dtype(np.float32): int(DType.F32), np.dtype(np.float16): int(DType.F16)}
+
+
+def _plain_host(array) -> int | None:
+    """The akv_dtype of a C-contiguous float32/float16 numpy array; None for anything else
+    (which the general path takes)."""
+    if type(array) is not np.ndarray or not array.flags.c_contiguous:
+        return None
+    return _HOST_DTYPES.get(array.dtype)
 
 
 def _with_token_axis(view: tensors.TensorView) -> tensors.TensorView:
@@ -742,12 +837,27 @@ def _byte_view(obj, name: str) -> tensors.TensorView:
 
 
 def compress(keys, values, queries=None, *, context: Context | None = None, **options) -> Cache:
-    """Compress one layer. Without a context, a CPU context is made for (and owned by) the cache.
+    """Compress one layer. Without a context, in the shared default CPU context.
 
     See Context.compress for the arguments.
     """
-    # A new context lives as long as the cache that holds it.
-    return (context if context is not None else Context()).compress(keys, values, queries, **options)
+    return (context if context is not None else _default_context()).compress(keys, values, queries,
+                                                                            **options)
+
+
+_default_lock = threading.Lock()
+_default: Context | None = None
+
+
+def _default_context() -> Context:
+    """The CPU context of calls given none: made on first use, then shared by every such call,
+    so they share one thread pool (a context per call would start threads per call). Its calls
+    are serialised by that pool; pass a Context of your own to compress in parallel."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = Context()
+        return _default
 
 
 def status_string(status: Status | int) -> str:

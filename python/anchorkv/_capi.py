@@ -6,7 +6,7 @@ here frees anything or raises on a status: the high-level module (anchorkv._api)
 The shared library is found, in order, through
   1. the ANCHORKV_LIBRARY environment variable (a file, or a directory holding the library);
      when it is set and does not load, import fails instead of falling back silently;
-  2. the package directory (a wheel may bundle libanchorkv.so.0 beside this file);
+  2. the package directory (`pip install ./python` bundles libanchorkv.so.0 beside this file);
   3. the system: the dynamic loader's search path (LD_LIBRARY_PATH, ldconfig), then
      ctypes.util.find_library("anchorkv").
 """

@@ -230,9 +230,13 @@ def view(obj, *, name: str, dtype: DType | None = None, expect_int32: bool = Fal
         return _from_dlpack(obj, dtype, name, expect_int32, stream)
     if writable:
         raise InvalidArgumentError(f"{name} must be an array the library can write into")
-    if expect_int32:
-        return _from_numpy(np.ascontiguousarray(obj, dtype=np.int32), None, name, True)
     array = np.asarray(obj)
+    if array.dtype.kind not in "biuf":  # e.g. object(): numpy would raise float()'s TypeError
+        raise TypeError(f"{name} must be an array (numpy, or with __dlpack__ or "
+                        f"__cuda_array_interface__) or a sequence of numbers, not "
+                        f"{type(obj).__name__}")
+    if expect_int32:
+        return _from_numpy(np.ascontiguousarray(array, dtype=np.int32), None, name, True)
     if array.dtype not in (np.float32, np.float16, np.uint16, np.int16):
         array = array.astype(np.float32)  # a plain list of numbers
     return _from_numpy(np.ascontiguousarray(array), dtype, name, False)

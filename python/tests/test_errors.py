@@ -164,3 +164,42 @@ def test_error_classes_cover_every_status():
         error = anchorkv._errors.error_for(status, "detail")
         assert error.status == status and type(error) is not anchorkv.AnchorKVError
         assert str(error) == f"{status.name}: detail"
+
+
+def test_wrong_types_raise_type_errors_that_name_the_argument(layer):
+    keys, values, window = layer
+    with pytest.raises(TypeError, match="keys must be an array"):
+        anchorkv.compress(object(), values, window)
+    with pytest.raises(TypeError, match="compression option retain_fraction must be a number"):
+        anchorkv.compress(keys, values, window, retain_fraction=object())
+    with pytest.raises(TypeError, match="option method"):
+        anchorkv.compress(keys, values, window, method=object())
+    cache = anchorkv.compress(keys, values, window, method="fullkv")
+    with pytest.raises(TypeError, match="queries must be an array"):
+        cache.decode(object())
+
+
+def test_enums_are_named_in_library_messages(layer):
+    keys, values, window = layer
+    with raises_status(anchorkv.InvalidArgumentError, Status.INVALID_ARGUMENT) as info:
+        anchorkv.compress(keys, values, window, storage_dtype="f32")
+    assert "storage_dtype f32 " in info.value.message
+
+
+def test_a_window_that_disagrees_with_the_method_is_refused(layer):
+    keys, values, window = layer  # 32 query positions; SnapKV's window is 64
+    with pytest.raises(anchorkv.InvalidArgumentError, match="SNAPKV's window is 64.*window=32"):
+        anchorkv.compress(keys, values, window, method="snapkv", retain_fraction=0.5)
+    cache = anchorkv.compress(keys, values, window, method="snapkv", retain_fraction=0.5, window=32)
+    assert cache.stats.window == 32
+    # FullKV reads no window: any number of queries goes.
+    anchorkv.compress(keys, values, window[:, :5], method="fullkv")
+
+
+def test_calls_without_a_context_share_one(layer):
+    keys, values, window = layer
+    data = bytes(anchorkv.compress(keys, values, window, method="fullkv"))
+    caches = [anchorkv.Cache.from_bytes(data) for _ in range(8)]
+    assert len({id(cache.context) for cache in caches}) == 1
+    caches[0].context.close()  # closing the shared context: the next call makes another
+    assert anchorkv.Cache.from_bytes(data).context is not caches[0].context

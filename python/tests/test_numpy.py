@@ -283,3 +283,21 @@ def test_baseline_decode_equals_attention_over_what_it_keeps(rng, method, theta)
     np.testing.assert_allclose(cache.decode(query), expected, atol=1e-4)
     restored = anchorkv.Cache.from_bytes(bytes(cache))
     np.testing.assert_array_equal(restored.decode(query), cache.decode(query))
+
+
+def test_numpy_fast_paths_match_the_general_path(rng):
+    """decode/append of contiguous numpy arrays skip the general view code: same results."""
+    keys, values, window = make_layer(rng)
+    fast = anchorkv.compress(keys, values, window, method="fullkv")
+    general = anchorkv.compress(keys, values, window, method="fullkv")
+    new_keys, new_values = keys[:, :3].copy(), values[:, :3].copy()
+    fast.append(new_keys, new_values)
+    general.append(new_keys.tolist(), new_values.tolist())  # lists: the general path
+    query = rng.standard_normal((2, 4, 64), dtype=np.float32)[0]
+    assert np.array_equal(fast.decode(query), general.decode(query.tolist()))
+    queries = rng.standard_normal((4, 3, 64), dtype=np.float32)
+    out = np.empty_like(queries)
+    assert fast.decode(queries, out) is out
+    np.testing.assert_array_equal(out, general.decode(np.asfortranarray(queries)))
+    with pytest.raises(anchorkv.InvalidArgumentError, match="out must be"):
+        fast.decode(queries, np.empty((4, 2, 64), np.float32))

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "api/guard.hpp"
@@ -56,10 +57,16 @@ void check_enum(int32_t value, int32_t first, int32_t last, const char *name) {
   if (value < first || value > last) fail(AKV_ERR_INVALID_ARGUMENT, name, " ", value, " is not a known value");
 }
 
+// A raw dtype value by its name when it is one ("f32"), else by its number.
+std::string dtype_label(int32_t v) {
+  if (v >= AKV_DTYPE_AUTO && v <= AKV_DTYPE_BF16) return dtype_name(static_cast<akv_dtype>(v));
+  return "value " + std::to_string(v);
+}
+
 void check_input_dtype(const akv_dtype &t, const char *name) {
   const int32_t v = raw_enum(t);
   if (v != AKV_DTYPE_F32 && v != AKV_DTYPE_F16 && v != AKV_DTYPE_BF16)
-    fail(AKV_ERR_INVALID_ARGUMENT, name, " ", v, " is not F32, F16 or BF16");
+    fail(AKV_ERR_INVALID_ARGUMENT, name, " ", dtype_label(v), " is not f32, f16 or bf16");
 }
 
 bool on_cuda(const akv_context *ctx) { return ctx->backend == AKV_BACKEND_CUDA; }
@@ -352,7 +359,7 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
   check_enum(raw_enum(o.rope.style), AKV_ROPE_NONE, AKV_ROPE_GPTJ, "rope.style");
   const int32_t storage = raw_enum(o.storage_dtype);
   if (storage != AKV_DTYPE_AUTO && storage != AKV_DTYPE_BF16 && storage != AKV_DTYPE_F16)
-    fail(AKV_ERR_INVALID_ARGUMENT, "storage_dtype ", storage, " must be AUTO, F16 or BF16");
+    fail(AKV_ERR_INVALID_ARGUMENT, "storage_dtype ", dtype_label(storage), " must be auto, f16 or bf16");
   if (!std::isfinite(o.softmax_scale) || o.softmax_scale < 0.0f)
     fail(AKV_ERR_INVALID_ARGUMENT, "softmax_scale ", o.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
   if (o.layer_count < 1 || o.layer_index < 0 || o.layer_index >= o.layer_count)
