@@ -4,7 +4,8 @@
 #             (which builds and bundles the library) into a throwaway venv, the README
 #             example and pytest again with no environment variable
 #   rust      cargo test --offline (ANCHORKV_LIB_DIR) and the quickstart example; the
-#             -sys crate once more through pkg-config
+#             -sys crate once more through pkg-config; cargo test with the build-from-source
+#             feature alone (CMake builds the library, linked statically)
 #   java      the SWIG binding built against the prefix, its example run as the test
 #   examples  C and C++ quickstarts through pkg-config (examples/Makefile) and through
 #             find_package(anchorkv) (examples/CMakeLists.txt)
@@ -186,6 +187,14 @@ rust_pkg_config() {
   env -u ANCHORKV_LIB_DIR -u ANCHORKV_INCLUDE_DIR cargo test --offline -p anchorkv-sys
 }
 
+rust_from_source() {
+  # The build-from-source feature alone: CMake builds the library into the target dir and it
+  # is linked statically, so no ANCHORKV_LIB_DIR, pkg-config or LD_LIBRARY_PATH is needed.
+  cd "$ROOT/rust"
+  env -u ANCHORKV_LIB_DIR -u ANCHORKV_INCLUDE_DIR -u LD_LIBRARY_PATH -u PKG_CONFIG_PATH \
+    CARGO_TARGET_DIR="$WORK/rust-from-source" cargo test --offline --features anchorkv/build-from-source
+}
+
 rust_doc() {
   # A crate of its own depending on the safe crate by path, as a user's would.
   mkdir -p "$WORK/rust-doc/src"
@@ -203,6 +212,7 @@ if wants rust; then
   if need cargo cc pkg-config; then
     run_step "rust: cargo test --offline + example, ANCHORKV_LIB_DIR=prefix" rust_lib_dir
     run_step "rust: anchorkv-sys found through pkg-config" rust_pkg_config
+    run_step "rust: cargo test --features anchorkv/build-from-source, no environment" rust_from_source
     run_step "rust: README.md example" rust_doc
   fi
 fi

@@ -1,9 +1,11 @@
-//! Finds libanchorkv and checks the FFI layout against the C header.
+//! Finds (or builds) libanchorkv and checks the FFI layout against the C header.
 //!
-//! Library: `ANCHORKV_LIB_DIR` (a directory holding libanchorkv.so), else the `pkg-config`
-//! program (run as a process: this crate has no dependencies). Header: `ANCHORKV_INCLUDE_DIR`,
-//! else next to the library (`<lib>/../include`), pkg-config's `-I`, or the repository's
-//! `include/` when building from the source tree.
+//! Library: with the `build-from-source` feature, CMake (run as a process: this crate has no
+//! dependencies, so no `cmake` crate) builds the repository's library into `OUT_DIR` and it is
+//! linked statically, so nothing is needed at run time. Otherwise `ANCHORKV_LIB_DIR` (a
+//! directory holding libanchorkv.so), else the `pkg-config` program. Header:
+//! `ANCHORKV_INCLUDE_DIR`, else next to the library (`<lib>/../include`), pkg-config's `-I`,
+//! or the repository's `include/` when building from the source tree.
 //!
 //! Layout: a small C program compiled against the header with the system C compiler (`CC`,
 //! else `cc`) prints sizeof/offsetof/enum values; they are written to
@@ -86,17 +88,23 @@ struct Found {
 fn main() {
     for var in [
         "ANCHORKV_LIB_DIR", "ANCHORKV_INCLUDE_DIR", "PKG_CONFIG", "PKG_CONFIG_PATH",
-        "PKG_CONFIG_LIBDIR", "PKG_CONFIG_SYSROOT_DIR", "CC",
+        "PKG_CONFIG_LIBDIR", "PKG_CONFIG_SYSROOT_DIR", "CC", "CMAKE",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed=build.rs");
 
-    let found = find_library();
+    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
+    let found = if env::var_os("CARGO_FEATURE_BUILD_FROM_SOURCE").is_some() {
+        build_from_source(&out_dir)
+    } else {
+        let found = find_library();
+        println!("cargo:rustc-link-lib=dylib=anchorkv");
+        found
+    };
     for dir in &found.lib_dirs {
         println!("cargo:rustc-link-search=native={}", dir.display());
     }
-    println!("cargo:rustc-link-lib=dylib=anchorkv");
     // Metadata for dependents (DEP_ANCHORKV_LIB_DIR, DEP_ANCHORKV_INCLUDE).
     if let Some(dir) = found.lib_dirs.first() {
         println!("cargo:lib_dir={}", dir.display());
@@ -112,7 +120,6 @@ fn main() {
         println!("cargo:rerun-if-changed={}", dir.join("anchorkv").join("anchorkv.h").display());
     }
 
-    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
     let checks = match header_dir {
         None => failing_check("anchorkv/anchorkv.h was not found (set ANCHORKV_INCLUDE_DIR)"),
         Some(dir) if env::var("TARGET").ok() == env::var("HOST").ok() => {
@@ -167,6 +174,66 @@ fn find_library() -> Found {
             env::var("CARGO_PKG_VERSION").unwrap()
         ),
     }
+}
+
+/// Builds the library of the enclosing repository with CMake (CPU backend) into `OUT_DIR`
+/// and links its static archive, with what the archive itself needs: the C++ runtime and,
+/// when CMake found it, OpenBLAS.
+fn build_from_source(out_dir: &Path) -> Found {
+    let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let source = manifest_dir.join("../..");
+    if !source.join("CMakeLists.txt").is_file() || !source.join("src").is_dir() {
+        panic!("build-from-source: no anchorkv source tree at {}", source.display());
+    }
+    for input in ["CMakeLists.txt", "cmake", "include", "src"] {
+        println!("cargo:rerun-if-changed={}", source.join(input).display());
+    }
+    let build = out_dir.join("cmake-build");
+    let cmake = env::var("CMAKE").unwrap_or_else(|_| "cmake".into());
+    let jobs = env::var("NUM_JOBS").unwrap_or_else(|_| "1".into());
+    let run = |args: &[&std::ffi::OsStr]| {
+        let status = Command::new(&cmake)
+            .args(args)
+            .status()
+            .unwrap_or_else(|error| panic!("build-from-source: could not run {cmake}: {error}"));
+        if !status.success() {
+            panic!("build-from-source: {cmake} {args:?} failed ({status})");
+        }
+    };
+    run(&[
+        "-S".as_ref(),
+        source.as_os_str(),
+        "-B".as_ref(),
+        build.as_os_str(),
+        "-DCMAKE_BUILD_TYPE=Release".as_ref(),
+        "-DANCHORKV_CUDA=OFF".as_ref(),
+        "-DANCHORKV_BUILD_TESTS=OFF".as_ref(),
+        "-DANCHORKV_BUILD_CLI=OFF".as_ref(),
+        "-DANCHORKV_BUILD_SWIG=OFF".as_ref(),
+    ]);
+    // anchorkv_internal: the static archive of the same objects as libanchorkv.so.
+    run(&["--build".as_ref(), build.as_os_str(), "--target".as_ref(), "anchorkv_internal".as_ref(),
+          "--parallel".as_ref(), jobs.as_ref()]);
+
+    println!("cargo:rustc-link-lib=static=anchorkv_internal");
+    println!("cargo:rustc-link-lib=dylib=stdc++");
+    let cache = fs::read_to_string(build.join("CMakeCache.txt")).expect("read CMakeCache.txt");
+    let cached = |key: &str| {
+        cache.lines().find_map(|line| line.strip_prefix(key)?.split_once('=').map(|(_, value)| value.to_string()))
+    };
+    let mut lib_dirs = vec![build.join("src")];
+    let blas = cached("ANCHORKV_CBLAS_LIBRARY:").filter(|path| !path.ends_with("NOTFOUND"));
+    let blas_header = cached("ANCHORKV_CBLAS_INCLUDE:").filter(|path| !path.ends_with("NOTFOUND"));
+    if let (Some(library), Some(_)) = (blas, blas_header) {
+        // The same test as the CMake build's ANCHORKV_HAVE_BLAS: library and header found.
+        let library = PathBuf::from(library);
+        let name = library.file_stem().and_then(|stem| stem.to_str()).and_then(|stem| stem.strip_prefix("lib"));
+        if let (Some(dir), Some(name)) = (library.parent(), name) {
+            lib_dirs.push(dir.to_path_buf());
+            println!("cargo:rustc-link-lib=dylib={name}");
+        }
+    }
+    Found { lib_dirs, include_dirs: vec![source.join("include")] }
 }
 
 fn flag_values(flags: &str, prefix: &str) -> Vec<PathBuf> {

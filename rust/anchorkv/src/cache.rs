@@ -2,6 +2,7 @@
 
 use std::cell::Cell;
 use std::ffi::c_void;
+use std::fmt;
 use std::marker::PhantomData;
 use std::ptr::{self, NonNull};
 use std::sync::Arc;
@@ -34,6 +35,16 @@ pub struct Cache {
 // SAFETY: the C API lets a cache be used from any thread, one thread at a time; !Sync (the
 // PhantomData) keeps shared references on one thread.
 unsafe impl Send for Cache {}
+
+impl fmt::Debug for Cache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cache")
+            .field("backend", &self.backend)
+            .field("shape", &self.shape)
+            .field("raw", &self.raw)
+            .finish()
+    }
+}
 
 impl Drop for Cache {
     fn drop(&mut self) {
@@ -74,10 +85,12 @@ impl Cache {
         self.raw.as_ptr()
     }
 
+    /// The shape of the compressed prompt (S is the prompt length; see `num_tokens`).
     pub fn shape(&self) -> Shape {
         self.shape
     }
 
+    /// Byte accounting and counts (`akv_cache_stats_get`).
     pub fn stats(&self) -> Result<CacheStats> {
         let mut raw = sys::akv_cache_stats {
             struct_size: std::mem::size_of::<sys::akv_cache_stats>(),
@@ -88,6 +101,7 @@ impl Cache {
         Ok(CacheStats::from_raw(&raw))
     }
 
+    /// What each KV head keeps, `[H]` (`akv_cache_head_stats`).
     pub fn head_stats(&self) -> Result<Vec<HeadStats>> {
         let mut heads = vec![HeadStats::default(); self.shape.num_kv_heads];
         // SAFETY: H entries, as the header requires.
@@ -227,6 +241,7 @@ impl Cache {
         Ok(Reconstruction { tokens, keys, values, present })
     }
 
+    /// Bytes `serialize` will write.
     pub fn serialized_size(&self) -> Result<usize> {
         let mut bytes = 0usize;
         // SAFETY: valid cache and out pointer.

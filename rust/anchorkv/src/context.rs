@@ -2,6 +2,7 @@
 
 use std::cell::Cell;
 use std::ffi::c_void;
+use std::fmt;
 use std::marker::PhantomData;
 use std::mem::MaybeUninit;
 use std::ptr::{self, NonNull};
@@ -51,6 +52,16 @@ pub struct Context {
     _not_sync: PhantomData<Cell<()>>,
 }
 
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("backend", &self.backend)
+            .field("device", &self.device)
+            .field("raw", &self.handle.raw)
+            .finish()
+    }
+}
+
 /// Checks once per process that the linked library is this binding's major version and at
 /// least the version the binding was written for.
 fn check_library_version() -> Result<()> {
@@ -76,6 +87,7 @@ fn check_library_version() -> Result<()> {
 }
 
 impl Context {
+    /// A context with these options (`akv_context_create`); checks the library's version.
     pub fn new(options: &ContextOptions) -> Result<Context> {
         check_library_version()?;
         let mut raw_options = MaybeUninit::<sys::akv_context_options>::zeroed();
@@ -104,10 +116,12 @@ impl Context {
         Context::new(&ContextOptions::default())
     }
 
+    /// Where this context computes.
     pub fn backend(&self) -> Backend {
         self.backend
     }
 
+    /// The CUDA device ordinal (0 on the CPU).
     pub fn device(&self) -> i32 {
         self.device
     }
@@ -133,20 +147,35 @@ impl Context {
         self.require_host_memory()?;
         let shape = prefill.shape;
         let raw_shape = shape.to_raw()?;
-        let kv_len = shape.kv_len();
-        if prefill.keys.len() != kv_len || prefill.values.len() != kv_len {
+        let d = shape.head_dim;
+        let window = usize::try_from(options.get_window()).unwrap_or(0);
+        let kv_strides = prefill.kv_strides.unwrap_or(Strides { head: shape.seq_len * d, token: d });
+        let query_strides = prefill.query_strides.unwrap_or(Strides { head: window * d, token: d });
+        for (strides, name) in [(kv_strides, "kv_strides"), (query_strides, "query_strides")] {
+            if strides.token < d || strides.head == 0 {
+                return Err(Error::invalid(format!(
+                    "{name}: the token stride must be at least D = {d} and the head stride positive; got {strides:?}"
+                )));
+            }
+        }
+        // Contiguous slices must match the shape exactly; strided ones must cover every
+        // element the library reads.
+        let covers = |len: usize, span: usize, strided: bool| if strided { len >= span } else { len == span };
+        let kv_span = kv_strides.span(shape.num_kv_heads, shape.seq_len, d);
+        let strided = prefill.kv_strides.is_some();
+        if !covers(prefill.keys.len(), kv_span, strided) || !covers(prefill.values.len(), kv_span, strided) {
             return Err(Error::invalid(format!(
-                "keys and values must hold H*S*D = {kv_len} elements; got {} and {}",
+                "keys and values must hold {}{kv_span} elements (H*S*D with {kv_strides:?}); got {} and {}",
+                if strided { "at least " } else { "" },
                 prefill.keys.len(),
                 prefill.values.len()
             )));
         }
         if let Some(queries) = prefill.queries {
-            let window = usize::try_from(options.get_window()).unwrap_or(0);
-            let expected = shape.num_q_heads * window * shape.head_dim;
-            if queries.len() != expected {
+            let span = query_strides.span(shape.num_q_heads, window, d);
+            if !covers(queries.len(), span, prefill.query_strides.is_some()) {
                 return Err(Error::invalid(format!(
-                    "queries must hold Hq*W*D = {expected} elements (W = options window {window}); got {}",
+                    "queries must hold {span} elements (Hq*W*D, W = options window {window}, {query_strides:?}); got {}",
                     queries.len()
                 )));
             }
@@ -171,7 +200,10 @@ impl Context {
         raw.values = prefill.values.as_ptr().cast();
         raw.queries = prefill.queries.map_or(ptr::null(), |queries| queries.as_ptr().cast());
         raw.positions = prefill.positions.map_or(ptr::null(), |positions| positions.as_ptr());
-        // SAFETY: host slices of the checked lengths, read during the call only.
+        (raw.kv_head_stride, raw.kv_token_stride) = kv_strides.to_raw("kv_strides")?;
+        (raw.q_head_stride, raw.q_token_stride) = query_strides.to_raw("query_strides")?;
+        // SAFETY: host slices that cover every element the shape and strides reach, read
+        // during the call only.
         unsafe { self.compress_raw(&raw, options, ptr::null_mut()) }
     }
 
@@ -251,20 +283,80 @@ impl Context {
     }
 }
 
-/// The host tensors of one layer at the end of prefill, all contiguous and head-major:
-/// keys and values `[H][S][D]`, window queries `[Hq][W][D]` (post-RoPE), positions `[S]`.
+/// Distances in elements between consecutive heads and consecutive tokens of a
+/// `[heads][tokens][D]` tensor whose last dimension is contiguous.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Strides {
+    /// Elements from one head to the next.
+    pub head: usize,
+    /// Elements from one token to the next, at least D.
+    pub token: usize,
+}
+
+impl Strides {
+    /// Elements a tensor of these strides spans: the highest index read, plus one.
+    fn span(self, heads: usize, tokens: usize, head_dim: usize) -> usize {
+        if heads == 0 || tokens == 0 {
+            return 0;
+        }
+        (heads - 1) * self.head + (tokens - 1) * self.token + head_dim
+    }
+
+    fn to_raw(self, name: &str) -> Result<(i64, i64)> {
+        let narrow = |value: usize| i64::try_from(value).map_err(|_| Error::invalid(format!("{name} too large")));
+        Ok((narrow(self.head)?, narrow(self.token)?))
+    }
+}
+
+/// The host tensors of one layer at the end of prefill: keys and values `[H][S][D]`, window
+/// queries `[Hq][W][D]` (post-RoPE), positions `[S]`.
+///
+/// Head-major and contiguous by default; `kv_strides` and `query_strides` describe other
+/// layouts without a copy, e.g. an engine's token-major `[S][H][D]` keys and values:
+///
+/// ```no_run
+/// # use anchorkv::{Prefill, Shape};
+/// let shape = Shape::new(512, 2, 4, 64); // S, H, Hq, D
+/// let (keys, values) = (vec![0f32; 512 * 2 * 64], vec![0f32; 512 * 2 * 64]); // [S][H][D]
+/// let prefill = Prefill::new(shape, &keys, &values).kv_strides(64, 2 * 64); // head D, token H*D
+/// ```
 #[derive(Debug, Clone, Copy)]
 pub struct Prefill<'a, T: Element> {
+    /// S, H, Hq and D.
     pub shape: Shape,
+    /// Keys, pre-RoPE unless the options say `keys_post_rope`.
     pub keys: &'a [T],
+    /// Values, with the keys' strides.
     pub values: &'a [T],
+    /// Post-RoPE queries of the last W positions.
     pub queries: Option<&'a [T]>,
+    /// Token positions, strictly increasing (None: 0..S-1).
     pub positions: Option<&'a [i32]>,
+    /// Strides of keys and values (None: contiguous `[H][S][D]`).
+    pub kv_strides: Option<Strides>,
+    /// Strides of the queries (None: contiguous `[Hq][W][D]`).
+    pub query_strides: Option<Strides>,
 }
 
 impl<'a, T: Element> Prefill<'a, T> {
+    /// Contiguous head-major keys and values, no queries, default positions.
     pub fn new(shape: Shape, keys: &'a [T], values: &'a [T]) -> Self {
-        Prefill { shape, keys, values, queries: None, positions: None }
+        Prefill { shape, keys, values, queries: None, positions: None, kv_strides: None, query_strides: None }
+    }
+
+    /// Keys and values laid out with these strides in elements (both share them): `head`
+    /// between heads, `token` (at least D) between tokens. The slices must span
+    /// `(H-1)*head + (S-1)*token + D` elements.
+    pub fn kv_strides(mut self, head: usize, token: usize) -> Self {
+        self.kv_strides = Some(Strides { head, token });
+        self
+    }
+
+    /// Queries laid out with these strides in elements; the slice must span
+    /// `(Hq-1)*head + (W-1)*token + D` elements.
+    pub fn query_strides(mut self, head: usize, token: usize) -> Self {
+        self.query_strides = Some(Strides { head, token });
+        self
     }
 
     /// Post-RoPE queries of the last W prompt positions (needed by every method but FullKV).

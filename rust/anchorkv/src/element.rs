@@ -11,8 +11,11 @@ mod sealed {
 
 /// A tensor element the library reads and writes. Sealed: f32, F16 and Bf16.
 pub trait Element: Copy + Default + Send + Sync + 'static + sealed::Sealed {
+    /// The `akv_dtype` of buffers of this element.
     const DTYPE: DType;
+    /// The nearest value of this type (round to nearest even).
     fn from_f32(value: f32) -> Self;
+    /// The exact f32 of this value.
     fn to_f32(self) -> f32;
 }
 
@@ -45,10 +48,12 @@ macro_rules! bits_views {
                 // SAFETY: repr(transparent) over u16: same size, alignment and validity.
                 unsafe { slice::from_raw_parts(bits.as_ptr().cast(), bits.len()) }
             }
+            /// View raw bits as this type, mutably, without copying.
             pub fn from_bits_slice_mut(bits: &mut [u16]) -> &mut [$type] {
                 // SAFETY: as above; the borrow is carried over.
                 unsafe { slice::from_raw_parts_mut(bits.as_mut_ptr().cast(), bits.len()) }
             }
+            /// The raw bits of these values, without copying.
             pub fn to_bits_slice(values: &[$type]) -> &[u16] {
                 // SAFETY: as above.
                 unsafe { slice::from_raw_parts(values.as_ptr().cast(), values.len()) }

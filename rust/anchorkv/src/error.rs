@@ -10,17 +10,30 @@ use anchorkv_sys as sys;
 #[non_exhaustive]
 #[repr(i32)]
 pub enum Status {
+    /// A NULL pointer, a bad shape, an option out of range, a wrong slice length.
     InvalidArgument = sys::AKV_ERR_INVALID_ARGUMENT,
+    /// A valid request this build, backend or method cannot do.
     Unsupported = sys::AKV_ERR_UNSUPPORTED,
+    /// `retain_fraction` too small: the message names the minimum.
     Budget = sys::AKV_ERR_BUDGET,
+    /// The input holds NaN or infinity.
     NonFinite = sys::AKV_ERR_NON_FINITE,
+    /// An allocation (or a worker thread) was refused.
     OutOfMemory = sys::AKV_ERR_OUT_OF_MEMORY,
+    /// Serialized bytes failed their checks (magic, version, checksum, bounds).
     CorruptData = sys::AKV_ERR_CORRUPT_DATA,
+    /// Serialized data from a newer, unknown format (or, from this crate, a library of
+    /// another major version).
     Version = sys::AKV_ERR_VERSION,
+    /// The backend is not compiled in or has no device.
     BackendUnavailable = sys::AKV_ERR_BACKEND_UNAVAILABLE,
+    /// The backend (CUDA, cuBLAS) reported an error.
     Backend = sys::AKV_ERR_BACKEND,
+    /// Handles or tensors that do not belong together.
     Mismatch = sys::AKV_ERR_MISMATCH,
+    /// A buffer too small (serialize).
     Capacity = sys::AKV_ERR_CAPACITY,
+    /// A bug in the library.
     Internal = sys::AKV_ERR_INTERNAL,
     /// A code this binding does not know (a newer library); `Error::code` has it.
     Unknown = -1,
@@ -55,14 +68,17 @@ pub struct Error {
 }
 
 impl Error {
+    /// Why the call failed.
     pub fn status(&self) -> Status {
         self.status
     }
 
+    /// The raw `akv_status` code (also for codes `Status` does not know).
     pub fn code(&self) -> i32 {
         self.code
     }
 
+    /// The library's detail (`akv_last_error_message`) or this crate's own.
     pub fn message(&self) -> &str {
         &self.message
     }
@@ -98,6 +114,7 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// The result of every fallible call of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// `Ok` for `AKV_OK`, the library's error otherwise.

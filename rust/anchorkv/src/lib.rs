@@ -17,6 +17,8 @@
 //! through the `unsafe` `*_raw` calls. Handles free themselves on drop; a [`Cache`] keeps its
 //! context alive. Handles are `Send`, not `Sync`.
 
+#![deny(missing_docs)]
+
 mod cache;
 mod context;
 mod element;
@@ -27,7 +29,7 @@ use std::ffi::CStr;
 
 pub use anchorkv_sys as sys;
 pub use cache::{Cache, Reconstruction};
-pub use context::{Context, Prefill};
+pub use context::{Context, Prefill, Strides};
 pub use element::{Bf16, Element, F16};
 pub use error::{Error, Result, Status};
 pub use options::{

@@ -7,11 +7,11 @@ use anchorkv_sys as sys;
 use crate::error::{check, Error, Result};
 
 macro_rules! c_enum {
-    ($(#[$meta:meta])* $name:ident { $($variant:ident = $value:path),+ $(,)? }) => {
+    ($(#[$meta:meta])* $name:ident { $($(#[$doc:meta])* $variant:ident = $value:path),+ $(,)? }) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         #[repr(i32)]
-        pub enum $name { $($variant = $value),+ }
+        pub enum $name { $($(#[$doc])* $variant = $value),+ }
 
         impl $name {
             /// The variant of a C value, None for a value this binding does not know.
@@ -27,45 +27,93 @@ macro_rules! c_enum {
 
 c_enum!(
     /// Element type of tensors (`akv_dtype`). `Auto` only for storage.
-    DType { Auto = sys::AKV_DTYPE_AUTO, F32 = sys::AKV_DTYPE_F32, F16 = sys::AKV_DTYPE_F16, Bf16 = sys::AKV_DTYPE_BF16 }
+    DType {
+        /// Storage only: bf16, or f16 when the input is f16.
+        Auto = sys::AKV_DTYPE_AUTO,
+        /// IEEE binary32.
+        F32 = sys::AKV_DTYPE_F32,
+        /// IEEE binary16.
+        F16 = sys::AKV_DTYPE_F16,
+        /// bfloat16.
+        Bf16 = sys::AKV_DTYPE_BF16,
+    }
 );
 c_enum!(
     /// Where a context computes (`akv_backend`).
-    Backend { Cpu = sys::AKV_BACKEND_CPU, Cuda = sys::AKV_BACKEND_CUDA }
+    Backend {
+        /// The portable reference backend, host memory.
+        Cpu = sys::AKV_BACKEND_CPU,
+        /// NVIDIA GPUs, device memory (when the library was built with CUDA).
+        Cuda = sys::AKV_BACKEND_CUDA,
+    }
 );
 c_enum!(
     /// Compression method (`akv_method`).
     Method {
-        FullKv = sys::AKV_METHOD_FULLKV, AnchorKv = sys::AKV_METHOD_ANCHORKV,
-        SnapKv = sys::AKV_METHOD_SNAPKV, PyramidKv = sys::AKV_METHOD_PYRAMIDKV,
-        AdaKv = sys::AKV_METHOD_ADAKV, AnDPro = sys::AKV_METHOD_ANDPRO,
+        /// Every token, exact: the reference.
+        FullKv = sys::AKV_METHOD_FULLKV,
+        /// Anchors, projection coefficients and 2-bit residuals: no token dropped.
+        AnchorKv = sys::AKV_METHOD_ANCHORKV,
+        /// Eviction: top pooled window attention per head.
+        SnapKv = sys::AKV_METHOD_SNAPKV,
+        /// Eviction: SnapKV scores, budgets decreasing over layers.
+        PyramidKv = sys::AKV_METHOD_PYRAMIDKV,
+        /// Eviction: SnapKV scores, budget shared across heads.
+        AdaKv = sys::AKV_METHOD_ADAKV,
+        /// Eviction: chunks scored by projection on the window output.
+        AnDPro = sys::AKV_METHOD_ANDPRO,
+        /// Every token, as b-bit codes (TurboQuant-style, about 4-6x).
         Quantized = sys::AKV_METHOD_QUANTIZED,
     }
 );
 c_enum!(
     /// Rotary embedding layout (`akv_rope_style`).
-    RopeStyle { None = sys::AKV_ROPE_NONE, NeoX = sys::AKV_ROPE_NEOX, GptJ = sys::AKV_ROPE_GPTJ }
+    RopeStyle {
+        /// No rotation (keys are stored as given).
+        None = sys::AKV_ROPE_NONE,
+        /// Rotate-half: pairs (i, i + rotary_dim/2), as Llama, Qwen, Mistral.
+        NeoX = sys::AKV_ROPE_NEOX,
+        /// Interleaved: pairs (2i, 2i + 1), as GPT-J.
+        GptJ = sys::AKV_ROPE_GPTJ,
+    }
 );
 c_enum!(
     /// Pooling of window-attention scores (`akv_pool_type`).
-    PoolType { Avg = sys::AKV_POOL_AVG, Max = sys::AKV_POOL_MAX }
+    PoolType {
+        /// Average pooling.
+        Avg = sys::AKV_POOL_AVG,
+        /// Max pooling.
+        Max = sys::AKV_POOL_MAX,
+    }
 );
 c_enum!(
     /// Scaling of residuals before the 2-bit codebook (`akv_residual_scale`).
-    ResidualScale { LeastSquares = sys::AKV_SCALE_LEAST_SQUARES, Rms = sys::AKV_SCALE_RMS, Absmax = sys::AKV_SCALE_ABSMAX }
+    ResidualScale {
+        /// Codes from the RMS scale, then the scale refit by least squares.
+        LeastSquares = sys::AKV_SCALE_LEAST_SQUARES,
+        /// scale = ||y|| / sqrt(D) (unit-variance codebook).
+        Rms = sys::AKV_SCALE_RMS,
+        /// The outer level placed at the absmax, as the paper words it.
+        Absmax = sys::AKV_SCALE_ABSMAX,
+    }
 );
 
 /// Shape of one layer of one request: S prompt positions, H KV heads, Hq query heads
 /// (a multiple of H), head dimension D.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Shape {
+    /// S: prompt positions.
     pub seq_len: usize,
+    /// H: KV heads.
     pub num_kv_heads: usize,
+    /// Hq: query heads, a multiple of H (GQA).
     pub num_q_heads: usize,
+    /// D: head dimension, even.
     pub head_dim: usize,
 }
 
 impl Shape {
+    /// A shape from S, H, Hq and D, in that order.
     pub fn new(seq_len: usize, num_kv_heads: usize, num_q_heads: usize, head_dim: usize) -> Shape {
         Shape { seq_len, num_kv_heads, num_q_heads, head_dim }
     }
@@ -101,6 +149,7 @@ impl Shape {
 /// `anchorkv-sys` directly for those).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ContextOptions {
+    /// Where the context computes.
     pub backend: Backend,
     /// CUDA device ordinal.
     pub device: i32,
@@ -138,6 +187,7 @@ impl Default for CompressOptions {
 }
 
 impl CompressOptions {
+    /// AnchorKV with the library's defaults (`akv_compress_options_init`).
     pub fn new() -> Self {
         Self::default()
     }
@@ -160,6 +210,7 @@ impl CompressOptions {
         unsafe { sys::akv_compress_options_init_paper(raw.as_mut_ptr()) };
         CompressOptions { raw: unsafe { raw.assume_init() }, inv_freq: None }
     }
+    /// The method, keeping the other fields (see `for_method` for a method's own setup).
     pub fn method(mut self, method: Method) -> Self {
         self.raw.method = method as i32;
         self
@@ -202,27 +253,33 @@ impl CompressOptions {
         self.raw.window = window;
         self
     }
+    /// AnchorKV: k anchors per head including the window; 0 = automatic.
     pub fn anchors(mut self, anchors: i32) -> Self {
         self.raw.anchors = anchors;
         self
     }
+    /// AnchorKV: rho, the share of the k-W free anchors chosen by window-attention score.
     pub fn scored_fraction(mut self, rho: f64) -> Self {
         self.raw.scored_fraction = rho;
         self
     }
+    /// Pooling of the window-attention scores: odd kernel width and type.
     pub fn pool(mut self, kernel: i32, pool_type: PoolType) -> Self {
         self.raw.pool_kernel = kernel;
         self.raw.pool_type = pool_type as i32;
         self
     }
+    /// AnchorKV: how residuals are scaled before the 2-bit codebook.
     pub fn residual_scale(mut self, scale: ResidualScale) -> Self {
         self.raw.residual_scale = scale as i32;
         self
     }
+    /// Seed of the anchor sampling and the Hadamard signs.
     pub fn seed(mut self, seed: u64) -> Self {
         self.raw.seed = seed;
         self
     }
+    /// This layer's index among `count`: keys the sampler, and sets PyramidKV's budget.
     pub fn layer(mut self, index: i32, count: i32) -> Self {
         self.raw.layer_index = index;
         self.raw.layer_count = count;
@@ -242,6 +299,7 @@ impl CompressOptions {
         self.inv_freq = Some(inv_freq);
         self
     }
+    /// The keys given carry RoPE already (the library de-rotates them); default: pre-RoPE.
     pub fn keys_post_rope(mut self, post_rope: bool) -> Self {
         self.raw.keys_post_rope = post_rope as i32;
         self
@@ -251,6 +309,7 @@ impl CompressOptions {
         self.raw.softmax_scale = scale;
         self
     }
+    /// Element type of the exact tokens kept: `Auto`, `F16` or `Bf16`.
     pub fn storage_dtype(mut self, dtype: DType) -> Self {
         self.raw.storage_dtype = dtype as i32;
         self
@@ -278,6 +337,7 @@ impl CompressOptions {
         self
     }
 
+    /// W as set: how many positions the prefill's queries must hold.
     pub fn get_window(&self) -> i32 {
         self.raw.window
     }
@@ -329,21 +389,37 @@ pub fn compressed_size(options: &CompressOptions, shape: Shape) -> Result<usize>
 /// Byte accounting and counts of one cache (`akv_cache_stats`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CacheStats {
+    /// The method (None for a method this binding does not know).
     pub method: Option<Method>,
+    /// The shape of the prompt.
     pub shape: Shape,
+    /// Element type of the exact tokens kept.
     pub storage_dtype: Option<DType>,
+    /// W: recent positions kept exactly (0 for FullKV).
     pub window: i32,
+    /// k anchors per head (AnchorKV).
     pub anchors: i32,
+    /// Tokens appended since compression.
     pub appended_tokens: i64,
+    /// Tokens that can be appended without allocating.
     pub append_capacity: i64,
+    /// M_full = 4*S*H*D.
     pub full_bytes: u64,
+    /// floor(theta * M_full); FullKV: M_full (theta ignored).
     pub budget_bytes: u64,
+    /// M_base (AnchorKV): anchors and per-token metadata.
     pub base_bytes: u64,
+    /// Footprint of the compressed prompt, equal to `compressed_size`.
     pub compressed_bytes: u64,
+    /// Dense suffix in use: 4*appended*H*D.
     pub appended_bytes: u64,
+    /// Bytes this cache holds through the allocator.
     pub allocated_bytes: u64,
+    /// full_bytes / compressed_bytes.
     pub ratio: f64,
+    /// Residuals stored on the key side, all heads.
     pub key_residuals: i64,
+    /// Residuals stored on the value side, all heads.
     pub value_residuals: i64,
 }
 

@@ -181,7 +181,7 @@ fn errors_carry_status_and_message() {
     let context = Context::cpu().unwrap();
     let prefill = Prefill::new(shape(), &data.keys, &data.values).queries(&data.window);
 
-    let budget = context.compress(&prefill, &CompressOptions::new().retain_fraction(0.001)).err().unwrap();
+    let budget = context.compress(&prefill, &CompressOptions::new().retain_fraction(0.001)).unwrap_err();
     assert_eq!(budget.status(), Status::Budget);
     assert_eq!(budget.code(), anchorkv::sys::AKV_ERR_BUDGET);
     assert!(budget.message().contains("retain_fraction"), "{budget}");
@@ -190,12 +190,14 @@ fn errors_carry_status_and_message() {
     let mut bad = data.keys.clone();
     bad[100] = f32::NAN;
     let prefill_nan = Prefill::new(shape(), &bad, &data.values).queries(&data.window);
-    assert_eq!(context.compress(&prefill_nan, &CompressOptions::new().retain_fraction(0.2)).err().unwrap().status(), Status::NonFinite);
+    assert_eq!(context.compress(&prefill_nan, &CompressOptions::new().retain_fraction(0.2)).unwrap_err().status(), Status::NonFinite);
 
     // Lengths are checked before the library sees a pointer.
     let short = Prefill::new(shape(), &data.keys[1..], &data.values).queries(&data.window);
-    assert_eq!(context.compress(&short, &CompressOptions::new()).err().unwrap().status(), Status::InvalidArgument);
+    assert_eq!(context.compress(&short, &CompressOptions::new()).unwrap_err().status(), Status::InvalidArgument);
     let cache = context.compress(&prefill, &CompressOptions::new().method(Method::FullKv)).unwrap();
+    let described = format!("{context:?} {cache:?}");
+    assert!(described.contains("Context { backend: Cpu") && described.contains("Cache { backend: Cpu, shape: Shape"), "{described}");
     let mut out = vec![0f32; HQ * D];
     assert_eq!(cache.decode(&vec![0f32; HQ * D + 1], &mut out).unwrap_err().status(), Status::InvalidArgument);
     // q_len 2 without an appended token: the library refuses.
@@ -323,4 +325,33 @@ fn baselines_decode_over_the_tokens_they_keep() {
         }
         assert!(max_abs_diff(&out, &expected) < 1e-4, "{method:?}: {}", max_abs_diff(&out, &expected));
     }
+}
+
+/// Token-major `[S][H][D]` keys and values (an engine's layout) and token-major queries go in
+/// through strides, without a copy, and compress to the same bytes as the head-major copy.
+#[test]
+fn strided_prefill_matches_head_major() {
+    let data = layer(21, S);
+    let token_major = |x: &[f32], heads: usize, tokens: usize| -> Vec<f32> {
+        let mut out = vec![0f32; x.len()];
+        for h in 0..heads {
+            for t in 0..tokens {
+                out[(t * heads + h) * D..][..D].copy_from_slice(&x[(h * tokens + t) * D..][..D]);
+            }
+        }
+        out
+    };
+    let (keys, values, window) = (token_major(&data.keys, H, S), token_major(&data.values, H, S), token_major(&data.window, HQ, W));
+    let context = Context::cpu().unwrap();
+    let options = CompressOptions::new().retain_fraction(0.2);
+    let head_major = Prefill::new(shape(), &data.keys, &data.values).queries(&data.window);
+    let strided = Prefill::new(shape(), &keys, &values).queries(&window).kv_strides(D, H * D).query_strides(D, HQ * D);
+    let expected = context.compress(&head_major, &options).unwrap().serialize().unwrap();
+    assert_eq!(context.compress(&strided, &options).unwrap().serialize().unwrap(), expected);
+
+    // Slices shorter than the strides reach, or a token stride below D, are refused here.
+    let short = Prefill::new(shape(), &keys[..keys.len() - 1], &values).kv_strides(D, H * D);
+    assert_eq!(context.compress(&short, &options).unwrap_err().status(), Status::InvalidArgument);
+    let overlapping = Prefill::new(shape(), &keys, &values).queries(&window).kv_strides(D, D - 1);
+    assert!(context.compress(&overlapping, &options).unwrap_err().message().contains("token stride"));
 }
