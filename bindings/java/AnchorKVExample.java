@@ -8,6 +8,7 @@ import anchorkv.CacheStats;
 import anchorkv.CompressOptions;
 import anchorkv.Context;
 import anchorkv.DType;
+import anchorkv.HeadStats;
 import anchorkv.Method;
 import anchorkv.Shape;
 import anchorkv.Status;
@@ -130,7 +131,7 @@ public final class AnchorKVExample {
 
     Shape shape = new Shape(S, H, HQ, D);
     CompressOptions options = new CompressOptions();
-    options.setRetain_fraction(0.1);
+    options.setRetainFraction(0.1);
     ByteBuffer keyBuffer = direct(keys), valueBuffer = direct(values), windowBuffer = direct(window);
     ByteBuffer queryBuffer = direct(query), out = direct(HQ * D);
 
@@ -147,8 +148,8 @@ public final class AnchorKVExample {
     }
     double cosine = dot / Math.sqrt(normOut * normExpected);
     CacheStats stats = cache.stats();
-    check(stats.getCompressed_bytes() == AnchorKV.compressed_bytes(options, shape), "compressed_bytes is known up front");
-    check(stats.getCompressed_bytes() <= stats.getBudget_bytes(), "the footprint stays within the budget");
+    check(stats.getCompressedBytes() == AnchorKV.compressedBytes(options, shape), "compressed_bytes is known up front");
+    check(stats.getCompressedBytes() <= stats.getBudgetBytes(), "the footprint stays within the budget");
     check(stats.getMethod() == Method.ANCHORKV, "AnchorKV is the default method");
     check(cosine > 0.8, "close to exact attention (cosine " + cosine + ")");
 
@@ -175,7 +176,7 @@ public final class AnchorKVExample {
 
     // Errors: the library's status and message, or the binding's own size checks.
     CompressOptions tiny = new CompressOptions();
-    tiny.setRetain_fraction(0.001);
+    tiny.setRetainFraction(0.001);
     check(statusOf(() -> context.compress(shape, DType.F32, keyBuffer, valueBuffer, windowBuffer, tiny)) == Status.BUDGET,
           "a too small budget raises BUDGET");
     check(statusOf(() -> cache.decode(queryBuffer, DType.F32, 1, direct(HQ * D - 1))) == Status.INVALID_ARGUMENT,
@@ -212,25 +213,78 @@ public final class AnchorKVExample {
 
     // Every method through the same calls; the options start from the method's paper setup.
     CompressOptions snap = new CompressOptions(Method.SNAPKV);
-    check(snap.getWindow() == 64 && snap.getPool_kernel() == 5, "SnapKV starts from the paper's KVPress setup");
+    check(snap.getWindow() == 64 && snap.getPoolKernel() == 5, "SnapKV starts from the paper's KVPress setup");
     snap.setWindow(W);
-    snap.setRetain_fraction(0.2);
+    snap.setRetainFraction(0.2);
     try (Cache evicted = context.compress(shape, DType.F32, keyBuffer, valueBuffer, windowBuffer, snap)) {
       check(evicted.stats().getMethod() == Method.SNAPKV, "a SnapKV cache");
       evicted.decode(queryBuffer, DType.F32, 1, again);
     }
 
-    // Ownership: a closed context lives on for its caches; cache_destroy (%delobject) releases.
+    // Head stats: AnchorKV represents every prompt position in every head.
+    HeadStats[] heads = cache.headStats();
+    check(heads.length == H, "one HeadStats per KV head");
+    for (HeadStats head : heads)
+      check(head.getKeptTokens() == S && head.getAnchors() == stats.getAnchors(), "AnchorKV keeps all S positions per head");
+
+    // decodeBatch: both caches at once, each as its own decode.
+    ByteBuffer twoQueries = direct(2 * HQ * D), twoOut = direct(2 * HQ * D);
+    for (int b = 0; b < 2; ++b) twoQueries.asFloatBuffer().position(b * HQ * D).put(query);
+    context.decodeBatch(new Cache[] {cache, restored}, twoQueries, DType.F32, 1, twoOut);
+    float[] batched = floats(twoOut, 2 * HQ * D);
+    for (int i = 0; i < 2 * HQ * D; ++i)
+      check(batched[i] == decoded[i % (HQ * D)], "decodeBatch equals single decodes");
+
+    // Positions: the default 0..S-1 given explicitly compress to the same bytes; an appended
+    // token may jump ahead.
+    ByteBuffer positions = ByteBuffer.allocateDirect(S * 4).order(ByteOrder.nativeOrder());
+    for (int t = 0; t < S; ++t) positions.putInt(t * 4, t);
+    try (Cache positioned = context.compress(shape, DType.F32, keyBuffer, valueBuffer, windowBuffer, positions, options)) {
+      ByteBuffer positionedBytes = ByteBuffer.allocateDirect((int) positioned.serializedSize());
+      positionedBytes.limit((int) positioned.serialize(positionedBytes));
+      check(positionedBytes.equals(bytes), "explicit positions 0..S-1 are the default");
+      ByteBuffer later = ByteBuffer.allocateDirect(4).order(ByteOrder.nativeOrder()).putInt(0, S + 10);
+      positioned.append(direct(H * D), direct(H * D), DType.F32, 1, later);
+      check(positioned.stats().getAppendedTokens() == 1, "a token appended at its own position");
+    }
+
+    // Explicit RoPE frequencies (Llama-3, YaRN tables): the base's own table decodes as the
+    // base does; a table of another length is refused before the library reads it.
+    float[] table = new float[D / 2];
+    for (int i = 0; i < D / 2; ++i) table[i] = (float) Math.pow(10000.0, -(double) i / (D / 2));
+    CompressOptions byTable = new CompressOptions(Method.FULLKV), byBase = new CompressOptions(Method.FULLKV);
+    byTable.setInvFreq(direct(table));
+    ByteBuffer viaTable = direct(HQ * D), viaBase = direct(HQ * D);
+    try (Cache a = context.compress(shape, DType.F32, keyBuffer, valueBuffer, null, byTable);
+         Cache b = context.compress(shape, DType.F32, keyBuffer, valueBuffer, null, byBase)) {
+      a.decode(queryBuffer, DType.F32, 1, viaTable);
+      b.decode(queryBuffer, DType.F32, 1, viaBase);
+      float[] x = floats(viaTable, HQ * D), y = floats(viaBase, HQ * D);
+      double differs = 0;
+      for (int i = 0; i < HQ * D; ++i) differs = Math.max(differs, Math.abs(x[i] - y[i]));
+      check(differs < 1e-3, "an explicit inv_freq table equal to the base's decodes alike (max diff " + differs + ")");
+    }
+    for (int i = 0; i < D / 2; ++i) table[i] = (float) Math.pow(500000.0, -(double) i / (D / 2)); // Llama-3's base
+    byTable.setInvFreq(direct(table));
+    try (Cache other = context.compress(shape, DType.F32, keyBuffer, valueBuffer, null, byTable)) {
+      other.decode(queryBuffer, DType.F32, 1, viaTable);
+      check(!viaTable.equals(viaBase), "another inv_freq table rotates the keys otherwise");
+    }
+    byTable.setInvFreq(direct(new float[D / 2 - 1]));
+    check(statusOf(() -> context.compress(shape, DType.F32, keyBuffer, valueBuffer, null, byTable)) == Status.INVALID_ARGUMENT,
+          "an inv_freq table of the wrong length is refused");
+
+    // Ownership: a closed context lives on for its caches; cacheDestroy (%delobject) releases.
     context.close();
     cache.decode(queryBuffer, DType.F32, 1, again);
     check(again.equals(out), "a cache outlives the close() of its context");
-    AnchorKV.cache_destroy(restored);
+    AnchorKV.cacheDestroy(restored);
     check(statusOf(() -> restored.serializedSize()) == Status.INVALID_ARGUMENT, "a destroyed cache is a NULL handle");
     cache.close();
     cache.close(); // idempotent
 
     System.out.printf("anchorkv Java: %.1fx smaller (%d of %d bytes), cosine to exact attention %.4f%n",
-                      stats.getRatio(), stats.getCompressed_bytes(), stats.getFull_bytes(), cosine);
+                      stats.getRatio(), stats.getCompressedBytes(), stats.getFullBytes(), cosine);
     if (failures > 0) {
       System.err.println(failures + " check(s) failed");
       System.exit(1);

@@ -156,8 +156,6 @@ def _convert_option(name: str, convert, value):
         raise TypeError(f"compression option {name} must be a number or a name, not "
                         f"{type(value).__name__}") from None
     except ValueError as error:
-        if isinstance(error, InvalidArgumentError):
-            raise
         raise ValueError(f"compression option {name}: {error}") from None
 
 

@@ -25,7 +25,7 @@ public class AnchorKVException extends RuntimeException {
   }
 
   private static String name(int code) {
-    String text = AnchorKV.status_string(swigStatus(code));
+    String text = AnchorKV.statusString(swigStatus(code));
     int colon = text.indexOf(':');
     return colon < 0 ? text : text.substring(0, colon);
   }
