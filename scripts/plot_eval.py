@@ -2,9 +2,13 @@
 """Plots of `anchorkv eval` output (matplotlib):
 
   fidelity CDF  from `anchorkv eval --cells-csv CELLS.csv`: per method and ratio, the
-                cumulative distribution of cos(compressed, exact attention output) over the
-                (layer, query head, held-out query) cells, log y axis, dashed line at 0.9
-                (paper App. D.1, Fig. 10); one panel per target ratio.
+                cumulative distribution of the cell fidelity, log y axis, dashed line at 0.9
+                (paper App. D.1, Fig. 10); one panel per target ratio. A cell is what the
+                eval table counts: one (layer, query head), its fidelity the mean over the
+                held-out queries of cos(compressed, exact attention output), so the
+                legend's "% < 0.9" is the table's cos<0.9. The x axis is 1 - cos on a log
+                scale (labelled in cos), which spreads the range 0.9-1 where the methods
+                differ; the legend sits below each panel.
   reach grid    from `anchorkv eval --reach-grid --csv > GRID.csv`: per method and ratio a
                 heatmap of the share of needles reached, context length by needle depth
                 (paper Fig. 4).
@@ -19,12 +23,28 @@ import math
 from collections import defaultdict
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-METHOD_ORDER = ["FullKV", "AnchorKV", "SnapKV", "PyramidKV", "AdaKV", "AnDPro", "Quantized", "Quantized-2b"]
+METHOD_ORDER = ["FullKV", "AnchorKV", "AnchorKV-paper", "SnapKV", "PyramidKV", "AdaKV", "AnDPro", "Quantized",
+                "Quantized-2b"]
+# Colour, line style and marker per method: no two curves look alike, so one lying on
+# another (SnapKV and PyramidKV often do) still shows through its markers and dashes.
+METHOD_STYLES = {
+    "FullKV": ("black", "-", None),
+    "AnchorKV": ("tab:red", "-", "o"),
+    "AnchorKV-paper": ("tab:pink", (0, (6, 2)), "P"),
+    "SnapKV": ("tab:blue", (0, (4, 2)), "s"),
+    "PyramidKV": ("tab:orange", (0, (1, 1.5)), "^"),
+    "AdaKV": ("tab:green", (0, (6, 2, 1, 2)), "v"),
+    "AnDPro": ("tab:purple", (0, (2, 2)), "D"),
+    "Quantized": ("tab:brown", (0, (8, 2, 1, 2, 1, 2)), "x"),
+    "Quantized-2b": ("tab:gray", (0, (3, 1, 1, 1)), "*"),
+}
+EXTRA_STYLES = [("tab:olive", (0, (5, 3)), "h"), ("tab:cyan", (0, (1, 3)), "<"), ("gold", (0, (7, 1)), ">")]
 
 
 def method_key(name):
@@ -36,43 +56,69 @@ def read_rows(path):
         return list(csv.DictReader(f))
 
 
-def plot_fidelity(cells_path, png):
-    rows = read_rows(cells_path)
-    # Rows without a sweep ("1x" FullKV, "-" Quantized) appear in every panel.
-    by = defaultdict(list)
-    targets = set()
+def method_style(name, index):
+    """(colour, line style, marker) of a method; methods not listed take the extras in turn."""
+    return METHOD_STYLES.get(name) or EXTRA_STYLES[index % len(EXTRA_STYLES)]
+
+
+def cell_fidelity(rows):
+    """{(method, target): [fidelity of each cell]}: the eval table's cells, one per (layer,
+    query head), each the mean over its held-out queries of the per-query cosine."""
+    sums = defaultdict(lambda: [0.0, 0])
     for r in rows:
-        by[(r["method"], r["target"])].append(float(r["cosine"]))
-        if r["target"] not in ("1x", "-"):
-            targets.add(r["target"])
-    targets = sorted(targets, key=lambda t: float(t.rstrip("x"))) or ["1x"]
-    fig, axes = plt.subplots(1, len(targets), figsize=(5.2 * len(targets), 4.2), squeeze=False, sharey=True)
+        cell = sums[(r["method"], r["target"], r["layer"], r["q_head"])]
+        cell[0] += float(r["cosine"])
+        cell[1] += 1
+    by = defaultdict(list)
+    for (method, target, _, _), (total, count) in sums.items():
+        by[(method, target)].append(total / count)
+    return by
+
+
+def plot_fidelity(cells_path, png):
+    by = cell_fidelity(read_rows(cells_path))
+    # Rows without a sweep ("1x" FullKV, "-" Quantized) appear in every panel.
+    targets = sorted({t for _, t in by if t not in ("1x", "-")}, key=lambda t: float(t.rstrip("x"))) or ["1x"]
     methods = sorted({m for m, _ in by}, key=method_key)
-    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    styles = {m: method_style(m, i) for i, m in enumerate(m for m in methods if m not in METHOD_STYLES)}
+    styles.update({m: METHOD_STYLES[m] for m in methods if m in METHOD_STYLES})
+    # x = 1 - cos on a log axis, from the worst cell to a little past the best compressed
+    # one; the exact reference (FullKV, 1 - cos ~ 1e-7) sits at that right edge.
+    gaps = [1.0 - v for (m, t), values in by.items() if t != "1x" for v in values]
+    floor = max(min(gaps, default=1e-4) / 3, 1e-6)
+    worst = min(2.0, max(gaps, default=1.0) * 1.5)
+    ticks = [t for t in (2.0, 1.0, 0.3, 0.1, 0.03, 0.01, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5, 1e-5) if floor <= t <= worst]
+    fig, axes = plt.subplots(1, len(targets), figsize=(5.0 * len(targets), 5.6), squeeze=False, sharey=True)
     for ax, target in zip(axes[0], targets):
         for m in methods:
             for t in (target, "1x", "-"):
                 values = by.get((m, t))
                 if values is None:
                     continue
-                x = np.sort(np.clip(np.array(values), -1.0, 1.0))
-                y = np.arange(1, len(x) + 1) / len(x)
-                below = float(np.mean(x < 0.9))
-                label = f"{m}{'' if t == target else ' (' + ('ref' if t == '1x' else 'own bits') + ')'}: {100 * below:.1f}% < 0.9"
-                ax.step(x, y, where="post", color=colors[m], lw=1.6, ls="-" if t == target else ":", label=label)
+                cos = np.sort(np.clip(np.array(values), -1.0, 1.0))
+                share = np.arange(1, len(cos) + 1) / len(cos)  # share of cells with fidelity <= cos
+                below = float(np.mean(cos < 0.9))
+                suffix = "" if t == target else " (" + ("ref" if t == "1x" else "own bits") + ")"
+                color, dashes, marker = styles[m]
+                ax.step(np.maximum(1.0 - cos, floor), share, where="post", color=color, ls=dashes, lw=1.5,
+                        marker=marker, markevery=max(1, len(cos) // 8), ms=4, mfc="none",
+                        label=f"{m}{suffix}: {100 * below:.1f}% of cells < 0.9")
                 break
-        ax.axvline(0.9, color="k", ls="--", lw=0.8)
+        ax.axvline(0.1, color="k", ls="--", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlim(worst, floor * 0.8)  # reversed: better (cos -> 1) to the right
+        ax.set_xticks(ticks, [f"{1 - x:g}" for x in ticks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_yscale("log")
-        ax.set_xlim(max(-0.05, min(0.5, ax.get_xlim()[0])), 1.005)
-        ax.set_ylim(1e-3, 1.05)
-        ax.set_xlabel("cos(compressed, exact attention output)")
+        ax.set_ylim(1e-3 if max(len(v) for v in by.values()) >= 1000 else 5e-3, 1.05)
+        ax.set_xlabel("cell fidelity (cos)")
         ax.set_title(f"fidelity at {target}")
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=1, frameon=False)
         ax.grid(alpha=0.3, which="both")
-    axes[0][0].set_ylabel("share of cells with cos <= x (log)")
-    fig.suptitle("Attention-output fidelity on held-out queries (cells: layer x query head x query)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=130)
+    axes[0][0].set_ylabel("share of cells with fidelity <= x (log)")
+    fig.suptitle("Attention-output fidelity on held-out queries; a cell is a (layer, query head) as in the "
+                 "eval table,\nits fidelity the mean over its queries of cos(compressed, exact attention output)", y=1.04)
+    fig.savefig(png, dpi=130, bbox_inches="tight")
     print(f"wrote {png}")
 
 

@@ -6,7 +6,8 @@
 #   rust      cargo test --offline (ANCHORKV_LIB_DIR) and the quickstart example; the
 #             -sys crate once more through pkg-config; cargo test with the build-from-source
 #             feature alone (CMake builds the library, linked statically)
-#   java      the SWIG binding built against the prefix, its example run as the test
+#   java      the SWIG binding built against the prefix, its example run as the test, and
+#             its Javadoc (lint clean)
 #   examples  C and C++ quickstarts through pkg-config (examples/Makefile) and through
 #             find_package(anchorkv) (examples/CMakeLists.txt)
 # and, in each part, the code block of README.md marked <!-- test: LANG -->.
@@ -42,16 +43,16 @@ run_step() {
   local name=$1
   shift
   note "$name"
-  local status=0
+  local status=0 started=$SECONDS
   set +e
   (set -euo pipefail; "$@")
   status=$?
   set -e
   if [[ $status -eq 0 ]]; then
-    RESULTS+=("PASS  $name")
+    RESULTS+=("PASS  $name ($((SECONDS - started)) s)")
     PASSED=$((PASSED + 1))
   else
-    RESULTS+=("FAIL  $name (exit $status)")
+    RESULTS+=("FAIL  $name (exit $status, $((SECONDS - started)) s)")
     FAILED=$((FAILED + 1))
   fi
 }
@@ -147,7 +148,7 @@ python_installed() {
   local started=$SECONDS
   "$WORK/venv/bin/pip" install --no-deps -q "$ROOT/python" ||
     "$WORK/venv/bin/pip" install --no-deps --no-build-isolation -q "$ROOT/python"
-  echo "pip install ./python: $((SECONDS - started)) s"
+  echo "pip install ./python (compiles the library): $((SECONDS - started)) s"
   # Run outside the source tree so `import anchorkv` is the installed package, with no
   # ANCHORKV_LIBRARY and no loader path: the library must be the bundled one.
   cd "$WORK"
@@ -223,6 +224,9 @@ java_swig() {
   cmake -S "$ROOT/bindings" -B "$WORK/build-java" -DCMAKE_PREFIX_PATH="$PREFIX" >/dev/null
   LD_LIBRARY_PATH="$PREFIX_LIB_DIR"${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
     cmake --build "$WORK/build-java" --target anchorkv_java_example -j"$JOBS"
+  # The Javadoc of the generated and hand-written classes builds without a lint error.
+  javadoc -quiet -Xdoclint:all,-missing -d "$WORK/javadoc" \
+    "$WORK/build-java/java-generated/anchorkv"/*.java "$ROOT/bindings/java/anchorkv"/*.java
 }
 
 java_doc() {
@@ -237,7 +241,7 @@ java_doc() {
 
 if wants java; then
   PART=java
-  if need swig javac java; then
+  if need swig javac java javadoc; then
     run_step "java: SWIG binding against the prefix, example as test" java_swig
     run_step "java: README.md example" java_doc
   fi

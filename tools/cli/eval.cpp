@@ -736,8 +736,8 @@ void print_csv(const std::vector<Row> &rows, const EvalSettings &settings) {
   }
 }
 
-// --cells-csv: one line per (row, layer, query head, held-out query); the fidelity cells of
-// paper App. D.1 (there per (layer, head, sample)).
+// --cells-csv: one line per (row, layer, query head, held-out query), the raw cosines; a
+// fidelity cell (table and plots alike) is a (layer, query head), the mean over its queries.
 void write_cells_csv(const std::string &path, const std::vector<Row> &rows, const EvalShape &s) {
   std::FILE *file = std::fopen(path.c_str(), "w");
   if (file == nullptr) throw CliError("--cells-csv: cannot write \"" + path + "\"");
@@ -796,8 +796,9 @@ int run_eval(int argc, char **argv) {
     ("json", "Print JSON (with per-cell cosines and per-needle results) instead of the table")
     ("quiet", "No progress on stderr")
     ("verify-decode", "Also compare akv_decode with attention over akv_cache_reconstruct (a decode-kernel check, slower)")
-    ("cells-csv", "Also write every row's per-(layer, query head, held-out query) cosine to FILE (CSV; fidelity "
-                  "CDFs: scripts/plot_eval.py)", cxxopts::value<std::string>(), "FILE")
+    ("cells-csv", "Also write every row's per-(layer, query head, held-out query) cosine to FILE (CSV; "
+                  "scripts/plot_eval.py averages them into the table's (layer, query head) cells and draws their "
+                  "fidelity CDFs)", cxxopts::value<std::string>(), "FILE")
     ("reach-grid", "Instead of the comparison, the needle-reach grid over context lengths and depths "
                    "(anchorkv eval --reach-grid --help)")
     ("check", "Exit 3 unless FullKV matches exact attention (mean cos >= 0.999), every needle is reached by "
