@@ -148,7 +148,9 @@ static int akv_java_shape(const akv_cache *cache, akv_cache_stats *stats) {
 %ignore akv_allocator;
 %ignore akv_context_options;
 %ignore akv_prefill;
-%ignore akv_rope::inv_freq;  /* set through CompressOptions.setInvFreq(float[]) */
+%ignore akv_rope::inv_freq;  /* set through CompressOptions.setInvFreq(ByteBuffer) */
+/* getRope() only, to change it in place: a setRope(Rope) would copy another table's pointer. */
+%immutable akv_compress_options::rope;
 %ignore akv_compress_options::struct_size;
 %ignore akv_cache_stats::struct_size;
 
