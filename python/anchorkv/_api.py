@@ -609,8 +609,8 @@ class Cache(_Owner):
                     shape[-1] == self._shape.head_dim and shape[-2] > 0 and \
                     _plain_host(values) == code and values.shape == shape:
                 with self._lock:
-                    status = _capi.akv_append(self._raw(), keys.ctypes.data, values.ctypes.data,
-                                              code, shape[1] if len(shape) == 3 else 1, None, None)
+                    status = _capi.akv_append(self._raw(), _address(keys), _address(values), code,
+                                              shape[1] if len(shape) == 3 else 1, None, None)
                 if status:
                     check(status)
                 return
@@ -667,9 +667,9 @@ class Cache(_Owner):
                     out = np.empty(shape, queries.dtype)
                 if _plain_host(out) == code and out.shape == shape and out.flags.writeable:
                     with self._lock:
-                        status = _capi.akv_decode(self._raw(), queries.ctypes.data, code,
+                        status = _capi.akv_decode(self._raw(), _address(queries), code,
                                                   shape[1] if len(shape) == 3 else 1,
-                                                  out.ctypes.data, None)
+                                                  _address(out), None)
                     if status:
                         check(status)
                     return out
@@ -788,6 +788,14 @@ def _plain_host(array) -> int | None:
     if type(array) is not np.ndarray or not array.flags.c_contiguous:
         return None
     return _HOST_DTYPES.get(array.dtype)
+
+
+def _address(array: np.ndarray) -> int:
+    """The data address of a C-contiguous numpy array. Through the buffer protocol when it is
+    writable: a third of the time of array.ctypes.data, which builds a helper object."""
+    if array.flags.writeable:
+        return ctypes.addressof(ctypes.c_char.from_buffer(array))
+    return array.ctypes.data
 
 
 def _with_token_axis(view: tensors.TensorView) -> tensors.TensorView:

@@ -295,6 +295,8 @@ def test_numpy_fast_paths_match_the_general_path(rng):
     general.append(new_keys.tolist(), new_values.tolist())  # lists: the general path
     query = rng.standard_normal((2, 4, 64), dtype=np.float32)[0]
     assert np.array_equal(fast.decode(query), general.decode(query.tolist()))
+    query.flags.writeable = False  # read-only input: its address is read another way
+    assert np.array_equal(fast.decode(query), general.decode(query.tolist()))
     queries = rng.standard_normal((4, 3, 64), dtype=np.float32)
     out = np.empty_like(queries)
     assert fast.decode(queries, out) is out
