@@ -250,7 +250,9 @@ fi
 # ---- C and C++ consumers -------------------------------------------------------------------
 
 examples_pkg_config() {
-  make -C "$ROOT/examples" OUT="$WORK/examples-pkg-config" run
+  # Linked with pkg-config's libdir as rpath (README, "Using an installed copy"): they must
+  # start with no LD_LIBRARY_PATH.
+  env -u LD_LIBRARY_PATH make -C "$ROOT/examples" OUT="$WORK/examples-pkg-config" run
 }
 
 examples_find_package() {
