@@ -158,6 +158,9 @@ bundled = os.path.join(os.path.dirname(anchorkv.__file__), "libanchorkv.so.0")
 print("installed:", anchorkv.__file__, "library:", anchorkv._capi.library_path, anchorkv.library_version())
 assert anchorkv._capi.library_path == bundled, "the wheel's own library was not the one loaded"
 PY
+  # ANCHORKV_LIBRARY still points the installed package at another build.
+  ANCHORKV_LIBRARY="$BUILT_LIBRARY" "$WORK/venv/bin/python" -c \
+    'import anchorkv, os; assert anchorkv._capi.library_path == os.environ["ANCHORKV_LIBRARY"], anchorkv._capi.library_path'
   doc_block python >"$WORK/doc_example.py"
   env -u ANCHORKV_LIBRARY -u LD_LIBRARY_PATH "$WORK/venv/bin/python" "$WORK/doc_example.py"
   env -u ANCHORKV_LIBRARY -u LD_LIBRARY_PATH ANCHORKV_INCLUDE_DIR="$PREFIX/include" \
