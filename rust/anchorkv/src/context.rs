@@ -151,7 +151,8 @@ impl Context {
         let window = usize::try_from(options.get_window()).unwrap_or(0);
         let kv_strides = prefill.kv_strides.unwrap_or(Strides { head: shape.seq_len * d, token: d });
         let query_strides = prefill.query_strides.unwrap_or(Strides { head: window * d, token: d });
-        for (strides, name) in [(kv_strides, "kv_strides"), (query_strides, "query_strides")] {
+        for (strides, name) in [(prefill.kv_strides, "kv_strides"), (prefill.query_strides, "query_strides")] {
+            let Some(strides) = strides else { continue }; // the defaults follow the shape
             if strides.token < d || strides.head == 0 {
                 return Err(Error::invalid(format!(
                     "{name}: the token stride must be at least D = {d} and the head stride positive; got {strides:?}"
