@@ -340,6 +340,20 @@ typedef struct akv_prefill {
   int64_t kv_token_stride; /* elements between tokens; 0 = D */
   int64_t q_head_stride;   /* 0 = W*D */
   int64_t q_token_stride;  /* 0 = D */
+  /* ---- Paged keys and values (appended in 0.2): the block layout of vLLM and SGLang ----
+   * With block_table set, keys and values point at block 0 of the engine's paged K and V
+   * tensors and token t of this request lives in block block_table[t / block_size], row
+   * t % block_size: element (h, t, d) is at
+   *   block_table[t / block_size] * kv_block_stride + (t % block_size) * kv_token_stride
+   *   + h * kv_head_stride + d.
+   * Zero strides then mean vLLM's [num_blocks][block_size][H][D]: kv_head_stride = D,
+   * kv_token_stride = H*D, kv_block_stride = block_size*kv_token_stride. Nothing is gathered
+   * or copied: both backends read through the table. Queries stay as above. */
+  const int32_t *block_table; /* host [ceil(S / block_size)] block ids of this request in token
+                                 order, each in [0, num_blocks); NULL = not paged */
+  int32_t block_size;         /* tokens per block, >= 1 when paged; 0 otherwise */
+  int32_t num_blocks;         /* blocks the K/V tensors hold (bounds the ids); >= 1 when paged */
+  int64_t kv_block_stride;    /* elements between blocks; 0 = block_size * kv_token_stride */
 } akv_prefill;
 
 AKV_API void akv_prefill_init(akv_prefill *prefill);

@@ -385,6 +385,21 @@ void validate_shape(const akv_shape &s) {
   if (s.head_dim > kMaxHeadDim) fail(AKV_ERR_UNSUPPORTED, "shape.head_dim ", s.head_dim, " exceeds ", kMaxHeadDim);
 }
 
+// A paged prefill (akv_prefill.block_table): the table and its ids, before any data is read.
+void validate_paged(const akv_prefill &p) {
+  if (!p.block_table)
+    fail(AKV_ERR_INVALID_ARGUMENT, "prefill.block_table is NULL but block_size, num_blocks or kv_block_stride is set"
+         " (a paged prefill needs its block table)");
+  if (p.block_size < 1) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.block_size ", p.block_size, " must be at least 1 (paged prefill)");
+  if (p.num_blocks < 1) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.num_blocks ", p.num_blocks, " must be at least 1 (paged prefill)");
+  if (p.kv_block_stride < 0) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.kv_block_stride ", p.kv_block_stride, " must be >= 0");
+  const int64_t blocks = (p.shape.seq_len + p.block_size - 1) / p.block_size;
+  for (int64_t i = 0; i < blocks; ++i)
+    if (p.block_table[i] < 0 || p.block_table[i] >= p.num_blocks)
+      fail(AKV_ERR_INVALID_ARGUMENT, "prefill.block_table[", i, "] = ", p.block_table[i], " is outside [0, num_blocks=",
+           p.num_blocks, ")");
+}
+
 }  // namespace
 
 AKV_API akv_status akv_compressed_size(const akv_compress_options *options, const akv_shape *shape,
@@ -416,6 +431,7 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
       fail(AKV_ERR_INVALID_ARGUMENT, "prefill strides must be >= 0 (0 = contiguous)");
     if ((p.kv_token_stride && p.kv_token_stride < p.shape.head_dim) || (p.q_token_stride && p.q_token_stride < p.shape.head_dim))
       fail(AKV_ERR_INVALID_ARGUMENT, "prefill token strides must be at least head_dim ", p.shape.head_dim);
+    if (p.block_table || p.block_size || p.num_blocks || p.kv_block_stride) validate_paged(p);
     compressed_footprint(o, p.shape);  // shape/budget checks for the method, before reading data
     if (p.positions) {
       for (int64_t t = 1; t < p.shape.seq_len; ++t)

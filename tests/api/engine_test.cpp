@@ -1,0 +1,135 @@
+// What inference engines need beyond one contiguous layer (README "Engines: paged caches,
+// head dims, model sizing, tensor parallelism"): compression straight from a paged cache,
+// head_dim 80/96/112, the sizing of a whole model before prefill, and per-rank pooling when
+// KV heads are split over tensor-parallel ranks.
+#include "api/paged_util.hpp"
+
+namespace {
+
+using namespace akv_test;
+
+akv_compress_options method_options(akv_method method, double theta) {
+  akv_compress_options o;
+  akv_compress_options_init_method(&o, method);
+  o.retain_fraction = method == AKV_METHOD_QUANTIZED ? 1.0 : theta;
+  return o;
+}
+
+// ---- 1. Compression from a paged cache ---------------------------------------------------------
+
+struct PagedCase {
+  akv_method method;
+  bool paper;  // ANCHORKV: akv_compress_options_init_paper instead of the defaults
+  akv_dtype dtype;
+  int32_t block_size;
+  bool head_major;
+};
+
+TEST(PagedPrefill, SerializesToTheSameBytesAsTheContiguousPrefill) {
+  const PagedCase cases[] = {
+      {AKV_METHOD_ANCHORKV, false, AKV_DTYPE_BF16, 16, false}, {AKV_METHOD_ANCHORKV, true, AKV_DTYPE_F32, 7, false},
+      {AKV_METHOD_ANCHORKV, false, AKV_DTYPE_F16, 1, false},   {AKV_METHOD_ANCHORKV, false, AKV_DTYPE_BF16, 32, true},
+      {AKV_METHOD_FULLKV, false, AKV_DTYPE_BF16, 16, false},   {AKV_METHOD_SNAPKV, false, AKV_DTYPE_F32, 5, false},
+      {AKV_METHOD_ADAKV, false, AKV_DTYPE_BF16, 16, true},     {AKV_METHOD_QUANTIZED, false, AKV_DTYPE_BF16, 16, false},
+  };
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  for (const PagedCase &c : cases) {
+    SCOPED_TRACE(std::string("method ") + std::to_string(c.method) + (c.paper ? " (paper)" : "") + " dtype " +
+                 dtype_name(c.dtype) + " block " + std::to_string(c.block_size) + (c.head_major ? " head-major" : ""));
+    PrefillSpec spec;
+    spec.seq_len = 300 + rng.uniform_int(0, 60);  // not a multiple of the block size, mostly
+    spec.kv_heads = 3;
+    spec.group = 2;
+    spec.dtype = c.dtype;
+    spec.window = c.method == AKV_METHOD_SNAPKV || c.method == AKV_METHOD_ADAKV ? 64 : 32;
+    spec.explicit_positions = rng.uniform_int(0, 1) == 1;
+    const PrefillData data = make_prefill(rng, spec);
+    akv_compress_options o = method_options(c.method, 0.3);
+    if (c.paper) {
+      akv_compress_options_init_paper(&o);
+      o.retain_fraction = 0.3;
+    }
+    o.window = spec.window;
+    CachePtr contiguous = compress(ctx.get(), data, o);
+    const PagedKV paged = make_paged(rng, data, c.block_size, c.head_major);
+    const akv_prefill view = paged.view(data);
+    akv_cache *raw = nullptr;
+    ASSERT_EQ(akv_compress(ctx.get(), &view, &o, &raw, nullptr), AKV_OK) << akv_last_error_message();
+    CachePtr from_pages(raw);
+    EXPECT_TRUE(serialize(from_pages.get()) == serialize(contiguous.get()));
+  }
+}
+
+// A paged prefill read with the wrong block (an id off by one) meets the NaN blocks: the check
+// above can fail.
+TEST(PagedPrefill, AWrongBlockIsRead) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  PrefillSpec spec;
+  spec.seq_len = 200;
+  spec.dtype = AKV_DTYPE_BF16;
+  const PrefillData data = make_prefill(rng, spec);
+  PagedKV paged = make_paged(rng, data, 16, false);
+  std::vector<bool> used(paged.num_blocks, false);
+  for (int32_t id : paged.table) used[id] = true;
+  for (int32_t id = 0; id < paged.num_blocks; ++id)
+    if (!used[id]) {
+      paged.table[rng.uniform_int(0, static_cast<int64_t>(paged.table.size()) - 1)] = id;
+      break;
+    }
+  const akv_prefill view = paged.view(data);
+  const akv_compress_options o = method_options(AKV_METHOD_ANCHORKV, 0.3);
+  akv_cache *raw = nullptr;
+  EXPECT_EQ(akv_compress(ctx.get(), &view, &o, &raw, nullptr), AKV_ERR_NON_FINITE);
+  EXPECT_EQ(raw, nullptr);
+}
+
+TEST(PagedPrefill, BadTablesAreRefusedWithAMessage) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(1);
+  PrefillSpec spec;
+  spec.seq_len = 100;
+  const PrefillData data = make_prefill(rng, spec);
+  const PagedKV paged = make_paged(rng, data, 16, false);
+  const akv_compress_options o = method_options(AKV_METHOD_ANCHORKV, 0.5);
+  std::vector<int32_t> table = paged.table;
+  struct Bad {
+    const char *name, *message;
+    void (*damage)(akv_prefill &, std::vector<int32_t> &);
+  };
+  const Bad bad[] = {
+      {"null table", "block_table is NULL", [](akv_prefill &p, std::vector<int32_t> &) { p.block_table = nullptr; }},
+      {"zero block size", "block_size 0", [](akv_prefill &p, std::vector<int32_t> &) { p.block_size = 0; }},
+      {"no blocks", "num_blocks 0", [](akv_prefill &p, std::vector<int32_t> &) { p.num_blocks = 0; }},
+      {"negative stride", "kv_block_stride -1", [](akv_prefill &p, std::vector<int32_t> &) { p.kv_block_stride = -1; }},
+      {"id too large", "is outside [0, num_blocks",
+       [](akv_prefill &p, std::vector<int32_t> &t) {
+         t.back() = p.num_blocks;
+         p.block_table = t.data();
+       }},
+      {"negative id", "block_table[0] = -1",
+       [](akv_prefill &p, std::vector<int32_t> &t) {
+         t.front() = -1;
+         p.block_table = t.data();
+       }},
+  };
+  for (const Bad &b : bad) {
+    SCOPED_TRACE(b.name);
+    akv_prefill view = paged.view(data);
+    table = paged.table;
+    b.damage(view, table);
+    akv_cache *raw = nullptr;
+    EXPECT_EQ(akv_compress(ctx.get(), &view, &o, &raw, nullptr), AKV_ERR_INVALID_ARGUMENT);
+    EXPECT_EQ(raw, nullptr);
+    EXPECT_NE(std::string(akv_last_error_message()).find(b.message), std::string::npos) << akv_last_error_message();
+  }
+}
+
+}  // namespace
