@@ -365,6 +365,17 @@ AKV_API void akv_prefill_init(akv_prefill *prefill);
 AKV_API akv_status akv_compressed_size(const akv_compress_options *options,
                                        const akv_shape *shape, size_t *out_bytes);
 
+/* Exact compressed bytes of a whole model for one request, before prefill, so that an engine
+ * can size its memory pool: the sum over layers l = 0..num_layers-1 of akv_compressed_size
+ * with layer_index = l, layer_count = num_layers and, when retain_fractions is given,
+ * retain_fraction = retain_fractions[l] (options->layer_index/layer_count are ignored).
+ * Every layer has `shape`. retain_fractions: optional host [num_layers]; out_layer_bytes:
+ * optional host [num_layers], each layer's bytes. Fails like akv_compressed_size, naming the
+ * layer. Appended tokens are extra: 4*H*D bytes per token and layer (akv_cache_reserve). */
+AKV_API akv_status akv_compressed_size_model(const akv_compress_options *options, const akv_shape *shape,
+                                             int32_t num_layers, const double *retain_fractions,
+                                             size_t *out_layer_bytes, size_t *out_total_bytes);
+
 /* Compress one layer. The inputs are only read during the call (CUDA: until the stream
  * reaches the end of the work); the engine may free them afterwards. options may be NULL
  * (defaults). */

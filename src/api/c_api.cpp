@@ -413,6 +413,38 @@ AKV_API akv_status akv_compressed_size(const akv_compress_options *options, cons
   });
 }
 
+AKV_API akv_status akv_compressed_size_model(const akv_compress_options *options, const akv_shape *shape,
+                                             int32_t num_layers, const double *retain_fractions,
+                                             size_t *out_layer_bytes, size_t *out_total_bytes) {
+  return guard(__func__, [&] {
+    check_not_null(shape, "shape");
+    check_not_null(out_total_bytes, "out_total_bytes");
+    if (num_layers < 1) fail(AKV_ERR_INVALID_ARGUMENT, "num_layers ", num_layers, " must be at least 1");
+    akv_compress_options o = resolve_options(options);
+    validate_shape(*shape);
+    std::vector<size_t> bytes(num_layers);
+    size_t total = 0;
+    for (int32_t l = 0; l < num_layers; ++l) {
+      o.layer_index = l;
+      o.layer_count = num_layers;
+      if (retain_fractions) {
+        o.retain_fraction = retain_fractions[l];
+        if (!std::isfinite(o.retain_fraction) || o.retain_fraction <= 0.0 || o.retain_fraction > 1.0)
+          fail(AKV_ERR_INVALID_ARGUMENT, "retain_fractions[", l, "] = ", o.retain_fraction, " must be in (0, 1]");
+      }
+      try {
+        bytes[l] = static_cast<size_t>(compressed_footprint(o, *shape));
+      } catch (const Error &e) {
+        fail(e.status(), "layer ", l, ": ", e.what());
+      }
+      if (bytes[l] > SIZE_MAX - total) fail(AKV_ERR_INVALID_ARGUMENT, "the model's compressed size overflows size_t");
+      total += bytes[l];
+    }
+    if (out_layer_bytes) std::copy(bytes.begin(), bytes.end(), out_layer_bytes);
+    *out_total_bytes = total;
+  });
+}
+
 AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill,
                                 const akv_compress_options *options, akv_cache **out_cache, void *stream) {
   return guard(__func__, [&] {

@@ -132,4 +132,72 @@ TEST(PagedPrefill, BadTablesAreRefusedWithAMessage) {
   }
 }
 
+// ---- 3. Sizing a whole model -----------------------------------------------------------------
+
+// The model's bytes are the per-layer akv_compressed_size (PyramidKV's budgets differ by
+// layer), and what compressing each layer really holds.
+TEST(ModelSize, IsTheSumOfTheLayersCompressedBytes) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  const int32_t L = 4;
+  for (akv_method method : {AKV_METHOD_ANCHORKV, AKV_METHOD_PYRAMIDKV, AKV_METHOD_QUANTIZED}) {
+    SCOPED_TRACE("method " + std::to_string(method));
+    PrefillSpec spec;
+    spec.seq_len = 400 + rng.uniform_int(0, 200);
+    spec.kv_heads = 2;
+    spec.group = 2;
+    akv_compress_options o = method_options(method, 0.25);
+    spec.window = method == AKV_METHOD_QUANTIZED ? 32 : o.window;
+    o.window = spec.window;
+    std::vector<double> fractions(L);
+    for (double &f : fractions) f = method == AKV_METHOD_QUANTIZED ? 1.0 : rng.uniform(0.2, 0.4);
+    const PrefillData data = make_prefill(rng, spec);
+    std::vector<size_t> layer_bytes(L, 0);
+    size_t total = 0;
+    ASSERT_EQ(akv_compressed_size_model(&o, &data.shape, L, fractions.data(), layer_bytes.data(), &total), AKV_OK)
+        << akv_last_error_message();
+    size_t sum = 0;
+    for (int32_t l = 0; l < L; ++l) {
+      akv_compress_options layer = o;
+      layer.layer_index = l;
+      layer.layer_count = L;
+      layer.retain_fraction = fractions[l];
+      size_t bytes = 0;
+      ASSERT_EQ(akv_compressed_size(&layer, &data.shape, &bytes), AKV_OK);
+      EXPECT_EQ(layer_bytes[l], bytes) << "layer " << l;
+      CachePtr cache = compress(ctx.get(), data, layer);
+      EXPECT_EQ(cache_stats(cache.get()).compressed_bytes, bytes) << "layer " << l;
+      sum += bytes;
+    }
+    EXPECT_EQ(total, sum);
+    if (method == AKV_METHOD_PYRAMIDKV) EXPECT_NE(layer_bytes.front(), layer_bytes.back());
+    // Without per-layer fractions every layer takes options.retain_fraction.
+    size_t uniform = 0;
+    ASSERT_EQ(akv_compressed_size_model(&o, &data.shape, L, nullptr, nullptr, &uniform), AKV_OK);
+    size_t one = 0;
+    ASSERT_EQ(akv_compressed_size(&o, &data.shape, &one), AKV_OK);
+    if (method != AKV_METHOD_PYRAMIDKV) EXPECT_EQ(uniform, one * L);
+  }
+}
+
+TEST(ModelSize, BadInputIsRefusedWithAMessage) {
+  akv_compress_options o = method_options(AKV_METHOD_ANCHORKV, 0.2);
+  const akv_shape shape{4096, 8, 32, 128};
+  size_t total = 0;
+  EXPECT_EQ(akv_compressed_size_model(&o, &shape, 0, nullptr, nullptr, &total), AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(akv_last_error_message()).find("num_layers 0"), std::string::npos);
+  EXPECT_EQ(akv_compressed_size_model(&o, nullptr, 2, nullptr, nullptr, &total), AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(akv_compressed_size_model(&o, &shape, 2, nullptr, nullptr, nullptr), AKV_ERR_INVALID_ARGUMENT);
+  const double bad[3] = {0.2, 1.5, 0.2};
+  EXPECT_EQ(akv_compressed_size_model(&o, &shape, 3, bad, nullptr, &total), AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(akv_last_error_message()).find("retain_fractions[1]"), std::string::npos);
+  const double tight[3] = {0.2, 0.2, 0.001};
+  EXPECT_EQ(akv_compressed_size_model(&o, &shape, 3, tight, nullptr, &total), AKV_ERR_BUDGET);
+  const std::string message = akv_last_error_message();
+  EXPECT_NE(message.find("layer 2"), std::string::npos) << message;
+  EXPECT_NE(message.find("smallest workable retain_fraction"), std::string::npos) << message;
+}
+
 }  // namespace
