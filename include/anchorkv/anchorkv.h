@@ -258,6 +258,20 @@ typedef struct akv_compress_options {
                                      the tokens that the anchors so far represent worst (largest
                                      residual energy against their best-|cos| anchor, keys and
                                      values each relative to their mean). 0..64; default 4 */
+  /* ---- Tensor parallelism (appended in 0.2; README "Engines: tensor parallelism") ---- */
+  int32_t pool_heads;             /* ANCHORKV: KV heads per residual-pooling group. The call's
+                                     heads split into consecutive groups of pool_heads; each group
+                                     gets the anchors and residual slots it would get compressed
+                                     alone (its own theta * M_full), and its heads compete only
+                                     with each other. 0 = one group of every head of the call.
+                                     Must divide num_kv_heads. A TP rank compressing its own heads
+                                     leaves it 0; a single call that must decode like TP ranks of
+                                     pool_heads heads each sets it. Other methods: 0 or H only
+                                     (AdaKV and AnDPro pool over the call's heads). Default 0 */
+  int32_t head_offset;            /* ANCHORKV: model-wide index of the call's first KV head (TP
+                                     rank r of T: r * H). Keys the seeded anchor sample
+                                     (coverage_rounds 0) by the model-wide head, so a rank picks
+                                     the anchors one call over all heads would. >= 0; default 0 */
 } akv_compress_options;
 
 /* Defaults for every field; method = AKV_METHOD_ANCHORKV. The AnchorKV fields take the paper's

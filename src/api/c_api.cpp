@@ -369,6 +369,8 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
     fail(AKV_ERR_INVALID_ARGUMENT, "guard_fraction ", o.guard_fraction, " must be in [0, 1]");
   if (o.coverage_rounds < 0 || o.coverage_rounds > 64)
     fail(AKV_ERR_INVALID_ARGUMENT, "coverage_rounds ", o.coverage_rounds, " must be in [0, 64]");
+  if (o.pool_heads < 0) fail(AKV_ERR_INVALID_ARGUMENT, "pool_heads ", o.pool_heads, " must be >= 0 (0 = every head)");
+  if (o.head_offset < 0) fail(AKV_ERR_INVALID_ARGUMENT, "head_offset ", o.head_offset, " must be >= 0");
   return o;
 }
 

@@ -48,6 +48,7 @@ struct AnchorGeometry {
   int32_t dim = 0;          // D
   int32_t window = 0;       // W
   int32_t anchors = 0;      // k (incl. window)
+  int32_t pool_heads = 0;   // heads per residual-pooling group (a divisor of H; H = one group)
   int64_t words = 0;        // ceil(P / 64)
   int64_t key_residuals = 0;    // N_K
   int64_t value_residuals = 0;  // N_V
@@ -58,6 +59,7 @@ struct AnchorGeometry {
   int64_t key_residual_bytes() const { return dim / 4 + 4; }     // c_K
   int64_t value_residual_bytes() const { return dim / 4 + 5; }   // c_V
   int32_t group() const { return q_heads / heads; }
+  int32_t pool_groups() const { return heads / pool_heads; }
 };
 
 // Validates the shape and options for AnchorKV and computes the accounting. Throws

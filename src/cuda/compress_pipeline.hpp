@@ -492,7 +492,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     if (P > n_top && o.coverage_rounds == 0) {
       dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, s.rank_index, n_top, P, o.seed,
                  static_cast<uint64_t>(kStreamAnchorSample),
-                 (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(h), s.sample_keys, s.sample_index);
+                 (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(o.head_offset + h), s.sample_keys,
+                 s.sample_index);
       dev.sort_u64(s.sample_keys, s.sample_index, P - n_top);
     }
     dev.copy(s.picks, s.rank_index, n_top * sizeof(uint32_t));
@@ -533,31 +534,39 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                s.energy_ids[0], s.energy_ids[1]);
   }
 
-  // 7-8. Per side: the best utilities over all heads (ties: head, then token), then the guard
-  // share by residual energy among the rest; bitmasks, prefix counts and offsets, then every
-  // stored residual encoded.
-  const int64_t wanted[2] = {g.key_residuals, g.value_residuals};
+  // 7-8. Per side and pooling group (every head unless pool_heads splits them): the best
+  // utilities over the group's heads (ties: head, then token), then the guard share by
+  // residual energy among the rest; bitmasks, prefix counts and offsets, then every stored
+  // residual encoded.
+  const int groups = g.pool_groups();
+  const int64_t wanted[2] = {g.key_residuals / groups, g.value_residuals / groups};
   const int mask_sec[2] = {kKeyMask, kValueMask}, prefix_sec[2] = {kKeyPrefix, kValuePrefix};
   const int offsets_sec[2] = {kKeyOffsets, kValueOffsets}, codes_sec[2] = {kKeyCodes, kValueCodes};
   const int scales_sec[2] = {kKeyScales, kValueScales};
   for (int side = 0; side < 2; ++side) {
     const ResidualSplit split =
-        residual_split(o, std::min<int64_t>(wanted[side], static_cast<int64_t>(H) * (P - free_anchors)));
-    const int64_t candidates = static_cast<int64_t>(H) * P;
-    dev.sort_u32(s.util_keys[side], s.util_ids[side], candidates);
+        residual_split(o, std::min<int64_t>(wanted[side], static_cast<int64_t>(g.pool_heads) * (P - free_anchors)));
+    const int64_t candidates = static_cast<int64_t>(g.pool_heads) * P;  // per group
     auto *mask = reinterpret_cast<unsigned long long *>(section(mask_sec[side]));
     auto *prefix = reinterpret_cast<uint32_t *>(section(prefix_sec[side]));
     auto *offsets = reinterpret_cast<uint32_t *>(section(offsets_sec[side]));
-    if (split.by_utility > 0)
-      dev.launch(mask_kernel, grid_blocks(split.by_utility, 128), 1, 128, static_cast<const uint32_t *>(s.util_ids[side]),
-                 split.by_utility, P, words, mask);
-    if (split.by_energy > 0) {
+    for (int group = 0; group < groups; ++group) {
+      // The group's candidates are one contiguous run of keys and ids (id = h * P + t).
+      const int64_t first = group * candidates;
+      uint32_t *util_keys = s.util_keys[side] + first, *util_ids = s.util_ids[side] + first;
+      uint32_t *energy_keys = s.energy_keys[side] + first, *energy_ids = s.energy_ids[side] + first;
+      dev.sort_u32(util_keys, util_ids, candidates);
       if (split.by_utility > 0)
-        dev.launch(exclude_chosen_kernel, grid_blocks(split.by_utility, 128), 1, 128,
-                   static_cast<const uint32_t *>(s.util_ids[side]), split.by_utility, s.energy_keys[side]);
-      dev.sort_u32(s.energy_keys[side], s.energy_ids[side], candidates);
-      dev.launch(mask_kernel, grid_blocks(split.by_energy, 128), 1, 128, static_cast<const uint32_t *>(s.energy_ids[side]),
-                 split.by_energy, P, words, mask);
+        dev.launch(mask_kernel, grid_blocks(split.by_utility, 128), 1, 128, static_cast<const uint32_t *>(util_ids),
+                   split.by_utility, P, words, mask);
+      if (split.by_energy > 0) {
+        if (split.by_utility > 0)  // energy keys are indexed by id: the whole array
+          dev.launch(exclude_chosen_kernel, grid_blocks(split.by_utility, 128), 1, 128,
+                     static_cast<const uint32_t *>(util_ids), split.by_utility, s.energy_keys[side]);
+        dev.sort_u32(energy_keys, energy_ids, candidates);
+        dev.launch(mask_kernel, grid_blocks(split.by_energy, 128), 1, 128, static_cast<const uint32_t *>(energy_ids),
+                   split.by_energy, P, words, mask);
+      }
     }
     dev.launch(prefix_kernel, 1, 1, std::max(32, (H + 31) / 32 * 32), reinterpret_cast<const uint64_t *>(mask), H, words,
                prefix, offsets, s.head_counts);

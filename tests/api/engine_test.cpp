@@ -200,4 +200,112 @@ TEST(ModelSize, BadInputIsRefusedWithAMessage) {
   EXPECT_NE(message.find("smallest workable retain_fraction"), std::string::npos) << message;
 }
 
+// ---- 4. Tensor parallelism ----------------------------------------------------------------------
+
+// The heads [first, first + count) of a prefill as a rank holds them (a view into the same
+// tensors through the head strides, queries of the heads' GQA groups).
+akv_prefill rank_view(const PrefillData &data, int first, int count) {
+  akv_prefill p = data.view();
+  const int64_t S = data.seq_len(), D = data.head_dim();
+  const int G = data.q_heads() / data.kv_heads();
+  const size_t es = dtype_size(data.dtype);
+  p.shape.num_kv_heads = count;
+  p.shape.num_q_heads = count * G;
+  p.kv_head_stride = S * D;
+  p.keys = data.keys.bytes.data() + static_cast<size_t>(first) * S * D * es;
+  p.values = data.values.bytes.data() + static_cast<size_t>(first) * S * D * es;
+  p.queries = data.queries.bytes.data() + static_cast<size_t>(first) * G * data.window * D * es;
+  return p;
+}
+
+CachePtr compress_view(akv_context *ctx, const akv_prefill &p, const akv_compress_options &o) {
+  akv_cache *raw = nullptr;
+  ok(akv_compress(ctx, &p, &o, &raw, nullptr), "akv_compress");
+  return CachePtr(raw);
+}
+
+// Two ranks of half the KV heads each decode exactly like the two halves of one call that
+// pools per rank (pool_heads = H/2); the one call's cache serializes with its pooling group.
+TEST(TensorParallel, HalfHeadCachesDecodeLikeOneCallPooledPerRank) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  for (bool paper : {false, true}) {
+    SCOPED_TRACE(paper ? "paper options (seeded anchor sample)" : "default options");
+    PrefillSpec spec;
+    spec.seq_len = 600 + rng.uniform_int(0, 200);
+    spec.kv_heads = 4;
+    spec.group = 2;
+    spec.dtype = AKV_DTYPE_BF16;
+    const PrefillData data = make_prefill(rng, spec);
+    akv_compress_options o;
+    if (paper) akv_compress_options_init_paper(&o);
+    else akv_compress_options_init(&o);
+    o.retain_fraction = 0.25;
+    o.anchors = 64;  // 32 anchors beyond the window: the sample is not empty
+    o.seed = rng.next();
+    akv_compress_options whole = o;
+    whole.pool_heads = 2;
+    CachePtr one_call = compress(ctx.get(), data, whole);
+    CachePtr ranks[2];
+    for (int r = 0; r < 2; ++r) {
+      akv_compress_options rank = o;
+      rank.head_offset = 2 * r;
+      ranks[r] = compress_view(ctx.get(), rank_view(data, 2 * r, 2), rank);
+    }
+    const akv_cache_stats all = cache_stats(one_call.get()), r0 = cache_stats(ranks[0].get()),
+                          r1 = cache_stats(ranks[1].get());
+    EXPECT_EQ(all.key_residuals, r0.key_residuals + r1.key_residuals);
+    EXPECT_EQ(all.value_residuals, r0.value_residuals + r1.value_residuals);
+    EXPECT_EQ(r0.compressed_bytes, r1.compressed_bytes);
+    EXPECT_LE(all.compressed_bytes, all.budget_bytes);
+    size_t predicted = 0;
+    ASSERT_EQ(akv_compressed_size(&whole, &data.shape, &predicted), AKV_OK);
+    EXPECT_EQ(all.compressed_bytes, predicted);
+
+    const int Hq = data.q_heads(), D = data.head_dim();
+    const Tensor q = make_tensor(nonzero_normal(rng, static_cast<size_t>(Hq) * D, 1.5), AKV_DTYPE_F32);
+    Tensor halves[2];
+    for (int r = 0; r < 2; ++r)
+      halves[r] = make_tensor(std::vector<float>(q.values.begin() + r * Hq / 2 * D, q.values.begin() + (r + 1) * Hq / 2 * D),
+                              AKV_DTYPE_F32);
+    const std::vector<float> joint = decode(one_call.get(), q, 1);
+    std::vector<float> split = decode(ranks[0].get(), halves[0], 1);
+    const std::vector<float> second = decode(ranks[1].get(), halves[1], 1);
+    split.insert(split.end(), second.begin(), second.end());
+    EXPECT_TRUE(all_near(split, joint, 1e-6, 1e-6));
+
+    // The pooling group survives serialization (format 2).
+    CachePtr copy = deserialize(ctx.get(), serialize(one_call.get()));
+    EXPECT_TRUE(decode(copy.get(), q, 1) == joint);
+
+    if (paper) {  // the seeded sample is keyed by the model-wide head: rank 1 needs its offset
+      CachePtr unkeyed = compress_view(ctx.get(), rank_view(data, 2, 2), o);
+      EXPECT_FALSE(all_near(decode(unkeyed.get(), halves[1], 1), second, 1e-6, 1e-6));
+    }
+  }
+}
+
+TEST(TensorParallel, BadPoolingIsRefusedWithAMessage) {
+  const akv_shape shape{2048, 4, 8, 64};
+  akv_compress_options o = method_options(AKV_METHOD_ANCHORKV, 0.2);
+  size_t bytes = 0;
+  o.pool_heads = 3;
+  EXPECT_EQ(akv_compressed_size(&o, &shape, &bytes), AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(akv_last_error_message()).find("must divide num_kv_heads 4"), std::string::npos);
+  o.pool_heads = -1;
+  EXPECT_EQ(akv_compressed_size(&o, &shape, &bytes), AKV_ERR_INVALID_ARGUMENT);
+  o.pool_heads = 0;
+  o.head_offset = -4;
+  EXPECT_EQ(akv_compressed_size(&o, &shape, &bytes), AKV_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(akv_last_error_message()).find("head_offset -4"), std::string::npos);
+  akv_compress_options snap = method_options(AKV_METHOD_ADAKV, 0.2);
+  snap.pool_heads = 2;
+  EXPECT_EQ(akv_compressed_size(&snap, &shape, &bytes), AKV_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(akv_last_error_message()).find("AnchorKV only"), std::string::npos);
+  snap.pool_heads = 4;  // one group of every head: what the method does anyway
+  EXPECT_EQ(akv_compressed_size(&snap, &shape, &bytes), AKV_OK);
+}
+
 }  // namespace

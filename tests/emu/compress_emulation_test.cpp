@@ -314,4 +314,31 @@ TEST(EmulatedCompress, PagedPrefillGivesTheContiguousBytes) {
   }
 }
 
+// Per-group pooling (pool_heads, tensor parallelism) on the device: each group's residuals
+// are chosen among its own heads, as on the CPU.
+TEST(EmulatedCompress, PoolingGroupsMatchCpuCompression) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  for (int pool_heads : {1, 2}) {
+    SCOPED_TRACE("pool_heads " + std::to_string(pool_heads));
+    akv_compress_options o;
+    akv_compress_options_init(&o);
+    o.retain_fraction = 0.15;
+    o.pool_heads = pool_heads;
+    o.head_offset = static_cast<int32_t>(rng.uniform_int(0, 8));
+    PrefillSpec spec;
+    spec.seq_len = 900;
+    spec.kv_heads = 4;
+    spec.group = 2;
+    spec.head_dim = 64;
+    spec.dtype = AKV_DTYPE_BF16;
+    const PrefillData data = make_prefill(rng, spec);
+    CachePtr expected = compress(ctx.get(), data, o);
+    std::unique_ptr<akv_cache> got = emulated_compress(ctx.get(), data.view(), o);
+    EXPECT_TRUE(anchor_caches_agree(*got, *expected));
+  }
+}
+
 }  // namespace
