@@ -333,7 +333,11 @@ typedef struct akv_shape {
   int64_t seq_len;        /* S, prompt positions */
   int32_t num_kv_heads;   /* H, at most 4096 */
   int32_t num_q_heads;    /* Hq, a multiple of H (GQA group G = Hq/H), at most 65536 */
-  int32_t head_dim;       /* D: a power of two in [16, 512] for AnchorKV (codec) */
+  int32_t head_dim;       /* D. AnchorKV and QUANTIZED: a multiple of 16 in [16, 512]; the
+                             codec pads a D that is not a power of two (80, 96, 112) with
+                             zeros to the next one (128), and its codes are that long
+                             (README "Engines: head dims"); the CUDA backend takes 64, 128
+                             and 256 only */
 } akv_shape;
 
 /* The tensors an engine holds at the end of prefill, for one layer. */

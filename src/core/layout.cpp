@@ -89,9 +89,9 @@ AnchorGeometry anchor_geometry(const akv_compress_options &o, const akv_shape &s
           "shape.num_q_heads ", s.num_q_heads, " must be a positive multiple of num_kv_heads ",
           s.num_kv_heads);
   require(s.head_dim > 0, AKV_ERR_INVALID_ARGUMENT, "shape.head_dim ", s.head_dim, " must be positive");
-  require(is_power_of_two(s.head_dim) && s.head_dim >= 16 && s.head_dim <= 512, AKV_ERR_UNSUPPORTED,
-          "head_dim ", s.head_dim, " is not supported by the residual codec: it must be a power of"
-          " two in [16, 512]");
+  require(codec_head_dim(s.head_dim), AKV_ERR_UNSUPPORTED, "head_dim ", s.head_dim,
+          " is not supported by the residual codec: it must be a multiple of 16 in [16, 512] (padded"
+          " to the next power of two)");
   require(std::isfinite(o.retain_fraction) && o.retain_fraction > 0.0 && o.retain_fraction <= 1.0,
           AKV_ERR_INVALID_ARGUMENT, "retain_fraction ", o.retain_fraction, " must be in (0, 1]");
   require(o.window > 0, AKV_ERR_INVALID_ARGUMENT, "window ", o.window, " must be positive");
@@ -172,9 +172,9 @@ AnchorLayout anchor_layout(const AnchorGeometry &g) {
   bytes[kKeyMask] = bytes[kValueMask] = H * words * 8;
   bytes[kKeyPrefix] = bytes[kValuePrefix] = H * words * 4;
   bytes[kKeyOffsets] = bytes[kValueOffsets] = (H + 1) * 4;
-  bytes[kKeyCodes] = nk * (D / 4);
+  bytes[kKeyCodes] = nk * g.code_bytes();
   bytes[kKeyScales] = nk * 4;
-  bytes[kValueCodes] = nv * (D / 4);
+  bytes[kValueCodes] = nv * g.code_bytes();
   bytes[kValueScales] = nv * 4;
   bytes[kValueChunkPos] = nv;
   AnchorLayout layout;

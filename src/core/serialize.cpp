@@ -435,7 +435,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     corrupt_unless(m.quant_bits >= 2 && m.quant_bits <= 4, "quant_bits");
     corrupt_unless(m.quant_outliers >= 0 && m.quant_outliers <= std::min(32, s.head_dim / 2), "quant_outliers");
     corrupt_unless(m.window <= s.seq_len, "quantized window");
-    corrupt_unless(is_power_of_two(s.head_dim) && s.head_dim >= 16 && s.head_dim <= 512, "quantized head_dim");
+    corrupt_unless(codec_head_dim(s.head_dim), "quantized head_dim");
   }
 
   const int64_t H = s.num_kv_heads, D = s.head_dim;

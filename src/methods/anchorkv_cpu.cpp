@@ -421,7 +421,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
             const float gq = bf16_to_float(gamma[side][h * P + t]);
             const uint16_t *av = anchors_in + (h * k + a) * D;
             for (int d = 0; d < D; ++d) x[d] -= gq * half_to_float(av[d], storage);
-            scales[slot] = codec.encode(x.data(), codes + static_cast<int64_t>(slot) * (D / 4));
+            scales[slot] = codec.encode(x.data(), codes + static_cast<int64_t>(slot) * codec.code_bytes());
             if (side == 1) chunk_pos[slot] = static_cast<uint8_t>(bit);
             ++slot;
           }

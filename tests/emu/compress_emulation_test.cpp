@@ -6,6 +6,7 @@
 #include "api/paged_util.hpp"
 #include "common/anchor_compare.hpp"
 #include "core/context.hpp"
+#include "cuda/plan.hpp"
 #include "methods/methods.hpp"
 // Last: the emulation defines threadIdx, __shared__ and friends as macros.
 #include "cuda/compress_pipeline.hpp"
@@ -338,6 +339,22 @@ TEST(EmulatedCompress, PoolingGroupsMatchCpuCompression) {
     CachePtr expected = compress(ctx.get(), data, o);
     std::unique_ptr<akv_cache> got = emulated_compress(ctx.get(), data.view(), o);
     EXPECT_TRUE(anchor_caches_agree(*got, *expected));
+  }
+}
+
+// head_dim 80, 96 and 112 are CPU-only in this version: the CUDA backend refuses them (compress
+// and deserialize go through these checks) with AKV_ERR_UNSUPPORTED and a message.
+TEST(CudaBackend, RefusesPaddedHeadDims) {
+  for (akv_method method : {AKV_METHOD_ANCHORKV, AKV_METHOD_FULLKV}) {
+    for (int D : {80, 96, 112}) {
+      try {
+        akv::cuda::check_supported(method, D);
+        ADD_FAILURE() << "head_dim " << D << " accepted";
+      } catch (const akv::Error &e) {
+        EXPECT_EQ(e.status(), AKV_ERR_UNSUPPORTED);
+        EXPECT_NE(std::string(e.what()).find("64, 128 or 256"), std::string::npos) << e.what();
+      }
+    }
   }
 }
 
