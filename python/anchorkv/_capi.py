@@ -176,6 +176,9 @@ class akv_compress_options(Structure):
         ("anchor_share", c_double),
         ("guard_fraction", c_double),
         ("coverage_rounds", c_int32),
+        # Tensor parallelism (appended in 0.2).
+        ("pool_heads", c_int32),
+        ("head_offset", c_int32),
     ]
 
 
@@ -201,6 +204,11 @@ class akv_prefill(Structure):
         ("kv_token_stride", c_int64),
         ("q_head_stride", c_int64),
         ("q_token_stride", c_int64),
+        # Paged keys and values (appended in 0.2).
+        ("block_table", POINTER(c_int32)),
+        ("block_size", c_int32),
+        ("num_blocks", c_int32),
+        ("kv_block_stride", c_int64),
     ]
 
 
