@@ -258,7 +258,7 @@ typedef struct akv_compress_options {
                                      the tokens that the anchors so far represent worst (largest
                                      residual energy against their best-|cos| anchor, keys and
                                      values each relative to their mean). 0..64; default 4 */
-  /* ---- Tensor parallelism (appended in 0.2; README "Engines: tensor parallelism") ---- */
+  /* ---- Tensor parallelism (appended in 0.2; README "Engines") ---- */
   int32_t pool_heads;             /* ANCHORKV: KV heads per residual-pooling group. The call's
                                      heads split into consecutive groups of pool_heads; each group
                                      gets the anchors and residual slots it would get compressed
@@ -336,7 +336,7 @@ typedef struct akv_shape {
   int32_t head_dim;       /* D. AnchorKV and QUANTIZED: a multiple of 16 in [16, 512]; the
                              codec pads a D that is not a power of two (80, 96, 112) with
                              zeros to the next one (128), and its codes are that long
-                             (README "Engines: head dims"); the CUDA backend takes 64, 128
+                             (README "Engines"); the CUDA backend takes 64, 128
                              and 256 only */
 } akv_shape;
 
