@@ -370,7 +370,8 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
   if (o.coverage_rounds < 0 || o.coverage_rounds > 64)
     fail(AKV_ERR_INVALID_ARGUMENT, "coverage_rounds ", o.coverage_rounds, " must be in [0, 64]");
   if (o.pool_heads < 0) fail(AKV_ERR_INVALID_ARGUMENT, "pool_heads ", o.pool_heads, " must be >= 0 (0 = every head)");
-  if (o.head_offset < 0) fail(AKV_ERR_INVALID_ARGUMENT, "head_offset ", o.head_offset, " must be >= 0");
+  if (o.head_offset < 0 || o.head_offset > INT32_MAX - kMaxKvHeads)
+    fail(AKV_ERR_INVALID_ARGUMENT, "head_offset ", o.head_offset, " must be in [0, ", INT32_MAX - kMaxKvHeads, "]");
   return o;
 }
 
