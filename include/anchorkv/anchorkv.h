@@ -258,6 +258,20 @@ typedef struct akv_compress_options {
                                      the tokens that the anchors so far represent worst (largest
                                      residual energy against their best-|cos| anchor, keys and
                                      values each relative to their mean). 0..64; default 4 */
+  /* ---- Tensor parallelism (appended in 0.2; README "Engines") ---- */
+  int32_t pool_heads;             /* ANCHORKV: KV heads per residual-pooling group. The call's
+                                     heads split into consecutive groups of pool_heads; each group
+                                     gets the anchors and residual slots it would get compressed
+                                     alone (its own theta * M_full), and its heads compete only
+                                     with each other. 0 = one group of every head of the call.
+                                     Must divide num_kv_heads. A TP rank compressing its own heads
+                                     leaves it 0; a single call that must decode like TP ranks of
+                                     pool_heads heads each sets it. Other methods: 0 or H only
+                                     (AdaKV and AnDPro pool over the call's heads). Default 0 */
+  int32_t head_offset;            /* ANCHORKV: model-wide index of the call's first KV head (TP
+                                     rank r of T: r * H). Keys the seeded anchor sample
+                                     (coverage_rounds 0) by the model-wide head, so a rank picks
+                                     the anchors one call over all heads would. >= 0; default 0 */
 } akv_compress_options;
 
 /* Defaults for every field; method = AKV_METHOD_ANCHORKV. The AnchorKV fields take the paper's
@@ -319,7 +333,11 @@ typedef struct akv_shape {
   int64_t seq_len;        /* S, prompt positions */
   int32_t num_kv_heads;   /* H, at most 4096 */
   int32_t num_q_heads;    /* Hq, a multiple of H (GQA group G = Hq/H), at most 65536 */
-  int32_t head_dim;       /* D: a power of two in [16, 512] for AnchorKV (codec) */
+  int32_t head_dim;       /* D. AnchorKV and QUANTIZED: a multiple of 16 in [16, 512]; the
+                             codec pads a D that is not a power of two (80, 96, 112) with
+                             zeros to the next one (128), and its codes are that long
+                             (README "Engines"); the CUDA backend takes 64, 128
+                             and 256 only */
 } akv_shape;
 
 /* The tensors an engine holds at the end of prefill, for one layer. */
@@ -340,6 +358,20 @@ typedef struct akv_prefill {
   int64_t kv_token_stride; /* elements between tokens; 0 = D */
   int64_t q_head_stride;   /* 0 = W*D */
   int64_t q_token_stride;  /* 0 = D */
+  /* ---- Paged keys and values (appended in 0.2): the block layout of vLLM and SGLang ----
+   * With block_table set, keys and values point at block 0 of the engine's paged K and V
+   * tensors and token t of this request lives in block block_table[t / block_size], row
+   * t % block_size: element (h, t, d) is at
+   *   block_table[t / block_size] * kv_block_stride + (t % block_size) * kv_token_stride
+   *   + h * kv_head_stride + d.
+   * Zero strides then mean vLLM's [num_blocks][block_size][H][D]: kv_head_stride = D,
+   * kv_token_stride = H*D, kv_block_stride = block_size*kv_token_stride. Nothing is gathered
+   * or copied: both backends read through the table. Queries stay as above. */
+  const int32_t *block_table; /* host [ceil(S / block_size)] block ids of this request in token
+                                 order, each in [0, num_blocks); NULL = not paged */
+  int32_t block_size;         /* tokens per block, >= 1 when paged; 0 otherwise */
+  int32_t num_blocks;         /* blocks the K/V tensors hold (bounds the ids); >= 1 when paged */
+  int64_t kv_block_stride;    /* elements between blocks; 0 = block_size * kv_token_stride */
 } akv_prefill;
 
 AKV_API void akv_prefill_init(akv_prefill *prefill);
@@ -350,6 +382,17 @@ AKV_API void akv_prefill_init(akv_prefill *prefill);
  * budget cannot hold the anchors and metadata. */
 AKV_API akv_status akv_compressed_size(const akv_compress_options *options,
                                        const akv_shape *shape, size_t *out_bytes);
+
+/* Exact compressed bytes of a whole model for one request, before prefill, so that an engine
+ * can size its memory pool: the sum over layers l = 0..num_layers-1 of akv_compressed_size
+ * with layer_index = l, layer_count = num_layers and, when retain_fractions is given,
+ * retain_fraction = retain_fractions[l] (options->layer_index/layer_count are ignored).
+ * Every layer has `shape`. retain_fractions: optional host [num_layers]; out_layer_bytes:
+ * optional host [num_layers], each layer's bytes. Fails like akv_compressed_size, naming the
+ * layer. Appended tokens are extra: 4*H*D bytes per token and layer (akv_cache_reserve). */
+AKV_API akv_status akv_compressed_size_model(const akv_compress_options *options, const akv_shape *shape,
+                                             int32_t num_layers, const double *retain_fractions,
+                                             size_t *out_layer_bytes, size_t *out_total_bytes);
 
 /* Compress one layer. The inputs are only read during the call (CUDA: until the stream
  * reaches the end of the work); the engine may free them afterwards. options may be NULL

@@ -188,6 +188,21 @@ def compressed_size(seq_len: int, num_kv_heads: int, head_dim: int, *,
     return size.value
 
 
+def model_compressed_size(num_layers: int, seq_len: int, num_kv_heads: int, head_dim: int, *,
+                          num_q_heads: int | None = None, retain_fractions=None, **options) -> int:
+    """Exact bytes of a whole model's compressed prompt (akv_compressed_size_model): the sum
+    over num_layers layers, retain_fractions (one per layer) overriding retain_fraction."""
+    struct, _keepalive = compress_options(head_dim=head_dim, **options)
+    shape = _capi.akv_shape(seq_len, num_kv_heads, num_q_heads or num_kv_heads, head_dim)
+    if retain_fractions is not None and len(retain_fractions) != num_layers:
+        raise InvalidArgumentError(f"retain_fractions holds {len(retain_fractions)} values for {num_layers} layers")
+    fractions = None if retain_fractions is None else (ctypes.c_double * num_layers)(*retain_fractions)
+    total = c_size_t()
+    check(_capi.akv_compressed_size_model(byref(struct), byref(shape), num_layers, fractions, None,
+                                          byref(total)))
+    return total.value
+
+
 # ---- Context -------------------------------------------------------------------------------
 
 

@@ -176,6 +176,9 @@ class akv_compress_options(Structure):
         ("anchor_share", c_double),
         ("guard_fraction", c_double),
         ("coverage_rounds", c_int32),
+        # Tensor parallelism (appended in 0.2).
+        ("pool_heads", c_int32),
+        ("head_offset", c_int32),
     ]
 
 
@@ -201,6 +204,11 @@ class akv_prefill(Structure):
         ("kv_token_stride", c_int64),
         ("q_head_stride", c_int64),
         ("q_token_stride", c_int64),
+        # Paged keys and values (appended in 0.2).
+        ("block_table", POINTER(c_int32)),
+        ("block_size", c_int32),
+        ("num_blocks", c_int32),
+        ("kv_block_stride", c_int64),
     ]
 
 
@@ -280,6 +288,12 @@ akv_prefill_init = _declare("akv_prefill_init", None, [POINTER(akv_prefill)])
 akv_compressed_size = _declare("akv_compressed_size", akv_status,
                                [POINTER(akv_compress_options), POINTER(akv_shape),
                                 POINTER(c_size_t)])
+# akv_status akv_compressed_size_model(const akv_compress_options *options, const akv_shape *shape,
+#                                      int32_t num_layers, const double *retain_fractions,
+#                                      size_t *out_layer_bytes, size_t *out_total_bytes);
+akv_compressed_size_model = _declare("akv_compressed_size_model", akv_status,
+                                     [POINTER(akv_compress_options), POINTER(akv_shape), c_int32,
+                                      POINTER(c_double), POINTER(c_size_t), POINTER(c_size_t)])
 # akv_status akv_compress(akv_context *context, const akv_prefill *prefill,
 #                         const akv_compress_options *options, akv_cache **out_cache,
 #                         void *stream);
@@ -337,7 +351,7 @@ FUNCTION_NAMES = (
     "akv_version_number", "akv_version_string", "akv_status_string", "akv_last_error_message",
     "akv_context_options_init", "akv_context_create", "akv_context_destroy",
     "akv_compress_options_init", "akv_compress_options_init_method",
-    "akv_compress_options_init_paper", "akv_prefill_init", "akv_compressed_size", "akv_compress",
+    "akv_compress_options_init_paper", "akv_prefill_init", "akv_compressed_size", "akv_compressed_size_model", "akv_compress",
     "akv_cache_destroy", "akv_cache_reserve", "akv_append", "akv_decode", "akv_decode_batch",
     "akv_cache_stats_get", "akv_cache_head_stats", "akv_cache_reconstruct",
     "akv_cache_serialized_size", "akv_cache_serialize", "akv_cache_deserialize",

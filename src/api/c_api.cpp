@@ -376,6 +376,9 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
     fail(AKV_ERR_INVALID_ARGUMENT, "guard_fraction ", o.guard_fraction, " must be in [0, 1]");
   if (o.coverage_rounds < 0 || o.coverage_rounds > 64)
     fail(AKV_ERR_INVALID_ARGUMENT, "coverage_rounds ", o.coverage_rounds, " must be in [0, 64]");
+  if (o.pool_heads < 0) fail(AKV_ERR_INVALID_ARGUMENT, "pool_heads ", o.pool_heads, " must be >= 0 (0 = every head)");
+  if (o.head_offset < 0 || o.head_offset > INT32_MAX - kMaxKvHeads)
+    fail(AKV_ERR_INVALID_ARGUMENT, "head_offset ", o.head_offset, " must be in [0, ", INT32_MAX - kMaxKvHeads, "]");
   return o;
 }
 
@@ -392,6 +395,21 @@ void validate_shape(const akv_shape &s) {
   if (s.head_dim > kMaxHeadDim) fail(AKV_ERR_UNSUPPORTED, "shape.head_dim ", s.head_dim, " exceeds ", kMaxHeadDim);
 }
 
+// A paged prefill (akv_prefill.block_table): the table and its ids, before any data is read.
+void validate_paged(const akv_prefill &p) {
+  if (!p.block_table)
+    fail(AKV_ERR_INVALID_ARGUMENT, "prefill.block_table is NULL but block_size, num_blocks or kv_block_stride is set"
+         " (a paged prefill needs its block table)");
+  if (p.block_size < 1) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.block_size ", p.block_size, " must be at least 1 (paged prefill)");
+  if (p.num_blocks < 1) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.num_blocks ", p.num_blocks, " must be at least 1 (paged prefill)");
+  if (p.kv_block_stride < 0) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.kv_block_stride ", p.kv_block_stride, " must be >= 0");
+  const int64_t blocks = (p.shape.seq_len + p.block_size - 1) / p.block_size;
+  for (int64_t i = 0; i < blocks; ++i)
+    if (p.block_table[i] < 0 || p.block_table[i] >= p.num_blocks)
+      fail(AKV_ERR_INVALID_ARGUMENT, "prefill.block_table[", i, "] = ", p.block_table[i], " is outside [0, num_blocks=",
+           p.num_blocks, ")");
+}
+
 }  // namespace
 
 AKV_API akv_status akv_compressed_size(const akv_compress_options *options, const akv_shape *shape,
@@ -402,6 +420,38 @@ AKV_API akv_status akv_compressed_size(const akv_compress_options *options, cons
     const akv_compress_options o = resolve_options(options);
     validate_shape(*shape);
     *out_bytes = static_cast<size_t>(compressed_footprint(o, *shape));
+  });
+}
+
+AKV_API akv_status akv_compressed_size_model(const akv_compress_options *options, const akv_shape *shape,
+                                             int32_t num_layers, const double *retain_fractions,
+                                             size_t *out_layer_bytes, size_t *out_total_bytes) {
+  return guard(__func__, [&] {
+    check_not_null(shape, "shape");
+    check_not_null(out_total_bytes, "out_total_bytes");
+    if (num_layers < 1) fail(AKV_ERR_INVALID_ARGUMENT, "num_layers ", num_layers, " must be at least 1");
+    akv_compress_options o = resolve_options(options);
+    validate_shape(*shape);
+    std::vector<size_t> bytes(num_layers);
+    size_t total = 0;
+    for (int32_t l = 0; l < num_layers; ++l) {
+      o.layer_index = l;
+      o.layer_count = num_layers;
+      if (retain_fractions) {
+        o.retain_fraction = retain_fractions[l];
+        if (!std::isfinite(o.retain_fraction) || o.retain_fraction <= 0.0 || o.retain_fraction > 1.0)
+          fail(AKV_ERR_INVALID_ARGUMENT, "retain_fractions[", l, "] = ", o.retain_fraction, " must be in (0, 1]");
+      }
+      try {
+        bytes[l] = static_cast<size_t>(compressed_footprint(o, *shape));
+      } catch (const Error &e) {
+        fail(e.status(), "layer ", l, ": ", e.what());
+      }
+      if (bytes[l] > SIZE_MAX - total) fail(AKV_ERR_INVALID_ARGUMENT, "the model's compressed size overflows size_t");
+      total += bytes[l];
+    }
+    if (out_layer_bytes) std::copy(bytes.begin(), bytes.end(), out_layer_bytes);
+    *out_total_bytes = total;
   });
 }
 
@@ -423,6 +473,7 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
       fail(AKV_ERR_INVALID_ARGUMENT, "prefill strides must be >= 0 (0 = contiguous)");
     if ((p.kv_token_stride && p.kv_token_stride < p.shape.head_dim) || (p.q_token_stride && p.q_token_stride < p.shape.head_dim))
       fail(AKV_ERR_INVALID_ARGUMENT, "prefill token strides must be at least head_dim ", p.shape.head_dim);
+    if (p.block_table || p.block_size || p.num_blocks || p.kv_block_stride) validate_paged(p);
     compressed_footprint(o, p.shape);  // shape/budget checks for the method, before reading data
     if (p.positions) {
       for (int64_t t = 1; t < p.shape.seq_len; ++t)

@@ -1,5 +1,6 @@
 #include "core/codec.hpp"
 
+#include <algorithm>
 #include <cmath>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -52,40 +53,42 @@ void fwht(float *x, int n) {
 }
 
 ResidualCodec::ResidualCodec(uint64_t seed, int head_dim, akv_residual_scale mode)
-    : dim_(head_dim), mode_(mode), signs_(head_dim), byte_levels_(256 * 4) {
+    : dim_(head_dim), rdim_(static_cast<int>(padded_dim(head_dim))), mode_(mode), signs_(rdim_), byte_levels_(256 * 4) {
   for (int b = 0; b < 256; ++b)
     for (int i = 0; i < 4; ++i) byte_levels_[b * 4 + i] = kLloydMaxLevels[(b >> (2 * i)) & 3];
-  for (int d = 0; d < head_dim; ++d)
+  for (int d = 0; d < rdim_; ++d)
     signs_[d] = (hash_keys(seed, kStreamHadamardSigns, static_cast<uint64_t>(d)) & 1u) ? -1.0f : 1.0f;
 }
 
 void ResidualCodec::rotate(float *x) const {
-  const float norm = 1.0f / std::sqrt(static_cast<float>(dim_));
+  const float norm = 1.0f / std::sqrt(static_cast<float>(rdim_));
+  for (int d = dim_; d < rdim_; ++d) x[d] = 0.0f;
   for (int d = 0; d < dim_; ++d) x[d] *= signs_[d];
-  fwht(x, dim_);
-  for (int d = 0; d < dim_; ++d) x[d] *= norm;
+  fwht(x, rdim_);
+  for (int d = 0; d < rdim_; ++d) x[d] *= norm;
 }
 
 void ResidualCodec::unrotate(float *y) const {
-  const float norm = 1.0f / std::sqrt(static_cast<float>(dim_));
-  fwht(y, dim_);
-  for (int d = 0; d < dim_; ++d) y[d] *= norm * signs_[d];
+  const float norm = 1.0f / std::sqrt(static_cast<float>(rdim_));
+  fwht(y, rdim_);
+  for (int d = 0; d < rdim_; ++d) y[d] *= norm * signs_[d];
 }
 
 float ResidualCodec::encode(const float *residual, uint8_t *codes) const {
-  std::vector<float> y(residual, residual + dim_);
+  std::vector<float> y(rdim_);
+  std::copy(residual, residual + dim_, y.begin());
   rotate(y.data());
   double sumsq = 0.0, absmax = 0.0;
-  for (int d = 0; d < dim_; ++d) {
+  for (int d = 0; d < rdim_; ++d) {
     sumsq += static_cast<double>(y[d]) * y[d];
     absmax = std::fmax(absmax, std::fabs(static_cast<double>(y[d])));
   }
   double scale = mode_ == AKV_SCALE_ABSMAX ? absmax / kLloydMaxLevels[3]
-                                           : std::sqrt(sumsq / dim_);
+                                           : std::sqrt(sumsq / rdim_);
   const double inv = scale > 0.0 ? 1.0 / scale : 0.0;
-  for (int b = 0; b < dim_ / 4; ++b) codes[b] = 0;
+  for (int b = 0; b < rdim_ / 4; ++b) codes[b] = 0;
   double dot = 0.0, levels_sq = 0.0;
-  for (int d = 0; d < dim_; ++d) {
+  for (int d = 0; d < rdim_; ++d) {
     const int c = lloyd_max_code(static_cast<float>(y[d] * inv));
     codes[d >> 2] |= static_cast<uint8_t>(c << ((d & 3) * 2));
     dot += static_cast<double>(y[d]) * kLloydMaxLevels[c];
@@ -97,7 +100,7 @@ float ResidualCodec::encode(const float *residual, uint8_t *codes) const {
 }
 
 void ResidualCodec::decode_rotated(const uint8_t *codes, float scale, float *y) const {
-  for (int b = 0; b < dim_ / 4; ++b) {
+  for (int b = 0; b < rdim_ / 4; ++b) {
     const float *lv = &byte_levels_[codes[b] * 4];
     for (int i = 0; i < 4; ++i) y[4 * b + i] = scale * lv[i];
   }

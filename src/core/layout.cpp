@@ -47,6 +47,7 @@ AnchorGeometry geometry_for(const akv_compress_options &o, const akv_shape &s, i
   g.dim = s.head_dim;
   g.window = o.window;
   g.anchors = static_cast<int32_t>(k);
+  g.pool_heads = s.num_kv_heads;
   g.words = (g.prefix + 63) / 64;
 
   const uint64_t H = g.heads, D = g.dim, P = g.prefix, W = g.window;
@@ -88,9 +89,9 @@ AnchorGeometry anchor_geometry(const akv_compress_options &o, const akv_shape &s
           "shape.num_q_heads ", s.num_q_heads, " must be a positive multiple of num_kv_heads ",
           s.num_kv_heads);
   require(s.head_dim > 0, AKV_ERR_INVALID_ARGUMENT, "shape.head_dim ", s.head_dim, " must be positive");
-  require(is_power_of_two(s.head_dim) && s.head_dim >= 16 && s.head_dim <= 512, AKV_ERR_UNSUPPORTED,
-          "head_dim ", s.head_dim, " is not supported by the residual codec: it must be a power of"
-          " two in [16, 512]");
+  require(codec_head_dim(s.head_dim), AKV_ERR_UNSUPPORTED, "head_dim ", s.head_dim,
+          " is not supported by the residual codec: it must be a multiple of 16 in [16, 512] (padded"
+          " to the next power of two)");
   require(std::isfinite(o.retain_fraction) && o.retain_fraction > 0.0 && o.retain_fraction <= 1.0,
           AKV_ERR_INVALID_ARGUMENT, "retain_fraction ", o.retain_fraction, " must be in (0, 1]");
   require(o.window > 0, AKV_ERR_INVALID_ARGUMENT, "window ", o.window, " must be positive");
@@ -98,6 +99,28 @@ AnchorGeometry anchor_geometry(const akv_compress_options &o, const akv_shape &s
           " must exceed the window ", o.window, " for AnchorKV");
   require(std::isfinite(o.anchor_share) && o.anchor_share >= 0.0 && o.anchor_share <= 1.0,
           AKV_ERR_INVALID_ARGUMENT, "anchor_share ", o.anchor_share, " must be in [0, 1]");
+  require(o.pool_heads >= 0 && (o.pool_heads == 0 || s.num_kv_heads % o.pool_heads == 0), AKV_ERR_INVALID_ARGUMENT,
+          "pool_heads ", o.pool_heads, " must divide num_kv_heads ", s.num_kv_heads, " (0 = every head)");
+  if (o.pool_heads != 0 && o.pool_heads != s.num_kv_heads) {
+    // Groups of pool_heads heads, each with the accounting of a call over its heads alone
+    // (a TP rank's): the same k, N_K and N_V per group. Positions and the last offsets are
+    // stored once instead of per group, so the footprint stays within theta * M_full.
+    akv_compress_options alone = o;
+    alone.pool_heads = 0;
+    akv_shape part = s;
+    part.num_kv_heads = o.pool_heads;
+    part.num_q_heads = s.num_q_heads / s.num_kv_heads * o.pool_heads;
+    const AnchorGeometry one = anchor_geometry(alone, part);
+    bool fits = false;
+    AnchorGeometry g = geometry_for(o, s, one.anchors, &fits);
+    const int64_t groups = s.num_kv_heads / o.pool_heads;
+    g.pool_heads = o.pool_heads;
+    g.key_residuals = groups * one.key_residuals;
+    g.value_residuals = groups * one.value_residuals;
+    g.footprint = g.base_bytes + g.key_residuals * g.key_residual_bytes() + g.value_residuals * g.value_residual_bytes();
+    require(fits && g.footprint <= g.budget_bytes, AKV_ERR_INTERNAL, "pooled geometry exceeds the budget");
+    return g;
+  }
   // Automatic anchors: the paper's k, raised by what anchor_share of the spare budget buys.
   int64_t k = o.anchors == 0 ? default_anchor_count(s.seq_len, o.window) : o.anchors;
   require(k >= o.window && k <= s.seq_len && k <= 65536, AKV_ERR_INVALID_ARGUMENT, "anchors ", k,
@@ -149,9 +172,9 @@ AnchorLayout anchor_layout(const AnchorGeometry &g) {
   bytes[kKeyMask] = bytes[kValueMask] = H * words * 8;
   bytes[kKeyPrefix] = bytes[kValuePrefix] = H * words * 4;
   bytes[kKeyOffsets] = bytes[kValueOffsets] = (H + 1) * 4;
-  bytes[kKeyCodes] = nk * (D / 4);
+  bytes[kKeyCodes] = nk * g.code_bytes();
   bytes[kKeyScales] = nk * 4;
-  bytes[kValueCodes] = nv * (D / 4);
+  bytes[kValueCodes] = nv * g.code_bytes();
   bytes[kValueScales] = nv * 4;
   bytes[kValueChunkPos] = nv;
   AnchorLayout layout;

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include "anchorkv/anchorkv.h"
+#include "core/codec.hpp"
 
 namespace akv {
 
@@ -26,9 +27,9 @@ enum AnchorSection : int {
   kValuePrefix,         // [H][words] u32
   kKeyOffsets,          // [H+1] u32 first residual slot of each head
   kValueOffsets,        // [H+1] u32
-  kKeyCodes,            // [N_K][D/4] u8, 2-bit codes
+  kKeyCodes,            // [N_K][D'/4] u8, 2-bit codes (D' = D padded to a power of two)
   kKeyScales,           // [N_K] f32
-  kValueCodes,          // [N_V][D/4] u8
+  kValueCodes,          // [N_V][D'/4] u8
   kValueScales,         // [N_V] f32
   kValueChunkPos,       // [N_V] u8 position of the residual inside its 64-token word
   kAnchorSectionCount
@@ -48,6 +49,7 @@ struct AnchorGeometry {
   int32_t dim = 0;          // D
   int32_t window = 0;       // W
   int32_t anchors = 0;      // k (incl. window)
+  int32_t pool_heads = 0;   // heads per residual-pooling group (a divisor of H; H = one group)
   int64_t words = 0;        // ceil(P / 64)
   int64_t key_residuals = 0;    // N_K
   int64_t value_residuals = 0;  // N_V
@@ -55,9 +57,12 @@ struct AnchorGeometry {
   uint64_t budget_bytes = 0;    // floor(theta * M_full)
   uint64_t base_bytes = 0;      // M_base
   uint64_t footprint = 0;       // M_base + N_K c_K + N_V c_V
-  int64_t key_residual_bytes() const { return dim / 4 + 4; }     // c_K
-  int64_t value_residual_bytes() const { return dim / 4 + 5; }   // c_V
+  // D' = dim padded to a power of two (the codec's rotation; D' = D for 64, 128, 256).
+  int64_t code_bytes() const { return padded_dim(dim) / 4; }          // D'/4
+  int64_t key_residual_bytes() const { return code_bytes() + 4; }     // c_K
+  int64_t value_residual_bytes() const { return code_bytes() + 5; }   // c_V
   int32_t group() const { return q_heads / heads; }
+  int32_t pool_groups() const { return heads / pool_heads; }
 };
 
 // Validates the shape and options for AnchorKV and computes the accounting. Throws

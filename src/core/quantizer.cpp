@@ -49,9 +49,9 @@ QuantGeometry quant_geometry_for_bits(const akv_shape &s, int32_t window, int32_
 }
 
 QuantGeometry quant_geometry(const akv_compress_options &o, const akv_shape &s) {
-  require(is_power_of_two(s.head_dim) && s.head_dim >= 16 && s.head_dim <= 512, AKV_ERR_UNSUPPORTED,
-          "head_dim ", s.head_dim, " is not supported by the quantizer's Hadamard rotation: it must be a"
-          " power of two in [16, 512]");
+  require(codec_head_dim(s.head_dim), AKV_ERR_UNSUPPORTED, "head_dim ", s.head_dim,
+          " is not supported by the quantizer's Hadamard rotation: it must be a multiple of 16 in"
+          " [16, 512] (padded to the next power of two)");
   require(o.quant_bits == 0 || (o.quant_bits >= 2 && o.quant_bits <= 4), AKV_ERR_INVALID_ARGUMENT,
           "quant_bits ", o.quant_bits, " must be 2, 3 or 4 (0 = the most that fit the budget)");
   const int32_t max_outliers = std::min(32, s.head_dim / 2);
@@ -100,33 +100,34 @@ void unpack_codes(const uint8_t *packed, int n, int bits, uint8_t *codes) {
 }
 
 TokenQuantizer::TokenQuantizer(uint64_t seed, int head_dim, int bits, int outliers)
-    : dim_(head_dim), bits_(bits), outliers_(outliers),
+    : dim_(head_dim), rdim_(static_cast<int>(padded_dim(head_dim))), bits_(bits), outliers_(outliers),
       rotation_(seed, head_dim, AKV_SCALE_LEAST_SQUARES), levels_(lloyd_max_levels(bits)) {
   for (size_t i = 0; i + 1 < levels_.size(); ++i) thresholds_.push_back(0.5f * (levels_[i] + levels_[i + 1]));
 }
 
 float TokenQuantizer::code_rotated(float *y, uint8_t *packed) const {
   double sumsq = 0.0;
-  for (int d = 0; d < dim_; ++d) sumsq += static_cast<double>(y[d]) * y[d];
-  const double rms = std::sqrt(sumsq / dim_);
+  for (int d = 0; d < rdim_; ++d) sumsq += static_cast<double>(y[d]) * y[d];
+  const double rms = std::sqrt(sumsq / rdim_);
   const double inv = rms > 0.0 ? 1.0 / rms : 0.0;
   uint8_t codes[512];
   double dot = 0.0, levels_sq = 0.0;
-  for (int d = 0; d < dim_; ++d) {
+  for (int d = 0; d < rdim_; ++d) {
     const float z = static_cast<float>(y[d] * inv);
     const int c = static_cast<int>(std::upper_bound(thresholds_.begin(), thresholds_.end(), z) - thresholds_.begin());
     codes[d] = static_cast<uint8_t>(c);
     dot += static_cast<double>(y[d]) * levels_[c];
     levels_sq += static_cast<double>(levels_[c]) * levels_[c];
   }
-  pack_codes(codes, dim_, bits_, packed);
+  pack_codes(codes, rdim_, bits_, packed);
   // Least squares: the scale minimising ||y - s*levels||^2 for the chosen codes.
   return levels_sq > 0.0 ? static_cast<float>(dot / levels_sq) : 0.0f;
 }
 
 void TokenQuantizer::encode_key(const float *key, uint8_t *packed, float *scale, int32_t *outlier_index,
                                 float *outlier_value) const {
-  std::vector<float> y(key, key + dim_);
+  std::vector<float> y(rdim_, 0.0f);
+  std::copy(key, key + dim_, y.begin());
   if (outliers_ > 0) {
     // The largest magnitudes, ties to the lower channel; stored in channel order.
     std::vector<int32_t> order(dim_);
@@ -147,17 +148,18 @@ void TokenQuantizer::encode_key(const float *key, uint8_t *packed, float *scale,
 }
 
 void TokenQuantizer::encode_value(const float *value, uint8_t *packed, float *scale) const {
-  std::vector<float> y(value, value + dim_);
+  std::vector<float> y(rdim_, 0.0f);
+  std::copy(value, value + dim_, y.begin());
   rotation_.rotate(y.data());
   *scale = code_rotated(y.data(), packed);
 }
 
 void TokenQuantizer::decode_rotated(const uint8_t *packed, float scale, float *y) const {
   // Decode sits in the attention loop: whole bytes (2 and 4 bits) or 3-byte groups of eight
-  // codes (3 bits) at a time. dim_ is a power of two >= 16, so groups never straddle the end.
+  // codes (3 bits) at a time. rdim_ is a power of two >= 16, so groups never straddle the end.
   const float *lv = levels_.data();
   if (bits_ == 3) {
-    for (int g = 0; g < dim_ / 8; ++g) {
+    for (int g = 0; g < rdim_ / 8; ++g) {
       const uint32_t v = packed[3 * g] | (static_cast<uint32_t>(packed[3 * g + 1]) << 8) |
                          (static_cast<uint32_t>(packed[3 * g + 2]) << 16);
       for (int i = 0; i < 8; ++i) y[8 * g + i] = scale * lv[(v >> (3 * i)) & 7u];
@@ -165,13 +167,13 @@ void TokenQuantizer::decode_rotated(const uint8_t *packed, float scale, float *y
     return;
   }
   if (bits_ == 2) {
-    for (int b = 0; b < dim_ / 4; ++b) {
+    for (int b = 0; b < rdim_ / 4; ++b) {
       const uint32_t v = packed[b];
       for (int i = 0; i < 4; ++i) y[4 * b + i] = scale * lv[(v >> (2 * i)) & 3u];
     }
     return;
   }
-  for (int b = 0; b < dim_ / 2; ++b) {
+  for (int b = 0; b < rdim_ / 2; ++b) {
     const uint32_t v = packed[b];
     y[2 * b] = scale * lv[v & 15u];
     y[2 * b + 1] = scale * lv[v >> 4];

@@ -39,11 +39,12 @@ std::vector<float> lloyd_max_levels(int bits);
 enum QuantSection : int {
   kQuantWindowKeys = 0,  // [H][W][D] storage dtype, post-RoPE (exact recent tokens)
   kQuantWindowValues,    // [H][W][D]
-  kQuantKeyCodes,        // [H][P][D*b/8] packed b-bit codes, little-endian bit order
+  kQuantKeyCodes,        // [H][P][D'*b/8] packed b-bit codes, little-endian bit order (D' = D
+                         // padded to a power of two)
   kQuantKeyScales,       // [H][P] f32
   kQuantKeyOutlierIndex, // [H][P][n_out] u8 (u16 when D > 256)
   kQuantKeyOutlierValue, // [H][P][n_out] storage dtype, exact channel values
-  kQuantValueCodes,      // [H][P][D*b/8]
+  kQuantValueCodes,      // [H][P][D'*b/8]
   kQuantValueScales,     // [H][P] f32
   kQuantSectionCount
 };
@@ -60,7 +61,8 @@ struct QuantGeometry {
   std::array<uint64_t, kQuantSectionCount> bytes{}, offsets{};
   uint64_t total_bytes = 0;  // allocation: footprint plus alignment padding
 
-  int64_t code_bytes() const { return static_cast<int64_t>(dim) * bits / 8; }
+  // Codes of the rotated domain: dim padded to a power of two (the Hadamard rotation's length).
+  int64_t code_bytes() const { return padded_dim(dim) * bits / 8; }
   int64_t key_bytes_per_token() const { return code_bytes() + 4 + outliers * (2 + index_bytes); }
   int64_t value_bytes_per_token() const { return code_bytes() + 4; }
 };
@@ -92,11 +94,12 @@ class TokenQuantizer {
                   float *outlier_value) const;
   // value -> codes and scale (no outliers).
   void encode_value(const float *value, uint8_t *packed, float *scale) const;
-  // Rotated-domain reconstruction scale * levels (no outliers, no inverse rotation).
+  // Rotated-domain reconstruction scale * levels (no outliers, no inverse rotation) into
+  // rotation().rotated_dim() floats.
   void decode_rotated(const uint8_t *packed, float scale, float *y) const;
 
  private:
-  int dim_ = 0, bits_ = 0, outliers_ = 0;
+  int dim_ = 0, rdim_ = 0, bits_ = 0, outliers_ = 0;
   ResidualCodec rotation_;
   std::vector<float> levels_;      // 2^bits Lloyd-Max levels, increasing
   std::vector<float> thresholds_;  // 2^bits - 1 midpoints

@@ -165,6 +165,7 @@ void write_cache(W &w, const akv_cache &c, const uint8_t *data, const uint8_t *s
   put<int64_t>(w, "value_residuals", m.value_residuals);
   put<int64_t>(w, "window_first_position", m.window_first_position);
   put<int64_t>(w, "next_position", c.next_position);
+  put<int32_t>(w, "pool_heads", m.pool_heads);
   put<uint32_t>(w, "dense count", static_cast<uint32_t>(m.dense_counts.size()));
   for (int64_t n : m.dense_counts) put<int64_t>(w, "dense counts", n);
   put<uint64_t>(w, "dense positions count", c.dense_positions.size());
@@ -361,6 +362,8 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   m.value_residuals = r.get<int64_t>("value_residuals");
   m.window_first_position = r.get<int64_t>("window_first_position");
   c.next_position = r.get<int64_t>("next_position");
+  const bool pooled = m.method == AKV_METHOD_ANCHORKV;
+  m.pool_heads = version >= 2 ? r.get<int32_t>("pool_heads") : pooled ? m.shape.num_kv_heads : 0;
 
   // What akv_compress accepts and stores (c_api.cpp validate_shape / resolve_options).
   const akv_shape &s = m.shape;
@@ -391,7 +394,8 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   }
   const bool anchor = m.method == AKV_METHOD_ANCHORKV;
   if (!anchor)  // compression sets these for AnchorKV only
-    corrupt_unless(m.anchors == 0 && m.key_residuals == 0 && m.value_residuals == 0 && m.window_first_position == 0,
+    corrupt_unless(m.anchors == 0 && m.key_residuals == 0 && m.value_residuals == 0 && m.window_first_position == 0 &&
+                       m.pool_heads == 0,
                    "AnchorKV fields set for another method");
 
   const uint32_t nheads = r.get<uint32_t>("dense count");
@@ -431,7 +435,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     corrupt_unless(m.quant_bits >= 2 && m.quant_bits <= 4, "quant_bits");
     corrupt_unless(m.quant_outliers >= 0 && m.quant_outliers <= std::min(32, s.head_dim / 2), "quant_outliers");
     corrupt_unless(m.window <= s.seq_len, "quantized window");
-    corrupt_unless(is_power_of_two(s.head_dim) && s.head_dim >= 16 && s.head_dim <= 512, "quantized head_dim");
+    corrupt_unless(codec_head_dim(s.head_dim), "quantized head_dim");
   }
 
   const int64_t H = s.num_kv_heads, D = s.head_dim;
@@ -444,6 +448,9 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     o.retain_fraction = m.retain_fraction;
     o.window = m.window;
     o.anchors = m.anchors;
+    corrupt_unless(m.pool_heads >= 1 && m.pool_heads <= s.num_kv_heads && s.num_kv_heads % m.pool_heads == 0,
+                   "pool_heads");
+    o.pool_heads = m.pool_heads;
     try {
       c.geometry = anchor_geometry(o, s);
     } catch (const Error &e) {

@@ -10,7 +10,9 @@
 
 namespace akv {
 
-constexpr uint32_t kFormatVersion = 1;
+// 1: the first format. 2: adds pool_heads (int32, after next_position): AnchorKV's heads per
+// residual-pooling group; version-1 data reads as one group of every head.
+constexpr uint32_t kFormatVersion = 2;
 
 uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc = 0);
 

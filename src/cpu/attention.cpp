@@ -93,7 +93,7 @@ class AnchorHead {
         coefC_[static_cast<size_t>(a) * rows_ + i] = cst;
       }
     }
-    r_.resize(D_);
+    r_.resize(cache.codec.rotated_dim());
     logit_.resize(rows_);
   }
 
@@ -112,7 +112,7 @@ class AnchorHead {
       if (word >> (t & 63) & 1u) {
         const uint32_t slot = kbase_ + kprefix_[t >> 6] +
                               static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
-        c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * (D_ / 4), kscales_[slot], r_.data());
+        c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
         if (pairs_) rope_.apply(r_.data(), cs, cs + pairs_);
         dot_rows(q_.data(), D_, rows_, r_.data(), D_, logit_.data());
         for (int i = 0; i < rows_; ++i) L_[i * total_ + t] += logit_[i];
@@ -188,7 +188,8 @@ void AnchorHead::finish(float *out) {
   const uint8_t *vcodes = cache.section<uint8_t>(kValueCodes);
   const float *vscales = cache.section<float>(kValueScales);
   const uint8_t *vchunk = cache.section<uint8_t>(kValueChunkPos);
-  std::vector<float> x(D), r(D);
+  const int RD = cache.codec.rotated_dim();  // residuals' rotated domain (D padded to a power of two)
+  std::vector<float> x(D), r(RD);
   // The exact window: anchors k-W..k-1 at consecutive positions.
   for (int w = 0; w < W; ++w) {
     half_row(ak_ + static_cast<int64_t>(k - W + w) * D, storage, D, x.data());
@@ -200,7 +201,7 @@ void AnchorHead::finish(float *out) {
 
   // Values are never reconstructed: per-anchor weights, then residuals in the rotated
   // domain with one inverse Hadamard per row.
-  std::vector<float> weights(static_cast<size_t>(rows) * k, 0.0f), racc(static_cast<size_t>(rows) * D, 0.0f);
+  std::vector<float> weights(static_cast<size_t>(rows) * k, 0.0f), racc(static_cast<size_t>(rows) * RD, 0.0f);
   std::vector<float> acc(static_cast<size_t>(rows) * D, 0.0f);
   for (int64_t t = 0; t < P; ++t) {
     const int a = vidx[t];
@@ -214,15 +215,15 @@ void AnchorHead::finish(float *out) {
     const uint32_t count = static_cast<uint32_t>(__builtin_popcountll(vmask[wd]));
     for (uint32_t sl = first; sl < first + count; ++sl) {
       const int64_t t = wd * 64 + vchunk[sl];
-      cache.codec.decode_rotated(vcodes + static_cast<int64_t>(sl) * (D / 4), vscales[sl], r.data());
+      cache.codec.decode_rotated(vcodes + static_cast<int64_t>(sl) * cache.codec.code_bytes(), vscales[sl], r.data());
       for (int i = 0; i < rows; ++i) {
         const float p = L[i * total + t];
-        float *ra = &racc[static_cast<size_t>(i) * D];
-        for (int d = 0; d < D; ++d) ra[d] += p * r[d];
+        float *ra = &racc[static_cast<size_t>(i) * RD];
+        for (int d = 0; d < RD; ++d) ra[d] += p * r[d];
       }
     }
   }
-  for (int i = 0; i < rows; ++i) cache.codec.unrotate(&racc[static_cast<size_t>(i) * D]);
+  for (int i = 0; i < rows; ++i) cache.codec.unrotate(&racc[static_cast<size_t>(i) * RD]);
   for (int a = 0; a < k; ++a) {
     half_row(av + static_cast<int64_t>(a) * D, storage, D, x.data());
     for (int i = 0; i < rows; ++i) {
@@ -232,7 +233,8 @@ void AnchorHead::finish(float *out) {
       for (int d = 0; d < D; ++d) o[d] += wgt * x[d];
     }
   }
-  for (size_t e = 0; e < acc.size(); ++e) acc[e] += racc[e];
+  for (int i = 0; i < rows; ++i)
+    for (int d = 0; d < D; ++d) acc[static_cast<size_t>(i) * D + d] += racc[static_cast<size_t>(i) * RD + d];
   if (suffix) dense_values(sv + suffix_base, suffix, D, storage, L, rows, total, prompt, acc.data());
   for (int i = 0; i < rows; ++i)
     for (int d = 0; d < D; ++d) out[i * D + d] = acc[i * D + d] / sums[i];
@@ -324,7 +326,7 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
     const uint8_t *codes[2] = {cache.section<uint8_t>(kKeyCodes), cache.section<uint8_t>(kValueCodes)};
     const float *scales[2] = {cache.section<float>(kKeyScales), cache.section<float>(kValueScales)};
     const int32_t *pos = cache.section<int32_t>(kPositions);
-    std::vector<float> a(D), r(D);
+    std::vector<float> a(D), r(cache.codec.rotated_dim());
     for (int side = 0; side < 2; ++side) {
       float *dst = side == 0 ? keys : values;
       for (int64_t t = 0; t < P; ++t) {
@@ -336,7 +338,8 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
         if (word >> (t & 63) & 1u) {
           const uint32_t slot = base[side] + prefix[side][t >> 6] +
                                 static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
-          cache.codec.decode(codes[side] + static_cast<int64_t>(slot) * (D / 4), scales[side][slot], r.data());
+          cache.codec.decode(codes[side] + static_cast<int64_t>(slot) * cache.codec.code_bytes(), scales[side][slot],
+                             r.data());
           for (int d = 0; d < D; ++d) o[d] += r[d];
         }
         if (side == 0 && rotated) rope.apply(o, pos[t]);

@@ -27,10 +27,13 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
   const int64_t prompt = g.seq_len, suffix = c.suffix_len, total = prompt + suffix;
   const akv_dtype storage = c.meta.storage;
   const TokenQuantizer &tq = c.quantizer;
-  std::vector<float> qs(q, q + static_cast<size_t>(rows) * D), qr(qs.size());
+  const int RD = tq.rotation().rotated_dim();  // D padded to a power of two
+  std::vector<float> qs(q, q + static_cast<size_t>(rows) * D), qr(static_cast<size_t>(rows) * RD);
   for (float &x : qs) x *= c.meta.softmax_scale;
-  qr = qs;
-  for (int i = 0; i < rows; ++i) tq.rotation().rotate(&qr[static_cast<size_t>(i) * D]);
+  for (int i = 0; i < rows; ++i) {
+    std::copy(&qs[static_cast<size_t>(i) * D], &qs[static_cast<size_t>(i + 1) * D], &qr[static_cast<size_t>(i) * RD]);
+    tq.rotation().rotate(&qr[static_cast<size_t>(i) * RD]);
+  }
 
   const uint8_t *key_codes = c.quant_section<uint8_t>(kQuantKeyCodes) + static_cast<int64_t>(h) * P * cb;
   const float *key_scales = c.quant_section<float>(kQuantKeyScales) + static_cast<int64_t>(h) * P;
@@ -43,7 +46,7 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
   const uint16_t *sk = reinterpret_cast<const uint16_t *>(c.suffix_keys.data()) + suffix_base;
   const uint16_t *sv = reinterpret_cast<const uint16_t *>(c.suffix_values.data()) + suffix_base;
 
-  std::vector<float> L(static_cast<size_t>(rows) * total), y(D), x(D);
+  std::vector<float> L(static_cast<size_t>(rows) * total), y(RD), x(D);
   std::vector<int> channel(n);
   std::vector<float> outlier(n);
   for (int64_t t = 0; t < P; ++t) {
@@ -54,7 +57,7 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
     }
     for (int i = 0; i < rows; ++i) {
       const float *qi = &qs[static_cast<size_t>(i) * D];
-      float logit = dot(&qr[static_cast<size_t>(i) * D], y.data(), D);
+      float logit = dot(&qr[static_cast<size_t>(i) * RD], y.data(), RD);
       for (int j = 0; j < n; ++j) logit += qi[channel[j]] * outlier[j];
       L[i * total + t] = logit;
     }
@@ -82,17 +85,17 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
 
   // Values: p * scale * levels accumulate in the rotated domain, one inverse rotation per
   // row; exact tokens directly.
-  std::vector<float> racc(static_cast<size_t>(rows) * D, 0.0f), acc(racc.size(), 0.0f);
+  std::vector<float> racc(static_cast<size_t>(rows) * RD, 0.0f), acc(static_cast<size_t>(rows) * D, 0.0f);
   for (int64_t t = 0; t < P; ++t) {
     tq.decode_rotated(value_codes + t * cb, 1.0f, y.data());
     for (int i = 0; i < rows; ++i) {
       const float w = L[i * total + t] * value_scales[t];
       if (w == 0.0f) continue;
-      float *r = &racc[static_cast<size_t>(i) * D];
-      for (int d = 0; d < D; ++d) r[d] += w * y[d];
+      float *r = &racc[static_cast<size_t>(i) * RD];
+      for (int d = 0; d < RD; ++d) r[d] += w * y[d];
     }
   }
-  for (int i = 0; i < rows; ++i) tq.rotation().unrotate(&racc[static_cast<size_t>(i) * D]);
+  for (int i = 0; i < rows; ++i) tq.rotation().unrotate(&racc[static_cast<size_t>(i) * RD]);
   auto exact_values = [&](const uint16_t *values, int64_t count, int64_t offset) {
     for (int64_t t = 0; t < count; ++t) {
       half_row(values + t * D, storage, D, x.data());
@@ -109,7 +112,7 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
   for (int i = 0; i < rows; ++i)
     for (int d = 0; d < D; ++d)
       out[static_cast<size_t>(i) * D + d] =
-          static_cast<float>((acc[static_cast<size_t>(i) * D + d] + racc[static_cast<size_t>(i) * D + d]) / sums[i]);
+          static_cast<float>((acc[static_cast<size_t>(i) * D + d] + racc[static_cast<size_t>(i) * RD + d]) / sums[i]);
 }
 
 void reconstruct_quantized_prompt_cpu(const akv_cache &c, int h, bool rotated, float *keys, float *values) {
@@ -124,14 +127,17 @@ void reconstruct_quantized_prompt_cpu(const akv_cache &c, int h, bool rotated, f
   const uint16_t *outlier_values = c.quant_section<uint16_t>(kQuantKeyOutlierValue);
   const uint8_t *value_codes = c.quant_section<uint8_t>(kQuantValueCodes);
   const float *value_scales = c.quant_section<float>(kQuantValueScales);
+  std::vector<float> y(tq.rotation().rotated_dim());  // D padded to a power of two
   for (int64_t t = 0; t < P; ++t) {
     const int64_t slot = hp + t;
     float *k = keys + t * D, *v = values + t * D;
-    tq.decode_rotated(key_codes + slot * cb, key_scales[slot], k);
-    tq.rotation().unrotate(k);
+    tq.decode_rotated(key_codes + slot * cb, key_scales[slot], y.data());
+    tq.rotation().unrotate(y.data());
+    std::copy(y.begin(), y.begin() + D, k);
     for (int j = 0; j < n; ++j) k[outlier_channel(c, slot * n + j)] += half_to_float(outlier_values[slot * n + j], storage);
-    tq.decode_rotated(value_codes + slot * cb, value_scales[slot], v);
-    tq.rotation().unrotate(v);
+    tq.decode_rotated(value_codes + slot * cb, value_scales[slot], y.data());
+    tq.rotation().unrotate(y.data());
+    std::copy(y.begin(), y.begin() + D, v);
   }
   const uint16_t *wk = c.quant_section<uint16_t>(kQuantWindowKeys) + static_cast<int64_t>(h) * W * D;
   const uint16_t *wv = c.quant_section<uint16_t>(kQuantWindowValues) + static_cast<int64_t>(h) * W * D;

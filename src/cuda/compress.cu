@@ -143,7 +143,7 @@ std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &req, void
   cache->data = Buffer(&ctx, 4ull * p.shape.seq_len * p.shape.num_kv_heads * p.shape.head_dim);
   FullScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
-  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, measure.carve(nullptr, p.shape.seq_len, pairs), stream, akv_context::kCompressWorkspace));
+  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, measure.carve(nullptr, p.shape.seq_len, pairs, paged_blocks(p)), stream, akv_context::kCompressWorkspace));
   CudaDevice dev(stream, nullptr);
   compress_fullkv(dev, p, *req.options, *cache, cache->data.data(), base);
   return cache;
@@ -162,7 +162,7 @@ std::unique_ptr<akv_cache> compress_eviction_cuda(const CompressRequest &req, vo
   EvictionScratch measure;
   const size_t pipeline_bytes = measure.carve(nullptr, budget.seq_len, budget.prefix, H, D,
                                               p.shape.num_q_heads / H * budget.window, pairs, budget.layer_tokens,
-                                              o.method == AKV_METHOD_ANDPRO);
+                                              o.method == AKV_METHOD_ANDPRO, paged_blocks(p));
   const int64_t most = std::max<int64_t>(static_cast<int64_t>(H) * budget.prefix, 2);
   uint8_t *base = reserve_sort_scratch(ctx, dev, pipeline_bytes, most, stream);
   compress_eviction(dev, p, o, *cache, budget, cache->data.data(), base);
@@ -185,7 +185,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   CompressScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
   const size_t pipeline_bytes = measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window,
-                                              g.anchors, pairs);
+                                              g.anchors, pairs, paged_blocks(p));
   const int64_t most = std::max<int64_t>(static_cast<int64_t>(g.heads) * g.prefix, 2);
   uint8_t *base = reserve_sort_scratch(ctx, dev, pipeline_bytes, most, stream);
   compress_anchorkv(dev, p, o, *cache, positions, cache->data.data(), base);  // waits at the end (NaN check)

@@ -20,7 +20,17 @@ struct PrefillArgs {
   const float *inv_freq = nullptr;                             // device [pairs]
   const int32_t *rope_first = nullptr, *rope_second = nullptr;  // device [pairs]
   int32_t *bad = nullptr;                                      // device flag: non-finite input
+  const int32_t *block_table = nullptr;  // device [ceil(S / block_size)]; null = not paged
+  int64_t block_size = 0, kv_block_stride = 0;
 };
+
+// Element offset of (head h, token t, dim 0) in keys/values, through the block table if paged
+// (the same arithmetic as methods/prefill_reader.hpp).
+__device__ __forceinline__ int64_t kv_offset(const PrefillArgs &a, int h, int64_t t) {
+  if (!a.block_table) return h * a.kv_head_stride + t * a.kv_token_stride;
+  return a.block_table[t / a.block_size] * a.kv_block_stride + (t % a.block_size) * a.kv_token_stride +
+         h * a.kv_head_stride;
+}
 
 __device__ __forceinline__ bool finite(float x) { return (x - x) == 0.0f; }
 
@@ -30,7 +40,7 @@ __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h, f
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
   if (t >= a.seq_len) return;
   const int D = a.head_dim;
-  const int64_t src = h * a.kv_head_stride + t * a.kv_token_stride;
+  const int64_t src = kv_offset(a, h, t);
   float *given = (a.keys_post_rope ? kpost : kpre) + t * D;
   float *other = (a.keys_post_rope ? kpre : kpost) + t * D;
   bool bad = false;
@@ -411,7 +421,7 @@ __global__ void __launch_bounds__(32) encode_kernel(const __grid_constant__ Pref
     const int bit = __ffsll(static_cast<long long>(bits)) - 1;
     bits &= bits - 1;
     const int64_t t = wd * 64 + bit;
-    const int64_t src = h * a.kv_head_stride + t * a.kv_token_stride;
+    const int64_t src = kv_offset(a, h, t);
     const int an = index[h * P + t];
     const float gq = bits_to_float(gamma[h * P + t], true);
     const uint16_t *av = anchors + (static_cast<int64_t>(h) * k + an) * D;
@@ -494,7 +504,7 @@ __global__ void dense_store_kernel(const __grid_constant__ PrefillArgs a, int h,
   const int64_t t = tokens ? tokens[i] : i;
   const int D = a.head_dim;
   const bool bf16 = storage_bf16 != 0;
-  const int64_t src = h * a.kv_head_stride + t * a.kv_token_stride, dst = i * D;
+  const int64_t src = kv_offset(a, h, t), dst = i * D;
   const bool rotate = !a.keys_post_rope && a.rope_pairs > 0;
   bool bad = false;
   for (int d = lane; d < D; d += 32) {

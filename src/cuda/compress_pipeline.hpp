@@ -60,9 +60,10 @@ struct CompressScratch {
   float *cover_norm_sq[2], *cover_best[2], *cover_means;
   uint32_t *cover_keys, *cover_ids, *cover_fresh;
   int32_t *cover_anchor;
+  int32_t *block_table;
 
   // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used.
-  size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int k, int pairs) {
+  size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int k, int pairs, int64_t table_blocks = 0) {
     Carver take(base);
     const int64_t chunk = std::min<int64_t>(kAssignChunk, P);
     take(kpre, S * D);
@@ -112,6 +113,7 @@ struct CompressScratch {
     take(cover_ids, P);
     take(cover_fresh, k);
     take(cover_anchor, P);
+    take(block_table, table_blocks);  // paged prefill: the block table on the device
     return take.bytes();
   }
 };
@@ -119,10 +121,24 @@ struct CompressScratch {
 // Blocks of `per` items covering n.
 inline int grid_blocks(int64_t n, int per) { return static_cast<int>((n + per - 1) / per); }
 
+// Entries of a paged prefill's block table (0 when not paged).
+inline int64_t paged_blocks(const akv_prefill &p) {
+  return p.block_table ? (p.shape.seq_len + p.block_size - 1) / p.block_size : 0;
+}
+
+// Copies a paged prefill's host block table to `device_table` (scratch of paged_blocks(p)
+// entries); returns it, or null when the prefill is not paged.
+template <class Dev>
+const int32_t *upload_block_table(Dev &dev, const akv_prefill &p, int32_t *device_table) {
+  if (!p.block_table) return nullptr;
+  dev.copy(device_table, p.block_table, paged_blocks(p) * sizeof(int32_t));
+  return device_table;
+}
+
 // The kernels' view of the prefill tensors (device pointers) and of the device constants.
 inline PrefillArgs prefill_args(const akv_prefill &p, const akv_compress_options &o, const akv_cache &cache,
                                 const int32_t *positions, const float *inv_freq, const int32_t *rope_first,
-                                const int32_t *rope_second, int32_t *bad) {
+                                const int32_t *rope_second, int32_t *bad, const int32_t *block_table) {
   const int64_t S = p.shape.seq_len;
   const int D = p.shape.head_dim, W = o.window;
   const int pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
@@ -131,8 +147,16 @@ inline PrefillArgs prefill_args(const akv_prefill &p, const akv_compress_options
   a.values = p.values;
   a.queries = p.queries;
   a.dtype = p.dtype;
-  a.kv_token_stride = p.kv_token_stride ? p.kv_token_stride : D;
-  a.kv_head_stride = p.kv_head_stride ? p.kv_head_stride : S * D;
+  if (p.block_table) {  // vLLM's [block][token][head][dim] unless strides say otherwise
+    a.block_table = block_table;
+    a.block_size = p.block_size;
+    a.kv_head_stride = p.kv_head_stride ? p.kv_head_stride : D;
+    a.kv_token_stride = p.kv_token_stride ? p.kv_token_stride : int64_t{p.shape.num_kv_heads} * D;
+    a.kv_block_stride = p.kv_block_stride ? p.kv_block_stride : a.block_size * a.kv_token_stride;
+  } else {
+    a.kv_token_stride = p.kv_token_stride ? p.kv_token_stride : D;
+    a.kv_head_stride = p.kv_head_stride ? p.kv_head_stride : S * D;
+  }
   a.q_token_stride = p.q_token_stride ? p.q_token_stride : D;
   a.q_head_stride = p.q_head_stride ? p.q_head_stride : static_cast<int64_t>(W) * D;
   a.seq_len = S;
@@ -165,15 +189,16 @@ void upload_rope(Dev &dev, const Rope &rope, float *inv_freq, int32_t *first, in
 // cache's 4*S*H*D bytes); scratch: FullScratch::bytes(S, pairs). The host parts of the cache
 // (counts, positions) are set here. Waits at the end (non-finite check).
 struct FullScratch {
-  int32_t *positions, *rope_first, *rope_second, *bad;
+  int32_t *positions, *rope_first, *rope_second, *bad, *block_table;
   float *inv_freq;
-  size_t carve(uint8_t *base, int64_t S, int pairs) {
+  size_t carve(uint8_t *base, int64_t S, int pairs, int64_t table_blocks = 0) {
     Carver take(base);
     take(positions, S);
     take(rope_first, pairs);
     take(rope_second, pairs);
     take(inv_freq, pairs);
     take(bad, 1);
+    take(block_table, table_blocks);  // paged prefill: the block table on the device
     return take.bytes();
   }
 };
@@ -185,7 +210,7 @@ void compress_fullkv(Dev &dev, const akv_prefill &p, const akv_compress_options 
   const int H = p.shape.num_kv_heads, D = p.shape.head_dim;
   const int pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
   FullScratch s;
-  s.carve(scratch_base, S, pairs);
+  s.carve(scratch_base, S, pairs, paged_blocks(p));
   const std::vector<int32_t> positions = prompt_positions(p);
   cache.meta.dense_counts.assign(H, S);
   cache.dense_positions = positions;
@@ -194,7 +219,8 @@ void compress_fullkv(Dev &dev, const akv_prefill &p, const akv_compress_options 
   dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
   upload_rope(dev, cache.rope, s.inv_freq, s.rope_first, s.rope_second);
   dev.fill(s.bad, 0, sizeof(int32_t));
-  const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad);
+  const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad,
+                                     upload_block_table(dev, p, s.block_table));
   uint16_t *keys = reinterpret_cast<uint16_t *>(data), *values = keys + static_cast<int64_t>(H) * S * D;
   for (int h = 0; h < H; ++h)
     dev.launch(dense_store_kernel, grid_blocks(S, 4), 1, 128, a, h, static_cast<const int32_t *>(nullptr), S,
@@ -212,9 +238,10 @@ void compress_fullkv(Dev &dev, const akv_prefill &p, const akv_compress_options 
 struct EvictionScratch {
   float *kpre, *kpost, *v, *q, *attn, *raw, *alpha_sq, *inv_freq, *pooled, *y, *vy, *contrib;
   uint32_t *keys, *index, *all_keys, *all_ids;
-  int32_t *positions, *rope_first, *rope_second, *bad, *kept;
+  int32_t *positions, *rope_first, *rope_second, *bad, *kept, *block_table;
   // andpro: room for AnDPro's pooled rows, window outputs and per-token contributions.
-  size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int pairs, int64_t kept_tokens, bool andpro) {
+  size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int pairs, int64_t kept_tokens, bool andpro,
+               int64_t table_blocks = 0) {
     Carver take(base);
     take(kpre, S * D);
     take(kpost, S * D);
@@ -237,6 +264,7 @@ struct EvictionScratch {
     take(y, andpro ? int64_t{m} * D : 0);
     take(vy, andpro ? int64_t{m} * P : 0);
     take(contrib, andpro ? int64_t{H} * P : 0);
+    take(block_table, table_blocks);  // paged prefill: the block table on the device
     return take.bytes();
   }
 };
@@ -256,12 +284,13 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
   const int chunk = andpro ? o.andpro_chunk : 1;
   const int64_t chunks = andpro ? (P + chunk - 1) / chunk : 0, c0 = b.first_chunk;
   EvictionScratch s;
-  s.carve(scratch_base, S, P, H, D, m, pairs, b.layer_tokens, andpro);
+  s.carve(scratch_base, S, P, H, D, m, pairs, b.layer_tokens, andpro, paged_blocks(p));
   const std::vector<int32_t> positions = prompt_positions(p);
   dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
   upload_rope(dev, cache.rope, s.inv_freq, s.rope_first, s.rope_second);
   dev.fill(s.bad, 0, sizeof(int32_t));
-  const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad);
+  const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad,
+                                     upload_block_table(dev, p, s.block_table));
   const bool adakv = o.method == AKV_METHOD_ADAKV;
   for (int h = 0; h < H; ++h) {
     dev.launch(load_head_kernel, grid_blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
@@ -423,7 +452,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   const Rope &rope = cache.rope;
   const int pairs = rope.enabled() ? rope.pairs() : 0;
   CompressScratch s;
-  s.carve(scratch_base, S, P, H, D, m, k, pairs);
+  s.carve(scratch_base, S, P, H, D, m, k, pairs, paged_blocks(p));
   auto section = [&](int index) { return data + cache.layout.sections[index].offset; };
 
   // Constants: positions, RoPE tables, Hadamard signs; the cache starts zeroed.
@@ -434,7 +463,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   dev.copy(s.signs, cache.codec.signs().data(), D * sizeof(float));
   dev.fill(s.bad, 0, sizeof(int32_t));
 
-  const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad);
+  const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad,
+                                     upload_block_table(dev, p, s.block_table));
 
   const bool bf16 = cache.meta.storage == AKV_DTYPE_BF16;
   const int64_t n_sink = sink_anchor_count(o, g), n_top = scored_anchor_count(o, g);
@@ -462,7 +492,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     if (P > n_top && o.coverage_rounds == 0) {
       dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, s.rank_index, n_top, P, o.seed,
                  static_cast<uint64_t>(kStreamAnchorSample),
-                 (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(h), s.sample_keys, s.sample_index);
+                 (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(o.head_offset + h), s.sample_keys,
+                 s.sample_index);
       dev.sort_u64(s.sample_keys, s.sample_index, P - n_top);
     }
     dev.copy(s.picks, s.rank_index, n_top * sizeof(uint32_t));
@@ -503,31 +534,39 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                s.energy_ids[0], s.energy_ids[1]);
   }
 
-  // 7-8. Per side: the best utilities over all heads (ties: head, then token), then the guard
-  // share by residual energy among the rest; bitmasks, prefix counts and offsets, then every
-  // stored residual encoded.
-  const int64_t wanted[2] = {g.key_residuals, g.value_residuals};
+  // 7-8. Per side and pooling group (every head unless pool_heads splits them): the best
+  // utilities over the group's heads (ties: head, then token), then the guard share by
+  // residual energy among the rest; bitmasks, prefix counts and offsets, then every stored
+  // residual encoded.
+  const int groups = g.pool_groups();
+  const int64_t wanted[2] = {g.key_residuals / groups, g.value_residuals / groups};
   const int mask_sec[2] = {kKeyMask, kValueMask}, prefix_sec[2] = {kKeyPrefix, kValuePrefix};
   const int offsets_sec[2] = {kKeyOffsets, kValueOffsets}, codes_sec[2] = {kKeyCodes, kValueCodes};
   const int scales_sec[2] = {kKeyScales, kValueScales};
   for (int side = 0; side < 2; ++side) {
     const ResidualSplit split =
-        residual_split(o, std::min<int64_t>(wanted[side], static_cast<int64_t>(H) * (P - free_anchors)));
-    const int64_t candidates = static_cast<int64_t>(H) * P;
-    dev.sort_u32(s.util_keys[side], s.util_ids[side], candidates);
+        residual_split(o, std::min<int64_t>(wanted[side], static_cast<int64_t>(g.pool_heads) * (P - free_anchors)));
+    const int64_t candidates = static_cast<int64_t>(g.pool_heads) * P;  // per group
     auto *mask = reinterpret_cast<unsigned long long *>(section(mask_sec[side]));
     auto *prefix = reinterpret_cast<uint32_t *>(section(prefix_sec[side]));
     auto *offsets = reinterpret_cast<uint32_t *>(section(offsets_sec[side]));
-    if (split.by_utility > 0)
-      dev.launch(mask_kernel, grid_blocks(split.by_utility, 128), 1, 128, static_cast<const uint32_t *>(s.util_ids[side]),
-                 split.by_utility, P, words, mask);
-    if (split.by_energy > 0) {
+    for (int group = 0; group < groups; ++group) {
+      // The group's candidates are one contiguous run of keys and ids (id = h * P + t).
+      const int64_t first = group * candidates;
+      uint32_t *util_keys = s.util_keys[side] + first, *util_ids = s.util_ids[side] + first;
+      uint32_t *energy_keys = s.energy_keys[side] + first, *energy_ids = s.energy_ids[side] + first;
+      dev.sort_u32(util_keys, util_ids, candidates);
       if (split.by_utility > 0)
-        dev.launch(exclude_chosen_kernel, grid_blocks(split.by_utility, 128), 1, 128,
-                   static_cast<const uint32_t *>(s.util_ids[side]), split.by_utility, s.energy_keys[side]);
-      dev.sort_u32(s.energy_keys[side], s.energy_ids[side], candidates);
-      dev.launch(mask_kernel, grid_blocks(split.by_energy, 128), 1, 128, static_cast<const uint32_t *>(s.energy_ids[side]),
-                 split.by_energy, P, words, mask);
+        dev.launch(mask_kernel, grid_blocks(split.by_utility, 128), 1, 128, static_cast<const uint32_t *>(util_ids),
+                   split.by_utility, P, words, mask);
+      if (split.by_energy > 0) {
+        if (split.by_utility > 0)  // energy keys are indexed by id: the whole array
+          dev.launch(exclude_chosen_kernel, grid_blocks(split.by_utility, 128), 1, 128,
+                     static_cast<const uint32_t *>(util_ids), split.by_utility, s.energy_keys[side]);
+        dev.sort_u32(energy_keys, energy_ids, candidates);
+        dev.launch(mask_kernel, grid_blocks(split.by_energy, 128), 1, 128, static_cast<const uint32_t *>(energy_ids),
+                   split.by_energy, P, words, mask);
+      }
     }
     dev.launch(prefix_kernel, 1, 1, std::max(32, (H + 31) / 32 * 32), reinterpret_cast<const uint64_t *>(mask), H, words,
                prefix, offsets, s.head_counts);

@@ -245,11 +245,11 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     // after the scored one is a uniform sample (paper) or chosen for coverage.
     std::vector<int32_t> picks;
     if (o.coverage_rounds > 0) {
-      picks = select_anchors(pooled, n_top, n_top, o.seed, o.layer_index, h);
+      picks = select_anchors(pooled, n_top, n_top, o.seed, o.layer_index, o.head_offset + h);
       add_coverage_anchors(Kpre, V, S, P, D, o.coverage_rounds, free_anchors - n_top, picks, pool);
       std::sort(picks.begin(), picks.end());
     } else {
-      picks = select_anchors(pooled, free_anchors, n_top, o.seed, o.layer_index, h);
+      picks = select_anchors(pooled, free_anchors, n_top, o.seed, o.layer_index, o.head_offset + h);
     }
     std::vector<int32_t> anchor_of_token(P, -1);
     for (int64_t a = 0; a < free_anchors; ++a) {
@@ -354,14 +354,17 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     });
   }
 
-  // 7. Residual slots per side, pooled over all heads of the layer: the largest utilities,
-  // then (guard share) the largest residual energies among the tokens left.
-  const int64_t wanted[2] = {g.key_residuals, g.value_residuals};
+  // 7. Residual slots per side, pooled over the heads of each pooling group (all heads of the
+  // layer unless pool_heads splits them): the largest utilities, then (guard share) the
+  // largest residual energies among the tokens left.
+  const int groups = g.pool_groups();
+  const int64_t wanted[2] = {g.key_residuals / groups, g.value_residuals / groups};
   std::vector<std::vector<uint64_t>> masks(2, std::vector<uint64_t>(static_cast<size_t>(H) * g.words, 0));
-  for (int side = 0; side < 2; ++side) {
+  for (int job = 0; job < 2 * groups; ++job) {
+    const int side = job / groups, group = job % groups;
     std::vector<Candidate> cands;
-    cands.reserve(static_cast<size_t>(H) * P);
-    for (int h = 0; h < H; ++h)
+    cands.reserve(static_cast<size_t>(g.pool_heads) * P);
+    for (int h = group * g.pool_heads; h < (group + 1) * g.pool_heads; ++h)
       for (int64_t t = 0; t < P; ++t)
         if (utility[side][h * P + t] >= 0.0f)
           cands.push_back({utility[side][h * P + t], h, static_cast<int32_t>(t)});
@@ -418,7 +421,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
             const float gq = bf16_to_float(gamma[side][h * P + t]);
             const uint16_t *av = anchors_in + (h * k + a) * D;
             for (int d = 0; d < D; ++d) x[d] -= gq * half_to_float(av[d], storage);
-            scales[slot] = codec.encode(x.data(), codes + static_cast<int64_t>(slot) * (D / 4));
+            scales[slot] = codec.encode(x.data(), codes + static_cast<int64_t>(slot) * codec.code_bytes());
             if (side == 1) chunk_pos[slot] = static_cast<uint8_t>(bit);
             ++slot;
           }

@@ -53,6 +53,7 @@ std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const akv_compre
           "pool_type ", static_cast<int>(o.pool_type), " is not known");
   require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (AnchorKV scores with the window queries)");
   meta.anchors = g.anchors;
+  meta.pool_heads = g.pool_heads;
   meta.key_residuals = g.key_residuals;
   meta.value_residuals = g.value_residuals;
   cache.geometry = g;
@@ -94,6 +95,9 @@ void store_dense_tokens(const CompressRequest &req, const PrefillReader &in, con
 }
 
 uint64_t compressed_footprint(const akv_compress_options &o, const akv_shape &s) {
+  if (o.method != AKV_METHOD_ANCHORKV && o.pool_heads != 0 && o.pool_heads != s.num_kv_heads)
+    fail(AKV_ERR_UNSUPPORTED, "pool_heads ", o.pool_heads, " (groups smaller than the call's ", s.num_kv_heads,
+         " heads) is supported by AnchorKV only: compress each group in its own call");
   switch (o.method) {
     case AKV_METHOD_FULLKV:
       return 4ull * static_cast<uint64_t>(s.seq_len) * s.num_kv_heads * s.head_dim;

@@ -11,8 +11,16 @@ PrefillReader::PrefillReader(const akv_prefill &prefill, int32_t window, const R
                              bool keys_post_rope)
     : p_(prefill), S_(prefill.shape.seq_len), D_(prefill.shape.head_dim), W_(window),
       rope_(rope), keys_post_rope_(keys_post_rope) {
-  kv_token_stride_ = p_.kv_token_stride ? p_.kv_token_stride : D_;
-  kv_head_stride_ = p_.kv_head_stride ? p_.kv_head_stride : S_ * D_;
+  if (p_.block_table) {  // vLLM's [block][token][head][dim] unless strides say otherwise
+    const int64_t H = p_.shape.num_kv_heads;
+    block_size_ = p_.block_size;
+    kv_head_stride_ = p_.kv_head_stride ? p_.kv_head_stride : D_;
+    kv_token_stride_ = p_.kv_token_stride ? p_.kv_token_stride : H * D_;
+    kv_block_stride_ = p_.kv_block_stride ? p_.kv_block_stride : block_size_ * kv_token_stride_;
+  } else {
+    kv_token_stride_ = p_.kv_token_stride ? p_.kv_token_stride : D_;
+    kv_head_stride_ = p_.kv_head_stride ? p_.kv_head_stride : S_ * D_;
+  }
   q_token_stride_ = p_.q_token_stride ? p_.q_token_stride : D_;
   q_head_stride_ = p_.q_head_stride ? p_.q_head_stride : static_cast<int64_t>(W_) * D_;
   positions_.resize(S_);
@@ -42,7 +50,7 @@ void PrefillReader::load(const void *base, int64_t offset, const char *what, int
 void PrefillReader::key_row(int h, int64_t t, float *pre, float *post) const {
   float *row = pre ? pre : post;
   if (!row) return;
-  load(p_.keys, h * kv_head_stride_ + t * kv_token_stride_, "keys", h, t, row);
+  load(p_.keys, kv_offset(h, t), "keys", h, t, row);
   if (!rope_.enabled()) {
     if (post && post != row) std::memcpy(post, row, D_ * sizeof(float));
     return;
@@ -57,7 +65,7 @@ void PrefillReader::key_row(int h, int64_t t, float *pre, float *post) const {
 }
 
 void PrefillReader::value_row(int h, int64_t t, float *out) const {
-  load(p_.values, h * kv_head_stride_ + t * kv_token_stride_, "values", h, t, out);
+  load(p_.values, kv_offset(h, t), "values", h, t, out);
 }
 
 void PrefillReader::query_row(int hq, int w, float *out) const {

@@ -28,12 +28,18 @@ class PrefillReader {
 
  private:
   void load(const void *base, int64_t offset, const char *what, int head, int64_t row, float *out) const;
+  // Element offset of (head h, token t, dim 0) in keys/values, through the block table if paged.
+  int64_t kv_offset(int h, int64_t t) const {
+    if (!p_.block_table) return h * kv_head_stride_ + t * kv_token_stride_;
+    return p_.block_table[t / block_size_] * kv_block_stride_ + (t % block_size_) * kv_token_stride_ + h * kv_head_stride_;
+  }
 
   const akv_prefill &p_;
   int64_t S_;
   int D_;
   int W_;
   int64_t kv_head_stride_, kv_token_stride_, q_head_stride_, q_token_stride_;
+  int64_t block_size_ = 0, kv_block_stride_ = 0;  // paged prefill only
   const Rope &rope_;
   bool keys_post_rope_;
   std::vector<int32_t> positions_;

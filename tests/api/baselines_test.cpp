@@ -762,8 +762,8 @@ TEST(BaselineBadInput, FailsWithStatusAndMessage) {
        [](akv_compress_options &o, akv_prefill &) { o.quant_bits = 1; }},
       {"too many outliers", AKV_METHOD_QUANTIZED, AKV_ERR_INVALID_ARGUMENT, "quant_outliers",
        [](akv_compress_options &o, akv_prefill &) { o.quant_outliers = 33; }},
-      {"quantizer head_dim 48", AKV_METHOD_QUANTIZED, AKV_ERR_UNSUPPORTED, "head_dim",
-       [](akv_compress_options &, akv_prefill &p) { p.shape.head_dim = 48; }},
+      {"quantizer head_dim 40", AKV_METHOD_QUANTIZED, AKV_ERR_UNSUPPORTED, "head_dim",
+       [](akv_compress_options &, akv_prefill &p) { p.shape.head_dim = 40; }},  // not a multiple of 16
       {"pyramid layer_index out of range", AKV_METHOD_PYRAMIDKV, AKV_ERR_INVALID_ARGUMENT, "layer_index",
        [](akv_compress_options &o, akv_prefill &) { o.layer_index = 4, o.layer_count = 4; }},
       {"pyramid beta 0", AKV_METHOD_PYRAMIDKV, AKV_ERR_INVALID_ARGUMENT, "pyramid_beta",

@@ -37,8 +37,10 @@ inline AnchorBudget anchorkv_budget(int64_t S, int64_t H, int64_t D, int64_t W,
                                        24 * H * ((P + 63) / 64) + 8 * (H + 1) + 4 * P);
   b.budget = retain_fraction * static_cast<double>(b.full_bytes);
   b.min_retain_fraction = static_cast<double>(b.base_bytes) / static_cast<double>(b.full_bytes);
-  b.key_residual_bytes = D / 4 + 4;
-  b.value_residual_bytes = D / 4 + 5;
+  int64_t padded = 1;  // the codec rotates D padded to a power of two (80, 96, 112 -> 128)
+  while (padded < D) padded <<= 1;
+  b.key_residual_bytes = padded / 4 + 4;
+  b.value_residual_bytes = padded / 4 + 5;
   b.residuals_per_side_cap = std::max<int64_t>(0, H * (P - (k - W)));
   b.fits = b.budget >= static_cast<double>(b.base_bytes);
   if (!b.fits) return b;

@@ -95,6 +95,11 @@ std::vector<Damage> damages() {
       {"kept token count 2^40", "kept token count", value_bytes<uint64_t>(uint64_t{1} << 40)},
       {"kept token count UINT64_MAX", "kept token count", value_bytes<uint64_t>(~uint64_t{0})},
       {"dense count 4096", "dense count", value_bytes<uint32_t>(4096)},
+      // Format 2: AnchorKV's pooling group divides H; other methods store 0.
+      {"pool_heads 0", "pool_heads", value_bytes<int32_t>(0), 0, "anchorkv"},
+      {"pool_heads 3", "pool_heads", value_bytes<int32_t>(3), 0, "anchorkv"},
+      {"pool_heads -2", "pool_heads", value_bytes<int32_t>(-2), 0, "anchorkv"},
+      {"pool_heads set", "pool_heads", value_bytes<int32_t>(1), 0, "fullkv"},
       // Sizes derived from the shape: the arrays they imply must be there before allocation.
       {"seq_len 2^31-1", "seq_len", value_bytes<int64_t>(i32max)},
       {"seq_len 2^31", "seq_len", value_bytes<int64_t>(int64_t{1} << 31)},
@@ -255,6 +260,36 @@ TEST_F(SerializeValidation, EveryDamagedFieldIsCorruptWithoutALargeAllocation) {
   std::ostringstream list;
   for (const std::string &f : failures) list << "\n  " << f;
   EXPECT_TRUE(failures.empty()) << failures.size() << " damaged buffers were not refused cleanly:" << list.str();
+}
+
+}  // namespace
+
+namespace {
+
+// Format 1 (before pool_heads) still loads: the same cache without the field, version 1,
+// reads back as one pooling group of every head and serializes to today's bytes.
+TEST(SerializeFormat, VersionOneDataStillLoads) {
+  ContextOwner context;
+  for (const akv_test::SmallCache &small : akv_test::small_caches(context.raw, 20261130)) {
+    SCOPED_TRACE(small.name);
+    const Bytes current = akv_test::serialized_bytes(small.cache.get());
+    const std::vector<akv::SerializedField> fields = akv::serialized_fields(*small.cache);
+    const akv::SerializedField *pool = find_field(fields, "pool_heads");
+    ASSERT_NE(pool, nullptr);
+    Bytes old(current.begin(), current.begin() + pool->offset);
+    old.insert(old.end(), current.begin() + pool->offset + pool->bytes, current.end());
+    const uint32_t version = 1;
+    const uint64_t total = old.size();
+    std::memcpy(old.data() + 8, &version, 4);
+    std::memcpy(old.data() + 16, &total, 8);
+    old = with_crc(old);
+    akv_cache *loaded = nullptr;
+    ASSERT_EQ(akv_cache_deserialize(context.raw, old.data(), old.size(), &loaded, nullptr), AKV_OK)
+        << akv_last_error_message();
+    EXPECT_EQ(loaded->meta.pool_heads, small.cache->meta.pool_heads);
+    EXPECT_TRUE(akv_test::serialized_bytes(loaded) == current);
+    akv_cache_destroy(loaded);
+  }
 }
 
 }  // namespace

@@ -3,8 +3,10 @@
 // by section except where a floating-point near-tie flips a choice (counted and bounded),
 // and their decode outputs must agree closely.
 #include "api/api_test_util.hpp"
+#include "api/paged_util.hpp"
 #include "common/anchor_compare.hpp"
 #include "core/context.hpp"
+#include "cuda/plan.hpp"
 #include "methods/methods.hpp"
 // Last: the emulation defines threadIdx, __shared__ and friends as macros.
 #include "cuda/compress_pipeline.hpp"
@@ -232,6 +234,127 @@ TEST(EmulatedCompress, EvictionMatchesCpu) {
     EXPECT_TRUE(eviction_caches_agree(*got, *expected));
     const Tensor q = make_tensor(nonzero_normal(rng, static_cast<size_t>(6) * 64, 1.5), AKV_DTYPE_F32);
     EXPECT_TRUE(all_near(decode(got.get(), q, 1), decode(expected.get(), q, 1), 2e-2, 2e-2));
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// The device pipeline on host memory (AnchorKV, FullKV or an eviction method), into a cache
+// shaped like the CPU one; the cache's data starts poisoned.
+std::unique_ptr<akv_cache> emulated_compress(akv_context *ctx, const akv_prefill &prefill, const akv_compress_options &o) {
+  const akv::CompressRequest req{ctx, &prefill, &o};
+  std::unique_ptr<akv_cache> got = akv::new_cache(req);
+  const int pairs = got->rope.enabled() ? got->rope.pairs() : 0;
+  const int64_t blocks = kc::paged_blocks(prefill);
+  EmulatedDevice dev;
+  std::vector<uint8_t> scratch;
+  auto aligned = [&](size_t bytes) {
+    scratch.assign(bytes + 256, 0xA5);
+    return reinterpret_cast<uint8_t *>((reinterpret_cast<uintptr_t>(scratch.data()) + 255) / 256 * 256);
+  };
+  if (o.method == AKV_METHOD_ANCHORKV) {
+    const std::vector<int32_t> positions = akv::prepare_anchor_cache(prefill, o, *got);
+    got->data = akv::Buffer(ctx, got->layout.total_bytes);
+    std::memset(got->data.data(), 0xA5, got->data.size());
+    const akv::AnchorGeometry &g = got->geometry;
+    kc::CompressScratch measure;
+    uint8_t *base = aligned(measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window, g.anchors,
+                                          pairs, blocks));
+    kc::compress_anchorkv(dev, prefill, o, *got, positions, got->data.data(), base);
+  } else if (o.method == AKV_METHOD_FULLKV) {
+    got->data = akv::Buffer(ctx, 4ull * prefill.shape.seq_len * prefill.shape.num_kv_heads * prefill.shape.head_dim);
+    std::memset(got->data.data(), 0xA5, got->data.size());
+    kc::FullScratch measure;
+    uint8_t *base = aligned(measure.carve(nullptr, prefill.shape.seq_len, pairs, blocks));
+    kc::compress_fullkv(dev, prefill, o, *got, got->data.data(), base);
+  } else {
+    const akv::EvictionBudget budget = akv::eviction_budget(o, prefill.shape);
+    got->data = akv::Buffer(ctx, budget.footprint);
+    std::memset(got->data.data(), 0xA5, got->data.size());
+    kc::EvictionScratch measure;
+    const int H = prefill.shape.num_kv_heads, m = prefill.shape.num_q_heads / H * budget.window;
+    uint8_t *base = aligned(measure.carve(nullptr, budget.seq_len, budget.prefix, H, prefill.shape.head_dim, m, pairs,
+                                          budget.layer_tokens, o.method == AKV_METHOD_ANDPRO, blocks));
+    kc::compress_eviction(dev, prefill, o, *got, budget, got->data.data(), base);
+  }
+  return got;
+}
+
+// The device kernels read a paged prefill through its block table: the same bytes as from the
+// contiguous tensors (unused blocks hold NaN, so a wrong block would fail the NaN check).
+TEST(EmulatedCompress, PagedPrefillGivesTheContiguousBytes) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  for (akv_method method : {AKV_METHOD_ANCHORKV, AKV_METHOD_FULLKV, AKV_METHOD_SNAPKV}) {
+    for (bool head_major : {false, true}) {
+      SCOPED_TRACE("method " + std::to_string(method) + (head_major ? " head-major blocks" : " vLLM blocks"));
+      akv_compress_options o;
+      akv_compress_options_init_method(&o, method);
+      o.retain_fraction = method == AKV_METHOD_FULLKV ? 1.0 : 0.2;
+      PrefillSpec spec;
+      spec.seq_len = 700 + rng.uniform_int(0, 99);
+      spec.kv_heads = 2;
+      spec.group = 2;
+      spec.head_dim = 64;
+      spec.window = o.window;
+      spec.dtype = AKV_DTYPE_BF16;
+      spec.explicit_positions = true;
+      const PrefillData data = make_prefill(rng, spec);
+      const int32_t block_size = static_cast<int32_t>(rng.uniform_int(1, 40));
+      const PagedKV paged = make_paged(rng, data, block_size, head_major);
+      const akv_prefill contiguous = data.view(), from_pages = paged.view(data);
+      std::unique_ptr<akv_cache> want = emulated_compress(ctx.get(), contiguous, o);
+      std::unique_ptr<akv_cache> got = emulated_compress(ctx.get(), from_pages, o);
+      ASSERT_EQ(got->data.size(), want->data.size());
+      EXPECT_EQ(std::memcmp(got->data.data(), want->data.data(), want->data.size()), 0) << "block size " << block_size;
+    }
+  }
+}
+
+// Per-group pooling (pool_heads, tensor parallelism) on the device: each group's residuals
+// are chosen among its own heads, as on the CPU.
+TEST(EmulatedCompress, PoolingGroupsMatchCpuCompression) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  for (int pool_heads : {1, 2}) {
+    SCOPED_TRACE("pool_heads " + std::to_string(pool_heads));
+    akv_compress_options o;
+    akv_compress_options_init(&o);
+    o.retain_fraction = 0.15;
+    o.pool_heads = pool_heads;
+    o.head_offset = static_cast<int32_t>(rng.uniform_int(0, 8));
+    PrefillSpec spec;
+    spec.seq_len = 900;
+    spec.kv_heads = 4;
+    spec.group = 2;
+    spec.head_dim = 64;
+    spec.dtype = AKV_DTYPE_BF16;
+    const PrefillData data = make_prefill(rng, spec);
+    CachePtr expected = compress(ctx.get(), data, o);
+    std::unique_ptr<akv_cache> got = emulated_compress(ctx.get(), data.view(), o);
+    EXPECT_TRUE(anchor_caches_agree(*got, *expected));
+  }
+}
+
+// head_dim 80, 96 and 112 are CPU-only in this version: the CUDA backend refuses them (compress
+// and deserialize go through these checks) with AKV_ERR_UNSUPPORTED and a message.
+TEST(CudaBackend, RefusesPaddedHeadDims) {
+  for (akv_method method : {AKV_METHOD_ANCHORKV, AKV_METHOD_FULLKV}) {
+    for (int D : {80, 96, 112}) {
+      try {
+        akv::cuda::check_supported(method, D);
+        ADD_FAILURE() << "head_dim " << D << " accepted";
+      } catch (const akv::Error &e) {
+        EXPECT_EQ(e.status(), AKV_ERR_UNSUPPORTED);
+        EXPECT_NE(std::string(e.what()).find("64, 128 or 256"), std::string::npos) << e.what();
+      }
+    }
   }
 }
 

@@ -142,6 +142,9 @@ pub struct akv_compress_options {
     pub anchor_share: c_double,
     pub guard_fraction: c_double,
     pub coverage_rounds: i32,
+    // Tensor parallelism (appended in 0.2).
+    pub pool_heads: i32,
+    pub head_offset: i32,
 }
 
 #[repr(C)]
@@ -167,6 +170,11 @@ pub struct akv_prefill {
     pub kv_token_stride: i64,
     pub q_head_stride: i64,
     pub q_token_stride: i64,
+    // Paged keys and values (appended in 0.2).
+    pub block_table: *const i32,
+    pub block_size: i32,
+    pub num_blocks: i32,
+    pub kv_block_stride: i64,
 }
 
 #[repr(C)]
@@ -218,6 +226,14 @@ extern "C" {
     pub fn akv_compress_options_init_paper(options: *mut akv_compress_options);
     pub fn akv_prefill_init(prefill: *mut akv_prefill);
     pub fn akv_compressed_size(options: *const akv_compress_options, shape: *const akv_shape, out_bytes: *mut usize) -> akv_status;
+    pub fn akv_compressed_size_model(
+        options: *const akv_compress_options,
+        shape: *const akv_shape,
+        num_layers: i32,
+        retain_fractions: *const c_double,
+        out_layer_bytes: *mut usize,
+        out_total_bytes: *mut usize,
+    ) -> akv_status;
     pub fn akv_compress(
         context: *mut akv_context,
         prefill: *const akv_prefill,
