@@ -32,10 +32,11 @@ read -r -a extra_cmake <<<"${ANCHORKV_BUNDLE_CMAKE_ARGS:-}"
 targets=(anchorkv anchorkv_gpu_tests anchorkv_api_tests anchorkv_emulation_tests anchorkv_cli)
 
 start=$SECONDS
-# No build RPATH: the programs find the bundle's library through LD_LIBRARY_PATH there.
+# Relative RPATHs: $ORIGIN/../src in the build tree, $ORIGIN/../lib in the bundle.
 cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DANCHORKV_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES="$archs" -DANCHORKV_BUILD_TESTS=ON -DANCHORKV_BUILD_CLI=ON \
-      -DANCHORKV_USE_BLAS=OFF -DCMAKE_SKIP_BUILD_RPATH=ON "${extra_cmake[@]}"
+      -DANCHORKV_USE_BLAS=OFF -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON '-DCMAKE_BUILD_RPATH=$ORIGIN/../lib' \
+      "${extra_cmake[@]}"
 cmake --build "$build_dir" --parallel "$jobs" --target "${targets[@]}"
 echo "device-bundle: built in $((SECONDS - start)) s"
 

@@ -24,6 +24,9 @@
 # skipped, and the summary and tables are still written. A failing step does not stop the
 # later ones (without a library nothing after the build runs). ANCHORKV_SKIP: any of
 # "smoke decode-bench compress-bench gpu-tests sanitizer". Exit status: 0 when no step failed.
+# Without a GPU (a dry run on a development machine) the test programs run and skip, and the
+# benchmarks and compute-sanitizer are skipped; with one, a GPU test that skips fails
+# (ANCHORKV_REQUIRE_GPU).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root" || exit 1
@@ -95,6 +98,12 @@ export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" ANCHORKV_LIBRARY="$b
 export PYTHONUNBUFFERED=1
 has_torch=0
 python3 -c 'import torch' 2>/dev/null && has_torch=1
+# Without a GPU (a dry run on a development machine) the test programs still run and skip;
+# the benchmarks and compute-sanitizer are skipped.
+has_gpu=0
+nvidia-smi -L 2>/dev/null | grep -q '^GPU' && has_gpu=1
+# With a GPU, a GPU test that finds no usable device fails instead of skipping.
+[ "$has_gpu" = 1 ] && export ANCHORKV_REQUIRE_GPU=1
 
 # ---- 1. smoke -----------------------------------------------------------------------------------
 describe_machine() {
@@ -115,6 +124,7 @@ else
 
   # ---- 2, 3. benchmarks -------------------------------------------------------------------------
   if skipped decode-bench; then note SKIP "bench_decode.py" 0
+  elif [ "$has_gpu" = 0 ]; then note SKIP "bench_decode.py: no GPU" 0
   elif [ "$has_torch" = 0 ]; then note SKIP "bench_decode.py: no torch" 0
   else
     # shellcheck disable=SC2086  # a list of words
@@ -122,6 +132,7 @@ else
       python3 "$root/scripts/bench_decode.py" ${ANCHORKV_DECODE_BENCH_ARGS:-}
   fi
   if skipped compress-bench; then note SKIP "bench_compress.py" 0
+  elif [ "$has_gpu" = 0 ]; then note SKIP "bench_compress.py: no GPU" 0
   elif [ "$has_torch" = 0 ]; then note SKIP "bench_compress.py: no torch" 0
   else
     # shellcheck disable=SC2086
@@ -151,6 +162,7 @@ else
   filter='Cuda.Smoke*:Cuda.DecodeMatches*:Cuda.DecodeLong*:Cuda.GraphCaptured*:Cuda.CompressionPass*'
   for tool in memcheck racecheck initcheck synccheck; do
     if skipped sanitizer; then note SKIP "compute-sanitizer $tool" 0; continue; fi
+    if [ "$has_gpu" = 0 ]; then note SKIP "compute-sanitizer $tool: no GPU" 0; continue; fi
     if [ ! -x "$sanitizer" ]; then note SKIP "compute-sanitizer $tool (not found)" 0; continue; fi
     step "compute-sanitizer $tool" "$logs/sanitizer.log" env ANCHORKV_TEST_QUICK=1 \
       "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin/anchorkv_gpu_tests" --gtest_filter="$filter"

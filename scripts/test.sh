@@ -93,11 +93,15 @@ step "cpu: build" env ANCHORKV_BUILD_DIR="$build_dir" ANCHORKV_CUDA=OFF ANCHORKV
   "$root/scripts/build.sh" -DANCHORKV_BUILD_TESTS=ON -DANCHORKV_BUILD_CLI=ON
 after "cpu: build" "cpu: ctest" ctest_run "$build_dir" -LE install
 # The emulation draws the order of blocks, fibers and atomics from ANCHORKV_SIMT_SEED; ctest
-# ran seed 1, two more seeds here.
+# ran seed 1, two more seeds here (side by side).
 emulation_seeds() {
+  local pids=() seed pid failed=0
   for seed in 2 3; do
-    ANCHORKV_SIMT_SEED=$seed "$build_dir/tests/anchorkv_emulation_tests" --gtest_brief=1
+    ANCHORKV_SIMT_SEED=$seed "$build_dir/tests/anchorkv_emulation_tests" --gtest_brief=1 &
+    pids+=($!)
   done
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  return "$failed"
 }
 after "cpu: build" "emu: seeds 2 3" emulation_seeds
 

@@ -10,10 +10,10 @@
 // What hardware does not promise, the emulation does not give either: shared memory (dynamic
 // and static) is poisoned at each block start (0xFF bytes: NaN as f32, f16 and bf16, -1 as an
 // integer), so a read before any write shows; blocks, and the fibers between two barriers,
-// run in an order drawn from ANCHORKV_SIMT_SEED (default 1), fibers sit out rounds at random,
-// and a fiber yields at random after an atomic (which interleaves the atomics of different
-// threads), so a missing barrier or a result that depends on the order of atomics shows, and
-// changes with the seed.
+// run in an order drawn from ANCHORKV_SIMT_SEED (default 1), some threads are held back until
+// no other can run, and a fiber yields at random after an atomic (which interleaves the
+// atomics of different threads), so a missing barrier or a result that depends on the order
+// of atomics shows, and changes with the seed. A barrier that not every thread reaches aborts.
 #pragma once
 #include <cmath>
 #include <condition_variable>
@@ -24,6 +24,7 @@
 #include <mutex>
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <numeric>
 #include <random>
@@ -95,6 +96,10 @@ struct Fiber {
 #endif
   unsigned char *stack = nullptr;  // kStackBytes, from the thread's stack pool
   bool done = false;
+  bool late = false;                            // runs only when no other fiber can
+  const uint64_t *barrier = nullptr;            // the barrier generation it waits on
+  uint64_t waited = 0;                          // ... until it differs from this
+  bool runnable() const { return !done && (!barrier || *barrier != waited); }
 };
 
 // Fiber stacks are reused across blocks and launches (allocating and zeroing them per block
@@ -182,8 +187,11 @@ inline void arrive(int &arrived, uint64_t &generation, int count) {
     ++generation;
     return;
   }
-  const uint64_t mine = generation;
-  while (generation == mine) yield();
+  Fiber &self = tl_block->fibers[tl_block->current];
+  self.barrier = &generation;
+  self.waited = generation;
+  while (generation == self.waited) yield();  // resumed once the barrier is released
+  self.barrier = nullptr;
 }
 
 inline void syncthreads() {
@@ -264,22 +272,43 @@ void launch(dim3 grid, dim3 block, size_t smem, void (*kernel)(KArgs...), Args &
       makecontext(&f.context, fiber_main, 0);
 #endif
     }
-    // Each round resumes the live fibers in a fresh order, each until it yields (at a barrier
-    // or after an atomic) or ends; a fiber sits out a round with probability 1/4, so that
-    // threads also drift apart by whole stretches between barriers.
+    // Rounds over the fibers in a fresh order: each runnable fiber runs until it yields (at
+    // a barrier, or after an atomic) or ends. One fiber in eight is drawn late: it runs only
+    // once no other fiber can (then late fibers are drawn anew), so threads also fall behind
+    // others by whole stretches between barriers, warps behind warps.
     std::iota(order.begin(), order.end(), 0);
+    bool draw = true;
     for (int live = threads; live > 0;) {
-      live = 0;
+      if (draw)
+        for (Fiber &f : state.fibers) f.late = order_rng()() % 8 == 0;
+      draw = false;
       std::shuffle(order.begin(), order.end(), order_rng());
+      bool ran = false;
+      live = 0;
       for (const int t : order) {
-        if (state.fibers[t].done) continue;
-        if (order_rng()() % 4 == 0) {
-          ++live;
-          continue;
-        }
+        Fiber &f = state.fibers[t];
+        if (f.done) continue;
+        ++live;
+        if (f.late || !f.runnable()) continue;
         tl_thread = {static_cast<unsigned>(t), 0, 0};
         to_fiber(&state, t);
-        if (!state.fibers[t].done) ++live;
+        ran = true;
+      }
+      if (live > 0 && !ran) {
+        bool any = false;
+        for (const Fiber &f : state.fibers) any = any || f.runnable();
+        if (!any) {
+          std::fprintf(stderr, "simt: every live thread of block (%u, %u, %u) waits at a barrier that not all reach\n",
+                       tl_block_index.x, tl_block_index.y, tl_block_index.z);
+          std::abort();
+        }
+        // Only late fibers can run: one round of every runnable fiber, then a new draw.
+        for (const int t : order)
+          if (state.fibers[t].runnable()) {
+            tl_thread = {static_cast<unsigned>(t), 0, 0};
+            to_fiber(&state, t);
+          }
+        draw = true;
       }
     }
     tl_block = nullptr;

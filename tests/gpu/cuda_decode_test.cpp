@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 
 #include "api/api_test_util.hpp"
 #include "common/anchor_compare.hpp"
@@ -19,6 +20,15 @@ using namespace akv_test;
 void cuda_ok(cudaError_t err, const char *what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }
+
+// Without a usable device the GPU tests skip; where one must be there (ANCHORKV_REQUIRE_GPU,
+// set by scripts/device-check.sh on a GPU machine) they fail instead, so that a broken setup
+// cannot pass as skipped.
+#define AKV_SKIP_WITHOUT_GPU(why)                                          \
+  do {                                                                     \
+    if (std::getenv("ANCHORKV_REQUIRE_GPU")) FAIL() << "no GPU: " << why;  \
+    GTEST_SKIP() << why;                                                   \
+  } while (0)
 
 // Device memory holding a copy of host bytes.
 class DeviceBuffer {
@@ -95,7 +105,7 @@ class Cuda : public ::testing::Test {
     o.backend = AKV_BACKEND_CUDA;
     akv_context *ctx = nullptr;
     const akv_status s = akv_context_create(&o, &ctx);
-    if (s == AKV_ERR_BACKEND_UNAVAILABLE) GTEST_SKIP() << akv_last_error_message();
+    if (s == AKV_ERR_BACKEND_UNAVAILABLE) AKV_SKIP_WITHOUT_GPU(akv_last_error_message());
     ASSERT_EQ(s, AKV_OK) << akv_last_error_message();
     gpu_.reset(ctx);
     cpu_ = make_context();
@@ -426,7 +436,7 @@ TEST(CudaDevice, HooksSeeTheContextsDeviceAndTheCallersDeviceStays) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     cudaGetLastError();
-    GTEST_SKIP() << "no CUDA device";
+    AKV_SKIP_WITHOUT_GPU("no CUDA device");
   }
   struct Hooks {
     std::vector<int> seen;  // the current device in each hook call
