@@ -273,14 +273,17 @@ void launch(dim3 grid, dim3 block, size_t smem, void (*kernel)(KArgs...), Args &
 #endif
     }
     // Rounds over the fibers in a fresh order: each runnable fiber runs until it yields (at
-    // a barrier, or after an atomic) or ends. One fiber in eight is drawn late: it runs only
-    // once no other fiber can (then late fibers are drawn anew), so threads also fall behind
-    // others by whole stretches between barriers, warps behind warps.
+    // a barrier, or after an atomic) or ends. Some fibers are drawn late (whole warps, and
+    // single threads): they run only once no other fiber can, then late fibers are drawn
+    // anew. So warps fall behind warps, and threads behind threads, by whole stretches
+    // between barriers.
     std::iota(order.begin(), order.end(), 0);
-    bool draw = true;
+    bool draw = true, warp_late = false;
     for (int live = threads; live > 0;) {
-      if (draw)
-        for (Fiber &f : state.fibers) f.late = order_rng()() % 8 == 0;
+      for (int t = 0; draw && t < threads; ++t) {  // a whole warp late in 4, a thread in 16
+        if (t % 32 == 0) warp_late = order_rng()() % 4 == 0;
+        state.fibers[t].late = warp_late || order_rng()() % 16 == 0;
+      }
       draw = false;
       std::shuffle(order.begin(), order.end(), order_rng());
       bool ran = false;
