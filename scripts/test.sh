@@ -139,10 +139,10 @@ cuda_build() {
   # cannot rot. No GPU here: the GPU tests must skip, not fail.
   echo "CUDA sources: $(find "$root/src/cuda" -name '*.cu' | wc -l) .cu files in src/cuda"
   ANCHORKV_BUNDLE_BUILD_DIR="$cuda_dir" ANCHORKV_CUDA_ARCHITECTURES="80;90" ANCHORKV_JOBS="$jobs" \
-    ANCHORKV_BUNDLE_MAX_MIB=120 "$root/scripts/device-bundle.sh" "$cuda_dir/bundle"
+    "$root/scripts/device-bundle.sh" "$cuda_dir/bundle"
   grep -q '^ANCHORKV_CUDA:STRING=ON' "$cuda_dir/CMakeCache.txt"
-  LD_LIBRARY_PATH="$cuda_dir/bundle/lib" "$cuda_dir/bundle/bin/anchorkv_gpu_tests"
-  LD_LIBRARY_PATH="$cuda_dir/bundle/lib" "$cuda_dir/bundle/bin/anchorkv_api_tests" --gtest_filter='GpuContext.*'
+  "$cuda_dir/bundle/bin/anchorkv_gpu_tests"  # RUNPATH $ORIGIN/../lib finds the library
+  "$cuda_dir/bundle/bin/anchorkv_api_tests" --gtest_filter='GpuContext.*'
 }
 if command -v nvcc >/dev/null 2>&1; then
   step "cuda: bundle sm_80+sm_90" cuda_build
