@@ -11,8 +11,11 @@ time the kernels and not the Python launch overhead. Prints one table (and --csv
   bandwidth of the compact decode (compressed bytes read per step / time), and decode-time
   device memory of one request: the compressed cache as allocated vs the bf16 full cache.
 
-It also checks on the device that our dense decode equals SDPA (same data, bf16 tolerance)
-and reports the compact decode's deviation from SDPA (the compression's own error).
+It also checks on the device that our dense decode equals SDPA (same data, bf16 tolerance),
+that the compact decode equals the CPU backend's decode of the same compressed cache (the
+first and last request of each batch, within the bf16 bound of tests/gpu/cuda_decode_test.cpp:
+|gpu - cpu| <= 1.6e-2 + 1.6e-2 |cpu|), and reports the compact decode's deviation from SDPA
+(the compression's own error, not checked). A row that fails a check fails the run.
 
 Needs torch with CUDA and the anchorkv Python package (PYTHONPATH=python) over a library
 built with the CUDA backend (ANCHORKV_LIBRARY=build-device/src/libanchorkv.so).
@@ -22,6 +25,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +33,9 @@ import anchorkv
 
 H, HQ, D = 8, 32, 128
 WINDOW = 32
+# The bf16 tolerance of the GPU tests (tests/gpu/cuda_decode_test.cpp, tolerance()): absolute
+# and relative to the CPU backend's output.
+GPU_TEST_BF16_TOLERANCE = 1.6e-2
 
 
 def cold_timer(flush):
@@ -60,6 +67,19 @@ def sdpa_fn(q, k, v):
         return lambda: F.scaled_dot_product_attention(q, kr, vr)
 
 
+def bf16_bits(t):
+    return t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+
+
+def excess_over_cpu(cpu_cache, query, out):
+    """max(|gpu - cpu| - (tol + tol |cpu|)) over one request's output: > 0 fails the bound."""
+    bits = cpu_cache.decode(bf16_bits(query), dtype="bf16")
+    expected = torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32))
+    got = out.float().cpu()
+    excess = (got - expected).abs() - GPU_TEST_BF16_TOLERANCE * (1 + expected.abs())
+    return float("inf") if not torch.isfinite(got).all() else excess.max().item()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
@@ -87,6 +107,7 @@ def main():
         compress_s = time.perf_counter() - t0
         full = ctx.compress(keys, values, window_q, method="fullkv")
         blob_compact, blob_full = compact.to_bytes(), full.to_bytes()
+        cpu_compact = anchorkv.Cache.from_bytes(blob_compact)  # the CPU backend's reference
         stats = compact.stats
         full_cache_bytes = 2 * S * H * D * 2  # bf16 K and V
         # Post-RoPE keys as the dense caches hold them, for SDPA.
@@ -110,35 +131,44 @@ def main():
             ref = sdpa().float()
             dense_err = (out_d.float() - ref).abs().max().item()
             compact_rel = ((out_c.float() - ref).norm() / ref.norm()).item()
+            compact_excess = max(excess_over_cpu(cpu_compact, q[b], out_c[b]) for b in {0, B - 1})
             bandwidth = B * stats.compressed_bytes / (t_compact * 1e-6) / 1e12
             row = dict(S=S, batch=B, compact_us=t_compact, dense_us=t_dense, sdpa_us=t_sdpa,
                        speedup_compact=t_sdpa / t_compact, speedup_dense=t_sdpa / t_dense,
                        compact_tb_s=bandwidth, memory_ratio=full_cache_bytes / stats.allocated_bytes,
-                       dense_max_abs_err=dense_err, compact_rel_err=compact_rel)
+                       dense_max_abs_err=dense_err, compact_rel_err=compact_rel,
+                       compact_excess_vs_cpu=compact_excess)
             rows.append(row)
             del compact_caches[1:], full_caches[1:], k, v
             torch.cuda.empty_cache()
-        del k_full, v_full, compact, full
+        del k_full, v_full, compact, full, cpu_compact
         torch.cuda.empty_cache()
 
     header = ("S", "batch", "compact_us", "dense_us", "sdpa_us", "speedup_compact", "speedup_dense",
-              "compact_tb_s", "memory_ratio", "dense_max_abs_err", "compact_rel_err")
+              "compact_tb_s", "memory_ratio", "dense_max_abs_err", "compact_rel_err", "compact_excess_vs_cpu")
     print(f"{'S':>7} {'B':>3} {'compact us':>10} {'dense us':>9} {'SDPA us':>9} {'x SDPA':>7} {'dense x':>7} "
-          f"{'TB/s':>6} {'mem x':>6} {'dense err':>9} {'AKV rel':>8}")
+          f"{'TB/s':>6} {'mem x':>6} {'dense err':>9} {'AKV rel':>8} {'vs CPU':>6}")
     for r in rows:
+        verdict = "ok" if r["compact_excess_vs_cpu"] <= 0 else "FAIL"
         print(f"{r['S']:>7} {r['batch']:>3} {r['compact_us']:>10.1f} {r['dense_us']:>9.1f} {r['sdpa_us']:>9.1f} "
               f"{r['speedup_compact']:>7.2f} {r['speedup_dense']:>7.2f} {r['compact_tb_s']:>6.2f} "
-              f"{r['memory_ratio']:>6.1f} {r['dense_max_abs_err']:>9.2e} {r['compact_rel_err']:>8.3f}")
+              f"{r['memory_ratio']:>6.1f} {r['dense_max_abs_err']:>9.2e} {r['compact_rel_err']:>8.3f} {verdict:>6}")
     if args.csv:
         with open(args.csv, "w") as f:
             f.write(",".join(header) + "\n")
             for r in rows:
                 f.write(",".join(str(r[h]) for h in header) + "\n")
+    failed = False
     bad = [r for r in rows if not r["dense_max_abs_err"] < 3e-2]
     if bad:
         print(f"FAIL: our dense decode differs from SDPA by up to {max(r['dense_max_abs_err'] for r in bad):.3g}")
-        return 1
-    return 0
+        failed = True
+    bad = [r for r in rows if not r["compact_excess_vs_cpu"] <= 0]
+    if bad:
+        print(f"FAIL: the compact decode differs from the CPU backend's beyond the GPU tests' bound "
+              f"({GPU_TEST_BF16_TOLERANCE} abs + rel) in rows " + ", ".join(f"S={r['S']} B={r['batch']}" for r in bad))
+        failed = True
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

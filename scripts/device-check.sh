@@ -1,171 +1,186 @@
 #!/usr/bin/env bash
-# The one script to run on a machine with an NVIDIA GPU (an H200, sm_90):
-#   1. configure build-device with the CUDA backend for sm_90, build everything;
-#   2. ctest, GPU tests included (tests/gpu skip themselves without a GPU; the emulation tests
-#      run the same kernels on the CPU); the install test (needs pkg-config) is left out;
-#   3. compute-sanitizer memcheck and racecheck over the GPU decode tests (quick sizes);
-#   4. the Python GPU tests (torch tensors on a CUDA context), when pytest is present;
-#   5. scripts/bench_decode.py: compact decode vs our dense decode vs PyTorch SDPA,
-#      S = 8K..128K, batch 1, 8, 32, cold L2 (the issue-5 table); then
-#      scripts/bench_compress.py: the GPU compression pass vs SDPA causal prefill attention
-#      and our SnapKV, S = 32K..128K (the issue-4 table);
-#   6. optionally (ANCHORKV_RUN="cli-bench") `anchorkv bench` per method at
-#      ANCHORKV_BENCH_SEQ_LENS (default 32768);
-#   7. a summary and the tables, printed last.
-# A failing step does not stop the later ones (a failed build skips what needs it). Logs go
-# to $ANCHORKV_DEVICE_LOGS (default: build-device/logs; also copied to $OUT when set, for the
-# device tool to bring back).
-# Before the device call, run scripts/device-deps.sh here and carry build-device-deps.
-# Environment: ANCHORKV_DEVICE_CMAKE_ARGS (extra cmake arguments, split at spaces),
-#   ANCHORKV_DEVICE_BUILD_DIR (default build-device), ANCHORKV_JOBS (default: cores),
-#   ANCHORKV_DECODE_BENCH_ARGS (extra arguments for bench_decode.py),
-#   ANCHORKV_BENCH_SEQ_LENS, ANCHORKV_BENCH_ARGS, ANCHORKV_BENCH_BACKEND (default cuda) and
-#   ANCHORKV_BENCH_TIMEOUT (seconds per run, default 120) for the CLI bench,
-#   ANCHORKV_SKIP ("build ctest sanitizer pytest decode-bench compress-bench", any of them),
-#   ANCHORKV_RUN ("cli-bench" to add the CLI bench). The whole script must fit in one
-#   10-minute device call.
+# The check for a machine with an NVIDIA GPU (an H200, sm_90), sized for one device call:
+# nothing is compiled there when a bundle is carried, and the most telling steps run first.
+#   0. the bundle: ANCHORKV_DEVICE_BUNDLE (default build-device-bundle), made here by
+#      scripts/device-bundle.sh and named in the device call's `carry`. Without one it is built
+#      there by the same script (minutes; carry build-device-deps from scripts/device-deps.sh);
+#   1. smoke: one decode and one compression against the CPU (Cuda.Smoke*), after the GPU,
+#      the bundle and its shared libraries are listed;
+#   2. scripts/bench_decode.py: compact decode vs our dense decode vs PyTorch SDPA, cold L2
+#      (ANCHORKV_DECODE_BENCH_ARGS, e.g. "--seq-lens 32768 131072 --batches 1 32");
+#   3. scripts/bench_compress.py: the GPU compression pass vs SDPA causal prefill attention
+#      and our SnapKV (ANCHORKV_COMPRESS_BENCH_ARGS);
+#   4. the GPU test suite: anchorkv_gpu_tests (64K and 128K decodes included), the GpuContext
+#      tests of anchorkv_api_tests, python/tests/test_gpu.py (when pytest and torch are there);
+#   5. compute-sanitizer memcheck, racecheck, initcheck and synccheck over the GPU tests at
+#      the quick sizes plus one 128K decode (ANCHORKV_TEST_QUICK=1);
+#   6. with the time left, the emulation tests under two more scheduling seeds.
+# Every step's log is written straight into $OUT while it runs (else $ANCHORKV_DEVICE_LOGS,
+# default build-device/logs), at most 7 files: summary.txt (rewritten after every step: the
+# step table, then the benchmark tables), build.log (only without a bundle), smoke.log,
+# bench-decode.log, bench-compress.log, gpu-tests.log, sanitizer.log.
+# Deadline: ANCHORKV_DEVICE_DEADLINE seconds from the start (default 420). Each step runs
+# under `timeout` for the time left; once less than 20 s is left the remaining steps are
+# skipped, and the summary and tables are still written. A failing step does not stop the
+# later ones (without a library nothing after the build runs). ANCHORKV_SKIP: any of
+# "smoke decode-bench compress-bench gpu-tests sanitizer emulation". Exit status: 0 when no
+# step failed.
+# Without a GPU (a dry run on a development machine) the test programs run and skip, and the
+# benchmarks and compute-sanitizer are skipped; with one, a GPU test that skips fails
+# (ANCHORKV_REQUIRE_GPU).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root" || exit 1
-build_dir="${ANCHORKV_DEVICE_BUILD_DIR:-build-device}"
-case "$build_dir" in /*) ;; *) build_dir="$root/$build_dir" ;; esac
-logs="${ANCHORKV_DEVICE_LOGS:-$build_dir/logs}"
-jobs="${ANCHORKV_JOBS:-$(nproc)}"
-seq_lens="${ANCHORKV_BENCH_SEQ_LENS:-32768}"
+absolute() { case "$1" in /*) echo "$1" ;; *) echo "$root/$1" ;; esac; }
+bundle="$(absolute "${ANCHORKV_DEVICE_BUNDLE:-build-device-bundle}")"
+if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then logs="$OUT"; else logs="$(absolute "${ANCHORKV_DEVICE_LOGS:-build-device/logs}")"; fi
+deadline="${ANCHORKV_DEVICE_DEADLINE:-420}"
 skip_list=" ${ANCHORKV_SKIP:-} "
-run_list=" ${ANCHORKV_RUN:-} "
 [ -d /usr/local/cuda/bin ] && PATH="$PATH:/usr/local/cuda/bin"
 mkdir -p "$logs"
+summary_file="$logs/summary.txt"
 
 summary=()
-note() { summary+=("$(printf '%-5s %-34s %6ss' "$1" "$2" "$3")"); }
-# run_logged NAME LOGFILE COMMAND...: output to the terminal and to the log; PASS or FAIL.
-run_logged() {
-  local name="$1" log="$2" start=$SECONDS rc; shift 2
-  printf '\n==== %s ====\n' "$name"
-  "$@" 2>&1 | tee "$log"
+note() { summary+=("$(printf '%-5s %-44s %5ss' "$1" "$2" "$3")"); write_summary; }
+skipped() { [[ "$skip_list" == *" $1 "* ]]; }
+left() { echo $((deadline - SECONDS)); }
+# The summary file: the step table, then the tables of the benchmark logs. Rewritten after
+# every step, so that a run cut short still brings one back.
+write_summary() {
+  {
+    echo "device-check: started $started on $(hostname); deadline ${deadline}s; ${SECONDS}s elapsed"
+    printf '  %s\n' "${summary[@]}"
+    if [ -s "$logs/bench-decode.log" ]; then
+      printf '\n==== bench_decode.py: H=8 Hq=32 D=128 bf16 theta=0.05, cold L2, medians ====\n'
+      grep -E '^#|^ *S |^ +[0-9]+ |^FAIL' "$logs/bench-decode.log"
+    fi
+    if [ -s "$logs/bench-compress.log" ]; then
+      printf '\n==== bench_compress.py: one layer, H=8 Hq=32 D=128 bf16 theta=0.05, medians ====\n'
+      grep -E '^#|^ *S |^ +[0-9]+ |^FAIL' "$logs/bench-compress.log"
+    fi
+  } >"$summary_file"
+}
+# step NAME LOG COMMAND...: COMMAND under `timeout` for the time left, its output to the
+# terminal and appended to LOG; PASS, FAIL or SKIP (deadline) in the summary.
+step() {
+  local name="$1" log="$2" start=$SECONDS rc budget; shift 2
+  budget=$(left)
+  if [ "$budget" -lt 20 ]; then note SKIP "$name (deadline)" 0; return 1; fi
+  printf '\n==== %s (%ss left) ====\n' "$name" "$budget" | tee -a "$log"
+  timeout --kill-after=5 "$budget" "$@" 2>&1 | tee -a "$log"
   rc=${PIPESTATUS[0]}
-  if [ "$rc" -eq 0 ]; then note PASS "$name" $((SECONDS - start)); else
-    note FAIL "$name (exit $rc)" $((SECONDS - start)); fi
+  if [ "$rc" -eq 0 ]; then note PASS "$name" $((SECONDS - start))
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then note FAIL "$name (deadline hit)" $((SECONDS - start))
+  else note FAIL "$name (exit $rc)" $((SECONDS - start)); fi
   return "$rc"
 }
-skipped() { [[ "$skip_list" == *" $1 "* ]]; }
 
-echo "device-check: $(date -u +%FT%TZ) on $(hostname)"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 \
-  | sed 's/^/  GPU: /'
-echo "  nvcc: $(nvcc --version 2>/dev/null | tail -n 1 || echo 'not found')"
+started="$(date -u +%FT%TZ)"
+write_summary
+echo "device-check: $started on $(hostname), deadline ${deadline}s, logs in $logs"
 
-# ---- 1. build -------------------------------------------------------------------------------
-build_ok=0
-# The GPU machine's image lacks Debian's GoogleTest, cxxopts and nlohmann-json and cannot
-# download them: scripts/device-deps.sh unpacks them into build-device-deps here, carried along.
-carried_deps="$root/build-device-deps/root/usr"
-read -r -a extra_cmake <<<"${ANCHORKV_DEVICE_CMAKE_ARGS:-}"
-if [ -d "$carried_deps" ]; then
-  extra_cmake+=(-DCMAKE_PREFIX_PATH="$carried_deps")
-  echo "  using carried packages in $carried_deps"
+# ---- 0. the bundle ------------------------------------------------------------------------------
+have_bundle=0
+if [ -f "$bundle/BUNDLE.txt" ]; then
+  have_bundle=1
+  note PASS "bundle carried ($(du -sh "$bundle" | cut -f1))" 0
+else
+  # The GPU machine's image lacks Debian's GoogleTest, cxxopts and nlohmann-json and cannot
+  # download them: scripts/device-deps.sh unpacks them into build-device-deps, carried along.
+  build_args="${ANCHORKV_BUNDLE_CMAKE_ARGS:-}"
+  [ -d "$root/build-device-deps/root/usr" ] && build_args+=" -DCMAKE_PREFIX_PATH=$root/build-device-deps/root/usr"
+  step "build the bundle there (no bundle carried)" "$logs/build.log" \
+    env ANCHORKV_BUNDLE_BUILD_DIR=build-device ANCHORKV_BUNDLE_CMAKE_ARGS="$build_args" \
+    "$root/scripts/device-bundle.sh" "$bundle" && have_bundle=1
 fi
-configure_and_build() {
-  cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DANCHORKV_CUDA=ON \
-        -DCMAKE_CUDA_ARCHITECTURES=90 -DANCHORKV_BUILD_TESTS=ON -DANCHORKV_BUILD_CLI=ON \
-        "${extra_cmake[@]}" &&
-  cmake --build "$build_dir" --parallel "$jobs"
+bin="$bundle/bin"
+export LD_LIBRARY_PATH="$bundle/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" ANCHORKV_LIBRARY="$bundle/lib"
+export PYTHONUNBUFFERED=1
+has_torch=0
+python3 -c 'import torch' 2>/dev/null && has_torch=1
+# Without a GPU (a dry run on a development machine) the test programs still run and skip;
+# the benchmarks and compute-sanitizer are skipped.
+has_gpu=0
+nvidia-smi -L 2>/dev/null | grep -q '^GPU' && has_gpu=1
+# With a GPU, a GPU test that finds no usable device fails instead of skipping.
+[ "$has_gpu" = 1 ] && export ANCHORKV_REQUIRE_GPU=1
+
+# ---- 1. smoke -----------------------------------------------------------------------------------
+describe_machine() {
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/GPU: /'
+  else echo "GPU: none (no nvidia-smi)"; fi
+  echo "nvcc: $(nvcc --version 2>/dev/null | tail -n 1 || echo 'not found')"
+  cat "$bundle/BUNDLE.txt"
+  echo "shared libraries of the bundle's library:"
+  ldd "$bundle"/lib/libanchorkv.so | sed 's/^/ /'
 }
-if skipped build; then note SKIP "build" 0; build_ok=1
-elif run_logged "build (CUDA sm_90)" "$logs/build.log" configure_and_build; then build_ok=1; fi
-
-# ---- 2. ctest ------------------------------------------------------------------------------
-if skipped ctest; then note SKIP "ctest" 0
-elif [ "$build_ok" = 1 ]; then
-  run_logged "ctest (GPU tests included)" "$logs/ctest.log" \
-    ctest --test-dir "$build_dir" --output-on-failure --no-tests=error -j "$jobs" --timeout 900 \
-      -LE install
-  grep -E 'tests passed|tests failed' "$logs/ctest.log" | tail -n 1 | sed 's/^/  /'
-  # On a GPU machine the GPU tests must run, not skip: say how many skipped.
-  echo "  skipped tests: $(grep -cE '^ *[0-9]+/[0-9]+ Test +#[0-9]+: .*Skipped' "$logs/ctest.log")"
-else note SKIP "ctest (build failed)" 0; fi
-
-# ---- 3. compute-sanitizer --------------------------------------------------------------------
-gpu_tests="$build_dir/tests/anchorkv_gpu_tests"
-sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
-for tool in memcheck racecheck; do
-  if skipped sanitizer; then note SKIP "compute-sanitizer $tool" 0; continue; fi
-  if [ ! -x "$gpu_tests" ] || [ ! -x "$sanitizer" ]; then note SKIP "compute-sanitizer $tool (missing)" 0; continue; fi
-  run_logged "compute-sanitizer $tool" "$logs/sanitizer-$tool.log" env ANCHORKV_TEST_QUICK=1 \
-    timeout 240 "$sanitizer" --tool "$tool" --error-exitcode 3 "$gpu_tests" \
-      --gtest_filter='Cuda.DecodeMatches*:Cuda.GraphCaptured*:Cuda.CompressionPass*'
-  grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/sanitizer-$tool.log" | tail -n 1 | sed 's/^/  /'
-done
-
-# ---- 4. Python GPU tests ---------------------------------------------------------------------
-py_env=(env PYTHONPATH="$root/python" ANCHORKV_LIBRARY="$build_dir/src")
-if skipped pytest; then note SKIP "pytest (GPU)" 0
-elif ! python3 -c 'import pytest, torch' 2>/dev/null; then note SKIP "pytest (GPU): no pytest/torch" 0
+if [ "$have_bundle" = 0 ]; then note FAIL "no bundle: nothing else could run" 0
 else
-  run_logged "pytest python/tests/test_gpu.py" "$logs/pytest-gpu.log" "${py_env[@]}" \
-    timeout 240 python3 -m pytest -q "$root/python/tests/test_gpu.py"
-fi
+  if skipped smoke; then note SKIP "smoke" 0
+  else
+    describe_machine >>"$logs/smoke.log" 2>&1
+    step "smoke: one decode, one compression vs CPU" "$logs/smoke.log" \
+      "$bin/anchorkv_gpu_tests" --gtest_filter='Cuda.Smoke*'
+  fi
 
-# ---- 5. decode benchmark against SDPA ------------------------------------------------------------
-if skipped decode-bench; then note SKIP "bench_decode.py" 0
-elif ! python3 -c 'import torch' 2>/dev/null; then note SKIP "bench_decode.py: no torch" 0
-else
-  # shellcheck disable=SC2086  # a list of words
-  run_logged "bench_decode.py (vs SDPA)" "$logs/bench-decode.txt" "${py_env[@]}" \
-    timeout 300 python3 "$root/scripts/bench_decode.py" --csv "$logs/bench-decode.csv" ${ANCHORKV_DECODE_BENCH_ARGS:-}
-fi
+  # ---- 2, 3. benchmarks -------------------------------------------------------------------------
+  if skipped decode-bench; then note SKIP "bench_decode.py" 0
+  elif [ "$has_gpu" = 0 ]; then note SKIP "bench_decode.py: no GPU" 0
+  elif [ "$has_torch" = 0 ]; then note SKIP "bench_decode.py: no torch" 0
+  else
+    # shellcheck disable=SC2086  # a list of words
+    step "bench_decode.py (vs SDPA)" "$logs/bench-decode.log" \
+      python3 "$root/scripts/bench_decode.py" ${ANCHORKV_DECODE_BENCH_ARGS:-}
+  fi
+  if skipped compress-bench; then note SKIP "bench_compress.py" 0
+  elif [ "$has_gpu" = 0 ]; then note SKIP "bench_compress.py: no GPU" 0
+  elif [ "$has_torch" = 0 ]; then note SKIP "bench_compress.py: no torch" 0
+  else
+    # shellcheck disable=SC2086
+    step "bench_compress.py (vs SDPA prefill)" "$logs/bench-compress.log" \
+      python3 "$root/scripts/bench_compress.py" ${ANCHORKV_COMPRESS_BENCH_ARGS:-}
+  fi
 
-# ---- 5b. compression benchmark against SDPA prefill -----------------------------------------
-if skipped compress-bench; then note SKIP "bench_compress.py" 0
-elif ! python3 -c 'import torch' 2>/dev/null; then note SKIP "bench_compress.py: no torch" 0
-else
-  run_logged "bench_compress.py (vs SDPA prefill)" "$logs/bench-compress.txt" "${py_env[@]}" \
-    timeout 240 python3 "$root/scripts/bench_compress.py"
-fi
+  # ---- 4. the GPU test suite ------------------------------------------------------------------------
+  if skipped gpu-tests; then note SKIP "GPU test suite" 0
+  else
+    step "anchorkv_gpu_tests" "$logs/gpu-tests.log" "$bin/anchorkv_gpu_tests"
+    # On a GPU machine the GPU tests must run, not skip.
+    grep -E '^\[  SKIPPED \] [0-9]+ test' "$logs/gpu-tests.log" | sed 's/^/GPU tests that skipped: /'
+    step "anchorkv_api_tests GpuContext.*" "$logs/gpu-tests.log" \
+      "$bin/anchorkv_api_tests" --gtest_filter='GpuContext.*'
+    if python3 -c 'import pytest, torch' 2>/dev/null; then
+      step "pytest python/tests/test_gpu.py" "$logs/gpu-tests.log" \
+        python3 -m pytest -q -p no:cacheprovider "$root/python/tests/test_gpu.py"
+    else note SKIP "pytest test_gpu.py: no pytest/torch" 0; fi
+  fi
 
-# ---- 6. CLI bench (optional) -------------------------------------------------------------------
-cli="$build_dir/tools/cli/anchorkv"
-bench_timeout="${ANCHORKV_BENCH_TIMEOUT:-120}"
-bench_backend="${ANCHORKV_BENCH_BACKEND:-cuda}"
-bench_rows=()
-if [[ "$run_list" == *" cli-bench "* ]]; then
-  for s in $seq_lens; do
-    if [ ! -x "$cli" ]; then note SKIP "bench S=$s (no $cli)" 0; continue; fi
-    # shellcheck disable=SC2086  # ANCHORKV_BENCH_ARGS is a list of words
-    run_logged "bench S=$s" "$logs/bench-$s.csv" timeout "$bench_timeout" \
-      "$cli" bench --backend "$bench_backend" --seq-len "$s" --csv --quiet ${ANCHORKV_BENCH_ARGS:-}
-    bench_rows+=("$s")
+  # ---- 5. compute-sanitizer ---------------------------------------------------------------------------
+  sanitizer="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+  filter='Cuda.Smoke*:Cuda.DecodeMatches*:Cuda.DecodeLong*:Cuda.GraphCaptured*:Cuda.CompressionPass*'
+  for tool in memcheck racecheck initcheck synccheck; do
+    if skipped sanitizer; then note SKIP "compute-sanitizer $tool" 0; continue; fi
+    if [ "$has_gpu" = 0 ]; then note SKIP "compute-sanitizer $tool: no GPU" 0; continue; fi
+    if [ ! -x "$sanitizer" ]; then note SKIP "compute-sanitizer $tool (not found)" 0; continue; fi
+    step "compute-sanitizer $tool" "$logs/sanitizer.log" env ANCHORKV_TEST_QUICK=1 \
+      "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin/anchorkv_gpu_tests" --gtest_filter="$filter"
   done
+
+  # ---- 6. with the time left: the emulation under two more seeds (CI runs them too) ------------
+  if skipped emulation; then note SKIP "emulation tests" 0
+  else
+    step "emulation tests, seeds 2 and 3" "$logs/gpu-tests.log" bash -c \
+      'ANCHORKV_SIMT_SEED=2 "$1" --gtest_brief=1 & ANCHORKV_SIMT_SEED=3 "$1" --gtest_brief=1 || exit 1; wait $!' \
+      _ "$bin/anchorkv_emulation_tests"
+  fi
 fi
 
-if [ -n "${OUT:-}" ] && [ -d "${OUT:-}" ]; then cp "$logs"/* "$OUT"/ 2>/dev/null; fi
-
-# ---- 7. summary and tables --------------------------------------------------------------------
-printf '\n==== device-check summary ====\n'
-printf '  %s\n' "${summary[@]}"
-if [ -s "$logs/bench-compress.txt" ]; then
-  printf '\n==== bench_compress.py: one layer, H=8 Hq=32 D=128 bf16 theta=0.05, medians ====\n'
-  grep -E '^#|^ *S |^ +[0-9]+ ' "$logs/bench-compress.txt"
-fi
-if [ -s "$logs/bench-decode.txt" ]; then
-  printf '\n==== bench_decode.py: H=8 Hq=32 D=128 bf16 theta=0.05, cold L2, medians ====\n'
-  grep -E '^#|^ *S |^ +[0-9]+ ' "$logs/bench-decode.txt"
-fi
-if [ "${#bench_rows[@]}" -gt 0 ]; then
-  printf '\n==== anchorkv bench, %s backend (medians; CSV in %s) ====\n' "$bench_backend" "$logs"
-  printf '%8s %-12s %7s %8s %12s %12s %10s\n' S method target ratio compress decode "vs FullKV"
-  for s in "${bench_rows[@]}"; do
-    awk -F, -v S="$s" '
-      $1 == "backend" { header = 1; next }
-      header && NF >= 9 {
-        rows++
-        if ($4 == "") { printf "%8s %-12s %6sx  FAILED %s\n", S, $2, $3, $10; next }
-        printf "%8s %-12s %6sx %7.2fx %10.2fms %10.1fus %9.2fx\n", S, $2, $3, $4, $6 * 1e3, $7 * 1e6, $8
-      }
-      END { if (!rows) printf "%8s (no results: see %s)\n", S, FILENAME }' "$logs/bench-$s.csv"
-  done
-fi
+# ---- the summary, last -------------------------------------------------------------------------------
+write_summary
 failed=$(printf '%s\n' "${summary[@]}" | grep -c '^FAIL')
-echo "device-check: $failed failed step(s)"
+echo "device-check: $failed failed step(s) in ${SECONDS}s" >>"$summary_file"
+printf '\n'
+cat "$summary_file"
 [ "$failed" -eq 0 ]

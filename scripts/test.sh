@@ -5,7 +5,9 @@
 #                 "long" excluded)
 #       fuzz      scripts/fuzz.sh: the deserializer fuzz target for ANCHORKV_FUZZ_SECONDS (60)
 #                 under ASan + UBSan (clang libFuzzer; else the asan build's mutation driver)
-#   (c) cuda      compile-only CUDA build of the library for sm_80 and sm_90 (skipped without nvcc)
+#       emu       the SIMT emulation tests under two more scheduling seeds (ANCHORKV_SIMT_SEED)
+#   (c) cuda      compile-only CUDA build for sm_80 and sm_90 (skipped without nvcc): the device
+#                 bundle of scripts/device-bundle.sh, every target the GPU machine runs
 #   (d) install   install/consumer test (ctest label "install") + install into ANCHORKV_PREFIX
 #   (e) bindings  scripts/test-bindings.sh, when present, with ANCHORKV_BUILD_DIR/ANCHORKV_PREFIX
 # A failing step does not stop the independent ones; the summary lists every step and the
@@ -90,6 +92,18 @@ total_start=$SECONDS
 step "cpu: build" env ANCHORKV_BUILD_DIR="$build_dir" ANCHORKV_CUDA=OFF ANCHORKV_JOBS="$jobs" \
   "$root/scripts/build.sh" -DANCHORKV_BUILD_TESTS=ON -DANCHORKV_BUILD_CLI=ON
 after "cpu: build" "cpu: ctest" ctest_run "$build_dir" -LE install
+# The emulation draws the order of blocks, fibers and atomics from ANCHORKV_SIMT_SEED; ctest
+# ran seed 1, two more seeds here (side by side).
+emulation_seeds() {
+  local pids=() seed pid failed=0
+  for seed in 2 3; do
+    ANCHORKV_SIMT_SEED=$seed "$build_dir/tests/anchorkv_emulation_tests" --gtest_brief=1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  return "$failed"
+}
+after "cpu: build" "emu: seeds 2 3" emulation_seeds
 
 # ---- (b) AddressSanitizer + UBSan ---------------------------------------------------------------
 asan_build() {
@@ -120,20 +134,20 @@ after "asan: build" "fuzz: deserialize ${fuzz_seconds}s" fuzz_run
 
 # ---- (c) CUDA compile-only ----------------------------------------------------------------------
 cuda_build() {
-  local cu_files
-  cu_files="$(find "$root/src/cuda" -name '*.cu' 2>/dev/null | wc -l)"
-  echo "CUDA sources: $cu_files .cu files in src/cuda"
-  cmake -S "$root" -B "$cuda_dir" -DCMAKE_BUILD_TYPE=Release -DANCHORKV_CUDA=ON \
-        -DCMAKE_CUDA_ARCHITECTURES="80;90" -DANCHORKV_BUILD_TESTS=ON -DANCHORKV_BUILD_CLI=OFF
+  # The device bundle (scripts/device-bundle.sh) for sm_80 and sm_90: every target that
+  # scripts/device-check.sh runs on a GPU machine, built, linked and stripped here so that it
+  # cannot rot. No GPU here: the GPU tests must skip, not fail.
+  echo "CUDA sources: $(find "$root/src/cuda" -name '*.cu' | wc -l) .cu files in src/cuda"
+  ANCHORKV_BUNDLE_BUILD_DIR="$cuda_dir" ANCHORKV_CUDA_ARCHITECTURES="80;90" ANCHORKV_JOBS="$jobs" \
+    "$root/scripts/device-bundle.sh" "$cuda_dir/bundle"
   grep -q '^ANCHORKV_CUDA:STRING=ON' "$cuda_dir/CMakeCache.txt"
-  cmake --build "$cuda_dir" --parallel "$jobs" --target anchorkv anchorkv_gpu_tests
-  # No GPU here: the GPU tests must skip, not fail.
-  "$cuda_dir/tests/anchorkv_gpu_tests"
+  "$cuda_dir/bundle/bin/anchorkv_gpu_tests"  # RUNPATH $ORIGIN/../lib finds the library
+  "$cuda_dir/bundle/bin/anchorkv_api_tests" --gtest_filter='GpuContext.*'
 }
 if command -v nvcc >/dev/null 2>&1; then
-  step "cuda: compile sm_80+sm_90" cuda_build
+  step "cuda: bundle sm_80+sm_90" cuda_build
 else
-  skip "cuda: compile sm_80+sm_90" "nvcc not found"
+  skip "cuda: bundle sm_80+sm_90" "nvcc not found"
 fi
 
 # ---- (d) install + consumers ---------------------------------------------------------------------

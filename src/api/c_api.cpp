@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,13 @@ void check_input_dtype(const akv_dtype &t, const char *name) {
 
 bool on_cuda(const akv_context *ctx) { return ctx->backend == AKV_BACKEND_CUDA; }
 
+// CUDA: the context's device is current until the end of the caller's scope (copies and
+// allocations go to that device; the legacy default stream is the one of that device).
+std::optional<cuda::DeviceScope> device_scope(const akv_context *ctx) {
+  if (!on_cuda(ctx)) return std::nullopt;
+  return std::optional<cuda::DeviceScope>(std::in_place, ctx->device);
+}
+
 void *default_host_alloc(void *, size_t bytes) {
   return std::aligned_alloc(256, (bytes + 255) / 256 * 256);
 }
@@ -101,6 +109,7 @@ void validate_cache(const akv_cache *cache, const char *name = "cache") { check_
 void reserve_suffix(akv_cache &c, int64_t tokens, void *stream) {
   if (tokens <= c.suffix_capacity) return;
   if (tokens > INT32_MAX) fail(AKV_ERR_INVALID_ARGUMENT, "tokens ", tokens, " exceeds int32");
+  const auto scope = device_scope(c.context);
   const int64_t H = c.meta.shape.num_kv_heads, D = c.meta.shape.head_dim;
   const size_t row = static_cast<size_t>(D) * 2;
   Buffer keys(c.context, H * tokens * row), values(c.context, H * tokens * row);
@@ -151,6 +160,7 @@ std::unique_ptr<akv_cache> place(akv_context *context, ParsedCache parsed, void 
   c.context = context;
   const bool cuda = on_cuda(context);
   if (cuda) cuda::check_decodable(c);
+  const auto scope = device_scope(context);
   c.data = Buffer(context, parsed.data.size());
   if (cuda)
     cuda::copy(c.data.data(), parsed.data.data(), parsed.data.size(), stream, false);

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 #include "anchorkv/anchorkv.h"
@@ -28,7 +29,10 @@ struct akv_context {
   // a captured decode on that stream uses.
   int sm_count = 0;
   size_t smem_optin = 0;
-  std::mutex workspace_mutex;
+  std::mutex workspace_mutex;  // also guards smem_kernels
+  // The kernels whose dynamic shared memory limit is raised to smem_optin on this device
+  // (the attribute is per device and kernel).
+  std::set<const void *> smem_kernels;
   struct Workspace {
     void *ptr = nullptr;
     size_t bytes = 0;

@@ -17,28 +17,35 @@ namespace {
 
 cudaStream_t as_stream(void *stream) { return static_cast<cudaStream_t>(stream); }
 
+// Allows `kernel` the device's whole shared memory, once per context (a context has one
+// device; the attribute is per device and kernel). The context's device is current.
+template <typename Kernel>
+void allow_all_shared_memory(akv_context &ctx, Kernel *kernel) {
+  const void *key = reinterpret_cast<const void *>(kernel);
+  std::lock_guard<std::mutex> lock(ctx.workspace_mutex);
+  if (ctx.smem_kernels.count(key)) return;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(ctx.smem_optin)),
+        "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  ctx.smem_kernels.insert(key);
+}
+
 template <int D, int MAXROWS>
-void launch_decode(const DecodePlan &plan, const DecodeLaunch &p, int32_t requests, cudaStream_t stream,
-                   size_t smem_optin) {
-  static std::once_flag opt_in;
-  std::call_once(opt_in, [&] {
-    // Once per kernel, before any capture: allow the device's whole shared memory.
-    cudaFuncSetAttribute(decode_split_kernel<D, MAXROWS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         static_cast<int>(smem_optin));
-  });
+void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch &p, int32_t requests,
+                   cudaStream_t stream) {
+  allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS>);
   decode_split_kernel<D, MAXROWS><<<dim3(plan.splits * plan.slices, p.heads * plan.row_chunks, requests), kThreads,
                                     plan.smem_bytes, stream>>>(p);
   decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests), kThreads, 0, stream>>>(p);
 }
 
 template <int D>
-void launch_decode_rows(const DecodePlan &plan, const DecodeLaunch &p, int32_t requests, cudaStream_t stream,
-                        size_t smem_optin) {
+void launch_decode_rows(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch &p, int32_t requests,
+                        cudaStream_t stream) {
   switch (plan.maxrows) {
-    case 4: return launch_decode<D, 4>(plan, p, requests, stream, smem_optin);
-    case 8: return launch_decode<D, 8>(plan, p, requests, stream, smem_optin);
-    case 16: return launch_decode<D, 16>(plan, p, requests, stream, smem_optin);
-    default: return launch_decode<D, 32>(plan, p, requests, stream, smem_optin);
+    case 4: return launch_decode<D, 4>(ctx, plan, p, requests, stream);
+    case 8: return launch_decode<D, 8>(ctx, plan, p, requests, stream);
+    case 16: return launch_decode<D, 16>(ctx, plan, p, requests, stream);
+    default: return launch_decode<D, 32>(ctx, plan, p, requests, stream);
   }
 }
 
@@ -115,9 +122,9 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
                                    static_cast<uint8_t *>(out) + b0 * per_request, ws);
     for (int32_t i = 0; i < n; ++i) p.views[i] = reinterpret_cast<const CacheView *>(caches[b0 + i]->device_view.data());
     switch (s.head_dim) {
-      case 64: launch_decode_rows<64>(plan, p, n, st, ctx.smem_optin); break;
-      case 128: launch_decode_rows<128>(plan, p, n, st, ctx.smem_optin); break;
-      default: launch_decode_rows<256>(plan, p, n, st, ctx.smem_optin); break;
+      case 64: launch_decode_rows<64>(ctx, plan, p, n, st); break;
+      case 128: launch_decode_rows<128>(ctx, plan, p, n, st); break;
+      default: launch_decode_rows<256>(ctx, plan, p, n, st); break;
     }
     check(cudaGetLastError(), "the decode kernel launch");
   }

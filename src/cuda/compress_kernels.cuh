@@ -86,7 +86,8 @@ constexpr int kGemmTile = 32, kGemmK = 16;
 __global__ void __launch_bounds__(256) gemm_kernel(int64_t M, int64_t N, int64_t K, float alpha, const float *A,
                                                    int64_t a_i, int64_t a_k, const float *B, int64_t b_k,
                                                    int64_t b_j, float *C, int64_t ldc) {
-  __shared__ float As[kGemmK][kGemmTile + 1], Bs[kGemmK][kGemmTile + 1];
+  AKV_STATIC_SHARED(float, As, [kGemmK][kGemmTile + 1]);
+  AKV_STATIC_SHARED(float, Bs, [kGemmK][kGemmTile + 1]);
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kGemmTile, j0 = static_cast<int64_t>(blockIdx.x) * kGemmTile;
   float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
@@ -133,7 +134,7 @@ __device__ __forceinline__ float block_max128(float v, float *scratch) {
 // Window attention rows in place: row r of A [m][S] sees tokens 0..P + r % W (causal window
 // mask), softmax over them, zeros after. One block of 128 per row.
 __global__ void __launch_bounds__(128) window_softmax_kernel(float *A, int64_t S, int64_t P, int W) {
-  __shared__ float scratch[4];
+  AKV_STATIC_SHARED(float, scratch, [4]);
   const int64_t r = blockIdx.x;
   float *row = A + r * S;
   const int64_t visible = P + r % W + 1;
@@ -221,7 +222,7 @@ __global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint
                                                       int64_t P, int D, int storage_bf16, uint16_t *out, float *anchor_f,
                                                       float *anchor_n, float *norms, int64_t *anchor_tokens,
                                                       int32_t *anchor_of_token) {
-  __shared__ float scratch[4];
+  AKV_STATIC_SHARED(float, scratch, [4]);
   const int64_t a = blockIdx.x;
   const int64_t token = a < free_anchors ? static_cast<int64_t>(picks[a]) : P + (a - free_anchors);
   if (threadIdx.x == 0 && a < free_anchors) {
@@ -603,7 +604,7 @@ __global__ void coverage_update_kernel(const float *C, int64_t t0, int64_t count
 __global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_norm_sq, const float *key_best,
                                                              const float *value_norm_sq, const float *value_best,
                                                              int64_t P, float *means) {
-  __shared__ float scratch[4];
+  AKV_STATIC_SHARED(float, scratch, [4]);
   const float *norm_sq = blockIdx.x == 0 ? key_norm_sq : value_norm_sq;
   const float *best = blockIdx.x == 0 ? key_best : value_best;
   float acc = 0.0f;

@@ -1,9 +1,10 @@
-// Host-side helpers of the CUDA backend's .cu files: CUDA errors as statuses, and the
-// context's device for the duration of a call.
+// Host-side helpers of the CUDA backend's .cu files: CUDA errors as statuses (and, from
+// runtime.hpp, DeviceScope: the context's device for the duration of a call).
 #pragma once
 #include <cuda_runtime.h>
 
 #include "core/error.hpp"
+#include "cuda/runtime.hpp"  // DeviceScope
 
 namespace akv {
 namespace cuda {
@@ -16,21 +17,6 @@ inline void check(cudaError_t err, const char *what) {
     fail(AKV_ERR_BACKEND, what, " failed: ", cudaGetErrorString(err));
   }
 }
-
-// Makes `device` current; the caller's current device is restored on scope exit.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope &) = delete;
-  DeviceScope &operator=(const DeviceScope &) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 }  // namespace cuda
 }  // namespace akv

@@ -491,7 +491,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const __grid_con
 
 template <int D, int MAXROWS>
 __global__ void __launch_bounds__(kThreads) decode_merge_kernel(const __grid_constant__ DecodeLaunch p) {
-  __shared__ float buf[D];
+  AKV_STATIC_SHARED(float, buf, [D]);
   constexpr int TPD = D < kThreads ? D : kThreads;
   constexpr int DPT = D / TPD;
   const int tid = threadIdx.x;

@@ -11,6 +11,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+// Static shared memory: AKV_STATIC_SHARED(float, tile, [32][33]). The emulation poisons it
+// at each block start.
+#define AKV_STATIC_SHARED(type, name, dims) __shared__ type name dims
 #endif
 
 namespace akv {

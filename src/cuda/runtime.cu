@@ -1,11 +1,8 @@
-// CUDA backend runtime glue: device discovery and default device allocation.
-// Compression and decode kernels arrive with the CUDA backend issues; until then a CUDA
-// context can be created and allocates on its device, and other calls answer
-// AKV_ERR_UNSUPPORTED.
+// CUDA backend runtime glue: device discovery, the current device for a scope, and default
+// device allocation.
 #include <cuda_runtime.h>
 
-#include "core/error.hpp"
-#include "cuda/runtime.hpp"
+#include "cuda/cuda_util.cuh"
 
 namespace akv {
 namespace cuda {
@@ -28,9 +25,9 @@ void check_device(int device) {
 }
 
 void *device_malloc(int device, size_t bytes) {
+  DeviceScope scope(device);
   void *p = nullptr;
-  cudaError_t err = cudaSetDevice(device);
-  if (err == cudaSuccess) err = cudaMalloc(&p, bytes);
+  const cudaError_t err = cudaMalloc(&p, bytes);
   if (err != cudaSuccess) {
     cudaGetLastError();
     fail(AKV_ERR_OUT_OF_MEMORY, "cudaMalloc of ", bytes, " bytes failed: ", cudaGetErrorString(err));
@@ -40,9 +37,19 @@ void *device_malloc(int device, size_t bytes) {
 
 void device_free(int device, void *ptr) noexcept {
   if (!ptr) return;
-  cudaSetDevice(device);
-  cudaFree(ptr);
+  try {
+    DeviceScope scope(device);
+    cudaFree(ptr);
+  } catch (...) {
+    cudaFree(ptr);  // the device could not be made current: free from the current one
+  }
 }
+
+DeviceScope::DeviceScope(int device) {
+  check(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+}
+DeviceScope::~DeviceScope() { cudaSetDevice(previous_); }
 
 }  // namespace cuda
 }  // namespace akv

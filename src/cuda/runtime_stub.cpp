@@ -15,6 +15,8 @@ void check_device(int) {
 }
 void *device_malloc(int, size_t) { check_device(0); return nullptr; }
 void device_free(int, void *) noexcept {}
+DeviceScope::DeviceScope(int device) { check_device(device); }
+DeviceScope::~DeviceScope() = default;
 
 }  // namespace cuda
 }  // namespace akv

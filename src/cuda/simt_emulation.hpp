@@ -1,10 +1,19 @@
 // Host emulation of the small SIMT subset the CUDA kernels use, so that their logic is
 // tested on machines without a GPU (most CI machines): one-dimensional blocks run one at a
-// time, each CUDA thread a fiber (ucontext) on the calling thread; __syncthreads and warp
-// shuffles are barriers over the block or the warp where fibers switch; __shared__
-// variables are function statics (one block lives at a time); atomics take a lock. Slow and only for small test shapes; it checks indexing,
-// synchronisation and arithmetic, not performance. Included instead of the CUDA headers when
-// AKV_SIMT_EMULATION is defined (see src/cuda/device_common.cuh).
+// time, each CUDA thread a fiber on the calling thread; __syncthreads and warp shuffles are
+// barriers over the block or the warp where fibers switch; static shared variables
+// (AKV_STATIC_SHARED) are function statics (one block lives at a time); atomics take a lock.
+// Slow and only for small test shapes; it checks indexing, synchronisation and arithmetic,
+// not performance. Included instead of the CUDA headers when AKV_SIMT_EMULATION is defined
+// (see src/cuda/device_common.cuh).
+//
+// What hardware does not promise, the emulation does not give either: shared memory (dynamic
+// and static) is poisoned at each block start (0xFF bytes: NaN as f32, f16 and bf16, -1 as an
+// integer), so a read before any write shows; blocks, and the fibers between two barriers,
+// run in an order drawn from ANCHORKV_SIMT_SEED (default 1), some threads are held back until
+// no other can run, and a fiber yields at random after an atomic (which interleaves the
+// atomics of different threads), so a missing barrier or a result that depends on the order
+// of atomics shows, and changes with the seed. A barrier that not every thread reaches aborts.
 #pragma once
 #include <cmath>
 #include <condition_variable>
@@ -14,17 +23,23 @@
 #include <memory>
 #include <mutex>
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
 #include <ucontext.h>
 #include <vector>
 
-#define __global__
 #define __device__
 #define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __restrict__
 #define __grid_constant__
-#define __shared__ static
+#define __global__ static  // one copy per test program: nvcc's host stubs have the same names
+// Static shared memory is declared through AKV_STATIC_SHARED (below), which poisons it.
+#define __shared__ static_assert(false, "declare static shared memory with AKV_STATIC_SHARED");
 
 namespace simt {
 
@@ -81,6 +96,10 @@ struct Fiber {
 #endif
   unsigned char *stack = nullptr;  // kStackBytes, from the thread's stack pool
   bool done = false;
+  bool late = false;                            // runs only when no other fiber can
+  const uint64_t *barrier = nullptr;            // the barrier generation it waits on
+  uint64_t waited = 0;                          // ... until it differs from this
+  bool runnable() const { return !done && (!barrier || *barrier != waited); }
 };
 
 // Fiber stacks are reused across blocks and launches (allocating and zeroing them per block
@@ -92,9 +111,21 @@ inline unsigned char *fiber_stack(int index) {
   return pool[index].get();
 }
 
+constexpr unsigned char kPoison = 0xFF;
+inline std::atomic<uint64_t> g_blocks_started{0};
+
+// The scheduling order: one generator per OS thread, seeded from ANCHORKV_SIMT_SEED.
+inline std::mt19937_64 &order_rng() {
+  thread_local std::mt19937_64 rng([] {
+    const char *s = std::getenv("ANCHORKV_SIMT_SEED");
+    return s && *s ? std::strtoull(s, nullptr, 0) : 1ull;
+  }());
+  return rng;
+}
+
 struct Block {
-  Block(int threads, size_t smem) : fibers(threads), dynamic(smem + 16), exchange(threads), warp_arrived((threads + 31) / 32, 0),
-        warp_generation((threads + 31) / 32, 0) {
+  Block(int threads, size_t smem) : fibers(threads), dynamic(smem + 16, kPoison), exchange(threads), warp_arrived((threads + 31) / 32, 0),
+        warp_generation((threads + 31) / 32, 0), serial(++g_blocks_started) {
     for (int t = 0; t < threads; ++t) fibers[t].stack = fiber_stack(t);
   }
   std::vector<Fiber> fibers;
@@ -109,6 +140,7 @@ struct Block {
   uint64_t block_generation = 0;
   std::vector<int> warp_arrived;
   std::vector<uint64_t> warp_generation;
+  uint64_t serial;  // which block this is, for poisoning static shared memory once per block
   int current = 0;
 };
 
@@ -134,6 +166,20 @@ inline void to_fiber(Block *b, int t) {
 }
 inline void yield() { to_scheduler(tl_block); }
 
+// Poisons a static shared variable when the first fiber of a block passes its declaration
+// (before any fiber of the block can use it).
+template <typename T>
+void poison_static_shared(T &var, uint64_t &poisoned_block) {
+  if (poisoned_block == tl_block->serial) return;
+  std::memset(static_cast<void *>(&var), kPoison, sizeof var);
+  poisoned_block = tl_block->serial;
+}
+
+// After an atomic, a fiber yields with probability 1/2: other threads' atomics come between.
+inline void maybe_yield_after_atomic() {
+  if (tl_block && (order_rng()() & 1)) yield();
+}
+
 // Waits until `count` threads have arrived at this barrier generation.
 inline void arrive(int &arrived, uint64_t &generation, int count) {
   if (++arrived == count) {
@@ -141,8 +187,11 @@ inline void arrive(int &arrived, uint64_t &generation, int count) {
     ++generation;
     return;
   }
-  const uint64_t mine = generation;
-  while (generation == mine) yield();
+  Fiber &self = tl_block->fibers[tl_block->current];
+  self.barrier = &generation;
+  self.waited = generation;
+  while (generation == self.waited) yield();  // resumed once the barrier is released
+  self.barrier = nullptr;
 }
 
 inline void syncthreads() {
@@ -185,52 +234,88 @@ inline void fiber_main() {
   to_scheduler(b);
 }
 
-// Runs kernel(args...) over the grid; blocks one after another.
+// Runs kernel(args...) over the grid: blocks one after another in a drawn order.
 template <typename... KArgs, typename... Args>
 void launch(dim3 grid, dim3 block, size_t smem, void (*kernel)(KArgs...), Args &&...args) {
   g_grid_dim = grid;
   g_block_dim = block;
   const int threads = static_cast<int>(block.x);
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        Block state(threads, smem);
-        tl_block = &state;
-        tl_block_index = {x, y, z};
-        std::vector<Entry> entries;
-        entries.reserve(threads);
-        for (int t = 0; t < threads; ++t) entries.push_back({[&] { kernel(args...); }, &state, t});
-        tl_entries = entries.data();
-        for (int t = 0; t < threads; ++t) {
-          Fiber &f = state.fibers[t];
+  std::vector<uint64_t> blocks(static_cast<size_t>(grid.x) * grid.y * grid.z);
+  std::iota(blocks.begin(), blocks.end(), uint64_t{0});
+  std::shuffle(blocks.begin(), blocks.end(), order_rng());
+  std::vector<int> order(threads);
+  for (const uint64_t linear : blocks) {
+    Block state(threads, smem);
+    tl_block = &state;
+    tl_block_index = {static_cast<unsigned>(linear % grid.x), static_cast<unsigned>(linear / grid.x % grid.y),
+                      static_cast<unsigned>(linear / grid.x / grid.y)};
+    std::vector<Entry> entries;
+    entries.reserve(threads);
+    for (int t = 0; t < threads; ++t) entries.push_back({[&] { kernel(args...); }, &state, t});
+    tl_entries = entries.data();
+    for (int t = 0; t < threads; ++t) {
+      Fiber &f = state.fibers[t];
 #ifdef AKV_SIMT_ASM_SWITCH
-          // A stack the first switch "returns" from into fiber_main: six saved registers,
-          // then fiber_main's address, then a fake return address (keeps the ABI alignment).
-          uintptr_t top = reinterpret_cast<uintptr_t>(f.stack + kStackBytes) & ~uintptr_t{15};
-          void **sp = reinterpret_cast<void **>(top);
-          *--sp = nullptr;
-          *--sp = reinterpret_cast<void *>(&fiber_main);
-          for (int r = 0; r < 6; ++r) *--sp = nullptr;
-          f.sp = sp;
+      // A stack the first switch "returns" from into fiber_main: six saved registers,
+      // then fiber_main's address, then a fake return address (keeps the ABI alignment).
+      uintptr_t top = reinterpret_cast<uintptr_t>(f.stack + kStackBytes) & ~uintptr_t{15};
+      void **sp = reinterpret_cast<void **>(top);
+      *--sp = nullptr;
+      *--sp = reinterpret_cast<void *>(&fiber_main);
+      for (int r = 0; r < 6; ++r) *--sp = nullptr;
+      f.sp = sp;
 #else
-          getcontext(&f.context);
-          f.context.uc_stack.ss_sp = f.stack;
-          f.context.uc_stack.ss_size = kStackBytes;
-          f.context.uc_link = nullptr;
-          makecontext(&f.context, fiber_main, 0);
+      getcontext(&f.context);
+      f.context.uc_stack.ss_sp = f.stack;
+      f.context.uc_stack.ss_size = kStackBytes;
+      f.context.uc_link = nullptr;
+      makecontext(&f.context, fiber_main, 0);
 #endif
+    }
+    // Rounds over the fibers in a fresh order: each runnable fiber runs until it yields (at
+    // a barrier, or after an atomic) or ends. Some fibers are drawn late (whole warps, and
+    // single threads): they run only once no other fiber can, then late fibers are drawn
+    // anew. So warps fall behind warps, and threads behind threads, by whole stretches
+    // between barriers.
+    std::iota(order.begin(), order.end(), 0);
+    bool draw = true, warp_late = false;
+    for (int live = threads; live > 0;) {
+      for (int t = 0; draw && t < threads; ++t) {  // a whole warp late in 4, a thread in 16
+        if (t % 32 == 0) warp_late = order_rng()() % 4 == 0;
+        state.fibers[t].late = warp_late || order_rng()() % 16 == 0;
+      }
+      draw = false;
+      std::shuffle(order.begin(), order.end(), order_rng());
+      bool ran = false;
+      live = 0;
+      for (const int t : order) {
+        Fiber &f = state.fibers[t];
+        if (f.done) continue;
+        ++live;
+        if (f.late || !f.runnable()) continue;
+        tl_thread = {static_cast<unsigned>(t), 0, 0};
+        to_fiber(&state, t);
+        ran = true;
+      }
+      if (live > 0 && !ran) {
+        bool any = false;
+        for (const Fiber &f : state.fibers) any = any || f.runnable();
+        if (!any) {
+          std::fprintf(stderr, "simt: every live thread of block (%u, %u, %u) waits at a barrier that not all reach\n",
+                       tl_block_index.x, tl_block_index.y, tl_block_index.z);
+          std::abort();
         }
-        for (int live = threads; live > 0;) {
-          live = 0;
-          for (int t = 0; t < threads; ++t) {
-            if (state.fibers[t].done) continue;
+        // Only late fibers can run: one round of every runnable fiber, then a new draw.
+        for (const int t : order)
+          if (state.fibers[t].runnable()) {
             tl_thread = {static_cast<unsigned>(t), 0, 0};
             to_fiber(&state, t);
-            if (!state.fibers[t].done) ++live;
           }
-        }
-        tl_block = nullptr;
+        draw = true;
       }
+    }
+    tl_block = nullptr;
+  }
 }
 
 }  // namespace simt
@@ -244,24 +329,31 @@ using uint4 = ::simt::uint4_;
 #define __syncwarp(...) ::simt::syncwarp()
 #define __shfl_xor_sync(mask, v, m) ::simt::shfl((v), static_cast<int>(::simt::tl_thread.x % 32) ^ (m))
 #define __shfl_sync(mask, v, src) ::simt::shfl((v), (src))
+#define AKV_STATIC_SHARED(type, name, dims)                    \
+  static type name dims;                                        \
+  {                                                             \
+    static uint64_t name##_poisoned_block = 0;                  \
+    ::simt::poison_static_shared(name, name##_poisoned_block);  \
+  }
 
-inline float atomicAdd(float *p, float v) {
-  std::lock_guard<std::mutex> lock(::simt::g_atomic_lock);
-  const float old = *p;
-  *p = old + v;
+namespace simt {
+// *p = op(*p, v) under the lock; returns the old value. Yields at random afterwards.
+template <typename T, typename Op>
+T atomic_update(T *p, T v, Op op) {
+  T old;
+  {
+    std::lock_guard<std::mutex> lock(g_atomic_lock);
+    old = *p;
+    *p = op(old, v);
+  }
+  maybe_yield_after_atomic();
   return old;
 }
-inline int atomicAdd(int *p, int v) {
-  std::lock_guard<std::mutex> lock(::simt::g_atomic_lock);
-  const int old = *p;
-  *p = old + v;
-  return old;
-}
+}  // namespace simt
+inline float atomicAdd(float *p, float v) { return ::simt::atomic_update(p, v, std::plus<float>()); }
+inline int atomicAdd(int *p, int v) { return ::simt::atomic_update(p, v, std::plus<int>()); }
 inline unsigned long long atomicOr(unsigned long long *p, unsigned long long v) {
-  std::lock_guard<std::mutex> lock(::simt::g_atomic_lock);
-  const unsigned long long old = *p;
-  *p = old | v;
-  return old;
+  return ::simt::atomic_update(p, v, std::bit_or<unsigned long long>());
 }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
