@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from ._api import Context
@@ -57,11 +58,14 @@ def anchorkv_attention(module, query, key, value, attention_mask, scaling=None, 
     ([B][n][Hq][D], None) as transformers' attention functions do."""
     cache = getattr(_current, "cache", None)
     layer = cache.layer_of(module) if cache is not None else None
-    if layer is None:
+    # The keys are the very tensor this layer's update returned in this forward (else the
+    # forward runs another cache, or none, and the recorded cache is stale).
+    if layer is None or layer.returned_keys is not key:
         return _exact_attention(module, query, key, value, attention_mask, scaling=scaling,
                                 dropout=dropout, **kwargs)
+    layer.returned_keys = None
     if layer.has_pending_prefill:
-        out = _exact_attention(module, query, key, value, None, scaling=scaling,
+        out = _exact_attention(module, query, key, value, attention_mask, scaling=scaling,
                                dropout=dropout, **kwargs)
         layer.compress(query, scaling)
         return out
@@ -69,8 +73,11 @@ def anchorkv_attention(module, query, key, value, attention_mask, scaling=None, 
 
 
 def register() -> None:
-    """Register the "anchorkv" attention function (idempotent)."""
+    """Register the "anchorkv" attention function and SDPA's masks for it (idempotent): the
+    masks serve the SDPA fallback (another cache, a forward after a cached prefix); the
+    compressed decode ignores them."""
     AttentionInterface.register(ATTENTION_NAME, anchorkv_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
 
 
 def _rope_options(model) -> dict:
@@ -105,6 +112,7 @@ class AnchorKVLayer(CacheLayerMixin):
         self.caches: list | None = None
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._length = 0
+        self.returned_keys = None  # what update() returned, until the attention call takes it
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.device = key_states.device
@@ -129,6 +137,7 @@ class AnchorKVLayer(CacheLayerMixin):
             for row, cache in enumerate(self.caches):
                 cache.append(key_states[row].contiguous(), value_states[row].contiguous())
         self._length += key_states.shape[-2]
+        self.returned_keys = key_states
         return key_states, value_states
 
     def compress(self, query: torch.Tensor, scaling: float | None) -> None:
@@ -179,6 +188,7 @@ class AnchorKVLayer(CacheLayerMixin):
             cache.close()
         self.caches = None
         self._pending = None
+        self.returned_keys = None
 
     def stats(self):
         """anchorkv.CacheStats of each batch row (after the prefill)."""
