@@ -701,7 +701,6 @@ AKV_API akv_status akv_cache_deserialize(akv_context *context, const void *buffe
   });
 }
 
-
 /* ---- Decode with the log-sum-exp of each row (appended in 0.2) ---- */
 
 AKV_API akv_status akv_decode_lse(akv_cache *cache, const void *queries, akv_dtype dtype, int32_t q_len,
