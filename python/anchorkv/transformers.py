@@ -32,6 +32,7 @@ copies where their layout allows. Prompts of at most 2 * window tokens are kept 
 from __future__ import annotations
 
 import threading
+import weakref
 from contextlib import contextmanager
 from typing import Any
 
@@ -45,7 +46,7 @@ from ._api import Context
 from ._enums import Backend
 
 ATTENTION_NAME = "anchorkv"
-_current = threading.local()  # .cache: the AnchorKVCache of the forward running on this thread
+_current = threading.local()  # .cache: weakref to the AnchorKVCache of this thread's forward
 
 
 def _exact_attention(module, query, key, value, attention_mask, **kwargs):
@@ -56,7 +57,8 @@ def anchorkv_attention(module, query, key, value, attention_mask, scaling=None, 
                        **kwargs):
     """The "anchorkv" attention function: query [B][Hq][n][D] post-RoPE; returns
     ([B][n][Hq][D], None) as transformers' attention functions do."""
-    cache = getattr(_current, "cache", None)
+    ref = getattr(_current, "cache", None)
+    cache = ref() if ref is not None else None
     layer = cache.layer_of(module) if cache is not None else None
     # The keys are the very tensor this layer's update returned in this forward (else the
     # forward runs another cache, or none, and the recorded cache is stale).
@@ -252,14 +254,15 @@ class AnchorKVCache(Cache):
         return self.layers[index]
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        _current.cache = self  # the attention function that follows finds its layer here
+        _current.cache = weakref.ref(self)  # the attention function that follows finds its layer here
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def close(self) -> None:
         """Free the compressed caches now (they are also freed when collected)."""
         for layer in self.layers:
             layer.close()
-        if getattr(_current, "cache", None) is self:
+        ref = getattr(_current, "cache", None)
+        if ref is not None and ref() is self:
             _current.cache = None
 
     @property
