@@ -36,7 +36,7 @@ from transformers import DynamicCache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTH = 1024
-TRIALS = [(0, 0.5), (1, 0.95)]  # (trial, depth): the full cache answers these (test_realmodel.py)
+TRIALS = [(0, 0.5)]  # (trial, depth): the full cache answers it (test_realmodel.py); one keeps CI short
 
 
 @pytest.fixture(scope="module")
