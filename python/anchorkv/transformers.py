@@ -42,8 +42,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from ._api import Context
-from ._enums import Backend
+from ._api import Context, compress_options
+from ._enums import Backend, Method
 
 ATTENTION_NAME = "anchorkv"
 _current = threading.local()  # .cache: weakref to the AnchorKVCache of this thread's forward
@@ -213,7 +213,6 @@ class AnchorKVCache(Cache):
         self._options.setdefault("method", "anchorkv")
         self._rope = _rope_options(model)
         self._context = context
-        self._active = None
 
     # -- what the layers need --
     def context_for(self, tensor: torch.Tensor) -> Context:
@@ -226,13 +225,10 @@ class AnchorKVCache(Cache):
 
     def layer_options(self, layer_idx: int, seq_len: int, scaling: float | None) -> dict:
         options = dict(self._options)
-        method = str(options["method"]).lower()
+        method = Method.parse(options["method"])
         window = options.get("window")
-        if method == "anchorkv" and window is None:
-            window = 32
-        if method not in ("fullkv", "quantized"):
-            if window is None:  # the method's own default window
-                from ._api import compress_options
+        if method not in (Method.FULLKV, Method.QUANTIZED):
+            if window is None:  # the method's own default window (AnchorKV: 32)
                 window = int(compress_options(method=method)[0].window)
             if seq_len <= 2 * window:  # too short to compress: keep it exact
                 options = {"method": "fullkv"}
