@@ -84,8 +84,10 @@ def test_fullkv_follows_the_exact_cache_and_generate_runs(model):
         cache = handle.new_cache()
         model(input_ids=prompt, cache=cache)
         got = model(input_ids=nxt, cache=cache).logits
-        # FullKV stores K/V in bf16 (relative rounding 2^-9): logits move by about that.
-        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+        # FullKV stores K/V in bf16 (relative rounding 2^-9): logits moved by 2.3e-4 (measured;
+        # the cache of another prompt moves them by 0.67, at logits of size 0.67).
+        torch.testing.assert_close(got, expected, rtol=0, atol=3e-3,
+                                   msg=lambda m: f"seed {model.seed}: {m}")
         out = model.generate(prompt, max_new_tokens=5, do_sample=False)
     assert out.shape == (2, 125)
     handle.disable()
