@@ -144,7 +144,7 @@ static int akv_java_shape(const akv_cache *cache, akv_cache_stats *stats) {
 
 /* The raw calls with out-parameters and void* tensors are wrapped as methods below. */
 %rename("$ignore", regextarget=1, %$isfunction)
-  "^akv_(context_options_init|context_create|compress_options_init|compress_options_init_method|compress_options_init_paper|prefill_init|compressed_size|compress|cache_reserve|append|decode|decode_batch|cache_stats_get|cache_head_stats|cache_reconstruct|cache_serialized_size|cache_serialize|cache_deserialize)$";
+  "^akv_(context_options_init|context_create|compress_options_init|compress_options_init_method|compress_options_init_paper|prefill_init|compressed_size|compressed_size_model|compress|cache_reserve|append|decode|decode_batch|decode_lse|decode_batch_lse|cache_stats_get|cache_head_stats|cache_reconstruct|cache_serialized_size|cache_serialize|cache_deserialize)$";
 %ignore akv_allocator;
 %ignore akv_context_options;
 %ignore akv_prefill;

@@ -134,6 +134,37 @@ else
   log "real-model harness: gguf, tokenizers and the SmolLM2 GGUF present"
 fi
 
+# anchorkv.transformers (python/anchorkv/transformers.py): torch, transformers and, for
+# loading the SmolLM2 GGUF through transformers, accelerate. PyPI's only Linux torch wheel is
+# the CUDA build (torch 2.15: about 5 GB installed with its nvidia-* wheels; the CPU-only
+# wheels live on download.pytorch.org, which CI cannot reach); measured 77 s to download and
+# install torch + transformers on the CI machine. ANCHORKV_SKIP_TORCH=1 skips it: the tests
+# (python/tests/test_transformers.py, tools/realmodel/test_transformers_realmodel.py) then
+# skip with the reason; scripts/test-transformers.sh runs them where torch exists.
+if [ "${ANCHORKV_SKIP_TORCH:-0}" = 1 ]; then
+  log "torch/transformers: skipped (ANCHORKV_SKIP_TORCH=1)"
+else
+  torch_missing=()
+  for mod in torch transformers accelerate; do
+    python3 -c "import $mod" >/dev/null 2>&1 || torch_missing+=("$mod")
+  done
+  if [ "${#torch_missing[@]}" -gt 0 ]; then
+    pip_flags=(--quiet --disable-pip-version-check)
+    [ "$python_is_debian" -eq 1 ] && pip_flags+=(--break-system-packages)
+    log "pip install ${torch_missing[*]} (anchorkv.transformers tests)"
+    if [ "$dry_run" = 1 ]; then
+      log "dry run: nothing installed"
+    else
+      started=$(date +%s)
+      python3 -m pip install "${pip_flags[@]}" "${torch_missing[@]}" ||
+        log "WARNING: pip install ${torch_missing[*]} failed: the transformers tests will be skipped"
+      log "torch/transformers install took $(( $(date +%s) - started )) s"
+    fi
+  else
+    log "torch, transformers, accelerate: importable"
+  fi
+fi
+
 # ---- Rust (preinstalled via rustup; the Rust binding builds offline) -------------------
 if command -v cargo >/dev/null 2>&1 || [ -x "$HOME/.cargo/bin/cargo" ]; then
   cargo_bin="$(command -v cargo || echo "$HOME/.cargo/bin/cargo")"

@@ -486,6 +486,25 @@ AKV_API akv_status akv_cache_serialize(const akv_cache *cache, void *buffer, siz
 AKV_API akv_status akv_cache_deserialize(akv_context *context, const void *buffer,
                                          size_t size, akv_cache **out_cache, void *stream);
 
+/* ---- Decode with the log-sum-exp (appended in 0.2) ---------------------------------------- */
+
+/* akv_decode / akv_decode_batch that also return the log-sum-exp of every output row, so an
+ * engine can merge this attention over the cache with its own attention over other tokens
+ * (cascade or shared-prefix attention) into the attention over the union:
+ *   m = max(lse_a, lse_b), w_a = exp(lse_a - m), w_b = exp(lse_b - m),
+ *   out = (w_a * out_a + w_b * out_b) / (w_a + w_b),  lse = m + log(w_a + w_b).
+ * out_lse: fp32 whatever `dtype` is, [Hq][q_len] (akv_decode_lse) or [batch][Hq][q_len]
+ * (akv_decode_batch_lse), same memory space as `out` (device memory for a CUDA context).
+ * Row (h, i) holds log(sum_t exp(softmax_scale * q_{h,i} . k_t)) in natural-log units over
+ * exactly the tokens that row attends to (the cache's softmax_scale; keys post-RoPE, as
+ * akv_cache_reconstruct returns them). out_lse may be NULL: then these calls are
+ * akv_decode / akv_decode_batch. Same CUDA-graph and workspace rules as those. */
+AKV_API akv_status akv_decode_lse(akv_cache *cache, const void *queries, akv_dtype dtype,
+                                  int32_t q_len, void *out, float *out_lse, void *stream);
+AKV_API akv_status akv_decode_batch_lse(akv_context *context, akv_cache *const *caches,
+                                        int32_t batch, const void *queries, akv_dtype dtype,
+                                        int32_t q_len, void *out, float *out_lse, void *stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

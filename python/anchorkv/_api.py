@@ -412,8 +412,11 @@ class Context(_Owner):
         return Cache._adopt(self, raw_cache)
 
     def decode_batch(self, caches: Sequence["Cache"], queries, out=None, *, dtype=None,
-                     stream=None):
-        """Decode many caches of this context at once: queries, out [B][Hq][q_len][D]."""
+                     stream=None, lse=None):
+        """Decode many caches of this context at once: queries, out [B][Hq][q_len][D].
+
+        lse: as for Cache.decode, [B][Hq][q_len] float32.
+        """
         if not caches:
             raise InvalidArgumentError("decode_batch needs at least one cache")
         shape = caches[0].shape
@@ -428,6 +431,7 @@ class Context(_Owner):
                 f"got {query_view.shape}")
         query_view = tensors.contiguous(query_view, name="queries")
         out_object, out_view = self._output(out, query_view, "out", user_stream)
+        lse_object, lse_pointer = self._lse_output(lse, query_view.shape[:3], query_view, user_stream)
         raw_stream = self._stream(stream, (query_view, out_view))
         raw_caches = (_capi.akv_cache_p * len(caches))()
         for index, cache in enumerate(caches):
@@ -437,15 +441,31 @@ class Context(_Owner):
         for cache in ordered:
             cache._lock.acquire()
         try:
-            check(_capi.akv_decode_batch(self._raw(), raw_caches, len(caches), query_view.pointer,
-                                         query_view.dtype, query_view.shape[2], out_view.pointer,
-                                         raw_stream))
+            check(_capi.akv_decode_batch_lse(self._raw(), raw_caches, len(caches),
+                                             query_view.pointer, query_view.dtype,
+                                             query_view.shape[2], out_view.pointer, lse_pointer,
+                                             raw_stream))
         finally:
             for cache in reversed(ordered):
                 cache._lock.release()
-        return out_object
+        return out_object if lse is not True else (out_object, lse_object)
 
     # -- helpers --
+    def _lse_output(self, lse, shape, like: tensors.TensorView, user_stream):
+        """(object, pointer) of the float32 log-sum-exp output: None, True (allocate) or an array."""
+        if lse is None or lse is False:
+            return None, None
+        if lse is True:
+            lse = tensors.empty_like_kind(like, tuple(shape), DType.F32, like.device,
+                                          like.device_index)
+        lse_view = tensors.view(lse, name="lse", stream=user_stream, writable=True)
+        self._check_device(lse_view, "lse")
+        if tuple(lse_view.shape) != tuple(shape) or lse_view.dtype != DType.F32 or \
+                not lse_view.is_contiguous:
+            raise InvalidArgumentError(f"lse must be contiguous {tuple(shape)} of F32; got "
+                                       f"{lse_view.shape} of {getattr(lse_view.dtype, 'name', None)}")
+        return lse, lse_view.pointer
+
     def _stream(self, stream, views: Iterable) -> int | None:
         if self.backend != Backend.CUDA:
             return None
@@ -661,19 +681,26 @@ class Cache(_Owner):
 
     @overload
     def decode(self, queries: np.ndarray, out: np.ndarray | None = None, *,
-               dtype: DType | str | None = None, stream: None = None) -> np.ndarray: ...
+               dtype: DType | str | None = None, stream: None = None,
+               lse: None = None) -> np.ndarray: ...
 
     @overload
     def decode(self, queries: ArrayLike, out: ArrayLike | None = None, *,
-               dtype: DType | str | None = None, stream: Any = None) -> Any: ...
+               dtype: DType | str | None = None, stream: Any = None,
+               lse: Any = None) -> Any: ...
 
-    def decode(self, queries, out=None, *, dtype=None, stream=None):
+    def decode(self, queries, out=None, *, dtype=None, stream=None, lse=None):
         """Attention of new queries over the whole cache.
 
         queries: [Hq][q_len][D] (or [Hq][D] for q_len = 1), post-RoPE; out: same shape and
         dtype, allocated (numpy, torch or CuPy, like the queries) when not given. Returns out.
+        lse: None, True, or a float32 array [Hq][q_len] (or [Hq]) on the queries' device that
+        receives each row's log-sum-exp (natural log of the softmax denominator, logits scaled
+        by the cache's softmax_scale), to merge with attention over other tokens
+        (akv_decode_lse). True allocates it and returns (out, lse).
         """
-        if self._host and dtype is None:  # the per-token call: numpy without the general path
+        # The per-token call: numpy without the general path.
+        if self._host and dtype is None and lse is None:
             code = _plain_host(queries)
             shape = queries.shape if code is not None else ()
             if len(shape) in (2, 3) and shape[0] == self._shape.num_q_heads and \
@@ -688,9 +715,9 @@ class Cache(_Owner):
                     if status:
                         check(status)
                     return out
-        return self._decode_any(queries, out, dtype, stream)
+        return self._decode_any(queries, out, dtype, stream, lse)
 
-    def _decode_any(self, queries, out, dtype, stream):
+    def _decode_any(self, queries, out, dtype, stream, lse):
         """decode() for every kind of array: views, device checks, strides, streams."""
         requested = DType.parse(dtype) if dtype is not None else None
         user_stream = None if stream is None else tensors.resolve_stream(stream, ())
@@ -720,11 +747,14 @@ class Cache(_Owner):
                 not out_view.is_contiguous:
             raise InvalidArgumentError(f"out must be contiguous {query_view.shape} of "
                                        f"{query_view.dtype.name}")
+        lse_object, lse_pointer = self._context._lse_output(
+            lse, (q_heads,) if squeezed else query_view.shape[:2], query_view, user_stream)
         raw_stream = self._context._stream(stream, (query_view, out_view))
         with self._lock:
-            check(_capi.akv_decode(self._raw(), query_view.pointer, query_view.dtype,
-                                   query_view.shape[1], out_view.pointer, raw_stream))
-        return out_object
+            check(_capi.akv_decode_lse(self._raw(), query_view.pointer, query_view.dtype,
+                                       query_view.shape[1], out_view.pointer, lse_pointer,
+                                       raw_stream))
+        return out_object if lse is not True else (out_object, lse_object)
 
     def reconstruct(self, dtype: DType | str = DType.F32, *, rotated: bool = True,
                     keys=None, values=None, present=None, stream=None):

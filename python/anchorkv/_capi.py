@@ -345,6 +345,16 @@ akv_cache_serialize = _declare("akv_cache_serialize", akv_status,
 akv_cache_deserialize = _declare("akv_cache_deserialize", akv_status,
                                  [akv_context_p, c_void_p, c_size_t, POINTER(akv_cache_p),
                                   c_void_p])
+# akv_status akv_decode_lse(akv_cache *cache, const void *queries, akv_dtype dtype,
+#                           int32_t q_len, void *out, float *out_lse, void *stream);
+akv_decode_lse = _declare("akv_decode_lse", akv_status,
+                          [akv_cache_p, c_void_p, akv_dtype, c_int32, c_void_p, c_void_p, c_void_p])
+# akv_status akv_decode_batch_lse(akv_context *context, akv_cache *const *caches,
+#                                 int32_t batch, const void *queries, akv_dtype dtype,
+#                                 int32_t q_len, void *out, float *out_lse, void *stream);
+akv_decode_batch_lse = _declare("akv_decode_batch_lse", akv_status,
+                                [akv_context_p, POINTER(akv_cache_p), c_int32, c_void_p, akv_dtype,
+                                 c_int32, c_void_p, c_void_p, c_void_p])
 
 # Every function of the header, for the test that checks the declarations are complete.
 FUNCTION_NAMES = (
@@ -355,4 +365,5 @@ FUNCTION_NAMES = (
     "akv_cache_destroy", "akv_cache_reserve", "akv_append", "akv_decode", "akv_decode_batch",
     "akv_cache_stats_get", "akv_cache_head_stats", "akv_cache_reconstruct",
     "akv_cache_serialized_size", "akv_cache_serialize", "akv_cache_deserialize",
+    "akv_decode_lse", "akv_decode_batch_lse",
 )

@@ -202,7 +202,7 @@ void reconstruct_host(const akv_cache &c, akv_dtype dtype, int32_t rotated, void
 }
 
 void decode_batch_cpu(akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype,
-                      int32_t q_len, void *out) {
+                      int32_t q_len, void *out, float *lse = nullptr) {
   const akv_shape &s0 = caches[0]->meta.shape;
   const int H = s0.num_kv_heads, Hq = s0.num_q_heads, D = s0.head_dim, G = Hq / H;
   const size_t per_request = static_cast<size_t>(Hq) * q_len * D;
@@ -218,7 +218,8 @@ void decode_batch_cpu(akv_cache *const *caches, int32_t batch, const void *queri
       const int grp = static_cast<int>(i % groups);
       const int h0 = H * grp / groups, h1 = H * (grp + 1) / groups;
       const size_t off = r * per_request + static_cast<size_t>(h0) * G * q_len * D;
-      decode_heads_cpu(*caches[r], h0, h1, q.data() + off, q_len, o.data() + off);
+      float *row_lse = lse ? lse + (r * Hq + static_cast<size_t>(h0) * G) * q_len : nullptr;
+      decode_heads_cpu(*caches[r], h0, h1, q.data() + off, q_len, o.data() + off, row_lse);
     }
   });
   for (size_t i = 0; i < o.size(); ++i) store_from_float(out, dtype, i, o[i]);
@@ -229,6 +230,47 @@ void validate_decode(const akv_cache *c, int32_t q_len) {
   if (q_len - 1 > c->suffix_len)
     fail(AKV_ERR_INVALID_ARGUMENT, "q_len ", q_len, " needs at least ", q_len - 1,
          " appended tokens (the new queries' own keys), but the cache has ", c->suffix_len);
+}
+
+akv_status decode_one(const char *function, akv_cache *cache, const void *queries, akv_dtype dtype, int32_t q_len,
+                      void *out, float *lse, void *stream) {
+  return guard(function, [&] {
+    validate_cache(cache);
+    check_not_null(queries, "queries");
+    check_not_null(out, "out");
+    check_input_dtype(dtype, "dtype");
+    validate_decode(cache, q_len);
+    if (on_cuda(cache->context))
+      cuda::decode(*cache->context, &cache, 1, queries, dtype, q_len, out, lse, stream);
+    else
+      decode_batch_cpu(&cache, 1, queries, dtype, q_len, out, lse);
+  });
+}
+
+akv_status decode_many(const char *function, akv_context *context, akv_cache *const *caches, int32_t batch,
+                       const void *queries, akv_dtype dtype, int32_t q_len, void *out, float *lse, void *stream) {
+  return guard(function, [&] {
+    check_not_null(context, "context");
+    check_not_null(caches, "caches");
+    check_not_null(queries, "queries");
+    check_not_null(out, "out");
+    check_input_dtype(dtype, "dtype");
+    if (batch < 1) fail(AKV_ERR_INVALID_ARGUMENT, "batch ", batch, " must be at least 1");
+    for (int32_t b = 0; b < batch; ++b) {
+      if (!caches[b]) fail(AKV_ERR_INVALID_ARGUMENT, "caches[", b, "] is NULL");
+      if (caches[b]->context != context)
+        fail(AKV_ERR_MISMATCH, "caches[", b, "] belongs to a different context");
+      const akv_shape &s = caches[b]->meta.shape, &s0 = caches[0]->meta.shape;
+      if (s.num_kv_heads != s0.num_kv_heads || s.num_q_heads != s0.num_q_heads || s.head_dim != s0.head_dim)
+        fail(AKV_ERR_MISMATCH, "caches[", b, "] has H=", s.num_kv_heads, ", Hq=", s.num_q_heads, ", D=", s.head_dim,
+             " but caches[0] has H=", s0.num_kv_heads, ", Hq=", s0.num_q_heads, ", D=", s0.head_dim);
+      validate_decode(caches[b], q_len);
+    }
+    if (on_cuda(context))
+      cuda::decode(*context, caches, batch, queries, dtype, q_len, out, lse, stream);
+    else
+      decode_batch_cpu(caches, batch, queries, dtype, q_len, out, lse);
+  });
 }
 
 }  // namespace
@@ -591,44 +633,13 @@ AKV_API akv_status akv_append(akv_cache *cache, const void *keys, const void *va
 
 AKV_API akv_status akv_decode(akv_cache *cache, const void *queries, akv_dtype dtype, int32_t q_len,
                               void *out, void *stream) {
-  return guard(__func__, [&] {
-    validate_cache(cache);
-    check_not_null(queries, "queries");
-    check_not_null(out, "out");
-    check_input_dtype(dtype, "dtype");
-    validate_decode(cache, q_len);
-    if (on_cuda(cache->context))
-      cuda::decode(*cache->context, &cache, 1, queries, dtype, q_len, out, stream);
-    else
-      decode_batch_cpu(&cache, 1, queries, dtype, q_len, out);
-  });
+  return decode_one(__func__, cache, queries, dtype, q_len, out, nullptr, stream);
 }
 
 AKV_API akv_status akv_decode_batch(akv_context *context, akv_cache *const *caches, int32_t batch,
                                     const void *queries, akv_dtype dtype, int32_t q_len, void *out,
                                     void *stream) {
-  return guard(__func__, [&] {
-    check_not_null(context, "context");
-    check_not_null(caches, "caches");
-    check_not_null(queries, "queries");
-    check_not_null(out, "out");
-    check_input_dtype(dtype, "dtype");
-    if (batch < 1) fail(AKV_ERR_INVALID_ARGUMENT, "batch ", batch, " must be at least 1");
-    for (int32_t b = 0; b < batch; ++b) {
-      if (!caches[b]) fail(AKV_ERR_INVALID_ARGUMENT, "caches[", b, "] is NULL");
-      if (caches[b]->context != context)
-        fail(AKV_ERR_MISMATCH, "caches[", b, "] belongs to a different context");
-      const akv_shape &s = caches[b]->meta.shape, &s0 = caches[0]->meta.shape;
-      if (s.num_kv_heads != s0.num_kv_heads || s.num_q_heads != s0.num_q_heads || s.head_dim != s0.head_dim)
-        fail(AKV_ERR_MISMATCH, "caches[", b, "] has H=", s.num_kv_heads, ", Hq=", s.num_q_heads, ", D=", s.head_dim,
-             " but caches[0] has H=", s0.num_kv_heads, ", Hq=", s0.num_q_heads, ", D=", s0.head_dim);
-      validate_decode(caches[b], q_len);
-    }
-    if (on_cuda(context))
-      cuda::decode(*context, caches, batch, queries, dtype, q_len, out, stream);
-    else
-      decode_batch_cpu(caches, batch, queries, dtype, q_len, out);
-  });
+  return decode_many(__func__, context, caches, batch, queries, dtype, q_len, out, nullptr, stream);
 }
 
 AKV_API akv_status akv_cache_stats_get(const akv_cache *cache, akv_cache_stats *out) {
@@ -756,6 +767,19 @@ AKV_API akv_status akv_cache_deserialize(akv_context *context, const void *buffe
     check_not_null(out_cache, "out_cache");
     *out_cache = place(context, deserialize_cache(static_cast<const uint8_t *>(buffer), size), stream).release();
   });
+}
+
+/* ---- Decode with the log-sum-exp of each row (appended in 0.2) ---- */
+
+AKV_API akv_status akv_decode_lse(akv_cache *cache, const void *queries, akv_dtype dtype, int32_t q_len,
+                                  void *out, float *out_lse, void *stream) {
+  return decode_one(__func__, cache, queries, dtype, q_len, out, out_lse, stream);
+}
+
+AKV_API akv_status akv_decode_batch_lse(akv_context *context, akv_cache *const *caches, int32_t batch,
+                                        const void *queries, akv_dtype dtype, int32_t q_len, void *out,
+                                        float *out_lse, void *stream) {
+  return decode_many(__func__, context, caches, batch, queries, dtype, q_len, out, out_lse, stream);
 }
 
 }  // extern "C"

@@ -120,7 +120,7 @@ class AnchorHead {
     }
   }
 
-  void finish(float *out);
+  void finish(float *out, float *lse);
 
  private:
   const akv_cache &c_;
@@ -142,9 +142,10 @@ class AnchorHead {
 };
 
 // Softmax of each row over its visible tokens, unnormalised (divided at the end); returns
-// the row sums. Row i = g * q_len + qi sees every prompt token and the first
-// suffix - (q_len - 1 - qi) appended tokens.
-std::vector<float> softmax_rows(float *L, int rows, int64_t total, int64_t prompt, int64_t suffix, int32_t q_len) {
+// the row sums, and each row's log-sum-exp in lse when given. Row i = g * q_len + qi sees
+// every prompt token and the first suffix - (q_len - 1 - qi) appended tokens.
+std::vector<float> softmax_rows(float *L, int rows, int64_t total, int64_t prompt, int64_t suffix, int32_t q_len,
+                                float *lse) {
   std::vector<float> sums(rows);
   for (int i = 0; i < rows; ++i) {
     const int64_t end = prompt + suffix - (q_len - 1 - i % q_len);
@@ -163,11 +164,12 @@ std::vector<float> softmax_rows(float *L, int rows, int64_t total, int64_t promp
     }
     for (t = end; t < total; ++t) l[t] = 0.0f;
     sums[i] = (part[0] + part[1]) + (part[2] + part[3]);
+    if (lse) lse[i] = mx + std::log(sums[i]);
   }
   return sums;
 }
 
-void AnchorHead::finish(float *out) {
+void AnchorHead::finish(float *out, float *lse) {
   const akv_cache &cache = c_;
   const int h = h_, D = D_, rows = rows_;
   const int k = g_.anchors, W = g_.window;
@@ -197,7 +199,7 @@ void AnchorHead::finish(float *out) {
     for (int i = 0; i < rows; ++i) L[i * total + P + w] = dot(q + i * D, x.data(), D);
   }
   if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L, total, prompt);
-  const std::vector<float> sums = softmax_rows(L, rows, total, prompt, suffix, q_len_);
+  const std::vector<float> sums = softmax_rows(L, rows, total, prompt, suffix, q_len_, lse);
 
   // Values are never reconstructed: per-anchor weights, then residuals in the rotated
   // domain with one inverse Hadamard per row.
@@ -243,12 +245,14 @@ void AnchorHead::finish(float *out) {
 }  // namespace
 
 void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const float *q, int32_t q_len,
-                      float *out) {
+                      float *out, float *lse) {
   const int D = cache.meta.shape.head_dim;
-  const int64_t per_head = static_cast<int64_t>(cache.meta.shape.num_q_heads / cache.meta.shape.num_kv_heads) * q_len * D;
+  const int64_t rows = static_cast<int64_t>(cache.meta.shape.num_q_heads / cache.meta.shape.num_kv_heads) * q_len;
+  const int64_t per_head = rows * D;
+  auto head_lse = [&](int h) { return lse ? lse + (h - h_begin) * rows : nullptr; };
   if (cache.meta.method != AKV_METHOD_ANCHORKV) {
     for (int h = h_begin; h < h_end; ++h)
-      decode_head_cpu(cache, h, q + (h - h_begin) * per_head, q_len, out + (h - h_begin) * per_head);
+      decode_head_cpu(cache, h, q + (h - h_begin) * per_head, q_len, out + (h - h_begin) * per_head, head_lse(h));
     return;
   }
   // One walk over the prefix for all these heads: each tile's RoPE angles are computed once.
@@ -266,12 +270,12 @@ void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const floa
     if (pairs) sweep.next(pos + t0, n, trig.data(), trig.data() + pairs, 2 * pairs);
     for (AnchorHead &head : heads) head.prefix_tile(t0, n, trig.data());
   }
-  for (int h = h_begin; h < h_end; ++h) heads[h - h_begin].finish(out + (h - h_begin) * per_head);
+  for (int h = h_begin; h < h_end; ++h) heads[h - h_begin].finish(out + (h - h_begin) * per_head, head_lse(h));
 }
 
-void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out) {
-  if (cache.meta.method == AKV_METHOD_QUANTIZED) return decode_quantized_head_cpu(cache, h, q, q_len, out);
-  if (cache.meta.method == AKV_METHOD_ANCHORKV) return decode_heads_cpu(cache, h, h + 1, q, q_len, out);
+void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out, float *lse) {
+  if (cache.meta.method == AKV_METHOD_QUANTIZED) return decode_quantized_head_cpu(cache, h, q, q_len, out, lse);
+  if (cache.meta.method == AKV_METHOD_ANCHORKV) return decode_heads_cpu(cache, h, h + 1, q, q_len, out, lse);
   const CacheMeta &meta = cache.meta;
   const int D = meta.shape.head_dim;
   const int G = meta.shape.num_q_heads / meta.shape.num_kv_heads;
@@ -298,7 +302,7 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
   const uint16_t *dv = reinterpret_cast<const uint16_t *>(cache.data.data()) + (kept + before) * D;
   dense_logits(dk, prompt, D, storage, q, rows, L.data(), total, 0);
   if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L.data(), total, prompt);
-  const std::vector<float> sums = softmax_rows(L.data(), rows, total, prompt, suffix, q_len);
+  const std::vector<float> sums = softmax_rows(L.data(), rows, total, prompt, suffix, q_len, lse);
   dense_values(dv, prompt, D, storage, L.data(), rows, total, 0, acc.data());
   if (suffix) dense_values(sv + suffix_base, suffix, D, storage, L.data(), rows, total, prompt, acc.data());
   for (int i = 0; i < rows; ++i)

@@ -20,7 +20,7 @@ inline int outlier_channel(const akv_cache &c, int64_t slot) {
 
 }  // namespace
 
-void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_t q_len, float *out) {
+void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_t q_len, float *out, float *lse) {
   const QuantGeometry &g = c.quant;
   const int D = g.dim, G = g.q_heads / g.heads, n = g.outliers, rows = G * q_len;
   const int64_t P = g.prefix, W = g.window, cb = g.code_bytes();
@@ -81,6 +81,7 @@ void decode_quantized_head_cpu(const akv_cache &c, int h, const float *q, int32_
     for (int64_t t = 0; t < end; ++t) sum += (l[t] = std::exp(l[t] - mx));
     for (int64_t t = end; t < total; ++t) l[t] = 0.0f;
     sums[i] = sum;
+    if (lse) lse[i] = mx + static_cast<float>(std::log(sum));
   }
 
   // Values: p * scale * levels accumulate in the rotated domain, one inverse rotation per

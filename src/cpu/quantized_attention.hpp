@@ -8,7 +8,8 @@ namespace akv {
 // Same contract as decode_head_cpu. Keys are never dequantized: each query is rotated once
 // (q.U^T y = (U q).y) and value codes accumulate in the rotated domain with one inverse
 // Hadamard per query row.
-void decode_quantized_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out);
+void decode_quantized_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out,
+                               float *lse = nullptr);
 
 // Prompt part of reconstruct_head_cpu for the quantized cache: [S][D] keys (post-RoPE when
 // rotated) and values of head h.

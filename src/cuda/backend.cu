@@ -101,7 +101,7 @@ void upload_view(akv_cache &cache, void *stream) {
 }
 
 void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype,
-            int32_t q_len, void *out, void *stream) {
+            int32_t q_len, void *out, float *lse, void *stream) {
   DeviceScope scope(ctx.device);
   if (ctx.sm_count == 0) {
     int sms = 0, optin = 0;
@@ -120,6 +120,7 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
     const int32_t n = std::min(batch - b0, kMaxBatchPerLaunch);
     DecodeLaunch p = decode_launch(plan, s, q_len, dtype, static_cast<const uint8_t *>(queries) + b0 * per_request,
                                    static_cast<uint8_t *>(out) + b0 * per_request, ws);
+    p.lse = lse ? lse + static_cast<size_t>(b0) * s.num_q_heads * q_len : nullptr;
     for (int32_t i = 0; i < n; ++i) p.views[i] = reinterpret_cast<const CacheView *>(caches[b0 + i]->device_view.data());
     switch (s.head_dim) {
       case 64: launch_decode_rows<64>(ctx, plan, p, n, st); break;

@@ -40,8 +40,9 @@ void upload_view(akv_cache &cache, void *stream);
 // akv_decode_batch for caches of one CUDA context (validated by the caller): queries and out
 // are device tensors [batch][Hq][q_len][D]. Asynchronous; no allocation once this batch
 // shape has run on this stream (the workspace is kept per stream), so it can be captured.
+// lse: optional device [batch][Hq][q_len] fp32, each row's natural log-sum-exp.
 void decode(akv_context &context, akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype,
-            int32_t q_len, void *out, void *stream);
+            int32_t q_len, void *out, float *lse, void *stream);
 
 // Writes n tokens (device keys/values [H][n][D], positions already validated) after the
 // cache's appended tokens and advances the device-side length. Capacity must be reserved.

@@ -62,6 +62,7 @@ struct DecodeLaunch {
   int32_t slices;         // anchor slices: grid.x = splits * slices
   int32_t slice_anchors;  // anchors staged in shared memory per block; 0: read from global memory
   float *ws_o, *ws_r, *ws_ml;  // [blocks][MAXROWS][D], same, [blocks][MAXROWS][2]
+  float *lse;                  // optional [requests][Hq][q_len]: natural log-sum-exp per row
 };
 
 AKV_HD inline float lloyd_max_level(int code) {

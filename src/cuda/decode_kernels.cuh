@@ -541,6 +541,10 @@ __global__ void __launch_bounds__(kThreads) decode_merge_kernel(const __grid_con
         }
       __syncthreads();
     }
+    // m and l are base 2 (log2(e) folded into the queries): lse = ln(2) * (m + log2(l)).
+    if (p.lse && tid == 0)
+      p.lse[(static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i] =
+          l > 0.0f ? 0.69314718f * (m + log2f(l)) : -INFINITY;
     if (tid < TPD) {
       const int64_t base = ((static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i) * D;
       for (int e = 0; e < DPT; ++e) {

@@ -32,7 +32,7 @@ void copy(void *, const void *, size_t, void *, bool) { check_device(0); }
 void copy_rows(void *, size_t, const void *, size_t, size_t, size_t, void *) { check_device(0); }
 void synchronize(void *) { check_device(0); }
 void upload_view(akv_cache &, void *) { check_device(0); }
-void decode(akv_context &, akv_cache *const *, int32_t, const void *, akv_dtype, int32_t, void *, void *) {
+void decode(akv_context &, akv_cache *const *, int32_t, const void *, akv_dtype, int32_t, void *, float *, void *) {
   check_device(0);
 }
 void append(akv_cache &, const void *, const void *, akv_dtype, int32_t, const int32_t *, void *) { check_device(0); }

@@ -539,6 +539,38 @@ std::vector<BadCase> bad_cases() {
       {"Batch_Dtype77", AKV_ERR_INVALID_ARGUMENT, {"dtype"},
        [](Env &e) { return e.decode_batch_with({e.cache.get()}, 1, 1, nullptr, 77); }},
 
+      // ---- akv_decode_lse, akv_decode_batch_lse: the same checks as without lse ----
+      {"DecodeLse_NullCache", AKV_ERR_INVALID_ARGUMENT, {"cache"},
+       [](Env &e) {
+         float lse[8];
+         return akv_decode_lse(nullptr, e.query.data(), AKV_DTYPE_F32, 1, e.out.data(), lse, nullptr);
+       }},
+      {"DecodeLse_NullOut", AKV_ERR_INVALID_ARGUMENT, {"out"},
+       [](Env &e) {
+         float lse[8];
+         return akv_decode_lse(e.cache.get(), e.query.data(), AKV_DTYPE_F32, 1, nullptr, lse, nullptr);
+       }},
+      {"DecodeLse_QLenZero", AKV_ERR_INVALID_ARGUMENT, {"q_len"},
+       [](Env &e) {
+         float lse[8];
+         return akv_decode_lse(e.cache.get(), e.query.data(), AKV_DTYPE_F32, 0, e.out.data(), lse, nullptr);
+       }},
+      {"BatchLse_NullContext", AKV_ERR_INVALID_ARGUMENT, {"context"},
+       [](Env &e) {
+         akv_cache *caches[] = {e.cache.get()};
+         float lse[8];
+         return akv_decode_batch_lse(nullptr, caches, 1, e.query.data(), AKV_DTYPE_F32, 1, e.out.data(), lse, nullptr);
+       }},
+      {"BatchLse_CacheOfAnotherContext", AKV_ERR_MISMATCH, {"context"},
+       [](Env &e) {
+         akv_cache *caches[] = {e.cache.get(), e.other_context_cache.get()};
+         float lse[16];
+         e.scratch = encode(std::vector<float>(e.query.count() * 2, 0.5f), AKV_DTYPE_F32);
+         e.out = poisoned(e.query.count() * 2, AKV_DTYPE_F32);
+         return akv_decode_batch_lse(e.context.get(), caches, 2, e.scratch.data(), AKV_DTYPE_F32, 1, e.out.data(), lse,
+                                     nullptr);
+       }},
+
       // ---- inspection ----
       {"Stats_NullCache", AKV_ERR_INVALID_ARGUMENT, {"cache"},
        [](Env &) {
@@ -715,6 +747,7 @@ TEST(BadInputTable, EveryEntryPointHasCases) {
       {"akv_compress", "Compress_"},             {"akv_cache_reserve", "Reserve_"},
       {"akv_append", "Append_"},                 {"akv_decode", "Decode_"},
       {"akv_decode_batch", "Batch_"},            {"akv_cache_stats_get", "Stats_"},
+      {"akv_decode_lse", "DecodeLse_"},          {"akv_decode_batch_lse", "BatchLse_"},
       {"akv_cache_head_stats", "HeadStats_"},    {"akv_cache_reconstruct", "Reconstruct_"},
       {"akv_cache_serialized_size", "SerializedSize_"}, {"akv_cache_serialize", "Serialize_"},
       {"akv_cache_deserialize", "Deserialize_"}};

@@ -63,8 +63,10 @@ void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, i
 // smem: kAll (a device's 227 KB), kGlobal (anchors read from global memory) or kTight
 // (room for a third of the anchors: slices of anchors in sibling blocks).
 enum Smem { kAll, kGlobal, kTight };
+// lse (optional): receives [batch][Hq][q_len], each row's log-sum-exp.
 std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, const std::vector<uint8_t> &queries,
-                                     akv_dtype io, int q_len, int sm_count, Smem smem) {
+                                     akv_dtype io, int q_len, int sm_count, Smem smem,
+                                     std::vector<float> *lse = nullptr) {
   const int32_t batch = static_cast<int32_t>(caches.size());
   const akv_shape &s = caches[0]->meta.shape;
   kc::DecodePlan plan = kc::plan_decode(caches.data(), batch, q_len, sm_count, 227 * 1024);
@@ -86,6 +88,10 @@ std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, con
   std::vector<float> ws(plan.workspace_bytes / sizeof(float), std::numeric_limits<float>::quiet_NaN());
   kc::DecodeLaunch p = kc::decode_launch(plan, s, q_len, io, queries.data(), out.data(), ws.data());
   for (int32_t b = 0; b < batch; ++b) p.views[b] = views[b].view();
+  if (lse) {
+    lse->assign(static_cast<size_t>(batch) * s.num_q_heads * q_len, std::numeric_limits<float>::quiet_NaN());
+    p.lse = lse->data();
+  }
   switch (s.head_dim) {
     case 64: launch_decode_rows<64>(plan, p, batch); break;
     case 128: launch_decode_rows<128>(plan, p, batch); break;
@@ -155,15 +161,20 @@ void check_case(const Case &c, int batch, int sm_count, Smem smem) {
   const size_t per_request = static_cast<size_t>(H) * c.group * c.q_len * c.head_dim;
   const Tensor q = make_tensor(nonzero_normal(rng, per_request * batch, 1.5), c.io);
   std::vector<uint8_t> expected_bytes = poisoned(q.count(), c.io);
-  ok(akv_decode_batch(ctx.get(), caches.data(), batch, q.data(), c.io, c.q_len, expected_bytes.data(), nullptr),
-     "akv_decode_batch");
-  const std::vector<float> got = decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, smem), c.io);
+  std::vector<float> expected_lse(static_cast<size_t>(batch) * H * c.group * c.q_len), got_lse;
+  ok(akv_decode_batch_lse(ctx.get(), caches.data(), batch, q.data(), c.io, c.q_len, expected_bytes.data(),
+                          expected_lse.data(), nullptr),
+     "akv_decode_batch_lse");
+  const std::vector<float> got =
+      decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, smem, &got_lse), c.io);
   const std::vector<float> expected = decode_bytes(expected_bytes, c.io);
   ASSERT_EQ(count_non_finite(got), 0u);
   // Same arithmetic up to summation order and the angle method (both accurate to ~1e-6);
   // a 16-bit output may round the other way.
   const double tol = c.io == AKV_DTYPE_F32 ? 2e-4 : c.io == AKV_DTYPE_F16 ? 2e-3 : 1e-2;
   EXPECT_TRUE(all_near(got, expected, tol, tol));
+  // The merge kernel's log-sum-exp (base-2 running max and sum) against the CPU's.
+  EXPECT_TRUE(all_near(got_lse, expected_lse, 1e-4, 1e-5)) << "log-sum-exp";
 }
 
 TEST(EmulatedDecode, AnchorKvMatchesCpuAcrossShapes) {

@@ -425,6 +425,75 @@ TEST_F(Cuda, UnsupportedCachesAreRefusedAndTheContextStaysUsable) {
   ok(akv_decode(good.get(), dq.get(), AKV_DTYPE_F32, 1, dout.get(), nullptr), "decode after errors");
 }
 
+// akv_decode_batch_lse / akv_decode_lse on the device: every row's log-sum-exp equals the
+// CPU's (the output is akv_decode_batch's, checked above).
+TEST_F(Cuda, DecodeLseMatchesCpu) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  const int H = 2;
+  const std::vector<DecodeCase> cases = {{AKV_METHOD_ANCHORKV, 2048, 64, 3, 1, AKV_DTYPE_BF16},
+                                         {AKV_METHOD_ANCHORKV, 1500, 128, 4, 3, AKV_DTYPE_F32},
+                                         {AKV_METHOD_FULLKV, 1200, 64, 3, 2, AKV_DTYPE_F16}};
+  for (const DecodeCase &c : cases) {
+    SCOPED_TRACE(describe(c));
+    const int batch = 2, appended = 4;
+    std::vector<CachePtr> cpu_caches, gpu_caches;
+    std::vector<akv_cache *> cpu_list, gpu_list;
+    for (int b = 0; b < batch; ++b) {
+      akv_compress_options o;
+      akv_compress_options_init_method(&o, c.method);
+      PrefillSpec spec;
+      spec.seq_len = c.seq_len - 257 * b;
+      spec.kv_heads = H;
+      spec.group = c.group;
+      spec.head_dim = c.head_dim;
+      spec.window = o.window;
+      const PrefillData data = make_prefill(rng, spec);
+      if (c.method == AKV_METHOD_ANCHORKV)
+        o.retain_fraction = std::max(0.05, workable_retain_fraction(data.shape, o.window, 0, 0.02));
+      cpu_caches.push_back(compress(cpu_.get(), data, o));
+      gpu_caches.push_back(to_gpu(cpu_caches.back().get()));
+      const Tensor k = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * appended * c.head_dim), c.dtype);
+      const Tensor v = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * appended * c.head_dim), c.dtype);
+      ok(akv_append(cpu_caches.back().get(), k.data(), v.data(), c.dtype, appended, nullptr, nullptr), "akv_append cpu");
+      DeviceBuffer dk(k.bytes), dv(v.bytes);
+      ok(akv_append(gpu_caches.back().get(), dk.get(), dv.get(), c.dtype, appended, nullptr, nullptr), "akv_append gpu");
+      cuda_ok(cudaDeviceSynchronize(), "append");
+      cpu_list.push_back(cpu_caches.back().get());
+      gpu_list.push_back(gpu_caches.back().get());
+    }
+    const size_t rows = static_cast<size_t>(batch) * H * c.group * c.q_len;
+    const Tensor q = make_tensor(nonzero_normal(rng, rows * c.head_dim, 1.5), c.dtype);
+    std::vector<uint8_t> cpu_out = poisoned(q.count(), c.dtype);
+    std::vector<float> cpu_lse(rows);
+    ok(akv_decode_batch_lse(cpu_.get(), cpu_list.data(), batch, q.data(), c.dtype, c.q_len, cpu_out.data(),
+                            cpu_lse.data(), nullptr),
+       "cpu decode lse");
+    DeviceBuffer dq(q.bytes), dout(q.bytes.size()), dlse(rows * sizeof(float));
+    dout.poison();
+    dlse.poison();
+    ok(akv_decode_batch_lse(gpu_.get(), gpu_list.data(), batch, dq.get(), c.dtype, c.q_len, dout.get(),
+                            static_cast<float *>(dlse.get()), nullptr),
+       "gpu decode lse");
+    const std::vector<uint8_t> lse_bytes = dlse.download();
+    std::vector<float> got(rows);
+    std::memcpy(got.data(), lse_bytes.data(), lse_bytes.size());
+    EXPECT_EQ(count_non_finite(got), 0u);
+    EXPECT_TRUE(all_near(got, cpu_lse, 1e-3, 1e-4)) << "log-sum-exp";
+    note("lse_max_abs_error_" + std::to_string(&c - cases.data()), max_error(got, cpu_lse, 1.0));
+    // The second request alone through akv_decode_lse: its rows of the batch.
+    DeviceBuffer one(rows / batch * sizeof(float));
+    one.poison();
+    ok(akv_decode_lse(gpu_list[1], static_cast<const uint8_t *>(dq.get()) + q.bytes.size() / batch, c.dtype, c.q_len,
+                      static_cast<uint8_t *>(dout.get()) + q.bytes.size() / batch, static_cast<float *>(one.get()),
+                      nullptr),
+       "gpu akv_decode_lse");
+    const std::vector<uint8_t> single = one.download();
+    EXPECT_TRUE(std::equal(single.begin(), single.end(), lse_bytes.begin() + single.size()));
+  }
+}
+
 }  // namespace
 
 namespace {

@@ -299,6 +299,28 @@ extern "C" {
         out_cache: *mut *mut akv_cache,
         stream: *mut c_void,
     ) -> akv_status;
+
+    // Decode with each row's log-sum-exp (out_lse: f32 [batch][Hq][q_len], may be null).
+    pub fn akv_decode_lse(
+        cache: *mut akv_cache,
+        queries: *const c_void,
+        dtype: akv_dtype,
+        q_len: i32,
+        out: *mut c_void,
+        out_lse: *mut f32,
+        stream: *mut c_void,
+    ) -> akv_status;
+    pub fn akv_decode_batch_lse(
+        context: *mut akv_context,
+        caches: *const *mut akv_cache,
+        batch: i32,
+        queries: *const c_void,
+        dtype: akv_dtype,
+        q_len: i32,
+        out: *mut c_void,
+        out_lse: *mut f32,
+        stream: *mut c_void,
+    ) -> akv_status;
 }
 
 #[cfg(test)]

@@ -1,0 +1,359 @@
+"""anchorkv for Hugging Face transformers (optional: needs torch and transformers).
+
+One call turns compression on for ``model.generate()``::
+
+    import anchorkv.transformers as akv_hf
+    akv_hf.enable(model, retain_fraction=0.1)        # AnchorKV at 10x
+    output = model.generate(**inputs, max_new_tokens=32)
+
+or, KVPress-style, for a block of code (``compression_ratio`` is the fraction removed)::
+
+    with akv_hf.AnchorKVPress(compression_ratio=0.9)(model):
+        output = model.generate(**inputs, max_new_tokens=32)
+
+How it works. ``AnchorKVCache`` is a transformers ``Cache`` of ``AnchorKVLayer`` layers (the
+``CacheLayerMixin`` interface). During the prefill (the first forward) a layer keeps its
+post-RoPE keys and values; the attention function registered as ``"anchorkv"`` with
+``AttentionInterface.register`` computes the prefill's exact attention (SDPA), then compresses
+the layer with the last ``window`` post-RoPE queries (anchorkv.Context.compress, one cache per
+batch row) and drops the dense tensors. Every later forward appends its keys/values to the
+compressed caches and the attention function decodes over them (Context.decode_batch). The
+attention function never receives the cache: ``AnchorKVCache.update`` records itself as the
+cache of the current forward (thread-local) and the attention function finds the layer there
+by ``module.layer_idx``; outside such a cache it is SDPA.
+
+Supported: decoder-only models whose attention modules follow transformers' functional
+AttentionInterface with NeoX (rotate-half) RoPE (Llama, Mistral, Qwen2, SmolLM...), batch
+size 1 and batches of equal-length prompts (no padding), torch tensors on the CPU (CPU
+context) or on CUDA (CUDA context, when the library is built with CUDA), passed without
+copies where their layout allows. Prompts of at most 2 * window tokens are kept exact
+(FullKV). Not supported: padded batches, chunked prefill, beam search, cropping.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from ._api import Context, compress_options
+from ._enums import Backend, Method
+
+ATTENTION_NAME = "anchorkv"
+_current = threading.local()  # .cache: weakref to the AnchorKVCache of this thread's forward
+
+
+def _exact_attention(module, query, key, value, attention_mask, **kwargs):
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
+
+
+def anchorkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                       **kwargs):
+    """The "anchorkv" attention function: query [B][Hq][n][D] post-RoPE; returns
+    ([B][n][Hq][D], None) as transformers' attention functions do."""
+    ref = getattr(_current, "cache", None)
+    cache = ref() if ref is not None else None
+    layer = cache.layer_of(module) if cache is not None else None
+    # The keys are the very tensor this layer's update returned in this forward (else the
+    # forward runs another cache, or none, and the recorded cache is stale).
+    if layer is None or layer.returned_keys is not key:
+        return _exact_attention(module, query, key, value, attention_mask, scaling=scaling,
+                                dropout=dropout, **kwargs)
+    layer.returned_keys = None
+    if layer.has_pending_prefill:
+        out = _exact_attention(module, query, key, value, attention_mask, scaling=scaling,
+                               dropout=dropout, **kwargs)
+        layer.compress(query, scaling)
+        return out
+    return layer.decode(query), None
+
+
+def register() -> None:
+    """Register the "anchorkv" attention function and SDPA's masks for it (idempotent): the
+    masks serve the SDPA fallback (another cache, a forward after a cached prefix); the
+    compressed decode ignores them."""
+    AttentionInterface.register(ATTENTION_NAME, anchorkv_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+
+
+def _rope_options(model) -> dict:
+    """The model's RoPE as compress options: NeoX style and its inverse frequencies."""
+    rotary = None
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "attention_scaling"):
+            rotary = module
+            break
+    if rotary is None:
+        raise ValueError("no rotary embedding module (with inv_freq) found in the model")
+    if float(rotary.attention_scaling) != 1.0:
+        raise ValueError(f"RoPE with attention_scaling {rotary.attention_scaling} (YaRN-style) is "
+                         "not supported")
+    inv_freq = rotary.inv_freq.detach().float().cpu().numpy().astype(np.float32)
+    return dict(rope_style="neox", rotary_dim=2 * inv_freq.size, inv_freq=inv_freq,
+                keys_post_rope=1)
+
+
+class AnchorKVLayer(CacheLayerMixin):
+    """One decoder layer: the prefill's dense K/V until its attention compresses them, then
+    one anchorkv.Cache per batch row, to which every later token is appended."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, owner: "AnchorKVCache", layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.caches: list | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._length = 0
+        self.returned_keys = None  # what update() returned, until the attention call takes it
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.is_initialized = True
+
+    @property
+    def has_pending_prefill(self) -> bool:
+        return self._pending is not None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """key_states, value_states: [B][H][n][D], keys post-RoPE."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self._pending is not None:
+            raise RuntimeError("anchorkv: a second forward reached this layer before the prefill's "
+                               "attention compressed it (is the attention implementation "
+                               f"{ATTENTION_NAME!r}? anchorkv.transformers.enable(model) sets it)")
+        if self.caches is None:
+            self._pending = (key_states, value_states)
+        else:
+            for row, cache in enumerate(self.caches):
+                cache.append(key_states[row].contiguous(), value_states[row].contiguous())
+        self._length += key_states.shape[-2]
+        self.returned_keys = key_states
+        return key_states, value_states
+
+    def compress(self, query: torch.Tensor, scaling: float | None) -> None:
+        keys, values = self._pending
+        self._pending = None
+        batch, heads, seq_len, head_dim = keys.shape
+        options = self.owner.layer_options(self.layer_idx, seq_len, scaling)
+        window = options.get("window")
+        context = self.owner.context_for(keys)
+        caches = []
+        for row in range(batch):
+            k, v = keys[row], values[row]
+            if k.stride() != v.stride():  # the library takes one stride pair for both
+                k, v = k.contiguous(), v.contiguous()
+            q = None if window is None else query[row, :, seq_len - window:, :]
+            caches.append(context.compress(k, v, q, num_q_heads=query.shape[1], **options))
+        self.caches = caches
+
+    def decode(self, query: torch.Tensor) -> torch.Tensor:
+        """query [B][Hq][n][D] -> attention output [B][n][Hq][D]."""
+        query = query.contiguous()
+        if len(self.caches) == 1:
+            out = self.caches[0].decode(query[0])[None]
+        else:
+            out = torch.empty_like(query)
+            self.owner.context_for(query).decode_batch(self.caches, query, out=out)
+        return out.transpose(1, 2)
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.close()
+        self._length = 0
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("anchorkv caches do not support beam search")
+
+    def close(self) -> None:
+        for cache in self.caches or ():
+            cache.close()
+        self.caches = None
+        self._pending = None
+        self.returned_keys = None
+
+    def stats(self):
+        """anchorkv.CacheStats of each batch row (after the prefill)."""
+        return [cache.stats for cache in self.caches or ()]
+
+
+class AnchorKVCache(Cache):
+    """A transformers Cache whose layers compress at the end of the prefill.
+
+    options: anchorkv compress options (method="anchorkv", retain_fraction=..., window=...,
+    any compress_options field). The model's RoPE, softmax scale, layer index and count are
+    filled in. context: an anchorkv.Context; default one per device, made on first use.
+    """
+
+    def __init__(self, model, *, context: Context | None = None, **options: Any):
+        config = model.config.get_text_config(decoder=True)
+        self.num_layers = config.num_hidden_layers
+        super().__init__(layers=[AnchorKVLayer(self, i) for i in range(self.num_layers)])
+        self._options = dict(options)
+        self._options.setdefault("method", "anchorkv")
+        self._rope = _rope_options(model)
+        self._context = context
+
+    # -- what the layers need --
+    def context_for(self, tensor: torch.Tensor) -> Context:
+        if self._context is None:
+            if tensor.device.type == "cuda":
+                self._context = Context(Backend.CUDA, device=tensor.device.index or 0)
+            else:
+                self._context = Context()
+        return self._context
+
+    def layer_options(self, layer_idx: int, seq_len: int, scaling: float | None) -> dict:
+        options = dict(self._options)
+        method = Method.parse(options["method"])
+        window = options.get("window")
+        if method not in (Method.FULLKV, Method.QUANTIZED):
+            if window is None:  # the method's own default window (AnchorKV: 32)
+                window = int(compress_options(method=method)[0].window)
+            if seq_len <= 2 * window:  # too short to compress: keep it exact
+                options = {"method": "fullkv"}
+                window = None
+        options.update(self._rope, layer_index=layer_idx, layer_count=self.num_layers)
+        if scaling is not None:
+            options["softmax_scale"] = float(scaling)
+        if window is not None:
+            options["window"] = window
+        else:
+            options.pop("window", None)
+        return options
+
+    def layer_of(self, module):
+        """The layer for an attention module of the forward this cache is running."""
+        index = getattr(module, "layer_idx", None)
+        if index is None or not 0 <= index < len(self.layers):
+            return None
+        return self.layers[index]
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        _current.cache = weakref.ref(self)  # the attention function that follows finds its layer here
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def close(self) -> None:
+        """Free the compressed caches now (they are also freed when collected)."""
+        for layer in self.layers:
+            layer.close()
+        ref = getattr(_current, "cache", None)
+        if ref is not None and ref() is self:
+            _current.cache = None
+
+    @property
+    def compressed_bytes(self) -> int:
+        return sum(s.compressed_bytes for layer in self.layers for s in layer.stats())
+
+    @property
+    def full_bytes(self) -> int:
+        return sum(s.full_bytes for layer in self.layers for s in layer.stats())
+
+
+class AnchorKV:
+    """What enable() returns: the options, new_cache() and disable()."""
+
+    def __init__(self, model, options: dict, context: Context | None):
+        self.model = model
+        self.options = options
+        self.context = context
+        self._previous_attention = None
+        self._original_generate = None
+
+    def new_cache(self) -> AnchorKVCache:
+        return AnchorKVCache(self.model, context=self.context, **self.options)
+
+    def _install(self) -> None:
+        register()
+        model = self.model
+        self._previous_attention = model.config._attn_implementation
+        model.set_attn_implementation(ATTENTION_NAME)
+        if model.config._attn_implementation != ATTENTION_NAME:
+            raise RuntimeError(f"{type(model).__name__} did not accept the attention "
+                               f"implementation {ATTENTION_NAME!r}")
+        had_own = "generate" in vars(model)
+        self._original_generate = (model.generate, had_own)
+        original = model.generate
+
+        def generate(*args, **kwargs):
+            mask = kwargs.get("attention_mask")
+            if mask is not None and not bool(torch.all(mask != 0)):
+                raise ValueError("anchorkv.transformers supports equal-length prompts only "
+                                 "(the attention mask has padding)")
+            if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+                kwargs["cache"] = self.new_cache()
+            return original(*args, **kwargs)
+
+        model.generate = generate
+
+    def disable(self) -> None:
+        """Restore the model's attention implementation and generate()."""
+        if self._original_generate is None:
+            return
+        original, had_own = self._original_generate
+        if had_own:
+            self.model.generate = original
+        else:
+            del self.model.generate
+        self.model.set_attn_implementation(self._previous_attention)
+        self._original_generate = None
+
+
+def enable(model, *, context: Context | None = None, **options: Any) -> AnchorKV:
+    """Turn anchorkv on for model.generate(): every call without its own cache gets a fresh
+    AnchorKVCache(model, **options). Returns the handle (handle.disable() turns it off)."""
+    handle = AnchorKV(model, dict(options), context)
+    handle._install()
+    return handle
+
+
+class AnchorKVPress:
+    """KVPress-style: ``with AnchorKVPress(compression_ratio=0.9)(model): model.generate(...)``.
+
+    compression_ratio: the fraction of the KV cache's bytes removed, as in KVPress (0.9 keeps
+    10%: retain_fraction = 1 - compression_ratio). Other keyword arguments are anchorkv
+    compress options (method="anchorkv" by default).
+    """
+
+    def __init__(self, compression_ratio: float = 0.9, **options: Any):
+        if not 0.0 <= compression_ratio < 1.0:
+            raise ValueError(f"compression_ratio must be in [0, 1); got {compression_ratio}")
+        self.compression_ratio = compression_ratio
+        self.options = options
+
+    @contextmanager
+    def __call__(self, model):
+        options = dict(self.options)
+        if self.compression_ratio > 0:
+            options.setdefault("retain_fraction", 1.0 - self.compression_ratio)
+        else:
+            options.setdefault("method", "fullkv")
+        handle = enable(model, **options)
+        try:
+            yield handle
+        finally:
+            handle.disable()
+
+
+__all__ = ["AnchorKVCache", "AnchorKVLayer", "AnchorKV", "AnchorKVPress", "anchorkv_attention",
+           "enable", "register", "ATTENTION_NAME"]

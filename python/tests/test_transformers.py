@@ -1,0 +1,131 @@
+"""anchorkv.transformers on a small random Llama (no download): the compressed decode through
+the whole model equals transformers' SDPA over what the caches represent (reconstructed K/V in
+a DynamicCache), for batch 1 and a batch of equal-length prompts; FullKV follows the exact
+cache; enable()/AnchorKVPress install and restore; torch tensors through Cache.decode(lse=).
+Skips without torch and transformers (CI installs them: scripts/install-deps.sh)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import anchorkv  # noqa: E402
+import anchorkv.transformers as akv_hf  # noqa: E402
+
+
+def _fresh_seed():
+    return int(np.random.SeedSequence().entropy % (1 << 31))
+
+
+@pytest.fixture
+def model():
+    seed = _fresh_seed()
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=4096, rope_theta=10000.0)
+    model = LlamaForCausalLM(config).eval()
+    model.seed = seed
+    return model
+
+
+def _reference_cache(cache: akv_hf.AnchorKVCache) -> DynamicCache:
+    """A DynamicCache holding exactly what every layer's compressed caches represent."""
+    data = []
+    for layer in cache.layers:
+        keys, values = [], []
+        for row in layer.caches:
+            k, v, present = row.reconstruct(rotated=True)
+            # Evicted tokens are absent (SnapKV keeps the same count in every head).
+            keys.append(torch.from_numpy(np.stack([k[h][present[h] == 1] for h in range(k.shape[0])])))
+            values.append(torch.from_numpy(np.stack([v[h][present[h] == 1] for h in range(v.shape[0])])))
+        data.append((torch.stack(keys), torch.stack(values)))
+    return DynamicCache(ddp_cache_data=data)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("method, options", [("anchorkv", {"retain_fraction": 0.4}),
+                                             ("snapkv", {"retain_fraction": 0.5})])
+def test_decode_equals_sdpa_over_the_reconstructed_caches(model, batch, method, options):
+    akv_hf.enable(model)
+    generator = torch.Generator().manual_seed(model.seed)
+    prompt = torch.randint(0, 256, (batch, 300), generator=generator)
+    steps = torch.randint(0, 256, (batch, 4), generator=generator)
+    cache = akv_hf.AnchorKVCache(model, method=method, **options)
+    with torch.no_grad():
+        model(input_ids=prompt, cache=cache)
+        assert all(layer.caches and len(layer.caches) == batch for layer in cache.layers)
+        assert cache.full_bytes / cache.compressed_bytes > 1.5
+        # One token, then three at once (q_len 3: causal among them), each against SDPA over
+        # the reconstructed K/V plus the same new tokens.
+        for chunk in (steps[:, :1], steps[:, 1:]):
+            reference = _reference_cache(cache)
+            # Positions continue the prompt's (an evicting cache holds fewer tokens).
+            past = cache.get_seq_length()
+            positions = torch.arange(past, past + chunk.shape[1]).expand(batch, -1)
+            expected = model(input_ids=chunk, cache=reference, position_ids=positions).logits
+            got = model(input_ids=chunk, cache=cache).logits
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m: f"seed {model.seed}: {m}")
+    assert cache.get_seq_length() == 304
+    cache.close()
+
+
+def test_fullkv_follows_the_exact_cache_and_generate_runs(model):
+    generator = torch.Generator().manual_seed(model.seed)
+    prompt = torch.randint(0, 256, (2, 120), generator=generator)
+    nxt = torch.randint(0, 256, (2, 1), generator=generator)
+    with torch.no_grad():
+        exact = DynamicCache(config=model.config)
+        model(input_ids=prompt, cache=exact)
+        expected = model(input_ids=nxt, cache=exact).logits
+        handle = akv_hf.enable(model, method="fullkv")
+        cache = handle.new_cache()
+        model(input_ids=prompt, cache=cache)
+        got = model(input_ids=nxt, cache=cache).logits
+        # FullKV stores K/V in bf16 (relative rounding 2^-9): logits moved by 2.3e-4 (measured;
+        # the cache of another prompt moves them by 0.67, at logits of size 0.67).
+        torch.testing.assert_close(got, expected, rtol=0, atol=3e-3,
+                                   msg=lambda m: f"seed {model.seed}: {m}")
+        out = model.generate(prompt, max_new_tokens=5, do_sample=False)
+    assert out.shape == (2, 125)
+    handle.disable()
+
+
+def test_enable_and_press_install_and_restore(model):
+    assert model.config._attn_implementation != akv_hf.ATTENTION_NAME
+    before = model.config._attn_implementation
+    with akv_hf.AnchorKVPress(compression_ratio=0.6)(model) as handle:
+        assert model.config._attn_implementation == akv_hf.ATTENTION_NAME
+        assert handle.options["retain_fraction"] == pytest.approx(0.4)
+        cache = handle.new_cache()
+        prompt = torch.randint(0, 256, (1, 300))
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=2, do_sample=False, cache=cache)
+        assert 2.0 < cache.full_bytes / cache.compressed_bytes < 2.6
+        with pytest.raises(ValueError, match="equal-length"):
+            mask = torch.ones(2, 300, dtype=torch.long)
+            mask[0, 0] = 0
+            model.generate(torch.randint(0, 256, (2, 300)), attention_mask=mask, max_new_tokens=1)
+    assert model.config._attn_implementation == before
+    assert "generate" not in vars(model)
+
+
+def test_lse_with_torch_tensors(model):
+    seed = model.seed
+    rng = np.random.default_rng(seed)
+    keys = torch.from_numpy(rng.standard_normal((2, 256, 64), dtype=np.float32))
+    values = torch.from_numpy(rng.standard_normal((2, 256, 64), dtype=np.float32))
+    window = torch.from_numpy(rng.standard_normal((4, 32, 64), dtype=np.float32))
+    cache = anchorkv.compress(keys, values, window, retain_fraction=0.3)
+    query = torch.from_numpy(rng.standard_normal((4, 2, 64), dtype=np.float32))
+    cache.append(torch.randn(2, 1, 64), torch.randn(2, 1, 64))
+    out, lse = cache.decode(query, lse=True)
+    assert isinstance(lse, torch.Tensor) and lse.shape == (4, 2) and lse.dtype == torch.float32
+    k, v, _ = cache.reconstruct(rotated=True)
+    kk = torch.from_numpy(k).double().repeat_interleave(2, dim=0)
+    logits = torch.einsum("hqd,htd->hqt", query.double(), kk) / 8.0
+    logits[:, 0, -1] = -float("inf")  # the first query does not see the second's token
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits, dim=-1), rtol=1e-5, atol=1e-4,
+                               msg=lambda m: f"seed {seed}: {m}")
