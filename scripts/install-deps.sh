@@ -149,8 +149,6 @@ else
     python3 -c "import $mod" >/dev/null 2>&1 || torch_missing+=("$mod")
   done
   if [ "${#torch_missing[@]}" -gt 0 ]; then
-    pip_flags=(--quiet --disable-pip-version-check)
-    [ "$python_is_debian" -eq 1 ] && pip_flags+=(--break-system-packages)
     log "pip install ${torch_missing[*]} (anchorkv.transformers tests)"
     if [ "$dry_run" = 1 ]; then
       log "dry run: nothing installed"
