@@ -151,7 +151,8 @@ else
     grep -E '^\[  SKIPPED \] [0-9]+ test' "$logs/gpu-tests.log" | sed 's/^/GPU tests that skipped: /'
     step "anchorkv_api_tests GpuContext.*" "$logs/gpu-tests.log" \
       "$bin/anchorkv_api_tests" --gtest_filter='GpuContext.*'
-    if python3 -c 'import pytest, torch' 2>/dev/null; then
+    if [ "$has_gpu" = 0 ]; then note SKIP "pytest test_gpu.py: no GPU" 0
+    elif python3 -c 'import pytest, torch' 2>/dev/null; then
       step "pytest python/tests/test_gpu.py" "$logs/gpu-tests.log" \
         python3 -m pytest -q -p no:cacheprovider "$root/python/tests/test_gpu.py"
     else note SKIP "pytest test_gpu.py: no pytest/torch" 0; fi
