@@ -176,6 +176,8 @@ class akv_compress_options(Structure):
         ("anchor_share", c_double),
         ("guard_fraction", c_double),
         ("coverage_rounds", c_int32),
+        # Long generations (0.2)
+        ("compact_after", c_int64),
     ]
 
 
@@ -223,6 +225,7 @@ class akv_cache_stats(Structure):
         ("ratio", c_double),
         ("key_residuals", c_int64),
         ("value_residuals", c_int64),
+        ("compactions", c_int64),
     ]
 
 
@@ -332,6 +335,11 @@ akv_cache_deserialize = _declare("akv_cache_deserialize", akv_status,
                                  [akv_context_p, c_void_p, c_size_t, POINTER(akv_cache_p),
                                   c_void_p])
 
+# akv_status akv_cache_compact(akv_cache *cache, const void *queries, akv_dtype dtype,
+#                              int64_t headroom_tokens, void *stream);
+akv_cache_compact = _declare("akv_cache_compact", akv_status,
+                             [akv_cache_p, c_void_p, akv_dtype, c_int64, c_void_p])
+
 # Every function of the header, for the test that checks the declarations are complete.
 FUNCTION_NAMES = (
     "akv_version_number", "akv_version_string", "akv_status_string", "akv_last_error_message",
@@ -341,4 +349,5 @@ FUNCTION_NAMES = (
     "akv_cache_destroy", "akv_cache_reserve", "akv_append", "akv_decode", "akv_decode_batch",
     "akv_cache_stats_get", "akv_cache_head_stats", "akv_cache_reconstruct",
     "akv_cache_serialized_size", "akv_cache_serialize", "akv_cache_deserialize",
+    "akv_cache_compact",
 )

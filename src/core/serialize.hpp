@@ -10,7 +10,8 @@
 
 namespace akv {
 
-constexpr uint32_t kFormatVersion = 1;
+// 2: compaction fields after the suffix (akv_cache_compact); format 1 still reads.
+constexpr uint32_t kFormatVersion = 2;
 
 uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc = 0);
 

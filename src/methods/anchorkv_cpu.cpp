@@ -80,9 +80,11 @@ std::vector<int32_t> select_anchors(const std::vector<float> &score, int64_t cou
 // tokens that the anchors so far (`anchors` plus the window P..S-1) represent worst. A token's
 // error on one side is its residual energy against the anchor of largest |cos|,
 // ||x||^2 (1 - cos^2); keys and values count each relative to their mean over the prefix.
-// Ties go to the lower index. Appends to `anchors` (unsorted).
+// Ties go to the lower index. Only tokens with eligible[t] != 0 are chosen (null: all). Appends
+// to `anchors` (unsorted).
 void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<float> &V, int64_t S, int64_t P, int D,
-                          int rounds, int64_t count, std::vector<int32_t> &anchors, ThreadPool &pool) {
+                          int rounds, int64_t count, std::vector<int32_t> &anchors, ThreadPool &pool,
+                          const int8_t *eligible = nullptr) {
   const std::vector<float> *X[2] = {&Kpre, &V};
   std::vector<float> unit[2] = {std::vector<float>(S * D), std::vector<float>(S * D)};
   std::vector<float> norm_sq[2] = {std::vector<float>(P), std::vector<float>(P)};
@@ -140,7 +142,7 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
     std::vector<std::pair<float, int32_t>> order;
     order.reserve(P);
     for (int64_t t = 0; t < P; ++t)
-      if (!is_anchor[t])
+      if (!is_anchor[t] && (!eligible || eligible[t]))
         order.emplace_back(static_cast<float>(error[0][t] / mean[0] + error[1][t] / mean[1]), static_cast<int32_t>(t));
     const int64_t n = std::min<int64_t>(take, static_cast<int64_t>(order.size()));
     std::nth_element(order.begin(), order.begin() + n, order.end(), [](const auto &a, const auto &b) {
@@ -155,6 +157,58 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
     absorb(fresh);
     left -= n;
   }
+}
+
+// Compaction (akv_cache_compact): the `free_anchors` non-window anchors of one head by
+// priority level (methods.hpp CompressRequest::anchor_priority). The old anchors (3), then the
+// old window (2), best pooled score first, as long as slots are left; then the appended tokens
+// (1) as at prefill (the scored share of the slots left by score, the rest for coverage or by
+// the seeded sample); then, only if slots are still left, the other old tokens (0) by score.
+std::vector<int32_t> ranked_anchors(const int8_t *priority, const std::vector<float> &pooled, int64_t free_anchors,
+                                    const akv_compress_options &o, const std::vector<float> &Kpre,
+                                    const std::vector<float> &V, int64_t S, int64_t P, int D, int head,
+                                    ThreadPool &pool) {
+  std::vector<int32_t> picks;
+  std::vector<char> taken(P, 0);
+  auto take_best = [&](int level, int64_t n) {
+    std::vector<int32_t> tokens;
+    for (int64_t t = 0; t < P; ++t)
+      if (priority[t] == level && !taken[t]) tokens.push_back(static_cast<int32_t>(t));
+    n = std::min<int64_t>(n, static_cast<int64_t>(tokens.size()));
+    std::partial_sort(tokens.begin(), tokens.begin() + n, tokens.end(), [&](int32_t a, int32_t b) {
+      return pooled[a] != pooled[b] ? pooled[a] > pooled[b] : a < b;
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      picks.push_back(tokens[i]);
+      taken[tokens[i]] = 1;
+    }
+  };
+  auto left = [&] { return free_anchors - static_cast<int64_t>(picks.size()); };
+  take_best(3, left());
+  take_best(2, left());
+  const int64_t slots = left();
+  if (slots > 0) {
+    take_best(1, std::min<int64_t>(slots, std::llround(o.scored_fraction * static_cast<double>(slots))));
+    std::vector<int8_t> eligible(P);
+    for (int64_t t = 0; t < P; ++t) eligible[t] = priority[t] == 1 && !taken[t];
+    if (o.coverage_rounds > 0) {
+      add_coverage_anchors(Kpre, V, S, P, D, o.coverage_rounds, left(), picks, pool, eligible.data());
+    } else {
+      std::vector<std::pair<uint64_t, int32_t>> rest;
+      for (int64_t t = 0; t < P; ++t)
+        if (eligible[t])
+          rest.emplace_back(hash_keys(o.seed, kStreamAnchorSample, (static_cast<uint64_t>(o.layer_index) << 32) | head,
+                                      static_cast<uint64_t>(t)),
+                            static_cast<int32_t>(t));
+      const int64_t n = std::min<int64_t>(left(), static_cast<int64_t>(rest.size()));
+      std::nth_element(rest.begin(), rest.begin() + n, rest.end());
+      for (int64_t i = 0; i < n; ++i) picks.push_back(rest[i].second);
+    }
+    for (int32_t t : picks) taken[t] = 1;
+    take_best(0, left());
+  }
+  std::sort(picks.begin(), picks.end());
+  return picks;
 }
 
 }  // namespace
@@ -244,7 +298,10 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     // 4. Anchors: sorted non-window picks, then the window (indices k-W..k-1). The share
     // after the scored one is a uniform sample (paper) or chosen for coverage.
     std::vector<int32_t> picks;
-    if (o.coverage_rounds > 0) {
+    if (req.anchor_priority) {
+      picks = ranked_anchors(req.anchor_priority + static_cast<int64_t>(h) * S, pooled, free_anchors, o, Kpre, V, S,
+                             P, D, h, pool);
+    } else if (o.coverage_rounds > 0) {
       picks = select_anchors(pooled, n_top, n_top, o.seed, o.layer_index, h);
       add_coverage_anchors(Kpre, V, S, P, D, o.coverage_rounds, free_anchors - n_top, picks, pool);
       std::sort(picks.begin(), picks.end());

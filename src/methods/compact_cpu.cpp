@@ -1,0 +1,100 @@
+// akv_cache_compact on the CPU: fold the dense suffix back into the anchor-residual form.
+//
+// The compacted cache is what compression at length T = S + appended would build, from what
+// the cache still knows: the reconstruction of the old compressed part (its anchors and window
+// exact, the other tokens gamma x_a + decoded residual) and the exact appended tokens. It runs
+// the prefill compression (anchorkv_cpu.cpp) over that sequence with the queries of the last W
+// tokens and one change, the anchor priority: the old anchors stay anchors first (they are
+// exact, and the old tokens lean on them), then the old window, then appended tokens are
+// picked as at prefill; a token known only through its old representation becomes an anchor
+// only if slots are left over. An old token whose anchor stays is re-assigned to it with
+// |cos| = 1 and its residual is its decoded residual re-encoded (codes on the same codebook,
+// so close to lossless); every residual, old or new, competes in one pool per side.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/error.hpp"
+#include "cpu/attention.hpp"
+#include "cpu/thread_pool.hpp"
+#include "methods/methods.hpp"
+
+namespace akv {
+
+std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *context, const float *queries,
+                                             int64_t headroom) {
+  const CacheMeta &m = old.meta;
+  require(m.method == AKV_METHOD_ANCHORKV, AKV_ERR_UNSUPPORTED, "akv_cache_compact supports AnchorKV caches only");
+  const int64_t S = m.shape.seq_len, L = old.suffix_len, T = S + L;
+  const int H = m.shape.num_kv_heads, Hq = m.shape.num_q_heads, D = m.shape.head_dim, W = m.window;
+  require(L >= W, AKV_ERR_INVALID_ARGUMENT, "akv_cache_compact needs at least window=", W,
+          " appended tokens (the new window), but the cache has ", L);
+  require(headroom >= 0, AKV_ERR_INVALID_ARGUMENT, "headroom_tokens ", headroom, " is negative");
+  require(T <= INT32_MAX, AKV_ERR_UNSUPPORTED, "compacted length ", T, " exceeds int32");
+
+  // Positions of all T tokens: the prefix, the old window (consecutive), the suffix.
+  const AnchorGeometry &g = old.geometry;
+  std::vector<int32_t> pos(T);
+  std::memcpy(pos.data(), old.section<int32_t>(kPositions), g.prefix * sizeof(int32_t));
+  for (int w = 0; w < W; ++w) pos[g.prefix + w] = static_cast<int32_t>(m.window_first_position + w);
+  std::copy(old.suffix_positions.begin(), old.suffix_positions.end(), pos.begin() + S);
+
+  // The budget: theta of M_full(T), less what `headroom` dense tokens cost beyond their share.
+  akv_compress_options o = old.compress_options;
+  const double theta = o.retain_fraction;
+  const double full = 4.0 * static_cast<double>(T) * H * D;
+  const double reserve = (1.0 - theta) * 4.0 * static_cast<double>(headroom) * H * D;
+  const double effective = theta - reserve / full;
+  if (!(effective > 0.0))
+    fail(AKV_ERR_BUDGET, "headroom_tokens ", headroom, " leaves no budget: retain_fraction ", theta, " of T=", T,
+         " tokens pays for ", theta * full, " bytes, and ", headroom, " dense tokens need ", reserve,
+         " of them beyond their share");
+  o.retain_fraction = effective;
+  o.keys_post_rope = 0;  // the reconstruction is pre-RoPE
+  o.storage_dtype = m.storage;
+  o.softmax_scale = m.softmax_scale;
+  o.rope.style = m.rope_style;
+  o.rope.rotary_dim = m.rotary_dim;
+  o.rope.inv_freq = m.inv_freq.empty() ? nullptr : m.inv_freq.data();
+  try {
+    anchor_geometry(o, akv_shape{T, H, Hq, D});
+  } catch (const Error &e) {
+    if (e.status() != AKV_ERR_BUDGET || headroom == 0) throw;
+    fail(AKV_ERR_BUDGET, "with headroom_tokens ", headroom, " the compacted cache of T=", T,
+         " tokens gets retain_fraction ", effective, " of theta ", theta, ": ", e.what());
+  }
+
+  // Dense pre-RoPE K^ and V^ of every token, [H][T][D] fp32, and who may become an anchor.
+  std::vector<float> keys(static_cast<size_t>(H) * T * D), values(keys.size());
+  std::vector<int8_t> priority(static_cast<size_t>(H) * T, 0);
+  const int64_t free_old = m.anchors - W;
+  const int64_t *anchor_tokens = old.section<int64_t>(kAnchorTokens);
+  context->pool->parallel_for(H, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h) {
+      reconstruct_head_cpu(old, static_cast<int>(h), false, &keys[h * T * D], &values[h * T * D], nullptr);
+      int8_t *pr = &priority[h * T];
+      for (int64_t a = 0; a < free_old; ++a) pr[anchor_tokens[h * free_old + a]] = 3;
+      for (int64_t t = g.prefix; t < S; ++t) pr[t] = 2;
+      for (int64_t t = S; t < T; ++t) pr[t] = 1;
+    }
+  });
+
+  akv_prefill p;
+  akv_prefill_init(&p);
+  p.shape = akv_shape{T, H, Hq, D};
+  p.dtype = AKV_DTYPE_F32;
+  p.keys = keys.data();
+  p.values = values.data();
+  p.queries = queries;
+  p.positions = pos.data();
+  const CompressRequest req{context, &p, &o, priority.data()};
+  std::unique_ptr<akv_cache> cache = compress_anchorkv_cpu(req);
+  // The cache keeps its caller-facing conventions and target.
+  cache->meta.keys_post_rope = m.keys_post_rope;
+  cache->compress_options = old.compress_options;
+  cache->compactions = old.compactions + 1;
+  return cache;
+}
+
+}  // namespace akv
