@@ -259,7 +259,8 @@ typedef struct akv_compress_options {
                                      residual energy against their best-|cos| anchor, keys and
                                      values each relative to their mean). 0..64; default 4 */
   /* ---- Long generations (appended in 0.2; see akv_cache_compact) ---- */
-  int64_t compact_after;          /* ANCHORKV on a CPU context: automatic compaction. 0 = never
+  int64_t compact_after;          /* ANCHORKV, SNAPKV, PYRAMIDKV, ANDPRO on a CPU context:
+                                     automatic compaction (akv_cache_compact). 0 = never
                                      (default). n > 0: akv_decode / akv_decode_batch record the
                                      queries they are given, and once the appended suffix holds
                                      more than n tokens (at least window) and the queries of the
@@ -405,7 +406,7 @@ AKV_API akv_status akv_decode_batch(akv_context *context, akv_cache *const *cach
  * tokens become the exact window, and later tokens are appended (dense) after them.
  *  - queries: [Hq][window][D] in `dtype`, the post-RoPE queries of the last `window` cached
  *    tokens (what akv_compress takes at prefill); they score the new anchors and residuals.
- *  - The prompt's anchors stay anchors (stored exactly); when the new anchor count has room
+ *  - AnchorKV: the prompt's anchors stay anchors (stored exactly); when the new anchor count has room
  *    the old window and then appended tokens become anchors (the scored share by window
  *    attention, the rest for coverage, as at prefill); an old token is re-assigned from its
  *    reconstruction (gamma x_a + residual), appended tokens from their exact values. Residual
@@ -416,8 +417,13 @@ AKV_API akv_status akv_decode_batch(akv_context *context, akv_cache *const *cach
  *    (1 - theta)*4*n*H*D, so that compressed + dense suffix stays within theta of M_full at
  *    every step until the suffix exceeds n tokens (compact again then). AKV_ERR_BUDGET (cache
  *    unchanged) when that leaves less than the anchors and metadata need.
- *  - Needs at least `window` appended tokens whose last `window` positions are consecutive.
- *    AnchorKV only: other methods answer AKV_ERR_UNSUPPORTED. The suffix reservation is kept.
+ *  - Needs at least `window` appended tokens whose last `window` positions are consecutive
+ *    (AnchorKV). The suffix reservation is kept.
+ *  - SNAPKV, PYRAMIDKV, ANDPRO: the decode-time variant of eviction (AnDPro's rebuttal: online
+ *    updates during decoding at the same budget): the kept prompt tokens and the appended
+ *    ones are scored again with these queries as at prefill, and the method keeps its budget
+ *    of T tokens (B = floor(theta' T), theta' as above) among them; an evicted token never
+ *    comes back. ADAKV (no decode-time variant), FULLKV and QUANTIZED: AKV_ERR_UNSUPPORTED.
  *  - Cost: one compression of T tokens from the reconstruction (O(T), not O(appended)).
  *  - CUDA: the cache is staged through host memory (copied down, compacted by the CPU code,
  *    copied back to new device buffers): the call synchronises `stream`, allocates, and must

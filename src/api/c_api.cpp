@@ -244,7 +244,7 @@ void compact_in_place(akv_cache &c, const float *q, int64_t headroom, void *stre
 // queries of the last W tokens are all recorded. q: [Hq][q_len][D] fp32.
 void record_and_maybe_compact(akv_cache &c, const float *q, int32_t q_len) {
   const int64_t n = c.compress_options.compact_after;
-  if (n <= 0 || c.meta.method != AKV_METHOD_ANCHORKV) return;
+  if (n <= 0) return;
   const int64_t W = c.meta.window, Hq = c.meta.shape.num_q_heads, D = c.meta.shape.head_dim, T = c.total_tokens();
   if (c.recent_tokens.empty()) {
     c.recent_tokens.assign(W, -1);
@@ -393,6 +393,12 @@ AKV_API void akv_prefill_init(akv_prefill *p) {
 
 namespace {
 
+// Methods akv_cache_compact folds: AnchorKV, and the eviction baselines with a decode-time
+// variant (AnDPro's rebuttal: AnDPro and SnapKV; PyramidKV is SnapKV with a layer budget).
+bool compactable(akv_method m) {
+  return m == AKV_METHOD_ANCHORKV || m == AKV_METHOD_SNAPKV || m == AKV_METHOD_PYRAMIDKV || m == AKV_METHOD_ANDPRO;
+}
+
 akv_compress_options resolve_options(const akv_compress_options *options) {
   akv_compress_options defaults;
   akv_compress_options_init(&defaults);
@@ -423,8 +429,9 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
     fail(AKV_ERR_INVALID_ARGUMENT, "coverage_rounds ", o.coverage_rounds, " must be in [0, 64]");
   if (o.compact_after < 0 || o.compact_after > INT32_MAX)
     fail(AKV_ERR_INVALID_ARGUMENT, "compact_after ", o.compact_after, " must be in [0, 2^31) (0 = never)");
-  if (o.compact_after > 0 && o.method != AKV_METHOD_ANCHORKV)
-    fail(AKV_ERR_UNSUPPORTED, "compact_after is for AnchorKV caches (method ", static_cast<int>(o.method), ")");
+  if (o.compact_after > 0 && !compactable(o.method))
+    fail(AKV_ERR_UNSUPPORTED, "compact_after is for AnchorKV, SnapKV, PyramidKV and AnDPro caches (method ",
+         static_cast<int>(o.method), ")");
   return o;
 }
 
@@ -629,9 +636,9 @@ AKV_API akv_status akv_cache_compact(akv_cache *cache, const void *queries, akv_
     check_not_null(queries, "queries");
     check_input_dtype(dtype, "dtype");
     akv_cache &c = *cache;
-    if (c.meta.method != AKV_METHOD_ANCHORKV)
-      fail(AKV_ERR_UNSUPPORTED, "akv_cache_compact supports AnchorKV caches only (method ",
-           static_cast<int>(c.meta.method), ")");
+    if (!compactable(c.meta.method))
+      fail(AKV_ERR_UNSUPPORTED, "akv_cache_compact supports AnchorKV, SnapKV, PyramidKV and AnDPro caches (method ",
+           static_cast<int>(c.meta.method), "; AdaKV has no decode-time variant)");
     if (headroom_tokens < 0 || headroom_tokens > INT32_MAX)
       fail(AKV_ERR_INVALID_ARGUMENT, "headroom_tokens ", headroom_tokens, " must be in [0, 2^31)");
     if (c.suffix_len < c.meta.window)

@@ -586,8 +586,10 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     o.anchor_share = r.get<double>("anchor_share");
     o.guard_fraction = r.get<double>("guard_fraction");
     o.coverage_rounds = r.get<int32_t>("coverage_rounds");
-    corrupt_unless(c.compactions >= 0 && (c.compactions == 0 || anchor), "compactions");
-    corrupt_unless(o.compact_after >= 0 && o.compact_after <= INT32_MAX && (o.compact_after == 0 || anchor),
+    const bool foldable = anchor || m.method == AKV_METHOD_SNAPKV || m.method == AKV_METHOD_PYRAMIDKV ||
+                          m.method == AKV_METHOD_ANDPRO;  // what akv_cache_compact folds
+    corrupt_unless(c.compactions >= 0 && (c.compactions == 0 || foldable), "compactions");
+    corrupt_unless(o.compact_after >= 0 && o.compact_after <= INT32_MAX && (o.compact_after == 0 || foldable),
                    "compact_after");
     corrupt_unless(std::isfinite(o.retain_fraction) && o.retain_fraction >= m.retain_fraction && o.retain_fraction <= 1.0,
                    "target retain_fraction");

@@ -22,10 +22,46 @@
 
 namespace akv {
 
+namespace {
+
+// The decode-time variant of the eviction baselines (AnDPro's rebuttal: "online updates during
+// decoding" at a fixed budget and step): the kept prompt tokens and the appended ones are
+// scored again with the queries of the last W tokens, as at prefill, and the method keeps its
+// budget of T tokens among those still present (what was evicted stays evicted).
+std::unique_ptr<akv_cache> reevict(const akv_cache &old, akv_context *context, const float *queries,
+                                   akv_compress_options o, const std::vector<int32_t> &pos) {
+  const CacheMeta &m = old.meta;
+  const int64_t T = old.total_tokens();
+  const int H = m.shape.num_kv_heads, Hq = m.shape.num_q_heads, D = m.shape.head_dim;
+  std::vector<float> keys(static_cast<size_t>(H) * T * D), values(keys.size());
+  std::vector<uint8_t> present(static_cast<size_t>(H) * T);
+  context->pool->parallel_for(H, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h)
+      reconstruct_head_cpu(old, static_cast<int>(h), true, &keys[h * T * D], &values[h * T * D], &present[h * T]);
+  });
+  o.keys_post_rope = 1;  // the reconstruction is post-RoPE: the kept keys go back unchanged
+  akv_prefill p;
+  akv_prefill_init(&p);
+  p.shape = akv_shape{T, H, Hq, D};
+  p.dtype = AKV_DTYPE_F32;
+  p.keys = keys.data();
+  p.values = values.data();
+  p.queries = queries;
+  p.positions = pos.data();
+  CompressRequest req{context, &p, &o};
+  req.present = present.data();
+  return compress_eviction_cpu(req);
+}
+
+}  // namespace
+
 std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *context, const float *queries,
                                              int64_t headroom) {
   const CacheMeta &m = old.meta;
-  require(m.method == AKV_METHOD_ANCHORKV, AKV_ERR_UNSUPPORTED, "akv_cache_compact supports AnchorKV caches only");
+  const bool anchor = m.method == AKV_METHOD_ANCHORKV;
+  require(anchor || m.method == AKV_METHOD_SNAPKV || m.method == AKV_METHOD_PYRAMIDKV || m.method == AKV_METHOD_ANDPRO,
+          AKV_ERR_UNSUPPORTED, "akv_cache_compact supports AnchorKV, SnapKV, PyramidKV and AnDPro caches (method ",
+          static_cast<int>(m.method), "; AdaKV has no decode-time variant)");
   const int64_t S = m.shape.seq_len, L = old.suffix_len, T = S + L;
   const int H = m.shape.num_kv_heads, Hq = m.shape.num_q_heads, D = m.shape.head_dim, W = m.window;
   require(L >= W, AKV_ERR_INVALID_ARGUMENT, "akv_cache_compact needs at least window=", W,
@@ -33,11 +69,16 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
   require(headroom >= 0, AKV_ERR_INVALID_ARGUMENT, "headroom_tokens ", headroom, " is negative");
   require(T <= INT32_MAX, AKV_ERR_UNSUPPORTED, "compacted length ", T, " exceeds int32");
 
-  // Positions of all T tokens: the prefix, the old window (consecutive), the suffix.
+  // Positions of all T tokens: the prompt's (AnchorKV: the prefix, then the consecutive
+  // window), then the suffix.
   const AnchorGeometry &g = old.geometry;
   std::vector<int32_t> pos(T);
-  std::memcpy(pos.data(), old.section<int32_t>(kPositions), g.prefix * sizeof(int32_t));
-  for (int w = 0; w < W; ++w) pos[g.prefix + w] = static_cast<int32_t>(m.window_first_position + w);
+  if (anchor) {
+    std::memcpy(pos.data(), old.section<int32_t>(kPositions), g.prefix * sizeof(int32_t));
+    for (int w = 0; w < W; ++w) pos[g.prefix + w] = static_cast<int32_t>(m.window_first_position + w);
+  } else {
+    std::copy(old.dense_positions.begin(), old.dense_positions.end(), pos.begin());
+  }
   std::copy(old.suffix_positions.begin(), old.suffix_positions.end(), pos.begin() + S);
 
   // The budget: theta of M_full(T), less what `headroom` dense tokens cost beyond their share.
@@ -51,21 +92,40 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
          " tokens pays for ", theta * full, " bytes, and ", headroom, " dense tokens need ", reserve,
          " of them beyond their share");
   o.retain_fraction = effective;
-  o.keys_post_rope = 0;  // the reconstruction is pre-RoPE
   o.storage_dtype = m.storage;
   o.softmax_scale = m.softmax_scale;
   o.rope.style = m.rope_style;
   o.rope.rotary_dim = m.rotary_dim;
   o.rope.inv_freq = m.inv_freq.empty() ? nullptr : m.inv_freq.data();
   try {
-    anchor_geometry(o, akv_shape{T, H, Hq, D});
+    compressed_footprint(o, akv_shape{T, H, Hq, D});
   } catch (const Error &e) {
     if (e.status() != AKV_ERR_BUDGET || headroom == 0) throw;
     fail(AKV_ERR_BUDGET, "with headroom_tokens ", headroom, " the compacted cache of T=", T,
          " tokens gets retain_fraction ", effective, " of theta ", theta, ": ", e.what());
   }
 
+  if (anchor && o.anchors == 0 && anchor_geometry(o, akv_shape{T, H, Hq, D}).anchors < m.anchors) {
+    // The automatic count at this budget (lower than the prompt's with headroom) would demote
+    // old anchors, and their tokens lean on them: keep the old count when it fits.
+    akv_compress_options keep = o;
+    keep.anchors = m.anchors;
+    try {
+      anchor_geometry(keep, akv_shape{T, H, Hq, D});
+      o = keep;
+    } catch (const Error &) {
+    }
+  }
+  if (!anchor) {  // dense caches keep exact tokens: re-evict
+    std::unique_ptr<akv_cache> cache = reevict(old, context, queries, o, pos);
+    cache->meta.keys_post_rope = m.keys_post_rope;
+    cache->compress_options = old.compress_options;
+    cache->compactions = old.compactions + 1;
+    return cache;
+  }
+
   // Dense pre-RoPE K^ and V^ of every token, [H][T][D] fp32, and who may become an anchor.
+  o.keys_post_rope = 0;  // the reconstruction is pre-RoPE
   std::vector<float> keys(static_cast<size_t>(H) * T * D), values(keys.size());
   std::vector<int8_t> priority(static_cast<size_t>(H) * T, 0);
   const int64_t free_old = m.anchors - W;

@@ -16,6 +16,9 @@ struct CompressRequest {
   // first: 3 the old cache's non-window anchors, 2 its window, 1 exact appended tokens, 0
   // tokens only known through their old representation. Null = every token alike (prefill).
   const int8_t *anchor_priority = nullptr;
+  // Compaction (SnapKV, PyramidKV, AnDPro): [H][S], 0 for tokens evicted before; they are
+  // left out of the window attention and never kept. Null = every token present.
+  const uint8_t *present = nullptr;
 };
 
 // A new cache of the request's context with what every method shares: the meta fields
@@ -49,7 +52,7 @@ std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req);
 
 // akv_cache_compact on the CPU (methods/compact_cpu.cpp): a new cache of the same method that
 // holds the whole of `cache` (T = S + appended tokens) in the compressed form with an empty
-// suffix. queries: [Hq][W][D] fp32, post-RoPE, of the last W cached tokens. headroom: dense
+// suffix (AnchorKV; SnapKV, PyramidKV and AnDPro re-evict at the budget of T). queries: [Hq][W][D] fp32, post-RoPE, of the last W cached tokens. headroom: dense
 // tokens to leave budget for (the compressed part gets theta*M_full(T) minus what `headroom`
 // dense tokens cost beyond their theta share). `cache` is not modified.
 std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &cache, akv_context *context, const float *queries,

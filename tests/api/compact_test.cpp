@@ -286,15 +286,16 @@ TEST(Compact, BadInputLeavesTheCacheAsItWas) {
      "akv_append");
   EXPECT_EQ(akv_cache_compact(gapped.get(), q, AKV_DTYPE_F32, 0, nullptr), AKV_ERR_UNSUPPORTED);
   EXPECT_EQ(cache_stats(gapped.get()).appended_tokens, 40);
-  // Other methods.
-  akv_compress_options snap;
-  akv_compress_options_init_method(&snap, AKV_METHOD_SNAPKV);
-  snap.retain_fraction = 0.3;
-  snap.window = 32;
-  CachePtr evicting = compress(ctx.get(), g.prompt, snap);
+  // Methods without a decode-time variant.
+  akv_compress_options ada;
+  akv_compress_options_init_method(&ada, AKV_METHOD_ADAKV);
+  ada.retain_fraction = 0.3;
+  ada.window = 32;
+  CachePtr evicting = compress(ctx.get(), g.prompt, ada);
   ok(akv_append(evicting.get(), g.appended_keys.data(), g.appended_values.data(), AKV_DTYPE_F32, 40, nullptr, nullptr),
      "akv_append");
   EXPECT_EQ(akv_cache_compact(evicting.get(), q, AKV_DTYPE_F32, 0, nullptr), AKV_ERR_UNSUPPORTED);
+  EXPECT_TRUE(contains_case_insensitive(akv_last_error_message(), "AdaKV"));
   // The cache that refused everything still compacts.
   ok(akv_cache_compact(cache.get(), q, AKV_DTYPE_F32, 0, nullptr), "akv_cache_compact");
   EXPECT_EQ(cache_stats(cache.get()).shape.seq_len, 552);
@@ -305,6 +306,47 @@ TEST(Compact, BadInputLeavesTheCacheAsItWas) {
   akv_cache *out = nullptr;
   EXPECT_EQ(akv_compress(ctx.get(), &p, &o, &out, nullptr), AKV_ERR_INVALID_ARGUMENT);
   EXPECT_TRUE(contains_case_insensitive(akv_last_error_message(), "compact_after"));
+}
+
+// The decode-time variant of eviction: the budget of T, only tokens that were kept (or
+// appended) and exactly as they were, the window kept.
+TEST(Compact, EvictionReevictsAtTheBudgetOfTheTotalLength) {
+  AKV_TRACE_SEED(78);
+  const Generation g = make_generation(78, 1024, 512);
+  ContextPtr ctx = make_context(2);
+  for (akv_method method : {AKV_METHOD_SNAPKV, AKV_METHOD_PYRAMIDKV, AKV_METHOD_ANDPRO}) {
+    SCOPED_TRACE(static_cast<int>(method));
+    akv_compress_options o;
+    akv_compress_options_init_method(&o, method);
+    o.retain_fraction = 0.2;
+    o.window = 32;
+    CachePtr cache = compress(ctx.get(), g.prompt, o);
+    append_all(cache.get(), g);
+    const Dense before = reconstruct(cache.get(), 1);
+    ok(akv_cache_compact(cache.get(), g.full.queries.data(), AKV_DTYPE_F32, 0, nullptr), "akv_cache_compact");
+    const akv_cache_stats s = cache_stats(cache.get());
+    const int64_t T = 1536;
+    EXPECT_EQ(s.shape.seq_len, T);
+    EXPECT_EQ(s.appended_tokens, 0);
+    EXPECT_EQ(s.compactions, 1);
+    EXPECT_EQ(s.compressed_bytes, 4ull * 64 * 2 * static_cast<uint64_t>(std::floor(0.2 * T)));  // 2 heads x B
+    const Dense after = reconstruct(cache.get(), 1);
+    int64_t kept_suffix = 0;
+    for (int h = 0; h < 2; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        if (t >= T - 32) ASSERT_TRUE(after.present[h * T + t]) << "window token " << t;
+        if (!after.present[h * T + t]) continue;
+        ASSERT_TRUE(before.present[h * T + t]) << "token " << t << " of head " << h << " came back";
+        kept_suffix += t >= 1024;
+        for (int i = 0; i < 64; ++i) {
+          ASSERT_EQ(after.key_row(h, t)[i], before.key_row(h, t)[i]);
+          ASSERT_EQ(after.value_row(h, t)[i], before.value_row(h, t)[i]);
+        }
+      }
+    EXPECT_GT(kept_suffix, 2 * 32);  // appended tokens compete with the prompt's
+    CachePtr copy = deserialize(ctx.get(), serialize(cache.get()));
+    EXPECT_EQ(cache_stats(copy.get()).compactions, 1);
+  }
 }
 
 // The policy compacts when the suffix exceeds compact_after tokens, with the recorded queries

@@ -5,6 +5,11 @@
 //   - AnchorKV with the dense suffix (the paper: every generated token stays exact);
 //   - AnchorKV with compaction (compact_after = --compact-after: the policy folds the suffix
 //     back into the compressed form, headroom as the policy sets it);
+//   - SnapKV with a dense suffix, and the decode-time variants of SnapKV and AnDPro (the same
+//     policy re-evicts at the budget of the current length);
+//   - the dense-suffix cache compacted once at the end (akv_cache_compact, headroom 0);
+//   - the compacted cache with its last suffix folded too (akv_cache_compact, headroom 0):
+//     the same length and budget as
 //   - AnchorKV compressed in one go at the final length (the target of the fidelity bound).
 // Data: K/V of S + N tokens from the synthetic generator of `anchorkv eval` (topic segments
 // over the whole sequence, so the generated text moves through topics too). Queries (post-RoPE)
@@ -103,6 +108,16 @@ akv_cache_stats stats_of(akv_cache *cache) {
   return s;
 }
 
+CacheHandle clone(akv_context *ctx, akv_cache *cache) {
+  size_t n = 0;
+  check(akv_cache_serialized_size(cache, &n), "akv_cache_serialized_size");
+  std::vector<uint8_t> bytes(n);
+  check(akv_cache_serialize(cache, bytes.data(), n, nullptr, nullptr), "akv_cache_serialize");
+  akv_cache *copy = nullptr;
+  check(akv_cache_deserialize(ctx, bytes.data(), n, &copy, nullptr), "akv_cache_deserialize");
+  return CacheHandle(copy);
+}
+
 CacheHandle compress(akv_context *ctx, const std::vector<float> &keys, const std::vector<float> &values,
                      const std::vector<float> &window_q, const EvalShape &shape, int64_t tokens,
                      const akv_compress_options &o) {
@@ -162,11 +177,17 @@ int run_generate(int argc, char **argv) {
   ContextHandle ctx = create_context(AKV_BACKEND_CPU, st.threads);
   const Rotary rotary(source.positions().rope, D);
 
-  enum { kFull, kDense, kCompact, kOneShot, kMethods };
-  const char *names[kMethods] = {"FullKV", "AnchorKV (dense suffix)", "AnchorKV (compacted)", "AnchorKV (one shot at T)"};
+  // The caches that follow the generation step by step (kLive of them), then the ones made at
+  // the end.
+  enum { kFull, kDense, kCompact, kSnapDense, kSnapDecode, kAndproDecode, kLive, kFolded = kLive, kOnce, kOneShot,
+         kMethods };
+  const char *names[kMethods] = {"FullKV", "AnchorKV (dense suffix)", "AnchorKV (compacted)",
+                                 "SnapKV (dense suffix)", "SnapKV (decode-time)", "AnDPro (decode-time)",
+                                 "AnchorKV (compacted, folded)", "AnchorKV (dense, folded at T)",
+                                 "AnchorKV (one shot at T)"};
   std::vector<double> cos_sum(kMethods, 0.0), worst(kMethods, 0.0);
   std::vector<uint64_t> final_bytes(kMethods, 0);
-  std::vector<std::vector<uint64_t>> curve;  // rows: step, tokens, full, dense, compact (summed over layers)
+  std::vector<std::vector<uint64_t>> curve;  // rows: step, tokens, then bytes of the live caches (all layers)
   double compact_seconds = 0.0, compact_suffix_tokens = 0.0, policy_seconds = 0.0;
   int64_t policy_compactions = 0, cells = 0;
 
@@ -198,9 +219,22 @@ int run_generate(int argc, char **argv) {
     anchor.layer_count = st.layers;
     akv_compress_options policy = anchor;
     policy.compact_after = st.compact_after;
-    CacheHandle caches[3] = {compress(ctx.get(), pk, pv, pq, cfg.shape, S, full),
-                             compress(ctx.get(), pk, pv, pq, cfg.shape, S, anchor),
-                             compress(ctx.get(), pk, pv, pq, cfg.shape, S, policy)};
+    auto eviction = [&](akv_method method, int64_t compact_after) {
+      akv_compress_options o;
+      akv_compress_options_init_method(&o, method);
+      o.retain_fraction = st.retain;
+      o.window = W;  // the queries made here cover W positions
+      o.compact_after = compact_after;
+      return o;
+    };
+    CacheHandle caches[kLive] = {compress(ctx.get(), pk, pv, pq, cfg.shape, S, full),
+                                 compress(ctx.get(), pk, pv, pq, cfg.shape, S, anchor),
+                                 compress(ctx.get(), pk, pv, pq, cfg.shape, S, policy),
+                                 compress(ctx.get(), pk, pv, pq, cfg.shape, S, eviction(AKV_METHOD_SNAPKV, 0)),
+                                 compress(ctx.get(), pk, pv, pq, cfg.shape, S,
+                                          eviction(AKV_METHOD_SNAPKV, st.compact_after)),
+                                 compress(ctx.get(), pk, pv, pq, cfg.shape, S,
+                                          eviction(AKV_METHOD_ANDPRO, st.compact_after))};
     std::vector<float> out(static_cast<size_t>(Hq) * D);
     std::vector<float> k(static_cast<size_t>(H) * D), v(k.size());
     for (int64_t i = 0; i < N; ++i) {
@@ -212,7 +246,7 @@ int run_generate(int argc, char **argv) {
       }
       const std::vector<float> q = qm.at(p, focus);
       recent.push_back(q);
-      for (int m = 0; m < 3; ++m) {
+      for (int m = 0; m < kLive; ++m) {
         check(akv_append(caches[m].get(), k.data(), v.data(), AKV_DTYPE_F32, 1, nullptr, nullptr), "akv_append");
         const int64_t before = m == kCompact ? stats_of(caches[m].get()).compactions : 0;
         Stopwatch sw;
@@ -224,31 +258,32 @@ int run_generate(int argc, char **argv) {
       }
       if (i % st.every == 0 || i == N - 1) {
         const size_t row = static_cast<size_t>(i / st.every + (i == N - 1 && i % st.every ? 1 : 0));
-        if (layer == 0) curve.push_back({static_cast<uint64_t>(i + 1), static_cast<uint64_t>(p + 1), 0, 0, 0});
-        for (int m = 0; m < 3; ++m) curve[row][2 + m] += bytes_of(caches[m].get());
+        if (layer == 0) {
+          curve.push_back({static_cast<uint64_t>(i + 1), static_cast<uint64_t>(p + 1)});
+          curve.back().resize(2 + kLive, 0);
+        }
+        for (int m = 0; m < kLive; ++m) curve[row][2 + m] += bytes_of(caches[m].get());
       }
     }
     // One-shot compression at T with the queries of the last W generated tokens.
     const std::vector<float> last_w = window_queries({recent.end() - W, recent.end()});
     CacheHandle one_shot = compress(ctx.get(), lt.keys, lt.values, last_w, cfg.shape, T, anchor);
-    // The explicit call's time on the dense-suffix cache (N - W... all N suffix tokens).
-    {
-      const std::vector<uint8_t> bytes = [&] {
-        size_t n = 0;
-        check(akv_cache_serialized_size(caches[kDense].get(), &n), "akv_cache_serialized_size");
-        std::vector<uint8_t> b(n);
-        check(akv_cache_serialize(caches[kDense].get(), b.data(), n, nullptr, nullptr), "akv_cache_serialize");
-        return b;
-      }();
-      akv_cache *copy = nullptr;
-      check(akv_cache_deserialize(ctx.get(), bytes.data(), bytes.size(), &copy, nullptr), "akv_cache_deserialize");
-      CacheHandle owned(copy);
-      Stopwatch sw;
-      check(akv_cache_compact(copy, last_w.data(), AKV_DTYPE_F32, 0, nullptr), "akv_cache_compact");
-      compact_seconds += sw.seconds();
-      compact_suffix_tokens += static_cast<double>(N);
-    }
-    akv_cache *all[kMethods] = {caches[kFull].get(), caches[kDense].get(), caches[kCompact].get(), one_shot.get()};
+    // The explicit call's time on a copy of the dense-suffix cache (the whole N-token suffix).
+    CacheHandle whole = clone(ctx.get(), caches[kDense].get());
+    Stopwatch sw;
+    check(akv_cache_compact(whole.get(), last_w.data(), AKV_DTYPE_F32, 0, nullptr), "akv_cache_compact");
+    compact_seconds += sw.seconds();
+    compact_suffix_tokens += static_cast<double>(N);
+    // The compacted cache with its last suffix folded too (headroom 0): the same length and
+    // budget as the one-shot compression, for the fidelity bound.
+    CacheHandle folded = clone(ctx.get(), caches[kCompact].get());
+    if (stats_of(folded.get()).appended_tokens >= W)
+      check(akv_cache_compact(folded.get(), last_w.data(), AKV_DTYPE_F32, 0, nullptr), "akv_cache_compact");
+    akv_cache *all[kMethods];
+    for (int m = 0; m < kLive; ++m) all[m] = caches[m].get();
+    all[kFolded] = folded.get();
+    all[kOnce] = whole.get();
+    all[kOneShot] = one_shot.get();
     for (int m = 0; m < kMethods; ++m) final_bytes[m] += bytes_of(all[m]);
     std::vector<float> exact(out.size());
     for (int j = 0; j < st.probes; ++j) {
@@ -269,25 +304,29 @@ int run_generate(int argc, char **argv) {
 
   // The budget after the first compaction: footprint / (theta M_full) over the steps.
   const double per_token = 4.0 * H * D * st.layers;
-  double worst_ratio = 0.0;
-  bool compacted = false;
+  double worst_ratio[kLive] = {};
   for (const auto &row : curve) {
     const double budget = st.retain * per_token * static_cast<double>(row[1]);
-    if (row[1] > static_cast<uint64_t>(S + st.compact_after)) compacted = true;
-    if (compacted) worst_ratio = std::max(worst_ratio, row[4] / budget);
+    if (row[1] <= static_cast<uint64_t>(S + st.compact_after)) continue;  // before the first compaction
+    for (int m = 0; m < kLive; ++m) worst_ratio[m] = std::max(worst_ratio[m], row[2 + m] / budget);
   }
   std::printf("Generation: prompt S=%lld, N=%lld generated tokens, %d layer(s), H=%d, Hq=%d, D=%d, W=%d, "
               "theta=%g (%gx), compact_after=%lld, %d probes per query head\n",
               static_cast<long long>(S), static_cast<long long>(N), st.layers, H, Hq, D, W, st.retain,
               1.0 / st.retain, static_cast<long long>(st.compact_after), st.probes);
-  std::printf("%-26s %14s %10s %14s %12s\n", "method", "bytes at end", "x M_full", "mean cos", "cells<0.9");
+  std::printf("%-30s %14s %10s %10s %12s %16s\n", "method", "bytes at end", "x M_full", "mean cos", "cells<0.9",
+              "max/(theta M)");
   const double m_full = per_token * static_cast<double>(T);
   for (int m = 0; m < kMethods; ++m)
-    std::printf("%-26s %14llu %10.4f %14.4f %11.1f%%\n", names[m], static_cast<unsigned long long>(final_bytes[m]),
-                final_bytes[m] / m_full, cos_sum[m] / cells, 100.0 * worst[m] / cells);
-  std::printf("compacted vs one shot at T: mean cos difference %+.4f (target: within 0.005)\n",
-              (cos_sum[kCompact] - cos_sum[kOneShot]) / cells);
-  std::printf("after the first compaction, max footprint / (theta M_full) = %.4f (target <= 1)\n", worst_ratio);
+    std::printf("%-30s %14llu %10.4f %10.4f %11.1f%% %16s\n", names[m], static_cast<unsigned long long>(final_bytes[m]),
+                final_bytes[m] / m_full, cos_sum[m] / cells, 100.0 * worst[m] / cells,
+                m < kLive && m != kFull ? format_fixed(worst_ratio[m], 4).c_str() : "");
+  std::printf("mean cos against one shot at T: compacted %+.4f, compacted and folded %+.4f, dense folded once "
+              "%+.4f (target: within 0.005)\n",
+              (cos_sum[kCompact] - cos_sum[kOneShot]) / cells, (cos_sum[kFolded] - cos_sum[kOneShot]) / cells,
+              (cos_sum[kOnce] - cos_sum[kOneShot]) / cells);
+  std::printf("max/(theta M): the largest footprint / (theta M_full) over the steps after the first compaction"
+              " (target <= 1 for the compacted caches)\n");
   std::printf("policy compactions: %lld, %.1f ms each (inside akv_decode)\n", static_cast<long long>(policy_compactions),
               policy_compactions ? 1e3 * policy_seconds / policy_compactions : 0.0);
   std::printf("one compaction of the whole %lld-token suffix at T=%lld: %.1f ms per 1K suffix tokens (CPU, %d threads)\n",
@@ -296,12 +335,12 @@ int run_generate(int argc, char **argv) {
   if (!st.curve.empty()) {
     std::FILE *f = std::fopen(st.curve.c_str(), "w");
     if (!f) throw CliError("--curve: cannot write \"" + st.curve + "\"");
-    std::fprintf(f, "step,tokens,full_bytes,anchorkv_dense_suffix_bytes,anchorkv_compacted_bytes,theta_full_bytes\n");
-    for (const auto &row : curve)
-      std::fprintf(f, "%llu,%llu,%llu,%llu,%llu,%.0f\n", static_cast<unsigned long long>(row[0]),
-                   static_cast<unsigned long long>(row[1]), static_cast<unsigned long long>(row[2]),
-                   static_cast<unsigned long long>(row[3]), static_cast<unsigned long long>(row[4]),
-                   st.retain * per_token * static_cast<double>(row[1]));
+    std::fprintf(f, "step,tokens,full,anchorkv_dense_suffix,anchorkv_compacted,snapkv_dense_suffix,snapkv_decode_time,"
+                 "andpro_decode_time,theta_full\n");
+    for (const auto &row : curve) {
+      for (size_t c = 0; c < row.size(); ++c) std::fprintf(f, "%llu,", static_cast<unsigned long long>(row[c]));
+      std::fprintf(f, "%.0f\n", st.retain * per_token * static_cast<double>(row[1]));
+    }
     if (std::fclose(f) != 0) throw CliError("--curve: error writing \"" + st.curve + "\"");
   }
   return 0;
