@@ -160,11 +160,12 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
 }
 
 // Compaction (akv_cache_compact): the `free_anchors` non-window anchors of one head by
-// priority level (methods.hpp CompressRequest::anchor_priority). The old anchors (3), then the
-// old window (2), best pooled score first, as long as slots are left; then the appended tokens
+// priority level (methods.hpp CompressRequest::anchor_priority). The old anchors (3 and the
+// old window 2), the most leaned-on first (weight: their dependents), as long as slots are left; then the appended tokens
 // (1) as at prefill (the scored share of the slots left by score, the rest for coverage or by
 // the seeded sample); then, only if slots are still left, the other old tokens (0) by score.
-std::vector<int32_t> ranked_anchors(const int8_t *priority, const std::vector<float> &pooled, int64_t free_anchors,
+std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight, const std::vector<float> &pooled,
+                                    int64_t free_anchors,
                                     const akv_compress_options &o, const std::vector<float> &Kpre,
                                     const std::vector<float> &V, int64_t S, int64_t P, int D, int head,
                                     ThreadPool &pool) {
@@ -184,8 +185,20 @@ std::vector<int32_t> ranked_anchors(const int8_t *priority, const std::vector<fl
     }
   };
   auto left = [&] { return free_anchors - static_cast<int64_t>(picks.size()); };
-  take_best(3, left());
-  take_best(2, left());
+  {  // the old anchors, most leaned-on first
+    std::vector<int32_t> old;
+    for (int64_t t = 0; t < P; ++t)
+      if (priority[t] >= 2) old.push_back(static_cast<int32_t>(t));
+    const int64_t n = std::min<int64_t>(left(), static_cast<int64_t>(old.size()));
+    std::partial_sort(old.begin(), old.begin() + n, old.end(), [&](int32_t a, int32_t b) {
+      if (weight[a] != weight[b]) return weight[a] > weight[b];
+      return pooled[a] != pooled[b] ? pooled[a] > pooled[b] : a < b;
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      picks.push_back(old[i]);
+      taken[old[i]] = 1;
+    }
+  }
   const int64_t slots = left();
   if (slots > 0) {
     take_best(1, std::min<int64_t>(slots, std::llround(o.scored_fraction * static_cast<double>(slots))));
@@ -299,8 +312,8 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     // after the scored one is a uniform sample (paper) or chosen for coverage.
     std::vector<int32_t> picks;
     if (req.anchor_priority) {
-      picks = ranked_anchors(req.anchor_priority + static_cast<int64_t>(h) * S, pooled, free_anchors, o, Kpre, V, S,
-                             P, D, h, pool);
+      picks = ranked_anchors(req.anchor_priority + static_cast<int64_t>(h) * S, req.anchor_weight + static_cast<int64_t>(h) * S,
+                             pooled, free_anchors, o, Kpre, V, S, P, D, h, pool);
     } else if (o.coverage_rounds > 0) {
       picks = select_anchors(pooled, n_top, n_top, o.seed, o.layer_index, h);
       add_coverage_anchors(Kpre, V, S, P, D, o.coverage_rounds, free_anchors - n_top, picks, pool);

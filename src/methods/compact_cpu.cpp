@@ -5,14 +5,15 @@
 // exact, the other tokens gamma x_a + decoded residual) and the exact appended tokens. It runs
 // the prefill compression (anchorkv_cpu.cpp) over that sequence with the queries of the last W
 // tokens and one change, the anchor priority: the old anchors stay anchors first (they are
-// exact, and the old tokens lean on them), then the old window, then appended tokens are
-// picked as at prefill; a token known only through its old representation becomes an anchor
+// exact, and the old tokens lean on them; the old window is one of them, and when slots are
+// short the least leaned-on give way), then appended tokens are picked as at prefill; a token known only through its old representation becomes an anchor
 // only if slots are left over. An old token whose anchor stays is re-assigned to it with
 // |cos| = 1 and its residual is its decoded residual re-encoded (codes on the same codebook,
 // so close to lossless); every residual, old or new, competes in one pool per side.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "core/error.hpp"
@@ -128,14 +129,28 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
   o.keys_post_rope = 0;  // the reconstruction is pre-RoPE
   std::vector<float> keys(static_cast<size_t>(H) * T * D), values(keys.size());
   std::vector<int8_t> priority(static_cast<size_t>(H) * T, 0);
+  std::vector<float> weight(static_cast<size_t>(H) * T, 0.0f);  // old anchors: their dependents
   const int64_t free_old = m.anchors - W;
   const int64_t *anchor_tokens = old.section<int64_t>(kAnchorTokens);
+  const uint16_t *index[2] = {old.section<uint16_t>(kKeyIndex), old.section<uint16_t>(kValueIndex)};
+  const int64_t sinks = o.sink_tokens;
   context->pool->parallel_for(H, [&](int64_t b, int64_t e) {
     for (int64_t h = b; h < e; ++h) {
       reconstruct_head_cpu(old, static_cast<int>(h), false, &keys[h * T * D], &values[h * T * D], nullptr);
       int8_t *pr = &priority[h * T];
-      for (int64_t a = 0; a < free_old; ++a) pr[anchor_tokens[h * free_old + a]] = 3;
-      for (int64_t t = g.prefix; t < S; ++t) pr[t] = 2;
+      float *wt = &weight[h * T];
+      std::vector<float> dependents(m.anchors, 0.0f);
+      for (int side = 0; side < 2; ++side)
+        for (int64_t t = 0; t < g.prefix; ++t) dependents[index[side][h * g.prefix + t]] += 1.0f;
+      for (int64_t a = 0; a < free_old; ++a) {
+        const int64_t t = anchor_tokens[h * free_old + a];
+        pr[t] = 3;
+        wt[t] = t < sinks ? std::numeric_limits<float>::infinity() : dependents[a];  // the sinks stay
+      }
+      for (int64_t t = g.prefix; t < S; ++t) {
+        pr[t] = 2;
+        wt[t] = dependents[free_old + (t - g.prefix)];
+      }
       for (int64_t t = S; t < T; ++t) pr[t] = 1;
     }
   });
@@ -148,7 +163,8 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
   p.values = values.data();
   p.queries = queries;
   p.positions = pos.data();
-  const CompressRequest req{context, &p, &o, priority.data()};
+  CompressRequest req{context, &p, &o, priority.data()};
+  req.anchor_weight = weight.data();
   std::unique_ptr<akv_cache> cache = compress_anchorkv_cpu(req);
   // The cache keeps its caller-facing conventions and target.
   cache->meta.keys_post_rope = m.keys_post_rope;

@@ -16,6 +16,9 @@ struct CompressRequest {
   // first: 3 the old cache's non-window anchors, 2 its window, 1 exact appended tokens, 0
   // tokens only known through their old representation. Null = every token alike (prefill).
   const int8_t *anchor_priority = nullptr;
+  // With anchor_priority: [H][S], how much the old anchors (3 and 2) are leaned on (their
+  // dependents); they keep their slots in this order (then by score) when slots are short.
+  const float *anchor_weight = nullptr;
   // Compaction (SnapKV, PyramidKV, AnDPro): [H][S], 0 for tokens evicted before; they are
   // left out of the window attention and never kept. Null = every token present.
   const uint8_t *present = nullptr;

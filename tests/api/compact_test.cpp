@@ -113,10 +113,12 @@ TEST(Compact, KeepsTheOldPromptsRepresentation) {
   const int anchors_before = cache_stats(cache.get()).anchors;
   const Dense before = reconstruct(cache.get(), 0);
   ok(akv_cache_compact(cache.get(), g.full.queries.data(), AKV_DTYPE_F32, 0, nullptr), "akv_cache_compact");
-  ASSERT_GE(cache_stats(cache.get()).anchors, anchors_before);  // room for every old anchor
+  const int anchors_after = cache_stats(cache.get()).anchors;
+  ASSERT_GE(anchors_after, anchors_before);
   const Dense after = reconstruct(cache.get(), 0);
   // The old anchors (the prompt tokens stored exactly: keys and values equal to the input in
-  // bf16) stay exact; the other old tokens move only where a residual is dropped or added.
+  // bf16, the window included) keep as many of the new non-window slots as they fill; the
+  // other old tokens move only where a residual is dropped or added.
   const int64_t T = g.S + g.L;
   auto exact = [&](const Dense &d, int h, int64_t t) {
     for (int i = 0; i < 64; ++i) {
@@ -127,13 +129,13 @@ TEST(Compact, KeepsTheOldPromptsRepresentation) {
     }
     return true;
   };
-  int64_t exact_before = 0;
+  int64_t exact_before = 0, still_exact = 0;
   double moved = 0.0, size = 0.0;
   for (int h = 0; h < 2; ++h)
     for (int64_t t = 0; t < g.S; ++t) {
-      if (t < g.S - 32 && exact(before, h, t)) {  // the old window may give way to the suffix
+      if (exact(before, h, t)) {
         ++exact_before;
-        EXPECT_TRUE(exact(after, h, t)) << "old anchor (head " << h << ", token " << t << ") is no longer exact";
+        still_exact += exact(after, h, t);
       }
       for (int i = 0; i < 64; ++i) {
         const double x = before.key_row(h, t)[i], y = after.key_row(h, t)[i];
@@ -141,7 +143,8 @@ TEST(Compact, KeepsTheOldPromptsRepresentation) {
         size += x * x;
       }
     }
-  EXPECT_GE(exact_before, 2 * (anchors_before - 32));  // the non-window anchors, both heads
+  EXPECT_GE(exact_before, 2 * anchors_before);  // the anchors and the window, both heads
+  EXPECT_GE(still_exact, std::min<int64_t>(exact_before, 2 * (anchors_after - 32)));
   note("old_tokens_moved_energy", moved / size);
   EXPECT_LT(moved / size, 0.15);
 }

@@ -14,6 +14,8 @@ Methods, each at every --ratios value (retain_fraction = 1/ratio):
   compact   AnchorKV with compact_after = --compact-after (the policy folds the suffix back
             into the compressed form during decode, with that headroom);
   snapkv    SnapKV, dense suffix (eviction at prefill only);
+  snapkv-decode  SnapKV's decode-time variant (the same policy re-evicts at the budget of the
+            current length);
 plus fullkv (the library's exact cache) and numpy (exact float32 reference).
 Per row: correct, the answer, the bytes at the end and their ratio to M_full, the largest
 footprint / (theta M_full) after the first compaction, the number of compactions and their
@@ -120,9 +122,9 @@ def run(model, tok, anchorkv, context, data, prompt, generated, key, method, rat
                 continue
             queries = q_window[layer][:, q_window.shape[2] - WINDOW:]
             options.update(retain_fraction=1.0 / ratio, window=WINDOW)
-            if method == "snapkv":
+            if method in ("snapkv", "snapkv-decode"):
                 options["method"] = "snapkv"
-            if method == "compact":
+            if method in ("compact", "snapkv-decode"):
                 options["compact_after"] = args.compact_after
             caches.append(context.compress(keys[layer], values[layer], queries, **options))
         for cache in caches:
@@ -135,7 +137,7 @@ def run(model, tok, anchorkv, context, data, prompt, generated, key, method, rat
         piece = generated[a:a + args.chunk]
         out = model.step(piece, np.arange(position, position + len(piece)), attention)
         position += len(piece)
-        if method in ("dense", "compact", "snapkv"):
+        if method != "numpy" and method != "fullkv":
             stats = [c.stats for c in attention.caches]
             used = sum(s.compressed_bytes + s.appended_bytes for s in stats)
             if first_compaction is None and any(s.compactions for s in stats):
@@ -167,7 +169,8 @@ def main(argv=None):
     parser.add_argument("--key-offset", type=int, default=64, help="generated tokens before the needle")
     parser.add_argument("--chunk", type=int, default=64, help="teacher-forcing step (q_len)")
     parser.add_argument("--ratios", type=float, nargs="+", default=[5, 10])
-    parser.add_argument("--methods", nargs="+", default=["numpy", "fullkv", "dense", "compact", "snapkv"])
+    parser.add_argument("--methods", nargs="+",
+                        default=["numpy", "fullkv", "dense", "compact", "snapkv", "snapkv-decode"])
     parser.add_argument("--compact-after", type=int, default=128)
     parser.add_argument("--trials", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
