@@ -344,6 +344,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
         const float inv = anchor_norm[a] > 0.0f ? 1.0f / anchor_norm[a] : 0.0f;
         for (int d = 0; d < D; ++d) anchor_n[a * D + d] = anchor_f[a * D + d] * inv;
       }
+      const int32_t *sticky = req.sticky_anchor[side] ? req.sticky_anchor[side] + static_cast<int64_t>(h) * S : nullptr;
       uint16_t *idx_out = index[side] + static_cast<int64_t>(h) * P;
       uint16_t *gamma_out = gamma[side] + static_cast<int64_t>(h) * P;
       constexpr int64_t kBlock = 1024;
@@ -356,9 +357,13 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
             const int64_t t = t0 + i;
             int32_t best;
             float g_t;
+            const int32_t stuck = sticky ? sticky[t] : -1;  // compaction: the old assignment
             if (anchor_of_token[t] >= 0) {
               best = anchor_of_token[t];
               g_t = 1.0f;
+            } else if (stuck >= 0 && stuck < P && anchor_of_token[stuck] >= 0) {
+              best = anchor_of_token[stuck];
+              g_t = bf16_to_float(req.sticky_gamma[side][static_cast<int64_t>(h) * S + t]);
             } else {
               const float *c = &C[i * k];
               best = 0;

@@ -7,9 +7,10 @@
 // tokens and one change, the anchor priority: the old anchors stay anchors first (they are
 // exact, and the old tokens lean on them; the old window is one of them, and when slots are
 // short the least leaned-on give way), then appended tokens are picked as at prefill; a token known only through its old representation becomes an anchor
-// only if slots are left over. An old token whose anchor stays is re-assigned to it with
-// |cos| = 1 and its residual is its decoded residual re-encoded (codes on the same codebook,
-// so close to lossless); every residual, old or new, competes in one pool per side.
+// only if slots are left over. An old token whose anchor stays keeps its assignment and
+// coefficient (sticky), so its residual is its decoded residual re-encoded (codes on the same
+// codebook, so close to lossless); an old token whose anchor gave way is re-assigned from its
+// reconstruction. Every residual, old or new, competes in one pool per side.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -130,6 +131,11 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
   std::vector<float> keys(static_cast<size_t>(H) * T * D), values(keys.size());
   std::vector<int8_t> priority(static_cast<size_t>(H) * T, 0);
   std::vector<float> weight(static_cast<size_t>(H) * T, 0.0f);  // old anchors: their dependents
+  std::vector<int32_t> sticky[2] = {std::vector<int32_t>(static_cast<size_t>(H) * T, -1),
+                                    std::vector<int32_t>(static_cast<size_t>(H) * T, -1)};
+  std::vector<uint16_t> sticky_gamma[2] = {std::vector<uint16_t>(static_cast<size_t>(H) * T),
+                                           std::vector<uint16_t>(static_cast<size_t>(H) * T)};
+  const uint16_t *old_gamma[2] = {old.section<uint16_t>(kKeyGamma), old.section<uint16_t>(kValueGamma)};
   const int64_t free_old = m.anchors - W;
   const int64_t *anchor_tokens = old.section<int64_t>(kAnchorTokens);
   const uint16_t *index[2] = {old.section<uint16_t>(kKeyIndex), old.section<uint16_t>(kValueIndex)};
@@ -141,7 +147,13 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
       float *wt = &weight[h * T];
       std::vector<float> dependents(m.anchors, 0.0f);
       for (int side = 0; side < 2; ++side)
-        for (int64_t t = 0; t < g.prefix; ++t) dependents[index[side][h * g.prefix + t]] += 1.0f;
+        for (int64_t t = 0; t < g.prefix; ++t) {
+          const int64_t a = index[side][h * g.prefix + t];
+          dependents[a] += 1.0f;
+          sticky[side][h * T + t] = static_cast<int32_t>(a < free_old ? anchor_tokens[h * free_old + a]
+                                                                      : g.prefix + (a - free_old));
+          sticky_gamma[side][h * T + t] = old_gamma[side][h * g.prefix + t];
+        }
       for (int64_t a = 0; a < free_old; ++a) {
         const int64_t t = anchor_tokens[h * free_old + a];
         pr[t] = 3;
@@ -165,6 +177,10 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
   p.positions = pos.data();
   CompressRequest req{context, &p, &o, priority.data()};
   req.anchor_weight = weight.data();
+  for (int side = 0; side < 2; ++side) {
+    req.sticky_anchor[side] = sticky[side].data();
+    req.sticky_gamma[side] = sticky_gamma[side].data();
+  }
   std::unique_ptr<akv_cache> cache = compress_anchorkv_cpu(req);
   // The cache keeps its caller-facing conventions and target.
   cache->meta.keys_post_rope = m.keys_post_rope;

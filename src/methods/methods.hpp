@@ -19,6 +19,12 @@ struct CompressRequest {
   // With anchor_priority: [H][S], how much the old anchors (3 and 2) are leaned on (their
   // dependents); they keep their slots in this order (then by score) when slots are short.
   const float *anchor_weight = nullptr;
+  // With anchor_priority, per side (keys, values): [H][S], the anchor token an old token was
+  // assigned to (-1: none) and its bf16 coefficient. While that token stays an anchor the
+  // assignment is kept as it was, so the old residual is re-encoded from its own decoded
+  // codes (nearly the same codes) instead of drifting to another anchor at every compaction.
+  const int32_t *sticky_anchor[2] = {nullptr, nullptr};
+  const uint16_t *sticky_gamma[2] = {nullptr, nullptr};
   // Compaction (SnapKV, PyramidKV, AnDPro): [H][S], 0 for tokens evicted before; they are
   // left out of the window attention and never kept. Null = every token present.
   const uint8_t *present = nullptr;
