@@ -22,6 +22,18 @@ LABELS = {
 }
 
 
+# Dense-suffix and compacted curves of different methods coincide (same bytes): dashes and
+# widths keep both visible.
+STYLES = {
+    "theta_full": dict(linestyle="--", color="black"),
+    "anchorkv_dense_suffix": dict(linewidth=3, alpha=0.6),
+    "anchorkv_compacted": dict(linewidth=3, alpha=0.6),
+    "snapkv_dense_suffix": dict(linestyle=":"),
+    "snapkv_decode_time": dict(linestyle=":"),
+    "andpro_decode_time": dict(linestyle="-.", linewidth=0.8),
+}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("curve")
@@ -35,7 +47,7 @@ def main():
     for column, label in LABELS.items():
         if column not in rows[0]:
             continue
-        style = dict(linestyle="--", color="black") if column == "theta_full" else {}
+        style = STYLES.get(column, {})
         ax.plot(tokens, [float(r[column]) / 2**20 for r in rows], label=label, **style)
     ax.set_xlabel("cached tokens (prompt + generated)")
     ax.set_ylabel("bytes held (MiB, all layers)")
