@@ -265,9 +265,11 @@ typedef struct akv_compress_options {
                                      queries they are given, and once the appended suffix holds
                                      more than n tokens (at least window) and the queries of the
                                      last `window` tokens are recorded, the call compacts the
-                                     cache after computing its output, with headroom n. CUDA
-                                     contexts refuse it (compaction synchronises: call
-                                     akv_cache_compact between decodes) */
+                                     cache after computing its output, with headroom n (a
+                                     failed compaction fails the call, with `out` written and
+                                     the cache as it was). Queries recorded by decode are not
+                                     serialized. CUDA contexts refuse it (compaction
+                                     synchronises: call akv_cache_compact between decodes) */
 } akv_compress_options;
 
 /* Defaults for every field; method = AKV_METHOD_ANCHORKV. The AnchorKV fields take the paper's
@@ -406,11 +408,14 @@ AKV_API akv_status akv_decode_batch(akv_context *context, akv_cache *const *cach
  * tokens become the exact window, and later tokens are appended (dense) after them.
  *  - queries: [Hq][window][D] in `dtype`, the post-RoPE queries of the last `window` cached
  *    tokens (what akv_compress takes at prefill); they score the new anchors and residuals.
- *  - AnchorKV: the prompt's anchors stay anchors (stored exactly); when the new anchor count has room
- *    the old window and then appended tokens become anchors (the scored share by window
- *    attention, the rest for coverage, as at prefill); an old token is re-assigned from its
- *    reconstruction (gamma x_a + residual), appended tokens from their exact values. Residual
- *    slots of old and new tokens compete in one pool per side, as at prefill.
+ *  - AnchorKV: the prompt's anchors and its window stay anchors (stored exactly) as far as
+ *    the new anchor count has room, the most leaned-on (assigned tokens) first; the slots left
+ *    go to appended tokens (the scored share by window attention, the rest for coverage, as at
+ *    prefill). An old token keeps its anchor and coefficient while that anchor stays (its
+ *    residual re-encoded from its own codes), else it is re-assigned from its reconstruction
+ *    (gamma x_a + residual); appended tokens are assigned from their exact values. Residual
+ *    slots of old and new tokens compete in one pool per side, as at prefill. The anchor
+ *    count is the automatic one at T, or the old count when that is larger and fits.
  *  - Budget: with headroom_tokens = 0 the footprint is at most theta * 4*T*H*D (theta = the
  *    retain_fraction the cache was compressed with). headroom_tokens = n > 0 leaves room for n
  *    dense tokens appended afterwards: the compressed form gets theta*4*T*H*D minus
