@@ -352,6 +352,42 @@ TEST(Compact, EvictionReevictsAtTheBudgetOfTheTotalLength) {
   }
 }
 
+uint32_t crc32_of(const uint8_t *p, size_t n) {
+  uint32_t crc = ~0u;
+  for (size_t i = 0; i < n; ++i) {
+    crc ^= p[i];
+    for (int k = 0; k < 8; ++k) crc = (crc & 1u) ? 0xedb88320u ^ (crc >> 1) : crc >> 1;
+  }
+  return ~crc;
+}
+
+// Format 1 (before compaction) still reads: the same cache without the 72 bytes of compaction
+// fields that format 2 writes before the CRC, version 1, its size and CRC patched.
+TEST(Compact, FormatOneStillReads) {
+  const Generation g = make_generation(79, 512, 40);
+  ContextPtr ctx = make_context(2);
+  CachePtr cache = compress(ctx.get(), g.prompt, defaults(0.3));
+  append_all(cache.get(), g);
+  std::vector<uint8_t> bytes = serialize(cache.get());
+  uint32_t version;
+  std::memcpy(&version, &bytes[8], 4);
+  ASSERT_EQ(version, 2u);
+  bytes.erase(bytes.end() - 4 - 72, bytes.end());  // the compaction fields and the CRC
+  version = 1;
+  std::memcpy(&bytes[8], &version, 4);
+  const uint64_t total = bytes.size() + 4;
+  std::memcpy(&bytes[16], &total, 8);
+  const uint32_t crc = crc32_of(bytes.data(), bytes.size());
+  bytes.insert(bytes.end(), reinterpret_cast<const uint8_t *>(&crc), reinterpret_cast<const uint8_t *>(&crc) + 4);
+  CachePtr old = deserialize(ctx.get(), bytes);
+  const Tensor q = make_tensor(nonzero_normal(*std::make_unique<Rng>(791), 4 * 64, 1.5), AKV_DTYPE_F32);
+  EXPECT_EQ(decode(old.get(), q, 1), decode(cache.get(), q, 1));
+  EXPECT_EQ(cache_stats(old.get()).compactions, 0);
+  // It compacts with the AnchorKV defaults and the fields format 1 has.
+  ok(akv_cache_compact(old.get(), g.full.queries.data(), AKV_DTYPE_F32, 0, nullptr), "akv_cache_compact");
+  EXPECT_EQ(cache_stats(old.get()).shape.seq_len, 552);
+}
+
 // The policy compacts when the suffix exceeds compact_after tokens, with the recorded queries
 // of the last W tokens, exactly as the explicit call with headroom compact_after would.
 TEST(Compact, PolicyDoesWhatTheExplicitCallDoes) {
