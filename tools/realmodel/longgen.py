@@ -173,6 +173,7 @@ def main(argv=None):
                         default=["numpy", "fullkv", "dense", "compact", "snapkv", "snapkv-decode"])
     parser.add_argument("--compact-after", type=int, default=128)
     parser.add_argument("--trials", type=int, default=1)
+    parser.add_argument("--first-trial", type=int, default=0, help="index of the first trial (its key)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--cache-dir", default=None)
@@ -185,7 +186,7 @@ def main(argv=None):
     model, tok = smollm2.load_model(args.cache_dir), smollm2.load_tokenizer(args.cache_dir)
     context = anchorkv.Context(num_threads=args.threads)
     rows = []
-    for trial in range(args.trials):
+    for trial in range(args.first_trial, args.first_trial + args.trials):
         key = int(np.random.default_rng([args.seed, args.prompt, args.generate, trial]).integers(10000, 100000))
         prompt, generated = build_text(tok, args.prompt, args.generate, key, args.key_offset)
         data = prefill(model, prompt, cache_dir)
