@@ -142,6 +142,8 @@ pub struct akv_compress_options {
     pub anchor_share: c_double,
     pub guard_fraction: c_double,
     pub coverage_rounds: i32,
+    // Long generations (appended in 0.2).
+    pub compact_after: i64,
 }
 
 #[repr(C)]
@@ -189,6 +191,7 @@ pub struct akv_cache_stats {
     pub ratio: c_double,
     pub key_residuals: i64,
     pub value_residuals: i64,
+    pub compactions: i64,
 }
 
 #[repr(C)]
@@ -281,6 +284,14 @@ extern "C" {
         buffer: *const c_void,
         size: usize,
         out_cache: *mut *mut akv_cache,
+        stream: *mut c_void,
+    ) -> akv_status;
+
+    pub fn akv_cache_compact(
+        cache: *mut akv_cache,
+        queries: *const c_void,
+        dtype: akv_dtype,
+        headroom_tokens: i64,
         stream: *mut c_void,
     ) -> akv_status;
 }
