@@ -637,12 +637,12 @@ AKV_API akv_status akv_cache_compact(akv_cache *cache, const void *queries, akv_
     check_input_dtype(dtype, "dtype");
     akv_cache &c = *cache;
     if (!compactable(c.meta.method))
-      fail(AKV_ERR_UNSUPPORTED, "akv_cache_compact supports AnchorKV, SnapKV, PyramidKV and AnDPro caches (method ",
+      fail(AKV_ERR_UNSUPPORTED, "compaction folds AnchorKV, SnapKV, PyramidKV and AnDPro caches only (method ",
            static_cast<int>(c.meta.method), "; AdaKV has no decode-time variant)");
     if (headroom_tokens < 0 || headroom_tokens > INT32_MAX)
       fail(AKV_ERR_INVALID_ARGUMENT, "headroom_tokens ", headroom_tokens, " must be in [0, 2^31)");
     if (c.suffix_len < c.meta.window)
-      fail(AKV_ERR_INVALID_ARGUMENT, "akv_cache_compact needs at least window=", c.meta.window,
+      fail(AKV_ERR_INVALID_ARGUMENT, "compaction needs at least window=", c.meta.window,
            " appended tokens (they become the new window), but the cache has ", c.suffix_len);
     const size_t n = static_cast<size_t>(c.meta.shape.num_q_heads) * c.meta.window * c.meta.shape.head_dim;
     std::vector<float> q(n);

@@ -62,11 +62,11 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
   const CacheMeta &m = old.meta;
   const bool anchor = m.method == AKV_METHOD_ANCHORKV;
   require(anchor || m.method == AKV_METHOD_SNAPKV || m.method == AKV_METHOD_PYRAMIDKV || m.method == AKV_METHOD_ANDPRO,
-          AKV_ERR_UNSUPPORTED, "akv_cache_compact supports AnchorKV, SnapKV, PyramidKV and AnDPro caches (method ",
+          AKV_ERR_UNSUPPORTED, "compaction folds AnchorKV, SnapKV, PyramidKV and AnDPro caches only (method ",
           static_cast<int>(m.method), "; AdaKV has no decode-time variant)");
   const int64_t S = m.shape.seq_len, L = old.suffix_len, T = S + L;
   const int H = m.shape.num_kv_heads, Hq = m.shape.num_q_heads, D = m.shape.head_dim, W = m.window;
-  require(L >= W, AKV_ERR_INVALID_ARGUMENT, "akv_cache_compact needs at least window=", W,
+  require(L >= W, AKV_ERR_INVALID_ARGUMENT, "compaction needs at least window=", W,
           " appended tokens (the new window), but the cache has ", L);
   require(headroom >= 0, AKV_ERR_INVALID_ARGUMENT, "headroom_tokens ", headroom, " is negative");
   require(T <= INT32_MAX, AKV_ERR_UNSUPPORTED, "compacted length ", T, " exceeds int32");
