@@ -161,7 +161,9 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
 
 // Compaction (akv_cache_compact): the `free_anchors` non-window anchors of one head by
 // priority level (methods.hpp CompressRequest::anchor_priority). The old anchors (3 and the
-// old window 2), the most leaned-on first (weight: their dependents), as long as slots are left; then the appended tokens
+// old window 2), the most leaned-on first (weight: their dependents), in the slots left after
+// the appended tokens' share (their fraction of the prefix: a fold must be able to give a
+// needle in the new text an anchor); then the appended tokens
 // (1) as at prefill (the scored share of the slots left by score, the rest for coverage or by
 // the seeded sample); then, only if slots are still left, the other old tokens (0) by score.
 std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight, const std::vector<float> &pooled,
@@ -185,11 +187,15 @@ std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight,
     }
   };
   auto left = [&] { return free_anchors - static_cast<int64_t>(picks.size()); };
-  {  // the old anchors, most leaned-on first
+  {  // the old anchors, most leaned-on first, leaving the appended tokens their share of slots
     std::vector<int32_t> old;
-    for (int64_t t = 0; t < P; ++t)
+    int64_t appended = 0;
+    for (int64_t t = 0; t < P; ++t) {
       if (priority[t] >= 2) old.push_back(static_cast<int32_t>(t));
-    const int64_t n = std::min<int64_t>(left(), static_cast<int64_t>(old.size()));
+      appended += priority[t] == 1;
+    }
+    const int64_t share = std::llround(free_anchors * static_cast<double>(appended) / P);
+    const int64_t n = std::min<int64_t>(left() - share, static_cast<int64_t>(old.size()));
     std::partial_sort(old.begin(), old.begin() + n, old.end(), [&](int32_t a, int32_t b) {
       if (weight[a] != weight[b]) return weight[a] > weight[b];
       return pooled[a] != pooled[b] ? pooled[a] > pooled[b] : a < b;
