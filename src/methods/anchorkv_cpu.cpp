@@ -163,9 +163,9 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
 // priority level (methods.hpp CompressRequest::anchor_priority). The old anchors (3 and the
 // old window 2), the most leaned-on first (weight: their dependents), in the slots left after
 // the appended tokens' share (their fraction of the prefix: a fold must be able to give a
-// needle in the new text an anchor); then the appended tokens
-// (1) as at prefill (the scored share of the slots left by score, the rest for coverage or by
-// the seeded sample); then, only if slots are still left, the other old tokens (0) by score.
+// needle in the new text an anchor); then the appended tokens (1) as at prefill (the scored
+// share of the slots left by score, the rest for coverage or by the seeded sample); then, only
+// if slots are still left, the other old tokens (0) by score.
 std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight, const std::vector<float> &pooled,
                                     int64_t free_anchors,
                                     const akv_compress_options &o, const std::vector<float> &Kpre,
@@ -195,7 +195,7 @@ std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight,
       appended += priority[t] == 1;
     }
     const int64_t share = std::llround(free_anchors * static_cast<double>(appended) / P);
-    const int64_t n = std::min<int64_t>(left() - share, static_cast<int64_t>(old.size()));
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(left() - share, static_cast<int64_t>(old.size())));
     std::partial_sort(old.begin(), old.begin() + n, old.end(), [&](int32_t a, int32_t b) {
       if (weight[a] != weight[b]) return weight[a] > weight[b];
       return pooled[a] != pooled[b] ? pooled[a] > pooled[b] : a < b;

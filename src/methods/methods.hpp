@@ -61,7 +61,8 @@ std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req);
 
 // akv_cache_compact on the CPU (methods/compact_cpu.cpp): a new cache of the same method that
 // holds the whole of `cache` (T = S + appended tokens) in the compressed form with an empty
-// suffix (AnchorKV; SnapKV, PyramidKV and AnDPro re-evict at the budget of T). queries: [Hq][W][D] fp32, post-RoPE, of the last W cached tokens. headroom: dense
+// suffix (AnchorKV; SnapKV, PyramidKV and AnDPro re-evict at the budget of T).
+// queries: [Hq][W][D] fp32, post-RoPE, of the last W cached tokens. headroom: dense
 // tokens to leave budget for (the compressed part gets theta*M_full(T) minus what `headroom`
 // dense tokens cost beyond their theta share). `cache` is not modified.
 std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &cache, akv_context *context, const float *queries,
