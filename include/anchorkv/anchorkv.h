@@ -272,6 +272,18 @@ typedef struct akv_compress_options {
                                      rank r of T: r * H). Keys the seeded anchor sample
                                      (coverage_rounds 0) by the model-wide head, so a rank picks
                                      the anchors one call over all heads would. >= 0; default 0 */
+  /* ---- Long generations (appended in 0.2; see akv_cache_compact) ---- */
+  int64_t compact_after;          /* ANCHORKV, SNAPKV, PYRAMIDKV, ANDPRO on a CPU context:
+                                     automatic compaction (akv_cache_compact). 0 = never
+                                     (default). n > 0: akv_decode / akv_decode_batch record the
+                                     queries they are given, and once the appended suffix holds
+                                     more than n tokens (at least window) and the queries of the
+                                     last `window` tokens are recorded, the call compacts the
+                                     cache after computing its output, with headroom n (a
+                                     failed compaction fails the call, with `out` written and
+                                     the cache as it was). Queries recorded by decode are not
+                                     serialized. CUDA contexts refuse it (compaction
+                                     synchronises: call akv_cache_compact between decodes) */
 } akv_compress_options;
 
 /* Defaults for every field; method = AKV_METHOD_ANCHORKV. The AnchorKV fields take the paper's
@@ -433,6 +445,42 @@ AKV_API akv_status akv_decode_batch(akv_context *context, akv_cache *const *cach
                                     int32_t batch, const void *queries, akv_dtype dtype,
                                     int32_t q_len, void *out, void *stream);
 
+/* Fold the appended suffix into the compressed form (long generations). Afterwards the cache
+ * is the one-layer AnchorKV form of all T = S + appended tokens, as akv_compress would build it
+ * from K/V of length T, with an empty suffix: stats.shape.seq_len becomes T, the last `window`
+ * tokens become the exact window, and later tokens are appended (dense) after them.
+ *  - queries: [Hq][window][D] in `dtype`, the post-RoPE queries of the last `window` cached
+ *    tokens (what akv_compress takes at prefill); they score the new anchors and residuals.
+ *  - AnchorKV: the prompt's anchors and its window stay anchors (stored exactly) as far as
+ *    the new anchor count has room, the most leaned-on (assigned tokens) first; the slots left
+ *    go to appended tokens (the scored share by window attention, the rest for coverage, as at
+ *    prefill). An old token keeps its anchor and coefficient while that anchor stays (its
+ *    residual re-encoded from its own codes), else it is re-assigned from its reconstruction
+ *    (gamma x_a + residual); appended tokens are assigned from their exact values. Residual
+ *    slots of old and new tokens compete in one pool per side, as at prefill. The anchor
+ *    count is the automatic one at T, or the old count when that is larger and fits.
+ *  - Budget: with headroom_tokens = 0 the footprint is at most theta * 4*T*H*D (theta = the
+ *    retain_fraction the cache was compressed with). headroom_tokens = n > 0 leaves room for n
+ *    dense tokens appended afterwards: the compressed form gets theta*4*T*H*D minus
+ *    (1 - theta)*4*n*H*D, so that compressed + dense suffix stays within theta of M_full at
+ *    every step until the suffix exceeds n tokens (compact again then). AKV_ERR_BUDGET (cache
+ *    unchanged) when that leaves less than the anchors and metadata need.
+ *  - Needs at least `window` appended tokens whose last `window` positions are consecutive
+ *    (AnchorKV). The suffix reservation is kept.
+ *  - SNAPKV, PYRAMIDKV, ANDPRO: the decode-time variant of eviction (AnDPro's rebuttal: online
+ *    updates during decoding at the same budget): the kept prompt tokens and the appended
+ *    ones are scored again with these queries as at prefill, and the method keeps its budget
+ *    of T tokens (B = floor(theta' T), theta' as above) among them; an evicted token never
+ *    comes back. ADAKV (no decode-time variant), FULLKV and QUANTIZED: AKV_ERR_UNSUPPORTED.
+ *  - Cost: one compression of T tokens from the reconstruction (O(T), not O(appended)).
+ *  - CUDA: the cache is staged through host memory (copied down, compacted by the CPU code,
+ *    copied back to new device buffers): the call synchronises `stream`, allocates, and must
+ *    not run while `stream` is being captured; captured decodes of this cache must be
+ *    re-captured afterwards (its buffers move). Decodes around it stay graph-safe.
+ * On failure the cache is unchanged. */
+AKV_API akv_status akv_cache_compact(akv_cache *cache, const void *queries, akv_dtype dtype,
+                                     int64_t headroom_tokens, void *stream);
+
 /* ---- Inspection -------------------------------------------------------------------------- */
 
 typedef struct akv_cache_stats {
@@ -453,6 +501,7 @@ typedef struct akv_cache_stats {
   double ratio;              /* full_bytes / compressed_bytes */
   int64_t key_residuals;     /* residuals stored on the key side, all heads */
   int64_t value_residuals;
+  int64_t compactions;       /* akv_cache_compact calls folded into this cache (0.2) */
 } akv_cache_stats;
 
 typedef struct akv_head_stats {

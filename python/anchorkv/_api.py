@@ -52,6 +52,7 @@ class CacheStats:
     ratio: float
     key_residuals: int
     value_residuals: int
+    compactions: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ _OPTION_CONVERTERS = {
     "anchor_share": float,
     "guard_fraction": float,
     "coverage_rounds": int,
+    "compact_after": int,
 }
 _ROPE_CONVERTERS = {"rope_style": ("style", RopeStyle.parse), "rotary_dim": ("rotary_dim", int),
                     "rope_base": ("base", float)}
@@ -614,7 +616,7 @@ class Cache(_Owner):
             struct.window, struct.anchors, struct.appended_tokens, struct.append_capacity,
             struct.full_bytes, struct.budget_bytes, struct.base_bytes, struct.compressed_bytes,
             struct.appended_bytes, struct.allocated_bytes, struct.ratio, struct.key_residuals,
-            struct.value_residuals)
+            struct.value_residuals, struct.compactions)
 
     def head_stats(self) -> list[HeadStats]:
         heads = (_capi.akv_head_stats * self._shape.num_kv_heads)()
@@ -625,8 +627,9 @@ class Cache(_Owner):
 
     @property
     def num_tokens(self) -> int:
-        """T: prompt positions plus appended tokens."""
-        return self._shape.seq_len + self.stats.appended_tokens
+        """T: compressed positions (the prompt, and what compaction folded in) plus appended tokens."""
+        stats = self.stats
+        return stats.shape.seq_len + stats.appended_tokens
 
     # -- appending and decoding --
     def reserve(self, tokens: int, *, stream=None) -> None:
@@ -755,6 +758,26 @@ class Cache(_Owner):
                                        query_view.shape[1], out_view.pointer, lse_pointer,
                                        raw_stream))
         return out_object if lse is not True else (out_object, lse_object)
+
+    def compact(self, queries, headroom_tokens: int = 0, *, dtype=None, stream=None) -> None:
+        """akv_cache_compact: fold the appended tokens into the compressed form.
+
+        queries: [Hq][W][D] post-RoPE queries of the last W cached tokens (W = stats.window).
+        headroom_tokens: dense tokens to leave budget for until the next compaction.
+        """
+        requested = DType.parse(dtype) if dtype is not None else None
+        user_stream = None if stream is None else tensors.resolve_stream(stream, ())
+        query_view = tensors.view(queries, name="queries", dtype=requested, stream=user_stream)
+        self._context._check_device(query_view, "queries")
+        window = self.stats.window
+        expected = (self._shape.num_q_heads, window, self._shape.head_dim)
+        if window and tuple(query_view.shape) != expected:  # window 0 (FullKV): the library refuses
+            raise InvalidArgumentError(f"queries must be {list(expected)}; got {query_view.shape}")
+        query_view = tensors.contiguous(query_view, name="queries")
+        raw_stream = self._context._stream(stream, (query_view,))
+        with self._lock:
+            check(_capi.akv_cache_compact(self._raw(), query_view.pointer, query_view.dtype,
+                                          int(headroom_tokens), raw_stream))
 
     def reconstruct(self, dtype: DType | str = DType.F32, *, rotated: bool = True,
                     keys=None, values=None, present=None, stream=None):

@@ -179,6 +179,8 @@ class akv_compress_options(Structure):
         # Tensor parallelism (appended in 0.2).
         ("pool_heads", c_int32),
         ("head_offset", c_int32),
+        # Long generations (0.2)
+        ("compact_after", c_int64),
     ]
 
 
@@ -231,6 +233,7 @@ class akv_cache_stats(Structure):
         ("ratio", c_double),
         ("key_residuals", c_int64),
         ("value_residuals", c_int64),
+        ("compactions", c_int64),
     ]
 
 
@@ -356,6 +359,11 @@ akv_decode_batch_lse = _declare("akv_decode_batch_lse", akv_status,
                                 [akv_context_p, POINTER(akv_cache_p), c_int32, c_void_p, akv_dtype,
                                  c_int32, c_void_p, c_void_p, c_void_p])
 
+# akv_status akv_cache_compact(akv_cache *cache, const void *queries, akv_dtype dtype,
+#                              int64_t headroom_tokens, void *stream);
+akv_cache_compact = _declare("akv_cache_compact", akv_status,
+                             [akv_cache_p, c_void_p, akv_dtype, c_int64, c_void_p])
+
 # Every function of the header, for the test that checks the declarations are complete.
 FUNCTION_NAMES = (
     "akv_version_number", "akv_version_string", "akv_status_string", "akv_last_error_message",
@@ -366,4 +374,5 @@ FUNCTION_NAMES = (
     "akv_cache_stats_get", "akv_cache_head_stats", "akv_cache_reconstruct",
     "akv_cache_serialized_size", "akv_cache_serialize", "akv_cache_deserialize",
     "akv_decode_lse", "akv_decode_batch_lse",
+    "akv_cache_compact",
 )

@@ -303,3 +303,24 @@ def test_numpy_fast_paths_match_the_general_path(rng):
     np.testing.assert_array_equal(out, general.decode(np.asfortranarray(queries)))
     with pytest.raises(anchorkv.InvalidArgumentError, match="out must be"):
         fast.decode(queries, np.empty((4, 2, 64), np.float32))
+
+
+def test_compact_folds_the_suffix_and_the_policy_compacts_in_decode(rng):
+    keys = rng.standard_normal((2, 1024, 64), dtype=np.float32)
+    values = rng.standard_normal((2, 1024, 64), dtype=np.float32)
+    window = rng.standard_normal((4, 32, 64), dtype=np.float32)
+    cache = anchorkv.compress(keys[:, :768], values[:, :768], window, retain_fraction=0.25)
+    cache.append(keys[:, 768:], values[:, 768:])
+    cache.compact(window, headroom_tokens=16)
+    stats = cache.stats
+    assert (stats.shape.seq_len, stats.appended_tokens, stats.compactions) == (1024, 0, 1)
+    assert cache.num_tokens == 1024
+    assert stats.compressed_bytes + 16 * 4 * 2 * 64 <= 0.25 * 4 * (1024 + 16) * 2 * 64
+    with pytest.raises(anchorkv.InvalidArgumentError):
+        cache.compact(window)  # no appended tokens to fold
+    # The policy: decode with one query per appended token compacts past compact_after tokens.
+    auto = anchorkv.compress(keys[:, :768], values[:, :768], window, retain_fraction=0.25, compact_after=64)
+    for t in range(768, 768 + 100):
+        auto.append(keys[:, t:t + 1], values[:, t:t + 1])
+        auto.decode(rng.standard_normal((4, 1, 64), dtype=np.float32))
+    assert auto.stats.compactions == 1 and auto.num_tokens == 868

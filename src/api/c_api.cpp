@@ -201,6 +201,8 @@ void reconstruct_host(const akv_cache &c, akv_dtype dtype, int32_t rotated, void
   });
 }
 
+void record_and_maybe_compact(akv_cache &c, const float *q, int32_t q_len);
+
 void decode_batch_cpu(akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype,
                       int32_t q_len, void *out, float *lse = nullptr) {
   const akv_shape &s0 = caches[0]->meta.shape;
@@ -223,6 +225,7 @@ void decode_batch_cpu(akv_cache *const *caches, int32_t batch, const void *queri
     }
   });
   for (size_t i = 0; i < o.size(); ++i) store_from_float(out, dtype, i, o[i]);
+  for (int32_t r = 0; r < batch; ++r) record_and_maybe_compact(*caches[r], q.data() + r * per_request, q_len);
 }
 
 void validate_decode(const akv_cache *c, int32_t q_len) {
@@ -271,6 +274,53 @@ akv_status decode_many(const char *function, akv_context *context, akv_cache *co
     else
       decode_batch_cpu(caches, batch, queries, dtype, q_len, out, lse);
   });
+// The compacted form of `c` swapped into it (akv_cache_compact). q: [Hq][W][D] fp32 host. The
+// suffix reservation is kept. A CUDA cache goes through the host staging context: copied
+// down, compacted by the CPU code, placed back in new device buffers. `c` is unchanged on
+// failure.
+void compact_in_place(akv_cache &c, const float *q, int64_t headroom, void *stream) {
+  const int64_t capacity = c.suffix_capacity;
+  std::unique_ptr<akv_cache> fresh;
+  if (on_cuda(c.context)) {
+    std::unique_ptr<akv_cache> host = place(&host_staging(*c.context), parse_bytes(serialize_any(c, stream)), stream);
+    std::unique_ptr<akv_cache> compact = compact_cache_cpu(*host, host->context, q, headroom);
+    fresh = place(c.context, parse_bytes(serialize_cache(*compact, compact->data.data(), nullptr, nullptr)), stream);
+  } else {
+    fresh = compact_cache_cpu(c, c.context, q, headroom);
+    require_finite_storage(*fresh, fresh->data.data(), AKV_ERR_NON_FINITE,
+                           "the compacted cache would hold");  // reconstruction overflow (f16)
+  }
+  reserve_suffix(*fresh, capacity, stream);
+  fresh->recent_queries = std::move(c.recent_queries);
+  fresh->recent_tokens = std::move(c.recent_tokens);
+  c = std::move(*fresh);
+}
+
+// Automatic compaction (compress_options.compact_after, CPU): records the queries of the
+// q_len tokens just decoded, then compacts once the suffix exceeds the threshold and the
+// queries of the last W tokens are all recorded. q: [Hq][q_len][D] fp32.
+void record_and_maybe_compact(akv_cache &c, const float *q, int32_t q_len) {
+  const int64_t n = c.compress_options.compact_after;
+  if (n <= 0) return;
+  const int64_t W = c.meta.window, Hq = c.meta.shape.num_q_heads, D = c.meta.shape.head_dim, T = c.total_tokens();
+  if (c.recent_tokens.empty()) {
+    c.recent_tokens.assign(W, -1);
+    c.recent_queries.assign(static_cast<size_t>(W * Hq * D), 0.0f);
+  }
+  for (int32_t i = std::max<int32_t>(0, q_len - static_cast<int32_t>(W)); i < q_len; ++i) {
+    const int64_t token = T - q_len + i, slot = token % W;
+    c.recent_tokens[slot] = token;
+    for (int64_t hq = 0; hq < Hq; ++hq)
+      std::memcpy(&c.recent_queries[(slot * Hq + hq) * D], q + (hq * q_len + i) * D, D * sizeof(float));
+  }
+  if (c.suffix_len <= n || c.suffix_len < W) return;
+  for (int64_t token = T - W; token < T; ++token)
+    if (c.recent_tokens[token % W] != token) return;  // a token appended without its query
+  std::vector<float> window(static_cast<size_t>(Hq * W * D));  // [Hq][W][D], oldest first
+  for (int64_t hq = 0; hq < Hq; ++hq)
+    for (int64_t w = 0; w < W; ++w)
+      std::memcpy(&window[(hq * W + w) * D], &c.recent_queries[(((T - W + w) % W) * Hq + hq) * D], D * sizeof(float));
+  compact_in_place(c, window.data(), n, nullptr);
 }
 
 }  // namespace
@@ -400,6 +450,12 @@ AKV_API void akv_prefill_init(akv_prefill *p) {
 
 namespace {
 
+// Methods akv_cache_compact folds: AnchorKV, and the eviction baselines with a decode-time
+// variant (AnDPro's rebuttal: AnDPro and SnapKV; PyramidKV is SnapKV with a layer budget).
+bool compactable(akv_method m) {
+  return m == AKV_METHOD_ANCHORKV || m == AKV_METHOD_SNAPKV || m == AKV_METHOD_PYRAMIDKV || m == AKV_METHOD_ANDPRO;
+}
+
 akv_compress_options resolve_options(const akv_compress_options *options) {
   akv_compress_options defaults;
   akv_compress_options_init(&defaults);
@@ -431,6 +487,11 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
   if (o.pool_heads < 0) fail(AKV_ERR_INVALID_ARGUMENT, "pool_heads ", o.pool_heads, " must be >= 0 (0 = every head)");
   if (o.head_offset < 0 || o.head_offset > INT32_MAX - kMaxKvHeads)
     fail(AKV_ERR_INVALID_ARGUMENT, "head_offset ", o.head_offset, " must be in [0, ", INT32_MAX - kMaxKvHeads, "]");
+  if (o.compact_after < 0 || o.compact_after > INT32_MAX)
+    fail(AKV_ERR_INVALID_ARGUMENT, "compact_after ", o.compact_after, " must be in [0, 2^31) (0 = never)");
+  if (o.compact_after > 0 && !compactable(o.method))
+    fail(AKV_ERR_UNSUPPORTED, "compact_after is for AnchorKV, SnapKV, PyramidKV and AnDPro caches (method ",
+         static_cast<int>(o.method), ")");
   return o;
 }
 
@@ -535,6 +596,9 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
       if (p.positions[0] < 0) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.positions[0] ", p.positions[0], " is negative");
     }
     if (on_cuda(context)) {
+      if (o.compact_after > 0)
+        fail(AKV_ERR_UNSUPPORTED, "compact_after (automatic compaction) needs a CPU context: on CUDA, call "
+             "akv_cache_compact between decodes (it synchronises)");
       cuda::check_supported(o.method, p.shape.head_dim);
       const CompressRequest req{context, &p, &o};
       std::unique_ptr<akv_cache> cache = o.method == AKV_METHOD_ANCHORKV ? cuda::compress_anchorkv_cuda(req, stream)
@@ -642,6 +706,34 @@ AKV_API akv_status akv_decode_batch(akv_context *context, akv_cache *const *cach
   return decode_many(__func__, context, caches, batch, queries, dtype, q_len, out, nullptr, stream);
 }
 
+AKV_API akv_status akv_cache_compact(akv_cache *cache, const void *queries, akv_dtype dtype,
+                                     int64_t headroom_tokens, void *stream) {
+  return guard(__func__, [&] {
+    validate_cache(cache);
+    check_not_null(queries, "queries");
+    check_input_dtype(dtype, "dtype");
+    akv_cache &c = *cache;
+    if (!compactable(c.meta.method))
+      fail(AKV_ERR_UNSUPPORTED, "compaction folds AnchorKV, SnapKV, PyramidKV and AnDPro caches only (method ",
+           static_cast<int>(c.meta.method), "; AdaKV has no decode-time variant)");
+    if (headroom_tokens < 0 || headroom_tokens > INT32_MAX)
+      fail(AKV_ERR_INVALID_ARGUMENT, "headroom_tokens ", headroom_tokens, " must be in [0, 2^31)");
+    if (c.suffix_len < c.meta.window)
+      fail(AKV_ERR_INVALID_ARGUMENT, "compaction needs at least window=", c.meta.window,
+           " appended tokens (they become the new window), but the cache has ", c.suffix_len);
+    const size_t n = static_cast<size_t>(c.meta.shape.num_q_heads) * c.meta.window * c.meta.shape.head_dim;
+    std::vector<float> q(n);
+    if (on_cuda(c.context)) {
+      std::vector<uint8_t> raw(n * dtype_size(dtype));
+      cuda::copy(raw.data(), queries, raw.size(), stream, true);
+      q = to_float(raw.data(), dtype, n, "queries");
+    } else {
+      q = to_float(queries, dtype, n, "queries");
+    }
+    compact_in_place(c, q.data(), headroom_tokens, stream);
+  });
+}
+
 AKV_API akv_status akv_cache_stats_get(const akv_cache *cache, akv_cache_stats *out) {
   return guard(__func__, [&] {
     validate_cache(cache);
@@ -672,6 +764,7 @@ AKV_API akv_status akv_cache_stats_get(const akv_cache *cache, akv_cache_stats *
     s.ratio = static_cast<double>(s.full_bytes) / static_cast<double>(c.footprint);
     s.key_residuals = c.meta.key_residuals;
     s.value_residuals = c.meta.value_residuals;
+    s.compactions = c.compactions;
     std::memcpy(static_cast<void *>(out), &s, out->struct_size);
   });
 }

@@ -157,6 +157,17 @@ struct akv_cache {
   std::vector<int32_t> suffix_positions;  // host
   int64_t next_position = 0;
 
+  // The options the cache was compressed with (rope.inv_freq cleared: meta.inv_freq holds the
+  // table), retain_fraction the target theta: akv_cache_compact reuses them. A compacted
+  // AnchorKV cache's own geometry may use less (meta.retain_fraction, see akv_cache_compact).
+  akv_compress_options compress_options{};
+  int64_t compactions = 0;
+  // Automatic compaction (compress_options.compact_after > 0, CPU): the post-RoPE queries of
+  // the last decoded tokens, [W][Hq][D] fp32, slot = token index % W; recent_tokens[slot] is
+  // the token index held there (-1 none). Not serialized: the next W decodes refill it.
+  std::vector<float> recent_queries;
+  std::vector<int64_t> recent_tokens;
+
   template <typename T>
   T *section(int index) const {
     return reinterpret_cast<T *>(data.data() + layout.sections[index].offset);

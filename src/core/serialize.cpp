@@ -214,6 +214,22 @@ void write_cache(W &w, const akv_cache &c, const uint8_t *data, const uint8_t *s
     for (int64_t h = 0; h < H; ++h)
       w.field(src == sk ? "suffix keys" : "suffix values", src ? src + h * c.suffix_capacity * row : src,
               c.suffix_len * row);
+  // Format 2: compaction (akv_cache_compact) — the count, and the options a later compaction
+  // reuses (the target retain_fraction: a compacted cache's own one, in the meta, may be lower).
+  const akv_compress_options &o = c.compress_options;
+  put<int64_t>(w, "compactions", c.compactions);
+  put<int64_t>(w, "compact_after", o.compact_after);
+  put<double>(w, "target retain_fraction", o.retain_fraction);
+  put<int32_t>(w, "requested anchors", o.anchors);
+  put<double>(w, "scored_fraction", o.scored_fraction);
+  put<int32_t>(w, "pool_kernel", o.pool_kernel);
+  put<int32_t>(w, "pool_type", o.pool_type);
+  put<int32_t>(w, "sink_tokens", o.sink_tokens);
+  put<int32_t>(w, "fill_budget", o.fill_budget);
+  put<double>(w, "anchor_share", o.anchor_share);
+  put<double>(w, "guard_fraction", o.guard_fraction);
+  put<int32_t>(w, "coverage_rounds", o.coverage_rounds);
+  put<int32_t>(w, "head_offset", o.head_offset);
 }
 
 }  // namespace
@@ -341,7 +357,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
           "serialized cache checksum mismatch (data corrupted)");
   // From here on the checksum only says the bytes are what was written: every field is still
   // checked, and every count against the bytes left before anything is allocated from it.
-  Reader r(bytes + 8, size - 12);
+  Reader r(bytes + 8, size - 12);  // version: 1, or 2 with the compaction fields
   r.get<uint32_t>("format version");
   const uint32_t flags = r.get<uint32_t>("flags");
   require(flags == 0, AKV_ERR_CORRUPT_DATA, "serialized cache has unknown flags ", flags);
@@ -578,6 +594,54 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   out.suffix_values.assign(vs, vs + suffix_bytes);
   require_finite(ks, suffix_bytes, m.storage, "suffix keys", AKV_ERR_CORRUPT_DATA, kHoldsNonFinite);
   require_finite(vs, suffix_bytes, m.storage, "suffix values", AKV_ERR_CORRUPT_DATA, kHoldsNonFinite);
+  // The options compaction reuses: format 2 stores them, format 1 caches get the method's
+  // defaults (and the fields every format stores in the meta).
+  akv_compress_options &o = c.compress_options;
+  akv_compress_options_init_method(&o, m.method);
+  o.retain_fraction = m.retain_fraction;
+  if (version >= 2) {
+    c.compactions = r.get<int64_t>("compactions");
+    o.compact_after = r.get<int64_t>("compact_after");
+    o.retain_fraction = r.get<double>("target retain_fraction");
+    o.anchors = r.get<int32_t>("requested anchors");
+    o.scored_fraction = r.get<double>("scored_fraction");
+    o.pool_kernel = r.get<int32_t>("pool_kernel");
+    o.pool_type = static_cast<akv_pool_type>(enum_field("pool_type", AKV_POOL_AVG, AKV_POOL_MAX));
+    o.sink_tokens = r.get<int32_t>("sink_tokens");
+    o.fill_budget = r.get<int32_t>("fill_budget");
+    o.anchor_share = r.get<double>("anchor_share");
+    o.guard_fraction = r.get<double>("guard_fraction");
+    o.coverage_rounds = r.get<int32_t>("coverage_rounds");
+    o.head_offset = r.get<int32_t>("head_offset");
+    const bool foldable = anchor || m.method == AKV_METHOD_SNAPKV || m.method == AKV_METHOD_PYRAMIDKV ||
+                          m.method == AKV_METHOD_ANDPRO;  // what akv_cache_compact folds
+    corrupt_unless(c.compactions >= 0 && (c.compactions == 0 || foldable), "compactions");
+    corrupt_unless(o.compact_after >= 0 && o.compact_after <= INT32_MAX && (o.compact_after == 0 || foldable),
+                   "compact_after");
+    corrupt_unless(std::isfinite(o.retain_fraction) && o.retain_fraction >= m.retain_fraction && o.retain_fraction <= 1.0,
+                   "target retain_fraction");
+    corrupt_unless(o.anchors >= 0 && o.anchors <= 65536, "requested anchors");
+    auto unit = [](double x) { return std::isfinite(x) && x >= 0.0 && x <= 1.0; };
+    corrupt_unless(unit(o.scored_fraction) && unit(o.anchor_share) && unit(o.guard_fraction), "AnchorKV fractions");
+    corrupt_unless(o.pool_kernel >= 1 && o.pool_kernel % 2 == 1, "pool_kernel");
+    corrupt_unless(o.sink_tokens >= 0 && (o.fill_budget == 0 || o.fill_budget == 1) && o.coverage_rounds >= 0 &&
+                       o.coverage_rounds <= 64,
+                   "AnchorKV selection options");
+    corrupt_unless(o.head_offset >= 0 && o.head_offset <= INT32_MAX - s.num_kv_heads, "head_offset");
+  }
+  o.pool_heads = m.pool_heads;  // a compaction pools as the compression did
+  o.window = m.window;
+  o.seed = m.seed;
+  o.layer_index = m.layer_index;
+  o.layer_count = m.layer_count;
+  o.residual_scale = m.residual_scale;
+  o.storage_dtype = m.storage;
+  o.keys_post_rope = m.keys_post_rope;
+  o.softmax_scale = m.softmax_scale;
+  o.rope.style = m.rope_style;
+  o.rope.rotary_dim = m.rotary_dim;
+  o.quant_bits = m.quant_bits;
+  o.quant_outliers = m.quant_outliers;
   // Appending continues from next_position: it is always one past the last stored position.
   const int64_t last = len ? c.suffix_positions.back() : last_prompt_position;
   require(c.next_position == last + 1, AKV_ERR_CORRUPT_DATA, "serialized cache has next_position ", c.next_position,

@@ -11,7 +11,8 @@
 namespace akv {
 
 // 1: the first format. 2: adds pool_heads (int32, after next_position): AnchorKV's heads per
-// residual-pooling group; version-1 data reads as one group of every head.
+// residual-pooling group (version-1 data reads as one group of every head), and the compaction
+// fields after the suffix (akv_cache_compact; version-1 data gets the method's defaults).
 constexpr uint32_t kFormatVersion = 2;
 
 uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc = 0);

@@ -80,9 +80,11 @@ std::vector<int32_t> select_anchors(const std::vector<float> &score, int64_t cou
 // tokens that the anchors so far (`anchors` plus the window P..S-1) represent worst. A token's
 // error on one side is its residual energy against the anchor of largest |cos|,
 // ||x||^2 (1 - cos^2); keys and values count each relative to their mean over the prefix.
-// Ties go to the lower index. Appends to `anchors` (unsorted).
+// Ties go to the lower index. Only tokens with eligible[t] != 0 are chosen (null: all). Appends
+// to `anchors` (unsorted).
 void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<float> &V, int64_t S, int64_t P, int D,
-                          int rounds, int64_t count, std::vector<int32_t> &anchors, ThreadPool &pool) {
+                          int rounds, int64_t count, std::vector<int32_t> &anchors, ThreadPool &pool,
+                          const int8_t *eligible = nullptr) {
   const std::vector<float> *X[2] = {&Kpre, &V};
   std::vector<float> unit[2] = {std::vector<float>(S * D), std::vector<float>(S * D)};
   std::vector<float> norm_sq[2] = {std::vector<float>(P), std::vector<float>(P)};
@@ -140,7 +142,7 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
     std::vector<std::pair<float, int32_t>> order;
     order.reserve(P);
     for (int64_t t = 0; t < P; ++t)
-      if (!is_anchor[t])
+      if (!is_anchor[t] && (!eligible || eligible[t]))
         order.emplace_back(static_cast<float>(error[0][t] / mean[0] + error[1][t] / mean[1]), static_cast<int32_t>(t));
     const int64_t n = std::min<int64_t>(take, static_cast<int64_t>(order.size()));
     std::nth_element(order.begin(), order.begin() + n, order.end(), [](const auto &a, const auto &b) {
@@ -155,6 +157,77 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
     absorb(fresh);
     left -= n;
   }
+}
+
+// Compaction (akv_cache_compact): the `free_anchors` non-window anchors of one head by
+// priority level (methods.hpp CompressRequest::anchor_priority). The old anchors (3 and the
+// old window 2), the most leaned-on first (weight: their dependents), in the slots left after
+// the appended tokens' share (their fraction of the prefix: a fold must be able to give a
+// needle in the new text an anchor); then the appended tokens (1) as at prefill (the scored
+// share of the slots left by score, the rest for coverage or by the seeded sample); then, only
+// if slots are still left, the other old tokens (0) by score.
+std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight, const std::vector<float> &pooled,
+                                    int64_t free_anchors,
+                                    const akv_compress_options &o, const std::vector<float> &Kpre,
+                                    const std::vector<float> &V, int64_t S, int64_t P, int D, int head,
+                                    ThreadPool &pool) {
+  std::vector<int32_t> picks;
+  std::vector<char> taken(P, 0);
+  auto take_best = [&](int level, int64_t n) {
+    std::vector<int32_t> tokens;
+    for (int64_t t = 0; t < P; ++t)
+      if (priority[t] == level && !taken[t]) tokens.push_back(static_cast<int32_t>(t));
+    n = std::min<int64_t>(n, static_cast<int64_t>(tokens.size()));
+    std::partial_sort(tokens.begin(), tokens.begin() + n, tokens.end(), [&](int32_t a, int32_t b) {
+      return pooled[a] != pooled[b] ? pooled[a] > pooled[b] : a < b;
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      picks.push_back(tokens[i]);
+      taken[tokens[i]] = 1;
+    }
+  };
+  auto left = [&] { return free_anchors - static_cast<int64_t>(picks.size()); };
+  {  // the old anchors, most leaned-on first, leaving the appended tokens their share of slots
+    std::vector<int32_t> old;
+    int64_t appended = 0;
+    for (int64_t t = 0; t < P; ++t) {
+      if (priority[t] >= 2) old.push_back(static_cast<int32_t>(t));
+      appended += priority[t] == 1;
+    }
+    const int64_t share = std::llround(free_anchors * static_cast<double>(appended) / P);
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(left() - share, static_cast<int64_t>(old.size())));
+    std::partial_sort(old.begin(), old.begin() + n, old.end(), [&](int32_t a, int32_t b) {
+      if (weight[a] != weight[b]) return weight[a] > weight[b];
+      return pooled[a] != pooled[b] ? pooled[a] > pooled[b] : a < b;
+    });
+    for (int64_t i = 0; i < n; ++i) {
+      picks.push_back(old[i]);
+      taken[old[i]] = 1;
+    }
+  }
+  const int64_t slots = left();
+  if (slots > 0) {
+    take_best(1, std::min<int64_t>(slots, std::llround(o.scored_fraction * static_cast<double>(slots))));
+    std::vector<int8_t> eligible(P);
+    for (int64_t t = 0; t < P; ++t) eligible[t] = priority[t] == 1 && !taken[t];
+    if (o.coverage_rounds > 0) {
+      add_coverage_anchors(Kpre, V, S, P, D, o.coverage_rounds, left(), picks, pool, eligible.data());
+    } else {
+      std::vector<std::pair<uint64_t, int32_t>> rest;
+      for (int64_t t = 0; t < P; ++t)
+        if (eligible[t])
+          rest.emplace_back(hash_keys(o.seed, kStreamAnchorSample, (static_cast<uint64_t>(o.layer_index) << 32) | head,
+                                      static_cast<uint64_t>(t)),
+                            static_cast<int32_t>(t));
+      const int64_t n = std::min<int64_t>(left(), static_cast<int64_t>(rest.size()));
+      std::nth_element(rest.begin(), rest.begin() + n, rest.end());
+      for (int64_t i = 0; i < n; ++i) picks.push_back(rest[i].second);
+    }
+    for (int32_t t : picks) taken[t] = 1;
+    take_best(0, left());
+  }
+  std::sort(picks.begin(), picks.end());
+  return picks;
 }
 
 }  // namespace
@@ -244,7 +317,10 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     // 4. Anchors: sorted non-window picks, then the window (indices k-W..k-1). The share
     // after the scored one is a uniform sample (paper) or chosen for coverage.
     std::vector<int32_t> picks;
-    if (o.coverage_rounds > 0) {
+    if (req.anchor_priority) {
+      picks = ranked_anchors(req.anchor_priority + static_cast<int64_t>(h) * S, req.anchor_weight + static_cast<int64_t>(h) * S,
+                             pooled, free_anchors, o, Kpre, V, S, P, D, h, pool);
+    } else if (o.coverage_rounds > 0) {
       picks = select_anchors(pooled, n_top, n_top, o.seed, o.layer_index, o.head_offset + h);
       add_coverage_anchors(Kpre, V, S, P, D, o.coverage_rounds, free_anchors - n_top, picks, pool);
       std::sort(picks.begin(), picks.end());
@@ -274,6 +350,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
         const float inv = anchor_norm[a] > 0.0f ? 1.0f / anchor_norm[a] : 0.0f;
         for (int d = 0; d < D; ++d) anchor_n[a * D + d] = anchor_f[a * D + d] * inv;
       }
+      const int32_t *sticky = req.sticky_anchor[side] ? req.sticky_anchor[side] + static_cast<int64_t>(h) * S : nullptr;
       uint16_t *idx_out = index[side] + static_cast<int64_t>(h) * P;
       uint16_t *gamma_out = gamma[side] + static_cast<int64_t>(h) * P;
       constexpr int64_t kBlock = 1024;
@@ -286,9 +363,13 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
             const int64_t t = t0 + i;
             int32_t best;
             float g_t;
+            const int32_t stuck = sticky ? sticky[t] : -1;  // compaction: the old assignment
             if (anchor_of_token[t] >= 0) {
               best = anchor_of_token[t];
               g_t = 1.0f;
+            } else if (stuck >= 0 && stuck < P && anchor_of_token[stuck] >= 0) {
+              best = anchor_of_token[stuck];
+              g_t = bf16_to_float(req.sticky_gamma[side][static_cast<int64_t>(h) * S + t]);
             } else {
               const float *c = &C[i * k];
               best = 0;

@@ -33,6 +33,8 @@ std::unique_ptr<akv_cache> new_cache(const CompressRequest &req) {
   meta.rotary_dim = cache->rope.rotary_dim;
   meta.inv_freq = cache->rope.inv_freq;
   meta.window = o.window;
+  cache->compress_options = o;
+  cache->compress_options.rope.inv_freq = nullptr;  // the caller's pointer: meta.inv_freq has the table
   return cache;
 }
 

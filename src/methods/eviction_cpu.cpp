@@ -109,10 +109,14 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
     for (int gi = 0; gi < G; ++gi)
       for (int w = 0; w < W; ++w) in.query_row(h * G + gi, w, &Q[(gi * W + w) * D]);
     sgemm(true, m, S, D, scale, Q.data(), D, K.data(), D, 0.0f, A.data(), S);
+    const uint8_t *present = req.present ? req.present + static_cast<size_t>(h) * S : nullptr;
     pool.parallel_for(m, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         float *row = &A[r * S];
         const int64_t visible = P + (r % W) + 1;
+        if (present)  // evicted before (compaction): no attention
+          for (int64_t t = 0; t < visible; ++t)
+            if (!present[t]) row[t] = -std::numeric_limits<float>::infinity();
         const float mx = *std::max_element(row, row + visible);
         double sum = 0.0;
         for (int64_t t = 0; t < visible; ++t) sum += (row[t] = std::exp(row[t] - mx));
@@ -131,6 +135,9 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
         }
       });
       pool_along(raw.data(), P, o.pool_kernel, o.pool_type, head_scores);
+      if (present)
+        for (int64_t t = 0; t < P; ++t)
+          if (!present[t]) head_scores[t] = -std::numeric_limits<float>::infinity();
       continue;
     }
     // AnDPro: pooled rows, y over the evictable chunks, contributions <a'_r(t) V_t, y_r>.
@@ -185,12 +192,18 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
       if (left == 0) break;
       const int64_t t0 = static_cast<int64_t>(c.index) * chunk, t1 = std::min<int64_t>(t0 + chunk, P);
       std::vector<int32_t> &k = kept[c.head];
-      if (t1 - t0 <= left) {
-        for (int64_t t = t0; t < t1; ++t) k.push_back(static_cast<int32_t>(t));
-        left -= t1 - t0;
+      const uint8_t *present = req.present ? req.present + static_cast<size_t>(c.head) * S : nullptr;
+      int64_t here = 0;  // tokens of the chunk that can be kept (compaction: not evicted before)
+      for (int64_t t = t0; t < t1; ++t) here += !present || present[t];
+      if (here <= left) {
+        for (int64_t t = t0; t < t1; ++t)
+          if (!present || present[t]) k.push_back(static_cast<int32_t>(t));
+        left -= here;
       } else {
-        const float *contrib = &scores[static_cast<size_t>(c.head) * P];
-        const std::vector<int32_t> best = top_indices(contrib + t0, t1 - t0, left);
+        std::vector<float> contrib(&scores[static_cast<size_t>(c.head) * P + t0], &scores[static_cast<size_t>(c.head) * P + t1]);
+        for (int64_t t = t0; t < t1; ++t)
+          if (present && !present[t]) contrib[t - t0] = -std::numeric_limits<float>::infinity();
+        const std::vector<int32_t> best = top_indices(contrib.data(), t1 - t0, left);
         for (int32_t u : best) k.push_back(static_cast<int32_t>(t0 + u));
         left = 0;
       }

@@ -113,13 +113,14 @@ struct Env {
   }
   // Offsets in the serialized format (src/core/serialize.cpp): a fixed header up to the
   // inv_freq count at 96, the table, then window, anchors, two residual counts and the window
-  // start; the suffix (count, positions, keys, values of kAppended tokens) ends before the CRC.
+  // start; the suffix (count, positions, keys, values of kAppended tokens) ends before the 76
+  // bytes of compaction fields (format 2) and the CRC.
   size_t window_position_offset() const {
     uint32_t frequencies;
     std::memcpy(&frequencies, bytes.data() + 96, 4);
     return 100 + 4 * static_cast<size_t>(frequencies) + 4 + 4 + 8 + 8;
   }
-  size_t suffix_keys_offset() const { return bytes.size() - 4 - 2 * static_cast<size_t>(kH) * kAppended * kD * 2; }
+  size_t suffix_keys_offset() const { return bytes.size() - 4 - 76 - 2 * static_cast<size_t>(kH) * kAppended * kD * 2; }
   size_t suffix_count_offset() const { return suffix_keys_offset() - 4 * kAppended - 8; }
 
   akv_status compress_with(const std::function<void(akv_prefill &, akv_compress_options &)> &mutate) {

@@ -307,6 +307,49 @@ TEST_F(Cuda, GraphCapturedDecodeReplaysAcrossAppends) {
   cudaStreamDestroy(stream);
 }
 
+// akv_cache_compact on a CUDA cache (staged through the host): the compacted cache agrees
+// with the CPU's compaction of the same cache, and a graph-captured decode replays on it once
+// re-captured (the buffers move).
+TEST_F(Cuda, CompactionMatchesCpu) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  for (akv_method method : {AKV_METHOD_ANCHORKV, AKV_METHOD_SNAPKV}) {
+    SCOPED_TRACE("method " + std::to_string(method));
+    PrefillSpec spec;
+    spec.seq_len = 2048;
+    spec.kv_heads = 2;
+    spec.group = 2;
+    spec.head_dim = 64;
+    akv_compress_options o;
+    akv_compress_options_init_method(&o, method);
+    o.retain_fraction = 0.2;
+    o.window = 32;
+    const PrefillData data = make_prefill(rng, spec);
+    CachePtr cpu_cache = compress(cpu_.get(), data, o);
+    CachePtr gpu_cache = to_gpu(cpu_cache.get());
+    const int n = 300;
+    const std::vector<float> k = nonzero_normal(rng, 2 * n * 64), v = nonzero_normal(rng, 2 * n * 64);
+    ok(akv_append(cpu_cache.get(), k.data(), v.data(), AKV_DTYPE_F32, n, nullptr, nullptr), "append cpu");
+    DeviceBuffer dk(encode(k, AKV_DTYPE_F32)), dv(encode(v, AKV_DTYPE_F32));
+    ok(akv_append(gpu_cache.get(), dk.get(), dv.get(), AKV_DTYPE_F32, n, nullptr, nullptr), "append gpu");
+    // Compact the CPU's copy of the GPU cache (the same appended rows) and the GPU cache.
+    CachePtr expected = deserialize(cpu_.get(), serialize(gpu_cache.get()));
+    const Tensor window = make_tensor(nonzero_normal(rng, 4 * 32 * 64, 1.5), AKV_DTYPE_F32);
+    ok(akv_cache_compact(expected.get(), window.data(), AKV_DTYPE_F32, 64, nullptr), "compact cpu");
+    DeviceBuffer dq(window.bytes);
+    ok(akv_cache_compact(gpu_cache.get(), dq.get(), AKV_DTYPE_F32, 64, nullptr), "compact gpu");
+    // The same CPU code on the same bytes (the staging context may run other thread counts).
+    EXPECT_EQ(serialize(gpu_cache.get()).size(), serialize(expected.get()).size());
+    EXPECT_EQ(cache_stats(gpu_cache.get()).compressed_bytes, cache_stats(expected.get()).compressed_bytes);
+    EXPECT_EQ(cache_stats(gpu_cache.get()).compactions, 1);
+    const Tensor q = make_tensor(nonzero_normal(rng, 4 * 64, 1.5), AKV_DTYPE_F32);
+    DeviceBuffer dq1(q.bytes), dout(q.bytes.size());
+    ok(akv_decode(gpu_cache.get(), dq1.get(), AKV_DTYPE_F32, 1, dout.get(), nullptr), "decode gpu");
+    EXPECT_TRUE(all_near(decode_bytes(dout.download(), AKV_DTYPE_F32), decode(expected.get(), q, 1), 2e-3, 2e-3));
+  }
+}
+
 // Compression with device inputs: the AnchorKV GPU pass agrees with the CPU compression
 // section by section (near-ties counted and bounded, tests/common/anchor_compare.hpp) and
 // its decode output closely; FullKV within one storage step of the CPU's keys; the eviction

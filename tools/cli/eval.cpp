@@ -766,6 +766,8 @@ akv_dtype parse_dtype(const std::string &text) {
 int run_eval(int argc, char **argv) {
   for (int i = 1; i < argc; ++i)
     if (std::string(argv[i]) == "--reach-grid") return run_reach_grid(argc, argv);
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--generate") return run_generate(argc, argv);
   cxxopts::Options options("anchorkv eval",
                            "Compare FullKV, AnchorKV and the baselines (see --methods) against exact attention:\n"
                            "compression ratio, bytes, compress and decode time, attention-output fidelity on\n"

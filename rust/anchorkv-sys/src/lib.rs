@@ -145,6 +145,8 @@ pub struct akv_compress_options {
     // Tensor parallelism (appended in 0.2).
     pub pool_heads: i32,
     pub head_offset: i32,
+    // Long generations (appended in 0.2).
+    pub compact_after: i64,
 }
 
 #[repr(C)]
@@ -197,6 +199,7 @@ pub struct akv_cache_stats {
     pub ratio: c_double,
     pub key_residuals: i64,
     pub value_residuals: i64,
+    pub compactions: i64,
 }
 
 #[repr(C)]
@@ -319,6 +322,14 @@ extern "C" {
         q_len: i32,
         out: *mut c_void,
         out_lse: *mut f32,
+        stream: *mut c_void,
+    ) -> akv_status;
+    // Fold the appended suffix (all but its last window tokens) into the compressed form.
+    pub fn akv_cache_compact(
+        cache: *mut akv_cache,
+        queries: *const c_void,
+        dtype: akv_dtype,
+        headroom_tokens: i64,
         stream: *mut c_void,
     ) -> akv_status;
 }
