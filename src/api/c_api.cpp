@@ -274,6 +274,8 @@ akv_status decode_many(const char *function, akv_context *context, akv_cache *co
     else
       decode_batch_cpu(caches, batch, queries, dtype, q_len, out, lse);
   });
+}
+
 // The compacted form of `c` swapped into it (akv_cache_compact). q: [Hq][W][D] fp32 host. The
 // suffix reservation is kept. A CUDA cache goes through the host staging context: copied
 // down, compacted by the CPU code, placed back in new device buffers. `c` is unchanged on
