@@ -26,6 +26,22 @@ namespace akv {
 
 namespace {
 
+// The prefill compaction compresses: the cache's T tokens [H][T][D] fp32 (the reconstruction
+// of the old part, post-RoPE, and the appended tokens), the last W queries and every position.
+akv_prefill reconstructed_prefill(const CacheMeta &m, int64_t T, const std::vector<float> &keys,
+                                  const std::vector<float> &values, const float *queries,
+                                  const std::vector<int32_t> &pos) {
+  akv_prefill p;
+  akv_prefill_init(&p);
+  p.shape = akv_shape{T, m.shape.num_kv_heads, m.shape.num_q_heads, m.shape.head_dim};
+  p.dtype = AKV_DTYPE_F32;
+  p.keys = keys.data();
+  p.values = values.data();
+  p.queries = queries;
+  p.positions = pos.data();
+  return p;
+}
+
 // The decode-time variant of the eviction baselines (AnDPro's rebuttal: "online updates during
 // decoding" at a fixed budget and step): the kept prompt tokens and the appended ones are
 // scored again with the queries of the last W tokens, as at prefill, and the method keeps its
@@ -34,7 +50,7 @@ std::unique_ptr<akv_cache> reevict(const akv_cache &old, akv_context *context, c
                                    akv_compress_options o, const std::vector<int32_t> &pos) {
   const CacheMeta &m = old.meta;
   const int64_t T = old.total_tokens();
-  const int H = m.shape.num_kv_heads, Hq = m.shape.num_q_heads, D = m.shape.head_dim;
+  const int H = m.shape.num_kv_heads, D = m.shape.head_dim;
   std::vector<float> keys(static_cast<size_t>(H) * T * D), values(keys.size());
   std::vector<uint8_t> present(static_cast<size_t>(H) * T);
   context->pool->parallel_for(H, [&](int64_t b, int64_t e) {
@@ -42,14 +58,7 @@ std::unique_ptr<akv_cache> reevict(const akv_cache &old, akv_context *context, c
       reconstruct_head_cpu(old, static_cast<int>(h), true, &keys[h * T * D], &values[h * T * D], &present[h * T]);
   });
   o.keys_post_rope = 1;  // the reconstruction is post-RoPE: the kept keys go back unchanged
-  akv_prefill p;
-  akv_prefill_init(&p);
-  p.shape = akv_shape{T, H, Hq, D};
-  p.dtype = AKV_DTYPE_F32;
-  p.keys = keys.data();
-  p.values = values.data();
-  p.queries = queries;
-  p.positions = pos.data();
+  akv_prefill p = reconstructed_prefill(m, T, keys, values, queries, pos);
   CompressRequest req{context, &p, &o};
   req.present = present.data();
   return compress_eviction_cpu(req);
@@ -167,14 +176,7 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
     }
   });
 
-  akv_prefill p;
-  akv_prefill_init(&p);
-  p.shape = akv_shape{T, H, Hq, D};
-  p.dtype = AKV_DTYPE_F32;
-  p.keys = keys.data();
-  p.values = values.data();
-  p.queries = queries;
-  p.positions = pos.data();
+  akv_prefill p = reconstructed_prefill(m, T, keys, values, queries, pos);
   CompressRequest req{context, &p, &o, priority.data()};
   req.anchor_weight = weight.data();
   for (int side = 0; side < 2; ++side) {
