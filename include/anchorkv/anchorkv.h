@@ -53,11 +53,11 @@ extern "C" {
 #endif
 
 #define AKV_VERSION_MAJOR 0
-#define AKV_VERSION_MINOR 1
+#define AKV_VERSION_MINOR 2
 #define AKV_VERSION_PATCH 0
 /* MAJOR*10000 + MINOR*100 + PATCH, as zstd does. */
 #define AKV_VERSION_NUMBER (AKV_VERSION_MAJOR * 10000 + AKV_VERSION_MINOR * 100 + AKV_VERSION_PATCH)
-#define AKV_VERSION_STRING "0.1.0"
+#define AKV_VERSION_STRING "0.2.0"
 
 /* Version of the library actually loaded (compare with AKV_VERSION_NUMBER). */
 AKV_API unsigned akv_version_number(void);

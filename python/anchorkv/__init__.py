@@ -16,7 +16,7 @@ from ._errors import (AnchorKVError, BackendError, BackendUnavailableError, Budg
                       MismatchError, NonFiniteError, OutOfMemoryError, UnsupportedError,
                       VersionError)
 
-__version__ = "0.1.0"  # of this binding; the library's is library_version()
+__version__ = "0.2.0"  # of this binding; the library's is library_version()
 
 _version_problem = _capi.version_problem(_capi.akv_version_number())
 if _version_problem:

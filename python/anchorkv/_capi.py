@@ -23,7 +23,7 @@ from pathlib import Path
 # The header version this binding was written against (AKV_VERSION_*). The loaded library
 # must have the same major and be at least this version.
 BINDING_VERSION_MAJOR = 0
-BINDING_VERSION_MINOR = 1
+BINDING_VERSION_MINOR = 2
 BINDING_VERSION_PATCH = 0
 BINDING_VERSION_NUMBER = BINDING_VERSION_MAJOR * 10000 + BINDING_VERSION_MINOR * 100 + BINDING_VERSION_PATCH
 

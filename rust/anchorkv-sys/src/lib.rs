@@ -13,10 +13,10 @@ use core::marker::{PhantomData, PhantomPinned};
 // ---- Export and version ---------------------------------------------------------------------
 
 pub const AKV_VERSION_MAJOR: u32 = 0;
-pub const AKV_VERSION_MINOR: u32 = 1;
+pub const AKV_VERSION_MINOR: u32 = 2;
 pub const AKV_VERSION_PATCH: u32 = 0;
 pub const AKV_VERSION_NUMBER: u32 = AKV_VERSION_MAJOR * 10000 + AKV_VERSION_MINOR * 100 + AKV_VERSION_PATCH;
-pub const AKV_VERSION_STRING: &str = "0.1.0";
+pub const AKV_VERSION_STRING: &str = "0.2.0";
 
 // ---- Enumerations ---------------------------------------------------------------------------
 
