@@ -18,11 +18,6 @@ from ._errors import (AnchorKVError, BackendError, BackendUnavailableError, Budg
 
 __version__ = "0.2.0"  # of this binding; the library's is library_version()
 
-_version_problem = _capi.version_problem(_capi.akv_version_number())
-if _version_problem:
-    raise ImportError(f"{_capi.library_path} is anchorkv {_capi.akv_version_string().decode()}: "
-                      f"{_version_problem}")
-
 
 def library_version() -> str:
     """Version string of the loaded shared library."""

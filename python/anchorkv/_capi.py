@@ -261,6 +261,12 @@ akv_version_number = _declare("akv_version_number", c_uint, [])
 # const char *akv_version_string(void);
 akv_version_string = _declare("akv_version_string", c_char_p, [])
 
+# Checked before anything else is declared: an older library lacks later symbols, and says so
+# better through its version than through a missing one.
+_version_problem = version_problem(akv_version_number())
+if _version_problem:
+    raise ImportError(f"{library_path} is anchorkv {akv_version_string().decode()}: {_version_problem}")
+
 # const char *akv_status_string(akv_status status);
 akv_status_string = _declare("akv_status_string", c_char_p, [akv_status])
 # const char *akv_last_error_message(void);
