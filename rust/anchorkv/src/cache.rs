@@ -195,6 +195,56 @@ impl Cache {
         unsafe { self.decode_raw(queries.as_ptr().cast(), T::DTYPE, q_len, out.as_mut_ptr().cast(), ptr::null_mut()) }
     }
 
+    /// `decode`, and each output row's log-sum-exp (`akv_decode_lse`): `lse` holds `Hq*q_len`
+    /// values, the natural log of the row's softmax denominator over the tokens it attends to
+    /// (logits scaled by the cache's softmax_scale). With it, attention over this cache merges
+    /// with attention over other tokens: weights `exp(lse_a - m)` and `exp(lse_b - m)`.
+    pub fn decode_with_lse<T: Element>(&self, queries: &[T], out: &mut [T], lse: &mut [f32]) -> Result<()> {
+        self.require_host_memory()?;
+        let row = self.shape.num_q_heads * self.shape.head_dim;
+        if queries.is_empty() || queries.len() % row != 0 || out.len() != queries.len() {
+            return Err(Error::invalid(format!(
+                "queries and out must hold Hq*q_len*D elements (a multiple of {row}); got {} and {}",
+                queries.len(),
+                out.len()
+            )));
+        }
+        let rows = queries.len() / self.shape.head_dim;
+        if lse.len() != rows {
+            return Err(Error::invalid(format!("lse must hold Hq*q_len = {rows} values; got {}", lse.len())));
+        }
+        let q_len = i32::try_from(queries.len() / row).map_err(|_| Error::invalid("q_len too large"))?;
+        // SAFETY: host slices of checked lengths.
+        check(unsafe {
+            sys::akv_decode_lse(
+                self.as_raw(),
+                queries.as_ptr().cast(),
+                T::DTYPE as i32,
+                q_len,
+                out.as_mut_ptr().cast(),
+                lse.as_mut_ptr(),
+                ptr::null_mut(),
+            )
+        })
+    }
+
+    /// Folds the appended tokens, except the last `window`, back into the compressed form
+    /// (`akv_cache_compact`; AnchorKV, and the decode-time variant of SnapKV, PyramidKV and
+    /// AnDPro). `queries` are the post-RoPE queries of the last `window` positions,
+    /// `[Hq][W][D]`; `headroom_tokens` dense tokens may be appended afterwards within the budget.
+    pub fn compact<T: Element>(&mut self, queries: &[T], headroom_tokens: i64) -> Result<()> {
+        self.require_host_memory()?;
+        let window = usize::try_from(self.stats()?.window).unwrap_or(0);
+        let expected = self.shape.num_q_heads * window * self.shape.head_dim;
+        if queries.len() != expected {
+            return Err(Error::invalid(format!("queries must hold Hq*W*D = {expected} elements; got {}", queries.len())));
+        }
+        // SAFETY: a host slice of the checked length.
+        check(unsafe {
+            sys::akv_cache_compact(self.as_raw(), queries.as_ptr().cast(), T::DTYPE as i32, headroom_tokens, ptr::null_mut())
+        })
+    }
+
     /// `decode` into a new vector.
     pub fn decode_to_vec<T: Element>(&self, queries: &[T]) -> Result<Vec<T>> {
         let mut out = vec![T::default(); queries.len()];

@@ -355,3 +355,77 @@ fn strided_prefill_matches_head_major() {
     let overlapping = Prefill::new(shape(), &keys, &values).queries(&window).kv_strides(D, D - 1);
     assert!(context.compress(&overlapping, &options).unwrap_err().message().contains("token stride"));
 }
+
+#[test]
+fn lse_merges_two_halves_into_attention_over_both() {
+    // FullKV over the first and the second half of the tokens, merged through their
+    // log-sum-exp, is attention over all of them.
+    let data = layer(11, S);
+    let context = Context::cpu().unwrap();
+    let half = S / 2;
+    let options = CompressOptions::new().method(Method::FullKv);
+    let split = |from: usize| -> (Vec<f32>, Vec<f32>) {
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        for h in 0..H {
+            k.extend_from_slice(&data.keys[(h * S + from) * D..][..half * D]);
+            v.extend_from_slice(&data.values[(h * S + from) * D..][..half * D]);
+        }
+        (k, v)
+    };
+    let whole = context
+        .compress(&Prefill::new(shape(), &data.keys, &data.values).queries(&data.window), &options)
+        .unwrap();
+    let (k0, v0) = split(0);
+    let (k1, v1) = split(half);
+    let positions_second: Vec<i32> = (half as i32..S as i32).collect();
+    let first = context.compress(&Prefill::new(Shape::new(half, H, HQ, D), &k0, &v0).queries(&data.window), &options).unwrap();
+    let second = context
+        .compress(&Prefill::new(Shape::new(half, H, HQ, D), &k1, &v1).queries(&data.window).positions(&positions_second), &options)
+        .unwrap();
+    let query = Rng::new(12).bf16_exact(HQ * D);
+    let (mut a, mut b) = (vec![0f32; HQ * D], vec![0f32; HQ * D]);
+    let (mut lse_a, mut lse_b) = (vec![0f32; HQ], vec![0f32; HQ]);
+    first.decode_with_lse(&query, &mut a, &mut lse_a).unwrap();
+    second.decode_with_lse(&query, &mut b, &mut lse_b).unwrap();
+    let expected = whole.decode_to_vec(&query).unwrap();
+    let mut merged = vec![0f64; HQ * D];
+    for r in 0..HQ {
+        let m = lse_a[r].max(lse_b[r]) as f64;
+        let (wa, wb) = (((lse_a[r] as f64) - m).exp(), ((lse_b[r] as f64) - m).exp());
+        for d in 0..D {
+            merged[r * D + d] = (wa * a[r * D + d] as f64 + wb * b[r * D + d] as f64) / (wa + wb);
+        }
+    }
+    let expected: Vec<f64> = expected.iter().map(|&x| x as f64).collect();
+    let diff = merged.iter().zip(&expected).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    assert!(diff < 1e-5, "merged halves differ from the whole by {diff}");
+    assert!(first.decode_with_lse(&query, &mut a, &mut lse_a[..1]).is_err());
+}
+
+#[test]
+fn compact_folds_the_appended_tokens() {
+    let data = layer(13, S + 96);
+    let context = Context::cpu().unwrap();
+    let (mut k, mut v) = (Vec::new(), Vec::new());
+    for h in 0..H {
+        k.extend_from_slice(&data.keys[(h * (S + 96)) * D..][..S * D]);
+        v.extend_from_slice(&data.values[(h * (S + 96)) * D..][..S * D]);
+    }
+    let mut cache = context
+        .compress(&Prefill::new(shape(), &k, &v).queries(&data.window), &CompressOptions::new().retain_fraction(0.3))
+        .unwrap();
+    for t in S..S + 96 {
+        let (mut kt, mut vt) = (Vec::new(), Vec::new());
+        for h in 0..H {
+            kt.extend_from_slice(&data.keys[(h * (S + 96) + t) * D..][..D]);
+            vt.extend_from_slice(&data.values[(h * (S + 96) + t) * D..][..D]);
+        }
+        cache.append(&kt, &vt, None).unwrap();
+    }
+    assert!(cache.compact(&data.window[..D], 0).is_err());
+    cache.compact(&data.window, 0).unwrap();
+    let stats = cache.stats().unwrap();
+    assert_eq!((stats.shape.seq_len, stats.appended_tokens), (S + 96, 0));
+    assert!(stats.compressed_bytes as f64 <= 0.3 * stats.full_bytes as f64);
+}
