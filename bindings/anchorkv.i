@@ -144,7 +144,7 @@ static int akv_java_shape(const akv_cache *cache, akv_cache_stats *stats) {
 
 /* The raw calls with out-parameters and void* tensors are wrapped as methods below. */
 %rename("$ignore", regextarget=1, %$isfunction)
-  "^akv_(context_options_init|context_create|compress_options_init|compress_options_init_method|compress_options_init_paper|prefill_init|compressed_size|compressed_size_model|compress|cache_reserve|append|decode|decode_batch|decode_lse|decode_batch_lse|cache_stats_get|cache_head_stats|cache_reconstruct|cache_serialized_size|cache_serialize|cache_deserialize)$";
+  "^akv_(context_options_init|context_create|compress_options_init|compress_options_init_method|compress_options_init_paper|prefill_init|compressed_size|compressed_size_model|compress|cache_reserve|append|decode|decode_batch|decode_lse|decode_batch_lse|cache_compact|cache_stats_get|cache_head_stats|cache_reconstruct|cache_serialized_size|cache_serialize|cache_deserialize)$";
 %ignore akv_allocator;
 %ignore akv_context_options;
 %ignore akv_prefill;
@@ -343,11 +343,14 @@ static int akv_java_shape(const akv_cache *cache, akv_cache_stats *stats) {
 %newobject akv_cache::get_stats;
 %newobject akv_cache::head_stat;
 %javamethodmodifiers akv_context::decode_batch_handles "private";
+/* akv_cache_compact is the C function: the method's C name must differ from it. */
+%rename(compact) akv_cache::compact_suffix;
 
 %apply (void *TENSOR, size_t TENSOR_BYTES) {
   (void *keys, size_t keys_bytes), (void *values, size_t values_bytes),
   (void *queries, size_t queries_bytes), (void *out, size_t out_bytes),
-  (void *positions, size_t positions_bytes), (void *table, size_t table_bytes)
+  (void *positions, size_t positions_bytes), (void *table, size_t table_bytes),
+  (void *lse, size_t lse_bytes)
 };
 %apply (void *BUFFER, size_t BUFFER_BYTES) {
   (void *bytes, size_t size), (void *buffer, size_t buffer_bytes), (void *handles, size_t handles_bytes)
@@ -577,6 +580,39 @@ typedef struct akv_cache {} akv_cache;
       akv_java_ok(akv_decode($self, queries, dtype, qLen, out, NULL));
   }
 
+  /**
+   * decode, and each output row's log-sum-exp (akv_decode_lse): the natural log of the row's
+   * softmax denominator over the tokens it attends to (logits scaled by the cache's
+   * softmax_scale), to merge this attention with attention over other tokens.
+   * @param queries [Hq][qLen][D], post-RoPE
+   * @param out [Hq][qLen][D], written
+   * @param lse [Hq][qLen] float32, written
+   */
+  void decodeLse(void *queries, size_t queries_bytes, akv_dtype dtype, int32_t qLen, void *out,
+                 size_t out_bytes, void *lse, size_t lse_bytes) {
+    akv_cache_stats stats;
+    if (!akv_java_shape($self, &stats)) return;
+    const size_t rows = (size_t)stats.shape.num_q_heads * (size_t)(qLen > 0 ? qLen : 0);
+    const size_t count = rows * (size_t)stats.shape.head_dim;
+    if (akv_java_fits("queries", queries_bytes, count, dtype) && akv_java_fits("out", out_bytes, count, dtype) &&
+        akv_java_holds("lse", lse_bytes, rows, sizeof(float)))
+      akv_java_ok(akv_decode_lse($self, queries, dtype, qLen, out, (float *)lse, NULL));
+  }
+
+  /**
+   * Folds the appended tokens, except the last window, back into the compressed form
+   * (akv_cache_compact): AnchorKV, and the decode-time variant of SnapKV, PyramidKV and AnDPro.
+   * @param queries [Hq][W][D], the post-RoPE queries of the last W positions
+   * @param headroomTokens dense tokens that may be appended afterwards within the budget
+   */
+  void compact_suffix(void *queries, size_t queries_bytes, akv_dtype dtype, int64_t headroomTokens) {
+    akv_cache_stats stats;
+    if (!akv_java_shape($self, &stats)) return;
+    const size_t count = (size_t)stats.shape.num_q_heads * (size_t)stats.window * (size_t)stats.shape.head_dim;
+    if (akv_java_fits("queries", queries_bytes, count, dtype))
+      akv_java_ok(akv_cache_compact($self, queries, dtype, headroomTokens, NULL));
+  }
+
   /** decode with device addresses (CUDA context) on `stream` (0 = default). */
   void decodeDevice(int64_t queries, akv_dtype dtype, int32_t qLen, int64_t out, int64_t stream) {
     akv_java_ok(akv_decode($self, (const void *)(intptr_t)queries, dtype, qLen, (void *)(intptr_t)out,
@@ -697,6 +733,6 @@ int64_t akv_compressed_bytes(const akv_compress_options *options, const akv_shap
 %clear (void *keys, size_t keys_bytes), (void *values, size_t values_bytes),
        (void *queries, size_t queries_bytes), (void *out, size_t out_bytes), (void *bytes, size_t size),
        (void *buffer, size_t buffer_bytes), (void *positions, size_t positions_bytes),
-       (void *table, size_t table_bytes), (void *handles, size_t handles_bytes);
+       (void *table, size_t table_bytes), (void *handles, size_t handles_bytes), (void *lse, size_t lse_bytes);
 %clear akv_cache *cache;
 %clear akv_context *context;

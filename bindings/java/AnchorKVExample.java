@@ -165,6 +165,29 @@ public final class AnchorKVExample {
     for (int i = 0; i < HQ * D; ++i) worst = Math.max(worst, Math.abs(decoded[i] - overReconstruction[i]));
     check(worst < 2e-5, "decode equals attention over the reconstruction (max diff " + worst + ")");
 
+    // Each row's log-sum-exp (decodeLse), against the reconstruction's softmax denominator.
+    ByteBuffer lse = direct(HQ), outWithLse = direct(HQ * D);
+    cache.decodeLse(queryBuffer, DType.F32, 1, outWithLse, lse);
+    check(outWithLse.equals(out), "decodeLse writes decode's output");
+    float[] lseValues = floats(lse, HQ);
+    double lseWorst = 0;
+    for (int j = 0; j < HQ; ++j) {
+      int h = j / (HQ / H);
+      double[] logits = new double[S];
+      double max = Double.NEGATIVE_INFINITY, sum = 0;
+      for (int t = 0; t < S; ++t) {
+        double logit = 0;
+        for (int d = 0; d < D; ++d) logit += query[j * D + d] * reconstructedRows[h * S + t][d];
+        logits[t] = logit / Math.sqrt(D);
+        max = Math.max(max, logits[t]);
+      }
+      for (int t = 0; t < S; ++t) sum += Math.exp(logits[t] - max);
+      lseWorst = Math.max(lseWorst, Math.abs(lseValues[j] - (max + Math.log(sum))));
+    }
+    check(lseWorst < 1e-4, "the log-sum-exp of every row (max diff " + lseWorst + ")");
+    check(statusOf(() -> cache.decodeLse(queryBuffer, DType.F32, 1, outWithLse, direct(HQ - 1))) == Status.INVALID_ARGUMENT,
+          "an lse buffer too small is refused");
+
     // Serialize, deserialize, decode again: the same answer.
     ByteBuffer bytes = ByteBuffer.allocateDirect((int) cache.serializedSize());
     long written = cache.serialize(bytes);
@@ -173,6 +196,17 @@ public final class AnchorKVExample {
     ByteBuffer again = direct(HQ * D);
     restored.decode(queryBuffer, DType.F32, 1, again);
     check(again.equals(out), "a deserialized cache decodes identically");
+
+    // Compaction folds the appended tokens (all but the last W) back into the compressed form.
+    Cache growing = context.compress(shape, DType.F32, keyBuffer, valueBuffer, windowBuffer, options);
+    check(statusOf(() -> growing.compact(windowBuffer, DType.F32, 0)) == Status.INVALID_ARGUMENT,
+          "nothing to fold before W tokens were appended");
+    for (int t = 0; t < 2 * W; ++t) growing.append(direct(H * D), direct(H * D), DType.F32, 1);
+    growing.compact(windowBuffer, DType.F32, 0);
+    CacheStats folded = growing.stats();
+    check(folded.getAppendedTokens() == 0 && folded.getShape().getSeqLen() == S + 2 * W,
+          "compact makes the appended tokens part of the compressed prompt");
+    check(folded.getCompressedBytes() <= folded.getBudgetBytes(), "a compacted cache stays within its budget");
 
     // Errors: the library's status and message, or the binding's own size checks.
     CompressOptions tiny = new CompressOptions();
