@@ -178,19 +178,23 @@ impl Cache {
         check(sys::akv_append(self.as_raw(), keys, values, dtype as i32, num_tokens, positions, stream))
     }
 
+    /// q_len of a host decode whose queries and out hold `queries` and `out` elements
+    /// (`[Hq][q_len][D]` each); an error for a CUDA cache or lengths that do not fit.
+    fn host_q_len(&self, queries: usize, out: usize) -> Result<i32> {
+        self.require_host_memory()?;
+        let row = self.shape.num_q_heads * self.shape.head_dim;
+        if queries == 0 || queries % row != 0 || out != queries {
+            return Err(Error::invalid(format!(
+                "queries and out must hold Hq*q_len*D elements (a multiple of {row}); got {queries} and {out}"
+            )));
+        }
+        i32::try_from(queries / row).map_err(|_| Error::invalid("q_len too large"))
+    }
+
     /// Attention of new queries over the whole cache: queries and out `[Hq][q_len][D]`
     /// (query i is the token at position T - q_len + i: causal among the new tokens).
     pub fn decode<T: Element>(&self, queries: &[T], out: &mut [T]) -> Result<()> {
-        self.require_host_memory()?;
-        let row = self.shape.num_q_heads * self.shape.head_dim;
-        if queries.is_empty() || queries.len() % row != 0 || out.len() != queries.len() {
-            return Err(Error::invalid(format!(
-                "queries and out must hold Hq*q_len*D elements (a multiple of {row}); got {} and {}",
-                queries.len(),
-                out.len()
-            )));
-        }
-        let q_len = i32::try_from(queries.len() / row).map_err(|_| Error::invalid("q_len too large"))?;
+        let q_len = self.host_q_len(queries.len(), out.len())?;
         // SAFETY: host slices of checked lengths.
         unsafe { self.decode_raw(queries.as_ptr().cast(), T::DTYPE, q_len, out.as_mut_ptr().cast(), ptr::null_mut()) }
     }
@@ -200,20 +204,11 @@ impl Cache {
     /// (logits scaled by the cache's softmax_scale). With it, attention over this cache merges
     /// with attention over other tokens: weights `exp(lse_a - m)` and `exp(lse_b - m)`.
     pub fn decode_with_lse<T: Element>(&self, queries: &[T], out: &mut [T], lse: &mut [f32]) -> Result<()> {
-        self.require_host_memory()?;
-        let row = self.shape.num_q_heads * self.shape.head_dim;
-        if queries.is_empty() || queries.len() % row != 0 || out.len() != queries.len() {
-            return Err(Error::invalid(format!(
-                "queries and out must hold Hq*q_len*D elements (a multiple of {row}); got {} and {}",
-                queries.len(),
-                out.len()
-            )));
-        }
+        let q_len = self.host_q_len(queries.len(), out.len())?;
         let rows = queries.len() / self.shape.head_dim;
         if lse.len() != rows {
             return Err(Error::invalid(format!("lse must hold Hq*q_len = {rows} values; got {}", lse.len())));
         }
-        let q_len = i32::try_from(queries.len() / row).map_err(|_| Error::invalid("q_len too large"))?;
         // SAFETY: host slices of checked lengths.
         check(unsafe {
             sys::akv_decode_lse(
