@@ -118,18 +118,22 @@ class Cuda : public ::testing::Test {
     ok(akv_compress(gpu_.get(), &device.view, &o, &raw, nullptr), "akv_compress on CUDA");
     return CachePtr(raw);
   }
+  // `batch` requests of mixed lengths (H = kHeads) compressed on the CPU and moved to the GPU,
+  // with the same kAppended tokens appended on both backends.
+  struct Requests {
+    std::vector<CachePtr> cpu_caches, gpu_caches;
+    std::vector<akv_cache *> cpu, gpu;
+  };
+  static constexpr int kHeads = 2, kAppended = 5;
+  Requests make_requests(const DecodeCase &c, int batch, Rng &rng);
   void check_decode(const DecodeCase &c, int batch, Rng &rng);
   void check_compression(int64_t S, int D, int G, akv_dtype dtype, Rng &rng);
   ContextPtr gpu_, cpu_;
 };
 
-// `batch` requests of mixed lengths compressed on the CPU, moved to the GPU, the same tokens
-// appended on both; the GPU's akv_decode_batch against the CPU's, and one request's
-// akv_decode against its row of the batch.
-void Cuda::check_decode(const DecodeCase &c, int batch, Rng &rng) {
-  SCOPED_TRACE(describe(c));
-  const int H = 2, appended = 5;
-  std::vector<CachePtr> cpu_caches, gpu_caches;
+Cuda::Requests Cuda::make_requests(const DecodeCase &c, int batch, Rng &rng) {
+  const int H = kHeads, appended = kAppended;
+  Requests r;
   for (int b = 0; b < batch; ++b) {
     akv_compress_options o;
     akv_compress_options_init_method(&o, c.method);
@@ -147,23 +151,29 @@ void Cuda::check_decode(const DecodeCase &c, int batch, Rng &rng) {
     } else if (c.method != AKV_METHOD_FULLKV) {
       o.retain_fraction = 0.2;
     }
-    cpu_caches.push_back(compress(cpu_.get(), data, o));
-    gpu_caches.push_back(to_gpu(cpu_caches.back().get()));
+    r.cpu_caches.push_back(compress(cpu_.get(), data, o));
+    r.gpu_caches.push_back(to_gpu(r.cpu_caches.back().get()));
     // The same appended tokens on both backends (device tensors for the GPU cache).
     const Tensor k = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * appended * c.head_dim), c.dtype);
     const Tensor v = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * appended * c.head_dim), c.dtype);
-    ok(akv_append(cpu_caches.back().get(), k.data(), v.data(), c.dtype, appended, nullptr, nullptr), "akv_append cpu");
+    ok(akv_append(r.cpu_caches.back().get(), k.data(), v.data(), c.dtype, appended, nullptr, nullptr), "akv_append cpu");
     DeviceBuffer dk(k.bytes), dv(v.bytes);
-    ok(akv_append(gpu_caches.back().get(), dk.get(), dv.get(), c.dtype, appended, nullptr, nullptr), "akv_append gpu");
+    ok(akv_append(r.gpu_caches.back().get(), dk.get(), dv.get(), c.dtype, appended, nullptr, nullptr), "akv_append gpu");
     cuda_ok(cudaDeviceSynchronize(), "append");
+    r.cpu.push_back(r.cpu_caches.back().get());
+    r.gpu.push_back(r.gpu_caches.back().get());
   }
+  return r;
+}
+
+// The GPU's akv_decode_batch against the CPU's over make_requests(), and one request's
+// akv_decode against its row of the batch.
+void Cuda::check_decode(const DecodeCase &c, int batch, Rng &rng) {
+  SCOPED_TRACE(describe(c));
+  const Requests requests = make_requests(c, batch, rng);
+  const std::vector<akv_cache *> &cpu_list = requests.cpu, &gpu_list = requests.gpu;
   const Tensor q = make_tensor(
-      nonzero_normal(rng, static_cast<size_t>(batch) * H * c.group * c.q_len * c.head_dim, 1.5), c.dtype);
-  std::vector<akv_cache *> cpu_list, gpu_list;
-  for (int b = 0; b < batch; ++b) {
-    cpu_list.push_back(cpu_caches[b].get());
-    gpu_list.push_back(gpu_caches[b].get());
-  }
+      nonzero_normal(rng, static_cast<size_t>(batch) * kHeads * c.group * c.q_len * c.head_dim, 1.5), c.dtype);
   std::vector<uint8_t> expected_bytes = poisoned(q.count(), c.dtype);
   ok(akv_decode_batch(cpu_.get(), cpu_list.data(), batch, q.data(), c.dtype, c.q_len, expected_bytes.data(), nullptr),
      "cpu decode");
@@ -474,39 +484,15 @@ TEST_F(Cuda, DecodeLseMatchesCpu) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   Rng rng(seed);
-  const int H = 2;
   const std::vector<DecodeCase> cases = {{AKV_METHOD_ANCHORKV, 2048, 64, 3, 1, AKV_DTYPE_BF16},
                                          {AKV_METHOD_ANCHORKV, 1500, 128, 4, 3, AKV_DTYPE_F32},
                                          {AKV_METHOD_FULLKV, 1200, 64, 3, 2, AKV_DTYPE_F16}};
   for (const DecodeCase &c : cases) {
     SCOPED_TRACE(describe(c));
-    const int batch = 2, appended = 4;
-    std::vector<CachePtr> cpu_caches, gpu_caches;
-    std::vector<akv_cache *> cpu_list, gpu_list;
-    for (int b = 0; b < batch; ++b) {
-      akv_compress_options o;
-      akv_compress_options_init_method(&o, c.method);
-      PrefillSpec spec;
-      spec.seq_len = c.seq_len - 257 * b;
-      spec.kv_heads = H;
-      spec.group = c.group;
-      spec.head_dim = c.head_dim;
-      spec.window = o.window;
-      const PrefillData data = make_prefill(rng, spec);
-      if (c.method == AKV_METHOD_ANCHORKV)
-        o.retain_fraction = std::max(0.05, workable_retain_fraction(data.shape, o.window, 0, 0.02));
-      cpu_caches.push_back(compress(cpu_.get(), data, o));
-      gpu_caches.push_back(to_gpu(cpu_caches.back().get()));
-      const Tensor k = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * appended * c.head_dim), c.dtype);
-      const Tensor v = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * appended * c.head_dim), c.dtype);
-      ok(akv_append(cpu_caches.back().get(), k.data(), v.data(), c.dtype, appended, nullptr, nullptr), "akv_append cpu");
-      DeviceBuffer dk(k.bytes), dv(v.bytes);
-      ok(akv_append(gpu_caches.back().get(), dk.get(), dv.get(), c.dtype, appended, nullptr, nullptr), "akv_append gpu");
-      cuda_ok(cudaDeviceSynchronize(), "append");
-      cpu_list.push_back(cpu_caches.back().get());
-      gpu_list.push_back(gpu_caches.back().get());
-    }
-    const size_t rows = static_cast<size_t>(batch) * H * c.group * c.q_len;
+    const int batch = 2;
+    const Requests requests = make_requests(c, batch, rng);
+    const std::vector<akv_cache *> &cpu_list = requests.cpu, &gpu_list = requests.gpu;
+    const size_t rows = static_cast<size_t>(batch) * kHeads * c.group * c.q_len;
     const Tensor q = make_tensor(nonzero_normal(rng, rows * c.head_dim, 1.5), c.dtype);
     std::vector<uint8_t> cpu_out = poisoned(q.count(), c.dtype);
     std::vector<float> cpu_lse(rows);
