@@ -13,6 +13,7 @@
 #include "api/guard.hpp"
 #include "core/context.hpp"
 #include "core/dtype.hpp"
+#include "core/layout.hpp"
 #include "core/serialize.hpp"
 #include "cpu/attention.hpp"
 #include "cpu/thread_pool.hpp"
@@ -451,12 +452,6 @@ AKV_API void akv_prefill_init(akv_prefill *p) {
 }
 
 namespace {
-
-// Methods akv_cache_compact folds: AnchorKV, and the eviction baselines with a decode-time
-// variant (AnDPro's rebuttal: AnDPro and SnapKV; PyramidKV is SnapKV with a layer budget).
-bool compactable(akv_method m) {
-  return m == AKV_METHOD_ANCHORKV || m == AKV_METHOD_SNAPKV || m == AKV_METHOD_PYRAMIDKV || m == AKV_METHOD_ANDPRO;
-}
 
 akv_compress_options resolve_options(const akv_compress_options *options) {
   akv_compress_options defaults;

@@ -613,8 +613,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     o.guard_fraction = r.get<double>("guard_fraction");
     o.coverage_rounds = r.get<int32_t>("coverage_rounds");
     o.head_offset = r.get<int32_t>("head_offset");
-    const bool foldable = anchor || m.method == AKV_METHOD_SNAPKV || m.method == AKV_METHOD_PYRAMIDKV ||
-                          m.method == AKV_METHOD_ANDPRO;  // what akv_cache_compact folds
+    const bool foldable = compactable(m.method);
     corrupt_unless(c.compactions >= 0 && (c.compactions == 0 || foldable), "compactions");
     corrupt_unless(o.compact_after >= 0 && o.compact_after <= INT32_MAX && (o.compact_after == 0 || foldable),
                    "compact_after");
