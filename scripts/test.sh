@@ -42,6 +42,7 @@ else
 fi
 cleanup() {
   if [ "$remove_prefix" = 1 ] && [ "${ANCHORKV_KEEP_PREFIX:-0}" != 1 ]; then rm -rf "$prefix"; fi
+  rm -f "${failures_file:-}"
 }
 trap cleanup EXIT
 
@@ -79,9 +80,19 @@ after() {
   esac
 }
 
+# Failed tests, and what they printed, are repeated after the summary: the end of the log is
+# what a CI report shows.
+failures_file="$(mktemp "${TMPDIR:-/tmp}/anchorkv-failures.XXXXXX")"
 ctest_run() { # ctest_run BUILD_DIR ARGS...: the whole suite must contain tests and pass
   local dir="$1"; shift
-  ctest --test-dir "$dir" --output-on-failure --no-tests=error -j "$jobs" "$@"
+  if ctest --test-dir "$dir" --output-on-failure --no-tests=error -j "$jobs" "$@"; then return 0; fi
+  {
+    echo "failed in $dir:"
+    sed 's/^/  /' "$dir/Testing/Temporary/LastTestsFailed.log" 2>/dev/null || true
+    grep -E -A3 'Failure$|random seed|\(replay|Child aborted|\*\*\*Timeout|Which is|error:' \
+      "$dir/Testing/Temporary/LastTest.log" 2>/dev/null | head -n 60 | sed 's/^/    /' || true
+  } >> "$failures_file"
+  return 1
 }
 
 echo "anchorkv test.sh: $(cmake --version | head -n 1), $(c++ --version | head -n 1), ${jobs} jobs"
@@ -175,5 +186,6 @@ for i in "${!names[@]}"; do
                           *) n_skip=$((n_skip + 1)) ;; esac
 done
 printf '  total wall time: %ss\n' $((SECONDS - total_start))
+if [ -s "$failures_file" ]; then printf '\n==== failed tests ====\n'; cat "$failures_file"; fi
 echo "steps: $n_pass passed, $n_fail failed, $n_skip skipped"
 [ "$n_fail" -eq 0 ]
