@@ -223,8 +223,8 @@ __global__ void sample_keys_kernel(const uint32_t *ranked, int64_t from, int64_t
 // (sorted non-window picks) or P + a - free for the window.
 __global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint32_t *picks, int64_t free_anchors,
                                                       int64_t P, int D, int storage_bf16, uint16_t *out, float *anchor_f,
-                                                      float *anchor_n, float *norms, int64_t *anchor_tokens,
-                                                      int32_t *anchor_of_token) {
+                                                      float *anchor_n, uint16_t *anchor_b, float *norms,
+                                                      int64_t *anchor_tokens, int32_t *anchor_of_token) {
   AKV_STATIC_SHARED(float, scratch, [4]);
   const int64_t a = blockIdx.x;
   const int64_t token = a < free_anchors ? static_cast<int64_t>(picks[a]) : P + (a - free_anchors);
@@ -242,7 +242,10 @@ __global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint
   }
   const float norm = sqrtf(block_sum128(n2, scratch));
   const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
-  for (int d = threadIdx.x; d < D; d += 128) anchor_n[a * D + d] = anchor_f[a * D + d] * inv;
+  for (int d = threadIdx.x; d < D; d += 128) {
+    anchor_n[a * D + d] = anchor_f[a * D + d] * inv;
+    anchor_b[a * D + d] = float_to_bits(anchor_f[a * D + d] * inv, true);
+  }
   if (threadIdx.x == 0) norms[a] = norm;
 }
 
@@ -259,13 +262,16 @@ __global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint
 // largest, zero-norm anchors below every other, as the CPU and assign_kernel did). If a quarter
 // dropped a value inside that margin, the token falls back to an fp32 scan of every anchor.
 constexpr int kNearTokens = 32, kNearAnchors = 32, kNearKeep = 4, kNearMaxDim = 256;
+#ifndef __align__
+#define __align__(n) __attribute__((aligned(n)))
+#endif
 constexpr float kNearMargin = 0.02f;  // relative to ||x||: 2 * 0.0079, rounded up
 
 // The approximate products of the tile: C[i][j] = bf16 row i . bf16 anchor j (fp32 sums).
 __device__ __forceinline__ void nearest_tile_products(const uint16_t (*xs)[kNearMaxDim + 8],
                                                       const uint16_t (*as)[kNearMaxDim + 8], float (*cs)[kNearAnchors + 4],
                                                       int D) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int r0 = (warp >> 1) * 16, c0 = (warp & 1) * 16;
 #if !defined(AKV_SIMT_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   using namespace nvcuda;
@@ -280,7 +286,7 @@ __device__ __forceinline__ void nearest_tile_products(const uint16_t (*xs)[kNear
   }
   wmma::store_matrix_sync(&cs[r0][c0], acc, kNearAnchors + 4, wmma::mem_row_major);
 #else
-  for (int e = lane; e < 256; e += 32) {
+  for (int e = threadIdx.x & 31; e < 256; e += 32) {
     const int i = r0 + e / 16, j = c0 + e % 16;
     float acc = 0.0f;
     for (int d = 0; d < D; ++d) acc += bits_to_float(xs[i][d], true) * bits_to_float(as[j][d], true);
@@ -308,13 +314,15 @@ __device__ __forceinline__ bool nearest_better(float v, int a, float bv, int ba)
 // fp32): nearest[t], the first anchor of largest |cos| (norms [k] given: zero-norm anchors
 // below every other), and/or best_sq[t] = max(best_sq[t], largest |x . anchor_n|^2) (the
 // coverage anchors' best |cos|^2 of unit rows). Both fp32 values, as if from an fp32 product.
+// anchor_b: the same rows in bf16 (what the tensor cores read, 8-byte aligned rows).
 // D <= kNearMaxDim, a multiple of 16; k >= 1.
 __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int64_t n, int k, int D,
-                                                             const float *anchor_n, const float *norms,
-                                                             int32_t *nearest, float *best_sq) {
-  AKV_STATIC_SHARED(uint16_t, xs, [kNearTokens][kNearMaxDim + 8]);
-  AKV_STATIC_SHARED(uint16_t, as, [kNearAnchors][kNearMaxDim + 8]);
-  AKV_STATIC_SHARED(float, cs, [kNearTokens][kNearAnchors + 4]);
+                                                             const float *anchor_n, const uint16_t *anchor_b,
+                                                             const float *norms, int32_t *nearest, float *best_sq) {
+  // 32-byte aligned: wmma loads and stores need 256-bit aligned tile pointers.
+  AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [kNearTokens][kNearMaxDim + 8]);
+  AKV_STATIC_SHARED(__align__(32) uint16_t, as, [kNearAnchors][kNearMaxDim + 8]);
+  AKV_STATIC_SHARED(__align__(32) float, cs, [kNearTokens][kNearAnchors + 4]);
   AKV_STATIC_SHARED(float, xnorm, [kNearTokens]);
   const int tid = threadIdx.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kNearTokens;
@@ -340,9 +348,13 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
   float dropped = -INFINITY;
   for (int a0 = 0; a0 < k; a0 += kNearAnchors) {
     __syncthreads();  // the previous tile's products are consumed (and xs is written)
-    for (int e = tid; e < kNearAnchors * D; e += 128) {
-      const int j = e / D, d = e % D;
-      as[j][d] = a0 + j < k ? float_to_bits(anchor_n[static_cast<int64_t>(a0 + j) * D + d], true) : uint16_t{0};
+    // The anchor tile, 4 bf16 per 8-byte load (zeros past k).
+    const int quads = D / 4;
+    for (int e = tid; e < kNearAnchors * quads; e += 128) {
+      const int j = e / quads, d = (e % quads) * 4;
+      uint64_t v = 0;
+      if (a0 + j < k) v = *reinterpret_cast<const uint64_t *>(anchor_b + static_cast<int64_t>(a0 + j) * D + d);
+      *reinterpret_cast<uint64_t *>(&as[j][d]) = v;
     }
     __syncthreads();
     nearest_tile_products(xs, as, cs, D);
@@ -716,7 +728,9 @@ __global__ void iota_kernel(uint32_t *ids, uint32_t first, int64_t n) {
 // rows[i] = X[r] / ||X[r]|| (zero rows stay zero) for r = ids[i], or r = i without ids, and
 // ||X[r]||^2 into norm_sq when given: the unit prefix rows, and the rows of the anchors being
 // absorbed. One warp per row.
-__global__ void unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n, int D, float *rows, float *norm_sq) {
+// rows_b (when given): the unit rows in bf16 too.
+__global__ void unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n, int D, float *rows, uint16_t *rows_b,
+                                 float *norm_sq) {
   const int lane = threadIdx.x & 31;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
@@ -725,7 +739,10 @@ __global__ void unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n,
   for (int d = lane; d < D; d += 32) n2 += x[d] * x[d];
   n2 = warp_sum(n2);
   const float inv = n2 > 0.0f ? 1.0f / sqrtf(n2) : 0.0f;
-  for (int d = lane; d < D; d += 32) rows[i * D + d] = x[d] * inv;
+  for (int d = lane; d < D; d += 32) {
+    rows[i * D + d] = x[d] * inv;
+    if (rows_b) rows_b[i * D + d] = float_to_bits(x[d] * inv, true);
+  }
   if (norm_sq && lane == 0) norm_sq[i] = n2;
 }
 

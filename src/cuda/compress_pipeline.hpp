@@ -71,6 +71,7 @@ class Carver {
 // Scratch of one compression, carved out of one allocation.
 struct CompressScratch {
   static constexpr int64_t kAssignChunk = 8192;  // tokens per assignment GEMM
+  uint16_t *anchor_b;  // anchor_n in bf16 (the tensor-core operand of nearest_anchor_kernel)
   float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *c, *rk, *rk_norm_sq, *rv_norm_sq, *z,
       *vy, *y_norm_sq, *inv_freq, *signs;
   uint32_t *rank_keys, *rank_index, *sample_index, *picks, *picks_dummy, *util_keys[2], *util_ids[2], *energy_keys[2],
@@ -98,6 +99,7 @@ struct CompressScratch {
     take(alpha_sq, P);
     take(anchor_f, int64_t{k} * D);
     take(anchor_n, int64_t{k} * D);
+    take(anchor_b, int64_t{k} * D);
     take(norms, k);
     take(c, chunk * k);
     take(rk, P * D);
@@ -418,7 +420,7 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int64_t S, int64_t P, 
   float *unit[2] = {s.rk, s.kpost};
   for (int side = 0; side < 2; ++side) {
     dev.launch(unit_rows_kernel, grid_blocks(P, 4), 1, 128, X[side], static_cast<const uint32_t *>(nullptr), P, D,
-               unit[side], s.cover_norm_sq[side]);
+               unit[side], static_cast<uint16_t *>(nullptr), s.cover_norm_sq[side]);
     dev.fill(s.cover_best[side], 0, P * sizeof(float));
   }
   dev.fill(s.cover_anchor, 0, P * sizeof(int32_t));
@@ -426,11 +428,12 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int64_t S, int64_t P, 
   auto absorb = [&](const uint32_t *ids, int64_t n) {
     if (n == 0) return;
     for (int side = 0; side < 2; ++side) {
-      dev.launch(unit_rows_kernel, grid_blocks(n, 4), 1, 128, X[side], ids, n, D, s.anchor_n,
+      dev.launch(unit_rows_kernel, grid_blocks(n, 4), 1, 128, X[side], ids, n, D, s.anchor_n, s.anchor_b,
                  static_cast<float *>(nullptr));
       // best |cos|^2 with the new anchors (fused: tensor-core products, fp32 rescoring).
       dev.launch(nearest_anchor_kernel, grid_blocks(P, kNearTokens), 1, 128, static_cast<const float *>(unit[side]), P,
-                 static_cast<int>(n), D, static_cast<const float *>(s.anchor_n), static_cast<const float *>(nullptr),
+                 static_cast<int>(n), D, static_cast<const float *>(s.anchor_n),
+                 static_cast<const uint16_t *>(s.anchor_b), static_cast<const float *>(nullptr),
                  static_cast<int32_t *>(nullptr), s.cover_best[side]);
     }
   };
@@ -535,12 +538,13 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     for (int side = 0; side < 2; ++side) {
       const float *X = side == 0 ? s.kpre : s.v;
       dev.launch(anchors_kernel, k, 1, 128, X, s.picks, free_anchors, P, D, bf16 ? 1 : 0,
-                 anchors_out[side] + static_cast<int64_t>(h) * k * D, s.anchor_f, s.anchor_n, s.norms,
+                 anchors_out[side] + static_cast<int64_t>(h) * k * D, s.anchor_f, s.anchor_n, s.anchor_b, s.norms,
                  side == 0 ? anchor_tokens + h * free_anchors : static_cast<int64_t *>(nullptr), s.anchor_of_token);
       // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
       // coefficients and residual norms.
       dev.launch(nearest_anchor_kernel, grid_blocks(P, kNearTokens), 1, 128, X, P, k, D,
-                 static_cast<const float *>(s.anchor_n), static_cast<const float *>(s.norms), s.nearest,
+                 static_cast<const float *>(s.anchor_n), static_cast<const uint16_t *>(s.anchor_b),
+                 static_cast<const float *>(s.norms), s.nearest,
                  static_cast<float *>(nullptr));
       dev.launch(assign_kernel, grid_blocks(P, 4), 1, 128, static_cast<const int32_t *>(s.nearest), int64_t{0}, P, k, D,
                  X, static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),

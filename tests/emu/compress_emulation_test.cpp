@@ -146,7 +146,7 @@ TEST(EmulatedNearestAnchor, MatchesFp32Argmax) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   Rng rng(seed);
-  for (int D : {64, 128}) {
+  for (int D : {64, 128, 256}) {
     SCOPED_TRACE("D=" + std::to_string(D));
     const int64_t n = 203;
     const int k = 70;
@@ -158,11 +158,15 @@ TEST(EmulatedNearestAnchor, MatchesFp32Argmax) {
       for (int a = 10; a < 22; ++a) raw[a * D + d] = base[d] * (1.0f + 1e-4f * static_cast<float>(rng.normal()));
     }
     std::vector<float> anchor_n(raw.size()), norms(k);
+    std::vector<uint16_t> anchor_b(raw.size());
     for (int a = 0; a < k; ++a) {
       float n2 = 0.0f;
       for (int d = 0; d < D; ++d) n2 += raw[a * D + d] * raw[a * D + d];
       norms[a] = std::sqrt(n2);
-      for (int d = 0; d < D; ++d) anchor_n[a * D + d] = norms[a] > 0.0f ? raw[a * D + d] / norms[a] : 0.0f;
+      for (int d = 0; d < D; ++d) {
+        anchor_n[a * D + d] = norms[a] > 0.0f ? raw[a * D + d] / norms[a] : 0.0f;
+        anchor_b[a * D + d] = akv::float_to_half(anchor_n[a * D + d], AKV_DTYPE_BF16);
+      }
     }
     std::vector<float> X = nonzero_normal(rng, static_cast<size_t>(n) * D);
     for (int64_t t = 0; t < n; ++t) {
@@ -191,12 +195,14 @@ TEST(EmulatedNearestAnchor, MatchesFp32Argmax) {
     std::vector<int32_t> nearest(n, -7);  // poisoned
     simt::launch(simt::dim3((n + kc::kNearTokens - 1) / kc::kNearTokens), simt::dim3(128), 0, kc::nearest_anchor_kernel,
                  static_cast<const float *>(X.data()), n, k, D, static_cast<const float *>(anchor_n.data()),
-                 static_cast<const float *>(norms.data()), nearest.data(), static_cast<float *>(nullptr));
+                 static_cast<const uint16_t *>(anchor_b.data()), static_cast<const float *>(norms.data()), nearest.data(),
+                 static_cast<float *>(nullptr));
     std::vector<float> best(n), prior(n);
     for (int64_t t = 0; t < n; ++t) best[t] = prior[t] = t % 3 == 0 ? 0.9f : 0.0f;
     simt::launch(simt::dim3((n + kc::kNearTokens - 1) / kc::kNearTokens), simt::dim3(128), 0, kc::nearest_anchor_kernel,
                  static_cast<const float *>(X.data()), n, k, D, static_cast<const float *>(anchor_n.data()),
-                 static_cast<const float *>(nullptr), static_cast<int32_t *>(nullptr), best.data());
+                 static_cast<const uint16_t *>(anchor_b.data()), static_cast<const float *>(nullptr),
+                 static_cast<int32_t *>(nullptr), best.data());
     int64_t ties = 0;
     for (int64_t t = 0; t < n; ++t) {
       float v = 0.0f;
