@@ -251,48 +251,56 @@ __global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint
 
 // ---- Nearest anchor by |cos|, fused (the n x k score matrix is never written) -------------
 //
-// One block of 128 threads per 32 tokens. Anchor tiles of 32 normalised anchors go through
-// shared memory in bf16 with the block's 32 token rows (bf16); the 32 x 32 products come from
-// the tensor cores (wmma, fp32 accumulation; in the emulation the same bf16 products with
-// float sums) and each token keeps, per quarter of a tile (4 threads per token), its 4 best
-// approximate |c| and the best one it had to drop. The approximation is within
-// (2u + u^2) sum |x_d a_d| <= 0.0079 ||x|| of the fp32 dot (bf16 unit roundoff u = 2^-8,
-// ||a|| = 1), so the fp32 argmax is among the anchors whose approximate |c| is at least
-// max - 2 * 0.0079 ||x||; those candidates are rescored with fp32 dots (first index of the
-// largest, zero-norm anchors below every other, as the CPU and assign_kernel did). If a quarter
-// dropped a value inside that margin, the token falls back to an fp32 scan of every anchor.
-constexpr int kNearTokens = 32, kNearAnchors = 32, kNearKeep = 4, kNearMaxDim = 256;
+// One block of 128 threads per TOK tokens (64 for D <= 128, else 32: the tiles stay in 48 KB
+// of static shared memory). Anchor tiles of 32 unit anchors go through shared memory in bf16
+// with the block's token rows (bf16); the TOK x 32 products come from the tensor cores (wmma,
+// fp32 accumulation; in the emulation the same bf16 products with float sums) and each token
+// keeps, per part of a tile (128 / TOK threads per token), its 4 best approximate |c| and the
+// best one it had to drop. The approximation is within (2u + u^2) sum |x_d a_d| <= 0.0079 ||x||
+// of the fp32 dot (bf16 unit roundoff u = 2^-8, ||a|| <= 1), so the fp32 argmax is among the
+// anchors whose approximate |c| is at least max - 2 * 0.0079 ||x||; those candidates are
+// rescored with fp32 dots (first index of the largest, zero-norm anchors below every other, as
+// the CPU). If a part dropped a value inside that margin, the token falls back to an fp32 scan
+// of every anchor.
+constexpr int kNearAnchors = 32, kNearKeep = 4;
+constexpr float kNearMargin = 0.02f;  // relative to ||x||: 2 * 0.0079, rounded up
+__host__ __device__ constexpr int near_tokens(int D) { return D <= 128 ? 64 : 32; }
 #ifndef __align__
 #define __align__(n) __attribute__((aligned(n)))
 #endif
-constexpr float kNearMargin = 0.02f;  // relative to ||x||: 2 * 0.0079, rounded up
 
 // The approximate products of the tile: C[i][j] = bf16 row i . bf16 anchor j (fp32 sums).
-__device__ __forceinline__ void nearest_tile_products(const uint16_t (*xs)[kNearMaxDim + 8],
-                                                      const uint16_t (*as)[kNearMaxDim + 8], float (*cs)[kNearAnchors + 4],
-                                                      int D) {
+// Warp w computes TOK / 32 fragments of 16 x 16.
+template <int D, int TOK>
+__device__ __forceinline__ void nearest_tile_products(const uint16_t (*xs)[D + 8], const uint16_t (*as)[D + 8],
+                                                      float (*cs)[kNearAnchors + 4]) {
+  constexpr int kFragments = TOK / 32;
   const int warp = threadIdx.x >> 5;
-  const int r0 = (warp >> 1) * 16, c0 = (warp & 1) * 16;
+  for (int f = 0; f < kFragments; ++f) {
+    const int q = warp * kFragments + f;
+    const int r0 = (q >> 1) * 16, c0 = (q & 1) * 16;
 #if !defined(AKV_SIMT_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  using namespace nvcuda;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-  wmma::fill_fragment(acc, 0.0f);
-  for (int d0 = 0; d0 < D; d0 += 16) {
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
-    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
-    wmma::load_matrix_sync(fa, reinterpret_cast<const __nv_bfloat16 *>(&xs[r0][d0]), kNearMaxDim + 8);
-    wmma::load_matrix_sync(fb, reinterpret_cast<const __nv_bfloat16 *>(&as[c0][d0]), kNearMaxDim + 8);
-    wmma::mma_sync(acc, fa, fb, acc);
-  }
-  wmma::store_matrix_sync(&cs[r0][c0], acc, kNearAnchors + 4, wmma::mem_row_major);
+    using namespace nvcuda;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+      wmma::load_matrix_sync(fa, reinterpret_cast<const __nv_bfloat16 *>(&xs[r0][d0]), D + 8);
+      wmma::load_matrix_sync(fb, reinterpret_cast<const __nv_bfloat16 *>(&as[c0][d0]), D + 8);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(&cs[r0][c0], acc, kNearAnchors + 4, wmma::mem_row_major);
 #else
-  for (int e = threadIdx.x & 31; e < 256; e += 32) {
-    const int i = r0 + e / 16, j = c0 + e % 16;
-    float acc = 0.0f;
-    for (int d = 0; d < D; ++d) acc += bits_to_float(xs[i][d], true) * bits_to_float(as[j][d], true);
-    cs[i][j] = acc;
-  }
+    for (int e = threadIdx.x & 31; e < 256; e += 32) {
+      const int i = r0 + e / 16, j = c0 + e % 16;
+      float acc = 0.0f;
+      for (int d = 0; d < D; ++d) acc += bits_to_float(xs[i][d], true) * bits_to_float(as[j][d], true);
+      cs[i][j] = acc;
+    }
 #endif
+  }
 }
 
 // The fp32 ranking value of anchor a for row x: |x . anchor_n[a]|, and with norms given,
@@ -315,25 +323,27 @@ __device__ __forceinline__ bool nearest_better(float v, int a, float bv, int ba)
 // below every other), and/or best_sq[t] = max(best_sq[t], largest |x . anchor_n|^2) (the
 // coverage anchors' best |cos|^2 of unit rows). Both fp32 values, as if from an fp32 product.
 // anchor_b: the same rows in bf16 (what the tensor cores read, 8-byte aligned rows).
-// D <= kNearMaxDim, a multiple of 16; k >= 1.
-__global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int64_t n, int k, int D,
-                                                             const float *anchor_n, const uint16_t *anchor_b,
-                                                             const float *norms, int32_t *nearest, float *best_sq) {
+// D in {64, 128, 256}; k >= 1; grid ceil(n / near_tokens(D)) blocks of 128.
+template <int D>
+__global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int64_t n, int k, const float *anchor_n,
+                                                             const uint16_t *anchor_b, const float *norms,
+                                                             int32_t *nearest, float *best_sq) {
+  constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = kNearAnchors / PARTS;
   // 32-byte aligned: wmma loads and stores need 256-bit aligned tile pointers.
-  AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [kNearTokens][kNearMaxDim + 8]);
-  AKV_STATIC_SHARED(__align__(32) uint16_t, as, [kNearAnchors][kNearMaxDim + 8]);
-  AKV_STATIC_SHARED(__align__(32) float, cs, [kNearTokens][kNearAnchors + 4]);
-  AKV_STATIC_SHARED(float, xnorm, [kNearTokens]);
+  AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
+  AKV_STATIC_SHARED(__align__(32) uint16_t, as, [kNearAnchors][D + 8]);
+  AKV_STATIC_SHARED(__align__(32) float, cs, [TOK][kNearAnchors + 4]);
+  AKV_STATIC_SHARED(float, xnorm, [TOK]);
   const int tid = threadIdx.x;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kNearTokens;
-  // The block's rows in bf16 (zeros past n), and their fp32 norms (one warp per 8 rows).
-  for (int e = tid; e < kNearTokens * D; e += 128) {
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TOK;
+  // The block's rows in bf16 (zeros past n), and their fp32 norms (one warp per row).
+  for (int e = tid; e < TOK * D; e += 128) {
     const int i = e / D, d = e % D;
     xs[i][d] = t0 + i < n ? float_to_bits(X[(t0 + i) * D + d], true) : uint16_t{0};
   }
   {
     const int warp = tid >> 5, lane = tid & 31;
-    for (int i = warp; i < kNearTokens; i += 4) {
+    for (int i = warp; i < TOK; i += 4) {
       float s = 0.0f;
       if (t0 + i < n)
         for (int d = lane; d < D; d += 32) s += X[(t0 + i) * D + d] * X[(t0 + i) * D + d];
@@ -341,7 +351,7 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
       if (lane == 0) xnorm[i] = sqrtf(s);
     }
   }
-  const int mine = tid >> 2, quarter = tid & 3;  // token of the block, quarter of each tile
+  const int mine = tid / PARTS, part = tid % PARTS;  // token of the block, part of each tile
   float keep_v[kNearKeep];
   int keep_a[kNearKeep];
   for (int c = 0; c < kNearKeep; ++c) keep_v[c] = -INFINITY, keep_a[c] = -1;
@@ -349,7 +359,7 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
   for (int a0 = 0; a0 < k; a0 += kNearAnchors) {
     __syncthreads();  // the previous tile's products are consumed (and xs is written)
     // The anchor tile, 4 bf16 per 8-byte load (zeros past k).
-    const int quads = D / 4;
+    constexpr int quads = D / 4;
     for (int e = tid; e < kNearAnchors * quads; e += 128) {
       const int j = e / quads, d = (e % quads) * 4;
       uint64_t v = 0;
@@ -357,10 +367,10 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
       *reinterpret_cast<uint64_t *>(&as[j][d]) = v;
     }
     __syncthreads();
-    nearest_tile_products(xs, as, cs, D);
+    nearest_tile_products<D, TOK>(xs, as, cs);
     __syncthreads();
-    for (int jj = 0; jj < kNearAnchors / 4; ++jj) {
-      const int j = quarter * (kNearAnchors / 4) + jj, a = a0 + j;
+    for (int jj = 0; jj < PER; ++jj) {
+      const int j = part * PER + jj, a = a0 + j;
       if (a >= k) break;
       float v = norms && !(norms[a] > 0.0f) ? -0.5f : fabsf(cs[mine][j]);
       if (v <= keep_v[kNearKeep - 1]) {
@@ -374,9 +384,9 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
       keep_a[c] = a;
     }
   }
-  // The token's approximate best and margin over its 4 threads (consecutive lanes).
+  // The token's approximate best and margin over its PARTS threads (consecutive lanes).
   float top = keep_v[0], worst_drop = dropped;
-  for (int m = 1; m < 4; m <<= 1) {
+  for (int m = 1; m < PARTS; m <<= 1) {
     top = fmaxf(top, __shfl_xor_sync(kFullMask, top, m));
     worst_drop = fmaxf(worst_drop, __shfl_xor_sync(kFullMask, worst_drop, m));
   }
@@ -388,7 +398,7 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
   if (t < n) {
     const float *x = X + t * D;
     if (full_scan) {
-      for (int a = quarter; a < k; a += 4) {
+      for (int a = part; a < k; a += PARTS) {
         const float v = nearest_value(x, anchor_n, norms, a, D);
         if (nearest_better(v, a, best_v, best_a)) best_v = v, best_a = a;
       }
@@ -400,12 +410,12 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
       }
     }
   }
-  for (int m = 1; m < 4; m <<= 1) {
+  for (int m = 1; m < PARTS; m <<= 1) {
     const float ov = __shfl_xor_sync(kFullMask, best_v, m);
     const int oa = __shfl_xor_sync(kFullMask, best_a, m);
     if (nearest_better(ov, oa, best_v, best_a)) best_v = ov, best_a = oa;
   }
-  if (t < n && quarter == 0) {
+  if (t < n && part == 0) {
     if (nearest) nearest[t] = best_a == 0x7fffffff ? 0 : best_a;
     if (best_sq && best_a != 0x7fffffff) best_sq[t] = fmaxf(best_sq[t], best_v * best_v);
   }

@@ -409,6 +409,18 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     fail(AKV_ERR_NON_FINITE, "the keys, values or queries contain NaN or Inf (CUDA compression)");
 }
 
+// nearest_anchor_kernel for head dim D (64, 128 or 256) over the rows X[0..n).
+template <class Dev>
+void nearest_anchors(Dev &dev, int D, const float *X, int64_t n, int k, const float *anchor_n, const uint16_t *anchor_b,
+                     const float *norms, int32_t *nearest, float *best_sq) {
+  auto go = [&](auto kernel, int tokens) {
+    dev.launch(kernel, grid_blocks(n, tokens), 1, 128, X, n, k, anchor_n, anchor_b, norms, nearest, best_sq);
+  };
+  if (D == 64) go(nearest_anchor_kernel<64>, near_tokens(64));
+  else if (D == 128) go(nearest_anchor_kernel<128>, near_tokens(128));
+  else go(nearest_anchor_kernel<256>, near_tokens(256));
+}
+
 // The coverage share of one head's anchors (CPU: add_coverage_anchors): s.picks holds the
 // n_top scored picks; appends `count` more, chosen in `rounds` rounds as the tokens the anchors
 // so far (and the window) represent worst. Uses s.rk and s.kpost (free before the assignment)
@@ -431,10 +443,8 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int64_t S, int64_t P, 
       dev.launch(unit_rows_kernel, grid_blocks(n, 4), 1, 128, X[side], ids, n, D, s.anchor_n, s.anchor_b,
                  static_cast<float *>(nullptr));
       // best |cos|^2 with the new anchors (fused: tensor-core products, fp32 rescoring).
-      dev.launch(nearest_anchor_kernel, grid_blocks(P, kNearTokens), 1, 128, static_cast<const float *>(unit[side]), P,
-                 static_cast<int>(n), D, static_cast<const float *>(s.anchor_n),
-                 static_cast<const uint16_t *>(s.anchor_b), static_cast<const float *>(nullptr),
-                 static_cast<int32_t *>(nullptr), s.cover_best[side]);
+      nearest_anchors(dev, D, unit[side], P, static_cast<int>(n), s.anchor_n, s.anchor_b, nullptr, nullptr,
+                      s.cover_best[side]);
     }
   };
   dev.launch(coverage_take_kernel, grid_blocks(n_top, 128), 1, 128, static_cast<const uint32_t *>(s.picks), n_top,
@@ -542,10 +552,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                  side == 0 ? anchor_tokens + h * free_anchors : static_cast<int64_t *>(nullptr), s.anchor_of_token);
       // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
       // coefficients and residual norms.
-      dev.launch(nearest_anchor_kernel, grid_blocks(P, kNearTokens), 1, 128, X, P, k, D,
-                 static_cast<const float *>(s.anchor_n), static_cast<const uint16_t *>(s.anchor_b),
-                 static_cast<const float *>(s.norms), s.nearest,
-                 static_cast<float *>(nullptr));
+      nearest_anchors(dev, D, X, P, k, s.anchor_n, s.anchor_b, s.norms, s.nearest, nullptr);
       dev.launch(assign_kernel, grid_blocks(P, 4), 1, 128, static_cast<const int32_t *>(s.nearest), int64_t{0}, P, k, D,
                  X, static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
                  static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token),

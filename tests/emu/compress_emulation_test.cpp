@@ -193,16 +193,11 @@ TEST(EmulatedNearestAnchor, MatchesFp32Argmax) {
       return ba;
     };
     std::vector<int32_t> nearest(n, -7);  // poisoned
-    simt::launch(simt::dim3((n + kc::kNearTokens - 1) / kc::kNearTokens), simt::dim3(128), 0, kc::nearest_anchor_kernel,
-                 static_cast<const float *>(X.data()), n, k, D, static_cast<const float *>(anchor_n.data()),
-                 static_cast<const uint16_t *>(anchor_b.data()), static_cast<const float *>(norms.data()), nearest.data(),
-                 static_cast<float *>(nullptr));
+    EmulatedDevice dev;
+    kc::nearest_anchors(dev, D, X.data(), n, k, anchor_n.data(), anchor_b.data(), norms.data(), nearest.data(), nullptr);
     std::vector<float> best(n), prior(n);
     for (int64_t t = 0; t < n; ++t) best[t] = prior[t] = t % 3 == 0 ? 0.9f : 0.0f;
-    simt::launch(simt::dim3((n + kc::kNearTokens - 1) / kc::kNearTokens), simt::dim3(128), 0, kc::nearest_anchor_kernel,
-                 static_cast<const float *>(X.data()), n, k, D, static_cast<const float *>(anchor_n.data()),
-                 static_cast<const uint16_t *>(anchor_b.data()), static_cast<const float *>(nullptr),
-                 static_cast<int32_t *>(nullptr), best.data());
+    kc::nearest_anchors(dev, D, X.data(), n, k, anchor_n.data(), anchor_b.data(), nullptr, nullptr, best.data());
     int64_t ties = 0;
     for (int64_t t = 0; t < n; ++t) {
       float v = 0.0f;
