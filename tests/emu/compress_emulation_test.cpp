@@ -457,9 +457,12 @@ struct CountingDevice {
 
 TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
   ContextPtr ctx = make_context(2);
-  for (int64_t S : {int64_t{32768}, int64_t{65536}, int64_t{131072}}) {
+  for (int64_t S : {int64_t{32768}, int64_t{65536}, int64_t{131072}})
+   for (bool paper : {false, true}) {
     akv_compress_options o;
-    akv_compress_options_init(&o);  // the benchmark's options (scripts/bench_compress.py)
+    if (paper) akv_compress_options_init_paper(&o);
+    else akv_compress_options_init(&o);  // the benchmark's options (scripts/bench_compress.py)
+    o.method = AKV_METHOD_ANCHORKV;
     o.retain_fraction = 0.05;
     akv_prefill p{};
     p.struct_size = sizeof(p);
@@ -477,11 +480,11 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
     CountingDevice dev;
     kc::compress_anchorkv(dev, p, o, *cache, positions, data.data(), nullptr);
     const int64_t total = dev.launches + dev.gemms + dev.sorts + dev.copies + dev.fills;
-    std::printf("S=%lld k=%d: %lld kernels, %lld GEMMs, %lld radix sorts, %lld copies, %lld fills: %lld operations\n",
-                static_cast<long long>(S), cache->geometry.anchors, static_cast<long long>(dev.launches),
+    std::printf("%s S=%lld k=%d: %lld kernels, %lld GEMMs, %lld radix sorts, %lld copies, %lld fills: %lld operations\n",
+                paper ? "paper" : "default", static_cast<long long>(S), cache->geometry.anchors, static_cast<long long>(dev.launches),
                 static_cast<long long>(dev.gemms), static_cast<long long>(dev.sorts), static_cast<long long>(dev.copies),
                 static_cast<long long>(dev.fills), static_cast<long long>(total));
-    RecordProperty("operations_S" + std::to_string(S), std::to_string(total));
+    RecordProperty(std::string(paper ? "paper" : "default") + "_operations_S" + std::to_string(S), std::to_string(total));
     // Fused assignment and coverage: independent of S.
     EXPECT_LE(total, 600) << "S=" << S;  // was 1102 / 1742 / 3022 with the chunked GEMMs
   }
