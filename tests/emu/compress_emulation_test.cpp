@@ -486,7 +486,9 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
                 static_cast<long long>(dev.fills), static_cast<long long>(total));
     RecordProperty(std::string(paper ? "paper" : "default") + "_operations_S" + std::to_string(S), std::to_string(total));
     // Fused assignment and coverage: independent of S.
-    EXPECT_LE(total, 600) << "S=" << S;  // was 1102 / 1742 / 3022 with the chunked GEMMs
+    // Before the fused kernel (chunked GEMM + argmax for the assignment and the coverage
+    // anchors): default 1198 / 1966 / 3502, paper 304 / 432 / 688 at 32K / 64K / 128K.
+    EXPECT_LE(total, 600) << "S=" << S;
   }
 }
 
