@@ -5,9 +5,12 @@
 #include <cuda_runtime.h>
 
 #include <cub/device/device_radix_sort.cuh>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "core/error.hpp"
 #include "cuda/backend.hpp"
@@ -31,7 +34,7 @@ cublasHandle_t blas_handle(akv_context &ctx) {
   if (!ctx.blas) {
     cublasHandle_t handle = nullptr;
     check(cublasCreate(&handle), "cublasCreate");
-    constexpr size_t kBlasWorkspace = 4u << 20;
+    constexpr size_t kBlasWorkspace = 32u << 20;  // cuBLAS's recommendation for Hopper
     void *ws = nullptr;
     try {
       ws = ctx.allocate(kBlasWorkspace);
@@ -61,16 +64,53 @@ struct CudaDevice {
   size_t sort_temp_bytes = 0;
   uint32_t *alt_keys32 = nullptr, *alt_values = nullptr;
   uint64_t *alt_keys64 = nullptr;
+  // Operations put on the stream (kernels, cuBLAS calls, CUB sorts, copies, fills), and with
+  // ANCHORKV_COMPRESS_PROFILE set, an event at every stage mark (stage()).
+  int64_t operations = 0;
+  bool profiling = false;
+  std::vector<std::pair<int, cudaEvent_t>> marks;
+
+  ~CudaDevice() {
+    for (auto &m : marks) cudaEventDestroy(m.second);
+  }
+  void stage(int id) {
+    if (!profiling) return;
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreate(&e), "cudaEventCreate");
+    marks.emplace_back(id, e);
+    check(cudaEventRecord(e, stream), "cudaEventRecord");
+  }
+  // After the pass (the stream has been waited for): one line on stderr, milliseconds per stage
+  // summed over heads and sides, and the operation count.
+  void report(const char *what, int64_t seq_len) {
+    if (!profiling || marks.empty()) return;
+    check(cudaEventSynchronize(marks.back().second), "cudaEventSynchronize");
+    float per_stage[kStageCount] = {};
+    for (size_t i = 0; i + 1 < marks.size(); ++i) {
+      float ms = 0.0f;
+      check(cudaEventElapsedTime(&ms, marks[i].second, marks[i + 1].second), "cudaEventElapsedTime");
+      if (marks[i].first >= 0 && marks[i].first < kStageCount) per_stage[marks[i].first] += ms;
+    }
+    float total = 0.0f;
+    std::fprintf(stderr, "anchorkv %s S=%lld:", what, static_cast<long long>(seq_len));
+    for (int i = 0; i < kStageCount; ++i) {
+      std::fprintf(stderr, " %s %.3f ms;", stage_name(i), per_stage[i]);
+      total += per_stage[i];
+    }
+    std::fprintf(stderr, " total %.3f ms; %lld stream operations\n", total, static_cast<long long>(operations));
+  }
 
   template <typename... KArgs, typename... Args>
   void launch(void (*kernel)(KArgs...), int gx, int gy, int block, Args &&...args) {
     kernel<<<dim3(gx, gy), block, 0, stream>>>(static_cast<KArgs>(args)...);
     check(cudaGetLastError(), "a compression kernel launch");
+    ++operations;
   }
   // Row-major C = alpha A B^T and C = alpha A B as column-major cuBLAS calls on the transposes.
   void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
                float *C, int64_t ldc) {
     const float beta = 0.0f;
+    ++operations;
     check(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), static_cast<int>(K),
                       &alpha, B, static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)),
           "cublasSgemm");
@@ -78,6 +118,7 @@ struct CudaDevice {
   void gemm_nn(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
                float *C, int64_t ldc) {
     const float beta = 0.0f;
+    ++operations;
     check(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), static_cast<int>(K),
                       &alpha, B, static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)),
           "cublasSgemm");
@@ -88,6 +129,7 @@ struct CudaDevice {
     cub::DoubleBuffer<K> dk(keys, alt);
     cub::DoubleBuffer<uint32_t> dv(values, alt_values);
     size_t bytes = sort_temp_bytes;
+    ++operations;
     check(cub::DeviceRadixSort::SortPairs(sort_temp, bytes, dk, dv, static_cast<int>(n), 0, 8 * sizeof(K), stream),
           "cub::DeviceRadixSort::SortPairs");
     if (dk.Current() != keys) copy(keys, dk.Current(), n * sizeof(K));
@@ -97,9 +139,11 @@ struct CudaDevice {
   void sort_u64(uint64_t *keys, uint32_t *values, int64_t n) { sort(keys, alt_keys64, values, n); }
   void copy(void *dst, const void *src, size_t bytes) {
     if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync");
+    operations += bytes != 0;
   }
   void fill(void *dst, int byte, size_t bytes) {
     if (bytes) check(cudaMemsetAsync(dst, byte, bytes, stream), "cudaMemsetAsync");
+    operations += bytes != 0;
   }
   void read(void *host, const void *src, size_t bytes) {
     if (bytes) check(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
@@ -181,6 +225,8 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   cache->data = Buffer(&ctx, cache->layout.total_bytes);
 
   CudaDevice dev(stream, blas_handle(ctx));
+  const char *profile = std::getenv("ANCHORKV_COMPRESS_PROFILE");
+  dev.profiling = profile && *profile && *profile != '0';
   // Scratch: the pipeline's arrays, then the sorts' second buffers and temporary storage.
   CompressScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
@@ -189,6 +235,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   const int64_t most = std::max<int64_t>(static_cast<int64_t>(g.heads) * g.prefix, 2);
   uint8_t *base = reserve_sort_scratch(ctx, dev, pipeline_bytes, most, stream);
   compress_anchorkv(dev, p, o, *cache, positions, cache->data.data(), base);  // waits at the end (NaN check)
+  dev.report("AnchorKV compress", g.seq_len);
   return cache;
 }
 

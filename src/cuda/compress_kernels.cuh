@@ -5,6 +5,9 @@
 // orchestration is in cuda/compress_pipeline.hpp.
 #pragma once
 #include "cuda/device_common.cuh"
+#if !defined(AKV_SIMT_EMULATION)
+#include <mma.h>
+#endif
 
 namespace akv {
 namespace cuda {
@@ -220,8 +223,8 @@ __global__ void sample_keys_kernel(const uint32_t *ranked, int64_t from, int64_t
 // (sorted non-window picks) or P + a - free for the window.
 __global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint32_t *picks, int64_t free_anchors,
                                                       int64_t P, int D, int storage_bf16, uint16_t *out, float *anchor_f,
-                                                      float *anchor_n, float *norms, int64_t *anchor_tokens,
-                                                      int32_t *anchor_of_token) {
+                                                      float *anchor_n, uint16_t *anchor_b, float *norms,
+                                                      int64_t *anchor_tokens, int32_t *anchor_of_token) {
   AKV_STATIC_SHARED(float, scratch, [4]);
   const int64_t a = blockIdx.x;
   const int64_t token = a < free_anchors ? static_cast<int64_t>(picks[a]) : P + (a - free_anchors);
@@ -239,14 +242,190 @@ __global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint
   }
   const float norm = sqrtf(block_sum128(n2, scratch));
   const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
-  for (int d = threadIdx.x; d < D; d += 128) anchor_n[a * D + d] = anchor_f[a * D + d] * inv;
+  for (int d = threadIdx.x; d < D; d += 128) {
+    anchor_n[a * D + d] = anchor_f[a * D + d] * inv;
+    anchor_b[a * D + d] = float_to_bits(anchor_f[a * D + d] * inv, true);
+  }
   if (threadIdx.x == 0) norms[a] = norm;
 }
 
-// Nearest anchor by |cos| for tokens t0..t0+n (C [n][k] = X . anchor_n^T), the bf16
-// coefficient, and the residual: its squared norm into r_norm_sq, and keys rotated to the
-// token's position into rk (for the utilities). One warp per token.
-__global__ void assign_kernel(const float *C, int64_t t0, int64_t n, int k, int D, const float *X,
+// ---- Nearest anchor by |cos|, fused (the n x k score matrix is never written) -------------
+//
+// One block of 128 threads per TOK tokens (64 for D <= 128, else 32: the tiles stay in 48 KB
+// of static shared memory). Anchor tiles of 32 unit anchors go through shared memory in bf16
+// with the block's token rows (bf16); the TOK x 32 products come from the tensor cores (wmma,
+// fp32 accumulation; in the emulation the same bf16 products with float sums) and each token
+// keeps, per part of a tile (128 / TOK threads per token), its 4 best approximate |c| and the
+// best one it had to drop. The approximation is within (2u + u^2) sum |x_d a_d| <= 0.0079 ||x||
+// of the fp32 dot (bf16 unit roundoff u = 2^-8, ||a|| <= 1), so the fp32 argmax is among the
+// anchors whose approximate |c| is at least max - 2 * 0.0079 ||x||; those candidates are
+// rescored with fp32 dots (first index of the largest, zero-norm anchors below every other, as
+// the CPU). If a part dropped a value inside that margin, the token falls back to an fp32 scan
+// of every anchor.
+constexpr int kNearAnchors = 32, kNearKeep = 4;
+constexpr float kNearMargin = 0.02f;  // relative to ||x||: 2 * 0.0079, rounded up
+__host__ __device__ constexpr int near_tokens(int D) { return D <= 128 ? 64 : 32; }
+#ifndef __align__
+#define __align__(n) __attribute__((aligned(n)))
+#endif
+
+// The approximate products of the tile: C[i][j] = bf16 row i . bf16 anchor j (fp32 sums).
+// Warp w computes TOK / 32 fragments of 16 x 16.
+template <int D, int TOK>
+__device__ __forceinline__ void nearest_tile_products(const uint16_t (*xs)[D + 8], const uint16_t (*as)[D + 8],
+                                                      float (*cs)[kNearAnchors + 4]) {
+  constexpr int kFragments = TOK / 32;
+  const int warp = threadIdx.x >> 5;
+  for (int f = 0; f < kFragments; ++f) {
+    const int q = warp * kFragments + f;
+    const int r0 = (q >> 1) * 16, c0 = (q & 1) * 16;
+#if !defined(AKV_SIMT_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    using namespace nvcuda;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+      wmma::load_matrix_sync(fa, reinterpret_cast<const __nv_bfloat16 *>(&xs[r0][d0]), D + 8);
+      wmma::load_matrix_sync(fb, reinterpret_cast<const __nv_bfloat16 *>(&as[c0][d0]), D + 8);
+      wmma::mma_sync(acc, fa, fb, acc);
+    }
+    wmma::store_matrix_sync(&cs[r0][c0], acc, kNearAnchors + 4, wmma::mem_row_major);
+#else
+    for (int e = threadIdx.x & 31; e < 256; e += 32) {
+      const int i = r0 + e / 16, j = c0 + e % 16;
+      float acc = 0.0f;
+      for (int d = 0; d < D; ++d) acc += bits_to_float(xs[i][d], true) * bits_to_float(as[j][d], true);
+      cs[i][j] = acc;
+    }
+#endif
+  }
+}
+
+// The fp32 ranking value of anchor a for row x: |x . anchor_n[a]|, and with norms given,
+// -0.5 for a zero-norm anchor (assign_kernel's rule).
+__device__ __forceinline__ float nearest_value(const float *x, const float *anchor_n, const float *norms, int a, int D) {
+  if (norms && !(norms[a] > 0.0f)) return -0.5f;
+  const float *an = anchor_n + static_cast<int64_t>(a) * D;
+  float dot = 0.0f;
+  for (int d = 0; d < D; ++d) dot += x[d] * an[d];
+  return fabsf(dot);
+}
+
+// Better (value, index) under "largest value, then lower index".
+__device__ __forceinline__ bool nearest_better(float v, int a, float bv, int ba) {
+  return v > bv || (v == bv && a < ba);
+}
+
+// For the rows t < n of X [n][D] against the k anchors (anchor_n [k][D], unit or zero rows in
+// fp32): nearest[t], the first anchor of largest |cos| (norms [k] given: zero-norm anchors
+// below every other), and/or best_sq[t] = max(best_sq[t], largest |x . anchor_n|^2) (the
+// coverage anchors' best |cos|^2 of unit rows). Both fp32 values, as if from an fp32 product.
+// anchor_b: the same rows in bf16 (what the tensor cores read, 8-byte aligned rows).
+// D in {64, 128, 256}; k >= 1; grid ceil(n / near_tokens(D)) blocks of 128.
+template <int D>
+__global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int64_t n, int k, const float *anchor_n,
+                                                             const uint16_t *anchor_b, const float *norms,
+                                                             int32_t *nearest, float *best_sq) {
+  constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = kNearAnchors / PARTS;
+  // 32-byte aligned: wmma loads and stores need 256-bit aligned tile pointers.
+  AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
+  AKV_STATIC_SHARED(__align__(32) uint16_t, as, [kNearAnchors][D + 8]);
+  AKV_STATIC_SHARED(__align__(32) float, cs, [TOK][kNearAnchors + 4]);
+  AKV_STATIC_SHARED(float, xnorm, [TOK]);
+  const int tid = threadIdx.x;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TOK;
+  // The block's rows in bf16 (zeros past n), and their fp32 norms (one warp per row).
+  for (int e = tid; e < TOK * D; e += 128) {
+    const int i = e / D, d = e % D;
+    xs[i][d] = t0 + i < n ? float_to_bits(X[(t0 + i) * D + d], true) : uint16_t{0};
+  }
+  {
+    const int warp = tid >> 5, lane = tid & 31;
+    for (int i = warp; i < TOK; i += 4) {
+      float s = 0.0f;
+      if (t0 + i < n)
+        for (int d = lane; d < D; d += 32) s += X[(t0 + i) * D + d] * X[(t0 + i) * D + d];
+      s = warp_sum(s);
+      if (lane == 0) xnorm[i] = sqrtf(s);
+    }
+  }
+  const int mine = tid / PARTS, part = tid % PARTS;  // token of the block, part of each tile
+  float keep_v[kNearKeep];
+  int keep_a[kNearKeep];
+  for (int c = 0; c < kNearKeep; ++c) keep_v[c] = -INFINITY, keep_a[c] = -1;
+  float dropped = -INFINITY;
+  for (int a0 = 0; a0 < k; a0 += kNearAnchors) {
+    __syncthreads();  // the previous tile's products are consumed (and xs is written)
+    // The anchor tile, 4 bf16 per 8-byte load (zeros past k).
+    constexpr int quads = D / 4;
+    for (int e = tid; e < kNearAnchors * quads; e += 128) {
+      const int j = e / quads, d = (e % quads) * 4;
+      uint64_t v = 0;
+      if (a0 + j < k) v = *reinterpret_cast<const uint64_t *>(anchor_b + static_cast<int64_t>(a0 + j) * D + d);
+      *reinterpret_cast<uint64_t *>(&as[j][d]) = v;
+    }
+    __syncthreads();
+    nearest_tile_products<D, TOK>(xs, as, cs);
+    __syncthreads();
+    for (int jj = 0; jj < PER; ++jj) {
+      const int j = part * PER + jj, a = a0 + j;
+      if (a >= k) break;
+      float v = norms && !(norms[a] > 0.0f) ? -0.5f : fabsf(cs[mine][j]);
+      if (v <= keep_v[kNearKeep - 1]) {
+        dropped = fmaxf(dropped, v);
+        continue;
+      }
+      dropped = fmaxf(dropped, keep_v[kNearKeep - 1]);
+      int c = kNearKeep - 1;
+      for (; c > 0 && v > keep_v[c - 1]; --c) keep_v[c] = keep_v[c - 1], keep_a[c] = keep_a[c - 1];
+      keep_v[c] = v;
+      keep_a[c] = a;
+    }
+  }
+  // The token's approximate best and margin over its PARTS threads (consecutive lanes).
+  float top = keep_v[0], worst_drop = dropped;
+  for (int m = 1; m < PARTS; m <<= 1) {
+    top = fmaxf(top, __shfl_xor_sync(kFullMask, top, m));
+    worst_drop = fmaxf(worst_drop, __shfl_xor_sync(kFullMask, worst_drop, m));
+  }
+  const int64_t t = t0 + mine;
+  const float floor_v = top - kNearMargin * xnorm[mine];
+  const bool full_scan = worst_drop >= floor_v;
+  float best_v = -INFINITY;
+  int best_a = 0x7fffffff;
+  if (t < n) {
+    const float *x = X + t * D;
+    if (full_scan) {
+      for (int a = part; a < k; a += PARTS) {
+        const float v = nearest_value(x, anchor_n, norms, a, D);
+        if (nearest_better(v, a, best_v, best_a)) best_v = v, best_a = a;
+      }
+    } else {
+      for (int c = 0; c < kNearKeep; ++c) {
+        if (keep_a[c] < 0 || keep_v[c] < floor_v) continue;
+        const float v = nearest_value(x, anchor_n, norms, keep_a[c], D);
+        if (nearest_better(v, keep_a[c], best_v, best_a)) best_v = v, best_a = keep_a[c];
+      }
+    }
+  }
+  for (int m = 1; m < PARTS; m <<= 1) {
+    const float ov = __shfl_xor_sync(kFullMask, best_v, m);
+    const int oa = __shfl_xor_sync(kFullMask, best_a, m);
+    if (nearest_better(ov, oa, best_v, best_a)) best_v = ov, best_a = oa;
+  }
+  if (t < n && part == 0) {
+    if (nearest) nearest[t] = best_a == 0x7fffffff ? 0 : best_a;
+    if (best_sq && best_a != 0x7fffffff) best_sq[t] = fmaxf(best_sq[t], best_v * best_v);
+  }
+}
+
+// The bf16 coefficient of every prefix token t0..t0+n against its nearest anchor (nearest[t],
+// from nearest_anchor_kernel; anchors point to themselves with gamma 1), and the residual: its
+// squared norm into r_norm_sq, and keys rotated to the token's position into rk (for the
+// utilities). One warp per token.
+__global__ void assign_kernel(const int32_t *nearest, int64_t t0, int64_t n, int k, int D, const float *X,
                               const float *anchor_f, const float *anchor_n, const float *norms,
                               const int32_t *anchor_of_token, uint16_t *index_out, uint16_t *gamma_out, int side,
                               const int32_t *positions, int pairs, const float *inv_freq, const int32_t *rope_first,
@@ -262,26 +441,8 @@ __global__ void assign_kernel(const float *C, int64_t t0, int64_t n, int k, int 
     best = anchor_of_token[t];
     g = 1.0f;
   } else {
-    // First index of the largest |c| (zero-norm anchors rank below every other).
-    const float *c = C + i * k;
-    float best_abs = -1.0f;
-    best = 0;
-    for (int a = lane; a < k; a += 32) {
-      const float v = norms[a] > 0.0f ? fabsf(c[a]) : -0.5f;
-      if (v > best_abs) {
-        best_abs = v;
-        best = a;
-      }
-    }
-    for (int m = 16; m > 0; m >>= 1) {
-      const float ov = __shfl_xor_sync(kFullMask, best_abs, m);
-      const int oa = __shfl_xor_sync(kFullMask, best, m);
-      if (ov > best_abs || (ov == best_abs && oa < best)) {
-        best_abs = ov;
-        best = oa;
-      }
-    }
-    // The coefficient from an fp32 dot with the chosen anchor (the GEMM may be TF32).
+    best = nearest[t];
+    // The coefficient from an fp32 dot with the chosen anchor.
     float dot = 0.0f;
     for (int d = lane; d < D; d += 32) dot += x[d] * anchor_n[static_cast<int64_t>(best) * D + d];
     dot = warp_sum(dot);
@@ -577,7 +738,9 @@ __global__ void iota_kernel(uint32_t *ids, uint32_t first, int64_t n) {
 // rows[i] = X[r] / ||X[r]|| (zero rows stay zero) for r = ids[i], or r = i without ids, and
 // ||X[r]||^2 into norm_sq when given: the unit prefix rows, and the rows of the anchors being
 // absorbed. One warp per row.
-__global__ void unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n, int D, float *rows, float *norm_sq) {
+// rows_b (when given): the unit rows in bf16 too.
+__global__ void unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n, int D, float *rows, uint16_t *rows_b,
+                                 float *norm_sq) {
   const int lane = threadIdx.x & 31;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
@@ -586,7 +749,10 @@ __global__ void unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n,
   for (int d = lane; d < D; d += 32) n2 += x[d] * x[d];
   n2 = warp_sum(n2);
   const float inv = n2 > 0.0f ? 1.0f / sqrtf(n2) : 0.0f;
-  for (int d = lane; d < D; d += 32) rows[i * D + d] = x[d] * inv;
+  for (int d = lane; d < D; d += 32) {
+    rows[i * D + d] = x[d] * inv;
+    if (rows_b) rows_b[i * D + d] = float_to_bits(x[d] * inv, true);
+  }
   if (norm_sq && lane == 0) norm_sq[i] = n2;
 }
 

@@ -12,6 +12,8 @@
 //   copy(dst, src, bytes), fill(dst, byte, bytes)    ordered with the kernels
 //   read(host_dst, src, bytes)                        waits for the work so far, then copies
 //   int read_int(const int32_t *)                    the same for one int
+//   stage(CompressStage)                             the work from here on belongs to this stage
+//                                                    (timed on a device when profiling; else a no-op)
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -27,6 +29,26 @@
 
 namespace akv {
 namespace cuda {
+
+// The stages of the AnchorKV pass as the profile reports them (issue 15).
+enum CompressStage : int {
+  kStageSetup = 0,
+  kStageLoad,
+  kStageWindowAttention,
+  kStageScores,
+  kStageAnchorSelection,
+  kStageAssignment,
+  kStageUtilities,
+  kStageResidualSelection,
+  kStageEncoding,
+  kStageCount
+};
+inline const char *stage_name(int stage) {
+  static const char *const names[kStageCount] = {"setup",         "load",       "window attention",
+                                                 "scores+pooling", "anchor selection", "assignment",
+                                                 "utilities",     "residual selection", "encoding"};
+  return stage >= 0 && stage < kStageCount ? names[stage] : "?";
+}
 
 // Lays arrays out one after another (256-byte aligned) from `base`; with a null base it only
 // measures.
@@ -49,12 +71,13 @@ class Carver {
 // Scratch of one compression, carved out of one allocation.
 struct CompressScratch {
   static constexpr int64_t kAssignChunk = 8192;  // tokens per assignment GEMM
+  uint16_t *anchor_b;  // anchor_n in bf16 (the tensor-core operand of nearest_anchor_kernel)
   float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *c, *rk, *rk_norm_sq, *rv_norm_sq, *z,
       *vy, *y_norm_sq, *inv_freq, *signs;
   uint32_t *rank_keys, *rank_index, *sample_index, *picks, *picks_dummy, *util_keys[2], *util_ids[2], *energy_keys[2],
       *energy_ids[2], *head_counts;
   uint64_t *sample_keys;
-  int32_t *anchor_of_token, *positions, *rope_first, *rope_second, *bad;
+  int32_t *anchor_of_token, *nearest, *positions, *rope_first, *rope_second, *bad;
   // Coverage anchors: squared norms and best |cos|^2 per side, ranking, flags, the rows
   // absorbed next (the unit prefix rows reuse rk and kpost, free at that point).
   float *cover_norm_sq[2], *cover_best[2], *cover_means;
@@ -76,6 +99,7 @@ struct CompressScratch {
     take(alpha_sq, P);
     take(anchor_f, int64_t{k} * D);
     take(anchor_n, int64_t{k} * D);
+    take(anchor_b, int64_t{k} * D);
     take(norms, k);
     take(c, chunk * k);
     take(rk, P * D);
@@ -100,6 +124,7 @@ struct CompressScratch {
     take(head_counts, H);
     take(sample_keys, P);
     take(anchor_of_token, P);
+    take(nearest, P);
     take(positions, S);
     take(rope_first, pairs);
     take(rope_second, pairs);
@@ -384,6 +409,18 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     fail(AKV_ERR_NON_FINITE, "the keys, values or queries contain NaN or Inf (CUDA compression)");
 }
 
+// nearest_anchor_kernel for head dim D (64, 128 or 256) over the rows X[0..n).
+template <class Dev>
+void nearest_anchors(Dev &dev, int D, const float *X, int64_t n, int k, const float *anchor_n, const uint16_t *anchor_b,
+                     const float *norms, int32_t *nearest, float *best_sq) {
+  auto go = [&](auto kernel, int tokens) {
+    dev.launch(kernel, grid_blocks(n, tokens), 1, 128, X, n, k, anchor_n, anchor_b, norms, nearest, best_sq);
+  };
+  if (D == 64) go(nearest_anchor_kernel<64>, near_tokens(64));
+  else if (D == 128) go(nearest_anchor_kernel<128>, near_tokens(128));
+  else go(nearest_anchor_kernel<256>, near_tokens(256));
+}
+
 // The coverage share of one head's anchors (CPU: add_coverage_anchors): s.picks holds the
 // n_top scored picks; appends `count` more, chosen in `rounds` rounds as the tokens the anchors
 // so far (and the window) represent worst. Uses s.rk and s.kpost (free before the assignment)
@@ -395,7 +432,7 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int64_t S, int64_t P, 
   float *unit[2] = {s.rk, s.kpost};
   for (int side = 0; side < 2; ++side) {
     dev.launch(unit_rows_kernel, grid_blocks(P, 4), 1, 128, X[side], static_cast<const uint32_t *>(nullptr), P, D,
-               unit[side], s.cover_norm_sq[side]);
+               unit[side], static_cast<uint16_t *>(nullptr), s.cover_norm_sq[side]);
     dev.fill(s.cover_best[side], 0, P * sizeof(float));
   }
   dev.fill(s.cover_anchor, 0, P * sizeof(int32_t));
@@ -403,14 +440,11 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int64_t S, int64_t P, 
   auto absorb = [&](const uint32_t *ids, int64_t n) {
     if (n == 0) return;
     for (int side = 0; side < 2; ++side) {
-      dev.launch(unit_rows_kernel, grid_blocks(n, 4), 1, 128, X[side], ids, n, D, s.anchor_n,
+      dev.launch(unit_rows_kernel, grid_blocks(n, 4), 1, 128, X[side], ids, n, D, s.anchor_n, s.anchor_b,
                  static_cast<float *>(nullptr));
-      for (int64_t t0 = 0; t0 < P; t0 += CompressScratch::kAssignChunk) {
-        const int64_t m = std::min<int64_t>(CompressScratch::kAssignChunk, P - t0);
-        dev.gemm_nt(m, n, D, 1.0f, unit[side] + t0 * D, D, s.anchor_n, D, s.c, n);
-        dev.launch(coverage_update_kernel, grid_blocks(m, 128), 1, 128, static_cast<const float *>(s.c), t0, m, n,
-                   s.cover_best[side]);
-      }
+      // best |cos|^2 with the new anchors (fused: tensor-core products, fp32 rescoring).
+      nearest_anchors(dev, D, unit[side], P, static_cast<int>(n), s.anchor_n, s.anchor_b, nullptr, nullptr,
+                      s.cover_best[side]);
     }
   };
   dev.launch(coverage_take_kernel, grid_blocks(n_top, 128), 1, 128, static_cast<const uint32_t *>(s.picks), n_top,
@@ -456,6 +490,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   auto section = [&](int index) { return data + cache.layout.sections[index].offset; };
 
   // Constants: positions, RoPE tables, Hadamard signs; the cache starts zeroed.
+  dev.stage(kStageSetup);
   dev.fill(data, 0, cache.layout.total_bytes);
   dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
   dev.copy(section(kPositions), positions.data(), P * sizeof(int32_t));
@@ -477,17 +512,21 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
 
   for (int h = 0; h < H; ++h) {
     // 1. This head's keys (both forms), values and the group's window queries.
+    dev.stage(kStageLoad);
     dev.launch(load_head_kernel, grid_blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
     dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q);
     // 2. Window attention with the causal window mask, and its outputs y.
+    dev.stage(kStageWindowAttention);
     dev.gemm_nt(m, S, D, cache.meta.softmax_scale, s.q, D, s.kpost, D, s.attn, S);
     dev.launch(window_softmax_kernel, m, 1, 128, s.attn, S, P, W);
     dev.gemm_nn(m, D, S, 1.0f, s.attn, S, s.v, D, s.y, D);
     // 3. Scores, pooled; 4. anchors: the top share by pooled score (ties: lower index), then
     // the smallest counter hashes among the rest, sorted by token.
+    dev.stage(kStageScores);
     dev.launch(scores_kernel, grid_blocks(P, 128), 1, 128, s.attn, S, P, m, s.raw, s.alpha_sq);
     dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, s.raw, P, o.pool_kernel, o.pool_type == AKV_POOL_MAX ? 1 : 0,
                n_sink, s.rank_keys, s.rank_index);
+    dev.stage(kStageAnchorSelection);
     dev.sort_u32(s.rank_keys, s.rank_index, P);
     if (P > n_top && o.coverage_rounds == 0) {
       dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, s.rank_index, n_top, P, o.seed,
@@ -505,23 +544,24 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.sort_u32(s.picks, s.picks_dummy, free_anchors);
     dev.fill(s.anchor_of_token, 0xFF, P * sizeof(int32_t));  // -1: not an anchor
     // 5. Per side: anchors into the cache, nearest anchor of every prefix token.
+    dev.stage(kStageAssignment);
     for (int side = 0; side < 2; ++side) {
       const float *X = side == 0 ? s.kpre : s.v;
       dev.launch(anchors_kernel, k, 1, 128, X, s.picks, free_anchors, P, D, bf16 ? 1 : 0,
-                 anchors_out[side] + static_cast<int64_t>(h) * k * D, s.anchor_f, s.anchor_n, s.norms,
+                 anchors_out[side] + static_cast<int64_t>(h) * k * D, s.anchor_f, s.anchor_n, s.anchor_b, s.norms,
                  side == 0 ? anchor_tokens + h * free_anchors : static_cast<int64_t *>(nullptr), s.anchor_of_token);
-      for (int64_t t0 = 0; t0 < P; t0 += CompressScratch::kAssignChunk) {
-        const int64_t n = std::min<int64_t>(CompressScratch::kAssignChunk, P - t0);
-        dev.gemm_nt(n, k, D, 1.0f, X + t0 * D, D, s.anchor_n, D, s.c, k);
-        dev.launch(assign_kernel, grid_blocks(n, 4), 1, 128, static_cast<const float *>(s.c), t0, n, k, D, X,
-                   static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
-                   static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token),
-                   index[side] + h * P, gamma[side] + h * P, side, static_cast<const int32_t *>(s.positions), pairs,
-                   static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
-                   static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
-      }
+      // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
+      // coefficients and residual norms.
+      nearest_anchors(dev, D, X, P, k, s.anchor_n, s.anchor_b, s.norms, s.nearest, nullptr);
+      dev.launch(assign_kernel, grid_blocks(P, 4), 1, 128, static_cast<const int32_t *>(s.nearest), int64_t{0}, P, k, D,
+                 X, static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
+                 static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token),
+                 index[side] + h * P, gamma[side] + h * P, side, static_cast<const int32_t *>(s.positions), pairs,
+                 static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
+                 static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
     }
     // 6. Utilities (Eq. 6): Z = Q (R r_K)^T, V.y, ||y||^2.
+    dev.stage(kStageUtilities);
     dev.gemm_nt(m, P, D, 1.0f, s.q, D, s.rk, D, s.z, P);
     dev.gemm_nt(m, P, D, 1.0f, s.y, D, s.v, D, s.vy, P);
     dev.launch(row_norms_kernel, grid_blocks(m, 128), 1, 128, static_cast<const float *>(s.y), m, D, s.y_norm_sq);
@@ -550,6 +590,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     auto *mask = reinterpret_cast<unsigned long long *>(section(mask_sec[side]));
     auto *prefix = reinterpret_cast<uint32_t *>(section(prefix_sec[side]));
     auto *offsets = reinterpret_cast<uint32_t *>(section(offsets_sec[side]));
+    dev.stage(kStageResidualSelection);
     for (int group = 0; group < groups; ++group) {
       // The group's candidates are one contiguous run of keys and ids (id = h * P + t).
       const int64_t first = group * candidates;
@@ -571,6 +612,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.launch(prefix_kernel, 1, 1, std::max(32, (H + 31) / 32 * 32), reinterpret_cast<const uint64_t *>(mask), H, words,
                prefix, offsets, s.head_counts);
     uint8_t *chunk = side == 1 ? section(kValueChunkPos) : nullptr;
+    dev.stage(kStageEncoding);
     auto encode = [&](auto kernel) {
       dev.launch(kernel, static_cast<int>(words), H, 32, a, side, P, words, k, bf16 ? 1 : 0,
                  static_cast<int>(o.residual_scale), reinterpret_cast<const uint64_t *>(mask),
@@ -585,6 +627,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
       else encode(encode_kernel<256>);
     }
   }
+  dev.stage(kStageCount);  // the end of the last stage
   if (dev.read_int(s.bad) != 0)
     fail(AKV_ERR_NON_FINITE, "the keys, values or queries contain NaN or Inf (CUDA compression)");
 }
