@@ -195,6 +195,22 @@ TEST(EmulatedDecode, WideHeadsLongWindowPartialRotaryAndHalfPrecisionIo) {
   check_case(gptj_partial, 1, 8, 1);
 }
 
+// Many anchors per head (the old kernel split these into slices of shared memory; the tile
+// now reads anchor rows as it needs them), GQA groups 1, 4 and 8, q_len 1 and 4, mixed
+// batches with appended tokens, gapped positions (the exact-angle fallback of the RoPE table).
+TEST(EmulatedDecode, ManyAnchorsGqaGroupsAndQueryLengths) {
+  Case g8{AKV_METHOD_ANCHORKV, 1800, 64, 8, 1, 3, AKV_ROPE_NEOX, false};
+  g8.anchors = 900;
+  check_case(g8, 2, 4, 2);
+  Case g1{AKV_METHOD_ANCHORKV, 1500, 128, 1, 4, 4, AKV_ROPE_GPTJ, true};
+  g1.anchors = 800;
+  g1.io = AKV_DTYPE_BF16;
+  check_case(g1, 2, 6, 1);
+  Case g4{AKV_METHOD_ANCHORKV, 1200, 64, 4, 4, 3, AKV_ROPE_NEOX, true};
+  g4.anchors = 700;
+  check_case(g4, 3, 4, 2);
+}
+
 TEST(EmulatedDecode, DenseCachesMatchCpu) {
   check_case({AKV_METHOD_FULLKV, 700, 64, 4, 2, 3, AKV_ROPE_NEOX, false}, 2, 8, 2);
   check_case({AKV_METHOD_SNAPKV, 800, 128, 2, 1, 2, AKV_ROPE_NEOX, false}, 2, 4, 3);
