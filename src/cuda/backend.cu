@@ -2,7 +2,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "core/error.hpp"
@@ -38,13 +40,24 @@ void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch 
   decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests), kDecodeThreads, 0, stream>>>(p);
 }
 
-// Split blocks of decode_split_kernel<D, MAXROWS> resident on one multiprocessor.
+// Split blocks of decode_split_kernel<D, MAXROWS> resident on one multiprocessor, asked once
+// per device, kernel and shared-memory size (a decode, captured or not, then makes no query).
 template <int D, int MAXROWS>
 int resident_split_blocks(akv_context &ctx, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void *, size_t>, int> known;
+  const auto key = std::make_tuple(ctx.device, reinterpret_cast<const void *>(decode_split_kernel<D, MAXROWS>), smem);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = known.find(key);
+    if (it != known.end()) return it->second;
+  }
   allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS>);
   int n = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split_kernel<D, MAXROWS>, kDecodeThreads, smem),
         "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  std::lock_guard<std::mutex> lock(mutex);
+  known[key] = n;
   return n;
 }
 

@@ -77,7 +77,7 @@ AKV_HD inline size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 
 // Shared-memory carve-up of decode_split_kernel; the host sizes the launch with the same code.
 struct SplitSmem {
-  size_t q, w, logits, red, inv, first, second, basec, bases, stepc, steps, meta_a, meta_g, meta_pos, keys, total;
+  size_t q, w, logits, red, inv, first, second, basec, bases, step, meta_a, meta_off, meta_g, meta_pos, keys, total;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
   AKV_HD SplitSmem(int D, int maxrows, int max_anchors, int max_pairs) {
     const int T = kDecodeTile;
@@ -91,9 +91,9 @@ struct SplitSmem {
     second = o; o = align16(o + sizeof(int32_t) * max_pairs);
     basec = o; o = align16(o + sizeof(float) * max_pairs);
     bases = o; o = align16(o + sizeof(float) * max_pairs);
-    stepc = o; o = align16(o + sizeof(float) * T * max_pairs);
-    steps = o; o = align16(o + sizeof(float) * T * max_pairs);
+    step = o; o = align16(o + 2 * sizeof(float) * T * max_pairs);  // (cos, sin) of d * omega_j, d < T
     meta_a = o; o = align16(o + sizeof(int32_t) * T);
+    meta_off = o; o = align16(o + sizeof(int32_t) * T);
     meta_g = o; o = align16(o + sizeof(float) * T);
     meta_pos = o; o = align16(o + sizeof(int64_t) * T);
     keys = o; o = align16(o + sizeof(float) * T * key_stride(D));  // also write_partial's scratch

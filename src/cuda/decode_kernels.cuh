@@ -42,6 +42,9 @@ namespace cuda {
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+struct alignas(8) float2 {
+  float x, y;
+};
 #endif
 
 template <int D, int MAXROWS>
@@ -64,8 +67,9 @@ struct SplitBlock {
   int tid, lane, warp, h, rows, row0;
   bool bf16;
   int k, pairs;
-  float *q_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *stepc_s, *steps_s, *g_s, *K_s;
-  int32_t *first_s, *second_s, *a_s;
+  float *q_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *K_s;
+  float2 *step_s;
+  int32_t *first_s, *second_s, *a_s, *off_s;
   int64_t *pos_s;
 
   float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
@@ -91,9 +95,9 @@ struct SplitBlock {
     second_s = reinterpret_cast<int32_t *>(smem + lay.second);
     basec_s = reinterpret_cast<float *>(smem + lay.basec);
     bases_s = reinterpret_cast<float *>(smem + lay.bases);
-    stepc_s = reinterpret_cast<float *>(smem + lay.stepc);
-    steps_s = reinterpret_cast<float *>(smem + lay.steps);
+    step_s = reinterpret_cast<float2 *>(smem + lay.step);
     a_s = reinterpret_cast<int32_t *>(smem + lay.meta_a);
+    off_s = reinterpret_cast<int32_t *>(smem + lay.meta_off);
     g_s = reinterpret_cast<float *>(smem + lay.meta_g);
     pos_s = reinterpret_cast<int64_t *>(smem + lay.meta_pos);
     K_s = reinterpret_cast<float *>(smem + lay.keys);
@@ -111,7 +115,7 @@ struct SplitBlock {
       second_s[j] = c.rope_second[j];
     }
     // e^{i d omega_j} for the offsets d < T inside a tile, once per block.
-    for (int e = tid; e < T * pairs; e += NT) rope_angle(e / pairs, c.inv_freq[e % pairs], &stepc_s[e], &steps_s[e]);
+    for (int e = tid; e < T * pairs; e += NT) rope_angle(e / pairs, c.inv_freq[e % pairs], &step_s[e].x, &step_s[e].y);
     for (int i = 0; i < MAXROWS; ++i) {
       m_run[i] = -INFINITY;
       l_part[i] = 0.0f;
@@ -126,7 +130,7 @@ struct SplitBlock {
   __device__ __forceinline__ void anchor_meta(int64_t t0, int64_t end, bool window) {
     if (tid < T) {
       const int64_t t = t0 + tid;
-      int a = -1;
+      int a = -1, off = -2;  // off: position - the tile's first; -1 outside [0, T); -2 no token
       float g = 0.0f;
       int64_t pos = 0;
       if (t < end) {
@@ -134,14 +138,18 @@ struct SplitBlock {
           a = k - c.window + static_cast<int>(t);
           g = 1.0f;
           pos = c.window_first_position + t;
+          off = tid;
         } else {
           const int64_t at = static_cast<int64_t>(h) * c.prefix + t;
           a = c.key_index[at];
           g = bits_to_float(c.key_gamma[at], true);
           pos = c.positions[t];
+          const int64_t d = pos - c.positions[t0];
+          off = d >= 0 && d < T ? static_cast<int>(d) : -1;
         }
       }
       a_s[tid] = a;
+      off_s[tid] = off;
       g_s[tid] = g;
       pos_s[tid] = pos;
     } else if (tid - T < pairs) {
@@ -153,38 +161,46 @@ struct SplitBlock {
 
   // ---- 2. unrotated key rows gamma_t K_a(t) (anchor rows through L2), or dense rows -------
 
-  __device__ __forceinline__ static void put8(float *dst, const uint4 &chunk, float g, bool bf) {
+  template <bool BF>
+  __device__ __forceinline__ static void put8(float *dst, const uint4 &chunk, float g) {
     const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
-    for (int e = 0; e < 8; ++e) dst[e] = g * bits_to_float(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))), bf);
+    float x[8];
+    for (int e = 0; e < 8; ++e) x[e] = g * bits_to_float(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))), BF);
+    reinterpret_cast<float4 *>(dst)[0] = float4{x[0], x[1], x[2], x[3]};
+    reinterpret_cast<float4 *>(dst)[1] = float4{x[4], x[5], x[6], x[7]};
   }
 
-  __device__ __forceinline__ void gather_anchor_rows() {
+  template <bool BF>
+  __device__ __forceinline__ void gather_anchor_rows_as() {
     const uint16_t *ak = c.anchor_keys + static_cast<int64_t>(h) * k * D;
     constexpr int V8 = D / 8;
     for (int e = tid; e < T * V8; e += NT) {
       const int t = e / V8, v = e % V8;
       const int a = a_s[t];
       float *dst = K_s + t * KS + v * 8;
-      if (a < 0) {
-        for (int x = 0; x < 8; ++x) dst[x] = 0.0f;
-        continue;
-      }
-      put8(dst, reinterpret_cast<const uint4 *>(ak + static_cast<int64_t>(a) * D)[v], g_s[t], bf16);
+      if (a < 0) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
+      else put8<BF>(dst, reinterpret_cast<const uint4 *>(ak + static_cast<int64_t>(a) * D)[v], g_s[t]);
     }
+  }
+  __device__ __forceinline__ void gather_anchor_rows() {
+    if (bf16) gather_anchor_rows_as<true>();
+    else gather_anchor_rows_as<false>();
   }
 
   // Dense rows keys[t0..end) as stored (post-RoPE).
-  __device__ __forceinline__ void gather_dense_rows(const uint16_t *keys, int64_t t0, int64_t end) {
+  template <bool BF>
+  __device__ __forceinline__ void gather_dense_rows_as(const uint16_t *keys, int64_t t0, int64_t end) {
     constexpr int V8 = D / 8;
     for (int e = tid; e < T * V8; e += NT) {
       const int t = e / V8, v = e % V8;
       float *dst = K_s + t * KS + v * 8;
-      if (t0 + t >= end) {
-        for (int x = 0; x < 8; ++x) dst[x] = 0.0f;
-        continue;
-      }
-      put8(dst, reinterpret_cast<const uint4 *>(keys + (t0 + t) * D)[v], 1.0f, bf16);
+      if (t0 + t >= end) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
+      else put8<BF>(dst, reinterpret_cast<const uint4 *>(keys + (t0 + t) * D)[v], 1.0f);
     }
+  }
+  __device__ __forceinline__ void gather_dense_rows(const uint16_t *keys, int64_t t0, int64_t end) {
+    if (bf16) gather_dense_rows_as<true>(keys, t0, end);
+    else gather_dense_rows_as<false>(keys, t0, end);
   }
 
   // ---- 3. key residuals of the tile (mask word t0 / 64), added to the unrotated rows -------
@@ -217,26 +233,27 @@ struct SplitBlock {
 
   // ---- 4. RoPE in place ----------------------------------------------------------------------
 
+  // Lane j of every warp takes pair j (then j + 32, ...), warp w the tokens w, w + NW, ...
   __device__ __forceinline__ void rotate_keys() {
-    const int64_t p0 = pos_s[0];
-    for (int e = tid; e < T * pairs; e += NT) {
-      const int t = e / pairs, j = e % pairs;
-      if (a_s[t] < 0) continue;
-      const int64_t off = pos_s[t] - p0;
-      float cs, sn;
-      if (off >= 0 && off < T) {  // e^{i p0 w} e^{i off w}
-        const float bc = basec_s[j], bs = bases_s[j];
-        const float sc = stepc_s[off * pairs + j], ss = steps_s[off * pairs + j];
-        cs = bc * sc - bs * ss;
-        sn = bs * sc + bc * ss;
-      } else {
-        rope_angle(pos_s[t], inv_s[j], &cs, &sn);
-      }
-      float *row = K_s + t * KS;
+    for (int j = lane; j < pairs; j += 32) {
       const int f = first_s[j], s = second_s[j];
-      const float x0 = row[f], x1 = row[s];
-      row[f] = x0 * cs - x1 * sn;
-      row[s] = x0 * sn + x1 * cs;
+      const float bc = basec_s[j], bs = bases_s[j];
+      for (int t = warp; t < T; t += NW) {
+        const int off = off_s[t];
+        if (off == -2) continue;
+        float cs, sn;
+        if (off >= 0) {  // e^{i p0 w} e^{i off w}
+          const float2 st = step_s[off * pairs + j];
+          cs = bc * st.x - bs * st.y;
+          sn = bs * st.x + bc * st.y;
+        } else {
+          rope_angle(pos_s[t], inv_s[j], &cs, &sn);
+        }
+        float *row = K_s + t * KS;
+        const float x0 = row[f], x1 = row[s];
+        row[f] = x0 * cs - x1 * sn;
+        row[s] = x0 * sn + x1 * cs;
+      }
     }
   }
 
@@ -390,8 +407,9 @@ struct SplitBlock {
   }
 };
 
+// Up to 8 rows: at most 128 registers, so that two blocks (16 warps) fit a multiprocessor.
 template <int D, int MAXROWS>
-__global__ void __launch_bounds__(kDecodeThreads) decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
+__global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
 #ifdef AKV_SIMT_EMULATION
   unsigned char *smem = ::simt::tl_block->dynamic.data();
 #else
