@@ -61,6 +61,7 @@ struct SplitBlock {
   static_assert(T * 4 == NT, "contraction: four threads per token");
   static_assert(D / 2 + T <= NT, "tile metadata and first angles in one pass");
   static_assert(MAXROWS <= 16, "more rows spill: split them into row chunks");
+  static_assert(MAXROWS % 4 == 0, "contraction: four threads per token share the rows");
 
   const CacheView &c;
   const DecodeLaunch &p;
@@ -261,29 +262,38 @@ struct SplitBlock {
 
   // causal: these are appended tokens, and row i (query qi of its head) sees the first
   // suffix_len - (q_len - 1 - qi) of them.
-  __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len) {
-    const int t = tid >> 2, part = tid & 3;
-    float acc[MAXROWS];
-    for (int i = 0; i < MAXROWS; ++i) acc[i] = 0.0f;
+  template <bool ALL>  // ALL: every row of the chunk is a query row (rows == MAXROWS)
+  __device__ __forceinline__ void contract_rows(int t, int part, float (&acc)[MAXROWS]) const {
     const float4 *krow = reinterpret_cast<const float4 *>(K_s + t * KS);
     for (int v = part; v < D / 4; v += 4) {
       const float4 kv = krow[v];
       for (int i = 0; i < MAXROWS; ++i) {
-        if (i >= rows) break;
+        if (!ALL && i >= rows) break;
         const float4 qv = reinterpret_cast<const float4 *>(q_s + i * D)[v];
-        acc[i] += qv.x * kv.x + qv.y * kv.y + qv.z * kv.z + qv.w * kv.w;
+        acc[i] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, acc[i]))));
       }
     }
+  }
+
+  __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len) {
+    const int t = tid >> 2, part = tid & 3;
+    float acc[MAXROWS];
+    for (int i = 0; i < MAXROWS; ++i) acc[i] = 0.0f;
+    if (rows == MAXROWS) contract_rows<true>(t, part, acc);
+    else contract_rows<false>(t, part, acc);
     for (int i = 0; i < MAXROWS; ++i) {
       acc[i] += __shfl_xor_sync(kFullMask, acc[i], 1);
       acc[i] += __shfl_xor_sync(kFullMask, acc[i], 2);
     }
-    for (int i = 0; i < MAXROWS; ++i)
-      if ((i & 3) == part) {
-        bool visible = t0 + t < end;
-        if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
-        L_s[i * T + t] = visible ? acc[i] : -INFINITY;
-      }
+    // Thread `part` of the token writes rows part, part + 4, ... (selects, not a local array).
+    for (int r = 0; r < MAXROWS; r += 4) {
+      float v = acc[r];
+      for (int x = 1; x < 4; ++x) v = part == x ? acc[r + x] : v;
+      const int i = r + part;
+      bool visible = t0 + t < end;
+      if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
+      L_s[i * T + t] = visible ? v : -INFINITY;
+    }
   }
 
   // ---- 6. online softmax over the tile; L_s becomes p = exp2(logit - max) -------------------
