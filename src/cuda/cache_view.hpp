@@ -77,7 +77,7 @@ AKV_HD inline size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 
 // Shared-memory carve-up of decode_split_kernel; the host sizes the launch with the same code.
 struct SplitSmem {
-  size_t q, w, logits, red, inv, first, second, basec, bases, step, meta_a, meta_off, meta_g, meta_pos, keys, total;
+  size_t q, w, logits, red, inv, first, second, basec, bases, step, signs, meta_a, meta_off, meta_g, meta_pos, meta_bit, keys, total;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
   AKV_HD SplitSmem(int D, int maxrows, int max_anchors, int max_pairs) {
     const int T = kDecodeTile;
@@ -92,7 +92,9 @@ struct SplitSmem {
     basec = o; o = align16(o + sizeof(float) * max_pairs);
     bases = o; o = align16(o + sizeof(float) * max_pairs);
     step = o; o = align16(o + 2 * sizeof(float) * T * max_pairs);  // (cos, sin) of d * omega_j, d < T
+    signs = o; o = align16(o + sizeof(float) * D);  // Hadamard signs / sqrt(D)
     meta_a = o; o = align16(o + sizeof(int32_t) * T);
+    meta_bit = o; o = align16(o + sizeof(int32_t) * T);  // token of the tile's n-th key residual
     meta_off = o; o = align16(o + sizeof(int32_t) * T);
     meta_g = o; o = align16(o + sizeof(float) * T);
     meta_pos = o; o = align16(o + sizeof(int64_t) * T);

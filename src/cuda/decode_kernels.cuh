@@ -68,9 +68,9 @@ struct SplitBlock {
   int tid, lane, warp, h, rows, row0;
   bool bf16;
   int k, pairs;
-  float *q_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *K_s;
+  float *q_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *K_s, *sgn_s;
   float2 *step_s;
-  int32_t *first_s, *second_s, *a_s, *off_s;
+  int32_t *first_s, *second_s, *a_s, *off_s, *bit_s;
   int64_t *pos_s;
 
   float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
@@ -99,6 +99,8 @@ struct SplitBlock {
     step_s = reinterpret_cast<float2 *>(smem + lay.step);
     a_s = reinterpret_cast<int32_t *>(smem + lay.meta_a);
     off_s = reinterpret_cast<int32_t *>(smem + lay.meta_off);
+    bit_s = reinterpret_cast<int32_t *>(smem + lay.meta_bit);
+    sgn_s = reinterpret_cast<float *>(smem + lay.signs);
     g_s = reinterpret_cast<float *>(smem + lay.meta_g);
     pos_s = reinterpret_cast<int64_t *>(smem + lay.meta_pos);
     K_s = reinterpret_cast<float *>(smem + lay.keys);
@@ -110,6 +112,8 @@ struct SplitBlock {
     for (int e = tid; e < MAXROWS * D; e += NT)
       q_s[e] = e / D < rows ? load_elem(p.queries, p.dtype, qbase + e) * qscale : 0.0f;
     for (int e = tid; e < MAXROWS * k; e += NT) w_s[e] = 0.0f;
+    if (k)
+      for (int d = tid; d < D; d += NT) sgn_s[d] = c.signs[d] / sqrtf(static_cast<float>(D));
     for (int j = tid; j < pairs; j += NT) {
       inv_s[j] = c.inv_freq[j];
       first_s[j] = c.rope_first[j];
@@ -147,6 +151,9 @@ struct SplitBlock {
           pos = c.positions[t];
           const int64_t d = pos - c.positions[t0];
           off = d >= 0 && d < T ? static_cast<int>(d) : -1;
+          // The key residuals of the tile (mask word t0 / 64) listed in slot order.
+          const uint64_t mask = c.key_mask[static_cast<int64_t>(h) * c.words + t0 / 64];
+          if ((mask >> tid) & 1) bit_s[__popcll(mask & ((1ull << tid) - 1))] = tid;
         }
       }
       a_s[tid] = a;
@@ -206,28 +213,46 @@ struct SplitBlock {
 
   // ---- 3. key residuals of the tile (mask word t0 / 64), added to the unrotated rows -------
 
+  // Eight lanes per residual, EPT = D / 8 dimensions each (lane l of the eight holds
+  // l * EPT ..): the in-register butterflies, then three stages across the eight lanes. A warp
+  // takes four residuals at a time, warp w the residuals 4w.., 4(w + NW).., ...
   __device__ __forceinline__ void key_residuals(int64_t t0) {
+    constexpr int EPT = D / 8;
     const int64_t wd = t0 / 64;
-    uint64_t mask = c.key_mask[static_cast<int64_t>(h) * c.words + wd];
-    uint32_t slot = c.key_offsets[h] + c.key_prefix[static_cast<int64_t>(h) * c.words + wd];
-    const float norm = 1.0f / sqrtf(static_cast<float>(D));
-    for (int n = 0; mask; ++n, ++slot) {
-      const int bit = __ffsll(static_cast<long long>(mask)) - 1;
-      mask &= mask - 1;
-      if (n % NW != warp) continue;  // uniform across the warp
-      const uint8_t *codes = c.key_codes + static_cast<int64_t>(slot) * (D / 4);
-      const float scale = c.key_scales[slot];
-      float x[EPL];
-      for (int e = 0; e < EPL; ++e) {
-        const int d = lane * EPL + e;
-        x[e] = scale * lloyd_max_level((codes[d >> 2] >> ((d & 3) * 2)) & 3);
+    const int count = __popcll(c.key_mask[static_cast<int64_t>(h) * c.words + wd]);
+    const uint32_t base = c.key_offsets[h] + c.key_prefix[static_cast<int64_t>(h) * c.words + wd];
+    const int sub = lane >> 3, sl = lane & 7;
+    for (int n0 = warp * 4; n0 < count; n0 += NW * 4) {  // uniform across the warp
+      const int n = n0 + sub;
+      const bool live = n < count;
+      float x[EPT];
+      if (live) {
+        const uint8_t *codes = c.key_codes + static_cast<int64_t>(base + n) * (D / 4) + sl * (EPT / 4);
+        const float scale = c.key_scales[base + n];
+        for (int b = 0; b < EPT / 4; ++b) {
+          const unsigned byte = codes[b];
+          for (int e = 0; e < 4; ++e) x[4 * b + e] = scale * lloyd_max_level((byte >> (2 * e)) & 3);
+        }
+      } else {
+        for (int e = 0; e < EPT; ++e) x[e] = 0.0f;
       }
       // Inverse rotation U^T y = diag(signs) H y / sqrt(D).
-      warp_fwht<EPL>(x, lane);
-      float *row = K_s + bit * KS;
-      for (int e = 0; e < EPL; ++e) {
-        const int d = lane * EPL + e;
-        row[d] += x[e] * norm * c.signs[d];
+      for (int len = 1; len < EPT; len <<= 1)
+        for (int e = 0; e < EPT; ++e)
+          if (!(e & len)) {
+            const float u = x[e], v = x[e + len];
+            x[e] = u + v;
+            x[e + len] = u - v;
+          }
+      for (int lm = 1; lm < 8; lm <<= 1)
+        for (int e = 0; e < EPT; ++e) {
+          const float other = __shfl_xor_sync(kFullMask, x[e], lm);
+          x[e] = (sl & lm) ? other - x[e] : x[e] + other;
+        }
+      if (live) {
+        float *row = K_s + bit_s[n] * KS + sl * EPT;
+        const float *sg = sgn_s + sl * EPT;
+        for (int e = 0; e < EPT; ++e) row[e] += x[e] * sg[e];
       }
     }
   }
