@@ -77,12 +77,13 @@ AKV_HD inline size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 
 // Shared-memory carve-up of decode_split_kernel; the host sizes the launch with the same code.
 struct SplitSmem {
-  size_t q, w, logits, red, inv, first, second, basec, bases, step, signs, meta_a, meta_off, meta_g, meta_pos, meta_bit, keys, total;
+  size_t q, qr, w, logits, red, inv, first, second, basec, bases, step, signs, meta_a, meta_off, meta_g, meta_pos, meta_bit, keys, total;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
   AKV_HD SplitSmem(int D, int maxrows, int max_anchors, int max_pairs) {
     const int T = kDecodeTile;
     size_t o = 0;
     q = o; o = align16(o + sizeof(float) * maxrows * D);
+    qr = o; o = align16(o + sizeof(float) * maxrows * D);  // queries rotated by minus the tile's first position
     w = o; o = align16(o + sizeof(float) * maxrows * max_anchors);
     logits = o; o = align16(o + sizeof(float) * maxrows * T);
     red = o; o = align16(o + sizeof(float) * (kDecodeThreads / 32) * maxrows);

@@ -68,7 +68,7 @@ struct SplitBlock {
   int tid, lane, warp, h, rows, row0;
   bool bf16;
   int k, pairs;
-  float *q_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *K_s, *sgn_s;
+  float *q_s, *qr_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *K_s, *sgn_s;
   float2 *step_s;
   int32_t *first_s, *second_s, *a_s, *off_s, *bit_s;
   int64_t *pos_s;
@@ -88,6 +88,7 @@ struct SplitBlock {
     pairs = c.rope_pairs;
     const SplitSmem lay(D, MAXROWS, p.max_anchors, p.max_pairs);
     q_s = reinterpret_cast<float *>(smem + lay.q);
+    qr_s = reinterpret_cast<float *>(smem + lay.qr);
     w_s = reinterpret_cast<float *>(smem + lay.w);
     L_s = reinterpret_cast<float *>(smem + lay.logits);
     red_s = reinterpret_cast<float *>(smem + lay.red);
@@ -110,7 +111,7 @@ struct SplitBlock {
     const int64_t qbase = ((static_cast<int64_t>(blockIdx.z) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0) * D;
     const float qscale = c.softmax_scale * kLog2e;
     for (int e = tid; e < MAXROWS * D; e += NT)
-      q_s[e] = e / D < rows ? load_elem(p.queries, p.dtype, qbase + e) * qscale : 0.0f;
+      q_s[e] = qr_s[e] = e / D < rows ? load_elem(p.queries, p.dtype, qbase + e) * qscale : 0.0f;
     for (int e = tid; e < MAXROWS * k; e += NT) w_s[e] = 0.0f;
     if (k)
       for (int d = tid; d < D; d += NT) sgn_s[d] = c.signs[d] / sqrtf(static_cast<float>(D));
@@ -135,7 +136,7 @@ struct SplitBlock {
   __device__ __forceinline__ void anchor_meta(int64_t t0, int64_t end, bool window) {
     if (tid < T) {
       const int64_t t = t0 + tid;
-      int a = -1, off = -2;  // off: position - the tile's first; -1 outside [0, T); -2 no token
+      int a = -1, off = 0;  // off: position - the tile's first; -1 outside [0, T); 0 for no token (zero row)
       float g = 0.0f;
       int64_t pos = 0;
       if (t < end) {
@@ -193,6 +194,15 @@ struct SplitBlock {
   __device__ __forceinline__ void gather_anchor_rows() {
     if (bf16) gather_anchor_rows_as<true>();
     else gather_anchor_rows_as<false>();
+    // q . R_{p0 + off} x = (R_{p0}^T q) . (R_off x): the queries take the tile's first angle.
+    for (int e = tid; e < rows * pairs; e += NT) {  // rows past `rows` stay zero
+      const int i = e / pairs, j = e % pairs;
+      const float cs = basec_s[j], sn = bases_s[j];
+      const int f = i * D + first_s[j], s = i * D + second_s[j];
+      const float q0 = q_s[f], q1 = q_s[s];
+      qr_s[f] = q0 * cs + q1 * sn;
+      qr_s[s] = q1 * cs - q0 * sn;
+    }
   }
 
   // Dense rows keys[t0..end) as stored (post-RoPE).
@@ -259,21 +269,25 @@ struct SplitBlock {
 
   // ---- 4. RoPE in place ----------------------------------------------------------------------
 
-  // Lane j of every warp takes pair j (then j + 32, ...), warp w the tokens w, w + NW, ...
+  // R_off for the offset off of each token from the tile's first position (the queries took
+  // R_{p0}^T): lane j of every warp takes pair j (then j + 32, ...), warp w the tokens w,
+  // w + NW, ...
   __device__ __forceinline__ void rotate_keys() {
+    constexpr int TPW = T / NW;  // tokens per warp
+    int offs[TPW];
+    for (int m = 0; m < TPW; ++m) offs[m] = off_s[warp + m * NW];
+    const int64_t p0 = pos_s[0];
     for (int j = lane; j < pairs; j += 32) {
       const int f = first_s[j], s = second_s[j];
-      const float bc = basec_s[j], bs = bases_s[j];
-      for (int t = warp; t < T; t += NW) {
-        const int off = off_s[t];
-        if (off == -2) continue;
+      for (int m = 0; m < TPW; ++m) {
+        const int t = warp + m * NW;
         float cs, sn;
-        if (off >= 0) {  // e^{i p0 w} e^{i off w}
-          const float2 st = step_s[off * pairs + j];
-          cs = bc * st.x - bs * st.y;
-          sn = bs * st.x + bc * st.y;
-        } else {
-          rope_angle(pos_s[t], inv_s[j], &cs, &sn);
+        if (offs[m] >= 0) {
+          const float2 st = step_s[offs[m] * pairs + j];
+          cs = st.x;
+          sn = st.y;
+        } else {  // gapped positions
+          rope_angle(pos_s[t] - p0, inv_s[j], &cs, &sn);
         }
         float *row = K_s + t * KS;
         const float x0 = row[f], x1 = row[s];
@@ -288,24 +302,26 @@ struct SplitBlock {
   // causal: these are appended tokens, and row i (query qi of its head) sees the first
   // suffix_len - (q_len - 1 - qi) of them.
   template <bool ALL>  // ALL: every row of the chunk is a query row (rows == MAXROWS)
-  __device__ __forceinline__ void contract_rows(int t, int part, float (&acc)[MAXROWS]) const {
+  __device__ __forceinline__ void contract_rows(const float *qs, int t, int part, float (&acc)[MAXROWS]) const {
     const float4 *krow = reinterpret_cast<const float4 *>(K_s + t * KS);
     for (int v = part; v < D / 4; v += 4) {
       const float4 kv = krow[v];
       for (int i = 0; i < MAXROWS; ++i) {
         if (!ALL && i >= rows) break;
-        const float4 qv = reinterpret_cast<const float4 *>(q_s + i * D)[v];
+        const float4 qv = reinterpret_cast<const float4 *>(qs + i * D)[v];
         acc[i] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, acc[i]))));
       }
     }
   }
 
-  __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len) {
+  // anchor: the key tile holds R_off keys, contracted with the rotated queries.
+  __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len, bool anchor) {
+    const float *qs = anchor ? qr_s : q_s;
     const int t = tid >> 2, part = tid & 3;
     float acc[MAXROWS];
     for (int i = 0; i < MAXROWS; ++i) acc[i] = 0.0f;
-    if (rows == MAXROWS) contract_rows<true>(t, part, acc);
-    else contract_rows<false>(t, part, acc);
+    if (rows == MAXROWS) contract_rows<true>(qs, t, part, acc);
+    else contract_rows<false>(qs, t, part, acc);
     for (int i = 0; i < MAXROWS; ++i) {
       acc[i] += __shfl_xor_sync(kFullMask, acc[i], 1);
       acc[i] += __shfl_xor_sync(kFullMask, acc[i], 2);
@@ -472,7 +488,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
       __syncthreads();
       blk.rotate_keys();
       __syncthreads();
-      blk.contract(t0, end, false, 0);
+      blk.contract(t0, end, false, 0, true);
       blk.softmax_tile();
       blk.prefix_values(t0, end);
     }
@@ -485,7 +501,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
         __syncthreads();
         blk.rotate_keys();
         __syncthreads();
-        blk.contract(w0, end, false, 0);
+        blk.contract(w0, end, false, 0, true);
         blk.softmax_tile();
         blk.window_values(w0, end);
       }
@@ -497,7 +513,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
       const int64_t t0 = tile * T, end = t0 + T < count ? t0 + T : count;
       blk.gather_dense_rows(keys, t0, end);
       __syncthreads();
-      blk.contract(t0, end, false, 0);
+      blk.contract(t0, end, false, 0, false);
       blk.softmax_tile();
       blk.dense_values(values, t0, end);
     }
@@ -509,7 +525,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
       const int64_t end = t0 + T < suffix_len ? t0 + T : suffix_len;
       blk.gather_dense_rows(keys, t0, end);
       __syncthreads();
-      blk.contract(t0, end, true, suffix_len);
+      blk.contract(t0, end, true, suffix_len, false);
       blk.softmax_tile();
       blk.dense_values(values, t0, end);
     }
