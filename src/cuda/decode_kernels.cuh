@@ -67,6 +67,7 @@ struct SplitBlock {
   const DecodeLaunch &p;
   int tid, lane, warp, h, rows, row0;
   bool bf16;
+  bool neox;  // rotary pairs (j, j + pairs), pairs even: the RoPE pass takes two pairs at a time
   int k, pairs;
   float *q_s, *qr_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *K_s, *sgn_s;
   float2 *step_s;
@@ -86,6 +87,8 @@ struct SplitBlock {
     bf16 = c.storage_bf16 != 0;
     k = c.kind == kKindAnchor ? c.anchors : 0;
     pairs = c.rope_pairs;
+    neox = pairs % 2 == 0;
+    for (int j = 0; j < pairs; ++j) neox = neox && c.rope_first[j] == j && c.rope_second[j] == j + pairs;
     const SplitSmem lay(D, MAXROWS, p.max_anchors, p.max_pairs);
     q_s = reinterpret_cast<float *>(smem + lay.q);
     qr_s = reinterpret_cast<float *>(smem + lay.qr);
@@ -239,9 +242,15 @@ struct SplitBlock {
       if (live) {
         const uint8_t *codes = c.key_codes + static_cast<int64_t>(base + n) * (D / 4) + sl * (EPT / 4);
         const float scale = c.key_scales[base + n];
+        // Codes 0..3: -outer, -inner, +inner, +outer (lloyd_max_level), times the scale.
+        const float outer = scale * lloyd_max_level(3), inner = scale * lloyd_max_level(2);
         for (int b = 0; b < EPT / 4; ++b) {
           const unsigned byte = codes[b];
-          for (int e = 0; e < 4; ++e) x[4 * b + e] = scale * lloyd_max_level((byte >> (2 * e)) & 3);
+          for (int e = 0; e < 4; ++e) {
+            const unsigned code = (byte >> (2 * e)) & 3;
+            const float mag = (code == 0 || code == 3) ? outer : inner;
+            x[4 * b + e] = (code & 2) ? mag : -mag;
+          }
         }
       } else {
         for (int e = 0; e < EPT; ++e) x[e] = 0.0f;
@@ -254,11 +263,10 @@ struct SplitBlock {
             x[e] = u + v;
             x[e + len] = u - v;
           }
-      for (int lm = 1; lm < 8; lm <<= 1)
-        for (int e = 0; e < EPT; ++e) {
-          const float other = __shfl_xor_sync(kFullMask, x[e], lm);
-          x[e] = (sl & lm) ? other - x[e] : x[e] + other;
-        }
+      for (int lm = 1; lm < 8; lm <<= 1) {
+        const float sign = (sl & lm) ? -1.0f : 1.0f;  // upper half: other - x, lower: x + other
+        for (int e = 0; e < EPT; ++e) x[e] = fmaf(sign, x[e], __shfl_xor_sync(kFullMask, x[e], lm));
+      }
       if (live) {
         float *row = K_s + bit_s[n] * KS + sl * EPT;
         const float *sg = sgn_s + sl * EPT;
@@ -277,6 +285,25 @@ struct SplitBlock {
     int offs[TPW];
     for (int m = 0; m < TPW; ++m) offs[m] = off_s[warp + m * NW];
     const int64_t p0 = pos_s[0];
+    if (neox) {  // pairs j and j + 1: dimensions (j, j + 1) and (j + pairs, j + pairs + 1)
+      for (int j = 2 * lane; j < pairs; j += 64)
+        for (int m = 0; m < TPW; ++m) {
+          const int t = warp + m * NW;
+          float4 st;  // (cos, sin) of pair j, then of pair j + 1
+          if (offs[m] >= 0) {
+            st = *reinterpret_cast<const float4 *>(step_s + offs[m] * pairs + j);
+          } else {  // gapped positions
+            rope_angle(pos_s[t] - p0, inv_s[j], &st.x, &st.y);
+            rope_angle(pos_s[t] - p0, inv_s[j + 1], &st.z, &st.w);
+          }
+          float2 *lo = reinterpret_cast<float2 *>(K_s + t * KS + j);
+          float2 *hi = reinterpret_cast<float2 *>(K_s + t * KS + j + pairs);
+          const float2 x0 = *lo, x1 = *hi;
+          *lo = float2{x0.x * st.x - x1.x * st.y, x0.y * st.z - x1.y * st.w};
+          *hi = float2{x0.x * st.y + x1.x * st.x, x0.y * st.w + x1.y * st.z};
+        }
+      return;
+    }
     for (int j = lane; j < pairs; j += 32) {
       const int f = first_s[j], s = second_s[j];
       for (int m = 0; m < TPW; ++m) {
