@@ -182,29 +182,32 @@ struct SplitBlock {
     reinterpret_cast<float4 *>(dst)[1] = float4{x[4], x[5], x[6], x[7]};
   }
 
+  // Thread: 16-byte chunk v = tid % V8 of tokens tid / V8, + NT / V8, ... (no division).
   template <bool BF>
   __device__ __forceinline__ void gather_anchor_rows_as() {
-    const uint16_t *ak = c.anchor_keys + static_cast<int64_t>(h) * k * D;
-    constexpr int V8 = D / 8;
-    for (int e = tid; e < T * V8; e += NT) {
-      const int t = e / V8, v = e % V8;
+    constexpr int V8 = D / 8, STEP = NT / V8;
+    static_assert(NT % V8 == 0 && T % STEP == 0, "whole tokens per pass");
+    const uint4 *ak = reinterpret_cast<const uint4 *>(c.anchor_keys + static_cast<int64_t>(h) * k * D) + tid % V8;
+    float *dst = K_s + (tid / V8) * KS + (tid % V8) * 8;
+    for (int t = tid / V8; t < T; t += STEP, dst += STEP * KS) {
       const int a = a_s[t];
-      float *dst = K_s + t * KS + v * 8;
       if (a < 0) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
-      else put8<BF>(dst, reinterpret_cast<const uint4 *>(ak + static_cast<int64_t>(a) * D)[v], g_s[t]);
+      else put8<BF>(dst, ak[a * V8], g_s[t]);
     }
   }
   __device__ __forceinline__ void gather_anchor_rows() {
     if (bf16) gather_anchor_rows_as<true>();
     else gather_anchor_rows_as<false>();
     // q . R_{p0 + off} x = (R_{p0}^T q) . (R_off x): the queries take the tile's first angle.
-    for (int e = tid; e < rows * pairs; e += NT) {  // rows past `rows` stay zero
-      const int i = e / pairs, j = e % pairs;
+    for (int j = tid; j < pairs; j += NT) {
       const float cs = basec_s[j], sn = bases_s[j];
-      const int f = i * D + first_s[j], s = i * D + second_s[j];
-      const float q0 = q_s[f], q1 = q_s[s];
-      qr_s[f] = q0 * cs + q1 * sn;
-      qr_s[s] = q1 * cs - q0 * sn;
+      const int f = first_s[j], s = second_s[j];
+      for (int i = 0; i < MAXROWS; ++i) {
+        if (i >= rows) break;  // rows past `rows` stay zero
+        const float q0 = q_s[i * D + f], q1 = q_s[i * D + s];
+        qr_s[i * D + f] = q0 * cs + q1 * sn;
+        qr_s[i * D + s] = q1 * cs - q0 * sn;
+      }
     }
   }
 
