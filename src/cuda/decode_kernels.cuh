@@ -45,6 +45,9 @@ struct alignas(16) float4 {
 struct alignas(8) float2 {
   float x, y;
 };
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
 #endif
 
 // (cos a, sin a) for a moderate angle (|a| < 100 rad).
@@ -77,7 +80,10 @@ struct SplitBlock {
   const DecodeLaunch &p;
   int tid, lane, warp, h, rows, row0;
   bool bf16;
-  bool neox;  // rotary pairs (j, j + pairs), pairs even: the RoPE pass takes two pairs at a time
+  // No RoPE, or NeoX pairs with pairs % 4 == 0 and pairs / (D / 8) in {1, 2, 4}: anchor rows are rotated as
+  // they are gathered, and key residuals rotated (partner dimension one shuffle away) before
+  // they are added; no separate RoPE pass.
+  bool fused;
   int k, pairs;
   float *q_s, *qr_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *K_s, *sgn_s;
   float2 *step_s;
@@ -97,8 +103,10 @@ struct SplitBlock {
     bf16 = c.storage_bf16 != 0;
     k = c.kind == kKindAnchor ? c.anchors : 0;
     pairs = c.rope_pairs;
-    neox = pairs % 2 == 0;
+    bool neox = true;  // rotary pairs (j, j + pairs)
     for (int j = 0; j < pairs; ++j) neox = neox && c.rope_first[j] == j && c.rope_second[j] == j + pairs;
+    fused = neox && pairs % 4 == 0 && pairs % (D / 8) == 0 &&
+            (pairs == 0 || pairs / (D / 8) == 1 || pairs / (D / 8) == 2 || pairs / (D / 8) == 4);
     const SplitSmem lay(D, MAXROWS, p.max_anchors, p.max_pairs);
     q_s = reinterpret_cast<float *>(smem + lay.q);
     qr_s = reinterpret_cast<float *>(smem + lay.qr);
@@ -207,9 +215,67 @@ struct SplitBlock {
       else put8<BF>(dst, ak[a * V8], g_s[t]);
     }
   }
+  // Fused NeoX gather: item (token t, pairs j0..j0+3) reads dimensions j0.. and j0 + pairs..
+  // of the anchor row, scales by gamma and rotates by R_off; the dimensions past 2 * pairs are
+  // copied in chunks of 8.
+  template <bool BF>
+  __device__ __forceinline__ void gather_rotate_neox() {
+    const uint16_t *ak = c.anchor_keys + static_cast<int64_t>(h) * k * D;
+    const int P4 = pairs / 4, rest = (D - 2 * pairs) / 8, per = P4 + rest;
+    const int64_t p0 = pos_s[0];
+    for (int e = tid; e < T * per; e += NT) {
+      const int t = e / per, q = e % per;
+      const int a = a_s[t];
+      const float g = g_s[t];
+      float *row = K_s + t * KS;
+      if (q >= P4) {  // unrotated dimensions
+        const int d = 2 * pairs + 8 * (q - P4);
+        if (a < 0) put8<BF>(row + d, uint4{0, 0, 0, 0}, 0.0f);
+        else put8<BF>(row + d, *reinterpret_cast<const uint4 *>(ak + static_cast<int64_t>(a) * D + d), g);
+        continue;
+      }
+      const int j0 = 4 * q;
+      if (a < 0) {
+        *reinterpret_cast<float4 *>(row + j0) = float4{0.0f, 0.0f, 0.0f, 0.0f};
+        *reinterpret_cast<float4 *>(row + j0 + pairs) = float4{0.0f, 0.0f, 0.0f, 0.0f};
+        continue;
+      }
+      const uint2 lo = *reinterpret_cast<const uint2 *>(ak + static_cast<int64_t>(a) * D + j0);
+      const uint2 hi = *reinterpret_cast<const uint2 *>(ak + static_cast<int64_t>(a) * D + j0 + pairs);
+      float2 cs[4];
+      const int off = off_s[t];
+      if (off >= 0) {
+        const float4 c01 = *reinterpret_cast<const float4 *>(step_s + off * pairs + j0);
+        const float4 c23 = *reinterpret_cast<const float4 *>(step_s + off * pairs + j0 + 2);
+        cs[0] = float2{c01.x, c01.y};
+        cs[1] = float2{c01.z, c01.w};
+        cs[2] = float2{c23.x, c23.y};
+        cs[3] = float2{c23.z, c23.w};
+      } else {  // gapped positions
+        for (int x = 0; x < 4; ++x) rope_angle(pos_s[t] - p0, inv_s[j0 + x], &cs[x].x, &cs[x].y);
+      }
+      const uint32_t lw[4] = {lo.x, lo.x >> 16, lo.y, lo.y >> 16}, hw[4] = {hi.x, hi.x >> 16, hi.y, hi.y >> 16};
+      float y0[4], y1[4];
+      for (int x = 0; x < 4; ++x) {
+        const float x0 = g * bits_to_float(static_cast<uint16_t>(lw[x]), BF);
+        const float x1 = g * bits_to_float(static_cast<uint16_t>(hw[x]), BF);
+        y0[x] = x0 * cs[x].x - x1 * cs[x].y;
+        y1[x] = x0 * cs[x].y + x1 * cs[x].x;
+      }
+      *reinterpret_cast<float4 *>(row + j0) = float4{y0[0], y0[1], y0[2], y0[3]};
+      *reinterpret_cast<float4 *>(row + j0 + pairs) = float4{y1[0], y1[1], y1[2], y1[3]};
+    }
+  }
+
   __device__ __forceinline__ void gather_anchor_rows() {
-    if (bf16) gather_anchor_rows_as<true>();
-    else gather_anchor_rows_as<false>();
+    if (fused) {
+      if (bf16) gather_rotate_neox<true>();
+      else gather_rotate_neox<false>();
+    } else if (bf16) {
+      gather_anchor_rows_as<true>();
+    } else {
+      gather_anchor_rows_as<false>();
+    }
     // q . R_{p0 + off} x = (R_{p0}^T q) . (R_off x): the queries take the tile's first angle.
     for (int j = tid; j < pairs; j += NT) {
       const float cs = basec_s[j], sn = bases_s[j];
@@ -282,10 +348,32 @@ struct SplitBlock {
         const float sign = (sl & lm) ? -1.0f : 1.0f;  // upper half: other - x, lower: x + other
         for (int e = 0; e < EPT; ++e) x[e] = fmaf(sign, x[e], __shfl_xor_sync(kFullMask, x[e], lm));
       }
+      const float *sg = sgn_s + sl * EPT;
+      for (int e = 0; e < EPT; ++e) x[e] *= sg[e];
+      if (fused) {  // R_off of the residual: the partner of dimension d (d -+ pairs) is lane sl ^ pm
+        const int pm = pairs / EPT, d0 = sl * EPT;
+        const int t = live ? bit_s[n] : 0;
+        const int off = off_s[t];
+        const int64_t p0 = pos_s[0];
+        for (int e = 0; e < EPT; ++e) {
+          const float other = __shfl_xor_sync(kFullMask, x[e], pm);
+          const int d = d0 + e;
+          if (d >= 2 * pairs || !live) continue;
+          const int j = d < pairs ? d : d - pairs;
+          float cs, sn;
+          if (off >= 0) {
+            const float2 st = step_s[off * pairs + j];
+            cs = st.x;
+            sn = st.y;
+          } else {
+            rope_angle(pos_s[t] - p0, inv_s[j], &cs, &sn);
+          }
+          x[e] = d < pairs ? x[e] * cs - other * sn : other * sn + x[e] * cs;
+        }
+      }
       if (live) {
         float *row = K_s + bit_s[n] * KS + sl * EPT;
-        const float *sg = sgn_s + sl * EPT;
-        for (int e = 0; e < EPT; ++e) row[e] += x[e] * sg[e];
+        for (int e = 0; e < EPT; ++e) row[e] += x[e];
       }
     }
   }
@@ -300,25 +388,6 @@ struct SplitBlock {
     int offs[TPW];
     for (int m = 0; m < TPW; ++m) offs[m] = off_s[warp + m * NW];
     const int64_t p0 = pos_s[0];
-    if (neox) {  // pairs j and j + 1: dimensions (j, j + 1) and (j + pairs, j + pairs + 1)
-      for (int j = 2 * lane; j < pairs; j += 64)
-        for (int m = 0; m < TPW; ++m) {
-          const int t = warp + m * NW;
-          float4 st;  // (cos, sin) of pair j, then of pair j + 1
-          if (offs[m] >= 0) {
-            st = *reinterpret_cast<const float4 *>(step_s + offs[m] * pairs + j);
-          } else {  // gapped positions
-            rope_angle(pos_s[t] - p0, inv_s[j], &st.x, &st.y);
-            rope_angle(pos_s[t] - p0, inv_s[j + 1], &st.z, &st.w);
-          }
-          float2 *lo = reinterpret_cast<float2 *>(K_s + t * KS + j);
-          float2 *hi = reinterpret_cast<float2 *>(K_s + t * KS + j + pairs);
-          const float2 x0 = *lo, x1 = *hi;
-          *lo = float2{x0.x * st.x - x1.x * st.y, x0.y * st.z - x1.y * st.w};
-          *hi = float2{x0.x * st.y + x1.x * st.x, x0.y * st.w + x1.y * st.z};
-        }
-      return;
-    }
     for (int j = lane; j < pairs; j += 32) {
       const int f = first_s[j], s = second_s[j];
       for (int m = 0; m < TPW; ++m) {
@@ -528,8 +597,10 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
       __syncthreads();
       blk.key_residuals(t0);
       __syncthreads();
-      blk.rotate_keys();
-      __syncthreads();
+      if (!blk.fused) {
+        blk.rotate_keys();
+        __syncthreads();
+      }
       blk.contract(t0, end, false, 0, true);
       blk.softmax_tile();
       blk.prefix_values(t0, end);
@@ -541,8 +612,10 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
         __syncthreads();
         blk.gather_anchor_rows();
         __syncthreads();
-        blk.rotate_keys();
-        __syncthreads();
+        if (!blk.fused) {
+          blk.rotate_keys();
+          __syncthreads();
+        }
         blk.contract(w0, end, false, 0, true);
         blk.softmax_tile();
         blk.window_values(w0, end);
