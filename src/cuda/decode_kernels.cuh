@@ -50,6 +50,19 @@ struct alignas(8) uint2 {
 };
 #endif
 
+// The exact angle of a gapped position offset, out of line: a rare path whose double
+// arithmetic would otherwise take registers from the unrolled loops around it.
+#ifdef AKV_SIMT_EMULATION
+#define AKV_NOINLINE
+#else
+#define AKV_NOINLINE __noinline__
+#endif
+__device__ AKV_NOINLINE float2 exact_angle(int64_t offset, float inv_freq) {
+  float2 r;
+  rope_angle(offset, inv_freq, &r.x, &r.y);
+  return r;
+}
+
 // (cos a, sin a) for a moderate angle (|a| < 100 rad).
 __device__ __forceinline__ void small_sincos(float a, float2 *cs) {
 #ifdef AKV_SIMT_EMULATION
@@ -252,7 +265,7 @@ struct SplitBlock {
         cs[2] = float2{c23.x, c23.y};
         cs[3] = float2{c23.z, c23.w};
       } else {  // gapped positions
-        for (int x = 0; x < 4; ++x) rope_angle(pos_s[t] - p0, inv_s[j0 + x], &cs[x].x, &cs[x].y);
+        for (int x = 0; x < 4; ++x) cs[x] = exact_angle(pos_s[t] - p0, inv_s[j0 + x]);
       }
       const uint32_t lw[4] = {lo.x, lo.x >> 16, lo.y, lo.y >> 16}, hw[4] = {hi.x, hi.x >> 16, hi.y, hi.y >> 16};
       float y0[4], y1[4];
@@ -365,8 +378,10 @@ struct SplitBlock {
             const float2 st = step_s[off * pairs + j];
             cs = st.x;
             sn = st.y;
-          } else {
-            rope_angle(pos_s[t] - p0, inv_s[j], &cs, &sn);
+          } else {  // gapped positions
+            const float2 st = exact_angle(pos_s[t] - p0, inv_s[j]);
+            cs = st.x;
+            sn = st.y;
           }
           x[e] = d < pairs ? x[e] * cs - other * sn : other * sn + x[e] * cs;
         }
@@ -398,7 +413,9 @@ struct SplitBlock {
           cs = st.x;
           sn = st.y;
         } else {  // gapped positions
-          rope_angle(pos_s[t] - p0, inv_s[j], &cs, &sn);
+          const float2 st = exact_angle(pos_s[t] - p0, inv_s[j]);
+          cs = st.x;
+          sn = st.y;
         }
         float *row = K_s + t * KS;
         const float x0 = row[f], x1 = row[s];
