@@ -233,28 +233,34 @@ struct SplitBlock {
   // copied in chunks of 8.
   template <bool BF>
   __device__ __forceinline__ void gather_rotate_neox() {
+    // pairs / 4 rotary items and (D - 2 pairs) / 8 copied chunks: D / 8 = V8 items a token, so
+    // thread tid takes item tid % V8 of tokens tid / V8, + STEP, ... (no division).
+    constexpr int V8 = D / 8, STEP = NT / V8;
+    const int q = tid % V8, P4 = pairs / 4;
     const uint16_t *ak = c.anchor_keys + static_cast<int64_t>(h) * k * D;
-    const int P4 = pairs / 4, rest = (D - 2 * pairs) / 8, per = P4 + rest;
     const int64_t p0 = pos_s[0];
-    for (int e = tid; e < T * per; e += NT) {
-      const int t = e / per, q = e % per;
-      const int a = a_s[t];
-      const float g = g_s[t];
-      float *row = K_s + t * KS;
-      if (q >= P4) {  // unrotated dimensions
-        const int d = 2 * pairs + 8 * (q - P4);
-        if (a < 0) put8<BF>(row + d, uint4{0, 0, 0, 0}, 0.0f);
-        else put8<BF>(row + d, *reinterpret_cast<const uint4 *>(ak + static_cast<int64_t>(a) * D + d), g);
-        continue;
+    if (q >= P4) {  // unrotated dimensions d.. d + 7
+      const int d = 2 * pairs + 8 * (q - P4);
+      for (int t = tid / V8; t < T; t += STEP) {
+        const int a = a_s[t];
+        float *dst = K_s + t * KS + d;
+        if (a < 0) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
+        else put8<BF>(dst, *reinterpret_cast<const uint4 *>(ak + a * D + d), g_s[t]);
       }
-      const int j0 = 4 * q;
+      return;
+    }
+    const int j0 = 4 * q;  // pairs j0 .. j0 + 3: dimensions j0.. and j0 + pairs..
+    for (int t = tid / V8; t < T; t += STEP) {
+      const int a = a_s[t];
+      float *row = K_s + t * KS;
       if (a < 0) {
         *reinterpret_cast<float4 *>(row + j0) = float4{0.0f, 0.0f, 0.0f, 0.0f};
         *reinterpret_cast<float4 *>(row + j0 + pairs) = float4{0.0f, 0.0f, 0.0f, 0.0f};
         continue;
       }
-      const uint2 lo = *reinterpret_cast<const uint2 *>(ak + static_cast<int64_t>(a) * D + j0);
-      const uint2 hi = *reinterpret_cast<const uint2 *>(ak + static_cast<int64_t>(a) * D + j0 + pairs);
+      const float g = g_s[t];
+      const uint2 lo = *reinterpret_cast<const uint2 *>(ak + a * D + j0);
+      const uint2 hi = *reinterpret_cast<const uint2 *>(ak + a * D + j0 + pairs);
       float2 cs[4];
       const int off = off_s[t];
       if (off >= 0) {
