@@ -139,8 +139,8 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
            " anchors); the device allows ", smem_limit);
   }
   plan.row_chunks = (rows + plan.maxrows - 1) / plan.maxrows;
-  // Splits over the prompt: one wave of resident blocks for this batch, no more splits than
-  // tiles (nor kMaxSplits). Depends only on the batch shape and prompt lengths, so the grid of
+  // Splits over the prompt: as many as keep the grid within one wave of resident blocks
+  // (rounding up would leave a second, mostly idle wave), no more than tiles (nor kMaxSplits). Depends only on the batch shape and prompt lengths, so the grid of
   // a captured decode stays valid as tokens are appended.
   plan.resident = resident ? resident(plan.maxrows, plan.smem_bytes)
                            : static_cast<int>(std::min<size_t>(2048 / kDecodeThreads, (228 * 1024) / (plan.smem_bytes + 1024)));
@@ -150,7 +150,7 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   const int64_t target = static_cast<int64_t>(plan.resident) * std::max(sm_count, 1);
   const int64_t tiles = (max_work + kDecodeTile - 1) / kDecodeTile;
   const int64_t most = std::min<int64_t>(std::max<int64_t>(tiles, 1), kMaxSplits);
-  plan.splits = static_cast<int>(std::clamp<int64_t>((target + per_request * launch_batch - 1) / (per_request * launch_batch), 1, most));
+  plan.splits = static_cast<int>(std::clamp<int64_t>(target / (per_request * launch_batch), 1, most));
   plan.blocks = per_request * launch_batch * plan.splits;
   plan.workspace_bytes = static_cast<size_t>(plan.blocks) * plan.maxrows * (2 * D + 2 + plan.max_anchors) * sizeof(float);
   return plan;
