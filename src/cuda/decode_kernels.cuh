@@ -53,9 +53,9 @@ struct alignas(8) uint2 {
 // The exact angle of a gapped position offset, out of line: a rare path whose double
 // arithmetic would otherwise take registers from the unrolled loops around it.
 #ifdef AKV_SIMT_EMULATION
-#define AKV_NOINLINE
+#define AKV_NOINLINE inline
 #else
-#define AKV_NOINLINE __noinline__
+#define AKV_NOINLINE static __noinline__
 #endif
 __device__ AKV_NOINLINE float2 exact_angle(int64_t offset, float inv_freq) {
   float2 r;
