@@ -8,8 +8,12 @@ cleared right before it, and the call is enqueued while the clear still runs, so
 time the kernels and not the Python launch overhead. Prints one table (and --csv rows):
 
   S, batch, compact us, dense us, SDPA us, speedup vs SDPA (compact, dense), effective
-  bandwidth of the compact decode (compressed bytes read per step / time), and decode-time
+  bandwidth of the compact decode (compressed bytes read per step / time, and as a share of
+  HBM_TB_S), its ratio to the bandwidth floor (time / (footprint / HBM_TB_S)), and decode-time
   device memory of one request: the compressed cache as allocated vs the bf16 full cache.
+
+--rows 32768x1 131072x1 131072x8 32768x32 runs exactly those (S x batch) rows (the table of
+issue 14) instead of every --seq-lens x --batches pair.
 
 It also checks on the device that our dense decode equals SDPA (same data, bf16 tolerance),
 that the compact decode equals the CPU backend's decode of the same compressed cache (the
@@ -36,6 +40,7 @@ WINDOW = 32
 # The bf16 tolerance of the GPU tests (tests/gpu/cuda_decode_test.cpp, tolerance()): absolute
 # and relative to the CPU backend's output.
 GPU_TEST_BF16_TOLERANCE = 1.6e-2
+HBM_TB_S = 4.3  # H200 HBM3e peak, the bandwidth floor's denominator
 
 
 def cold_timer(flush):
@@ -84,6 +89,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 65536, 131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--rows", nargs="+", metavar="SxB",
+                        help="(S x batch) rows to run instead of the --seq-lens x --batches grid, e.g. 32768x1")
     parser.add_argument("--theta", type=float, default=0.05)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--csv", help="also write the rows to this CSV file")
@@ -96,7 +103,11 @@ def main():
     ctx = anchorkv.Context("cuda")
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | anchorkv {anchorkv.library_version()}")
     rows = []
-    for S in args.seq_lens:
+    if args.rows:
+        plan = [tuple(int(x) for x in r.lower().split("x")) for r in args.rows]
+    else:
+        plan = [(S, B) for S in args.seq_lens for B in args.batches]
+    for S in dict.fromkeys(S for S, _ in plan):
         # LLM-like enough for timing: the decode's work depends on the budget, not the values.
         keys = (torch.randn(H, S, D, device=dev) + 0.5 * torch.randn(H, 1, D, device=dev)).to(torch.bfloat16)
         values = torch.randn(H, S, D, device=dev, dtype=torch.bfloat16)
@@ -116,7 +127,7 @@ def main():
         full.reconstruct("bf16", rotated=True, keys=k_full, values=v_full)
         print(f"# S={S}: compressed {stats.compressed_bytes / 1e6:.2f} MB, ratio {stats.ratio:.1f}x vs M_full, "
               f"allocated {stats.allocated_bytes / 1e6:.2f} MB; compress (host-staged) {compress_s * 1e3:.0f} ms")
-        for B in args.batches:
+        for B in [b for s_, b in plan if s_ == S]:
             compact_caches = [compact] + [ctx.deserialize(blob_compact) for _ in range(B - 1)]
             full_caches = [full] + [ctx.deserialize(blob_full) for _ in range(B - 1)]
             q = torch.randn(B, HQ, 1, D, device=dev, dtype=torch.bfloat16)
@@ -133,9 +144,11 @@ def main():
             compact_rel = ((out_c.float() - ref).norm() / ref.norm()).item()
             compact_excess = max(excess_over_cpu(cpu_compact, q[b], out_c[b]) for b in {0, B - 1})
             bandwidth = B * stats.compressed_bytes / (t_compact * 1e-6) / 1e12
+            floor_us = B * stats.compressed_bytes / (HBM_TB_S * 1e12) * 1e6
             row = dict(S=S, batch=B, compact_us=t_compact, dense_us=t_dense, sdpa_us=t_sdpa,
                        speedup_compact=t_sdpa / t_compact, speedup_dense=t_sdpa / t_dense,
-                       compact_tb_s=bandwidth, memory_ratio=full_cache_bytes / stats.allocated_bytes,
+                       compact_tb_s=bandwidth, compact_bw_share=bandwidth / HBM_TB_S, floor_us=floor_us,
+                       x_floor=t_compact / floor_us, memory_ratio=full_cache_bytes / stats.allocated_bytes,
                        dense_max_abs_err=dense_err, compact_rel_err=compact_rel,
                        compact_excess_vs_cpu=compact_excess)
             rows.append(row)
@@ -145,13 +158,14 @@ def main():
         torch.cuda.empty_cache()
 
     header = ("S", "batch", "compact_us", "dense_us", "sdpa_us", "speedup_compact", "speedup_dense",
-              "compact_tb_s", "memory_ratio", "dense_max_abs_err", "compact_rel_err", "compact_excess_vs_cpu")
+              "compact_tb_s", "compact_bw_share", "floor_us", "x_floor", "memory_ratio", "dense_max_abs_err", "compact_rel_err", "compact_excess_vs_cpu")
     print(f"{'S':>7} {'B':>3} {'compact us':>10} {'dense us':>9} {'SDPA us':>9} {'x SDPA':>7} {'dense x':>7} "
-          f"{'TB/s':>6} {'mem x':>6} {'dense err':>9} {'AKV rel':>8} {'vs CPU':>6}")
+          f"{'TB/s':>6} {'% HBM':>6} {'floor us':>8} {'x floor':>7} {'mem x':>6} {'dense err':>9} {'AKV rel':>8} {'vs CPU':>6}")
     for r in rows:
         verdict = "ok" if r["compact_excess_vs_cpu"] <= 0 else "FAIL"
         print(f"{r['S']:>7} {r['batch']:>3} {r['compact_us']:>10.1f} {r['dense_us']:>9.1f} {r['sdpa_us']:>9.1f} "
               f"{r['speedup_compact']:>7.2f} {r['speedup_dense']:>7.2f} {r['compact_tb_s']:>6.2f} "
+              f"{100 * r['compact_bw_share']:>6.1f} {r['floor_us']:>8.1f} {r['x_floor']:>7.1f} "
               f"{r['memory_ratio']:>6.1f} {r['dense_max_abs_err']:>9.2e} {r['compact_rel_err']:>8.3f} {verdict:>6}")
     if args.csv:
         with open(args.csv, "w") as f:

@@ -2,7 +2,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "core/error.hpp"
@@ -33,9 +35,39 @@ template <int D, int MAXROWS>
 void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch &p, int32_t requests,
                    cudaStream_t stream) {
   allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS>);
-  decode_split_kernel<D, MAXROWS><<<dim3(plan.splits * plan.slices, p.heads * plan.row_chunks, requests), kThreads,
+  decode_split_kernel<D, MAXROWS><<<dim3(plan.splits, p.heads * plan.row_chunks, requests), kDecodeThreads,
                                     plan.smem_bytes, stream>>>(p);
-  decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests), kThreads, 0, stream>>>(p);
+  decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests), kDecodeThreads, 0, stream>>>(p);
+}
+
+// Split blocks of decode_split_kernel<D, MAXROWS> resident on one multiprocessor, asked once
+// per device, kernel and shared-memory size (a decode, captured or not, then makes no query).
+template <int D, int MAXROWS>
+int resident_split_blocks(akv_context &ctx, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void *, size_t>, int> known;
+  const auto key = std::make_tuple(ctx.device, reinterpret_cast<const void *>(decode_split_kernel<D, MAXROWS>), smem);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = known.find(key);
+    if (it != known.end()) return it->second;
+  }
+  allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS>);
+  int n = 0;
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split_kernel<D, MAXROWS>, kDecodeThreads, smem),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  std::lock_guard<std::mutex> lock(mutex);
+  known[key] = n;
+  return n;
+}
+
+template <int D>
+int resident_rows(akv_context &ctx, int maxrows, size_t smem) {
+  switch (maxrows) {
+    case 4: return resident_split_blocks<D, 4>(ctx, smem);
+    case 8: return resident_split_blocks<D, 8>(ctx, smem);
+    default: return resident_split_blocks<D, 16>(ctx, smem);
+  }
 }
 
 template <int D>
@@ -44,8 +76,7 @@ void launch_decode_rows(akv_context &ctx, const DecodePlan &plan, const DecodeLa
   switch (plan.maxrows) {
     case 4: return launch_decode<D, 4>(ctx, plan, p, requests, stream);
     case 8: return launch_decode<D, 8>(ctx, plan, p, requests, stream);
-    case 16: return launch_decode<D, 16>(ctx, plan, p, requests, stream);
-    default: return launch_decode<D, 32>(ctx, plan, p, requests, stream);
+    default: return launch_decode<D, 16>(ctx, plan, p, requests, stream);
   }
 }
 
@@ -110,8 +141,12 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
     ctx.smem_optin = static_cast<size_t>(optin);
     ctx.sm_count = sms;
   }
-  const DecodePlan plan = plan_decode(caches, batch, q_len, ctx.sm_count, ctx.smem_optin);
   const akv_shape &s = caches[0]->meta.shape;
+  const int D = s.head_dim;
+  const DecodePlan plan = plan_decode(caches, batch, q_len, ctx.sm_count, ctx.smem_optin, [&](int maxrows, size_t smem) {
+    return D == 64 ? resident_rows<64>(ctx, maxrows, smem) : D == 128 ? resident_rows<128>(ctx, maxrows, smem)
+                                                           : resident_rows<256>(ctx, maxrows, smem);
+  });
   const cudaStream_t st = as_stream(stream);
   float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, stream, akv_context::kDecodeWorkspace));
   const size_t esize = dtype == AKV_DTYPE_F32 ? 4 : 2;

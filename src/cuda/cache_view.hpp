@@ -15,7 +15,10 @@
 namespace akv {
 namespace cuda {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 128;         // merge-independent small kernels (append)
+constexpr int kDecodeThreads = 256;   // decode_split_kernel and decode_merge_kernel
+constexpr int kDecodeTile = 64;       // tokens per tile: one residual mask word
+constexpr int kMaxSplits = 64;        // splits of one (request, head, row chunk)
 constexpr int kMaxBatchPerLaunch = 128;
 
 enum CacheKind : int32_t { kKindAnchor = 0, kKindDense = 1 };
@@ -59,9 +62,10 @@ struct DecodeLaunch {
   int32_t dtype;        // akv_dtype of queries and out
   int32_t heads, q_heads, q_len, rows, row_chunks, splits;
   int32_t max_anchors, max_pairs;
-  int32_t slices;         // anchor slices: grid.x = splits * slices
-  int32_t slice_anchors;  // anchors staged in shared memory per block; 0: read from global memory
-  float *ws_o, *ws_r, *ws_ml;  // [blocks][MAXROWS][D], same, [blocks][MAXROWS][2]
+  // Per split block: dense part of the output, rotated residual sum, running max and sum, and
+  // the per-anchor weights w_a = sum p_t gamma_t (reduced across splits in the merge, which
+  // computes sum_a w_a V_a once per request, head and row).
+  float *ws_o, *ws_r, *ws_ml, *ws_w;  // [blocks][MAXROWS][D], same, [blocks][MAXROWS][2], [blocks][MAXROWS][max_anchors]
   float *lse;                  // optional [requests][Hq][q_len]: natural log-sum-exp per row
 };
 
@@ -73,26 +77,32 @@ AKV_HD inline size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 
 // Shared-memory carve-up of decode_split_kernel; the host sizes the launch with the same code.
 struct SplitSmem {
-  size_t q, w, logits, red, inv, stepc, steps, first, second, pair_of, resid, anchors, total;
-  AKV_HD SplitSmem(int D, int maxrows, int tile, int max_anchors, int max_pairs, int staged_anchors) {
+  size_t q, qr, w, logits, red, inv, first, second, basec, bases, step, signs, meta_a, meta_off, meta_g, meta_pos, meta_bit, keys, total;
+  AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
+  AKV_HD SplitSmem(int D, int maxrows, int max_anchors, int max_pairs) {
+    const int T = kDecodeTile;
     size_t o = 0;
     q = o; o = align16(o + sizeof(float) * maxrows * D);
+    qr = o; o = align16(o + sizeof(float) * maxrows * D);  // queries rotated by minus the tile's first position
     w = o; o = align16(o + sizeof(float) * maxrows * max_anchors);
-    logits = o; o = align16(o + sizeof(float) * maxrows * (tile > D ? tile : D));  // also write_partial's scratch
-    red = o; o = align16(o + sizeof(float) * (kThreads / 32) * maxrows);
+    logits = o; o = align16(o + sizeof(float) * maxrows * T);
+    red = o; o = align16(o + sizeof(float) * (kDecodeThreads / 32) * maxrows);
     inv = o; o = align16(o + sizeof(float) * max_pairs);
-    stepc = o; o = align16(o + sizeof(float) * max_pairs);
-    steps = o; o = align16(o + sizeof(float) * max_pairs);
     first = o; o = align16(o + sizeof(int32_t) * max_pairs);
     second = o; o = align16(o + sizeof(int32_t) * max_pairs);
-    pair_of = o; o = align16(o + sizeof(int32_t) * D);
-    resid = o; o = align16(o + sizeof(float) * (kThreads / 32) * D);
-    anchors = o; o = align16(o + sizeof(uint16_t) * static_cast<size_t>(staged_anchors) * D);
+    basec = o; o = align16(o + sizeof(float) * max_pairs);
+    bases = o; o = align16(o + sizeof(float) * max_pairs);
+    step = o; o = align16(o + 2 * sizeof(float) * T * max_pairs);  // (cos, sin) of d * omega_j, d < T
+    signs = o; o = align16(o + sizeof(float) * D);  // Hadamard signs / sqrt(D)
+    meta_a = o; o = align16(o + sizeof(int32_t) * T);
+    meta_bit = o; o = align16(o + sizeof(int32_t) * T);  // token of the tile's n-th key residual
+    meta_off = o; o = align16(o + sizeof(int32_t) * T);
+    meta_g = o; o = align16(o + sizeof(float) * T);
+    meta_pos = o; o = align16(o + sizeof(int64_t) * T);
+    keys = o; o = align16(o + sizeof(float) * T * key_stride(D));  // also write_partial's scratch
     total = o;
   }
 };
-
-AKV_HD constexpr int run_for_rows(int maxrows) { return maxrows <= 4 ? 4 : maxrows <= 8 ? 2 : 1; }
 
 constexpr int kMaxAppendPerLaunch = 64;
 struct AppendLaunch {

@@ -1,25 +1,31 @@
 // Fused compact decode attention (SPEC 4) for AnchorKV caches, and flash-decoding over the
 // dense caches (FullKV, eviction methods), in one kernel family:
 //
-//   decode_split_kernel  grid (splits x slices, H x row chunks, requests), 128 threads. A
-//       block takes one KV head of one request, all query rows of its GQA group (G x q_len,
-//       in chunks of MAXROWS), one contiguous range of prompt tokens and one slice of the
-//       head's anchors, staged in shared memory (one slice when they fit; otherwise each
-//       token's logit comes from the block holding its anchor and the others see -inf);
-//       split 0 also takes the exact window and the appended suffix. Tiles of TILE tokens:
-//         A. logits, one thread per RUN consecutive tokens. AnchorKV keys are never written
-//            out: gamma_t * (q . R_t K_a) from the anchor row (swizzled pair words in shared
-//            memory) rotated pair by pair, with the angles of consecutive positions stepped
-//            by one complex product; dense keys are read as stored (post-RoPE).
-//         B. key residuals: one warp per stored residual, inverse Hadamard across the warp,
-//            RoPE, dot with the rows, added to the token's logit.
-//         C. online softmax (base 2; the scale and log2(e) are folded into the queries).
-//         D. values: per-anchor weights w_a += p_t gamma_t (shared-memory atomics), value
+//   decode_split_kernel  grid (splits, H x row chunks, requests), 256 threads. A block takes
+//       one KV head of one request, the query rows of its GQA group (G x q_len, in chunks of
+//       MAXROWS <= 16), and one contiguous range of tiles of T = 64 prompt tokens (one
+//       residual mask word per tile); split 0 also takes the exact window and the appended
+//       suffix. Per tile, everything in shared memory:
+//         1. the tile's anchor indices, gammas and positions; the RoPE angle of the tile's
+//            first position for every pair (exact, once per tile and pair);
+//         2. the unrotated key tile gamma_t * K_a(t) in fp32, the anchor rows read through
+//            L2 as the tile needs them (256 B a token at D = 128; no anchor slices);
+//         3. key residuals decoded cooperatively (warp w takes the tile's residuals w, w+8,
+//            ...: inverse Hadamard across the warp) and added to their token's row;
+//         4. RoPE applied in place: the angle of position p0 + d is the tile's first angle
+//            times a per-block table e^{i d omega_j}, d < T (one complex product; gapped
+//            positions fall back to the exact angle); dense keys are read as stored;
+//         5. the key tile contracted with all rows of the chunk (SIMT: four threads per
+//            token, float4 shared-memory loads, quad shuffles);
+//         6. online softmax (base 2; the scale and log2(e) are folded into the queries);
+//         7. values: per-anchor weights w_a += p_t gamma_t (shared-memory atomics), value
 //            residuals accumulated in the rotated domain, dense values accumulated directly.
-//       The block writes its running max, sum, sum_a w_a V_a + dense part, and the rotated
-//       residual sum to the workspace.
-//   decode_merge_kernel  grid (H x row chunks, requests): merges the splits and slices,
-//       applies the one inverse Hadamard per row, normalises and stores in the caller's dtype.
+//       The block writes its running max and sum, the dense part, the rotated residual sum
+//       and its per-anchor weights to the workspace.
+//   decode_merge_kernel  grid (H x row chunks, requests), 256 threads: merges the splits,
+//       reduces the per-anchor weights across splits and computes sum_a w_a V_a once per
+//       request, head and row, applies the one inverse Hadamard per row, normalises and
+//       stores in the caller's dtype.
 //
 // Everything a kernel reads about a cache is in its CacheView (device memory), including the
 // appended length that akv_append advances on the device, so a captured decode replays
@@ -32,30 +38,74 @@
 namespace akv {
 namespace cuda {
 
+#ifdef AKV_SIMT_EMULATION
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(8) float2 {
+  float x, y;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+#endif
+
+// The exact angle of a gapped position offset, out of line: a rare path whose double
+// arithmetic would otherwise take registers from the unrolled loops around it.
+#ifdef AKV_SIMT_EMULATION
+#define AKV_NOINLINE inline
+#else
+#define AKV_NOINLINE static __noinline__
+#endif
+__device__ AKV_NOINLINE float2 exact_angle(int64_t offset, float inv_freq) {
+  float2 r;
+  rope_angle(offset, inv_freq, &r.x, &r.y);
+  return r;
+}
+
+// (cos a, sin a) for a moderate angle (|a| < 100 rad).
+__device__ __forceinline__ void small_sincos(float a, float2 *cs) {
+#ifdef AKV_SIMT_EMULATION
+  cs->x = std::cos(a);
+  cs->y = std::sin(a);
+#else
+  sincosf(a, &cs->y, &cs->x);
+#endif
+}
+
 template <int D, int MAXROWS>
 struct SplitBlock {
-  static constexpr int RUN = run_for_rows(MAXROWS);
-  static constexpr int TILE = kThreads * RUN;
-  static constexpr int TPD = D < kThreads ? D : kThreads;  // threads per row of D dims
-  static constexpr int SG = kThreads / TPD;                // slot groups (D < 128)
-  static constexpr int DPT = D / TPD;                      // dims per thread
-  static constexpr int EPL = D / 32;                       // dims per lane (warp paths)
+  static constexpr int NT = kDecodeThreads;
+  static constexpr int NW = NT / 32;
+  static constexpr int T = kDecodeTile;
+  static constexpr int KS = SplitSmem::key_stride(D);  // floats per key row
+  static constexpr int TPD = D < NT ? D : NT;         // threads per row of D dims
+  static constexpr int SG = NT / TPD;                 // slot groups
+  static constexpr int DPT = D / TPD;                 // dims per thread
+  static constexpr int EPL = D / 32;                  // dims per lane (warp paths)
+  static_assert(T == 64, "a tile is one residual mask word");
+  static_assert(T * 4 == NT, "contraction: four threads per token");
+  static_assert(D / 2 + T <= NT, "tile metadata and first angles in one pass");
+  static_assert(MAXROWS <= 16, "more rows spill: split them into row chunks");
+  static_assert(MAXROWS % 4 == 0, "contraction: four threads per token share the rows");
 
   const CacheView &c;
   const DecodeLaunch &p;
   int tid, lane, warp, h, rows, row0;
   bool bf16;
+  // No RoPE, or NeoX pairs with pairs % 4 == 0 and pairs / (D / 8) in {1, 2, 4}: anchor rows are rotated as
+  // they are gathered, and key residuals rotated (partner dimension one shuffle away) before
+  // they are added; no separate RoPE pass.
+  bool fused;
   int k, pairs;
-  float *q_s, *w_s, *L_s, *red_s, *inv_s, *stepc_s, *steps_s, *resid_s;
-  int32_t *first_s, *second_s, *pair_of_s;
-  const uint16_t *akeys;           // anchor keys of this head in global memory
-  const uint32_t *aw = nullptr;    // this block's slice of them in shared memory (or null)
-  int a0 = 0, a1 = 0;              // the anchors this block handles
+  float *q_s, *qr_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *K_s, *sgn_s;
+  float2 *step_s;
+  int32_t *first_s, *second_s, *a_s, *off_s, *bit_s;
+  int64_t *pos_s;
 
   float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
 
-  __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc,
-                                        int slice)
+  __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc)
       : c(view), p(launch) {
     tid = threadIdx.x;
     lane = tid & 31;
@@ -66,58 +116,48 @@ struct SplitBlock {
     bf16 = c.storage_bf16 != 0;
     k = c.kind == kKindAnchor ? c.anchors : 0;
     pairs = c.rope_pairs;
-    const SplitSmem lay(D, MAXROWS, TILE, p.max_anchors, p.max_pairs, p.slice_anchors);
+    bool neox = true;  // rotary pairs (j, j + pairs)
+    for (int j = 0; j < pairs; ++j) neox = neox && c.rope_first[j] == j && c.rope_second[j] == j + pairs;
+    fused = neox && pairs % 4 == 0 && pairs % (D / 8) == 0 &&
+            (pairs == 0 || pairs / (D / 8) == 1 || pairs / (D / 8) == 2 || pairs / (D / 8) == 4);
+    const SplitSmem lay(D, MAXROWS, p.max_anchors, p.max_pairs);
     q_s = reinterpret_cast<float *>(smem + lay.q);
+    qr_s = reinterpret_cast<float *>(smem + lay.qr);
     w_s = reinterpret_cast<float *>(smem + lay.w);
     L_s = reinterpret_cast<float *>(smem + lay.logits);
     red_s = reinterpret_cast<float *>(smem + lay.red);
     inv_s = reinterpret_cast<float *>(smem + lay.inv);
-    stepc_s = reinterpret_cast<float *>(smem + lay.stepc);
-    steps_s = reinterpret_cast<float *>(smem + lay.steps);
     first_s = reinterpret_cast<int32_t *>(smem + lay.first);
     second_s = reinterpret_cast<int32_t *>(smem + lay.second);
-    pair_of_s = reinterpret_cast<int32_t *>(smem + lay.pair_of);
-    resid_s = reinterpret_cast<float *>(smem + lay.resid);
+    basec_s = reinterpret_cast<float *>(smem + lay.basec);
+    bases_s = reinterpret_cast<float *>(smem + lay.bases);
+    step_s = reinterpret_cast<float2 *>(smem + lay.step);
+    a_s = reinterpret_cast<int32_t *>(smem + lay.meta_a);
+    off_s = reinterpret_cast<int32_t *>(smem + lay.meta_off);
+    bit_s = reinterpret_cast<int32_t *>(smem + lay.meta_bit);
+    sgn_s = reinterpret_cast<float *>(smem + lay.signs);
+    g_s = reinterpret_cast<float *>(smem + lay.meta_g);
+    pos_s = reinterpret_cast<int64_t *>(smem + lay.meta_pos);
+    K_s = reinterpret_cast<float *>(smem + lay.keys);
 
     // Queries of this row chunk, scaled so that exp2(logit) is the softmax weight.
     const int G = p.q_heads / p.heads;
     const int64_t qbase = ((static_cast<int64_t>(blockIdx.z) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0) * D;
     const float qscale = c.softmax_scale * kLog2e;
-    for (int e = tid; e < MAXROWS * D; e += kThreads)
-      q_s[e] = e / D < rows ? load_elem(p.queries, p.dtype, qbase + e) * qscale : 0.0f;
-    for (int e = tid; e < MAXROWS * k; e += kThreads) w_s[e] = 0.0f;
-    for (int d = tid; d < D; d += kThreads) pair_of_s[d] = -1;
-    __syncthreads();
-    for (int j = tid; j < pairs; j += kThreads) {
+    for (int e = tid; e < MAXROWS * D; e += NT)
+      q_s[e] = qr_s[e] = e / D < rows ? load_elem(p.queries, p.dtype, qbase + e) * qscale : 0.0f;
+    for (int e = tid; e < MAXROWS * k; e += NT) w_s[e] = 0.0f;
+    if (k)
+      for (int d = tid; d < D; d += NT) sgn_s[d] = c.signs[d] / sqrtf(static_cast<float>(D));
+    for (int j = tid; j < pairs; j += NT) {
       inv_s[j] = c.inv_freq[j];
       first_s[j] = c.rope_first[j];
       second_s[j] = c.rope_second[j];
-      pair_of_s[c.rope_first[j]] = 2 * j;
-      pair_of_s[c.rope_second[j]] = 2 * j + 1;
-      rope_angle(1, c.inv_freq[j], &stepc_s[j], &steps_s[j]);
     }
-    akeys = k ? c.anchor_keys + static_cast<int64_t>(h) * k * D : nullptr;
-    // This block's anchors: slice `slice` of the head's anchors (all of them when they are
-    // read from global memory). Tokens of other anchors are left to the other slices.
-    a0 = p.slice_anchors ? slice * p.slice_anchors : 0;
-    a1 = p.slice_anchors ? (a0 + p.slice_anchors < k ? a0 + p.slice_anchors : k) : k;
-    if (a1 > a0 && p.slice_anchors) {
-      // Anchor rows as D/2 words: word j < pairs holds the rotary pair (first[j], second[j]),
-      // the rest consecutive pairs of the unrotated dimensions, so a pair is one 32-bit load.
-      // Row a is rotated by a words: threads reading the same word of different rows hit
-      // different banks.
-      __syncthreads();  // the pair tables
-      uint32_t *dst = reinterpret_cast<uint32_t *>(smem + lay.anchors);
-      constexpr int W2 = D / 2;
-      for (int e = tid; e < (a1 - a0) * W2; e += kThreads) {
-        const int a = e / W2, j = e % W2;  // a: row within the slice
-        const int d0 = j < pairs ? first_s[j] : 2 * pairs + 2 * (j - pairs);
-        const int d1 = j < pairs ? second_s[j] : d0 + 1;
-        const uint16_t *row = akeys + static_cast<int64_t>(a0 + a) * D;
-        dst[a * W2 + ((j + a) & (W2 - 1))] = static_cast<uint32_t>(row[d0]) | (static_cast<uint32_t>(row[d1]) << 16);
-      }
-      aw = dst;
-    }
+    // e^{i d omega_j} for the offsets d < T inside a tile, once per block.
+    // |d omega| < T rad: the float product is off by at most half an ulp of T (4e-6 rad), and
+    // sincosf stays on its fast path (rope_angle's exact double reduction is for positions).
+    for (int e = tid; e < T * pairs; e += NT) small_sincos(static_cast<float>(e / pairs) * c.inv_freq[e % pairs], &step_s[e]);
     for (int i = 0; i < MAXROWS; ++i) {
       m_run[i] = -INFINITY;
       l_part[i] = 0.0f;
@@ -126,196 +166,325 @@ struct SplitBlock {
     __syncthreads();
   }
 
-  // ---- phase A -------------------------------------------------------------------------
+  // ---- 1. tile metadata: anchor, gamma and position of each token; the first angles ------
 
-  // acc[r][i] = q_i . R_{pos[r]} (anchor row a[r]) for the thread's RUN tokens.
-  __device__ __forceinline__ void anchor_dots(const int *a, const int64_t *pos, const bool *valid, float (*acc)[MAXROWS]) const {
-    for (int r = 0; r < RUN; ++r)
-      for (int i = 0; i < MAXROWS; ++i) acc[r][i] = 0.0f;
-    for (int j = 0; j < pairs; ++j) {
-      const int f = first_s[j], s = second_s[j];
-      float qf[MAXROWS], qs[MAXROWS];
-      for (int i = 0; i < MAXROWS; ++i) {
-        qf[i] = q_s[i * D + f];
-        qs[i] = q_s[i * D + s];
-      }
-      float cs = 1.0f, sn = 0.0f;
-      for (int r = 0; r < RUN; ++r) {
-        if (!valid[r]) continue;
-        if (r > 0 && valid[r - 1] && pos[r] == pos[r - 1] + 1) {  // step by one position
-          const float c2 = cs * stepc_s[j] - sn * steps_s[j];
-          sn = sn * stepc_s[j] + cs * steps_s[j];
-          cs = c2;
-        } else {
-          rope_angle(pos[r], inv_s[j], &cs, &sn);
-        }
-        float x0, x1;
-        word_pair(a[r], j, f, s, x0, x1);
-        const float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
-        for (int i = 0; i < MAXROWS; ++i) acc[r][i] += qf[i] * y0 + qs[i] * y1;
-      }
-    }
-    for (int j = pairs; j < D / 2; ++j) {  // dimensions outside the rotary part, two at a time
-      const int d = 2 * pairs + 2 * (j - pairs);
-      for (int r = 0; r < RUN; ++r) {
-        if (!valid[r]) continue;
-        float x0, x1;
-        word_pair(a[r], j, d, d + 1, x0, x1);
-        for (int i = 0; i < MAXROWS; ++i) acc[r][i] += q_s[i * D + d] * x0 + q_s[i * D + d + 1] * x1;
-      }
-    }
-  }
-
-  // Dimensions d0, d1 (word j of the pair layout) of anchor a.
-  __device__ __forceinline__ void word_pair(int a, int j, int d0, int d1, float &x0, float &x1) const {
-    if (aw) {
-      a -= a0;
-      const uint32_t w = aw[a * (D / 2) + ((j + a) & (D / 2 - 1))];
-      x0 = bits_to_float(static_cast<uint16_t>(w & 0xffffu), bf16);
-      x1 = bits_to_float(static_cast<uint16_t>(w >> 16), bf16);
-    } else {
-      const uint16_t *row = akeys + static_cast<int64_t>(a) * D;
-      x0 = bits_to_float(row[d0], bf16);
-      x1 = bits_to_float(row[d1], bf16);
-    }
-  }
-
-  // Prefix tokens t0.. (AnchorKV): logits gamma_t (q . R_t K_a) into L_s.
-  __device__ __forceinline__ void prefix_logits(int64_t t0, int64_t end) {
-    const int64_t P = c.prefix;
-    int a[RUN];
-    int64_t pos[RUN];
-    bool valid[RUN];
-    float gam[RUN];
-    for (int r = 0; r < RUN; ++r) {
-      const int64_t t = t0 + tid * RUN + r;
-      a[r] = t < end ? c.key_index[h * P + t] : 0;
-      valid[r] = t < end && a[r] >= a0 && a[r] < a1;
-      gam[r] = valid[r] ? bits_to_float(c.key_gamma[h * P + t], true) : 0.0f;
-      pos[r] = valid[r] ? c.positions[t] : 0;
-    }
-    float acc[RUN][MAXROWS];
-    anchor_dots(a, pos, valid, acc);
-    for (int r = 0; r < RUN; ++r)
-      for (int i = 0; i < MAXROWS; ++i) L_s[i * TILE + tid * RUN + r] = valid[r] ? gam[r] * acc[r][i] : -INFINITY;
-  }
-
-  // Window tokens w0.. (AnchorKV): exact anchors k-W+w at consecutive positions.
-  __device__ __forceinline__ void window_logits(int w0, int end) {
-    int a[RUN];
-    int64_t pos[RUN];
-    bool valid[RUN];
-    for (int r = 0; r < RUN; ++r) {
-      const int w = w0 + tid * RUN + r;
-      a[r] = k - c.window + w;
-      valid[r] = w < end && a[r] >= a0 && a[r] < a1;
-      pos[r] = c.window_first_position + w;
-    }
-    float acc[RUN][MAXROWS];
-    anchor_dots(a, pos, valid, acc);
-    for (int r = 0; r < RUN; ++r)
-      for (int i = 0; i < MAXROWS; ++i) L_s[i * TILE + tid * RUN + r] = valid[r] ? acc[r][i] : -INFINITY;
-  }
-
-  // Dense rows keys[t0..end) (post-RoPE). causal: these are appended tokens, and row i
-  // (query qi of its head) sees the first suffix_len - (q_len - 1 - qi) of them.
-  __device__ __forceinline__ void dense_logits(const uint16_t *keys, int64_t t0, int64_t end, bool causal, int64_t suffix_len) {
-    for (int r = 0; r < RUN; ++r) {
-      const int64_t t = t0 + tid * RUN + r;
-      float acc[MAXROWS];
-      for (int i = 0; i < MAXROWS; ++i) acc[i] = 0.0f;
+  // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1).
+  __device__ __forceinline__ void anchor_meta(int64_t t0, int64_t end, bool window) {
+    if (tid < T) {
+      const int64_t t = t0 + tid;
+      int a = -1, off = 0;  // off: position - the tile's first; -1 outside [0, T); 0 for no token (zero row)
+      float g = 0.0f;
+      int64_t pos = 0;
       if (t < end) {
-        const uint4 *row = reinterpret_cast<const uint4 *>(keys + t * D);
-        for (int v = 0; v < D / 8; ++v) {
-          const uint4 chunk = row[v];
-          const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
-          for (int e = 0; e < 8; ++e) {
-            const float x = bits_to_float(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))), bf16);
-            for (int i = 0; i < MAXROWS; ++i) acc[i] += q_s[i * D + v * 8 + e] * x;
-          }
+        if (window) {
+          a = k - c.window + static_cast<int>(t);
+          g = 1.0f;
+          pos = c.window_first_position + t;
+          off = tid;
+        } else {
+          const int64_t at = static_cast<int64_t>(h) * c.prefix + t;
+          a = c.key_index[at];
+          g = bits_to_float(c.key_gamma[at], true);
+          pos = c.positions[t];
+          const int64_t d = pos - c.positions[t0];
+          off = d >= 0 && d < T ? static_cast<int>(d) : -1;
+          // The key residuals of the tile (mask word t0 / 64) listed in slot order.
+          const uint64_t mask = c.key_mask[static_cast<int64_t>(h) * c.words + t0 / 64];
+          if ((mask >> tid) & 1) bit_s[__popcll(mask & ((1ull << tid) - 1))] = tid;
         }
       }
+      a_s[tid] = a;
+      off_s[tid] = off;
+      g_s[tid] = g;
+      pos_s[tid] = pos;
+    } else if (tid - T < pairs) {
+      const int j = tid - T;
+      const int64_t p0 = window ? c.window_first_position + t0 : static_cast<int64_t>(c.positions[t0]);
+      rope_angle(p0, inv_s[j], &basec_s[j], &bases_s[j]);
+    }
+  }
+
+  // ---- 2. unrotated key rows gamma_t K_a(t) (anchor rows through L2), or dense rows -------
+
+  template <bool BF>
+  __device__ __forceinline__ static void put8(float *dst, const uint4 &chunk, float g) {
+    const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+    float x[8];
+    for (int e = 0; e < 8; ++e) x[e] = g * bits_to_float(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))), BF);
+    reinterpret_cast<float4 *>(dst)[0] = float4{x[0], x[1], x[2], x[3]};
+    reinterpret_cast<float4 *>(dst)[1] = float4{x[4], x[5], x[6], x[7]};
+  }
+
+  // Thread: 16-byte chunk v = tid % V8 of tokens tid / V8, + NT / V8, ... (no division).
+  template <bool BF>
+  __device__ __forceinline__ void gather_anchor_rows_as() {
+    constexpr int V8 = D / 8, STEP = NT / V8;
+    static_assert(NT % V8 == 0 && T % STEP == 0, "whole tokens per pass");
+    const uint4 *ak = reinterpret_cast<const uint4 *>(c.anchor_keys + static_cast<int64_t>(h) * k * D) + tid % V8;
+    float *dst = K_s + (tid / V8) * KS + (tid % V8) * 8;
+    for (int t = tid / V8; t < T; t += STEP, dst += STEP * KS) {
+      const int a = a_s[t];
+      if (a < 0) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
+      else put8<BF>(dst, ak[a * V8], g_s[t]);
+    }
+  }
+  // Fused NeoX gather: item (token t, pairs j0..j0+3) reads dimensions j0.. and j0 + pairs..
+  // of the anchor row, scales by gamma and rotates by R_off; the dimensions past 2 * pairs are
+  // copied in chunks of 8.
+  template <bool BF>
+  __device__ __forceinline__ void gather_rotate_neox() {
+    // pairs / 4 rotary items and (D - 2 pairs) / 8 copied chunks: D / 8 = V8 items a token, so
+    // thread tid takes item tid % V8 of tokens tid / V8, + STEP, ... (no division).
+    constexpr int V8 = D / 8, STEP = NT / V8;
+    const int q = tid % V8, P4 = pairs / 4;
+    const uint16_t *ak = c.anchor_keys + static_cast<int64_t>(h) * k * D;
+    const int64_t p0 = pos_s[0];
+    if (q >= P4) {  // unrotated dimensions d.. d + 7
+      const int d = 2 * pairs + 8 * (q - P4);
+      for (int t = tid / V8; t < T; t += STEP) {
+        const int a = a_s[t];
+        float *dst = K_s + t * KS + d;
+        if (a < 0) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
+        else put8<BF>(dst, *reinterpret_cast<const uint4 *>(ak + a * D + d), g_s[t]);
+      }
+      return;
+    }
+    const int j0 = 4 * q;  // pairs j0 .. j0 + 3: dimensions j0.. and j0 + pairs..
+    for (int t = tid / V8; t < T; t += STEP) {
+      const int a = a_s[t];
+      float *row = K_s + t * KS;
+      if (a < 0) {
+        *reinterpret_cast<float4 *>(row + j0) = float4{0.0f, 0.0f, 0.0f, 0.0f};
+        *reinterpret_cast<float4 *>(row + j0 + pairs) = float4{0.0f, 0.0f, 0.0f, 0.0f};
+        continue;
+      }
+      const float g = g_s[t];
+      const uint2 lo = *reinterpret_cast<const uint2 *>(ak + a * D + j0);
+      const uint2 hi = *reinterpret_cast<const uint2 *>(ak + a * D + j0 + pairs);
+      float2 cs[4];
+      const int off = off_s[t];
+      if (off >= 0) {
+        const float4 c01 = *reinterpret_cast<const float4 *>(step_s + off * pairs + j0);
+        const float4 c23 = *reinterpret_cast<const float4 *>(step_s + off * pairs + j0 + 2);
+        cs[0] = float2{c01.x, c01.y};
+        cs[1] = float2{c01.z, c01.w};
+        cs[2] = float2{c23.x, c23.y};
+        cs[3] = float2{c23.z, c23.w};
+      } else {  // gapped positions
+        for (int x = 0; x < 4; ++x) cs[x] = exact_angle(pos_s[t] - p0, inv_s[j0 + x]);
+      }
+      const uint32_t lw[4] = {lo.x, lo.x >> 16, lo.y, lo.y >> 16}, hw[4] = {hi.x, hi.x >> 16, hi.y, hi.y >> 16};
+      float y0[4], y1[4];
+      for (int x = 0; x < 4; ++x) {
+        const float x0 = g * bits_to_float(static_cast<uint16_t>(lw[x]), BF);
+        const float x1 = g * bits_to_float(static_cast<uint16_t>(hw[x]), BF);
+        y0[x] = x0 * cs[x].x - x1 * cs[x].y;
+        y1[x] = x0 * cs[x].y + x1 * cs[x].x;
+      }
+      *reinterpret_cast<float4 *>(row + j0) = float4{y0[0], y0[1], y0[2], y0[3]};
+      *reinterpret_cast<float4 *>(row + j0 + pairs) = float4{y1[0], y1[1], y1[2], y1[3]};
+    }
+  }
+
+  __device__ __forceinline__ void gather_anchor_rows() {
+    if (fused) {
+      if (bf16) gather_rotate_neox<true>();
+      else gather_rotate_neox<false>();
+    } else if (bf16) {
+      gather_anchor_rows_as<true>();
+    } else {
+      gather_anchor_rows_as<false>();
+    }
+    // q . R_{p0 + off} x = (R_{p0}^T q) . (R_off x): the queries take the tile's first angle.
+    for (int j = tid; j < pairs; j += NT) {
+      const float cs = basec_s[j], sn = bases_s[j];
+      const int f = first_s[j], s = second_s[j];
       for (int i = 0; i < MAXROWS; ++i) {
-        bool visible = t < end;
-        if (causal) visible = visible && t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
-        L_s[i * TILE + tid * RUN + r] = visible ? acc[i] : -INFINITY;
+        if (i >= rows) break;  // rows past `rows` stay zero
+        const float q0 = q_s[i * D + f], q1 = q_s[i * D + s];
+        qr_s[i * D + f] = q0 * cs + q1 * sn;
+        qr_s[i * D + s] = q1 * cs - q0 * sn;
       }
     }
   }
 
-  // ---- phase B: key residuals of prefix tokens t0..end (words t0/64..) ----------------------
+  // Dense rows keys[t0..end) as stored (post-RoPE).
+  template <bool BF>
+  __device__ __forceinline__ void gather_dense_rows_as(const uint16_t *keys, int64_t t0, int64_t end) {
+    constexpr int V8 = D / 8;
+    for (int e = tid; e < T * V8; e += NT) {
+      const int t = e / V8, v = e % V8;
+      float *dst = K_s + t * KS + v * 8;
+      if (t0 + t >= end) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
+      else put8<BF>(dst, reinterpret_cast<const uint4 *>(keys + (t0 + t) * D)[v], 1.0f);
+    }
+  }
+  __device__ __forceinline__ void gather_dense_rows(const uint16_t *keys, int64_t t0, int64_t end) {
+    if (bf16) gather_dense_rows_as<true>(keys, t0, end);
+    else gather_dense_rows_as<false>(keys, t0, end);
+  }
 
-  __device__ __forceinline__ void key_residuals(int64_t t0, int64_t end) {
-    const int64_t words = c.words;
-    const int64_t wb = t0 / 64, we = (end + 63) / 64;
-    const float norm = 1.0f / sqrtf(static_cast<float>(D));
-    float *scratch = resid_s + warp * D;
-    for (int64_t wd = wb + warp; wd < we; wd += kThreads / 32) {
-      uint64_t mask = c.key_mask[h * words + wd];
-      const uint32_t base = c.key_offsets[h] + c.key_prefix[h * words + wd];
-      for (uint32_t slot = base; mask; ++slot) {
-        const int bit = __ffsll(static_cast<long long>(mask)) - 1;
-        mask &= mask - 1;
-        const int64_t t = wd * 64 + bit;
-        const int an = c.key_index[h * c.prefix + t];
-        if (an < a0 || an >= a1) continue;  // another slice's token (its logit stays -inf here)
-        const uint8_t *codes = c.key_codes + static_cast<int64_t>(slot) * (D / 4);
-        const float scale = c.key_scales[slot];
-        float x[EPL];
-        for (int e = 0; e < EPL; ++e) {
-          const int d = lane * EPL + e;
-          x[e] = scale * lloyd_max_level((codes[d >> 2] >> ((d & 3) * 2)) & 3);
-        }
-        // Inverse rotation U^T y = diag(signs) H y / sqrt(D).
-        warp_fwht<EPL>(x, lane);
-        for (int e = 0; e < EPL; ++e) {
-          const int d = lane * EPL + e;
-          x[e] *= norm * c.signs[d];
-          scratch[d] = x[e];
-        }
-        __syncwarp();
-        const int64_t pos = c.positions[t];
-        float part[MAXROWS];
-        for (int i = 0; i < MAXROWS; ++i) part[i] = 0.0f;
-        for (int e = 0; e < EPL; ++e) {
-          const int d = lane * EPL + e;
-          float y = x[e];
-          const int info = pair_of_s[d];
-          if (info >= 0) {
-            const int j = info >> 1;
-            float cs, sn;
-            rope_angle(pos, inv_s[j], &cs, &sn);
-            y = (info & 1) ? scratch[first_s[j]] * sn + x[e] * cs : x[e] * cs - scratch[second_s[j]] * sn;
+  // ---- 3. key residuals of the tile (mask word t0 / 64), added to the unrotated rows -------
+
+  // Eight lanes per residual, EPT = D / 8 dimensions each (lane l of the eight holds
+  // l * EPT ..): the in-register butterflies, then three stages across the eight lanes. A warp
+  // takes four residuals at a time, warp w the residuals 4w.., 4(w + NW).., ...
+  __device__ __forceinline__ void key_residuals(int64_t t0) {
+    constexpr int EPT = D / 8;
+    const int64_t wd = t0 / 64;
+    const int count = __popcll(c.key_mask[static_cast<int64_t>(h) * c.words + wd]);
+    const uint32_t base = c.key_offsets[h] + c.key_prefix[static_cast<int64_t>(h) * c.words + wd];
+    const int sub = lane >> 3, sl = lane & 7;
+    for (int n0 = warp * 4; n0 < count; n0 += NW * 4) {  // uniform across the warp
+      const int n = n0 + sub;
+      const bool live = n < count;
+      float x[EPT];
+      if (live) {
+        const uint8_t *codes = c.key_codes + static_cast<int64_t>(base + n) * (D / 4) + sl * (EPT / 4);
+        const float scale = c.key_scales[base + n];
+        // Codes 0..3: -outer, -inner, +inner, +outer (lloyd_max_level), times the scale.
+        const float outer = scale * lloyd_max_level(3), inner = scale * lloyd_max_level(2);
+        for (int b = 0; b < EPT / 4; ++b) {
+          const unsigned byte = codes[b];
+          for (int e = 0; e < 4; ++e) {
+            const unsigned code = (byte >> (2 * e)) & 3;
+            const float mag = (code == 0 || code == 3) ? outer : inner;
+            x[4 * b + e] = (code & 2) ? mag : -mag;
           }
-          for (int i = 0; i < MAXROWS; ++i) part[i] += q_s[i * D + d] * y;
         }
-        for (int i = 0; i < MAXROWS; ++i) {
-          const float sum = warp_sum(part[i]);
-          if (lane == 0 && i < rows) L_s[i * TILE + (t - t0)] += sum;
+      } else {
+        for (int e = 0; e < EPT; ++e) x[e] = 0.0f;
+      }
+      // Inverse rotation U^T y = diag(signs) H y / sqrt(D).
+      for (int len = 1; len < EPT; len <<= 1)
+        for (int e = 0; e < EPT; ++e)
+          if (!(e & len)) {
+            const float u = x[e], v = x[e + len];
+            x[e] = u + v;
+            x[e + len] = u - v;
+          }
+      for (int lm = 1; lm < 8; lm <<= 1) {
+        const float sign = (sl & lm) ? -1.0f : 1.0f;  // upper half: other - x, lower: x + other
+        for (int e = 0; e < EPT; ++e) x[e] = fmaf(sign, x[e], __shfl_xor_sync(kFullMask, x[e], lm));
+      }
+      const float *sg = sgn_s + sl * EPT;
+      for (int e = 0; e < EPT; ++e) x[e] *= sg[e];
+      if (fused) {  // R_off of the residual: the partner of dimension d (d -+ pairs) is lane sl ^ pm
+        const int pm = pairs / EPT, d0 = sl * EPT;
+        const int t = live ? bit_s[n] : 0;
+        const int off = off_s[t];
+        const int64_t p0 = pos_s[0];
+        for (int e = 0; e < EPT; ++e) {
+          const float other = __shfl_xor_sync(kFullMask, x[e], pm);
+          const int d = d0 + e;
+          if (d >= 2 * pairs || !live) continue;
+          const int j = d < pairs ? d : d - pairs;
+          float cs, sn;
+          if (off >= 0) {
+            const float2 st = step_s[off * pairs + j];
+            cs = st.x;
+            sn = st.y;
+          } else {  // gapped positions
+            const float2 st = exact_angle(pos_s[t] - p0, inv_s[j]);
+            cs = st.x;
+            sn = st.y;
+          }
+          x[e] = d < pairs ? x[e] * cs - other * sn : other * sn + x[e] * cs;
         }
-        __syncwarp();
+      }
+      if (live) {
+        float *row = K_s + bit_s[n] * KS + sl * EPT;
+        for (int e = 0; e < EPT; ++e) row[e] += x[e];
       }
     }
   }
 
-  // ---- phase C: online softmax over the tile; L_s becomes p = exp2(logit - max) -------------
+  // ---- 4. RoPE in place ----------------------------------------------------------------------
+
+  // R_off for the offset off of each token from the tile's first position (the queries took
+  // R_{p0}^T): lane j of every warp takes pair j (then j + 32, ...), warp w the tokens w,
+  // w + NW, ...
+  __device__ __forceinline__ void rotate_keys() {
+    constexpr int TPW = T / NW;  // tokens per warp
+    int offs[TPW];
+    for (int m = 0; m < TPW; ++m) offs[m] = off_s[warp + m * NW];
+    const int64_t p0 = pos_s[0];
+    for (int j = lane; j < pairs; j += 32) {
+      const int f = first_s[j], s = second_s[j];
+      for (int m = 0; m < TPW; ++m) {
+        const int t = warp + m * NW;
+        float cs, sn;
+        if (offs[m] >= 0) {
+          const float2 st = step_s[offs[m] * pairs + j];
+          cs = st.x;
+          sn = st.y;
+        } else {  // gapped positions
+          const float2 st = exact_angle(pos_s[t] - p0, inv_s[j]);
+          cs = st.x;
+          sn = st.y;
+        }
+        float *row = K_s + t * KS;
+        const float x0 = row[f], x1 = row[s];
+        row[f] = x0 * cs - x1 * sn;
+        row[s] = x0 * sn + x1 * cs;
+      }
+    }
+  }
+
+  // ---- 5. logits: the key tile against every row; causal for appended tokens -------------
+
+  // causal: these are appended tokens, and row i (query qi of its head) sees the first
+  // suffix_len - (q_len - 1 - qi) of them.
+  template <bool ALL>  // ALL: every row of the chunk is a query row (rows == MAXROWS)
+  __device__ __forceinline__ void contract_rows(const float *qs, int t, int part, float (&acc)[MAXROWS]) const {
+    const float4 *krow = reinterpret_cast<const float4 *>(K_s + t * KS);
+    for (int v = part; v < D / 4; v += 4) {
+      const float4 kv = krow[v];
+      for (int i = 0; i < MAXROWS; ++i) {
+        if (!ALL && i >= rows) break;
+        const float4 qv = reinterpret_cast<const float4 *>(qs + i * D)[v];
+        acc[i] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, acc[i]))));
+      }
+    }
+  }
+
+  // anchor: the key tile holds R_off keys, contracted with the rotated queries.
+  __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len, bool anchor) {
+    const float *qs = anchor ? qr_s : q_s;
+    const int t = tid >> 2, part = tid & 3;
+    float acc[MAXROWS];
+    for (int i = 0; i < MAXROWS; ++i) acc[i] = 0.0f;
+    if (rows == MAXROWS) contract_rows<true>(qs, t, part, acc);
+    else contract_rows<false>(qs, t, part, acc);
+    for (int i = 0; i < MAXROWS; ++i) {
+      acc[i] += __shfl_xor_sync(kFullMask, acc[i], 1);
+      acc[i] += __shfl_xor_sync(kFullMask, acc[i], 2);
+    }
+    // Thread `part` of the token writes rows part, part + 4, ... (selects, not a local array).
+    for (int r = 0; r < MAXROWS; r += 4) {
+      float v = acc[r];
+      for (int x = 1; x < 4; ++x) v = part == x ? acc[r + x] : v;
+      const int i = r + part;
+      bool visible = t0 + t < end;
+      if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
+      L_s[i * T + t] = visible ? v : -INFINITY;
+    }
+  }
+
+  // ---- 6. online softmax over the tile; L_s becomes p = exp2(logit - max) -------------------
 
   __device__ __forceinline__ void softmax_tile() {
     __syncthreads();
-    float tmax[MAXROWS];
-    for (int i = 0; i < MAXROWS; ++i) {
-      float m = -INFINITY;
-      for (int r = 0; r < RUN; ++r) m = fmaxf(m, L_s[i * TILE + tid * RUN + r]);
-      m = warp_max(m);
-      if (lane == 0) red_s[warp * MAXROWS + i] = m;
-    }
+    for (int i = 0; i < MAXROWS; ++i)
+      if (i % NW == warp) {
+        const float m = warp_max(fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32]));
+        if (lane == 0) red_s[i] = m;
+      }
     __syncthreads();
     bool rescale = false;
     float alpha[MAXROWS];
     for (int i = 0; i < MAXROWS; ++i) {
-      tmax[i] = red_s[i];
-      for (int wp = 1; wp < kThreads / 32; ++wp) tmax[i] = fmaxf(tmax[i], red_s[wp * MAXROWS + i]);
-      const float m_new = fmaxf(m_run[i], tmax[i]);
+      const float m_new = fmaxf(m_run[i], red_s[i]);
       alpha[i] = m_new == -INFINITY ? 1.0f : exp2f(m_run[i] - m_new);  // exp2(-inf) = 0
       if (alpha[i] != 1.0f) rescale = true;
       m_run[i] = m_new;
@@ -328,62 +497,61 @@ struct SplitBlock {
           dacc[i][e] *= alpha[i];
         }
       }
-      for (int e = tid; e < MAXROWS * k; e += kThreads) w_s[e] *= alpha[e / k];
+      for (int e = tid; e < MAXROWS * k; e += NT) w_s[e] *= alpha[e / k];
     }
     for (int i = 0; i < MAXROWS; ++i)
-      for (int r = 0; r < RUN; ++r) {
-        float &l = L_s[i * TILE + tid * RUN + r];
-        const float pv = m_run[i] == -INFINITY ? 0.0f : exp2f(l - m_run[i]);
-        l = pv;
-        l_part[i] += pv;
-      }
+      if (i % NW == warp)
+        for (int u = lane; u < T; u += 32) {
+          float &l = L_s[i * T + u];
+          const float pv = m_run[i] == -INFINITY ? 0.0f : exp2f(l - m_run[i]);
+          l = pv;
+          l_part[i] += pv;
+        }
     __syncthreads();
   }
 
-  // ---- phase D: values -----------------------------------------------------------------
+  // ---- 7. values -------------------------------------------------------------------------
 
   __device__ __forceinline__ void prefix_values(int64_t t0, int64_t end) {
     const int64_t P = c.prefix, words = c.words;
-    for (int r = 0; r < RUN; ++r) {
-      const int64_t t = t0 + tid * RUN + r;
+    for (int e = tid; e < rows * T; e += NT) {
+      const int i = e / T, u = e % T;
+      const int64_t t = t0 + u;
       if (t >= end) continue;
-      const int a = c.value_index[h * P + t];
-      const float g = bits_to_float(c.value_gamma[h * P + t], true);
-      for (int i = 0; i < rows; ++i) atomicAdd(&w_s[i * k + a], L_s[i * TILE + tid * RUN + r] * g);
+      const int64_t at = static_cast<int64_t>(h) * P + t;
+      atomicAdd(&w_s[i * k + c.value_index[at]], L_s[i * T + u] * bits_to_float(c.value_gamma[at], true));
     }
     const int group = tid / TPD, dim = tid % TPD;
-    for (int64_t wd = t0 / 64; wd < (end + 63) / 64; ++wd) {
-      const uint32_t base = c.value_offsets[h] + c.value_prefix[h * words + wd];
-      const uint32_t count = static_cast<uint32_t>(__popcll(c.value_mask[h * words + wd]));
-      for (uint32_t sl = base + group; sl < base + count; sl += SG) {
-        const int64_t u = wd * 64 + c.value_chunk[sl] - t0;
-        const uint8_t *codes = c.value_codes + static_cast<int64_t>(sl) * (D / 4);
-        const float scale = c.value_scales[sl];
-        for (int e = 0; e < DPT; ++e) {
-          const int d = dim + e * TPD;
-          const float lv = scale * lloyd_max_level((codes[d >> 2] >> ((d & 3) * 2)) & 3);
-          for (int i = 0; i < MAXROWS; ++i) racc[i][e] += L_s[i * TILE + u] * lv;
-        }
+    const int64_t wd = t0 / 64;
+    const uint32_t base = c.value_offsets[h] + c.value_prefix[h * words + wd];
+    const uint32_t count = static_cast<uint32_t>(__popcll(c.value_mask[h * words + wd]));
+    for (uint32_t sl = base + group; sl < base + count; sl += SG) {
+      const int u = c.value_chunk[sl];  // position inside the word, = inside the tile
+      const uint8_t *codes = c.value_codes + static_cast<int64_t>(sl) * (D / 4);
+      const float scale = c.value_scales[sl];
+      for (int e = 0; e < DPT; ++e) {
+        const int d = dim + e * TPD;
+        const float lv = scale * lloyd_max_level((codes[d >> 2] >> ((d & 3) * 2)) & 3);
+        for (int i = 0; i < MAXROWS; ++i) racc[i][e] += L_s[i * T + u] * lv;
       }
     }
     __syncthreads();
   }
 
-  __device__ __forceinline__ void window_values(int w0, int end) {
-    for (int r = 0; r < RUN; ++r) {
-      const int w = w0 + tid * RUN + r;
-      if (w >= end) continue;
-      for (int i = 0; i < rows; ++i) atomicAdd(&w_s[i * k + k - c.window + w], L_s[i * TILE + tid * RUN + r]);
+  __device__ __forceinline__ void window_values(int64_t w0, int64_t end) {
+    for (int e = tid; e < rows * T; e += NT) {  // one anchor per token: no two threads share an entry
+      const int i = e / T, u = e % T;
+      if (w0 + u < end) w_s[i * k + k - c.window + w0 + u] += L_s[i * T + u];
     }
     __syncthreads();
   }
 
   __device__ __forceinline__ void dense_values(const uint16_t *values, int64_t t0, int64_t end) {
     const int group = tid / TPD, dim = tid % TPD;
-    for (int64_t u = group; t0 + u < end && u < TILE; u += SG)
+    for (int u = group; t0 + u < end && u < T; u += SG)
       for (int e = 0; e < DPT; ++e) {
         const float v = bits_to_float(values[(t0 + u) * D + dim + e * TPD], bf16);
-        for (int i = 0; i < MAXROWS; ++i) dacc[i][e] += L_s[i * TILE + u] * v;
+        for (int i = 0; i < MAXROWS; ++i) dacc[i][e] += L_s[i * T + u] * v;
       }
     __syncthreads();
   }
@@ -392,31 +560,23 @@ struct SplitBlock {
 
   __device__ __forceinline__ void write_partial(int64_t blk) {
     const int group = tid / TPD, dim = tid % TPD;
-    float o[MAXROWS][DPT];
-    for (int i = 0; i < MAXROWS; ++i)
-      for (int e = 0; e < DPT; ++e) o[i][e] = dacc[i][e];
-    if (k) {
-      const uint16_t *av = c.anchor_values + static_cast<int64_t>(h) * k * D;
-      for (int a = group; a < k; a += SG)
-        for (int e = 0; e < DPT; ++e) {
-          const float v = bits_to_float(av[static_cast<int64_t>(a) * D + dim + e * TPD], bf16);
-          for (int i = 0; i < MAXROWS; ++i) o[i][e] += w_s[i * k + a] * v;
-        }
-    }
-    // Sum over slot groups (D < 128) through shared memory, then write.
-    float *scratch = L_s;  // SG * MAXROWS * D <= MAXROWS * max(TILE, D) floats
+    // Sum over slot groups through shared memory (the key tile: SG * MAXROWS * D <= T * KS
+    // floats), then write.
+    float *scratch = K_s;
     for (int part = 0; part < 2; ++part) {
       for (int i = 0; i < MAXROWS; ++i)
-        for (int e = 0; e < DPT; ++e) scratch[(group * MAXROWS + i) * D + dim + e * TPD] = part == 0 ? o[i][e] : racc[i][e];
+        for (int e = 0; e < DPT; ++e) scratch[(group * MAXROWS + i) * D + dim + e * TPD] = part == 0 ? dacc[i][e] : racc[i][e];
       __syncthreads();
       float *dst = part == 0 ? p.ws_o : p.ws_r;
-      for (int e = tid; e < MAXROWS * D; e += kThreads) {
+      for (int e = tid; e < MAXROWS * D; e += NT) {
         float sum = 0.0f;
         for (int g = 0; g < SG; ++g) sum += scratch[g * MAXROWS * D + e];
         dst[blk * MAXROWS * D + e] = sum;
       }
       __syncthreads();
     }
+    for (int e = tid; e < MAXROWS * k; e += NT)
+      p.ws_w[(blk * MAXROWS + e / k) * p.max_anchors + e % k] = w_s[e];
     for (int i = 0; i < MAXROWS; ++i) {
       const float l = warp_sum(l_part[i]);
       if (lane == 0) red_s[warp * MAXROWS + i] = l;
@@ -425,63 +585,85 @@ struct SplitBlock {
     for (int i = 0; i < MAXROWS; ++i)  // static indices keep m_run in registers
       if (tid == i) {
         float l = 0.0f;
-        for (int wp = 0; wp < kThreads / 32; ++wp) l += red_s[wp * MAXROWS + i];
+        for (int wp = 0; wp < NW; ++wp) l += red_s[wp * MAXROWS + i];
         p.ws_ml[(blk * MAXROWS + i) * 2] = m_run[i];
         p.ws_ml[(blk * MAXROWS + i) * 2 + 1] = l;
       }
   }
 };
 
+// Up to 8 rows: at most 128 registers, so that two blocks (16 warps) fit a multiprocessor.
 template <int D, int MAXROWS>
-__global__ void __launch_bounds__(kThreads) decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
+__global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
 #ifdef AKV_SIMT_EMULATION
   unsigned char *smem = ::simt::tl_block->dynamic.data();
 #else
   extern __shared__ __align__(16) unsigned char smem[];
 #endif
   using Block = SplitBlock<D, MAXROWS>;
-  const int split = blockIdx.x / p.slices, slice = blockIdx.x % p.slices;
+  constexpr int T = Block::T;
+  const int split = blockIdx.x;
   const int h = blockIdx.y / p.row_chunks, rc = blockIdx.y % p.row_chunks;
   const CacheView &c = *p.views[blockIdx.z];
-  Block blk(c, p, smem, h, rc, slice);
+  Block blk(c, p, smem, h, rc);
   const int splits = p.splits;
   const int64_t suffix_len = c.suffix_len;
 
   if (c.kind == kKindAnchor) {
     const int64_t P = c.prefix;
-    const int64_t tiles = (P + Block::TILE - 1) / Block::TILE;
+    const int64_t tiles = (P + T - 1) / T;
     for (int64_t tile = tiles * split / splits; tile < tiles * (split + 1) / splits; ++tile) {
-      const int64_t t0 = tile * Block::TILE, end = t0 + Block::TILE < P ? t0 + Block::TILE : P;
-      blk.prefix_logits(t0, end);
+      const int64_t t0 = tile * T, end = t0 + T < P ? t0 + T : P;
+      blk.anchor_meta(t0, end, false);
       __syncthreads();
-      blk.key_residuals(t0, end);
+      blk.gather_anchor_rows();
+      __syncthreads();
+      blk.key_residuals(t0);
+      __syncthreads();
+      if (!blk.fused) {
+        blk.rotate_keys();
+        __syncthreads();
+      }
+      blk.contract(t0, end, false, 0, true);
       blk.softmax_tile();
       blk.prefix_values(t0, end);
     }
     if (split == 0)
-      for (int w0 = 0; w0 < c.window; w0 += Block::TILE) {
-        const int end = w0 + Block::TILE < c.window ? w0 + Block::TILE : c.window;
-        blk.window_logits(w0, end);
+      for (int64_t w0 = 0; w0 < c.window; w0 += T) {
+        const int64_t end = w0 + T < c.window ? w0 + T : c.window;
+        blk.anchor_meta(w0, end, true);
+        __syncthreads();
+        blk.gather_anchor_rows();
+        __syncthreads();
+        if (!blk.fused) {
+          blk.rotate_keys();
+          __syncthreads();
+        }
+        blk.contract(w0, end, false, 0, true);
         blk.softmax_tile();
         blk.window_values(w0, end);
       }
-  } else if (slice == 0) {
+  } else {
     const int64_t first = c.dense_start[h], count = c.dense_start[h + 1] - first;
     const uint16_t *keys = c.dense_keys + first * D, *values = c.dense_values + first * D;
-    const int64_t tiles = (count + Block::TILE - 1) / Block::TILE;
+    const int64_t tiles = (count + T - 1) / T;
     for (int64_t tile = tiles * split / splits; tile < tiles * (split + 1) / splits; ++tile) {
-      const int64_t t0 = tile * Block::TILE, end = t0 + Block::TILE < count ? t0 + Block::TILE : count;
-      blk.dense_logits(keys, t0, end, false, 0);
+      const int64_t t0 = tile * T, end = t0 + T < count ? t0 + T : count;
+      blk.gather_dense_rows(keys, t0, end);
+      __syncthreads();
+      blk.contract(t0, end, false, 0, false);
       blk.softmax_tile();
       blk.dense_values(values, t0, end);
     }
   }
-  if (split == 0 && slice == 0 && suffix_len > 0) {
+  if (split == 0 && suffix_len > 0) {
     const uint16_t *keys = c.suffix_keys + static_cast<int64_t>(h) * c.suffix_capacity * D;
     const uint16_t *values = c.suffix_values + static_cast<int64_t>(h) * c.suffix_capacity * D;
-    for (int64_t t0 = 0; t0 < suffix_len; t0 += Block::TILE) {
-      const int64_t end = t0 + Block::TILE < suffix_len ? t0 + Block::TILE : suffix_len;
-      blk.dense_logits(keys, t0, end, true, suffix_len);
+    for (int64_t t0 = 0; t0 < suffix_len; t0 += T) {
+      const int64_t end = t0 + T < suffix_len ? t0 + T : suffix_len;
+      blk.gather_dense_rows(keys, t0, end);
+      __syncthreads();
+      blk.contract(t0, end, true, suffix_len, false);
       blk.softmax_tile();
       blk.dense_values(values, t0, end);
     }
@@ -489,69 +671,123 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const __grid_con
   blk.write_partial((static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
 }
 
+// Merge of the splits of one (request, head, row chunk). Thread (group, dim): dimension dim
+// of every row, splits and anchors group, group + SG, ...; the groups are summed through
+// shared memory at the end.
 template <int D, int MAXROWS>
-__global__ void __launch_bounds__(kThreads) decode_merge_kernel(const __grid_constant__ DecodeLaunch p) {
-  AKV_STATIC_SHARED(float, buf, [D]);
-  constexpr int TPD = D < kThreads ? D : kThreads;
-  constexpr int DPT = D / TPD;
+__global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __grid_constant__ DecodeLaunch p) {
+  constexpr int NT = kDecodeThreads;
+  constexpr int SG = NT / D;  // D <= 256
+  constexpr int CH = 64;      // anchors per chunk of combined weights
+  static_assert(D <= NT, "one thread per dimension");
+  AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
+  AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
+  AKV_STATIC_SHARED(float, wc_s, [MAXROWS][CH]);
+  AKV_STATIC_SHARED(float, red_o, [SG * MAXROWS * D]);
+  AKV_STATIC_SHARED(float, red_r, [SG * MAXROWS * D]);
   const int tid = threadIdx.x;
+  const int group = tid / D, dim = tid % D;
   const int h = blockIdx.x / p.row_chunks, rc = blockIdx.x % p.row_chunks;
   const int b = blockIdx.y;
   const CacheView &c = *p.views[b];
   const int row0 = rc * MAXROWS, rows = p.rows - row0 < MAXROWS ? p.rows - row0 : MAXROWS;
   const int G = p.q_heads / p.heads;
-  const int parts = p.splits * p.slices;
+  const int parts = p.splits;
   const int64_t first_blk = (static_cast<int64_t>(b) * p.heads * p.row_chunks + blockIdx.x) * parts;
   const bool anchor = c.kind == kKindAnchor;
-  const float norm = 1.0f / sqrtf(static_cast<float>(D));
-  for (int i = 0; i < rows; ++i) {
+  const bool bf16 = c.storage_bf16 != 0;
+
+  // Each row's overall max and sum, and the factor of every split.
+  if (tid < rows) {
+    const int i = tid;
     float m = -INFINITY;
     for (int s = 0; s < parts; ++s) m = fmaxf(m, p.ws_ml[((first_blk + s) * MAXROWS + i) * 2]);
-    float l = 0.0f, o[DPT], r[DPT];
-    for (int e = 0; e < DPT; ++e) o[e] = r[e] = 0.0f;
+    float l = 0.0f;
     for (int s = 0; s < parts; ++s) {
       const int64_t at = (first_blk + s) * MAXROWS + i;
       const float ms = p.ws_ml[at * 2];
-      if (ms == -INFINITY) continue;
-      const float f = exp2f(ms - m);
+      const float f = ms == -INFINITY ? 0.0f : exp2f(ms - m);
+      f_s[i][s] = f;
       l += f * p.ws_ml[at * 2 + 1];
-      if (tid < TPD)
-        for (int e = 0; e < DPT; ++e) {
-          o[e] += f * p.ws_o[at * D + tid + e * TPD];
-          r[e] += f * p.ws_r[at * D + tid + e * TPD];
-        }
     }
-    if (anchor) {  // the one inverse Hadamard of this row: U^T r = diag(signs) H r / sqrt(D)
-      if (tid < TPD)
-        for (int e = 0; e < DPT; ++e) buf[tid + e * TPD] = r[e];
-      __syncthreads();
-      for (int len = 1; len < D; len <<= 1) {
-        for (int q = tid; q < D / 2; q += kThreads) {
-          const int j = (q / len) * 2 * len + q % len;
-          const float u = buf[j], v = buf[j + len];
-          buf[j] = u + v;
-          buf[j + len] = u - v;
-        }
-        __syncthreads();
+    ml_s[i][0] = m;
+    ml_s[i][1] = l;
+  }
+  __syncthreads();
+  float o[MAXROWS], r[MAXROWS];
+  for (int i = 0; i < MAXROWS; ++i) o[i] = r[i] = 0.0f;
+  for (int s = group; s < parts; s += SG)
+    for (int i = 0; i < MAXROWS; ++i) {
+      if (i >= rows) break;
+      const float f = f_s[i][s];
+      if (f == 0.0f) continue;
+      const int64_t at = ((first_blk + s) * MAXROWS + i) * D + dim;
+      o[i] += f * p.ws_o[at];
+      r[i] += f * p.ws_r[at];
+    }
+  if (anchor) {  // sum_a w_a V_a with w_a reduced across the splits, chunk by chunk
+    const int k = c.anchors;
+    const uint16_t *av = c.anchor_values + static_cast<int64_t>(h) * k * D;
+    for (int a0 = 0; a0 < k; a0 += CH) {
+      for (int e = tid; e < MAXROWS * CH; e += NT) {
+        const int i = e / CH, a = a0 + e % CH;
+        float w = 0.0f;
+        if (i < rows && a < k)
+          for (int s = 0; s < parts; ++s) {
+            const float f = f_s[i][s];
+            if (f != 0.0f) w += f * p.ws_w[((first_blk + s) * MAXROWS + i) * p.max_anchors + a];
+          }
+        wc_s[i][e % CH] = w;
       }
-      if (tid < TPD)
-        for (int e = 0; e < DPT; ++e) {
-          const int d = tid + e * TPD;
-          r[e] = buf[d] * norm * c.signs[d];
-        }
+      __syncthreads();
+      const int a1 = a0 + CH < k ? a0 + CH : k;
+      for (int a = a0 + group; a < a1; a += SG) {
+        const float v = bits_to_float(av[static_cast<int64_t>(a) * D + dim], bf16);
+        for (int i = 0; i < MAXROWS; ++i) o[i] += wc_s[i][a - a0] * v;
+      }
       __syncthreads();
     }
-    // m and l are base 2 (log2(e) folded into the queries): lse = ln(2) * (m + log2(l)).
-    if (p.lse && tid == 0)
-      p.lse[(static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i] =
-          l > 0.0f ? 0.69314718f * (m + log2f(l)) : -INFINITY;
-    if (tid < TPD) {
-      const int64_t base = ((static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i) * D;
-      for (int e = 0; e < DPT; ++e) {
-        const int d = tid + e * TPD;
-        store_elem(p.out, p.dtype, base + d, l > 0.0f ? (o[e] + r[e]) / l : 0.0f);
-      }
+  }
+  for (int i = 0; i < MAXROWS; ++i) {
+    red_o[(group * MAXROWS + i) * D + dim] = o[i];
+    red_r[(group * MAXROWS + i) * D + dim] = r[i];
+  }
+  __syncthreads();
+  for (int e = tid; e < MAXROWS * D; e += NT) {  // groups summed into group 0's slots
+    float so = 0.0f, sr = 0.0f;
+    for (int g = 0; g < SG; ++g) {
+      so += red_o[g * MAXROWS * D + e];
+      sr += red_r[g * MAXROWS * D + e];
     }
+    red_o[e] = so;
+    red_r[e] = sr;
+  }
+  __syncthreads();
+  if (anchor) {  // the one inverse Hadamard of each row: U^T r = diag(signs) H r / sqrt(D)
+    for (int len = 1; len < D; len <<= 1) {
+      for (int q = tid; q < MAXROWS * (D / 2); q += NT) {
+        const int i = q / (D / 2), qq = q % (D / 2);
+        const int j = i * D + (qq / len) * 2 * len + qq % len;
+        const float u = red_r[j], v = red_r[j + len];
+        red_r[j] = u + v;
+        red_r[j + len] = u - v;
+      }
+      __syncthreads();
+    }
+  }
+  const float norm = 1.0f / sqrtf(static_cast<float>(D));
+  // m and l are base 2 (log2(e) folded into the queries): lse = ln(2) * (m + log2(l)).
+  if (p.lse && tid < rows) {
+    const float m = ml_s[tid][0], l = ml_s[tid][1];
+    p.lse[(static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + tid] =
+        l > 0.0f ? 0.69314718f * (m + log2f(l)) : -INFINITY;
+  }
+  for (int e = tid; e < rows * D; e += NT) {
+    const int i = e / D, d = e % D;
+    const float l = ml_s[i][1];
+    const float rr = anchor ? red_r[e] * norm * c.signs[d] : red_r[e];
+    const int64_t base = ((static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i) * D;
+    store_elem(p.out, p.dtype, base + d, l > 0.0f ? (red_o[e] + rr) / l : 0.0f);
   }
 }
 

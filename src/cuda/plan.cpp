@@ -110,7 +110,8 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
   return bytes;
 }
 
-DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_len, int sm_count, size_t smem_limit) {
+DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_len, int sm_count, size_t smem_limit,
+                       const ResidentBlocks &resident) {
   const akv_shape &s0 = caches[0]->meta.shape;
   const int D = s0.head_dim, H = s0.num_kv_heads, G = s0.num_q_heads / s0.num_kv_heads;
   const int rows = G * q_len;
@@ -127,39 +128,31 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
       for (int64_t n : c.meta.dense_counts) max_work = std::max(max_work, n);
     }
   }
-  // The smallest row chunk that holds every row, shrunk while its shared memory does not fit;
-  // then the anchors: all of a head's in shared memory when they fit, else split into slices
-  // handled by sibling blocks (each token's logit is computed by the block holding its anchor).
-  plan.maxrows = rows <= 4 ? 4 : rows <= 8 ? 8 : rows <= 16 ? 16 : 32;
+  // The smallest row chunk (at most 16 rows: more spill) that holds every row, shrunk while
+  // its shared memory (queries, per-anchor weights, key tile, angle tables) does not fit.
+  plan.maxrows = rows <= 4 ? 4 : rows <= 8 ? 8 : 16;
   for (;; plan.maxrows /= 2) {
-    const int tile = kThreads * run_for_rows(plan.maxrows);
-    const size_t base = SplitSmem(D, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, 0).total;
-    const size_t per_anchor = sizeof(uint16_t) * static_cast<size_t>(D);
-    if (base + 16 * per_anchor <= smem_limit || plan.maxrows == 4) {
-      if (base + 16 * per_anchor > smem_limit)
-        fail(AKV_ERR_UNSUPPORTED, "decode needs ", base, " bytes of shared memory per block (", plan.max_anchors,
-             " anchors); the device allows ", smem_limit);
-      if (plan.max_anchors > 0) {
-        const int64_t fit = static_cast<int64_t>((smem_limit - base) / per_anchor) / 16 * 16;
-        plan.slices = static_cast<int>((plan.max_anchors + fit - 1) / fit);
-        plan.slice_anchors = (plan.max_anchors + plan.slices - 1) / plan.slices;
-      }
-      plan.smem_bytes = SplitSmem(D, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, plan.slice_anchors).total;
-      break;
-    }
+    plan.smem_bytes = SplitSmem(D, plan.maxrows, plan.max_anchors, plan.max_pairs).total;
+    if (plan.smem_bytes <= smem_limit) break;
+    if (plan.maxrows == 4)
+      fail(AKV_ERR_UNSUPPORTED, "decode needs ", plan.smem_bytes, " bytes of shared memory per block (", plan.max_anchors,
+           " anchors); the device allows ", smem_limit);
   }
   plan.row_chunks = (rows + plan.maxrows - 1) / plan.maxrows;
-  // Splits over the prompt: about two blocks per multiprocessor for this batch, no more
-  // splits than tiles. Depends only on the batch shape and prompt lengths, so the grid of a
-  // captured decode stays valid as tokens are appended.
-  const int tile = kThreads * run_for_rows(plan.maxrows);
-  const int64_t per_request = static_cast<int64_t>(H) * plan.row_chunks * plan.slices;
+  // Splits over the prompt: as many as keep the grid within one wave of resident blocks
+  // (rounding up would leave a second, mostly idle wave), no more than tiles (nor kMaxSplits). Depends only on the batch shape and prompt lengths, so the grid of
+  // a captured decode stays valid as tokens are appended.
+  plan.resident = resident ? resident(plan.maxrows, plan.smem_bytes)
+                           : static_cast<int>(std::min<size_t>(2048 / kDecodeThreads, (228 * 1024) / (plan.smem_bytes + 1024)));
+  plan.resident = std::max(plan.resident, 1);
+  const int64_t per_request = static_cast<int64_t>(H) * plan.row_chunks;
   const int32_t launch_batch = std::min(batch, kMaxBatchPerLaunch);
-  const int64_t target = 2 * static_cast<int64_t>(std::max(sm_count, 1));
-  const int64_t tiles = (max_work + tile - 1) / tile;
-  plan.splits = static_cast<int>(std::clamp<int64_t>((target + per_request * launch_batch - 1) / (per_request * launch_batch), 1, std::max<int64_t>(tiles, 1)));
+  const int64_t target = static_cast<int64_t>(plan.resident) * std::max(sm_count, 1);
+  const int64_t tiles = (max_work + kDecodeTile - 1) / kDecodeTile;
+  const int64_t most = std::min<int64_t>(std::max<int64_t>(tiles, 1), kMaxSplits);
+  plan.splits = static_cast<int>(std::clamp<int64_t>(target / (per_request * launch_batch), 1, most));
   plan.blocks = per_request * launch_batch * plan.splits;
-  plan.workspace_bytes = static_cast<size_t>(plan.blocks) * plan.maxrows * (2 * D + 2) * sizeof(float);
+  plan.workspace_bytes = static_cast<size_t>(plan.blocks) * plan.maxrows * (2 * D + 2 + plan.max_anchors) * sizeof(float);
   return plan;
 }
 
@@ -177,12 +170,11 @@ DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32
   p.splits = plan.splits;
   p.max_anchors = plan.max_anchors;
   p.max_pairs = plan.max_pairs;
-  p.slices = plan.slices;
-  p.slice_anchors = plan.slice_anchors;
   const size_t per_block = static_cast<size_t>(plan.maxrows) * shape.head_dim;
   p.ws_o = workspace;
   p.ws_r = workspace + plan.blocks * per_block;
   p.ws_ml = workspace + 2 * plan.blocks * per_block;
+  p.ws_w = p.ws_ml + plan.blocks * plan.maxrows * 2;
   return p;
 }
 

@@ -4,6 +4,7 @@
 // them in host memory and run the same kernels on the CPU.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 #include "core/context.hpp"
 #include "cuda/cache_view.hpp"
@@ -29,19 +30,23 @@ struct ViewAddresses {
 std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresses &at);
 
 struct DecodePlan {
-  int maxrows = 4;      // template row chunk (4, 8, 16, 32)
+  int maxrows = 4;      // template row chunk (4, 8, 16): more rows are split into chunks
   int row_chunks = 1;
   int splits = 1;
   int max_anchors = 0, max_pairs = 0;
-  int slices = 1;         // blocks sharing one (request, head, split), each with a slice of anchors
-  int slice_anchors = 0;  // anchors staged in shared memory per block (0: none)
+  int resident = 1;       // split blocks resident per multiprocessor
   size_t smem_bytes = 0;  // dynamic shared memory of decode_split_kernel
   int64_t blocks = 0;     // split blocks of one launch (kMaxBatchPerLaunch requests at most)
   size_t workspace_bytes = 0;
 };
 
 // sm_count: multiprocessors; smem_limit: the opt-in dynamic shared memory per block.
-DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_len, int sm_count, size_t smem_limit);
+// resident(maxrows, smem_bytes): split blocks of that instantiation resident on one
+// multiprocessor (the CUDA backend asks cudaOccupancyMaxActiveBlocksPerMultiprocessor); when
+// empty, estimated from 228 KB of shared memory per multiprocessor.
+using ResidentBlocks = std::function<int(int maxrows, size_t smem_bytes)>;
+DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_len, int sm_count, size_t smem_limit,
+                       const ResidentBlocks &resident = nullptr);
 
 // The parameters of a decode launch under `plan` (views left for the caller): queries and
 // out of its first request, the workspace of plan.workspace_bytes.

@@ -41,10 +41,9 @@ struct HostView {
 
 template <int D, int MAXROWS>
 void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
-  simt::launch(simt::dim3(plan.splits * plan.slices, p.heads * plan.row_chunks, batch), simt::dim3(kc::kThreads),
-               plan.smem_bytes,
+  simt::launch(simt::dim3(plan.splits, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads), plan.smem_bytes,
                kc::decode_split_kernel<D, MAXROWS>, p);
-  simt::launch(simt::dim3(p.heads * plan.row_chunks, batch), simt::dim3(kc::kThreads), 0,
+  simt::launch(simt::dim3(p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads), 0,
                kc::decode_merge_kernel<D, MAXROWS>, p);
 }
 
@@ -53,34 +52,22 @@ void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, i
   switch (plan.maxrows) {
     case 4: return launch_decode<D, 4>(plan, p, batch);
     case 8: return launch_decode<D, 8>(plan, p, batch);
-    case 16: return launch_decode<D, 16>(plan, p, batch);
-    default: return launch_decode<D, 32>(plan, p, batch);
+    default: return launch_decode<D, 16>(plan, p, batch);
   }
 }
 
-// Emulated GPU decode of a batch (f32 queries and output).
-// queries, and the result: bytes in `io` dtype.
-// smem: kAll (a device's 227 KB), kGlobal (anchors read from global memory) or kTight
-// (room for a third of the anchors: slices of anchors in sibling blocks).
-enum Smem { kAll, kGlobal, kTight };
+// Emulated GPU decode of a batch; queries and the result: bytes in `io` dtype.
+// sm_count and resident (split blocks per multiprocessor) set the number of splits; smem:
+// the shared memory a block may have (a device's 227 KB, or less, which shrinks the row chunk).
 // lse (optional): receives [batch][Hq][q_len], each row's log-sum-exp.
 std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, const std::vector<uint8_t> &queries,
-                                     akv_dtype io, int q_len, int sm_count, Smem smem,
+                                     akv_dtype io, int q_len, int sm_count, int resident, size_t smem,
                                      std::vector<float> *lse = nullptr) {
   const int32_t batch = static_cast<int32_t>(caches.size());
   const akv_shape &s = caches[0]->meta.shape;
-  kc::DecodePlan plan = kc::plan_decode(caches.data(), batch, q_len, sm_count, 227 * 1024);
-  const int tile = kc::kThreads * kc::run_for_rows(plan.maxrows);
-  if (smem == kGlobal && plan.slice_anchors) {
-    plan.slices = 1;
-    plan.slice_anchors = 0;
-    plan.smem_bytes = kc::SplitSmem(s.head_dim, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, 0).total;
-  } else if (smem == kTight && plan.slice_anchors) {
-    const size_t base = kc::SplitSmem(s.head_dim, plan.maxrows, tile, plan.max_anchors, plan.max_pairs, 0).total;
-    plan = kc::plan_decode(caches.data(), batch, q_len, sm_count,
-                           base + (plan.max_anchors / 3 + 16) * sizeof(uint16_t) * s.head_dim);
-    EXPECT_GT(plan.slices, 1);
-  }
+  const kc::DecodePlan plan = kc::plan_decode(caches.data(), batch, q_len, sm_count, smem,
+                                              [&](int, size_t) { return resident; });
+  EXPECT_EQ(plan.resident, resident);
   std::vector<HostView> views;
   views.reserve(caches.size());
   for (akv_cache *c : caches) views.emplace_back(*c);
@@ -109,12 +96,13 @@ struct Case {
   int window = 0;      // 0: the method's default
   int rotary_dim = 0;  // 0: all of head_dim
   akv_dtype io = AKV_DTYPE_F32;
+  int anchors = 0;     // 0: automatic
 };
 
 std::string describe(const Case &c) {
   return "method " + std::to_string(c.method) + " S=" + std::to_string(c.seq_len) + " D=" + std::to_string(c.head_dim) +
          " G=" + std::to_string(c.group) + " q_len=" + std::to_string(c.q_len) + " appended=" + std::to_string(c.appended) +
-         " rope=" + std::to_string(c.rope) + (c.gapped_positions ? " gapped" : "");
+         " rope=" + std::to_string(c.rope) + (c.gapped_positions ? " gapped" : "") + " anchors=" + std::to_string(c.anchors);
 }
 
 // Builds a CPU cache for the case (compress + appends) with its own data.
@@ -124,6 +112,7 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
   o.rope.style = c.rope;
   o.rope.rotary_dim = c.rotary_dim;
   if (c.window) o.window = c.window;
+  if (c.anchors) o.anchors = c.anchors;
   PrefillSpec spec;
   spec.seq_len = c.seq_len;
   spec.kv_heads = kv_heads;
@@ -132,7 +121,7 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
   spec.window = o.window;
   spec.explicit_positions = c.gapped_positions;
   const PrefillData data = make_prefill(rng, spec);
-  if (c.method == AKV_METHOD_ANCHORKV) o.retain_fraction = workable_retain_fraction(data.shape, o.window, 0, 0.12);
+  if (c.method == AKV_METHOD_ANCHORKV) o.retain_fraction = workable_retain_fraction(data.shape, o.window, c.anchors, 0.12);
   if (c.method == AKV_METHOD_SNAPKV) o.retain_fraction = 0.3;
   CachePtr cache = compress(ctx, data, o);
   if (c.appended) {
@@ -143,7 +132,7 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
   return cache;
 }
 
-void check_case(const Case &c, int batch, int sm_count, Smem smem) {
+void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t smem = 227 * 1024) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   SCOPED_TRACE(describe(c) + " batch " + std::to_string(batch) + " sm_count " + std::to_string(sm_count));
@@ -166,7 +155,7 @@ void check_case(const Case &c, int batch, int sm_count, Smem smem) {
                           expected_lse.data(), nullptr),
      "akv_decode_batch_lse");
   const std::vector<float> got =
-      decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, smem, &got_lse), c.io);
+      decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, resident, smem, &got_lse), c.io);
   const std::vector<float> expected = decode_bytes(expected_bytes, c.io);
   ASSERT_EQ(count_non_finite(got), 0u);
   // Same arithmetic up to summation order and the angle method (both accurate to ~1e-6);
@@ -178,37 +167,53 @@ void check_case(const Case &c, int batch, int sm_count, Smem smem) {
 }
 
 TEST(EmulatedDecode, AnchorKvMatchesCpuAcrossShapes) {
-  check_case({AKV_METHOD_ANCHORKV, 1100, 64, 1, 1, 0, AKV_ROPE_NEOX, false}, 1, 4, kAll);
-  check_case({AKV_METHOD_ANCHORKV, 1300, 128, 4, 1, 0, AKV_ROPE_NEOX, true}, 1, 8, kGlobal);
+  check_case({AKV_METHOD_ANCHORKV, 1100, 64, 1, 1, 0, AKV_ROPE_NEOX, false}, 1, 4, 2);
+  check_case({AKV_METHOD_ANCHORKV, 1300, 128, 4, 1, 0, AKV_ROPE_NEOX, true}, 1, 8, 1);
 }
 
 TEST(EmulatedDecode, AnchorKvBatchWithAppendedTokensAndQueryBlocks) {
-  check_case({AKV_METHOD_ANCHORKV, 900, 64, 4, 4, 5, AKV_ROPE_GPTJ, false}, 2, 4, kTight);
-  check_case({AKV_METHOD_ANCHORKV, 700, 128, 2, 4, 3, AKV_ROPE_NONE, false}, 2, 2, kAll);
+  check_case({AKV_METHOD_ANCHORKV, 900, 64, 4, 4, 5, AKV_ROPE_GPTJ, false}, 2, 4, 3);
+  check_case({AKV_METHOD_ANCHORKV, 700, 128, 2, 4, 3, AKV_ROPE_NONE, false}, 2, 2, 2);
 }
 
 TEST(EmulatedDecode, ManyRowsUseSeveralRowChunks) {
-  check_case({AKV_METHOD_ANCHORKV, 600, 64, 8, 5, 4, AKV_ROPE_NEOX, false}, 1, 2, kTight);  // 40 rows
+  check_case({AKV_METHOD_ANCHORKV, 600, 64, 8, 5, 4, AKV_ROPE_NEOX, false}, 1, 2, 3);  // 40 rows
 }
 
 TEST(EmulatedDecode, WideHeadsLongWindowPartialRotaryAndHalfPrecisionIo) {
   // D=256; a window longer than a tile; RoPE on half the dimensions; bf16 and f16 I/O.
   Case wide{AKV_METHOD_ANCHORKV, 1500, 256, 2, 1, 0, AKV_ROPE_NEOX, false};
   wide.io = AKV_DTYPE_BF16;
-  check_case(wide, 1, 4, kAll);
+  check_case(wide, 1, 4, 2);
   Case long_window{AKV_METHOD_ANCHORKV, 2000, 64, 4, 2, 3, AKV_ROPE_NEOX, true};
   long_window.window = 600;
   long_window.rotary_dim = 32;
   long_window.io = AKV_DTYPE_F16;
-  check_case(long_window, 2, 3, kTight);
+  check_case(long_window, 2, 3, 3);
   Case gptj_partial{AKV_METHOD_ANCHORKV, 900, 128, 1, 1, 0, AKV_ROPE_GPTJ, false};
   gptj_partial.rotary_dim = 64;
-  check_case(gptj_partial, 1, 8, kGlobal);
+  check_case(gptj_partial, 1, 8, 1);
+}
+
+// Many anchors per head (the old kernel split these into slices of shared memory; the tile
+// now reads anchor rows as it needs them), GQA groups 1, 4 and 8, q_len 1 and 4, mixed
+// batches with appended tokens, gapped positions (the exact-angle fallback of the RoPE table).
+TEST(EmulatedDecode, ManyAnchorsGqaGroupsAndQueryLengths) {
+  Case g8{AKV_METHOD_ANCHORKV, 1800, 64, 8, 1, 3, AKV_ROPE_NEOX, false};
+  g8.anchors = 900;
+  check_case(g8, 2, 4, 2);
+  Case g1{AKV_METHOD_ANCHORKV, 1500, 128, 1, 4, 4, AKV_ROPE_GPTJ, true};
+  g1.anchors = 800;
+  g1.io = AKV_DTYPE_BF16;
+  check_case(g1, 2, 6, 1);
+  Case g4{AKV_METHOD_ANCHORKV, 1200, 64, 4, 4, 3, AKV_ROPE_NEOX, true};
+  g4.anchors = 700;
+  check_case(g4, 3, 4, 2);
 }
 
 TEST(EmulatedDecode, DenseCachesMatchCpu) {
-  check_case({AKV_METHOD_FULLKV, 700, 64, 4, 2, 3, AKV_ROPE_NEOX, false}, 2, 8, kAll);
-  check_case({AKV_METHOD_SNAPKV, 800, 128, 2, 1, 2, AKV_ROPE_NEOX, false}, 2, 4, kTight);
+  check_case({AKV_METHOD_FULLKV, 700, 64, 4, 2, 3, AKV_ROPE_NEOX, false}, 2, 8, 2);
+  check_case({AKV_METHOD_SNAPKV, 800, 128, 2, 1, 2, AKV_ROPE_NEOX, false}, 2, 4, 3);
 }
 
 // Append on the "device" writes the same rows as the CPU append, and the kernel-side length

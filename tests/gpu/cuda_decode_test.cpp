@@ -88,7 +88,7 @@ double tolerance(akv_dtype dtype) { return dtype == AKV_DTYPE_F32 ? 2e-3 : dtype
 
 // Tolerance of one request's akv_decode against its row of akv_decode_batch: one unit in the
 // last place of the output dtype (relative, and absolute near zero). The two are not bit-equal
-// on hardware: the plan (splits, slices) depends on the batch, so the fp32 partial sums are
+// on hardware: the plan (splits) depends on the batch, so the fp32 partial sums are
 // added in another order, and the shared-memory atomics that gather the per-anchor weights
 // run in an order the hardware chooses. Making them bit-equal would cost a batch-independent
 // plan and a fixed-order reduction of the weights; a fp32 reordering moves an output by far
@@ -247,9 +247,9 @@ TEST_F(Cuda, DecodeMatchesCpuOverShapesMethodsAndMixedBatches) {
     if (!quick || c.seq_len <= 4096) check_decode(c, 3, rng);
 }
 
-// Long contexts: 64K and 128K tokens, q_len 1 and 4, G 4 and 8; at 128K, k = 1024 anchors of
-// D = 128 (256 KB of bf16 keys) are more than a block's shared memory holds, so the anchors
-// are split into slices. ANCHORKV_TEST_QUICK (compute-sanitizer runs): the first case only.
+// Long contexts: 64K and 128K tokens, q_len 1 and 4, G 1, 4 and 8; at 128K, k = 1024 anchors
+// of D = 128 (256 KB of bf16 keys, more than a block's shared memory: the key tiles read the
+// anchor rows through L2). ANCHORKV_TEST_QUICK (compute-sanitizer runs): the first case only.
 TEST_F(Cuda, DecodeLongContextsMatchCpu) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
@@ -257,6 +257,8 @@ TEST_F(Cuda, DecodeLongContextsMatchCpu) {
   const std::vector<DecodeCase> cases = {
       {AKV_METHOD_ANCHORKV, 131072, 128, 8, 4, AKV_DTYPE_BF16, 1024},
       {AKV_METHOD_ANCHORKV, 131072, 128, 4, 1, AKV_DTYPE_BF16, 1024},
+      {AKV_METHOD_ANCHORKV, 131072, 128, 1, 4, AKV_DTYPE_F32, 1024},
+      {AKV_METHOD_ANCHORKV, 32768, 128, 1, 1, AKV_DTYPE_BF16, 256},
       {AKV_METHOD_ANCHORKV, 65536, 128, 8, 1, AKV_DTYPE_F16, 512},
       {AKV_METHOD_ANCHORKV, 65536, 128, 4, 4, AKV_DTYPE_BF16, 512},
   };
