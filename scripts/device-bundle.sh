@@ -42,7 +42,11 @@ echo "device-bundle: built in $((SECONDS - start)) s"
 
 rm -rf "$bundle"
 mkdir -p "$bundle/lib" "$bundle/bin"
-cp -P "$build_dir"/src/libanchorkv.so* "$bundle/lib/"
+# The library the build just linked and its two links (not an older version left in the
+# build directory).
+library="$(readlink -f "$build_dir/src/libanchorkv.so")"
+cp "$library" "$bundle/lib/"
+cp -P "$build_dir/src/libanchorkv.so" "$build_dir/src/$(readlink "$build_dir/src/libanchorkv.so")" "$bundle/lib/"
 cp "$build_dir"/tests/anchorkv_gpu_tests "$build_dir"/tests/anchorkv_api_tests \
    "$build_dir"/tests/anchorkv_emulation_tests "$build_dir"/tools/cli/anchorkv "$bundle/bin/"
 find "$bundle" -type f -exec strip --strip-unneeded {} +
