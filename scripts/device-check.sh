@@ -7,7 +7,7 @@
 #   1. smoke: one decode and one compression against the CPU (Cuda.Smoke*), after the GPU,
 #      the bundle and its shared libraries are listed;
 #   2. scripts/bench_decode.py: compact decode vs our dense decode vs PyTorch SDPA, cold L2
-#      (ANCHORKV_DECODE_BENCH_ARGS, e.g. "--seq-lens 32768 131072 --batches 1 32");
+#      (ANCHORKV_DECODE_BENCH_ARGS; default the rows of issue 14: "--rows 32768x1 131072x1 131072x8 32768x32");
 #   3. scripts/bench_compress.py: the GPU compression pass vs SDPA causal prefill attention
 #      and our SnapKV (ANCHORKV_COMPRESS_BENCH_ARGS);
 #   4. the GPU test suite: anchorkv_gpu_tests (64K and 128K decodes included), the GpuContext
@@ -132,7 +132,7 @@ else
   else
     # shellcheck disable=SC2086  # a list of words
     step "bench_decode.py (vs SDPA)" "$logs/bench-decode.log" \
-      python3 "$root/scripts/bench_decode.py" ${ANCHORKV_DECODE_BENCH_ARGS:-}
+      python3 "$root/scripts/bench_decode.py" ${ANCHORKV_DECODE_BENCH_ARGS:---rows 32768x1 131072x1 131072x8 32768x32}
   fi
   if skipped compress-bench; then note SKIP "bench_compress.py" 0
   elif [ "$has_gpu" = 0 ]; then note SKIP "bench_compress.py: no GPU" 0
