@@ -379,17 +379,8 @@ struct SplitBlock {
           const int d = d0 + e;
           if (d >= 2 * pairs || !live) continue;
           const int j = d < pairs ? d : d - pairs;
-          float cs, sn;
-          if (off >= 0) {
-            const float2 st = step_s[off * pairs + j];
-            cs = st.x;
-            sn = st.y;
-          } else {  // gapped positions
-            const float2 st = exact_angle(pos_s[t] - p0, inv_s[j]);
-            cs = st.x;
-            sn = st.y;
-          }
-          x[e] = d < pairs ? x[e] * cs - other * sn : other * sn + x[e] * cs;
+          const float2 st = offset_angle(t, off, j, p0);
+          x[e] = d < pairs ? x[e] * st.x - other * st.y : other * st.y + x[e] * st.x;
         }
       }
       if (live) {
@@ -397,6 +388,12 @@ struct SplitBlock {
         for (int e = 0; e < EPT; ++e) row[e] += x[e];
       }
     }
+  }
+
+  // (cos, sin) of R_off for token t (offset off from the tile's first position p0) and pair j:
+  // the per-block table, or the exact angle where the tile's positions have a gap (off < 0).
+  __device__ __forceinline__ float2 offset_angle(int t, int off, int j, int64_t p0) const {
+    return off >= 0 ? step_s[off * pairs + j] : exact_angle(pos_s[t] - p0, inv_s[j]);
   }
 
   // ---- 4. RoPE in place ----------------------------------------------------------------------
@@ -413,20 +410,11 @@ struct SplitBlock {
       const int f = first_s[j], s = second_s[j];
       for (int m = 0; m < TPW; ++m) {
         const int t = warp + m * NW;
-        float cs, sn;
-        if (offs[m] >= 0) {
-          const float2 st = step_s[offs[m] * pairs + j];
-          cs = st.x;
-          sn = st.y;
-        } else {  // gapped positions
-          const float2 st = exact_angle(pos_s[t] - p0, inv_s[j]);
-          cs = st.x;
-          sn = st.y;
-        }
+        const float2 st = offset_angle(t, offs[m], j, p0);
         float *row = K_s + t * KS;
         const float x0 = row[f], x1 = row[s];
-        row[f] = x0 * cs - x1 * sn;
-        row[s] = x0 * sn + x1 * cs;
+        row[f] = x0 * st.x - x1 * st.y;
+        row[s] = x0 * st.y + x1 * st.x;
       }
     }
   }
