@@ -37,12 +37,18 @@ __device__ __forceinline__ int64_t kv_offset(const PrefillArgs &a, int h, int64_
 
 __device__ __forceinline__ bool finite(float x) { return (x - x) == 0.0f; }
 
-// One token per warp (4 per block): pre- and post-RoPE keys and values of head h, in float.
-__global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h, float *kpre, float *kpost, float *v) {
+// One token per warp (4 per block): pre- and post-RoPE keys and values of head h + blockIdx.y,
+// in float (grid y over heads: head h + y's rows start at y * S * D).
+__global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, float *kpre, float *kpost, float *v) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
   if (t >= a.seq_len) return;
   const int D = a.head_dim;
+  const int h = h0 + static_cast<int>(blockIdx.y);
+  const int64_t head_rows = static_cast<int64_t>(blockIdx.y) * a.seq_len * D;
+  kpre += head_rows;
+  kpost += head_rows;
+  v += head_rows;
   const int64_t src = kv_offset(a, h, t);
   float *given = (a.keys_post_rope ? kpost : kpre) + t * D;
   float *other = (a.keys_post_rope ? kpre : kpost) + t * D;
@@ -68,10 +74,13 @@ __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h, f
   if (bad) atomicAdd(a.bad, 1);
 }
 
-// The window queries of KV head h's group: Q[g * W + w][D] (one row per block of 32).
-__global__ void load_queries_kernel(const __grid_constant__ PrefillArgs a, int h, float *q) {
+// The window queries of KV head h's group: Q[g * W + w][D] (one row per block of 32); grid y
+// over heads: head h0 + y's m = gridDim.x rows start at y * m * D.
+__global__ void load_queries_kernel(const __grid_constant__ PrefillArgs a, int h0, float *q) {
   const int r = blockIdx.x, lane = threadIdx.x;
   const int G = a.q_heads / a.heads, W = a.window, D = a.head_dim;
+  const int h = h0 + static_cast<int>(blockIdx.y);
+  q += static_cast<int64_t>(blockIdx.y) * gridDim.x * D;
   const int hq = h * G + r / W, w = r % W;
   const int64_t src = hq * a.q_head_stride + static_cast<int64_t>(w) * a.q_token_stride;
   bool bad = false;
@@ -155,10 +164,14 @@ __global__ void __launch_bounds__(128) window_softmax_kernel(float *A, int64_t S
   for (int64_t t = threadIdx.x; t < S; t += 128) row[t] = t < visible ? row[t] * inv : 0.0f;
 }
 
-// Mean attention over the m rows (raw scores) and mean squared attention, per prefix token.
+// Mean attention over the m rows (raw scores) and mean squared attention, per prefix token
+// (grid y over heads: A [y][m][S], raw and alpha_sq [y][P]).
 __global__ void scores_kernel(const float *A, int64_t S, int64_t P, int m, float *raw, float *alpha_sq) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
+  A += static_cast<int64_t>(blockIdx.y) * m * S;
+  raw += static_cast<int64_t>(blockIdx.y) * P;
+  alpha_sq += static_cast<int64_t>(blockIdx.y) * P;
   float s = 0.0f, s2 = 0.0f;
   for (int r = 0; r < m; ++r) {
     const float a = A[r * S + t];
@@ -179,11 +192,15 @@ __device__ __forceinline__ uint32_t descending_key(float value) {
 
 // Pooling over a window of `kernel` tokens (zero padding; the average divides by kernel).
 // Also the sort keys of the anchor selection: descending pooled score as an ascending key;
-// the first `sinks` tokens get key 0, ahead of every score (ties: lower index).
+// the first `sinks` tokens get key 0, ahead of every score (ties: lower index). Grid y over
+// heads: raw, keys and index [y][P] (index: the token within the head).
 __global__ void pool_kernel(const float *raw, int64_t P, int kernel, int max_pool, int64_t sinks, uint32_t *keys,
                             uint32_t *index) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
+  raw += static_cast<int64_t>(blockIdx.y) * P;
+  keys += static_cast<int64_t>(blockIdx.y) * P;
+  index += static_cast<int64_t>(blockIdx.y) * P;
   const int half = kernel / 2;
   float acc = max_pool ? -INFINITY : 0.0f;
   for (int64_t u = t - half; u <= t + half; ++u) {
@@ -477,17 +494,30 @@ __global__ void assign_kernel(const int32_t *nearest, int64_t t0, int64_t n, int
   }
 }
 
-// Utilities (Eq. 6) of the prefix tokens of one head; anchors get -1 (never candidates).
+// Utilities (Eq. 6) of the prefix tokens of head h = h0 + blockIdx.y (grid y over heads; the
+// per-head inputs are [y][...] arrays: A [m][S], Z and VY [m][P], y_norm_sq [m], V [S][D],
+// alpha_sq, the residual norms and anchor_of_token [P]); anchors get -1 (never candidates).
 // Also the sort keys of the residual selection (descending utility as an ascending key), the
 // guard's keys (descending residual energy; anchors last) and the candidate ids h * P + t.
 __global__ void utility_kernel(const float *A, int64_t S, int64_t P, int m, int D, const float *Z, const float *VY,
                                const float *y_norm_sq, const float *V, const float *alpha_sq,
                                const float *rk_norm_sq, const float *rv_norm_sq, const int32_t *anchor_of_token,
-                               int h, uint32_t *key_keys, uint32_t *value_keys, uint32_t *key_ids,
+                               int h0, uint32_t *key_keys, uint32_t *value_keys, uint32_t *key_ids,
                                uint32_t *value_ids, uint32_t *key_energy, uint32_t *value_energy,
                                uint32_t *key_energy_ids, uint32_t *value_energy_ids) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
+  const int64_t y = blockIdx.y;
+  const int h = h0 + static_cast<int>(y);
+  A += y * m * S;
+  Z += y * m * P;
+  VY += y * m * P;
+  y_norm_sq += y * m;
+  V += y * S * D;
+  alpha_sq += y * P;
+  rk_norm_sq += y * P;
+  rv_norm_sq += y * P;
+  anchor_of_token += y * P;
   float uk = -1.0f, uv = -1.0f;
   if (anchor_of_token[t] < 0) {
     float vn = 0.0f;
@@ -511,6 +541,21 @@ __global__ void utility_kernel(const float *A, int64_t S, int64_t P, int m, int 
   }
   const uint32_t id = static_cast<uint32_t>(h * P + t);
   key_ids[h * P + t] = value_ids[h * P + t] = key_energy_ids[h * P + t] = value_energy_ids[h * P + t] = id;
+}
+
+// Segmented sort through one device-wide radix sort: keys of segment i (n each) become
+// (i << 32) | key, so that a stable sort of the 64-bit keys orders every segment by key, ties
+// in their given order; split_segment_keys_kernel writes the 32-bit keys back.
+__global__ void segment_keys_kernel(const uint32_t *keys, int64_t n, int64_t total, uint64_t *wide) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < total) wide[i] = (static_cast<uint64_t>(i / n) << 32) | keys[i];
+}
+__global__ void split_segment_keys_kernel(const uint64_t *wide, const uint32_t *values_in, int64_t total,
+                                          uint32_t *keys, uint32_t *values) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  keys[i] = static_cast<uint32_t>(wide[i]);
+  values[i] = values_in[i];
 }
 
 // The guard ranks the tokens the utilities left: the n already chosen (sorted ids) go last.

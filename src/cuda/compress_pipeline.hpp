@@ -8,7 +8,11 @@
 //   launch(kernel, gx, gy, block, args...)          a kernel over a (gx, gy) grid
 //   gemm_nt(M, N, K, alpha, A, lda, B, ldb, C, ldc)  C = alpha A B^T  (row-major)
 //   gemm_nn(M, N, K, alpha, A, lda, B, ldb, C, ldc)  C = alpha A B
+//   gemm_nt_batched(M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch)
+//   gemm_nn_batched(...)                             the same for `batch` problems, operand i at
+//                                                    A + i sa, B + i sb, C + i sc (strided batch)
 //   sort_u32(keys, values, n), sort_u64(keys, values, n)  stable ascending, in place
+//   sort_segments_u32(keys, values, segments, n)     each of `segments` runs of n, stable, in place
 //   copy(dst, src, bytes), fill(dst, byte, bytes)    ordered with the kernels
 //   read(host_dst, src, bytes)                        waits for the work so far, then copies
 //   int read_int(const int32_t *)                    the same for one int
@@ -68,7 +72,9 @@ class Carver {
   size_t at_ = 0;
 };
 
-// Scratch of one compression, carved out of one allocation.
+// Scratch of one compression, carved out of one allocation. The arrays of the stages batched
+// over heads (loading, window attention, scores, anchor ranking, residual rows, utilities)
+// hold every head, head h's part at h times the per-head size; head(h) views them at head h.
 struct CompressScratch {
   static constexpr int64_t kAssignChunk = 8192;  // tokens per assignment GEMM
   uint16_t *anchor_b;  // anchor_n in bf16 (the tensor-core operand of nearest_anchor_kernel)
@@ -89,29 +95,29 @@ struct CompressScratch {
   size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int k, int pairs, int64_t table_blocks = 0) {
     Carver take(base);
     const int64_t chunk = std::min<int64_t>(kAssignChunk, P);
-    take(kpre, S * D);
-    take(kpost, S * D);
-    take(v, S * D);
-    take(q, int64_t{m} * D);
-    take(attn, int64_t{m} * S);
-    take(y, int64_t{m} * D);
-    take(raw, P);
-    take(alpha_sq, P);
+    take(kpre, H * S * D);
+    take(kpost, H * S * D);
+    take(v, H * S * D);
+    take(q, int64_t{H} * m * D);
+    take(attn, int64_t{H} * m * S);
+    take(y, int64_t{H} * m * D);
+    take(raw, H * P);
+    take(alpha_sq, H * P);
     take(anchor_f, int64_t{k} * D);
     take(anchor_n, int64_t{k} * D);
     take(anchor_b, int64_t{k} * D);
     take(norms, k);
     take(c, chunk * k);
-    take(rk, P * D);
-    take(rk_norm_sq, P);
-    take(rv_norm_sq, P);
-    take(z, int64_t{m} * P);
-    take(vy, int64_t{m} * P);
-    take(y_norm_sq, m);
+    take(rk, H * P * D);
+    take(rk_norm_sq, H * P);
+    take(rv_norm_sq, H * P);
+    take(z, int64_t{H} * m * P);
+    take(vy, int64_t{H} * m * P);
+    take(y_norm_sq, int64_t{H} * m);
     take(inv_freq, pairs);
     take(signs, D);
-    take(rank_keys, P);
-    take(rank_index, P);
+    take(rank_keys, H * P);
+    take(rank_index, H * P);
     take(sample_index, P);
     take(picks, k);
     take(picks_dummy, k);
@@ -123,7 +129,7 @@ struct CompressScratch {
     }
     take(head_counts, H);
     take(sample_keys, P);
-    take(anchor_of_token, P);
+    take(anchor_of_token, H * P);
     take(nearest, P);
     take(positions, S);
     take(rope_first, pairs);
@@ -140,6 +146,29 @@ struct CompressScratch {
     take(cover_anchor, P);
     take(block_table, table_blocks);  // paged prefill: the block table on the device
     return take.bytes();
+  }
+
+  // This scratch with the per-head arrays at head h's part.
+  CompressScratch head(int h, int64_t S, int64_t P, int D, int m) const {
+    CompressScratch c = *this;
+    c.kpre += h * S * D;
+    c.kpost += h * S * D;
+    c.v += h * S * D;
+    c.q += static_cast<int64_t>(h) * m * D;
+    c.attn += static_cast<int64_t>(h) * m * S;
+    c.y += static_cast<int64_t>(h) * m * D;
+    c.raw += h * P;
+    c.alpha_sq += h * P;
+    c.rk += h * P * D;
+    c.rk_norm_sq += h * P;
+    c.rv_norm_sq += h * P;
+    c.z += static_cast<int64_t>(h) * m * P;
+    c.vy += static_cast<int64_t>(h) * m * P;
+    c.y_norm_sq += static_cast<int64_t>(h) * m;
+    c.rank_keys += h * P;
+    c.rank_index += h * P;
+    c.anchor_of_token += h * P;
+    return c;
   }
 };
 
@@ -510,69 +539,75 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                               reinterpret_cast<uint16_t *>(section(kAnchorValues))};
   int64_t *anchor_tokens = reinterpret_cast<int64_t *>(section(kAnchorTokens));
 
+  // 1. Every head's keys (both forms), values and its group's window queries.
+  dev.stage(kStageLoad);
+  dev.launch(load_head_kernel, grid_blocks(S, 4), H, 128, a, 0, s.kpre, s.kpost, s.v);
+  dev.launch(load_queries_kernel, m, H, 32, a, 0, s.q);
+  // 2. Window attention with the causal window mask, and its outputs y (batched over heads;
+  // the softmax rows of all heads are one [H m][S] array, m a multiple of W).
+  dev.stage(kStageWindowAttention);
+  dev.gemm_nt_batched(m, S, D, cache.meta.softmax_scale, s.q, D, int64_t{m} * D, s.kpost, D, S * D, s.attn, S,
+                      int64_t{m} * S, H);
+  dev.launch(window_softmax_kernel, H * m, 1, 128, s.attn, S, P, W);
+  dev.gemm_nn_batched(m, D, S, 1.0f, s.attn, S, int64_t{m} * S, s.v, D, S * D, s.y, D, int64_t{m} * D, H);
+  // 3. Scores, pooled; 4. anchors: the top share by pooled score (ties: lower index), then
+  // the smallest counter hashes among the rest, sorted by token.
+  dev.stage(kStageScores);
+  dev.launch(scores_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, s.raw,
+             s.alpha_sq);
+  dev.launch(pool_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
+             o.pool_type == AKV_POOL_MAX ? 1 : 0, n_sink, s.rank_keys, s.rank_index);
+  dev.stage(kStageAnchorSelection);
+  dev.sort_segments_u32(s.rank_keys, s.rank_index, H, P);
+
   for (int h = 0; h < H; ++h) {
-    // 1. This head's keys (both forms), values and the group's window queries.
-    dev.stage(kStageLoad);
-    dev.launch(load_head_kernel, grid_blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
-    dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q);
-    // 2. Window attention with the causal window mask, and its outputs y.
-    dev.stage(kStageWindowAttention);
-    dev.gemm_nt(m, S, D, cache.meta.softmax_scale, s.q, D, s.kpost, D, s.attn, S);
-    dev.launch(window_softmax_kernel, m, 1, 128, s.attn, S, P, W);
-    dev.gemm_nn(m, D, S, 1.0f, s.attn, S, s.v, D, s.y, D);
-    // 3. Scores, pooled; 4. anchors: the top share by pooled score (ties: lower index), then
-    // the smallest counter hashes among the rest, sorted by token.
-    dev.stage(kStageScores);
-    dev.launch(scores_kernel, grid_blocks(P, 128), 1, 128, s.attn, S, P, m, s.raw, s.alpha_sq);
-    dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, s.raw, P, o.pool_kernel, o.pool_type == AKV_POOL_MAX ? 1 : 0,
-               n_sink, s.rank_keys, s.rank_index);
+    const CompressScratch hs = s.head(h, S, P, D, m);
     dev.stage(kStageAnchorSelection);
-    dev.sort_u32(s.rank_keys, s.rank_index, P);
     if (P > n_top && o.coverage_rounds == 0) {
-      dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, s.rank_index, n_top, P, o.seed,
+      dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, hs.rank_index, n_top, P, o.seed,
                  static_cast<uint64_t>(kStreamAnchorSample),
-                 (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(o.head_offset + h), s.sample_keys,
-                 s.sample_index);
-      dev.sort_u64(s.sample_keys, s.sample_index, P - n_top);
+                 (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(o.head_offset + h), hs.sample_keys,
+                 hs.sample_index);
+      dev.sort_u64(hs.sample_keys, hs.sample_index, P - n_top);
     }
-    dev.copy(s.picks, s.rank_index, n_top * sizeof(uint32_t));
+    dev.copy(hs.picks, hs.rank_index, n_top * sizeof(uint32_t));
     if (o.coverage_rounds > 0) {
-      if (n_rand > 0) coverage_anchors(dev, s, S, P, D, W, n_top, n_rand, o.coverage_rounds);
+      if (n_rand > 0) coverage_anchors(dev, hs, S, P, D, W, n_top, n_rand, o.coverage_rounds);
     } else {
-      dev.copy(s.picks + n_top, s.sample_index, n_rand * sizeof(uint32_t));
+      dev.copy(hs.picks + n_top, hs.sample_index, n_rand * sizeof(uint32_t));
     }
-    dev.sort_u32(s.picks, s.picks_dummy, free_anchors);
-    dev.fill(s.anchor_of_token, 0xFF, P * sizeof(int32_t));  // -1: not an anchor
+    dev.sort_u32(hs.picks, hs.picks_dummy, free_anchors);
+    dev.fill(hs.anchor_of_token, 0xFF, P * sizeof(int32_t));  // -1: not an anchor
     // 5. Per side: anchors into the cache, nearest anchor of every prefix token.
     dev.stage(kStageAssignment);
     for (int side = 0; side < 2; ++side) {
-      const float *X = side == 0 ? s.kpre : s.v;
-      dev.launch(anchors_kernel, k, 1, 128, X, s.picks, free_anchors, P, D, bf16 ? 1 : 0,
-                 anchors_out[side] + static_cast<int64_t>(h) * k * D, s.anchor_f, s.anchor_n, s.anchor_b, s.norms,
-                 side == 0 ? anchor_tokens + h * free_anchors : static_cast<int64_t *>(nullptr), s.anchor_of_token);
+      const float *X = side == 0 ? hs.kpre : hs.v;
+      dev.launch(anchors_kernel, k, 1, 128, X, hs.picks, free_anchors, P, D, bf16 ? 1 : 0,
+                 anchors_out[side] + static_cast<int64_t>(h) * k * D, hs.anchor_f, hs.anchor_n, hs.anchor_b, hs.norms,
+                 side == 0 ? anchor_tokens + h * free_anchors : static_cast<int64_t *>(nullptr), hs.anchor_of_token);
       // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
       // coefficients and residual norms.
-      nearest_anchors(dev, D, X, P, k, s.anchor_n, s.anchor_b, s.norms, s.nearest, nullptr);
-      dev.launch(assign_kernel, grid_blocks(P, 4), 1, 128, static_cast<const int32_t *>(s.nearest), int64_t{0}, P, k, D,
-                 X, static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
-                 static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token),
-                 index[side] + h * P, gamma[side] + h * P, side, static_cast<const int32_t *>(s.positions), pairs,
-                 static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
-                 static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
+      nearest_anchors(dev, D, X, P, k, hs.anchor_n, hs.anchor_b, hs.norms, hs.nearest, nullptr);
+      dev.launch(assign_kernel, grid_blocks(P, 4), 1, 128, static_cast<const int32_t *>(hs.nearest), int64_t{0}, P, k,
+                 D, X, static_cast<const float *>(hs.anchor_f), static_cast<const float *>(hs.anchor_n),
+                 static_cast<const float *>(hs.norms), static_cast<const int32_t *>(hs.anchor_of_token),
+                 index[side] + h * P, gamma[side] + h * P, side, static_cast<const int32_t *>(hs.positions), pairs,
+                 static_cast<const float *>(hs.inv_freq), static_cast<const int32_t *>(hs.rope_first),
+                 static_cast<const int32_t *>(hs.rope_second), hs.rk, side == 0 ? hs.rk_norm_sq : hs.rv_norm_sq);
     }
-    // 6. Utilities (Eq. 6): Z = Q (R r_K)^T, V.y, ||y||^2.
-    dev.stage(kStageUtilities);
-    dev.gemm_nt(m, P, D, 1.0f, s.q, D, s.rk, D, s.z, P);
-    dev.gemm_nt(m, P, D, 1.0f, s.y, D, s.v, D, s.vy, P);
-    dev.launch(row_norms_kernel, grid_blocks(m, 128), 1, 128, static_cast<const float *>(s.y), m, D, s.y_norm_sq);
-    dev.launch(utility_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, D,
-               static_cast<const float *>(s.z), static_cast<const float *>(s.vy),
-               static_cast<const float *>(s.y_norm_sq), static_cast<const float *>(s.v),
-               static_cast<const float *>(s.alpha_sq), static_cast<const float *>(s.rk_norm_sq),
-               static_cast<const float *>(s.rv_norm_sq), static_cast<const int32_t *>(s.anchor_of_token), h,
-               s.util_keys[0], s.util_keys[1], s.util_ids[0], s.util_ids[1], s.energy_keys[0], s.energy_keys[1],
-               s.energy_ids[0], s.energy_ids[1]);
   }
+  // 6. Utilities (Eq. 6) of every head: Z = Q (R r_K)^T, V.y, ||y||^2 (batched over heads).
+  dev.stage(kStageUtilities);
+  dev.gemm_nt_batched(m, P, D, 1.0f, s.q, D, int64_t{m} * D, s.rk, D, P * D, s.z, P, int64_t{m} * P, H);
+  dev.gemm_nt_batched(m, P, D, 1.0f, s.y, D, int64_t{m} * D, s.v, D, S * D, s.vy, P, int64_t{m} * P, H);
+  dev.launch(row_norms_kernel, grid_blocks(int64_t{H} * m, 128), 1, 128, static_cast<const float *>(s.y), H * m, D,
+             s.y_norm_sq);
+  dev.launch(utility_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, D,
+             static_cast<const float *>(s.z), static_cast<const float *>(s.vy), static_cast<const float *>(s.y_norm_sq),
+             static_cast<const float *>(s.v), static_cast<const float *>(s.alpha_sq),
+             static_cast<const float *>(s.rk_norm_sq), static_cast<const float *>(s.rv_norm_sq),
+             static_cast<const int32_t *>(s.anchor_of_token), 0, s.util_keys[0], s.util_keys[1], s.util_ids[0],
+             s.util_ids[1], s.energy_keys[0], s.energy_keys[1], s.energy_ids[0], s.energy_ids[1]);
 
   // 7-8. Per side and pooling group (every head unless pool_heads splits them): the best
   // utilities over the group's heads (ties: head, then token), then the guard share by

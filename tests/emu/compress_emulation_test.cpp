@@ -41,6 +41,27 @@ struct EmulatedDevice {
                float *C, int64_t ldc) {
     gemm(M, N, K, alpha, A, lda, 1, B, ldb, 1, C, ldc);
   }
+  void gemm_nt_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
+                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
+    for (int i = 0; i < batch; ++i) gemm_nt(M, N, K, alpha, A + i * sa, lda, B + i * sb, ldb, C + i * sc, ldc);
+  }
+  void gemm_nn_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
+                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
+    for (int i = 0; i < batch; ++i) gemm_nn(M, N, K, alpha, A + i * sa, lda, B + i * sb, ldb, C + i * sc, ldc);
+  }
+  // The device's segmented sort composes 64-bit keys (segment << 32 | key) with the
+  // emulated segment_keys_kernel, sorts them stably, and splits them with
+  // split_segment_keys_kernel: the same here, with std::stable_sort for the radix sort.
+  void sort_segments_u32(uint32_t *keys, uint32_t *values, int segments, int64_t n) {
+    const int64_t total = segments * n;
+    std::vector<uint64_t> wide(total);
+    std::vector<uint32_t> ids(values, values + total);
+    launch(kc::segment_keys_kernel, kc::grid_blocks(total, 128), 1, 128, static_cast<const uint32_t *>(keys), n, total,
+           wide.data());
+    sort(wide.data(), ids.data(), total);
+    launch(kc::split_segment_keys_kernel, kc::grid_blocks(total, 128), 1, 128, static_cast<const uint64_t *>(wide.data()),
+           static_cast<const uint32_t *>(ids.data()), total, keys, values);
+  }
   template <typename K>
   void sort(K *keys, uint32_t *values, int64_t n) {
     std::vector<std::pair<K, uint32_t>> v(n);
@@ -446,6 +467,12 @@ struct CountingDevice {
   void launch(void (*)(KArgs...), int, int, int, Args &&...) { ++launches; }
   void gemm_nt(int64_t, int64_t, int64_t, float, const float *, int64_t, const float *, int64_t, float *, int64_t) { ++gemms; }
   void gemm_nn(int64_t, int64_t, int64_t, float, const float *, int64_t, const float *, int64_t, float *, int64_t) { ++gemms; }
+  void gemm_nt_batched(int64_t, int64_t, int64_t, float, const float *, int64_t, int64_t, const float *, int64_t, int64_t,
+                       float *, int64_t, int64_t, int) { ++gemms; }
+  void gemm_nn_batched(int64_t, int64_t, int64_t, float, const float *, int64_t, int64_t, const float *, int64_t, int64_t,
+                       float *, int64_t, int64_t, int) { ++gemms; }
+  // As CudaDevice: the key composition kernel, one radix sort, the split kernel.
+  void sort_segments_u32(uint32_t *, uint32_t *, int, int64_t) { launches += 2, ++sorts; }
   void sort_u32(uint32_t *, uint32_t *, int64_t) { ++sorts; }
   void sort_u64(uint64_t *, uint32_t *, int64_t) { ++sorts; }
   void copy(void *, const void *, size_t) { ++copies; }
