@@ -237,13 +237,28 @@ __global__ void sample_keys_kernel(const uint32_t *ranked, int64_t from, int64_t
 
 // Anchor rows of head h for one side: storage-dtype copies into the cache, float copies,
 // norms and normalised rows. One block of 128 per anchor; anchor a's token is picks[a]
-// (sorted non-window picks) or P + a - free for the window.
-__global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint32_t *picks, int64_t free_anchors,
-                                                      int64_t P, int D, int storage_bf16, uint16_t *out, float *anchor_f,
-                                                      float *anchor_n, uint16_t *anchor_b, float *norms,
-                                                      int64_t *anchor_tokens, int32_t *anchor_of_token) {
+// (sorted non-window picks) or P + a - free for the window. Grid (k, heads): head y's rows
+// at X + y x_stride, its picks and anchor_tokens at y free_anchors, out, anchor_f, anchor_n,
+// anchor_b at y k D, norms at y k, anchor_of_token at y P.
+__global__ void __launch_bounds__(128) anchors_kernel(const float *X, int64_t x_stride, const uint32_t *picks,
+                                                      int64_t free_anchors, int64_t P, int D, int storage_bf16,
+                                                      uint16_t *out, float *anchor_f, float *anchor_n,
+                                                      uint16_t *anchor_b, float *norms, int64_t *anchor_tokens,
+                                                      int32_t *anchor_of_token) {
   AKV_STATIC_SHARED(float, scratch, [4]);
   const int64_t a = blockIdx.x;
+  {
+    const int64_t y = blockIdx.y, k = gridDim.x;
+    X += y * x_stride;
+    picks += y * free_anchors;
+    out += y * k * D;
+    anchor_f += y * k * D;
+    anchor_n += y * k * D;
+    anchor_b += y * k * D;
+    norms += y * k;
+    if (anchor_tokens) anchor_tokens += y * free_anchors;
+    anchor_of_token += y * P;
+  }
   const int64_t token = a < free_anchors ? static_cast<int64_t>(picks[a]) : P + (a - free_anchors);
   if (threadIdx.x == 0 && a < free_anchors) {
     if (anchor_tokens) anchor_tokens[a] = token;
@@ -340,11 +355,14 @@ __device__ __forceinline__ bool nearest_better(float v, int a, float bv, int ba)
 // below every other), and/or best_sq[t] = max(best_sq[t], largest |x . anchor_n|^2) (the
 // coverage anchors' best |cos|^2 of unit rows). Both fp32 values, as if from an fp32 product.
 // anchor_b: the same rows in bf16 (what the tensor cores read, 8-byte aligned rows).
-// D in {64, 128, 256}; k >= 1; grid ceil(n / near_tokens(D)) blocks of 128.
+// D in {64, 128, 256}; k >= 1; grid (ceil(n / near_tokens(D)), heads) blocks of 128: head y's
+// rows at X + y x_stride, its anchors at y k D (anchor_n, anchor_b) and y k (norms), its
+// outputs at y out_stride (nearest, best_sq).
 template <int D>
-__global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int64_t n, int k, const float *anchor_n,
-                                                             const uint16_t *anchor_b, const float *norms,
-                                                             int32_t *nearest, float *best_sq) {
+__global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int64_t x_stride, int64_t n, int k,
+                                                             const float *anchor_n, const uint16_t *anchor_b,
+                                                             const float *norms, int32_t *nearest, float *best_sq,
+                                                             int64_t out_stride) {
   constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = kNearAnchors / PARTS;
   // 32-byte aligned: wmma loads and stores need 256-bit aligned tile pointers.
   AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
@@ -352,6 +370,15 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
   AKV_STATIC_SHARED(__align__(32) float, cs, [TOK][kNearAnchors + 4]);
   AKV_STATIC_SHARED(float, xnorm, [TOK]);
   const int tid = threadIdx.x;
+  {
+    const int64_t y = blockIdx.y;
+    X += y * x_stride;
+    anchor_n += y * k * D;
+    anchor_b += y * k * D;
+    if (norms) norms += y * k;
+    if (nearest) nearest += y * out_stride;
+    if (best_sq) best_sq += y * out_stride;
+  }
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TOK;
   // The block's rows in bf16 (zeros past n), and their fp32 norms (one warp per row).
   for (int e = tid; e < TOK * D; e += 128) {
@@ -442,14 +469,29 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
 // from nearest_anchor_kernel; anchors point to themselves with gamma 1), and the residual: its
 // squared norm into r_norm_sq, and keys rotated to the token's position into rk (for the
 // utilities). One warp per token.
-__global__ void assign_kernel(const int32_t *nearest, int64_t t0, int64_t n, int k, int D, const float *X,
-                              const float *anchor_f, const float *anchor_n, const float *norms,
+// Grid y over heads: head y's token arrays (nearest, anchor_of_token, index_out, gamma_out,
+// r_norm_sq) at y P, rk at y P D, X at y x_stride, anchor_f and anchor_n at y k D, norms at y k.
+__global__ void assign_kernel(const int32_t *nearest, int64_t t0, int64_t n, int64_t P, int k, int D, const float *X,
+                              int64_t x_stride, const float *anchor_f, const float *anchor_n, const float *norms,
                               const int32_t *anchor_of_token, uint16_t *index_out, uint16_t *gamma_out, int side,
                               const int32_t *positions, int pairs, const float *inv_freq, const int32_t *rope_first,
                               const int32_t *rope_second, float *rk, float *r_norm_sq) {
   const int lane = threadIdx.x & 31;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
+  {
+    const int64_t y = blockIdx.y;
+    nearest += y * P;
+    anchor_of_token += y * P;
+    index_out += y * P;
+    gamma_out += y * P;
+    r_norm_sq += y * P;
+    rk += y * P * D;
+    X += y * x_stride;
+    anchor_f += y * k * D;
+    anchor_n += y * k * D;
+    norms += y * k;
+  }
   const int64_t t = t0 + i;
   const float *x = X + t * D;
   int best;

@@ -103,10 +103,10 @@ struct CompressScratch {
     take(y, int64_t{H} * m * D);
     take(raw, H * P);
     take(alpha_sq, H * P);
-    take(anchor_f, int64_t{k} * D);
-    take(anchor_n, int64_t{k} * D);
-    take(anchor_b, int64_t{k} * D);
-    take(norms, k);
+    take(anchor_f, int64_t{H} * k * D);
+    take(anchor_n, int64_t{H} * k * D);
+    take(anchor_b, int64_t{H} * k * D);
+    take(norms, int64_t{H} * k);
     take(c, chunk * k);
     take(rk, H * P * D);
     take(rk_norm_sq, H * P);
@@ -119,8 +119,8 @@ struct CompressScratch {
     take(rank_keys, H * P);
     take(rank_index, H * P);
     take(sample_index, P);
-    take(picks, k);
-    take(picks_dummy, k);
+    take(picks, int64_t{H} * k);  // head h's free_anchors picks at h * free_anchors
+    take(picks_dummy, int64_t{H} * k);
     for (int side = 0; side < 2; ++side) {
       take(util_keys[side], int64_t{H} * P);
       take(util_ids[side], int64_t{H} * P);
@@ -130,7 +130,7 @@ struct CompressScratch {
     take(head_counts, H);
     take(sample_keys, P);
     take(anchor_of_token, H * P);
-    take(nearest, P);
+    take(nearest, H * P);
     take(positions, S);
     take(rope_first, pairs);
     take(rope_second, pairs);
@@ -149,8 +149,15 @@ struct CompressScratch {
   }
 
   // This scratch with the per-head arrays at head h's part.
-  CompressScratch head(int h, int64_t S, int64_t P, int D, int m) const {
+  CompressScratch head(int h, int64_t S, int64_t P, int D, int m, int k, int64_t free_anchors) const {
     CompressScratch c = *this;
+    c.anchor_f += static_cast<int64_t>(h) * k * D;
+    c.anchor_n += static_cast<int64_t>(h) * k * D;
+    c.anchor_b += static_cast<int64_t>(h) * k * D;
+    c.norms += static_cast<int64_t>(h) * k;
+    c.picks += h * free_anchors;
+    c.picks_dummy += h * free_anchors;
+    c.nearest += h * P;
     c.kpre += h * S * D;
     c.kpost += h * S * D;
     c.v += h * S * D;
@@ -438,12 +445,15 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     fail(AKV_ERR_NON_FINITE, "the keys, values or queries contain NaN or Inf (CUDA compression)");
 }
 
-// nearest_anchor_kernel for head dim D (64, 128 or 256) over the rows X[0..n).
+// nearest_anchor_kernel for head dim D (64, 128 or 256) over the rows X[0..n); with heads > 1,
+// head h's rows at X + h x_stride, anchors at h k D (norms: h k), outputs at h out_stride.
 template <class Dev>
 void nearest_anchors(Dev &dev, int D, const float *X, int64_t n, int k, const float *anchor_n, const uint16_t *anchor_b,
-                     const float *norms, int32_t *nearest, float *best_sq) {
+                     const float *norms, int32_t *nearest, float *best_sq, int heads = 1, int64_t x_stride = 0,
+                     int64_t out_stride = 0) {
   auto go = [&](auto kernel, int tokens) {
-    dev.launch(kernel, grid_blocks(n, tokens), 1, 128, X, n, k, anchor_n, anchor_b, norms, nearest, best_sq);
+    dev.launch(kernel, grid_blocks(n, tokens), heads, 128, X, x_stride, n, k, anchor_n, anchor_b, norms, nearest,
+               best_sq, out_stride);
   };
   if (D == 64) go(nearest_anchor_kernel<64>, near_tokens(64));
   else if (D == 128) go(nearest_anchor_kernel<128>, near_tokens(128));
@@ -561,7 +571,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   dev.sort_segments_u32(s.rank_keys, s.rank_index, H, P);
 
   for (int h = 0; h < H; ++h) {
-    const CompressScratch hs = s.head(h, S, P, D, m);
+    const CompressScratch hs = s.head(h, S, P, D, m, k, free_anchors);
     dev.stage(kStageAnchorSelection);
     if (P > n_top && o.coverage_rounds == 0) {
       dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, hs.rank_index, n_top, P, o.seed,
@@ -576,25 +586,26 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     } else {
       dev.copy(hs.picks + n_top, hs.sample_index, n_rand * sizeof(uint32_t));
     }
-    dev.sort_u32(hs.picks, hs.picks_dummy, free_anchors);
-    dev.fill(hs.anchor_of_token, 0xFF, P * sizeof(int32_t));  // -1: not an anchor
-    // 5. Per side: anchors into the cache, nearest anchor of every prefix token.
-    dev.stage(kStageAssignment);
-    for (int side = 0; side < 2; ++side) {
-      const float *X = side == 0 ? hs.kpre : hs.v;
-      dev.launch(anchors_kernel, k, 1, 128, X, hs.picks, free_anchors, P, D, bf16 ? 1 : 0,
-                 anchors_out[side] + static_cast<int64_t>(h) * k * D, hs.anchor_f, hs.anchor_n, hs.anchor_b, hs.norms,
-                 side == 0 ? anchor_tokens + h * free_anchors : static_cast<int64_t *>(nullptr), hs.anchor_of_token);
-      // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
-      // coefficients and residual norms.
-      nearest_anchors(dev, D, X, P, k, hs.anchor_n, hs.anchor_b, hs.norms, hs.nearest, nullptr);
-      dev.launch(assign_kernel, grid_blocks(P, 4), 1, 128, static_cast<const int32_t *>(hs.nearest), int64_t{0}, P, k,
-                 D, X, static_cast<const float *>(hs.anchor_f), static_cast<const float *>(hs.anchor_n),
-                 static_cast<const float *>(hs.norms), static_cast<const int32_t *>(hs.anchor_of_token),
-                 index[side] + h * P, gamma[side] + h * P, side, static_cast<const int32_t *>(hs.positions), pairs,
-                 static_cast<const float *>(hs.inv_freq), static_cast<const int32_t *>(hs.rope_first),
-                 static_cast<const int32_t *>(hs.rope_second), hs.rk, side == 0 ? hs.rk_norm_sq : hs.rv_norm_sq);
-    }
+  }
+  // Every head's picks by token; 5. per side: anchors into the cache, nearest anchor of every
+  // prefix token (batched over heads).
+  dev.sort_segments_u32(s.picks, s.picks_dummy, H, free_anchors);
+  dev.fill(s.anchor_of_token, 0xFF, H * P * sizeof(int32_t));  // -1: not an anchor
+  dev.stage(kStageAssignment);
+  for (int side = 0; side < 2; ++side) {
+    const float *X = side == 0 ? s.kpre : s.v;
+    dev.launch(anchors_kernel, k, H, 128, X, S * D, static_cast<const uint32_t *>(s.picks), free_anchors, P, D,
+               bf16 ? 1 : 0, anchors_out[side], s.anchor_f, s.anchor_n, s.anchor_b, s.norms,
+               side == 0 ? anchor_tokens : static_cast<int64_t *>(nullptr), s.anchor_of_token);
+    // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
+    // coefficients and residual norms.
+    nearest_anchors(dev, D, X, P, k, s.anchor_n, s.anchor_b, s.norms, s.nearest, nullptr, H, S * D, P);
+    dev.launch(assign_kernel, grid_blocks(P, 4), H, 128, static_cast<const int32_t *>(s.nearest), int64_t{0}, P, P, k,
+               D, X, S * D, static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
+               static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token), index[side],
+               gamma[side], side, static_cast<const int32_t *>(s.positions), pairs,
+               static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
+               static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
   }
   // 6. Utilities (Eq. 6) of every head: Z = Q (R r_K)^T, V.y, ||y||^2 (batched over heads).
   dev.stage(kStageUtilities);

@@ -54,6 +54,7 @@ struct EmulatedDevice {
   // split_segment_keys_kernel: the same here, with std::stable_sort for the radix sort.
   void sort_segments_u32(uint32_t *keys, uint32_t *values, int segments, int64_t n) {
     const int64_t total = segments * n;
+    if (total <= 1) return;
     std::vector<uint64_t> wide(total);
     std::vector<uint32_t> ids(values, values + total);
     launch(kc::segment_keys_kernel, kc::grid_blocks(total, 128), 1, 128, static_cast<const uint32_t *>(keys), n, total,
