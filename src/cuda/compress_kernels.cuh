@@ -356,13 +356,13 @@ __device__ __forceinline__ bool nearest_better(float v, int a, float bv, int ba)
 // coverage anchors' best |cos|^2 of unit rows). Both fp32 values, as if from an fp32 product.
 // anchor_b: the same rows in bf16 (what the tensor cores read, 8-byte aligned rows).
 // D in {64, 128, 256}; k >= 1; grid (ceil(n / near_tokens(D)), heads) blocks of 128: head y's
-// rows at X + y x_stride, its anchors at y k D (anchor_n, anchor_b) and y k (norms), its
-// outputs at y out_stride (nearest, best_sq).
+// rows at X + y x_stride, its anchors at y anchor_stride rows (anchor_n, anchor_b; norms at
+// y anchor_stride), its outputs at y out_stride (nearest, best_sq).
 template <int D>
 __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int64_t x_stride, int64_t n, int k,
                                                              const float *anchor_n, const uint16_t *anchor_b,
                                                              const float *norms, int32_t *nearest, float *best_sq,
-                                                             int64_t out_stride) {
+                                                             int64_t out_stride, int64_t anchor_stride) {
   constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = kNearAnchors / PARTS;
   // 32-byte aligned: wmma loads and stores need 256-bit aligned tile pointers.
   AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
@@ -373,9 +373,9 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
   {
     const int64_t y = blockIdx.y;
     X += y * x_stride;
-    anchor_n += y * k * D;
-    anchor_b += y * k * D;
-    if (norms) norms += y * k;
+    anchor_n += y * anchor_stride * D;
+    anchor_b += y * anchor_stride * D;
+    if (norms) norms += y * anchor_stride;
     if (nearest) nearest += y * out_stride;
     if (best_sq) best_sq += y * out_stride;
   }
@@ -825,12 +825,22 @@ __global__ void iota_kernel(uint32_t *ids, uint32_t first, int64_t n) {
 // rows[i] = X[r] / ||X[r]|| (zero rows stay zero) for r = ids[i], or r = i without ids, and
 // ||X[r]||^2 into norm_sq when given: the unit prefix rows, and the rows of the anchors being
 // absorbed. One warp per row.
-// rows_b (when given): the unit rows in bf16 too.
-__global__ void unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n, int D, float *rows, uint16_t *rows_b,
-                                 float *norm_sq) {
+// rows_b (when given): the unit rows in bf16 too. Grid y over heads: head y's X at
+// y x_stride, ids at y ids_stride, rows and rows_b at y rows_stride, norm_sq at y norm_stride.
+__global__ void unit_rows_kernel(const float *X, int64_t x_stride, const uint32_t *ids, int64_t ids_stride, int64_t n,
+                                 int D, float *rows, uint16_t *rows_b, int64_t rows_stride, float *norm_sq,
+                                 int64_t norm_stride) {
   const int lane = threadIdx.x & 31;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
+  {
+    const int64_t y = blockIdx.y;
+    X += y * x_stride;
+    if (ids) ids += y * ids_stride;
+    rows += y * rows_stride;
+    if (rows_b) rows_b += y * rows_stride;
+    if (norm_sq) norm_sq += y * norm_stride;
+  }
   const float *x = X + (ids ? static_cast<int64_t>(ids[i]) : i) * D;
   float n2 = 0.0f;
   for (int d = lane; d < D; d += 32) n2 += x[d] * x[d];
@@ -853,11 +863,20 @@ __global__ void coverage_update_kernel(const float *C, int64_t t0, int64_t count
 }
 
 // Mean residual energy ||x||^2 (1 - best) over the prefix, for side blockIdx.x (0 keys, 1
-// values); 1 when it is 0. One block of 128 per side.
+// values); 1 when it is 0. One block of 128 per side; grid y over heads (arrays [y][P],
+// means [y][2]).
 __global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_norm_sq, const float *key_best,
                                                              const float *value_norm_sq, const float *value_best,
                                                              int64_t P, float *means) {
   AKV_STATIC_SHARED(float, scratch, [4]);
+  {
+    const int64_t y = blockIdx.y;
+    key_norm_sq += y * P;
+    key_best += y * P;
+    value_norm_sq += y * P;
+    value_best += y * P;
+    means += y * 2;
+  }
   const float *norm_sq = blockIdx.x == 0 ? key_norm_sq : value_norm_sq;
   const float *best = blockIdx.x == 0 ? key_best : value_best;
   float acc = 0.0f;
@@ -867,23 +886,45 @@ __global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_no
 }
 
 // Sort keys of one round: descending summed relative error; anchors last. Ids are tokens.
+// Grid y over heads (arrays [y][P], means [y][2]).
 __global__ void coverage_keys_kernel(const float *key_norm_sq, const float *key_best, const float *value_norm_sq,
                                      const float *value_best, const float *means, const int32_t *is_anchor,
                                      int64_t P, uint32_t *keys, uint32_t *ids) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
+  {
+    const int64_t y = blockIdx.y;
+    key_norm_sq += y * P;
+    key_best += y * P;
+    value_norm_sq += y * P;
+    value_best += y * P;
+    means += y * 2;
+    is_anchor += y * P;
+    keys += y * P;
+    ids += y * P;
+  }
   const float e = key_norm_sq[t] * fmaxf(0.0f, 1.0f - key_best[t]) / means[0] +
                   value_norm_sq[t] * fmaxf(0.0f, 1.0f - value_best[t]) / means[1];
   keys[t] = is_anchor[t] ? 0xFFFFFFFFu : descending_key(e);
   ids[t] = static_cast<uint32_t>(t);
 }
 
-// The n tokens ids[0..n) become anchors: flagged, and appended to picks (when given).
-__global__ void coverage_take_kernel(const uint32_t *ids, int64_t n, int32_t *is_anchor, uint32_t *picks) {
+// The n tokens ids[0..n) become anchors: flagged, and copied to out[0..n); then (tail > 0)
+// out[n + j] = P + j for j < tail (the window tokens). Grid y over heads: head y's ids at
+// y ids_stride, flags at y P, out at y out_stride.
+__global__ void coverage_take_kernel(const uint32_t *ids, int64_t ids_stride, int64_t n, int32_t *is_anchor, int64_t P,
+                                     uint32_t *out, int64_t out_stride, int64_t tail) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  is_anchor[ids[i]] = 1;
-  if (picks) picks[i] = ids[i];
+  if (i >= n + tail) return;
+  const int64_t y = blockIdx.y;
+  out += y * out_stride;
+  if (i >= n) {
+    out[i] = static_cast<uint32_t>(P + (i - n));
+    return;
+  }
+  ids += y * ids_stride;
+  is_anchor[y * P + ids[i]] = 1;
+  out[i] = ids[i];
 }
 
 }  // namespace cuda

@@ -136,14 +136,14 @@ struct CompressScratch {
     take(rope_second, pairs);
     take(bad, 1);
     for (int side = 0; side < 2; ++side) {
-      take(cover_norm_sq[side], P);
-      take(cover_best[side], P);
+      take(cover_norm_sq[side], H * P);
+      take(cover_best[side], H * P);
     }
-    take(cover_means, 2);
-    take(cover_keys, P);
-    take(cover_ids, P);
-    take(cover_fresh, k);
-    take(cover_anchor, P);
+    take(cover_means, 2 * H);
+    take(cover_keys, H * P);
+    take(cover_ids, H * P);
+    take(cover_fresh, int64_t{H} * k);
+    take(cover_anchor, H * P);
     take(block_table, table_blocks);  // paged prefill: the block table on the device
     return take.bytes();
   }
@@ -450,62 +450,65 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
 template <class Dev>
 void nearest_anchors(Dev &dev, int D, const float *X, int64_t n, int k, const float *anchor_n, const uint16_t *anchor_b,
                      const float *norms, int32_t *nearest, float *best_sq, int heads = 1, int64_t x_stride = 0,
-                     int64_t out_stride = 0) {
+                     int64_t out_stride = 0, int64_t anchor_stride = 0) {
   auto go = [&](auto kernel, int tokens) {
     dev.launch(kernel, grid_blocks(n, tokens), heads, 128, X, x_stride, n, k, anchor_n, anchor_b, norms, nearest,
-               best_sq, out_stride);
+               best_sq, out_stride, anchor_stride);
   };
   if (D == 64) go(nearest_anchor_kernel<64>, near_tokens(64));
   else if (D == 128) go(nearest_anchor_kernel<128>, near_tokens(128));
   else go(nearest_anchor_kernel<256>, near_tokens(256));
 }
 
-// The coverage share of one head's anchors (CPU: add_coverage_anchors): s.picks holds the
-// n_top scored picks; appends `count` more, chosen in `rounds` rounds as the tokens the anchors
-// so far (and the window) represent worst. Uses s.rk and s.kpost (free before the assignment)
-// for the unit prefix rows of keys and values, and s.anchor_n for the rows being absorbed.
+// The coverage share of every head's anchors (CPU: add_coverage_anchors), batched over the H
+// heads: head h's n_top scored picks are at s.picks + h free_anchors and flagged in
+// s.cover_anchor (zeroed before); appends `count` more, chosen in `rounds` rounds as the tokens
+// the anchors so far (and the window) represent worst. Uses s.rk and s.kpost (free before the
+// assignment) for the unit prefix rows of keys and values, and s.anchor_n for the rows being
+// absorbed.
 template <class Dev>
-void coverage_anchors(Dev &dev, const CompressScratch &s, int64_t S, int64_t P, int D, int W, int64_t n_top,
-                      int64_t count, int rounds) {
+void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_t P, int D, int W, int k,
+                      int64_t free_anchors, int64_t n_top, int64_t count, int rounds) {
   const float *X[2] = {s.kpre, s.v};
   float *unit[2] = {s.rk, s.kpost};
+  const int64_t unit_stride[2] = {P * D, S * D};
   for (int side = 0; side < 2; ++side) {
-    dev.launch(unit_rows_kernel, grid_blocks(P, 4), 1, 128, X[side], static_cast<const uint32_t *>(nullptr), P, D,
-               unit[side], static_cast<uint16_t *>(nullptr), s.cover_norm_sq[side]);
-    dev.fill(s.cover_best[side], 0, P * sizeof(float));
+    dev.launch(unit_rows_kernel, grid_blocks(P, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(nullptr),
+               int64_t{0}, P, D, unit[side], static_cast<uint16_t *>(nullptr), unit_stride[side],
+               s.cover_norm_sq[side], P);
+    dev.fill(s.cover_best[side], 0, H * P * sizeof(float));
   }
-  dev.fill(s.cover_anchor, 0, P * sizeof(int32_t));
-  // Raise every prefix token's best |cos|^2 with the n anchor tokens ids[0..n).
-  auto absorb = [&](const uint32_t *ids, int64_t n) {
+  // Raise every prefix token's best |cos|^2 with the n anchor tokens ids[0..n) of each head
+  // (head h's at ids + h ids_stride).
+  auto absorb = [&](const uint32_t *ids, int64_t ids_stride, int64_t n) {
     if (n == 0) return;
     for (int side = 0; side < 2; ++side) {
-      dev.launch(unit_rows_kernel, grid_blocks(n, 4), 1, 128, X[side], ids, n, D, s.anchor_n, s.anchor_b,
-                 static_cast<float *>(nullptr));
+      dev.launch(unit_rows_kernel, grid_blocks(n, 4), H, 128, X[side], S * D, ids, ids_stride, n, D, s.anchor_n,
+                 s.anchor_b, int64_t{k} * D, static_cast<float *>(nullptr), int64_t{0});
       // best |cos|^2 with the new anchors (fused: tensor-core products, fp32 rescoring).
       nearest_anchors(dev, D, unit[side], P, static_cast<int>(n), s.anchor_n, s.anchor_b, nullptr, nullptr,
-                      s.cover_best[side]);
+                      s.cover_best[side], H, unit_stride[side], P, k);
     }
   };
-  dev.launch(coverage_take_kernel, grid_blocks(n_top, 128), 1, 128, static_cast<const uint32_t *>(s.picks), n_top,
-             s.cover_anchor, static_cast<uint32_t *>(nullptr));
-  dev.copy(s.cover_fresh, s.picks, n_top * sizeof(uint32_t));
-  dev.launch(iota_kernel, grid_blocks(W, 128), 1, 128, s.cover_fresh + n_top, static_cast<uint32_t>(P), int64_t{W});
-  absorb(s.cover_fresh, n_top + W);
+  // The scored picks and the window tokens first.
+  dev.launch(coverage_take_kernel, grid_blocks(n_top + W, 128), H, 128, static_cast<const uint32_t *>(s.picks),
+             free_anchors, n_top, s.cover_anchor, P, s.cover_fresh, int64_t{k}, int64_t{W});
+  absorb(s.cover_fresh, k, n_top + W);
   int64_t left = count, at = n_top;
   for (int round = 0; round < rounds && left > 0; ++round) {
     const int64_t take = std::min<int64_t>((left + (rounds - round) - 1) / (rounds - round), P - at);
-    dev.launch(coverage_means_kernel, 2, 1, 128, static_cast<const float *>(s.cover_norm_sq[0]),
+    if (take <= 0) break;
+    dev.launch(coverage_means_kernel, 2, H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
                static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
                static_cast<const float *>(s.cover_best[1]), P, s.cover_means);
-    dev.launch(coverage_keys_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.cover_norm_sq[0]),
+    dev.launch(coverage_keys_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
                static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
                static_cast<const float *>(s.cover_best[1]), static_cast<const float *>(s.cover_means),
                static_cast<const int32_t *>(s.cover_anchor), P, s.cover_keys, s.cover_ids);
-    dev.sort_u32(s.cover_keys, s.cover_ids, P);  // ties: the lower token
-    if (take <= 0) break;
-    dev.launch(coverage_take_kernel, grid_blocks(take, 128), 1, 128, static_cast<const uint32_t *>(s.cover_ids), take,
-               s.cover_anchor, s.picks + at);
-    absorb(s.cover_ids, take);
+    dev.sort_segments_u32(s.cover_keys, s.cover_ids, H, P);  // ties: the lower token
+    dev.launch(coverage_take_kernel, grid_blocks(take, 128), H, 128, static_cast<const uint32_t *>(s.cover_ids), P,
+               take, s.cover_anchor, P, s.picks + at, free_anchors, int64_t{0});
+    absorb(s.cover_ids, P, take);
     at += take;
     left -= take;
   }
@@ -570,10 +573,17 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   dev.stage(kStageAnchorSelection);
   dev.sort_segments_u32(s.rank_keys, s.rank_index, H, P);
 
-  for (int h = 0; h < H; ++h) {
+  if (o.coverage_rounds > 0) {
+    // Every head's scored picks (flagged as anchors), then the coverage share.
+    dev.fill(s.cover_anchor, 0, H * P * sizeof(int32_t));
+    if (n_top > 0)
+      dev.launch(coverage_take_kernel, grid_blocks(n_top, 128), H, 128, static_cast<const uint32_t *>(s.rank_index), P,
+                 n_top, s.cover_anchor, P, s.picks, free_anchors, int64_t{0});
+    if (n_rand > 0) coverage_anchors(dev, s, H, S, P, D, W, k, free_anchors, n_top, n_rand, o.coverage_rounds);
+  }
+  for (int h = 0; h < H && o.coverage_rounds == 0; ++h) {
     const CompressScratch hs = s.head(h, S, P, D, m, k, free_anchors);
-    dev.stage(kStageAnchorSelection);
-    if (P > n_top && o.coverage_rounds == 0) {
+    if (P > n_top) {
       dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, hs.rank_index, n_top, P, o.seed,
                  static_cast<uint64_t>(kStreamAnchorSample),
                  (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(o.head_offset + h), hs.sample_keys,
@@ -581,11 +591,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
       dev.sort_u64(hs.sample_keys, hs.sample_index, P - n_top);
     }
     dev.copy(hs.picks, hs.rank_index, n_top * sizeof(uint32_t));
-    if (o.coverage_rounds > 0) {
-      if (n_rand > 0) coverage_anchors(dev, hs, S, P, D, W, n_top, n_rand, o.coverage_rounds);
-    } else {
-      dev.copy(hs.picks + n_top, hs.sample_index, n_rand * sizeof(uint32_t));
-    }
+    dev.copy(hs.picks + n_top, hs.sample_index, n_rand * sizeof(uint32_t));
   }
   // Every head's picks by token; 5. per side: anchors into the cache, nearest anchor of every
   // prefix token (batched over heads).
@@ -599,7 +605,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                side == 0 ? anchor_tokens : static_cast<int64_t *>(nullptr), s.anchor_of_token);
     // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
     // coefficients and residual norms.
-    nearest_anchors(dev, D, X, P, k, s.anchor_n, s.anchor_b, s.norms, s.nearest, nullptr, H, S * D, P);
+    nearest_anchors(dev, D, X, P, k, s.anchor_n, s.anchor_b, s.norms, s.nearest, nullptr, H, S * D, P, k);
     dev.launch(assign_kernel, grid_blocks(P, 4), H, 128, static_cast<const int32_t *>(s.nearest), int64_t{0}, P, P, k,
                D, X, S * D, static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
                static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token), index[side],

@@ -513,10 +513,12 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
                 static_cast<long long>(dev.gemms), static_cast<long long>(dev.sorts), static_cast<long long>(dev.copies),
                 static_cast<long long>(dev.fills), static_cast<long long>(total));
     RecordProperty(std::string(paper ? "paper" : "default") + "_operations_S" + std::to_string(S), std::to_string(total));
-    // Fused assignment and coverage: independent of S.
-    // Before the fused kernel (chunked GEMM + argmax for the assignment and the coverage
-    // anchors): default 1198 / 1966 / 3502, paper 304 / 432 / 688 at 32K / 64K / 128K.
-    EXPECT_LE(total, 600) << "S=" << S;
+    // Fused assignment and coverage: independent of S. Before the fused kernel (chunked GEMM +
+    // argmax for the assignment and the coverage anchors): default 1198 / 1966 / 3502, paper
+    // 304 / 432 / 688 at 32K / 64K / 128K; with it, per-head loops: 542 default, 208 paper.
+    // Batched over heads (grid y, strided-batched GEMMs, composite-key sorts): 97 default
+    // (coverage anchors), 72 paper (its uniform sample still loops over heads).
+    EXPECT_LE(total, paper ? 72 : 97) << "S=" << S;
   }
 }
 
