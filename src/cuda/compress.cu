@@ -272,11 +272,13 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   // Scratch: the pipeline's arrays, then the sorts' second buffers and temporary storage.
   CompressScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
+  // Heads per batch: all of them while the pipeline's scratch stays within kHeadBatchBudget.
+  const int head_batch = anchor_head_batch(g, pairs, paged_blocks(p), kHeadBatchBudget);
   const size_t pipeline_bytes = measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window,
-                                              g.anchors, pairs, paged_blocks(p));
+                                              g.anchors, pairs, paged_blocks(p), head_batch);
   const int64_t most = std::max<int64_t>(static_cast<int64_t>(g.heads) * g.prefix, 2);
   uint8_t *base = reserve_sort_scratch(ctx, dev, pipeline_bytes, most, stream);
-  compress_anchorkv(dev, p, o, *cache, positions, cache->data.data(), base);  // waits at the end (NaN check)
+  compress_anchorkv(dev, p, o, *cache, positions, cache->data.data(), base, head_batch);  // waits at the end (NaN check)
   dev.report("AnchorKV compress", g.seq_len);
   return cache;
 }

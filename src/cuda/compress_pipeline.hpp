@@ -91,8 +91,11 @@ struct CompressScratch {
   int32_t *cover_anchor;
   int32_t *block_table;
 
-  // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used.
-  size_t carve(uint8_t *base, int64_t S, int64_t P, int H, int D, int m, int k, int pairs, int64_t table_blocks = 0) {
+  // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used. The
+  // per-head staging holds `head_batch` heads (0: all H); the residual selection's keys, all H.
+  size_t carve(uint8_t *base, int64_t S, int64_t P, int H_all, int D, int m, int k, int pairs, int64_t table_blocks = 0,
+               int head_batch = 0) {
+    const int H = head_batch > 0 ? std::min(head_batch, H_all) : H_all;
     Carver take(base);
     const int64_t chunk = std::min<int64_t>(kAssignChunk, P);
     take(kpre, H * S * D);
@@ -122,12 +125,12 @@ struct CompressScratch {
     take(picks, int64_t{H} * k);  // head h's free_anchors picks at h * free_anchors
     take(picks_dummy, int64_t{H} * k);
     for (int side = 0; side < 2; ++side) {
-      take(util_keys[side], int64_t{H} * P);
-      take(util_ids[side], int64_t{H} * P);
-      take(energy_keys[side], int64_t{H} * P);
-      take(energy_ids[side], int64_t{H} * P);
+      take(util_keys[side], int64_t{H_all} * P);
+      take(util_ids[side], int64_t{H_all} * P);
+      take(energy_keys[side], int64_t{H_all} * P);
+      take(energy_ids[side], int64_t{H_all} * P);
     }
-    take(head_counts, H);
+    take(head_counts, H_all);
     take(sample_keys, P);
     take(anchor_of_token, H * P);
     take(nearest, H * P);
@@ -178,6 +181,22 @@ struct CompressScratch {
     return c;
   }
 };
+
+// The CUDA pass's scratch budget for choosing the heads per batch (2 GiB: H = 8, Hq = 32,
+// D = 128 batches all 8 heads up to 64K, fewer at 128K).
+constexpr size_t kHeadBatchBudget = size_t{2} << 30;
+
+// Heads per batch of the AnchorKV pass: all of them when the scratch fits in budget_bytes,
+// else the most that do (at least 1). The stages before the residual selection run once per
+// batch (each kernel over the batch's heads), so fewer heads per batch means more launches.
+inline int anchor_head_batch(const AnchorGeometry &g, int pairs, int64_t table_blocks, size_t budget_bytes) {
+  CompressScratch measure;
+  for (int hb = g.heads; hb > 1; --hb)
+    if (measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window, g.anchors, pairs, table_blocks,
+                      hb) <= budget_bytes)
+      return hb;
+  return 1;
+}
 
 // Blocks of `per` items covering n.
 inline int grid_blocks(int64_t n, int per) { return static_cast<int>((n + per - 1) / per); }
@@ -519,7 +538,8 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int6
 // AKV_ERR_NON_FINITE (after waiting for the work) when an input holds NaN or Inf.
 template <class Dev>
 void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_options &o, const akv_cache &cache,
-                       const std::vector<int32_t> &positions, uint8_t *data, uint8_t *scratch_base) {
+                       const std::vector<int32_t> &positions, uint8_t *data, uint8_t *scratch_base,
+                       int head_batch = 0) {
   const AnchorGeometry &g = cache.geometry;
   const int64_t S = g.seq_len, P = g.prefix, words = g.words;
   const int H = g.heads, G = g.group(), D = g.dim, W = g.window, k = g.anchors;
@@ -527,8 +547,9 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   const int64_t free_anchors = k - W;
   const Rope &rope = cache.rope;
   const int pairs = rope.enabled() ? rope.pairs() : 0;
+  const int HB = head_batch > 0 ? std::min(head_batch, H) : H;  // heads per batch
   CompressScratch s;
-  s.carve(scratch_base, S, P, H, D, m, k, pairs, paged_blocks(p));
+  s.carve(scratch_base, S, P, H, D, m, k, pairs, paged_blocks(p), HB);
   auto section = [&](int index) { return data + cache.layout.sections[index].offset; };
 
   // Constants: positions, RoPE tables, Hadamard signs; the cache starts zeroed.
@@ -552,79 +573,85 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                               reinterpret_cast<uint16_t *>(section(kAnchorValues))};
   int64_t *anchor_tokens = reinterpret_cast<int64_t *>(section(kAnchorTokens));
 
-  // 1. Every head's keys (both forms), values and its group's window queries.
-  dev.stage(kStageLoad);
-  dev.launch(load_head_kernel, grid_blocks(S, 4), H, 128, a, 0, s.kpre, s.kpost, s.v);
-  dev.launch(load_queries_kernel, m, H, 32, a, 0, s.q);
-  // 2. Window attention with the causal window mask, and its outputs y (batched over heads;
-  // the softmax rows of all heads are one [H m][S] array, m a multiple of W).
-  dev.stage(kStageWindowAttention);
-  dev.gemm_nt_batched(m, S, D, cache.meta.softmax_scale, s.q, D, int64_t{m} * D, s.kpost, D, S * D, s.attn, S,
-                      int64_t{m} * S, H);
-  dev.launch(window_softmax_kernel, H * m, 1, 128, s.attn, S, P, W);
-  dev.gemm_nn_batched(m, D, S, 1.0f, s.attn, S, int64_t{m} * S, s.v, D, S * D, s.y, D, int64_t{m} * D, H);
-  // 3. Scores, pooled; 4. anchors: the top share by pooled score (ties: lower index), then
-  // the smallest counter hashes among the rest, sorted by token.
-  dev.stage(kStageScores);
-  dev.launch(scores_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, s.raw,
-             s.alpha_sq);
-  dev.launch(pool_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
-             o.pool_type == AKV_POOL_MAX ? 1 : 0, n_sink, s.rank_keys, s.rank_index);
-  dev.stage(kStageAnchorSelection);
-  dev.sort_segments_u32(s.rank_keys, s.rank_index, H, P);
+  // 1-6 per batch of HB heads (all of them unless the scratch budget splits them): H below is
+  // the batch's head count, h0 its first head.
+  for (int h0 = 0; h0 < g.heads; h0 += HB) {
+    const int H = std::min(HB, g.heads - h0);
+    // 1. Every head's keys (both forms), values and its group's window queries.
+    dev.stage(kStageLoad);
+    dev.launch(load_head_kernel, grid_blocks(S, 4), H, 128, a, h0, s.kpre, s.kpost, s.v);
+    dev.launch(load_queries_kernel, m, H, 32, a, h0, s.q);
+    // 2. Window attention with the causal window mask, and its outputs y (batched over heads;
+    // the softmax rows of all heads are one [H m][S] array, m a multiple of W).
+    dev.stage(kStageWindowAttention);
+    dev.gemm_nt_batched(m, S, D, cache.meta.softmax_scale, s.q, D, int64_t{m} * D, s.kpost, D, S * D, s.attn, S,
+                        int64_t{m} * S, H);
+    dev.launch(window_softmax_kernel, H * m, 1, 128, s.attn, S, P, W);
+    dev.gemm_nn_batched(m, D, S, 1.0f, s.attn, S, int64_t{m} * S, s.v, D, S * D, s.y, D, int64_t{m} * D, H);
+    // 3. Scores, pooled; 4. anchors: the top share by pooled score (ties: lower index), then
+    // the smallest counter hashes among the rest, sorted by token.
+    dev.stage(kStageScores);
+    dev.launch(scores_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, s.raw,
+               s.alpha_sq);
+    dev.launch(pool_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
+               o.pool_type == AKV_POOL_MAX ? 1 : 0, n_sink, s.rank_keys, s.rank_index);
+    dev.stage(kStageAnchorSelection);
+    dev.sort_segments_u32(s.rank_keys, s.rank_index, H, P);
 
-  if (o.coverage_rounds > 0) {
-    // Every head's scored picks (flagged as anchors), then the coverage share.
-    dev.fill(s.cover_anchor, 0, H * P * sizeof(int32_t));
-    if (n_top > 0)
-      dev.launch(coverage_take_kernel, grid_blocks(n_top, 128), H, 128, static_cast<const uint32_t *>(s.rank_index), P,
-                 n_top, s.cover_anchor, P, s.picks, free_anchors, int64_t{0});
-    if (n_rand > 0) coverage_anchors(dev, s, H, S, P, D, W, k, free_anchors, n_top, n_rand, o.coverage_rounds);
-  }
-  for (int h = 0; h < H && o.coverage_rounds == 0; ++h) {
-    const CompressScratch hs = s.head(h, S, P, D, m, k, free_anchors);
-    if (P > n_top) {
-      dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, hs.rank_index, n_top, P, o.seed,
-                 static_cast<uint64_t>(kStreamAnchorSample),
-                 (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(o.head_offset + h), hs.sample_keys,
-                 hs.sample_index);
-      dev.sort_u64(hs.sample_keys, hs.sample_index, P - n_top);
+    if (o.coverage_rounds > 0) {
+      // Every head's scored picks (flagged as anchors), then the coverage share.
+      dev.fill(s.cover_anchor, 0, H * P * sizeof(int32_t));
+      if (n_top > 0)
+        dev.launch(coverage_take_kernel, grid_blocks(n_top, 128), H, 128, static_cast<const uint32_t *>(s.rank_index), P,
+                   n_top, s.cover_anchor, P, s.picks, free_anchors, int64_t{0});
+      if (n_rand > 0) coverage_anchors(dev, s, H, S, P, D, W, k, free_anchors, n_top, n_rand, o.coverage_rounds);
     }
-    dev.copy(hs.picks, hs.rank_index, n_top * sizeof(uint32_t));
-    dev.copy(hs.picks + n_top, hs.sample_index, n_rand * sizeof(uint32_t));
+    for (int h = 0; h < H && o.coverage_rounds == 0; ++h) {
+      const CompressScratch hs = s.head(h, S, P, D, m, k, free_anchors);
+      if (P > n_top) {
+        dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, hs.rank_index, n_top, P, o.seed,
+                   static_cast<uint64_t>(kStreamAnchorSample),
+                   (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(o.head_offset + h0 + h), hs.sample_keys,
+                   hs.sample_index);
+        dev.sort_u64(hs.sample_keys, hs.sample_index, P - n_top);
+      }
+      dev.copy(hs.picks, hs.rank_index, n_top * sizeof(uint32_t));
+      dev.copy(hs.picks + n_top, hs.sample_index, n_rand * sizeof(uint32_t));
+    }
+    // Every head's picks by token; 5. per side: anchors into the cache, nearest anchor of every
+    // prefix token (batched over heads).
+    dev.sort_segments_u32(s.picks, s.picks_dummy, H, free_anchors);
+    dev.fill(s.anchor_of_token, 0xFF, H * P * sizeof(int32_t));  // -1: not an anchor
+    dev.stage(kStageAssignment);
+    for (int side = 0; side < 2; ++side) {
+      const float *X = side == 0 ? s.kpre : s.v;
+      dev.launch(anchors_kernel, k, H, 128, X, S * D, static_cast<const uint32_t *>(s.picks), free_anchors, P, D,
+                 bf16 ? 1 : 0, anchors_out[side] + static_cast<int64_t>(h0) * k * D, s.anchor_f, s.anchor_n, s.anchor_b,
+                 s.norms, side == 0 ? anchor_tokens + h0 * free_anchors : static_cast<int64_t *>(nullptr),
+                 s.anchor_of_token);
+      // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
+      // coefficients and residual norms.
+      nearest_anchors(dev, D, X, P, k, s.anchor_n, s.anchor_b, s.norms, s.nearest, nullptr, H, S * D, P, k);
+      dev.launch(assign_kernel, grid_blocks(P, 4), H, 128, static_cast<const int32_t *>(s.nearest), int64_t{0}, P, P, k,
+                 D, X, S * D, static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
+                 static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token), index[side] + h0 * P,
+                 gamma[side] + h0 * P, side, static_cast<const int32_t *>(s.positions), pairs,
+                 static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
+                 static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
+    }
+    // 6. Utilities (Eq. 6) of every head: Z = Q (R r_K)^T, V.y, ||y||^2 (batched over heads).
+    dev.stage(kStageUtilities);
+    dev.gemm_nt_batched(m, P, D, 1.0f, s.q, D, int64_t{m} * D, s.rk, D, P * D, s.z, P, int64_t{m} * P, H);
+    dev.gemm_nt_batched(m, P, D, 1.0f, s.y, D, int64_t{m} * D, s.v, D, S * D, s.vy, P, int64_t{m} * P, H);
+    dev.launch(row_norms_kernel, grid_blocks(int64_t{H} * m, 128), 1, 128, static_cast<const float *>(s.y), H * m, D,
+               s.y_norm_sq);
+    dev.launch(utility_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, D,
+               static_cast<const float *>(s.z), static_cast<const float *>(s.vy), static_cast<const float *>(s.y_norm_sq),
+               static_cast<const float *>(s.v), static_cast<const float *>(s.alpha_sq),
+               static_cast<const float *>(s.rk_norm_sq), static_cast<const float *>(s.rv_norm_sq),
+               static_cast<const int32_t *>(s.anchor_of_token), h0, s.util_keys[0], s.util_keys[1], s.util_ids[0],
+               s.util_ids[1], s.energy_keys[0], s.energy_keys[1], s.energy_ids[0], s.energy_ids[1]);
   }
-  // Every head's picks by token; 5. per side: anchors into the cache, nearest anchor of every
-  // prefix token (batched over heads).
-  dev.sort_segments_u32(s.picks, s.picks_dummy, H, free_anchors);
-  dev.fill(s.anchor_of_token, 0xFF, H * P * sizeof(int32_t));  // -1: not an anchor
-  dev.stage(kStageAssignment);
-  for (int side = 0; side < 2; ++side) {
-    const float *X = side == 0 ? s.kpre : s.v;
-    dev.launch(anchors_kernel, k, H, 128, X, S * D, static_cast<const uint32_t *>(s.picks), free_anchors, P, D,
-               bf16 ? 1 : 0, anchors_out[side], s.anchor_f, s.anchor_n, s.anchor_b, s.norms,
-               side == 0 ? anchor_tokens : static_cast<int64_t *>(nullptr), s.anchor_of_token);
-    // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
-    // coefficients and residual norms.
-    nearest_anchors(dev, D, X, P, k, s.anchor_n, s.anchor_b, s.norms, s.nearest, nullptr, H, S * D, P, k);
-    dev.launch(assign_kernel, grid_blocks(P, 4), H, 128, static_cast<const int32_t *>(s.nearest), int64_t{0}, P, P, k,
-               D, X, S * D, static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
-               static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token), index[side],
-               gamma[side], side, static_cast<const int32_t *>(s.positions), pairs,
-               static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
-               static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
-  }
-  // 6. Utilities (Eq. 6) of every head: Z = Q (R r_K)^T, V.y, ||y||^2 (batched over heads).
-  dev.stage(kStageUtilities);
-  dev.gemm_nt_batched(m, P, D, 1.0f, s.q, D, int64_t{m} * D, s.rk, D, P * D, s.z, P, int64_t{m} * P, H);
-  dev.gemm_nt_batched(m, P, D, 1.0f, s.y, D, int64_t{m} * D, s.v, D, S * D, s.vy, P, int64_t{m} * P, H);
-  dev.launch(row_norms_kernel, grid_blocks(int64_t{H} * m, 128), 1, 128, static_cast<const float *>(s.y), H * m, D,
-             s.y_norm_sq);
-  dev.launch(utility_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, D,
-             static_cast<const float *>(s.z), static_cast<const float *>(s.vy), static_cast<const float *>(s.y_norm_sq),
-             static_cast<const float *>(s.v), static_cast<const float *>(s.alpha_sq),
-             static_cast<const float *>(s.rk_norm_sq), static_cast<const float *>(s.rv_norm_sq),
-             static_cast<const int32_t *>(s.anchor_of_token), 0, s.util_keys[0], s.util_keys[1], s.util_ids[0],
-             s.util_ids[1], s.energy_keys[0], s.energy_keys[1], s.energy_ids[0], s.energy_ids[1]);
 
   // 7-8. Per side and pooling group (every head unless pool_heads splits them): the best
   // utilities over the group's heads (ties: head, then token), then the guard share by
