@@ -1,5 +1,6 @@
 // The AnchorKV compression pass on a CUDA device: the pipeline of cuda/compress_pipeline.hpp
-// with GEMMs through cuBLAS (fp32) and sorts through CUB's radix sort, on the caller's
+// with GEMMs through cuBLAS (fp32, strided-batched over heads where the pipeline batches) and
+// sorts through CUB's radix sort (a segmented sort as one sort of composite keys), on the caller's
 // stream, with scratch memory from the context's per-stream workspace.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -63,7 +64,7 @@ struct CudaDevice {
   void *sort_temp = nullptr;
   size_t sort_temp_bytes = 0;
   uint32_t *alt_keys32 = nullptr, *alt_values = nullptr;
-  uint64_t *alt_keys64 = nullptr;
+  uint64_t *alt_keys64 = nullptr, *wide_keys = nullptr;  // wide_keys: sort_segments_u32's composite keys
   // Operations put on the stream (kernels, cuBLAS calls, CUB sorts, copies, fills), and with
   // ANCHORKV_COMPRESS_PROFILE set, an event at every stage mark (stage()).
   int64_t operations = 0;
@@ -123,17 +124,62 @@ struct CudaDevice {
                       &alpha, B, static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)),
           "cublasSgemm");
   }
+  // Strided-batched forms: problem i's operands at A + i sa, B + i sb, C + i sc. With tf32, on
+  // the TF32 tensor cores (operands rounded to 10 mantissa bits, fp32 accumulation; the
+  // emulation rounds its operands the same way); else plain fp32.
+  void gemm_batched(cublasOperation_t op_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+                    int64_t sa, const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch,
+                    bool tf32) {
+    const float beta = 0.0f;
+    ++operations;
+    check(cublasGemmStridedBatchedEx(blas, op_b, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                                     static_cast<int>(K), &alpha, B, CUDA_R_32F, static_cast<int>(ldb), sb, A,
+                                     CUDA_R_32F, static_cast<int>(lda), sa, &beta, C, CUDA_R_32F, static_cast<int>(ldc),
+                                     sc, batch, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "cublasGemmStridedBatchedEx");
+  }
+  void gemm_nt_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
+                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch,
+                       bool tf32 = false) {
+    gemm_batched(CUBLAS_OP_T, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch, tf32);
+  }
+  void gemm_nn_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
+                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch,
+                       bool tf32 = false) {
+    gemm_batched(CUBLAS_OP_N, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch, tf32);
+  }
   template <typename K>
-  void sort(K *keys, K *alt, uint32_t *values, int64_t n) {
+  void sort(K *keys, K *alt, uint32_t *values, int64_t n, int end_bit = 8 * sizeof(K)) {
     if (n <= 1) return;
     cub::DoubleBuffer<K> dk(keys, alt);
     cub::DoubleBuffer<uint32_t> dv(values, alt_values);
     size_t bytes = sort_temp_bytes;
     ++operations;
-    check(cub::DeviceRadixSort::SortPairs(sort_temp, bytes, dk, dv, static_cast<int>(n), 0, 8 * sizeof(K), stream),
+    check(cub::DeviceRadixSort::SortPairs(sort_temp, bytes, dk, dv, static_cast<int>(n), 0, end_bit, stream),
           "cub::DeviceRadixSort::SortPairs");
     if (dk.Current() != keys) copy(keys, dk.Current(), n * sizeof(K));
     if (dv.Current() != values) copy(values, dv.Current(), n * sizeof(uint32_t));
+  }
+  // `segments` runs of n keys, each sorted stably: composite keys (segment << 32 | key) in one
+  // device-wide radix sort over the bits in use (a segmented sort would give each segment one
+  // block), split back into keys and values.
+  void sort_segments_u32(uint32_t *keys, uint32_t *values, int segments, int64_t n) {
+    if (segments <= 1) return sort_u32(keys, values, n);
+    const int64_t total = static_cast<int64_t>(segments) * n;
+    if (total <= 1) return;
+    int segment_bits = 0;
+    while ((int64_t{1} << segment_bits) < segments) ++segment_bits;
+    launch(segment_keys_kernel, grid_blocks(total, 256), 1, 256, static_cast<const uint32_t *>(keys), n, total,
+           wide_keys);
+    cub::DoubleBuffer<uint64_t> dk(wide_keys, alt_keys64);
+    cub::DoubleBuffer<uint32_t> dv(values, alt_values);
+    size_t bytes = sort_temp_bytes;
+    ++operations;
+    check(cub::DeviceRadixSort::SortPairs(sort_temp, bytes, dk, dv, static_cast<int>(total), 0, 32 + segment_bits,
+                                          stream),
+          "cub::DeviceRadixSort::SortPairs");
+    launch(split_segment_keys_kernel, grid_blocks(total, 256), 1, 256, static_cast<const uint64_t *>(dk.Current()),
+           static_cast<const uint32_t *>(dv.Current()), total, keys, values);
   }
   void sort_u32(uint32_t *keys, uint32_t *values, int64_t n) { sort(keys, alt_keys32, values, n); }
   void sort_u64(uint64_t *keys, uint32_t *values, int64_t n) { sort(keys, alt_keys64, values, n); }
@@ -167,13 +213,14 @@ uint8_t *reserve_sort_scratch(akv_context &ctx, CudaDevice &dev, size_t pipeline
   check(cub::DeviceRadixSort::SortPairs(nullptr, temp64, k64, v, static_cast<int>(most), 0, 64, dev.stream), "cub sizing");
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   dev.sort_temp_bytes = std::max(temp32, temp64);
-  const size_t total = up(pipeline_bytes) + up(most * 4) * 2 + up(most * 8) + up(dev.sort_temp_bytes);
+  const size_t total = up(pipeline_bytes) + up(most * 4) * 2 + up(most * 8) * 2 + up(dev.sort_temp_bytes);
   uint8_t *base = static_cast<uint8_t *>(workspace(ctx, total, stream, akv_context::kCompressWorkspace));
   uint8_t *extra = base + up(pipeline_bytes);
   dev.alt_keys32 = reinterpret_cast<uint32_t *>(extra);
   dev.alt_values = reinterpret_cast<uint32_t *>(extra + up(most * 4));
   dev.alt_keys64 = reinterpret_cast<uint64_t *>(extra + 2 * up(most * 4));
-  dev.sort_temp = extra + 2 * up(most * 4) + up(most * 8);
+  dev.wide_keys = reinterpret_cast<uint64_t *>(extra + 2 * up(most * 4) + up(most * 8));
+  dev.sort_temp = extra + 2 * up(most * 4) + 2 * up(most * 8);
   return base;
 }
 
@@ -230,11 +277,13 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   // Scratch: the pipeline's arrays, then the sorts' second buffers and temporary storage.
   CompressScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
+  // Heads per batch: all of them while the pipeline's scratch stays within kHeadBatchBudget.
+  const int head_batch = anchor_head_batch(g, pairs, paged_blocks(p), kHeadBatchBudget);
   const size_t pipeline_bytes = measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window,
-                                              g.anchors, pairs, paged_blocks(p));
+                                              g.anchors, pairs, paged_blocks(p), head_batch);
   const int64_t most = std::max<int64_t>(static_cast<int64_t>(g.heads) * g.prefix, 2);
   uint8_t *base = reserve_sort_scratch(ctx, dev, pipeline_bytes, most, stream);
-  compress_anchorkv(dev, p, o, *cache, positions, cache->data.data(), base);  // waits at the end (NaN check)
+  compress_anchorkv(dev, p, o, *cache, positions, cache->data.data(), base, head_batch);  // waits at the end (NaN check)
   dev.report("AnchorKV compress", g.seq_len);
   return cache;
 }

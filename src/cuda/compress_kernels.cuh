@@ -37,12 +37,18 @@ __device__ __forceinline__ int64_t kv_offset(const PrefillArgs &a, int h, int64_
 
 __device__ __forceinline__ bool finite(float x) { return (x - x) == 0.0f; }
 
-// One token per warp (4 per block): pre- and post-RoPE keys and values of head h, in float.
-__global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h, float *kpre, float *kpost, float *v) {
+// One token per warp (4 per block): pre- and post-RoPE keys and values of head h + blockIdx.y,
+// in float (grid y over heads: head h + y's rows start at y * S * D).
+__global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, float *kpre, float *kpost, float *v) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
   if (t >= a.seq_len) return;
   const int D = a.head_dim;
+  const int h = h0 + static_cast<int>(blockIdx.y);
+  const int64_t head_rows = static_cast<int64_t>(blockIdx.y) * a.seq_len * D;
+  kpre += head_rows;
+  kpost += head_rows;
+  v += head_rows;
   const int64_t src = kv_offset(a, h, t);
   float *given = (a.keys_post_rope ? kpost : kpre) + t * D;
   float *other = (a.keys_post_rope ? kpre : kpost) + t * D;
@@ -68,10 +74,13 @@ __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h, f
   if (bad) atomicAdd(a.bad, 1);
 }
 
-// The window queries of KV head h's group: Q[g * W + w][D] (one row per block of 32).
-__global__ void load_queries_kernel(const __grid_constant__ PrefillArgs a, int h, float *q) {
+// The window queries of KV head h's group: Q[g * W + w][D] (one row per block of 32); grid y
+// over heads: head h0 + y's m = gridDim.x rows start at y * m * D.
+__global__ void load_queries_kernel(const __grid_constant__ PrefillArgs a, int h0, float *q) {
   const int r = blockIdx.x, lane = threadIdx.x;
   const int G = a.q_heads / a.heads, W = a.window, D = a.head_dim;
+  const int h = h0 + static_cast<int>(blockIdx.y);
+  q += static_cast<int64_t>(blockIdx.y) * gridDim.x * D;
   const int hq = h * G + r / W, w = r % W;
   const int64_t src = hq * a.q_head_stride + static_cast<int64_t>(w) * a.q_token_stride;
   bool bad = false;
@@ -155,10 +164,14 @@ __global__ void __launch_bounds__(128) window_softmax_kernel(float *A, int64_t S
   for (int64_t t = threadIdx.x; t < S; t += 128) row[t] = t < visible ? row[t] * inv : 0.0f;
 }
 
-// Mean attention over the m rows (raw scores) and mean squared attention, per prefix token.
+// Mean attention over the m rows (raw scores) and mean squared attention, per prefix token
+// (grid y over heads: A [y][m][S], raw and alpha_sq [y][P]).
 __global__ void scores_kernel(const float *A, int64_t S, int64_t P, int m, float *raw, float *alpha_sq) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
+  A += static_cast<int64_t>(blockIdx.y) * m * S;
+  raw += static_cast<int64_t>(blockIdx.y) * P;
+  alpha_sq += static_cast<int64_t>(blockIdx.y) * P;
   float s = 0.0f, s2 = 0.0f;
   for (int r = 0; r < m; ++r) {
     const float a = A[r * S + t];
@@ -179,11 +192,15 @@ __device__ __forceinline__ uint32_t descending_key(float value) {
 
 // Pooling over a window of `kernel` tokens (zero padding; the average divides by kernel).
 // Also the sort keys of the anchor selection: descending pooled score as an ascending key;
-// the first `sinks` tokens get key 0, ahead of every score (ties: lower index).
+// the first `sinks` tokens get key 0, ahead of every score (ties: lower index). Grid y over
+// heads: raw, keys and index [y][P] (index: the token within the head).
 __global__ void pool_kernel(const float *raw, int64_t P, int kernel, int max_pool, int64_t sinks, uint32_t *keys,
                             uint32_t *index) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
+  raw += static_cast<int64_t>(blockIdx.y) * P;
+  keys += static_cast<int64_t>(blockIdx.y) * P;
+  index += static_cast<int64_t>(blockIdx.y) * P;
   const int half = kernel / 2;
   float acc = max_pool ? -INFINITY : 0.0f;
   for (int64_t u = t - half; u <= t + half; ++u) {
@@ -220,13 +237,28 @@ __global__ void sample_keys_kernel(const uint32_t *ranked, int64_t from, int64_t
 
 // Anchor rows of head h for one side: storage-dtype copies into the cache, float copies,
 // norms and normalised rows. One block of 128 per anchor; anchor a's token is picks[a]
-// (sorted non-window picks) or P + a - free for the window.
-__global__ void __launch_bounds__(128) anchors_kernel(const float *X, const uint32_t *picks, int64_t free_anchors,
-                                                      int64_t P, int D, int storage_bf16, uint16_t *out, float *anchor_f,
-                                                      float *anchor_n, uint16_t *anchor_b, float *norms,
-                                                      int64_t *anchor_tokens, int32_t *anchor_of_token) {
+// (sorted non-window picks) or P + a - free for the window. Grid (k, heads): head y's rows
+// at X + y x_stride, its picks and anchor_tokens at y free_anchors, out, anchor_f, anchor_n,
+// anchor_b at y k D, norms at y k, anchor_of_token at y P.
+__global__ void __launch_bounds__(128) anchors_kernel(const float *X, int64_t x_stride, const uint32_t *picks,
+                                                      int64_t free_anchors, int64_t P, int D, int storage_bf16,
+                                                      uint16_t *out, float *anchor_f, float *anchor_n,
+                                                      uint16_t *anchor_b, float *norms, int64_t *anchor_tokens,
+                                                      int32_t *anchor_of_token) {
   AKV_STATIC_SHARED(float, scratch, [4]);
   const int64_t a = blockIdx.x;
+  {
+    const int64_t y = blockIdx.y, k = gridDim.x;
+    X += y * x_stride;
+    picks += y * free_anchors;
+    out += y * k * D;
+    anchor_f += y * k * D;
+    anchor_n += y * k * D;
+    anchor_b += y * k * D;
+    norms += y * k;
+    if (anchor_tokens) anchor_tokens += y * free_anchors;
+    anchor_of_token += y * P;
+  }
   const int64_t token = a < free_anchors ? static_cast<int64_t>(picks[a]) : P + (a - free_anchors);
   if (threadIdx.x == 0 && a < free_anchors) {
     if (anchor_tokens) anchor_tokens[a] = token;
@@ -323,11 +355,14 @@ __device__ __forceinline__ bool nearest_better(float v, int a, float bv, int ba)
 // below every other), and/or best_sq[t] = max(best_sq[t], largest |x . anchor_n|^2) (the
 // coverage anchors' best |cos|^2 of unit rows). Both fp32 values, as if from an fp32 product.
 // anchor_b: the same rows in bf16 (what the tensor cores read, 8-byte aligned rows).
-// D in {64, 128, 256}; k >= 1; grid ceil(n / near_tokens(D)) blocks of 128.
+// D in {64, 128, 256}; k >= 1; grid (ceil(n / near_tokens(D)), heads) blocks of 128: head y's
+// rows at X + y x_stride, its anchors at y anchor_stride rows (anchor_n, anchor_b; norms at
+// y anchor_stride), its outputs at y out_stride (nearest, best_sq).
 template <int D>
-__global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int64_t n, int k, const float *anchor_n,
-                                                             const uint16_t *anchor_b, const float *norms,
-                                                             int32_t *nearest, float *best_sq) {
+__global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int64_t x_stride, int64_t n, int k,
+                                                             const float *anchor_n, const uint16_t *anchor_b,
+                                                             const float *norms, int32_t *nearest, float *best_sq,
+                                                             int64_t out_stride, int64_t anchor_stride) {
   constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = kNearAnchors / PARTS;
   // 32-byte aligned: wmma loads and stores need 256-bit aligned tile pointers.
   AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
@@ -335,6 +370,15 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
   AKV_STATIC_SHARED(__align__(32) float, cs, [TOK][kNearAnchors + 4]);
   AKV_STATIC_SHARED(float, xnorm, [TOK]);
   const int tid = threadIdx.x;
+  {
+    const int64_t y = blockIdx.y;
+    X += y * x_stride;
+    anchor_n += y * anchor_stride * D;
+    anchor_b += y * anchor_stride * D;
+    if (norms) norms += y * anchor_stride;
+    if (nearest) nearest += y * out_stride;
+    if (best_sq) best_sq += y * out_stride;
+  }
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * TOK;
   // The block's rows in bf16 (zeros past n), and their fp32 norms (one warp per row).
   for (int e = tid; e < TOK * D; e += 128) {
@@ -425,14 +469,29 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
 // from nearest_anchor_kernel; anchors point to themselves with gamma 1), and the residual: its
 // squared norm into r_norm_sq, and keys rotated to the token's position into rk (for the
 // utilities). One warp per token.
-__global__ void assign_kernel(const int32_t *nearest, int64_t t0, int64_t n, int k, int D, const float *X,
-                              const float *anchor_f, const float *anchor_n, const float *norms,
+// Grid y over heads: head y's token arrays (nearest, anchor_of_token, index_out, gamma_out,
+// r_norm_sq) at y P, rk at y P D, X at y x_stride, anchor_f and anchor_n at y k D, norms at y k.
+__global__ void assign_kernel(const int32_t *nearest, int64_t t0, int64_t n, int64_t P, int k, int D, const float *X,
+                              int64_t x_stride, const float *anchor_f, const float *anchor_n, const float *norms,
                               const int32_t *anchor_of_token, uint16_t *index_out, uint16_t *gamma_out, int side,
                               const int32_t *positions, int pairs, const float *inv_freq, const int32_t *rope_first,
                               const int32_t *rope_second, float *rk, float *r_norm_sq) {
   const int lane = threadIdx.x & 31;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
+  {
+    const int64_t y = blockIdx.y;
+    nearest += y * P;
+    anchor_of_token += y * P;
+    index_out += y * P;
+    gamma_out += y * P;
+    r_norm_sq += y * P;
+    rk += y * P * D;
+    X += y * x_stride;
+    anchor_f += y * k * D;
+    anchor_n += y * k * D;
+    norms += y * k;
+  }
   const int64_t t = t0 + i;
   const float *x = X + t * D;
   int best;
@@ -477,17 +536,30 @@ __global__ void assign_kernel(const int32_t *nearest, int64_t t0, int64_t n, int
   }
 }
 
-// Utilities (Eq. 6) of the prefix tokens of one head; anchors get -1 (never candidates).
+// Utilities (Eq. 6) of the prefix tokens of head h = h0 + blockIdx.y (grid y over heads; the
+// per-head inputs are [y][...] arrays: A [m][S], Z and VY [m][P], y_norm_sq [m], V [S][D],
+// alpha_sq, the residual norms and anchor_of_token [P]); anchors get -1 (never candidates).
 // Also the sort keys of the residual selection (descending utility as an ascending key), the
 // guard's keys (descending residual energy; anchors last) and the candidate ids h * P + t.
 __global__ void utility_kernel(const float *A, int64_t S, int64_t P, int m, int D, const float *Z, const float *VY,
                                const float *y_norm_sq, const float *V, const float *alpha_sq,
                                const float *rk_norm_sq, const float *rv_norm_sq, const int32_t *anchor_of_token,
-                               int h, uint32_t *key_keys, uint32_t *value_keys, uint32_t *key_ids,
+                               int h0, uint32_t *key_keys, uint32_t *value_keys, uint32_t *key_ids,
                                uint32_t *value_ids, uint32_t *key_energy, uint32_t *value_energy,
                                uint32_t *key_energy_ids, uint32_t *value_energy_ids) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
+  const int64_t y = blockIdx.y;
+  const int h = h0 + static_cast<int>(y);
+  A += y * m * S;
+  Z += y * m * P;
+  VY += y * m * P;
+  y_norm_sq += y * m;
+  V += y * S * D;
+  alpha_sq += y * P;
+  rk_norm_sq += y * P;
+  rv_norm_sq += y * P;
+  anchor_of_token += y * P;
   float uk = -1.0f, uv = -1.0f;
   if (anchor_of_token[t] < 0) {
     float vn = 0.0f;
@@ -511,6 +583,21 @@ __global__ void utility_kernel(const float *A, int64_t S, int64_t P, int m, int 
   }
   const uint32_t id = static_cast<uint32_t>(h * P + t);
   key_ids[h * P + t] = value_ids[h * P + t] = key_energy_ids[h * P + t] = value_energy_ids[h * P + t] = id;
+}
+
+// Segmented sort through one device-wide radix sort: keys of segment i (n each) become
+// (i << 32) | key, so that a stable sort of the 64-bit keys orders every segment by key, ties
+// in their given order; split_segment_keys_kernel writes the 32-bit keys back.
+__global__ void segment_keys_kernel(const uint32_t *keys, int64_t n, int64_t total, uint64_t *wide) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < total) wide[i] = (static_cast<uint64_t>(i / n) << 32) | keys[i];
+}
+__global__ void split_segment_keys_kernel(const uint64_t *wide, const uint32_t *values_in, int64_t total,
+                                          uint32_t *keys, uint32_t *values) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  keys[i] = static_cast<uint32_t>(wide[i]);
+  values[i] = values_in[i];
 }
 
 // The guard ranks the tokens the utilities left: the n already chosen (sorted ids) go last.
@@ -738,12 +825,22 @@ __global__ void iota_kernel(uint32_t *ids, uint32_t first, int64_t n) {
 // rows[i] = X[r] / ||X[r]|| (zero rows stay zero) for r = ids[i], or r = i without ids, and
 // ||X[r]||^2 into norm_sq when given: the unit prefix rows, and the rows of the anchors being
 // absorbed. One warp per row.
-// rows_b (when given): the unit rows in bf16 too.
-__global__ void unit_rows_kernel(const float *X, const uint32_t *ids, int64_t n, int D, float *rows, uint16_t *rows_b,
-                                 float *norm_sq) {
+// rows_b (when given): the unit rows in bf16 too. Grid y over heads: head y's X at
+// y x_stride, ids at y ids_stride, rows and rows_b at y rows_stride, norm_sq at y norm_stride.
+__global__ void unit_rows_kernel(const float *X, int64_t x_stride, const uint32_t *ids, int64_t ids_stride, int64_t n,
+                                 int D, float *rows, uint16_t *rows_b, int64_t rows_stride, float *norm_sq,
+                                 int64_t norm_stride) {
   const int lane = threadIdx.x & 31;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
+  {
+    const int64_t y = blockIdx.y;
+    X += y * x_stride;
+    if (ids) ids += y * ids_stride;
+    rows += y * rows_stride;
+    if (rows_b) rows_b += y * rows_stride;
+    if (norm_sq) norm_sq += y * norm_stride;
+  }
   const float *x = X + (ids ? static_cast<int64_t>(ids[i]) : i) * D;
   float n2 = 0.0f;
   for (int d = lane; d < D; d += 32) n2 += x[d] * x[d];
@@ -766,11 +863,20 @@ __global__ void coverage_update_kernel(const float *C, int64_t t0, int64_t count
 }
 
 // Mean residual energy ||x||^2 (1 - best) over the prefix, for side blockIdx.x (0 keys, 1
-// values); 1 when it is 0. One block of 128 per side.
+// values); 1 when it is 0. One block of 128 per side; grid y over heads (arrays [y][P],
+// means [y][2]).
 __global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_norm_sq, const float *key_best,
                                                              const float *value_norm_sq, const float *value_best,
                                                              int64_t P, float *means) {
   AKV_STATIC_SHARED(float, scratch, [4]);
+  {
+    const int64_t y = blockIdx.y;
+    key_norm_sq += y * P;
+    key_best += y * P;
+    value_norm_sq += y * P;
+    value_best += y * P;
+    means += y * 2;
+  }
   const float *norm_sq = blockIdx.x == 0 ? key_norm_sq : value_norm_sq;
   const float *best = blockIdx.x == 0 ? key_best : value_best;
   float acc = 0.0f;
@@ -780,23 +886,45 @@ __global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_no
 }
 
 // Sort keys of one round: descending summed relative error; anchors last. Ids are tokens.
+// Grid y over heads (arrays [y][P], means [y][2]).
 __global__ void coverage_keys_kernel(const float *key_norm_sq, const float *key_best, const float *value_norm_sq,
                                      const float *value_best, const float *means, const int32_t *is_anchor,
                                      int64_t P, uint32_t *keys, uint32_t *ids) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
+  {
+    const int64_t y = blockIdx.y;
+    key_norm_sq += y * P;
+    key_best += y * P;
+    value_norm_sq += y * P;
+    value_best += y * P;
+    means += y * 2;
+    is_anchor += y * P;
+    keys += y * P;
+    ids += y * P;
+  }
   const float e = key_norm_sq[t] * fmaxf(0.0f, 1.0f - key_best[t]) / means[0] +
                   value_norm_sq[t] * fmaxf(0.0f, 1.0f - value_best[t]) / means[1];
   keys[t] = is_anchor[t] ? 0xFFFFFFFFu : descending_key(e);
   ids[t] = static_cast<uint32_t>(t);
 }
 
-// The n tokens ids[0..n) become anchors: flagged, and appended to picks (when given).
-__global__ void coverage_take_kernel(const uint32_t *ids, int64_t n, int32_t *is_anchor, uint32_t *picks) {
+// The n tokens ids[0..n) become anchors: flagged, and copied to out[0..n); then (tail > 0)
+// out[n + j] = P + j for j < tail (the window tokens). Grid y over heads: head y's ids at
+// y ids_stride, flags at y P, out at y out_stride.
+__global__ void coverage_take_kernel(const uint32_t *ids, int64_t ids_stride, int64_t n, int32_t *is_anchor, int64_t P,
+                                     uint32_t *out, int64_t out_stride, int64_t tail) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
-  is_anchor[ids[i]] = 1;
-  if (picks) picks[i] = ids[i];
+  if (i >= n + tail) return;
+  const int64_t y = blockIdx.y;
+  out += y * out_stride;
+  if (i >= n) {
+    out[i] = static_cast<uint32_t>(P + (i - n));
+    return;
+  }
+  ids += y * ids_stride;
+  is_anchor[y * P + ids[i]] = 1;
+  out[i] = ids[i];
 }
 
 }  // namespace cuda
