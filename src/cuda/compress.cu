@@ -124,29 +124,24 @@ struct CudaDevice {
                       &alpha, B, static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)),
           "cublasSgemm");
   }
-  // Strided-batched forms: problem i's operands at A + i sa, B + i sb, C + i sc. With tf32, on
-  // the TF32 tensor cores (operands rounded to 10 mantissa bits, fp32 accumulation; the
-  // emulation rounds its operands the same way); else plain fp32.
-  void gemm_batched(cublasOperation_t op_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
-                    int64_t sa, const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch,
-                    bool tf32) {
+  // Strided-batched forms: problem i's operands at A + i sa, B + i sb, C + i sc.
+  void gemm_nt_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
+                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
     const float beta = 0.0f;
     ++operations;
-    check(cublasGemmStridedBatchedEx(blas, op_b, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
-                                     static_cast<int>(K), &alpha, B, CUDA_R_32F, static_cast<int>(ldb), sb, A,
-                                     CUDA_R_32F, static_cast<int>(lda), sa, &beta, C, CUDA_R_32F, static_cast<int>(ldc),
-                                     sc, batch, tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-          "cublasGemmStridedBatchedEx");
-  }
-  void gemm_nt_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
-                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch,
-                       bool tf32 = false) {
-    gemm_batched(CUBLAS_OP_T, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch, tf32);
+    check(cublasSgemmStridedBatched(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                                    static_cast<int>(K), &alpha, B, static_cast<int>(ldb), sb, A,
+                                    static_cast<int>(lda), sa, &beta, C, static_cast<int>(ldc), sc, batch),
+          "cublasSgemmStridedBatched");
   }
   void gemm_nn_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
-                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch,
-                       bool tf32 = false) {
-    gemm_batched(CUBLAS_OP_N, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch, tf32);
+                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
+    const float beta = 0.0f;
+    ++operations;
+    check(cublasSgemmStridedBatched(blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                                    static_cast<int>(K), &alpha, B, static_cast<int>(ldb), sb, A,
+                                    static_cast<int>(lda), sa, &beta, C, static_cast<int>(ldc), sc, batch),
+          "cublasSgemmStridedBatched");
   }
   template <typename K>
   void sort(K *keys, K *alt, uint32_t *values, int64_t n, int end_bit = 8 * sizeof(K)) {

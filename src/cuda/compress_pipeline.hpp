@@ -10,11 +10,7 @@
 //   gemm_nn(M, N, K, alpha, A, lda, B, ldb, C, ldc)  C = alpha A B
 //   gemm_nt_batched(M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch)
 //   gemm_nn_batched(...)                             the same for `batch` problems, operand i at
-//                                                    A + i sa, B + i sb, C + i sc (strided batch);
-//                                                    a last argument true: on the TF32 tensor cores
-//                                                    (operands rounded to TF32). Only the utilities:
-//                                                    TF32 window attention moves the pooled scores
-//                                                    enough to change coverage anchors.
+//                                                    A + i sa, B + i sb, C + i sc (strided batch)
 //   sort_u32(keys, values, n), sort_u64(keys, values, n)  stable ascending, in place
 //   sort_segments_u32(keys, values, segments, n)     each of `segments` runs of n, stable, in place
 //   copy(dst, src, bytes), fill(dst, byte, bytes)    ordered with the kernels
@@ -645,8 +641,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     }
     // 6. Utilities (Eq. 6) of every head: Z = Q (R r_K)^T, V.y, ||y||^2 (batched over heads).
     dev.stage(kStageUtilities);
-    dev.gemm_nt_batched(m, P, D, 1.0f, s.q, D, int64_t{m} * D, s.rk, D, P * D, s.z, P, int64_t{m} * P, H, true);
-    dev.gemm_nt_batched(m, P, D, 1.0f, s.y, D, int64_t{m} * D, s.v, D, S * D, s.vy, P, int64_t{m} * P, H, true);
+    dev.gemm_nt_batched(m, P, D, 1.0f, s.q, D, int64_t{m} * D, s.rk, D, P * D, s.z, P, int64_t{m} * P, H);
+    dev.gemm_nt_batched(m, P, D, 1.0f, s.y, D, int64_t{m} * D, s.v, D, S * D, s.vy, P, int64_t{m} * P, H);
     dev.launch(row_norms_kernel, grid_blocks(int64_t{H} * m, 128), 1, 128, static_cast<const float *>(s.y), H * m, D,
                s.y_norm_sq);
     dev.launch(utility_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, D,

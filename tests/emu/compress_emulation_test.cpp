@@ -41,35 +41,13 @@ struct EmulatedDevice {
                float *C, int64_t ldc) {
     gemm(M, N, K, alpha, A, lda, 1, B, ldb, 1, C, ldc);
   }
-  // The device's batched GEMMs with tf32 run on the TF32 tensor cores: operands rounded to TF32
-  // (10 mantissa bits, to nearest, ties away: cvt.rna.tf32.f32), fp32 sums.
-  static float tf32(float x) {
-    uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    bits = (bits + 0x1000u) & 0xFFFFE000u;
-    std::memcpy(&x, &bits, 4);
-    return x;
-  }
-  static void gemm_tf32(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t a_i, int64_t a_k,
-                        const float *B, int64_t b_k, int64_t b_j, float *C, int64_t ldc) {
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < K; ++k) acc += tf32(A[i * a_i + k * a_k]) * tf32(B[k * b_k + j * b_j]);
-        C[i * ldc + j] = alpha * acc;
-      }
-  }
   void gemm_nt_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
-                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch,
-                       bool tf32 = false) {
-    for (int i = 0; i < batch; ++i)
-      (tf32 ? gemm_tf32 : gemm)(M, N, K, alpha, A + i * sa, lda, 1, B + i * sb, 1, ldb, C + i * sc, ldc);
+                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
+    for (int i = 0; i < batch; ++i) gemm_nt(M, N, K, alpha, A + i * sa, lda, B + i * sb, ldb, C + i * sc, ldc);
   }
   void gemm_nn_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
-                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch,
-                       bool tf32 = false) {
-    for (int i = 0; i < batch; ++i)
-      (tf32 ? gemm_tf32 : gemm)(M, N, K, alpha, A + i * sa, lda, 1, B + i * sb, ldb, 1, C + i * sc, ldc);
+                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
+    for (int i = 0; i < batch; ++i) gemm_nn(M, N, K, alpha, A + i * sa, lda, B + i * sb, ldb, C + i * sc, ldc);
   }
   // The device's segmented sort composes 64-bit keys (segment << 32 | key) with the
   // emulated segment_keys_kernel, sorts them stably, and splits them with
@@ -503,9 +481,9 @@ struct CountingDevice {
   void gemm_nt(int64_t, int64_t, int64_t, float, const float *, int64_t, const float *, int64_t, float *, int64_t) { ++gemms; }
   void gemm_nn(int64_t, int64_t, int64_t, float, const float *, int64_t, const float *, int64_t, float *, int64_t) { ++gemms; }
   void gemm_nt_batched(int64_t, int64_t, int64_t, float, const float *, int64_t, int64_t, const float *, int64_t, int64_t,
-                       float *, int64_t, int64_t, int, bool = false) { ++gemms; }
+                       float *, int64_t, int64_t, int) { ++gemms; }
   void gemm_nn_batched(int64_t, int64_t, int64_t, float, const float *, int64_t, int64_t, const float *, int64_t, int64_t,
-                       float *, int64_t, int64_t, int, bool = false) { ++gemms; }
+                       float *, int64_t, int64_t, int) { ++gemms; }
   // As CudaDevice: the key composition kernel, one radix sort, the split kernel.
   void sort_segments_u32(uint32_t *, uint32_t *, int, int64_t) { launches += 2, ++sorts; }
   void sort_u32(uint32_t *, uint32_t *, int64_t) { ++sorts; }
