@@ -74,6 +74,13 @@ __device__ AKV_NOINLINE void rotate_exact(float *x, int n, int64_t d, const floa
   }
 }
 
+// A loop kept rolled (register pressure); nothing in the emulation.
+#ifdef AKV_SIMT_EMULATION
+#define AKV_NO_UNROLL
+#else
+#define AKV_NO_UNROLL _Pragma("unroll 1")
+#endif
+
 // (cos a, sin a) for a moderate angle (|a| < 100 rad).
 __device__ __forceinline__ void small_sincos(float a, float2 *cs) {
 #ifdef AKV_SIMT_EMULATION
@@ -564,6 +571,9 @@ struct SplitBlock {
 
   // ---- 7. values -------------------------------------------------------------------------
 
+  // Value residuals: the probabilities of the tile's residual tokens are first gathered as
+  // [residual][MAXROWS] (into the key tile, free after the contraction), so that a thread
+  // reads each residual's rows with float4 loads.
   __device__ __forceinline__ void prefix_values(int64_t t0, int64_t end) {
     const int64_t P = c.prefix, words = c.words;
     for (int e = tid; e < rows * T; e += NT) {
@@ -573,18 +583,34 @@ struct SplitBlock {
       const int64_t at = static_cast<int64_t>(h) * P + t;
       atomicAdd(&w_s[i * k + c.value_index[at]], L_s[i * T + u] * bits_to_float(c.value_gamma[at], true));
     }
-    const int group = tid / TPD, dim = tid % TPD;
     const int64_t wd = t0 / 64;
     const uint32_t base = c.value_offsets[h] + c.value_prefix[h * words + wd];
-    const uint32_t count = static_cast<uint32_t>(__popcll(c.value_mask[h * words + wd]));
-    for (uint32_t sl = base + group; sl < base + count; sl += SG) {
-      const int u = c.value_chunk[sl];  // position inside the word, = inside the tile
-      const uint8_t *codes = c.value_codes + static_cast<int64_t>(sl) * (D / 4);
-      const float scale = c.value_scales[sl];
+    const int count = __popcll(c.value_mask[h * words + wd]);
+    float *lr_s = K_s;  // [count][MAXROWS] <= T * MAXROWS floats
+    AKV_NO_UNROLL
+    for (int e = tid; e < count * MAXROWS; e += NT) {
+      const int n = e / MAXROWS, i = e % MAXROWS;
+      lr_s[e] = L_s[i * T + c.value_chunk[base + n]];  // position inside the word, = inside the tile
+    }
+    __syncthreads();
+    const int group = tid / TPD, dim = tid % TPD;
+    const int shift = (dim & 3) * 2;  // TPD % 4 == 0: the same for every e
+    static_assert(TPD % 4 == 0, "one code shift per thread");
+    const uint8_t *codes = c.value_codes + static_cast<int64_t>(base + group) * (D / 4) + (dim >> 2);
+    const float *scales = c.value_scales + base + group;
+    const float4 *lr = reinterpret_cast<const float4 *>(lr_s + group * MAXROWS);
+    AKV_NO_UNROLL  // unrolled, ptxas spills more at 4 rows (32 bytes instead of 16)
+    for (int n = group; n < count; n += SG, codes += SG * (D / 4), scales += SG, lr += SG * MAXROWS / 4) {
+      const float scale = *scales;
       for (int e = 0; e < DPT; ++e) {
-        const int d = dim + e * TPD;
-        const float lv = scale * lloyd_max_level((codes[d >> 2] >> ((d & 3) * 2)) & 3);
-        for (int i = 0; i < MAXROWS; ++i) racc[i][e] += L_s[i * T + u] * lv;
+        const float lv = scale * lloyd_max_level((codes[e * (TPD / 4)] >> shift) & 3);
+        for (int i = 0; i < MAXROWS; i += 4) {
+          const float4 pr = lr[i / 4];
+          racc[i][e] = fmaf(pr.x, lv, racc[i][e]);
+          racc[i + 1][e] = fmaf(pr.y, lv, racc[i + 1][e]);
+          racc[i + 2][e] = fmaf(pr.z, lv, racc[i + 2][e]);
+          racc[i + 3][e] = fmaf(pr.w, lv, racc[i + 3][e]);
+        }
       }
     }
     __syncthreads();
