@@ -572,8 +572,9 @@ struct SplitBlock {
   // ---- 7. values -------------------------------------------------------------------------
 
   // Value residuals: the probabilities of the tile's residual tokens are first gathered as
-  // [residual][MAXROWS] (into the key tile, free after the contraction), so that a thread
-  // reads each residual's rows with float4 loads.
+  // [residual][MAXROWS], and each residual's four scaled levels listed (both into the key
+  // tile, free after the contraction), so that a thread reads each residual's rows with
+  // float4 loads and its level with one shared-memory load.
   __device__ __forceinline__ void prefix_values(int64_t t0, int64_t end) {
     const int64_t P = c.prefix, words = c.words;
     for (int e = tid; e < rows * T; e += NT) {
@@ -592,24 +593,26 @@ struct SplitBlock {
       const int n = e / MAXROWS, i = e % MAXROWS;
       lr_s[e] = L_s[i * T + c.value_chunk[base + n]];  // position inside the word, = inside the tile
     }
+    float *lv_s = K_s + T * MAXROWS;  // [count][4]: the four scaled levels of each residual
+    AKV_NO_UNROLL
+    for (int e = tid; e < count * 4; e += NT) lv_s[e] = c.value_scales[base + e / 4] * lloyd_max_level(e & 3);
     __syncthreads();
     const int group = tid / TPD, dim = tid % TPD;
     const int shift = (dim & 3) * 2;  // TPD % 4 == 0: the same for every e
     static_assert(TPD % 4 == 0, "one code shift per thread");
     const uint8_t *codes = c.value_codes + static_cast<int64_t>(base + group) * (D / 4) + (dim >> 2);
-    const float *scales = c.value_scales + base + group;
+    const float *lv = lv_s + group * 4;
     const float4 *lr = reinterpret_cast<const float4 *>(lr_s + group * MAXROWS);
     AKV_NO_UNROLL  // unrolled, ptxas spills more at 4 rows (32 bytes instead of 16)
-    for (int n = group; n < count; n += SG, codes += SG * (D / 4), scales += SG, lr += SG * MAXROWS / 4) {
-      const float scale = *scales;
+    for (int n = group; n < count; n += SG, codes += SG * (D / 4), lv += SG * 4, lr += SG * MAXROWS / 4) {
       for (int e = 0; e < DPT; ++e) {
-        const float lv = scale * lloyd_max_level((codes[e * (TPD / 4)] >> shift) & 3);
+        const float level = lv[(codes[e * (TPD / 4)] >> shift) & 3];
         for (int i = 0; i < MAXROWS; i += 4) {
           const float4 pr = lr[i / 4];
-          racc[i][e] = fmaf(pr.x, lv, racc[i][e]);
-          racc[i + 1][e] = fmaf(pr.y, lv, racc[i + 1][e]);
-          racc[i + 2][e] = fmaf(pr.z, lv, racc[i + 2][e]);
-          racc[i + 3][e] = fmaf(pr.w, lv, racc[i + 3][e]);
+          racc[i][e] = fmaf(pr.x, level, racc[i][e]);
+          racc[i + 1][e] = fmaf(pr.y, level, racc[i + 1][e]);
+          racc[i + 2][e] = fmaf(pr.z, level, racc[i + 2][e]);
+          racc[i + 3][e] = fmaf(pr.w, level, racc[i + 3][e]);
         }
       }
     }
