@@ -32,6 +32,7 @@
 // correctly after appends. Compiled by nvcc (cuda/backend.cu) and, on the host, by the SIMT
 // emulation tests (tests/emu).
 #pragma once
+#include <cstring>
 #include "cuda/cache_view.hpp"
 #include "cuda/device_common.cuh"
 
@@ -63,6 +64,23 @@ __device__ AKV_NOINLINE float2 exact_angle(int64_t offset, float inv_freq) {
   return r;
 }
 
+// x[e] = x[e] cos - rs x'[e] sin ... with x' = x[n + e] and the exact angles of offset d and
+// pairs inv[e], e < n: the gapped-position path of the key residuals, out of line.
+__device__ AKV_NOINLINE void rotate_exact(float *x, int n, int64_t d, const float *inv, float rs) {
+  for (int e = 0; e < n; ++e) {
+    float cs, sn;
+    rope_angle(d, inv[e], &cs, &sn);
+    x[e] = fmaf(x[e], cs, x[n + e] * (rs * sn));
+  }
+}
+
+// A loop kept rolled (register pressure); nothing in the emulation.
+#ifdef AKV_SIMT_EMULATION
+#define AKV_NO_UNROLL
+#else
+#define AKV_NO_UNROLL _Pragma("unroll 1")
+#endif
+
 // (cos a, sin a) for a moderate angle (|a| < 100 rad).
 __device__ __forceinline__ void small_sincos(float a, float2 *cs) {
 #ifdef AKV_SIMT_EMULATION
@@ -70,6 +88,26 @@ __device__ __forceinline__ void small_sincos(float a, float2 *cs) {
   cs->y = std::sin(a);
 #else
   sincosf(a, &cs->y, &cs->x);
+#endif
+}
+
+// A float's bits and back.
+__device__ __forceinline__ uint32_t float_as_bits(float f) {
+#ifdef AKV_SIMT_EMULATION
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#else
+  return __float_as_uint(f);
+#endif
+}
+__device__ __forceinline__ float bits_as_float(uint32_t u) {
+#ifdef AKV_SIMT_EMULATION
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#else
+  return __uint_as_float(u);
 #endif
 }
 
@@ -329,12 +367,22 @@ struct SplitBlock {
   // Eight lanes per residual, EPT = D / 8 dimensions each (lane l of the eight holds
   // l * EPT ..): the in-register butterflies, then three stages across the eight lanes. A warp
   // takes four residuals at a time, warp w the residuals 4w.., 4(w + NW).., ...
+  // Codes are decoded from whole words: the scaled inner level where the code is 1 or 2 (its
+  // two bits differ), else the outer one, negated where the code's high bit is clear.
   __device__ __forceinline__ void key_residuals(int64_t t0) {
     constexpr int EPT = D / 8;
+    static_assert(EPT % 8 == 0, "whole 16-bit code words and float4 rows per lane");
     const int64_t wd = t0 / 64;
     const int count = __popcll(c.key_mask[static_cast<int64_t>(h) * c.words + wd]);
     const uint32_t base = c.key_offsets[h] + c.key_prefix[static_cast<int64_t>(h) * c.words + wd];
-    const int sub = lane >> 3, sl = lane & 7;
+    const int sub = lane >> 3, sl = lane & 7, d0 = sl * EPT;
+    // Fused rotation: pairs % EPT == 0, so the lane's dimensions d0.. lie wholly below pairs
+    // (x c - x' s), in [pairs, 2 pairs) (x c + x' s, pair j0 = d0 - pairs ..) or past 2 pairs
+    // (not rotated: the table's offset-0 row, (1, 0)). The partner x' is lane sl ^ pm.
+    const bool rope = fused && pairs > 0;
+    const bool rot = rope && d0 < 2 * pairs;
+    const int pm = rope ? pairs / EPT : 0, j0 = rot && d0 >= pairs ? d0 - pairs : rot ? d0 : 0;
+    const float rs = d0 < pairs ? -1.0f : 1.0f;
     for (int n0 = warp * 4; n0 < count; n0 += NW * 4) {  // uniform across the warp
       const int n = n0 + sub;
       const bool live = n < count;
@@ -342,14 +390,16 @@ struct SplitBlock {
       if (live) {
         const uint8_t *codes = c.key_codes + static_cast<int64_t>(base + n) * (D / 4) + sl * (EPT / 4);
         const float scale = c.key_scales[base + n];
-        // Codes 0..3: -outer, -inner, +inner, +outer (lloyd_max_level), times the scale.
-        const float outer = scale * lloyd_max_level(3), inner = scale * lloyd_max_level(2);
-        for (int b = 0; b < EPT / 4; ++b) {
-          const unsigned byte = codes[b];
-          for (int e = 0; e < 4; ++e) {
-            const unsigned code = (byte >> (2 * e)) & 3;
-            const float mag = (code == 0 || code == 3) ? outer : inner;
-            x[4 * b + e] = (code & 2) ? mag : -mag;
+        // Negative levels: the sign bit is flipped back where the code's high bit is set.
+        const uint32_t outer = float_as_bits(-scale * lloyd_max_level(3));
+        const uint32_t flip = outer ^ float_as_bits(-scale * lloyd_max_level(2));
+        for (int w0 = 0; w0 < EPT; w0 += 16) {  // 16 codes a 32-bit word (8 at EPT = 8)
+          const uint32_t w = EPT - w0 >= 16 ? reinterpret_cast<const uint32_t *>(codes)[w0 / 16]
+                                            : *reinterpret_cast<const uint16_t *>(codes);
+          const uint32_t mid = w ^ (w >> 1);  // bit 2e: code e is 1 or 2 (inner)
+          for (int e = 0; e < 16 && w0 + e < EPT; ++e) {
+            const uint32_t im = static_cast<uint32_t>(static_cast<int32_t>(mid << (31 - 2 * e)) >> 31);
+            x[w0 + e] = bits_as_float(outer ^ (im & flip) ^ ((w << (30 - 2 * e)) & 0x80000000u));
           }
         }
       } else {
@@ -367,25 +417,46 @@ struct SplitBlock {
         const float sign = (sl & lm) ? -1.0f : 1.0f;  // upper half: other - x, lower: x + other
         for (int e = 0; e < EPT; ++e) x[e] = fmaf(sign, x[e], __shfl_xor_sync(kFullMask, x[e], lm));
       }
-      const float *sg = sgn_s + sl * EPT;
-      for (int e = 0; e < EPT; ++e) x[e] *= sg[e];
-      if (fused) {  // R_off of the residual: the partner of dimension d (d -+ pairs) is lane sl ^ pm
-        const int pm = pairs / EPT, d0 = sl * EPT;
-        const int t = live ? bit_s[n] : 0;
-        const int off = off_s[t];
-        const int64_t p0 = pos_s[0];
-        for (int e = 0; e < EPT; ++e) {
-          const float other = __shfl_xor_sync(kFullMask, x[e], pm);
-          const int d = d0 + e;
-          if (d >= 2 * pairs || !live) continue;
-          const int j = d < pairs ? d : d - pairs;
-          const float2 st = offset_angle(t, off, j, p0);
-          x[e] = d < pairs ? x[e] * st.x - other * st.y : other * st.y + x[e] * st.x;
+      const float4 *sg = reinterpret_cast<const float4 *>(sgn_s + d0);
+      for (int e = 0; e < EPT; e += 4) {
+        const float4 s = sg[e / 4];
+        x[e] *= s.x;
+        x[e + 1] *= s.y;
+        x[e + 2] *= s.z;
+        x[e + 3] *= s.w;
+      }
+      const int t = live ? bit_s[n] : 0;
+      if (rope) {  // uniform across the block
+        const int off = rot && live ? off_s[t] : 0;
+        float other[EPT];
+        for (int e = 0; e < EPT; ++e) other[e] = __shfl_xor_sync(kFullMask, x[e], pm);
+        if (off >= 0) {
+          const float4 *st = reinterpret_cast<const float4 *>(step_s + off * pairs + j0);
+          for (int e = 0; e < EPT; e += 2) {
+            const float4 cs = st[e / 2];
+            x[e] = fmaf(x[e], cs.x, other[e] * (rs * cs.y));
+            x[e + 1] = fmaf(x[e + 1], cs.z, other[e + 1] * (rs * cs.w));
+          }
+        } else {  // gapped positions: the exact angles, out of line (one call, through a buffer)
+          float buf[2 * EPT];
+          for (int e = 0; e < EPT; ++e) {
+            buf[e] = x[e];
+            buf[EPT + e] = other[e];
+          }
+          rotate_exact(buf, EPT, pos_s[t] - pos_s[0], inv_s + j0, rs);
+          for (int e = 0; e < EPT; ++e) x[e] = buf[e];
         }
       }
       if (live) {
-        float *row = K_s + bit_s[n] * KS + sl * EPT;
-        for (int e = 0; e < EPT; ++e) row[e] += x[e];
+        float4 *row = reinterpret_cast<float4 *>(K_s + t * KS + d0);
+        for (int e = 0; e < EPT; e += 4) {
+          float4 r = row[e / 4];
+          r.x += x[e];
+          r.y += x[e + 1];
+          r.z += x[e + 2];
+          r.w += x[e + 3];
+          row[e / 4] = r;
+        }
       }
     }
   }
@@ -500,6 +571,10 @@ struct SplitBlock {
 
   // ---- 7. values -------------------------------------------------------------------------
 
+  // Value residuals: the probabilities of the tile's residual tokens are first gathered as
+  // [residual][MAXROWS], and each residual's four scaled levels listed (both into the key
+  // tile, free after the contraction), so that a thread reads each residual's rows with
+  // float4 loads and its level with one shared-memory load.
   __device__ __forceinline__ void prefix_values(int64_t t0, int64_t end) {
     const int64_t P = c.prefix, words = c.words;
     for (int e = tid; e < rows * T; e += NT) {
@@ -509,18 +584,36 @@ struct SplitBlock {
       const int64_t at = static_cast<int64_t>(h) * P + t;
       atomicAdd(&w_s[i * k + c.value_index[at]], L_s[i * T + u] * bits_to_float(c.value_gamma[at], true));
     }
-    const int group = tid / TPD, dim = tid % TPD;
     const int64_t wd = t0 / 64;
     const uint32_t base = c.value_offsets[h] + c.value_prefix[h * words + wd];
-    const uint32_t count = static_cast<uint32_t>(__popcll(c.value_mask[h * words + wd]));
-    for (uint32_t sl = base + group; sl < base + count; sl += SG) {
-      const int u = c.value_chunk[sl];  // position inside the word, = inside the tile
-      const uint8_t *codes = c.value_codes + static_cast<int64_t>(sl) * (D / 4);
-      const float scale = c.value_scales[sl];
+    const int count = __popcll(c.value_mask[h * words + wd]);
+    float *lr_s = K_s;  // [count][MAXROWS] <= T * MAXROWS floats
+    AKV_NO_UNROLL
+    for (int e = tid; e < count * MAXROWS; e += NT) {
+      const int n = e / MAXROWS, i = e % MAXROWS;
+      lr_s[e] = L_s[i * T + c.value_chunk[base + n]];  // position inside the word, = inside the tile
+    }
+    float *lv_s = K_s + T * MAXROWS;  // [count][4]: the four scaled levels of each residual
+    AKV_NO_UNROLL
+    for (int e = tid; e < count * 4; e += NT) lv_s[e] = c.value_scales[base + e / 4] * lloyd_max_level(e & 3);
+    __syncthreads();
+    const int group = tid / TPD, dim = tid % TPD;
+    const int shift = (dim & 3) * 2;  // TPD % 4 == 0: the same for every e
+    static_assert(TPD % 4 == 0, "one code shift per thread");
+    const uint8_t *codes = c.value_codes + static_cast<int64_t>(base + group) * (D / 4) + (dim >> 2);
+    const float *lv = lv_s + group * 4;
+    const float4 *lr = reinterpret_cast<const float4 *>(lr_s + group * MAXROWS);
+    AKV_NO_UNROLL  // unrolled, ptxas spills more at 4 rows (32 bytes instead of 16)
+    for (int n = group; n < count; n += SG, codes += SG * (D / 4), lv += SG * 4, lr += SG * MAXROWS / 4) {
       for (int e = 0; e < DPT; ++e) {
-        const int d = dim + e * TPD;
-        const float lv = scale * lloyd_max_level((codes[d >> 2] >> ((d & 3) * 2)) & 3);
-        for (int i = 0; i < MAXROWS; ++i) racc[i][e] += L_s[i * T + u] * lv;
+        const float level = lv[(codes[e * (TPD / 4)] >> shift) & 3];
+        for (int i = 0; i < MAXROWS; i += 4) {
+          const float4 pr = lr[i / 4];
+          racc[i][e] = fmaf(pr.x, level, racc[i][e]);
+          racc[i + 1][e] = fmaf(pr.y, level, racc[i + 1][e]);
+          racc[i + 2][e] = fmaf(pr.z, level, racc[i + 2][e]);
+          racc[i + 3][e] = fmaf(pr.w, level, racc[i + 3][e]);
+        }
       }
     }
     __syncthreads();
