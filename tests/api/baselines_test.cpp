@@ -508,45 +508,49 @@ TEST_P(EvictionDecode, EqualsExactAttentionOverTheKeptTokens) {
   const Tensor queries = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * G * q_len * D, 2.0), AKV_DTYPE_F32);
   const std::vector<float> out = decode(cache.get(), queries, q_len);
 
-  // Exact attention over the kept prompt tokens and the appended ones, from the inputs:
-  // reference RoPE in double, keys and values rounded to the storage dtype (bf16).
+  // Independently of the library, row by row: every key it keeps is the input rotated at its
+  // own position (reference RoPE in double) and stored in bf16, within the one bf16 step by
+  // which float and double RoPE can round apart; every value is the input in bf16 exactly; the
+  // appended tokens are all there. (Comparing outputs instead turns such one-step flips on the
+  // outlier channels of LLM-like keys into logit shifts of ~1e-2: seeds 12508124019635763991
+  // and 3581421187509144025 needed 1.8e-3 and 1.05e-2 x RMS, a tail no fixed tolerance covers.)
+  const Dense dense = reconstruct(cache.get(), 1);
+  ASSERT_EQ(dense.tokens, S + appended);
   std::vector<int32_t> positions = data.positions;
   for (int i = 0; i < appended; ++i) positions.push_back(positions.back() + 1);
-  const std::vector<std::vector<int64_t>> kept = kept_tokens(cache.get());
   const RopeReference rope = rope_reference(o.rope);
   const std::vector<double> freq = rope.frequencies(D);
-  std::vector<double> expected(out.size());
-  for (int h = 0; h < H; ++h) {
-    std::vector<double> k, v;
-    auto add = [&](const std::vector<float> &keys, const std::vector<float> &values, int64_t tokens, int64_t t, int64_t position) {
-      std::vector<double> row(keys.begin() + (static_cast<size_t>(h) * tokens + t) * D,
-                              keys.begin() + (static_cast<size_t>(h) * tokens + t + 1) * D);
-      rope.rotate_row(row.data(), D, static_cast<double>(position), freq);
-      for (int d = 0; d < D; ++d) {
-        k.push_back(round_to_bf16(static_cast<float>(row[d])));
-        v.push_back(round_to_bf16(values[(static_cast<size_t>(h) * tokens + t) * D + d]));
+  int64_t rows = 0;
+  std::vector<std::string> mismatches;
+  for (int h = 0; h < H; ++h)
+    for (int64_t t = 0; t < dense.tokens; ++t) {
+      const bool prompt = t < S;
+      if (!dense.present[static_cast<size_t>(h) * dense.tokens + t]) {
+        if (!prompt) mismatches.push_back("head " + std::to_string(h) + ": appended token " + std::to_string(t - S) + " missing");
+        continue;
       }
-    };
-    for (int64_t t : kept[h]) add(data.keys.values, data.values.values, S, t, data.positions[t]);
-    for (int i = 0; i < appended; ++i) add(new_keys.values, new_values.values, appended, i, positions[S + i]);
-    AttentionShape shape;
-    shape.kv_heads = 1;
-    shape.q_heads = G;
-    shape.head_dim = D;
-    shape.tokens = static_cast<int64_t>(k.size() / D);
-    shape.q_len = q_len;
-    std::vector<float> q(queries.values.begin() + static_cast<size_t>(h) * G * q_len * D,
-                         queries.values.begin() + static_cast<size_t>(h + 1) * G * q_len * D);
-    const std::vector<double> ref = reference_attention(k, v, q, shape, effective_softmax_scale(o, D));
-    std::copy(ref.begin(), ref.end(), expected.begin() + static_cast<size_t>(h) * G * q_len * D);
-  }
-  // bf16 keys from float vs double RoPE can differ by one bf16 step: with LLM-like keys (large
-  // outlier channels) that moves a logit by up to ~1e-2, so this independent check is loose
-  // (seed 12508124019635763991 needs 1.8e-3 x RMS); the tight check follows.
-  EXPECT_TRUE(all_near(out, expected, 8e-3 * root_mean_square(data.values.values), 4e-3));
+      const std::vector<float> &keys = prompt ? data.keys.values : new_keys.values;
+      const std::vector<float> &values = prompt ? data.values.values : new_values.values;
+      const size_t first = (static_cast<size_t>(h) * (prompt ? S : appended) + (prompt ? t : t - S)) * D;
+      std::vector<double> row(keys.begin() + first, keys.begin() + first + D);
+      rope.rotate_row(row.data(), D, static_cast<double>(positions[t]), freq);
+      double row_max = 0.0;
+      for (double x : row) row_max = std::max(row_max, std::fabs(x));
+      for (int d = 0; d < D; ++d) {
+        const double want = round_to_bf16(static_cast<float>(row[d])), got = dense.key_row(h, t)[d];
+        const double step = std::ldexp(std::max(std::fabs(want), std::fabs(got)), -7) + 1e-5 * row_max;
+        if (std::fabs(got - want) > step || dense.value_row(h, t)[d] != round_to_bf16(values[first + d]))
+          mismatches.push_back("head " + std::to_string(h) + " token " + std::to_string(t) + " dim " + std::to_string(d) +
+                               ": key " + std::to_string(got) + " (want " + std::to_string(want) + "), value " +
+                               std::to_string(dense.value_row(h, t)[d]) + " (want " +
+                               std::to_string(round_to_bf16(values[first + d])) + ")");
+      }
+      ++rows;
+    }
+  EXPECT_GT(rows, 2 * appended);
+  EXPECT_TRUE(mismatches.empty()) << mismatches.size() << " mismatches, first: " << mismatches.front();
 
-  // And tightly against attention over the cache's own reconstruction.
-  const Dense dense = reconstruct(cache.get(), 1);
+  // And the decode output, tightly, against attention over those rows.
   std::vector<double> exact(out.size());
   for (int h = 0; h < H; ++h) {
     std::vector<double> k, v;
