@@ -14,6 +14,7 @@
 #include "core/context.hpp"
 #include "core/dtype.hpp"
 #include "core/layout.hpp"
+#include "core/options.hpp"
 #include "core/serialize.hpp"
 #include "cpu/attention.hpp"
 #include "cpu/thread_pool.hpp"
@@ -465,30 +466,7 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
   const int32_t storage = raw_enum(o.storage_dtype);
   if (storage != AKV_DTYPE_AUTO && storage != AKV_DTYPE_BF16 && storage != AKV_DTYPE_F16)
     fail(AKV_ERR_INVALID_ARGUMENT, "storage_dtype ", dtype_label(storage), " must be auto, f16 or bf16");
-  if (!std::isfinite(o.softmax_scale) || o.softmax_scale < 0.0f)
-    fail(AKV_ERR_INVALID_ARGUMENT, "softmax_scale ", o.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
-  if (o.layer_count < 1 || o.layer_index < 0 || o.layer_index >= o.layer_count)
-    fail(AKV_ERR_INVALID_ARGUMENT, "layer_index ", o.layer_index, " must be in [0, layer_count=", o.layer_count, ")");
-  if (o.window < 1) fail(AKV_ERR_INVALID_ARGUMENT, "window ", o.window, " must be positive");
-  if (!std::isfinite(o.retain_fraction) || o.retain_fraction <= 0.0 || o.retain_fraction > 1.0)
-    fail(AKV_ERR_INVALID_ARGUMENT, "retain_fraction ", o.retain_fraction, " must be in (0, 1]");
-  if (o.sink_tokens < 0) fail(AKV_ERR_INVALID_ARGUMENT, "sink_tokens ", o.sink_tokens, " must be >= 0");
-  if (!std::isfinite(o.anchor_share) || o.anchor_share < 0.0 || o.anchor_share > 1.0)
-    fail(AKV_ERR_INVALID_ARGUMENT, "anchor_share ", o.anchor_share, " must be in [0, 1]");
-  if (o.fill_budget != 0 && o.fill_budget != 1)
-    fail(AKV_ERR_INVALID_ARGUMENT, "fill_budget ", o.fill_budget, " must be 0 or 1");
-  if (!std::isfinite(o.guard_fraction) || o.guard_fraction < 0.0 || o.guard_fraction > 1.0)
-    fail(AKV_ERR_INVALID_ARGUMENT, "guard_fraction ", o.guard_fraction, " must be in [0, 1]");
-  if (o.coverage_rounds < 0 || o.coverage_rounds > 64)
-    fail(AKV_ERR_INVALID_ARGUMENT, "coverage_rounds ", o.coverage_rounds, " must be in [0, 64]");
-  if (o.pool_heads < 0) fail(AKV_ERR_INVALID_ARGUMENT, "pool_heads ", o.pool_heads, " must be >= 0 (0 = every head)");
-  if (o.head_offset < 0 || o.head_offset > INT32_MAX - kMaxKvHeads)
-    fail(AKV_ERR_INVALID_ARGUMENT, "head_offset ", o.head_offset, " must be in [0, ", INT32_MAX - kMaxKvHeads, "]");
-  if (o.compact_after < 0 || o.compact_after > INT32_MAX)
-    fail(AKV_ERR_INVALID_ARGUMENT, "compact_after ", o.compact_after, " must be in [0, 2^31) (0 = never)");
-  if (o.compact_after > 0 && !compactable(o.method))
-    fail(AKV_ERR_UNSUPPORTED, "compact_after is for AnchorKV, SnapKV, PyramidKV and AnDPro caches (method ",
-         static_cast<int>(o.method), ")");
+  check_option_ranges(o, AKV_ERR_INVALID_ARGUMENT, "");
   return o;
 }
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include "core/error.hpp"
+#include "core/options.hpp"
 #include "core/quantizer.hpp"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "serialization assumes a little-endian host");
@@ -615,18 +616,8 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     o.head_offset = r.get<int32_t>("head_offset");
     const bool foldable = compactable(m.method);
     corrupt_unless(c.compactions >= 0 && (c.compactions == 0 || foldable), "compactions");
-    corrupt_unless(o.compact_after >= 0 && o.compact_after <= INT32_MAX && (o.compact_after == 0 || foldable),
-                   "compact_after");
-    corrupt_unless(std::isfinite(o.retain_fraction) && o.retain_fraction >= m.retain_fraction && o.retain_fraction <= 1.0,
-                   "target retain_fraction");
+    corrupt_unless(o.retain_fraction >= m.retain_fraction, "target retain_fraction");
     corrupt_unless(o.anchors >= 0 && o.anchors <= 65536, "requested anchors");
-    auto unit = [](double x) { return std::isfinite(x) && x >= 0.0 && x <= 1.0; };
-    corrupt_unless(unit(o.scored_fraction) && unit(o.anchor_share) && unit(o.guard_fraction), "AnchorKV fractions");
-    corrupt_unless(o.pool_kernel >= 1 && o.pool_kernel % 2 == 1, "pool_kernel");
-    corrupt_unless(o.sink_tokens >= 0 && (o.fill_budget == 0 || o.fill_budget == 1) && o.coverage_rounds >= 0 &&
-                       o.coverage_rounds <= 64,
-                   "AnchorKV selection options");
-    corrupt_unless(o.head_offset >= 0 && o.head_offset <= INT32_MAX - s.num_kv_heads, "head_offset");
   }
   o.pool_heads = m.pool_heads;  // a compaction pools as the compression did
   o.window = m.window;
@@ -641,6 +632,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   o.rope.rotary_dim = m.rotary_dim;
   o.quant_bits = m.quant_bits;
   o.quant_outliers = m.quant_outliers;
+  check_option_ranges(o, AKV_ERR_CORRUPT_DATA, "serialized cache is inconsistent: ");  // what akv_compress accepts
   // Appending continues from next_position: it is always one past the last stored position.
   const int64_t last = len ? c.suffix_positions.back() : last_prompt_position;
   require(c.next_position == last + 1, AKV_ERR_CORRUPT_DATA, "serialized cache has next_position ", c.next_position,

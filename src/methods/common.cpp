@@ -47,12 +47,6 @@ std::vector<int32_t> prompt_positions(const akv_prefill &p) {
 std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const akv_compress_options &o, akv_cache &cache) {
   CacheMeta &meta = cache.meta;
   const AnchorGeometry g = anchor_geometry(o, p.shape);
-  require(std::isfinite(o.scored_fraction) && o.scored_fraction >= 0.0 && o.scored_fraction <= 1.0,
-          AKV_ERR_INVALID_ARGUMENT, "scored_fraction ", o.scored_fraction, " must be in [0, 1]");
-  require(o.pool_kernel >= 1 && o.pool_kernel % 2 == 1, AKV_ERR_INVALID_ARGUMENT, "pool_kernel ",
-          o.pool_kernel, " must be a positive odd number");
-  require(o.pool_type == AKV_POOL_AVG || o.pool_type == AKV_POOL_MAX, AKV_ERR_INVALID_ARGUMENT,
-          "pool_type ", static_cast<int>(o.pool_type), " is not known");
   require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (AnchorKV scores with the window queries)");
   meta.anchors = g.anchors;
   meta.pool_heads = g.pool_heads;

@@ -59,13 +59,8 @@ std::vector<int64_t> adakv_counts(const std::vector<int64_t> &selected, int64_t 
 }
 
 EvictionBudget eviction_budget(const akv_compress_options &o, const akv_shape &s) {
-  require(o.window > 0, AKV_ERR_INVALID_ARGUMENT, "window ", o.window, " must be positive");
   require(s.seq_len > o.window, AKV_ERR_INVALID_ARGUMENT, "seq_len ", s.seq_len, " must exceed the window ",
           o.window, " for the eviction methods");
-  require(o.pool_kernel >= 1 && o.pool_kernel % 2 == 1, AKV_ERR_INVALID_ARGUMENT, "pool_kernel ", o.pool_kernel,
-          " must be a positive odd number");
-  require(o.pool_type == AKV_POOL_AVG || o.pool_type == AKV_POOL_MAX, AKV_ERR_INVALID_ARGUMENT, "pool_type ",
-          static_cast<int>(o.pool_type), " is not known");
   if (o.method == AKV_METHOD_ADAKV)
     require(std::isfinite(o.adakv_alpha) && o.adakv_alpha >= 0.0 && o.adakv_alpha <= 1.0, AKV_ERR_INVALID_ARGUMENT,
             "adakv_alpha ", o.adakv_alpha, " must be in [0, 1]");

@@ -1,0 +1,40 @@
+#include "core/options.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include "core/context.hpp"
+#include "core/error.hpp"
+#include "core/layout.hpp"
+
+namespace akv {
+
+void check_option_ranges(const akv_compress_options &o, akv_status status, const char *prefix) {
+  auto unit = [](double x) { return std::isfinite(x) && x >= 0.0 && x <= 1.0; };
+  if (!std::isfinite(o.softmax_scale) || o.softmax_scale < 0.0f)
+    fail(status, prefix, "softmax_scale ", o.softmax_scale, " must be finite and >= 0 (0 = 1/sqrt(D))");
+  if (o.layer_count < 1 || o.layer_index < 0 || o.layer_index >= o.layer_count)
+    fail(status, prefix, "layer_index ", o.layer_index, " must be in [0, layer_count=", o.layer_count, ")");
+  if (o.window < 1) fail(status, prefix, "window ", o.window, " must be positive");
+  if (!std::isfinite(o.retain_fraction) || o.retain_fraction <= 0.0 || o.retain_fraction > 1.0)
+    fail(status, prefix, "retain_fraction ", o.retain_fraction, " must be in (0, 1]");
+  if (o.anchors < 0) fail(status, prefix, "anchors ", o.anchors, " must be >= 0 (0 = from the budget)");
+  if (!unit(o.scored_fraction)) fail(status, prefix, "scored_fraction ", o.scored_fraction, " must be in [0, 1]");
+  if (o.pool_kernel < 1 || o.pool_kernel % 2 != 1)
+    fail(status, prefix, "pool_kernel ", o.pool_kernel, " must be a positive odd number");
+  if (o.sink_tokens < 0) fail(status, prefix, "sink_tokens ", o.sink_tokens, " must be >= 0");
+  if (!unit(o.anchor_share)) fail(status, prefix, "anchor_share ", o.anchor_share, " must be in [0, 1]");
+  if (o.fill_budget != 0 && o.fill_budget != 1) fail(status, prefix, "fill_budget ", o.fill_budget, " must be 0 or 1");
+  if (!unit(o.guard_fraction)) fail(status, prefix, "guard_fraction ", o.guard_fraction, " must be in [0, 1]");
+  if (o.coverage_rounds < 0 || o.coverage_rounds > 64)
+    fail(status, prefix, "coverage_rounds ", o.coverage_rounds, " must be in [0, 64]");
+  if (o.pool_heads < 0) fail(status, prefix, "pool_heads ", o.pool_heads, " must be >= 0 (0 = every head)");
+  if (o.head_offset < 0 || o.head_offset > INT32_MAX - kMaxKvHeads)
+    fail(status, prefix, "head_offset ", o.head_offset, " must be in [0, ", INT32_MAX - kMaxKvHeads, "]");
+  if (o.compact_after < 0 || o.compact_after > INT32_MAX)
+    fail(status, prefix, "compact_after ", o.compact_after, " must be in [0, 2^31) (0 = never)");
+  if (o.compact_after > 0 && !compactable(o.method))
+    fail(status == AKV_ERR_INVALID_ARGUMENT ? AKV_ERR_UNSUPPORTED : status, prefix,
+         "compact_after is for AnchorKV, SnapKV, PyramidKV and AnDPro caches (method ", static_cast<int>(o.method), ")");
+}
+
+}  // namespace akv
