@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""Static performance model of the compact AnchorKV decode on an H200 (issue 14), no device.
+
+Rows: S x batch of issue 14 (H=8 KV heads, Hq=32, D=128, bf16, theta=0.05, default options:
+NeoX RoPE over all 64 pairs, so the fused gather+RoPE path; q_len 1, G=4 -> 4 rows ->
+decode_split_kernel<128, 4> for every row, 32K x 32 included: the planner picks MAXROWS from
+G * q_len alone, not from the batch).
+
+HONESTY: every instruction count here is PTX (virtual ISA), not SASS. ptxas reorders, fuses
+(e.g. shl+or, address arithmetic into addressing modes), unrolls further or spills; SASS counts
+can differ by tens of percent either way. Control flow is priced as if warps were uniform
+(thread instructions = 32 x warp instructions), shared-memory bank conflicts, atomics'
+serialisation, barrier stalls and load latency are not modelled except through the assumed
+IPC fraction. Treat the times as +-40% predictions to be checked with bench_decode.py --rows.
+
+Counts (non-mov PTX instructions of basic blocks, scripts/ptx_count.py per-block listing of
+decode_split_kernel<128,4>, CUDA 13 nvcc, sm_90), regenerate with
+  printf '#include "cuda/decode_kernels.cuh"\\ntemplate __global__ void akv::cuda::decode_split_kernel<128,4>(const __grid_constant__ akv::cuda::DecodeLaunch);\\ntemplate __global__ void akv::cuda::decode_merge_kernel<128,4>(const __grid_constant__ akv::cuda::DecodeLaunch);\\n' > inst.cu
+  nvcc -ptx -lineinfo -arch=sm_90 -std=c++17 -O3 -DNDEBUG -I src -I include inst.cu -o k.ptx
+  scripts/ptx_count.py k.ptx decode_split_kernelILi128ELi4E
+and map the blocks of the prefix-tile loop (source lines of decode_kernels.cuh in brackets).
+--from-ptx reruns nvcc + ptx_count and prints the listing totals next to the constants (the
+block-to-phase map is by hand; labels move between compiler versions).
+
+Residual fractions: from the library's geometry (src/core/layout.cpp) via a real compression
+of random keys with default options (scripts/predict_decode.py --measure, needs
+ANCHORKV_LIBRARY=build-p14/src/libanchorkv.so PYTHONPATH=python): 32K: k=815, N_K=13672,
+N_V=13673, 6710869 B; 128K: k=3258, N_K=N_V=54634, 26843522 B (per request, 8 heads).
+"""
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+H, HQ, D, T, NT, W = 8, 32, 128, 64, 256, 32
+ROWS = 4  # G * q_len
+SMS, SCHED, CLOCK_GHZ, HBM_TBS = 132, 4, 1.98, 4.3
+IPC = 0.7          # assumed fraction of one warp instruction / scheduler / cycle actually issued
+L2_TBS = 8.0       # assumed L2 -> SM bandwidth (anchor rows are gathered through L2 per token)
+LAUNCH_US = 4.0    # two back-to-back kernels (split + merge): launch gaps and tail, assumed
+SDPA = {(32768, 1): 54.0, (131072, 1): 133.0, (131072, 8): 970.0, (32768, 32): 970.0}  # 32Kx32: not measured; same tokens as 128Kx8, SDPA is bandwidth-bound: its 970 us assumed
+TARGET = {(32768, 1): 2.5, (131072, 1): 5.0, (131072, 8): 8.0, (32768, 32): 6.0}
+GEOM = {32768: dict(k=815, nk=13672, nv=13673, bytes=6710869),
+        131072: dict(k=3258, nk=54634, nv=54634, bytes=26843522)}
+
+# ---- PTX counts per tile (warp instructions; "w0-1" = executed by warps 0-1 only) ----------
+# 1 metadata/angles [173-241]: tile loop head 14+57 (all warps); tid<64 token metadata
+#   7+34+33+38=112 (warps 0-1); 64<=tid<128 first angles rope_angle 3+32+2+1+6+11+10+10+26+32=133
+#   (warps 2-3); others 7.
+META = 8 * 71 + 2 * 112 + 2 * 133 + 4 * 7
+# 2 gather+RoPE [249-323] bf16 fused NeoX: per item 13+16+1+21+48+3=102, 4 items a thread
+#   (V8=16, STEP=16, T=64), +9 entry; query rotation [337-344] 69 for warps 0-1 (64 pairs), 4 else.
+GATHER = 8 * (9 + 4 * 102) + 2 * 69 + 6 * 4
+# 3 key residuals [376-458]: setup 21+1+5 all warps; one warp iteration (4 residuals, 8 lanes
+#   each: decode 130, butterflies+3 shuffle stages 215+12, sign/rope setup 4+6+3, partner
+#   shuffles 22+1, table RoPE 75, row add 1+33, loop 4) = 506. Warp iterations per tile =
+#   ceil(c_K / 4) (warp w takes residuals 4w.., 4w+32..).
+KRES_SETUP, KRES_ITER = 8 * 27, 506
+# 4 contraction [495-541] (rows == MAXROWS): 3+1+2x(90+1) (8 float4 steps, unrolled x4) +40
+#   +24+9+15+4x16+6 = 344 per warp.
+QK = 8 * 344
+# 5 online softmax [542-567]: all warps 30 (row tests, alpha, rescale test), warps 0-3 (one row
+#   each) +20 (warp max, exp2 of 2 tokens a lane); rescale path 46+36 when a row max rises.
+SOFTMAX, RESCALE, P_RESCALE = 8 * 30 + 4 * 20, 8 * 82, 0.05
+# 6 per-anchor weights [580-586]: rows*T = 256 = NT: one (row, token) a thread, 5+10+5+16=36
+#   (value_index, value_gamma loads, shared atomicAdd).
+WEIGHTS = 8 * 36
+# 7 value residuals [587-615]: setup 20+1+3+12+4=40 all warps; [count][4] probabilities and
+#   levels listed: ceil(4 c_V / 32) warps x (22 + 23); accumulation loop body 17, SG=2 groups:
+#   4 warps x ceil(c_V/2) + 4 warps x floor(c_V/2) = 4 c_V warp iterations.
+VRES_SETUP, VRES_LIST, VRES_ITER = 8 * 40, 45, 17
+# Per block: prologue [148-198]: ~150 straight-line + q/qr load 80 + 16 sincosf table entries
+#   x 75 + w_s zeroing 5 per (4 k / 256); write partial [647-671]: 2 x (9 + 2 x 22 + 10) + 14 per
+#   (4 k / 256) + 81; the window tile (split 0 only): a tile without residuals or weights + 40.
+def prologue(k):
+    return 8 * (150 + 80 + 16 * 75 + 5 * 4 * k / NT)
+
+
+def write_partial(k):
+    return 8 * (2 * 63 + 14 * 4 * k / NT + 81)
+
+
+WINDOW_TILE = META + GATHER + QK + SOFTMAX + 8 * 40
+# Merge kernel [770-871] per thread: ~150 + per 64-anchor chunk (w over splits ~8 a split,
+#   32 anchors x ~10 (bf16 value, 4 row FMAs), ~30 loop) + red/Hadamard/store ~600.
+def merge_thread_instr(k, splits):
+    return 150 + math.ceil(k / 64) * (8 * splits + 320 + 30) + 600
+
+
+def poisson_ceil(lam, div):
+    """E[ceil(c / div)] for c ~ Poisson(lam): residual counts of a tile."""
+    e, p, n = 0.0, math.exp(-lam), 0
+    while n < 200:
+        e += p * math.ceil(n / div)
+        n += 1
+        p *= lam / n
+    return e
+
+
+def smem_bytes(k, pairs=64, rows=ROWS):
+    a16 = lambda x: (x + 15) // 16 * 16
+    parts = [4 * rows * D, 4 * rows * D, 4 * rows * k, 4 * rows * T, 4 * 8 * rows] + [4 * pairs] * 5 + \
+            [8 * T * pairs, 4 * D, 4 * T, 4 * T, 4 * T, 4 * T, 8 * T, 4 * T * (D + 4)]
+    return sum(a16(p) for p in parts)
+
+
+def plan(S, batch, k):
+    smem = smem_bytes(k)
+    resident = max(1, min(2, 2048 // NT, (228 * 1024) // (smem + 1024)))  # 128 regs: 2 by registers
+    tiles = math.ceil((S - W) / T)
+    splits = max(1, min(resident * SMS // (H * min(batch, 128)), tiles, 64))
+    return dict(smem=smem, resident=resident, tiles=tiles, splits=splits, blocks=H * batch * splits)
+
+
+def tile_phases(fk, fv):
+    lk, lv = T * fk, T * fv
+    return {
+        "tile metadata/angles": META,
+        "key gather+RoPE": GATHER,
+        "key residual decode": KRES_SETUP + KRES_ITER * poisson_ceil(lk, 4),
+        "contraction (QK)": QK,
+        "online softmax": SOFTMAX + P_RESCALE * RESCALE,
+        "value residual accum": VRES_SETUP + VRES_LIST * poisson_ceil(4 * lv, 32) + VRES_ITER * 4 * lv,
+        "per-anchor weights": WEIGHTS,
+    }
+
+
+def predict(S, batch):
+    g = GEOM[S]
+    P = S - W
+    fk, fv = g["nk"] / (H * P), g["nv"] / (H * P)
+    pl = plan(S, batch, g["k"])
+    ph = tile_phases(fk, fv)
+    tile = sum(ph.values())
+    fixed = prologue(g["k"]) + write_partial(g["k"])
+    per_block = math.ceil(pl["tiles"] / pl["splits"]) * tile + fixed + WINDOW_TILE  # split 0 block
+    total = pl["blocks"] * (pl["tiles"] / pl["splits"] * tile + fixed) + H * batch * WINDOW_TILE
+    waves = math.ceil(pl["blocks"] / (SMS * pl["resident"]))
+    rate = SCHED * CLOCK_GHZ * 1e3 * IPC  # warp instructions per us per SM
+    issue_us = max(total / (SMS * rate), waves * pl["resident"] * per_block / rate)
+    ws = pl["blocks"] * ROWS * (2 * D + 2 + g["k"]) * 4
+    hbm = batch * g["bytes"] + 2 * ws + batch * HQ * D * 2 * 2
+    mem_us = hbm / (HBM_TBS * 1e6)
+    l2 = batch * H * P * D * 2  # one anchor row (bf16) through L2 per prompt token
+    l2_us = l2 / (L2_TBS * 1e6)
+    mblocks = H * batch
+    mi = merge_thread_instr(g["k"], pl["splits"]) * 8  # warp instructions of one merge block
+    merge_us = math.ceil(mblocks / SMS) * mi / rate
+    t = max(issue_us, mem_us, l2_us) + merge_us + LAUNCH_US
+    return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,
+                issue=issue_us, hbm=hbm, mem=mem_us, l2=l2, l2_us=l2_us, merge=merge_us, t=t)
+
+
+def measure():
+    import numpy as np
+    import anchorkv
+    for S in GEOM:
+        rng = np.random.default_rng(0)
+        k = rng.standard_normal((H, S, D), dtype=np.float32)
+        c = anchorkv.compress(k, rng.standard_normal((H, S, D), dtype=np.float32),
+                              rng.standard_normal((HQ, W, D), dtype=np.float32), retain_fraction=0.05)
+        st = c.stats
+        print(S, dict(k=st.anchors, nk=st.key_residuals, nv=st.value_residuals, bytes=st.compressed_bytes),
+              "akv_compressed_size", anchorkv.compressed_size(S, H, D, num_q_heads=HQ, retain_fraction=0.05))
+
+
+def from_ptx():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "inst.cu")
+        with open(src, "w") as f:
+            f.write('#include "cuda/decode_kernels.cuh"\n')
+            for k in ("decode_split_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
+                f.write(f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n")
+        ptx = os.path.join(d, "k.ptx")
+        subprocess.run(["nvcc", "-ptx", "-lineinfo", "-arch=sm_90", "-std=c++17", "-O3", "-DNDEBUG",
+                        "-I", os.path.join(root, "src"), "-I", os.path.join(root, "include"), src, "-o", ptx],
+                       check=True)
+        for e in ("decode_split_kernelILi128ELi4E", "decode_merge_kernelILi128ELi4E"):
+            lines = [] if "merge" in e else ["--lines", "173-241", "--lines", "249-344", "--lines", "376-458",
+                                             "--lines", "495-541", "--lines", "542-567", "--lines", "576-615"]
+            subprocess.run([sys.executable, os.path.join(root, "scripts", "ptx_count.py"), ptx, e] + lines, check=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--from-ptx", action="store_true", help="compile and list the PTX counts first")
+    ap.add_argument("--measure", action="store_true", help="re-derive the geometry with the library")
+    a = ap.parse_args()
+    if a.measure:
+        return measure()
+    if a.from_ptx:
+        from_ptx()
+    print(f"Assumptions: {SMS} SMs x {SCHED} schedulers x {CLOCK_GHZ} GHz x IPC {IPC}; HBM {HBM_TBS} TB/s; "
+          f"L2 {L2_TBS} TB/s; launch {LAUNCH_US} us; PTX counts, not SASS.\n")
+    rows = [predict(S, b) for S, b in ((32768, 1), (131072, 1), (131072, 8), (32768, 32))]
+    print("| S | batch | k | f_K/f_V | splits x blocks (res/SM) | thr instr /tok/head (tiles) | warp instr /tok/head (tiles) "
+          "| total warp instr | issue us | HBM MB | HBM us | L2 us | merge us | pred us | SDPA us | speedup "
+          "| target | met |")
+    print("|" + "---|" * 18)
+    for r in rows:
+        tok = r["tile"] / T
+        sd = SDPA[(r["S"], r["batch"])]
+        sp = f"{sd / r['t']:.1f}x" if sd else "n/a"
+        tg = TARGET[(r["S"], r["batch"])]
+        met = "yes" if sd / r["t"] >= tg else "NO"
+        pl = r["pl"]
+        print(f"| {r['S']} | {r['batch']} | {r['g']['k']} | {r['fk']:.4f}/{r['fv']:.4f} | {pl['splits']} x "
+              f"{pl['blocks']} ({pl['resident']}) | {32 * tok:.0f} | {tok:.1f} | {r['total'] / 1e6:.1f}M | "
+              f"{r['issue']:.1f} | {r['hbm'] / 1e6:.1f} | {r['mem']:.1f} | {r['l2_us']:.1f} | {r['merge']:.1f} | "
+              f"{r['t']:.1f} | {sd or '-'} | {sp} | {tg}x | {met} |")
+    r = rows[1]
+    print(f"\nPhase breakdown, {r['S']} x {r['batch']} (4 rows), per token and head "
+          "(thread instr = 32 x warp instr / 64 tokens):")
+    print("| phase | thread instr | warp instr | share |")
+    print("|---|---|---|---|")
+    ph = dict(r["ph"])
+    per_tok_fixed = (r["total"] / (r["pl"]["blocks"] * r["pl"]["tiles"] / r["pl"]["splits"]) - r["tile"])
+    ph["per-block fixed (prologue, partial, window)"] = per_tok_fixed
+    tot = sum(ph.values())
+    for name, v in sorted(ph.items(), key=lambda x: -x[1]):
+        print(f"| {name} | {32 * v / T:.0f} | {v / T:.1f} | {100 * v / tot:.0f}% |")
+    print(f"| total | {32 * tot / T:.0f} | {tot / T:.1f} | 100% |")
+    print(f"\nMerge: {H * r['batch']} blocks, {merge_thread_instr(r['g']['k'], r['pl']['splits'])} instr a thread "
+          f"(k={r['g']['k']}, {r['pl']['splits']} splits); L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
