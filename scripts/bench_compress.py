@@ -5,7 +5,10 @@ theta=0.05, S = 32K, 64K, 128K. In the same run:
   * our AnchorKV compress on a CUDA context (the GPU pass), wall time per layer including its
     final synchronisation (it checks the inputs for NaN/Inf);
   * PyTorch SDPA causal prefill attention for the layer (the work the compression rides on);
-  * our SnapKV compress (through the host in this version).
+  * our SnapKV compress on the same CUDA context (compress_eviction_cuda: window attention,
+    pooled scores and a per-head radix sort on the device, one head at a time; the kept token
+    ids are downloaded and the host picks them (it waits for the stream), then their rows are
+    gathered on the device into the cache).
 
 Prints the ratio compress / prefill attention (target, issue 15: at most 2%; 0.5 / 1.5 / 8.9 ms
 at 32K / 64K / 128K). After the timed runs, one more AnchorKV compress per S runs with

@@ -1,0 +1,277 @@
+#!/usr/bin/env python3
+"""Predicted cost of the CUDA AnchorKV compression pass, per profiler stage (issue 15).
+
+This is a MODEL, not a measurement. From the shape (H=8 KV heads, Hq=32, D=128, bf16, W=32,
+theta=0.05, akv_compress_options_init defaults) it re-derives the geometry of src/core/layout.cpp
+(k, residual counts), the heads per batch of compress_pipeline.hpp (2 GiB scratch budget), and
+walks the launches of compress_anchorkv() in src/cuda/compress_pipeline.hpp, giving each kernel
+its FLOPs (by kind), HBM bytes and launches read off src/cuda/compress_kernels.cuh. Per kernel,
+time = max(compute, HBM) + launches x LAUNCH_S (+ a latency term where a kernel is a serial
+chain); a stage is the sum of its kernels.
+
+Compare with a device run: `ANCHORKV_COMPRESS_PROFILE=1` makes the pass print one stderr line,
+"anchorkv AnchorKV compress S=...: setup x ms; load x ms; ...; total x ms; N stream operations",
+with the stage names used here; scripts/bench_compress.py prints that line after its timed runs.
+The "ops" column is the library's own operation count (CudaDevice::operations) and is checked
+against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (97 per layer up to 64K, 172 at 128K).
+Usage: python3 scripts/predict_compress.py [--seq-lens 32768 65536 131072]
+"""
+import argparse
+import math
+
+# ---- Hardware assumptions (NVIDIA H200 SXM) ---------------------------------------------------
+SMS = 132                 # streaming multiprocessors
+HBM_BPS = 3.6e12          # streaming kernels: ~3.6 TB/s achievable (4.3 TB/s measured copy, 4.8 peak)
+SGEMM_FLOPS = 50e12       # fp32 SIMT peak 67 TFLOP/s; cuBLAS SGEMM reaches ~50 on large tiles
+SIMT_FLOPS = 67e12 * 0.5  # hand-written elementwise/reduction code: ~half of FMA peak (no FMA pairing)
+TC_BF16_FLOPS = 989e12 * 0.25  # dense bf16 peak 989 TFLOP/s; nearest_anchor_kernel's wmma reaches ~25%:
+                          # 16x16x16 mma.sync (not Hopper wgmma, which alone gets near peak),
+                          # single-buffered smem tiles, 3 __syncthreads per 32-anchor tile, and the
+                          # SIMT top-4 selection of each tile serialised with the MMAs
+# CUB onesweep radix sort is HBM-bound: each 8-bit digit pass reads and writes keys and values.
+# libcusort's note (frontpage-app.vercel.app/newest/46618441): CUB sorts 67M u32 pairs in 3.10 ms
+# on an RTX 5090 (1.8 TB/s), i.e. 21.6 G pairs/s at ~64 B/pair; scaled to an H200 that is ~40-50 G/s
+# for u32 pairs and ~15-20 G/s for u64 keys + u32 values (5 passes at 35 bits, 120 B/pair).
+SORT_PAIRS_PER_S = {4: 30e9, 8: 15e9}  # by key bytes; taken conservatively (issue 15: 10-20 G/s)
+RADIX_BITS = 8            # bits per onesweep pass
+LAUNCH_S = 4e-6           # per dependent launch / cuBLAS call / memcpy / memset on one stream
+L2_LOAD_S = 0.2e-6        # one dependent global load that hits L2 (prefix_kernel's serial loop)
+ENCODE_RESIDUAL_S = 1.0e-6  # one residual in encode_kernel: dependent loads, FWHT shuffles, 3 reductions
+RESIDENT_WARPS = SMS * 32   # encode_kernel blocks (one warp each) resident at once (32 blocks/SM)
+
+TARGET_MS = {32768: 0.5, 65536: 1.5, 131072: 8.9}  # issue 15
+STAGES = ["setup", "load", "window attention", "scores+pooling", "anchor selection", "assignment",
+          "utilities", "residual selection", "encoding"]  # compress_pipeline.hpp stage_name()
+
+# ---- Options (akv_compress_options_init) and shape ------------------------------------------
+H, HQ, D, W, THETA = 8, 32, 128, 32, 0.05
+OPT = dict(scored_fraction=0.3, pool_kernel=7, sink_tokens=4, fill_budget=1, anchor_share=0.7,
+           guard_fraction=0.75, coverage_rounds=4)
+PAIRS = D // 2            # NeoX RoPE over the whole head (rotary_dim 0 = D)
+HEAD_BATCH_BUDGET = 2 << 30
+
+
+def geometry_for(S, k):
+    """layout.cpp geometry_for(): base bytes and residual counts for k anchors per head."""
+    P, words = S - W, (S - W + 63) // 64
+    full = 4 * S * H * D
+    budget = THETA * full
+    base = H * (4 * k * D + 8 * (k - W) + 2 * P * 4) + 24 * H * words + 8 * (H + 1) + 4 * P
+    g = dict(S=S, P=P, words=words, k=k, full=full, base=base, fits=base <= budget, nk=0, nv=0)
+    if not g["fits"]:
+        return g
+    code = D // 4
+    n = max(0, math.floor((budget - base) / ((code + 4 + code + 5) / 2)))
+    cand = H * (P - (k - W))
+    while True:
+        nk, nv = min(n // 2, cand), min(n - n // 2, cand)
+        if base + nk * (code + 4) + nv * (code + 5) <= budget or n == 0:
+            break
+        n -= 1
+    g.update(nk=nk, nv=nv, saturated=nk >= cand and nv >= cand)
+    return g
+
+
+def anchor_geometry(S):
+    """layout.cpp anchor_geometry() for anchors = 0, pool_heads = 0."""
+    k = min(S, 65536, max(W, S // 128))
+    g = geometry_for(S, k)
+    assert g["fits"], "theta too small"
+    spare = THETA * g["full"] - g["base"]
+    extra = math.floor(OPT["anchor_share"] * spare / (H * (4.0 * D + 8.0)))
+    if min(k + extra, S, 65536) > k:
+        k = min(k + extra, S, 65536)
+        g = geometry_for(S, k)
+    if OPT["fill_budget"] and g["saturated"]:
+        lo, hi = k, min(S, 65536)
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            t = geometry_for(S, mid)
+            lo, hi = (mid, hi) if t["fits"] and t["saturated"] else (lo, mid - 1)
+        g = geometry_for(S, lo)
+    free = g["k"] - W
+    sinks = min(OPT["sink_tokens"], free, g["P"])
+    g["n_top"] = max(min(free, round(OPT["scored_fraction"] * free)), sinks)
+    g["n_rand"] = free - g["n_top"]
+    return g
+
+
+def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
+    """CompressScratch::carve(): every array 256-byte aligned, element counts as in the code."""
+    f, u2, i4, u8 = 4, 2, 4, 8
+    arrays = [(f, hb * S * D)] * 3 + [(f, hb * m * D), (f, hb * m * S), (f, hb * m * D), (f, hb * P), (f, hb * P),
+              (f, hb * k * D), (f, hb * k * D), (u2, hb * k * D), (f, hb * k), (f, min(8192, P) * k),
+              (f, hb * P * D), (f, hb * P), (f, hb * P), (f, hb * m * P), (f, hb * m * P), (f, hb * m),
+              (f, PAIRS), (f, D), (i4, hb * P), (i4, hb * P), (i4, P), (i4, hb * k), (i4, hb * k)]
+    arrays += [(i4, H * P)] * 8 + [(i4, H), (u8, P), (i4, hb * P), (i4, hb * P), (i4, S), (i4, PAIRS), (i4, PAIRS),
+               (i4, 1)] + [(f, hb * P)] * 4 + [(f, 2 * hb), (i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P),
+               (i4, 0)]
+    at = 0
+    for size, count in arrays:
+        at = (at + 255) // 256 * 256 + size * max(count, 1)
+    return at
+
+
+def head_batch(g):
+    for hb in range(H, 1, -1):
+        if scratch_bytes(g["S"], g["P"], g["k"], hb) <= HEAD_BATCH_BUDGET:
+            return hb
+    return 1
+
+
+class Pass:
+    """Accumulates per-stage counters; each method is one device operation of the pipeline."""
+    KEYS = ["gemm", "tc", "simt", "sort_keyB", "hbm", "ops", "kernels", "time"]
+
+    def __init__(self):
+        self.rows = {s: dict.fromkeys(self.KEYS, 0.0) for s in STAGES}
+        self.stage = STAGES[0]
+
+    def op(self, gemm=0, tc=0, simt=0, hbm=0, kernels=1, sort_keyB=0, sort_s=0.0, latency=0.0, ops=1):
+        r = self.rows[self.stage]
+        compute = gemm / SGEMM_FLOPS + tc / TC_BF16_FLOPS + simt / SIMT_FLOPS + sort_s
+        r["time"] += max(compute, hbm / HBM_BPS, latency) + kernels * LAUNCH_S
+        for key, v in (("gemm", gemm), ("tc", tc), ("simt", simt), ("hbm", hbm), ("ops", ops),
+                       ("kernels", kernels), ("sort_keyB", sort_keyB)):
+            r[key] += v
+
+    def copy(self, nbytes):  # cudaMemcpyAsync / cudaMemsetAsync (setup and fills)
+        self.op(hbm=nbytes)
+
+    def sort(self, n, key_bytes, bits, ops=1):
+        """CUB onesweep SortPairs (u32 values): histogram + scan kernels, then one per digit pass."""
+        passes = -(-bits // RADIX_BITS)
+        hbm = n * (key_bytes + 4) * (2 * passes + 1)
+        self.op(hbm=hbm, kernels=passes + 2, sort_keyB=n * key_bytes, sort_s=n / SORT_PAIRS_PER_S[key_bytes], ops=ops)
+
+    def sort_segments(self, segments, n):  # CudaDevice::sort_segments_u32: compose, sort u64, split
+        total = segments * n
+        self.op(simt=total, hbm=12 * total)
+        self.sort(total, 8, 32 + max(1, math.ceil(math.log2(segments))))
+        self.op(hbm=20 * total)
+
+    def nearest(self, hb, rows, anchors):
+        """nearest_anchor_kernel: bf16 wmma products of 64-token x 32-anchor tiles, top-4 per part,
+        fp32 rescoring of <= 4 candidates (the full-scan fallback is assumed rare)."""
+        tc = 2 * hb * (-(-rows // 64) * 64) * (-(-anchors // 32) * 32) * D
+        simt = hb * rows * (4 * anchors + 2 * 4 * D + 3 * D)
+        self.op(tc=tc, simt=simt, hbm=hb * rows * (D * 4 + 8))  # X once (re-read from L1/L2), outputs
+
+    def unit_rows(self, hb, n, bf16_copy):  # unit_rows_kernel: read X rows, write unit rows (+bf16)
+        self.op(simt=hb * n * 3 * D, hbm=hb * n * (D * 4 + D * 4 + (D * 2 if bf16_copy else 4)))
+
+
+def predict(S):
+    g = anchor_geometry(S)
+    P, k, words = g["P"], g["k"], g["words"]
+    free, n_top, n_rand = k - W, g["n_top"], g["n_rand"]
+    m = (HQ // H) * W
+    HB = head_batch(g)
+    x = Pass()
+    # setup: fill the cache, positions (scratch and section), RoPE tables (3), signs, NaN flag
+    x.stage = "setup"
+    x.copy(g["base"] + g["nk"] * (D // 4 + 4) + g["nv"] * (D // 4 + 5))
+    for nbytes in (4 * S, 4 * P, 4 * PAIRS, 4 * PAIRS, 4 * PAIRS, 4 * D, 4):
+        x.copy(nbytes)
+    for h0 in range(0, H, HB):
+        hb = min(HB, H - h0)
+        x.stage = "load"  # load_head_kernel: bf16 K, V in; kpre, kpost, v fp32 out; RoPE ~26 flops/pair
+        x.op(simt=hb * S * PAIRS * 26, hbm=hb * S * D * (2 * 2 + 3 * 4))
+        x.op(hbm=hb * m * D * 6)  # load_queries_kernel
+        x.stage = "window attention"  # Q K^T [m][S], causal-window softmax in place, A V
+        x.op(gemm=2 * hb * m * S * D, hbm=hb * (S * D + m * S) * 4)
+        x.op(simt=hb * m * S * 5, hbm=hb * m * S * 4 * 5)  # 3 reads, 2 writes of each row
+        x.op(gemm=2 * hb * m * S * D, hbm=hb * (m * S + S * D) * 4)
+        x.stage = "scores+pooling"
+        x.op(simt=hb * m * P * 3, hbm=hb * (m * P + 2 * P) * 4)  # scores_kernel: column means of A, A^2
+        x.op(simt=hb * P * OPT["pool_kernel"], hbm=hb * P * 12)  # pool_kernel: keys + token index
+        x.stage = "anchor selection"
+        x.sort_segments(hb, P)                      # rank by pooled score
+        x.copy(hb * P * 4)                          # cover_anchor = 0
+        x.op(hbm=hb * n_top * 12)                   # coverage_take_kernel (scored picks)
+        for side in range(2):                       # unit prefix rows, cover_best = 0
+            x.unit_rows(hb, P, False)
+            x.copy(hb * P * 4)
+        x.op(hbm=hb * (n_top + W) * 12)             # coverage_take_kernel (+ window)
+        absorbed = [n_top + W]
+        left, at, R = n_rand, n_top, OPT["coverage_rounds"]
+        for rnd in range(R):
+            take = min(-(-left // (R - rnd)), P - at)
+            x.op(simt=hb * 2 * P * 3, hbm=hb * 2 * P * 8)        # coverage_means_kernel
+            x.op(simt=hb * P * 10, hbm=hb * P * (4 * 5 + 8))     # coverage_keys_kernel
+            x.sort_segments(hb, P)                               # worst-represented first
+            x.op(hbm=hb * take * 12)                             # coverage_take_kernel
+            absorbed.append(take)
+            left, at = left - take, at + take
+        for n in absorbed:                          # absorb(): per side, anchor unit rows + nearest
+            for side in range(2):
+                x.unit_rows(hb, n, True)
+                x.nearest(hb, P, n)
+        # absorb() calls run in program order between the rounds; summing them here is the same.
+        x.sort_segments(hb, free)                   # picks by token
+        x.copy(hb * P * 4)                          # anchor_of_token = -1
+        x.stage = "assignment"
+        for side in range(2):
+            x.op(simt=hb * k * 4 * D, hbm=hb * k * D * (4 + 2 + 4 + 4 + 2))  # anchors_kernel
+            x.nearest(hb, P, k)
+            rk = side == 0  # keys: residual rows rotated to their positions (for the utilities)
+            x.op(simt=hb * P * (6 * D + (2 * D + PAIRS * 26 if rk else 0)),
+                 hbm=hb * P * (D * 4 + 16 + (D * 4 if rk else 0)))     # assign_kernel
+        x.stage = "utilities"  # Z = Q R_K^T, VY = Y V^T (fp32 cuBLAS), ||y||^2, utility_kernel
+        x.op(gemm=2 * hb * m * P * D, hbm=hb * (P * D + m * P) * 4)
+        x.op(gemm=2 * hb * m * P * D, hbm=hb * (P * D + m * P) * 4)
+        x.op(simt=hb * m * D * 2, hbm=hb * m * D * 4)
+        x.op(simt=hb * P * (2 * D + 8 * m), hbm=hb * P * (3 * m * 4 + D * 4 + 16 + 8 * 4))
+    by_energy = lambda n: min(n, round(OPT["guard_fraction"] * n))
+    for side, wanted in enumerate((g["nk"], g["nv"])):
+        n = min(wanted, H * (P - free))
+        n_energy = by_energy(n)
+        n_util = n - n_energy
+        x.stage = "residual selection"
+        x.sort(H * P, 4, 32)                        # by utility over every head
+        x.op(hbm=n_util * 12)                       # mask_kernel (atomicOr)
+        x.op(hbm=n_util * 8)                        # exclude_chosen_kernel
+        x.sort(H * P, 4, 32)                        # guard: by residual energy
+        x.op(hbm=n_energy * 12)                     # mask_kernel
+        x.op(hbm=H * words * 12, latency=words * L2_LOAD_S)  # prefix_kernel: one thread per head, serial
+        x.stage = "encoding"  # encode_kernel: grid (words, H), one warp walks its word's residuals
+        per_word = -(-n // (H * words))
+        waves = -(-(H * words) // RESIDENT_WARPS)
+        x.op(simt=n * (D * 7 + 12 * D), hbm=n * (D * 2 + 8 + D // 4 + 5) + H * words * 12,
+             latency=waves * per_word * ENCODE_RESIDUAL_S)
+    return g, HB, x
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072])
+    args = ap.parse_args()
+    print(f"Model of the CUDA AnchorKV pass (H={H}, Hq={HQ}, D={D}, bf16, W={W}, theta={THETA}, default options) "
+          f"on an H200: SGEMM {SGEMM_FLOPS / 1e12:.0f} TF, wmma {TC_BF16_FLOPS / 1e12:.0f} TF, SIMT "
+          f"{SIMT_FLOPS / 1e12:.1f} TF, HBM {HBM_BPS / 1e12:.1f} TB/s, {LAUNCH_S * 1e6:.0f} us/launch.")
+    print("GFLOP columns: fp32 cuBLAS GEMM | bf16 wmma | SIMT fp32; sort MB = key bytes sorted; "
+          "ops = library count, kernels = GPU launches incl. CUB internals.\n")
+    for S in args.seq_lens:
+        g, HB, x = predict(S)
+        total = {key: sum(r[key] for r in x.rows.values()) for key in Pass.KEYS}
+        if S in (32768, 65536, 131072):  # tests/emu CompressLaunchCount.PerLayerAtBenchShapes
+            expected = 97 if HB == 8 else 172
+            assert HB == (8 if S <= 65536 else 4) and total["ops"] == expected, (HB, total["ops"])
+        print(f"### S = {S}: k = {g['k']} anchors/head ({g['n_top']} scored, {g['n_rand']} coverage), "
+              f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({H // HB} batches)\n")
+        print("| stage | GEMM GF | wmma GF | SIMT GF | sort MB | HBM MB | ops | kernels | predicted ms |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for name in STAGES + ["total"]:
+            r = total if name == "total" else x.rows[name]
+            print(f"| {name} | {r['gemm'] / 1e9:.1f} | {r['tc'] / 1e9:.1f} | {r['simt'] / 1e9:.1f} | "
+                  f"{r['sort_keyB'] / 1e6:.1f} | {r['hbm'] / 1e6:.0f} | {r['ops']:.0f} | {r['kernels']:.0f} | "
+                  f"{r['time'] * 1e3:.3f} |")
+        top = max(STAGES, key=lambda s: x.rows[s]["time"])
+        target = TARGET_MS.get(S)
+        verdict = f"target {target} ms ({total['time'] * 1e3 / target:.1f}x)" if target else "no target"
+        print(f"\nS={S}: predicted {total['time'] * 1e3:.2f} ms vs {verdict}; dominant stage: {top} "
+              f"({x.rows[top]['time'] * 1e3:.2f} ms, {100 * x.rows[top]['time'] / total['time']:.0f}%)\n")
+
+
+if __name__ == "__main__":
+    main()
