@@ -35,7 +35,7 @@ TC_BF16_FLOPS = 989e12 * 0.25  # dense bf16 peak 989 TFLOP/s; nearest_anchor_ker
 SORT_PAIRS_PER_S = {4: 30e9, 8: 15e9}  # by key bytes; taken conservatively (issue 15: 10-20 G/s)
 RADIX_BITS = 8            # bits per onesweep pass
 LAUNCH_S = 4e-6           # per dependent launch / cuBLAS call / memcpy / memset on one stream
-L2_LOAD_S = 0.2e-6        # one dependent global load that hits L2 (prefix_kernel's serial loop)
+PREFIX_CHUNK_S = 1.5e-6   # prefix_kernel: one 1024-word chunk of a head (a global load, 3 barriers)
 ENCODE_RESIDUAL_S = 1.0e-6  # one residual in encode_kernel: dependent loads, FWHT shuffles, 3 reductions
 RESIDENT_WARPS = SMS * 32   # encode_kernel blocks (one warp each) resident at once (32 blocks/SM)
 
@@ -100,10 +100,10 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
     """CompressScratch::carve(): every array 256-byte aligned, element counts as in the code."""
     f, u2, i4, u8 = 4, 2, 4, 8
     arrays = [(f, hb * S * D)] * 3 + [(f, hb * m * D), (f, hb * m * S), (f, hb * m * D), (f, hb * P), (f, hb * P),
-              (f, hb * k * D), (f, hb * k * D), (u2, hb * k * D), (f, hb * k), (f, min(8192, P) * k),
+              (f, hb * k * D), (f, hb * k * D), (u2, hb * k * D), (f, hb * k),
               (f, hb * P * D), (f, hb * P), (f, hb * P), (f, hb * m * P), (f, hb * m * P), (f, hb * m),
               (f, PAIRS), (f, D), (i4, hb * P), (i4, hb * P), (i4, P), (i4, hb * k), (i4, hb * k)]
-    arrays += [(i4, H * P)] * 8 + [(i4, H), (u8, P), (i4, hb * P), (i4, hb * P), (i4, S), (i4, PAIRS), (i4, PAIRS),
+    arrays += [(i4, H * P)] * 8 + [(u8, P), (i4, hb * P), (i4, hb * P), (i4, S), (i4, PAIRS), (i4, PAIRS),
                (i4, 1)] + [(f, hb * P)] * 4 + [(f, 2 * hb), (i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P),
                (i4, 0)]
     at = 0
@@ -233,7 +233,7 @@ def predict(S):
         x.op(hbm=n_util * 8)                        # exclude_chosen_kernel
         x.sort(H * P, 4, 32)                        # guard: by residual energy
         x.op(hbm=n_energy * 12)                     # mask_kernel
-        x.op(hbm=H * words * 12, latency=words * L2_LOAD_S)  # prefix_kernel: one thread per head, serial
+        x.op(hbm=H * words * 12, latency=H * -(-words // 1024) * PREFIX_CHUNK_S)  # prefix_kernel: one block scan
         x.stage = "encoding"  # encode_kernel: grid (words, H), one warp walks its word's residuals
         per_word = -(-n // (H * words))
         waves = -(-(H * words) // RESIDENT_WARPS)

@@ -624,28 +624,47 @@ __global__ void mask_kernel(const uint32_t *sorted_ids, int64_t n, int64_t P, in
   atomicOr(&mask[h * words + t / 64], 1ull << (t % 64));
 }
 
-// Per-word prefix counts within each head and the per-head offsets (H+1): one thread per
-// head, then thread 0 over the heads.
-__global__ void prefix_kernel(const uint64_t *mask, int H, int64_t words, uint32_t *prefix, uint32_t *offsets,
-                              uint32_t *head_counts) {
-  const int h = threadIdx.x;
-  if (h < H) {
-    uint32_t count = 0;
-    for (int64_t wd = 0; wd < words; ++wd) {
-      prefix[h * words + wd] = count;
-      count += static_cast<uint32_t>(__popcll(mask[h * words + wd]));
+// Per-word prefix counts within each head and the per-head offsets (H+1): one block of
+// kPrefixThreads walks the heads in order, kPrefixThreads words at a time, with a block-wide
+// scan of the words' popcounts (warp scans, then a scan of the warp totals by warp 0).
+constexpr int kPrefixThreads = 1024;
+__global__ void __launch_bounds__(kPrefixThreads) prefix_kernel(const uint64_t *mask, int H, int64_t words,
+                                                                uint32_t *prefix, uint32_t *offsets) {
+  constexpr int NW = kPrefixThreads / 32;
+  AKV_STATIC_SHARED(uint32_t, warp_sums, [NW + 1]);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  uint32_t total = 0;  // residuals of the heads before h (uniform across the block)
+  for (int h = 0; h < H; ++h) {
+    offsets[h] = total;  // every thread writes the same value
+    uint32_t carry = 0;  // residuals of head h before this chunk
+    for (int64_t w0 = 0; w0 < words; w0 += kPrefixThreads) {
+      const int64_t wd = w0 + tid;
+      const uint32_t own = wd < words ? static_cast<uint32_t>(__popcll(mask[h * words + wd])) : 0u;
+      uint32_t incl = own;  // inclusive scan within the warp
+      for (int d = 1; d < 32; d <<= 1) {
+        const uint32_t up = __shfl_sync(kFullMask, incl, lane >= d ? lane - d : lane);
+        if (lane >= d) incl += up;
+      }
+      if (lane == 31) warp_sums[warp] = incl;
+      __syncthreads();
+      if (warp == 0) {  // exclusive scan of the warp totals; their sum in warp_sums[NW]
+        const uint32_t v = warp_sums[lane];
+        uint32_t x = v;
+        for (int d = 1; d < 32; d <<= 1) {
+          const uint32_t up = __shfl_sync(kFullMask, x, lane >= d ? lane - d : lane);
+          if (lane >= d) x += up;
+        }
+        warp_sums[lane] = x - v;
+        if (lane == 31) warp_sums[NW] = x;
+      }
+      __syncthreads();
+      if (wd < words) prefix[h * words + wd] = carry + warp_sums[warp] + incl - own;
+      carry += warp_sums[NW];
+      __syncthreads();  // warp_sums is rewritten by the next chunk
     }
-    head_counts[h] = count;
+    total += carry;
   }
-  __syncthreads();
-  if (h == 0) {
-    uint32_t total = 0;
-    for (int i = 0; i < H; ++i) {
-      offsets[i] = total;
-      total += head_counts[i];
-    }
-    offsets[H] = total;
-  }
+  if (tid == 0) offsets[H] = total;
 }
 
 // Encodes the residuals of one side (SPEC 2.6): grid (words, H), one warp per block walking

@@ -76,12 +76,11 @@ class Carver {
 // over heads (loading, window attention, scores, anchor ranking, residual rows, utilities)
 // hold every head, head h's part at h times the per-head size; head(h) views them at head h.
 struct CompressScratch {
-  static constexpr int64_t kAssignChunk = 8192;  // tokens per assignment GEMM
   uint16_t *anchor_b;  // anchor_n in bf16 (the tensor-core operand of nearest_anchor_kernel)
-  float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *c, *rk, *rk_norm_sq, *rv_norm_sq, *z,
+  float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *rk, *rk_norm_sq, *rv_norm_sq, *z,
       *vy, *y_norm_sq, *inv_freq, *signs;
   uint32_t *rank_keys, *rank_index, *sample_index, *picks, *picks_dummy, *util_keys[2], *util_ids[2], *energy_keys[2],
-      *energy_ids[2], *head_counts;
+      *energy_ids[2];
   uint64_t *sample_keys;
   int32_t *anchor_of_token, *nearest, *positions, *rope_first, *rope_second, *bad;
   // Coverage anchors: squared norms and best |cos|^2 per side, ranking, flags, the rows
@@ -97,7 +96,6 @@ struct CompressScratch {
                int head_batch = 0) {
     const int H = head_batch > 0 ? std::min(head_batch, H_all) : H_all;
     Carver take(base);
-    const int64_t chunk = std::min<int64_t>(kAssignChunk, P);
     take(kpre, H * S * D);
     take(kpost, H * S * D);
     take(v, H * S * D);
@@ -110,7 +108,6 @@ struct CompressScratch {
     take(anchor_n, int64_t{H} * k * D);
     take(anchor_b, int64_t{H} * k * D);
     take(norms, int64_t{H} * k);
-    take(c, chunk * k);
     take(rk, H * P * D);
     take(rk_norm_sq, H * P);
     take(rv_norm_sq, H * P);
@@ -130,7 +127,6 @@ struct CompressScratch {
       take(energy_keys[side], int64_t{H_all} * P);
       take(energy_ids[side], int64_t{H_all} * P);
     }
-    take(head_counts, H_all);
     take(sample_keys, P);
     take(anchor_of_token, H * P);
     take(nearest, H * P);
@@ -688,8 +684,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                    split.by_energy, P, words, mask);
       }
     }
-    dev.launch(prefix_kernel, 1, 1, std::max(32, (H + 31) / 32 * 32), reinterpret_cast<const uint64_t *>(mask), H, words,
-               prefix, offsets, s.head_counts);
+    dev.launch(prefix_kernel, 1, 1, kPrefixThreads, reinterpret_cast<const uint64_t *>(mask), H, words, prefix, offsets);
     uint8_t *chunk = side == 1 ? section(kValueChunkPos) : nullptr;
     dev.stage(kStageEncoding);
     auto encode = [&](auto kernel) {

@@ -162,6 +162,35 @@ TEST(EmulatedGemm, MatchesHostProduct) {
   }
 }
 
+// The residual prefix counts (one block scanning every head's words): per-word counts and
+// per-head offsets equal the serial sums, for word counts below, at and across the block's
+// chunk, empty and full words.
+TEST(EmulatedPrefix, MatchesSerialCounts) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  for (const int64_t words : {int64_t{1}, int64_t{37}, int64_t{kc::kPrefixThreads}, int64_t{2 * kc::kPrefixThreads + 5}}) {
+    const int H = 3;
+    std::vector<uint64_t> mask(H * words);
+    for (uint64_t &m : mask) {
+      const uint64_t r = rng.next();
+      m = r % 7 == 0 ? 0 : r % 7 == 1 ? ~uint64_t{0} : rng.next() & rng.next();
+    }
+    std::vector<uint32_t> prefix(H * words, 0xDEADBEEFu), offsets(H + 1, 0xDEADBEEFu);
+    simt::launch(simt::dim3(1), simt::dim3(kc::kPrefixThreads), 0, kc::prefix_kernel,
+                 static_cast<const uint64_t *>(mask.data()), H, words, prefix.data(), offsets.data());
+    uint32_t total = 0;
+    for (int h = 0; h < H; ++h) {
+      EXPECT_EQ(offsets[h], total) << "head " << h << ", words " << words;
+      for (int64_t w = 0; w < words; ++w) {
+        ASSERT_EQ(prefix[h * words + w], total - offsets[h]) << "head " << h << " word " << w << " of " << words;
+        total += static_cast<uint32_t>(__builtin_popcountll(mask[h * words + w]));
+      }
+    }
+    EXPECT_EQ(offsets[H], total) << "words " << words;
+  }
+}
+
 // The fused nearest-anchor kernel (tensor-core products in bf16, fp32 rescoring) gives the
 // fp32 argmax exactly: exact ties (a duplicated anchor: the lower index), a cluster of anchors
 // closer than bf16 can tell apart (rescoring; more than 4 per quarter forces the full fp32
