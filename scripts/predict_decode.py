@@ -39,7 +39,8 @@ ROWS = 4  # G * q_len
 SMS, SCHED, CLOCK_GHZ, HBM_TBS = 132, 4, 1.98, 4.3
 IPC = 0.7          # assumed fraction of one warp instruction / scheduler / cycle actually issued
 L2_TBS = 8.0       # assumed L2 -> SM bandwidth (anchor rows are gathered through L2 per token)
-LAUNCH_US = 4.0    # two back-to-back kernels (split + merge): launch gaps and tail, assumed
+LAUNCH_US = 6.0    # three back-to-back kernels (split, anchor values, merge): launch gaps and tails, assumed
+ANCHORS_PER_PART = 256  # kMergeAnchorsPerPart (cache_view.hpp)
 SDPA = {(32768, 1): 54.0, (131072, 1): 133.0, (131072, 8): 970.0, (32768, 32): 970.0}  # 32Kx32: not measured; same tokens as 128Kx8, SDPA is bandwidth-bound: its 970 us assumed
 TARGET = {(32768, 1): 2.5, (131072, 1): 5.0, (131072, 8): 8.0, (32768, 32): 6.0}
 GEOM = {32768: dict(k=815, nk=13672, nv=13673, bytes=6710869),
@@ -83,10 +84,17 @@ def write_partial(k):
 
 
 WINDOW_TILE = META + GATHER + QK + SOFTMAX + 8 * 40
-# Merge kernel [770-871] per thread: ~150 + per 64-anchor chunk (w over splits ~8 a split,
-#   32 anchors x ~10 (bf16 value, 4 row FMAs), ~30 loop) + red/Hadamard/store ~600.
+# sum_a w_a V_a, decode_anchor_values_kernel per thread (one block per 256 anchors of a head):
+#   ~150 + per 64-anchor chunk (w over splits ~8 a split, 32 anchors x ~10 (bf16 value, 4 row
+#   FMAs), ~30 loop) + group reduction and store ~100.
+def anchor_thread_instr(k, splits):
+    return 150 + math.ceil(min(k, ANCHORS_PER_PART) / 64) * (8 * splits + 320 + 30) + 100
+
+
+# Merge kernel per thread: ~150 (split factors) + ~8 a split + ~8 an anchor part (half the parts
+# per thread group) + red/Hadamard/store ~600.
 def merge_thread_instr(k, splits):
-    return 150 + math.ceil(k / 64) * (8 * splits + 320 + 30) + 600
+    return 150 + 8 * splits + 8 * math.ceil(math.ceil(k / ANCHORS_PER_PART) / 2) + 600
 
 
 def poisson_ceil(lam, div):
@@ -146,8 +154,10 @@ def predict(S, batch):
     l2 = batch * H * P * D * 2  # one anchor row (bf16) through L2 per prompt token
     l2_us = l2 / (L2_TBS * 1e6)
     mblocks = H * batch
+    ablocks = mblocks * math.ceil(g["k"] / ANCHORS_PER_PART)
+    ai = anchor_thread_instr(g["k"], pl["splits"]) * 8  # warp instructions of one anchor-values block
     mi = merge_thread_instr(g["k"], pl["splits"]) * 8  # warp instructions of one merge block
-    merge_us = math.ceil(mblocks / SMS) * mi / rate
+    merge_us = math.ceil(ablocks / SMS) * ai / rate + math.ceil(mblocks / SMS) * mi / rate
     t = max(issue_us, mem_us, l2_us) + merge_us + LAUNCH_US
     return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,
                 issue=issue_us, hbm=hbm, mem=mem_us, l2=l2, l2_us=l2_us, merge=merge_us, t=t)
@@ -223,8 +233,10 @@ def main():
     for name, v in sorted(ph.items(), key=lambda x: -x[1]):
         print(f"| {name} | {32 * v / T:.0f} | {v / T:.1f} | {100 * v / tot:.0f}% |")
     print(f"| total | {32 * tot / T:.0f} | {tot / T:.1f} | 100% |")
-    print(f"\nMerge: {H * r['batch']} blocks, {merge_thread_instr(r['g']['k'], r['pl']['splits'])} instr a thread "
-          f"(k={r['g']['k']}, {r['pl']['splits']} splits); L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
+    parts = math.ceil(r['g']['k'] / ANCHORS_PER_PART)
+    print(f"\nMerge (k={r['g']['k']}, {r['pl']['splits']} splits): {H * r['batch'] * parts} anchor-value blocks of "
+          f"{anchor_thread_instr(r['g']['k'], r['pl']['splits'])} instr a thread, then {H * r['batch']} merge blocks of "
+          f"{merge_thread_instr(r['g']['k'], r['pl']['splits'])}; L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
 
 
 if __name__ == "__main__":

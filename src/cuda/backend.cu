@@ -37,6 +37,9 @@ void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch 
   allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS>);
   decode_split_kernel<D, MAXROWS><<<dim3(plan.splits, p.heads * plan.row_chunks, requests), kDecodeThreads,
                                     plan.smem_bytes, stream>>>(p);
+  if (plan.anchor_parts > 0)
+    decode_anchor_values_kernel<D, MAXROWS>
+        <<<dim3(plan.anchor_parts, p.heads * plan.row_chunks, requests), kDecodeThreads, 0, stream>>>(p);
   decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests), kDecodeThreads, 0, stream>>>(p);
 }
 

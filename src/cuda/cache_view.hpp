@@ -16,9 +16,10 @@ namespace akv {
 namespace cuda {
 
 constexpr int kThreads = 128;         // merge-independent small kernels (append)
-constexpr int kDecodeThreads = 256;   // decode_split_kernel and decode_merge_kernel
+constexpr int kDecodeThreads = 256;   // the split, anchor-values and merge kernels of a decode
 constexpr int kDecodeTile = 64;       // tokens per tile: one residual mask word
 constexpr int kMaxSplits = 64;        // splits of one (request, head, row chunk)
+constexpr int kMergeAnchorsPerPart = 256;  // anchors per block of decode_anchor_values_kernel
 constexpr int kMaxBatchPerLaunch = 128;
 
 enum CacheKind : int32_t { kKindAnchor = 0, kKindDense = 1 };
@@ -63,9 +64,13 @@ struct DecodeLaunch {
   int32_t heads, q_heads, q_len, rows, row_chunks, splits;
   int32_t max_anchors, max_pairs;
   // Per split block: dense part of the output, rotated residual sum, running max and sum, and
-  // the per-anchor weights w_a = sum p_t gamma_t (reduced across splits in the merge, which
-  // computes sum_a w_a V_a once per request, head and row).
+  // the per-anchor weights w_a = sum p_t gamma_t (reduced across splits, and sum_a w_a V_a
+  // computed once per request, head and row, by decode_anchor_values_kernel).
   float *ws_o, *ws_r, *ws_ml, *ws_w;  // [blocks][MAXROWS][D], same, [blocks][MAXROWS][2], [blocks][MAXROWS][max_anchors]
+  // sum_a w_a V_a per part of kMergeAnchorsPerPart anchors, summed by the merge:
+  // [requests][heads * row_chunks][anchor_parts][MAXROWS][D].
+  int32_t anchor_parts;
+  float *ws_av;
   float *lse;                  // optional [requests][Hq][q_len]: natural log-sum-exp per row
 };
 

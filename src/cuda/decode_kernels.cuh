@@ -752,11 +752,34 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
   blk.write_partial((static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
 }
 
-// Merge of the splits of one (request, head, row chunk). Thread (group, dim): dimension dim
-// of every row, splits and anchors group, group + SG, ...; the groups are summed through
-// shared memory at the end.
+// Each row's overall max m and sum l over the splits of one (request, head, row chunk), and
+// every split's factor exp2(m_s - m): f_s[i][s], ml_s[i] = {m, l}. Threads 0..rows-1.
+template <int MAXROWS>
+__device__ __forceinline__ void split_factors(const DecodeLaunch &p, int64_t first_blk, int rows,
+                                              float (*f_s)[kMaxSplits], float (*ml_s)[2]) {
+  const int i = threadIdx.x;
+  if (i >= rows) return;
+  float m = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.ws_ml[((first_blk + s) * MAXROWS + i) * 2]);
+  float l = 0.0f;
+  for (int s = 0; s < p.splits; ++s) {
+    const int64_t at = (first_blk + s) * MAXROWS + i;
+    const float ms = p.ws_ml[at * 2];
+    const float f = ms == -INFINITY ? 0.0f : exp2f(ms - m);
+    f_s[i][s] = f;
+    l += f * p.ws_ml[at * 2 + 1];
+  }
+  ml_s[i][0] = m;
+  ml_s[i][1] = l;
+}
+
+// sum_a w_a V_a over the anchors [part * kMergeAnchorsPerPart, +kMergeAnchorsPerPart) of one
+// (request, head, row chunk), w_a reduced across the splits: grid (anchor_parts, heads *
+// row_chunks, requests), so that the anchors of a head spread over many blocks instead of
+// one merge block walking all of them. Writes ws_av (zeros past the cache's anchors and for
+// dense caches); the merge sums the parts. Thread (group, dim) as in the merge.
 template <int D, int MAXROWS>
-__global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __grid_constant__ DecodeLaunch p) {
+__global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(const __grid_constant__ DecodeLaunch p) {
   constexpr int NT = kDecodeThreads;
   constexpr int SG = NT / D;  // D <= 256
   constexpr int CH = 64;      // anchors per chunk of combined weights
@@ -764,6 +787,65 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
   AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
   AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
   AKV_STATIC_SHARED(float, wc_s, [MAXROWS][CH]);
+  AKV_STATIC_SHARED(float, red_o, [SG * MAXROWS * D]);
+  const int tid = threadIdx.x;
+  const int group = tid / D, dim = tid % D;
+  const int part = blockIdx.x, x = blockIdx.y, b = blockIdx.z;
+  const int h = x / p.row_chunks, rc = x % p.row_chunks;
+  const CacheView &c = *p.views[b];
+  const int row0 = rc * MAXROWS, rows = p.rows - row0 < MAXROWS ? p.rows - row0 : MAXROWS;
+  const int64_t merge_blk = static_cast<int64_t>(b) * p.heads * p.row_chunks + x;
+  const int64_t first_blk = merge_blk * p.splits;
+  const int k = c.kind == kKindAnchor ? c.anchors : 0;
+  const int a_begin = part * kMergeAnchorsPerPart;
+  const int a_end = a_begin + kMergeAnchorsPerPart < k ? a_begin + kMergeAnchorsPerPart : k;
+  float o[MAXROWS];
+  for (int i = 0; i < MAXROWS; ++i) o[i] = 0.0f;
+  if (a_begin < a_end) {  // uniform across the block
+    split_factors<MAXROWS>(p, first_blk, rows, f_s, ml_s);
+    __syncthreads();
+    const bool bf16 = c.storage_bf16 != 0;
+    const uint16_t *av = c.anchor_values + static_cast<int64_t>(h) * k * D;
+    for (int a0 = a_begin; a0 < a_end; a0 += CH) {
+      for (int e = tid; e < MAXROWS * CH; e += NT) {
+        const int i = e / CH, a = a0 + e % CH;
+        float w = 0.0f;
+        if (i < rows && a < a_end)
+          for (int s = 0; s < p.splits; ++s) {
+            const float f = f_s[i][s];
+            if (f != 0.0f) w += f * p.ws_w[((first_blk + s) * MAXROWS + i) * p.max_anchors + a];
+          }
+        wc_s[i][e % CH] = w;
+      }
+      __syncthreads();
+      const int a1 = a0 + CH < a_end ? a0 + CH : a_end;
+      for (int a = a0 + group; a < a1; a += SG) {
+        const float v = bits_to_float(av[static_cast<int64_t>(a) * D + dim], bf16);
+        for (int i = 0; i < MAXROWS; ++i) o[i] += wc_s[i][a - a0] * v;
+      }
+      __syncthreads();
+    }
+  }
+  for (int i = 0; i < MAXROWS; ++i) red_o[(group * MAXROWS + i) * D + dim] = o[i];
+  __syncthreads();
+  float *out = p.ws_av + (merge_blk * p.anchor_parts + part) * MAXROWS * D;
+  for (int e = tid; e < MAXROWS * D; e += NT) {
+    float so = 0.0f;
+    for (int g = 0; g < SG; ++g) so += red_o[g * MAXROWS * D + e];
+    out[e] = so;
+  }
+}
+
+// Merge of the splits of one (request, head, row chunk). Thread (group, dim): dimension dim
+// of every row, splits and anchor parts group, group + SG, ...; the groups are summed through
+// shared memory at the end.
+template <int D, int MAXROWS>
+__global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __grid_constant__ DecodeLaunch p) {
+  constexpr int NT = kDecodeThreads;
+  constexpr int SG = NT / D;  // D <= 256
+  static_assert(D <= NT, "one thread per dimension");
+  AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
+  AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
   AKV_STATIC_SHARED(float, red_o, [SG * MAXROWS * D]);
   AKV_STATIC_SHARED(float, red_r, [SG * MAXROWS * D]);
   const int tid = threadIdx.x;
@@ -774,26 +856,11 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
   const int row0 = rc * MAXROWS, rows = p.rows - row0 < MAXROWS ? p.rows - row0 : MAXROWS;
   const int G = p.q_heads / p.heads;
   const int parts = p.splits;
-  const int64_t first_blk = (static_cast<int64_t>(b) * p.heads * p.row_chunks + blockIdx.x) * parts;
+  const int64_t merge_blk = static_cast<int64_t>(b) * p.heads * p.row_chunks + blockIdx.x;
+  const int64_t first_blk = merge_blk * parts;
   const bool anchor = c.kind == kKindAnchor;
-  const bool bf16 = c.storage_bf16 != 0;
 
-  // Each row's overall max and sum, and the factor of every split.
-  if (tid < rows) {
-    const int i = tid;
-    float m = -INFINITY;
-    for (int s = 0; s < parts; ++s) m = fmaxf(m, p.ws_ml[((first_blk + s) * MAXROWS + i) * 2]);
-    float l = 0.0f;
-    for (int s = 0; s < parts; ++s) {
-      const int64_t at = (first_blk + s) * MAXROWS + i;
-      const float ms = p.ws_ml[at * 2];
-      const float f = ms == -INFINITY ? 0.0f : exp2f(ms - m);
-      f_s[i][s] = f;
-      l += f * p.ws_ml[at * 2 + 1];
-    }
-    ml_s[i][0] = m;
-    ml_s[i][1] = l;
-  }
+  split_factors<MAXROWS>(p, first_blk, rows, f_s, ml_s);
   __syncthreads();
   float o[MAXROWS], r[MAXROWS];
   for (int i = 0; i < MAXROWS; ++i) o[i] = r[i] = 0.0f;
@@ -806,28 +873,13 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
       o[i] += f * p.ws_o[at];
       r[i] += f * p.ws_r[at];
     }
-  if (anchor) {  // sum_a w_a V_a with w_a reduced across the splits, chunk by chunk
-    const int k = c.anchors;
-    const uint16_t *av = c.anchor_values + static_cast<int64_t>(h) * k * D;
-    for (int a0 = 0; a0 < k; a0 += CH) {
-      for (int e = tid; e < MAXROWS * CH; e += NT) {
-        const int i = e / CH, a = a0 + e % CH;
-        float w = 0.0f;
-        if (i < rows && a < k)
-          for (int s = 0; s < parts; ++s) {
-            const float f = f_s[i][s];
-            if (f != 0.0f) w += f * p.ws_w[((first_blk + s) * MAXROWS + i) * p.max_anchors + a];
-          }
-        wc_s[i][e % CH] = w;
+  if (anchor) {  // sum_a w_a V_a: the parts of decode_anchor_values_kernel
+    const float *av = p.ws_av + merge_blk * p.anchor_parts * MAXROWS * D;
+    for (int part = group; part < p.anchor_parts; part += SG)
+      for (int i = 0; i < MAXROWS; ++i) {
+        if (i >= rows) break;
+        o[i] += av[(part * MAXROWS + i) * D + dim];
       }
-      __syncthreads();
-      const int a1 = a0 + CH < k ? a0 + CH : k;
-      for (int a = a0 + group; a < a1; a += SG) {
-        const float v = bits_to_float(av[static_cast<int64_t>(a) * D + dim], bf16);
-        for (int i = 0; i < MAXROWS; ++i) o[i] += wc_s[i][a - a0] * v;
-      }
-      __syncthreads();
-    }
   }
   for (int i = 0; i < MAXROWS; ++i) {
     red_o[(group * MAXROWS + i) * D + dim] = o[i];

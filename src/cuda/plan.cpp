@@ -152,7 +152,11 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   const int64_t most = std::min<int64_t>(std::max<int64_t>(tiles, 1), kMaxSplits);
   plan.splits = static_cast<int>(std::clamp<int64_t>(target / (per_request * launch_batch), 1, most));
   plan.blocks = per_request * launch_batch * plan.splits;
-  plan.workspace_bytes = static_cast<size_t>(plan.blocks) * plan.maxrows * (2 * D + 2 + plan.max_anchors) * sizeof(float);
+  plan.anchor_parts = (plan.max_anchors + kMergeAnchorsPerPart - 1) / kMergeAnchorsPerPart;
+  const int64_t merge_blocks = per_request * launch_batch;
+  plan.workspace_bytes = (static_cast<size_t>(plan.blocks) * plan.maxrows * (2 * D + 2 + plan.max_anchors) +
+                          static_cast<size_t>(merge_blocks) * plan.anchor_parts * plan.maxrows * D) *
+                         sizeof(float);
   return plan;
 }
 
@@ -175,6 +179,8 @@ DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32
   p.ws_r = workspace + plan.blocks * per_block;
   p.ws_ml = workspace + 2 * plan.blocks * per_block;
   p.ws_w = p.ws_ml + plan.blocks * plan.maxrows * 2;
+  p.anchor_parts = plan.anchor_parts;
+  p.ws_av = p.ws_w + plan.blocks * plan.maxrows * plan.max_anchors;
   return p;
 }
 
