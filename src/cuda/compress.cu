@@ -107,41 +107,39 @@ struct CudaDevice {
     check(cudaGetLastError(), "a compression kernel launch");
     ++operations;
   }
-  // Row-major C = alpha A B^T and C = alpha A B as column-major cuBLAS calls on the transposes.
+  // Row-major C = alpha A B^T (op_b T) and C = alpha A B (op_b N) as column-major cuBLAS calls
+  // on the transposes.
   void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
                float *C, int64_t ldc) {
-    const float beta = 0.0f;
-    ++operations;
-    check(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), static_cast<int>(K),
-                      &alpha, B, static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)),
-          "cublasSgemm");
+    gemm(CUBLAS_OP_T, M, N, K, alpha, A, lda, 0, B, ldb, 0, C, ldc, 0, 0);
   }
   void gemm_nn(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
                float *C, int64_t ldc) {
-    const float beta = 0.0f;
-    ++operations;
-    check(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), static_cast<int>(K),
-                      &alpha, B, static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)),
-          "cublasSgemm");
+    gemm(CUBLAS_OP_N, M, N, K, alpha, A, lda, 0, B, ldb, 0, C, ldc, 0, 0);
   }
   // Strided-batched forms: problem i's operands at A + i sa, B + i sb, C + i sc.
   void gemm_nt_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
                        const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
-    const float beta = 0.0f;
-    ++operations;
-    check(cublasSgemmStridedBatched(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
-                                    static_cast<int>(K), &alpha, B, static_cast<int>(ldb), sb, A,
-                                    static_cast<int>(lda), sa, &beta, C, static_cast<int>(ldc), sc, batch),
-          "cublasSgemmStridedBatched");
+    gemm(CUBLAS_OP_T, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch);
   }
   void gemm_nn_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
                        const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
+    gemm(CUBLAS_OP_N, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch);
+  }
+  // The one cuBLAS call of each form (batch 0: a plain SGEMM, else strided-batched).
+  void gemm(cublasOperation_t op_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
+            int64_t sa, const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
     const float beta = 0.0f;
     ++operations;
-    check(cublasSgemmStridedBatched(blas, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
-                                    static_cast<int>(K), &alpha, B, static_cast<int>(ldb), sb, A,
-                                    static_cast<int>(lda), sa, &beta, C, static_cast<int>(ldc), sc, batch),
-          "cublasSgemmStridedBatched");
+    if (batch == 0)
+      check(cublasSgemm(blas, op_b, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M), static_cast<int>(K), &alpha, B,
+                        static_cast<int>(ldb), A, static_cast<int>(lda), &beta, C, static_cast<int>(ldc)),
+            "cublasSgemm");
+    else
+      check(cublasSgemmStridedBatched(blas, op_b, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                                      static_cast<int>(K), &alpha, B, static_cast<int>(ldb), sb, A, static_cast<int>(lda),
+                                      sa, &beta, C, static_cast<int>(ldc), sc, batch),
+            "cublasSgemmStridedBatched");
   }
   template <typename K>
   void sort(K *keys, K *alt, uint32_t *values, int64_t n, int end_bit = 8 * sizeof(K)) {

@@ -881,6 +881,9 @@ __global__ void coverage_update_kernel(const float *C, int64_t t0, int64_t count
   best[t0 + i] = b;
 }
 
+// A token's residual energy against its best anchor so far: ||x||^2 (1 - best |cos|^2).
+__device__ __forceinline__ float uncovered_energy(float norm_sq, float best) { return norm_sq * fmaxf(0.0f, 1.0f - best); }
+
 // Mean residual energy ||x||^2 (1 - best) over the prefix, for side blockIdx.x (0 keys, 1
 // values); 1 when it is 0. One block of 128 per side; grid y over heads (arrays [y][P],
 // means [y][2]).
@@ -899,7 +902,7 @@ __global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_no
   const float *norm_sq = blockIdx.x == 0 ? key_norm_sq : value_norm_sq;
   const float *best = blockIdx.x == 0 ? key_best : value_best;
   float acc = 0.0f;
-  for (int64_t t = threadIdx.x; t < P; t += 128) acc += norm_sq[t] * fmaxf(0.0f, 1.0f - best[t]);
+  for (int64_t t = threadIdx.x; t < P; t += 128) acc += uncovered_energy(norm_sq[t], best[t]);
   const float sum = block_sum128(acc, scratch);
   if (threadIdx.x == 0) means[blockIdx.x] = sum > 0.0f ? sum / static_cast<float>(P) : 1.0f;
 }
@@ -922,8 +925,8 @@ __global__ void coverage_keys_kernel(const float *key_norm_sq, const float *key_
     keys += y * P;
     ids += y * P;
   }
-  const float e = key_norm_sq[t] * fmaxf(0.0f, 1.0f - key_best[t]) / means[0] +
-                  value_norm_sq[t] * fmaxf(0.0f, 1.0f - value_best[t]) / means[1];
+  const float e = uncovered_energy(key_norm_sq[t], key_best[t]) / means[0] +
+                  uncovered_energy(value_norm_sq[t], value_best[t]) / means[1];
   keys[t] = is_anchor[t] ? 0xFFFFFFFFu : descending_key(e);
   ids[t] = static_cast<uint32_t>(t);
 }

@@ -74,7 +74,7 @@ class Carver {
 
 // Scratch of one compression, carved out of one allocation. The arrays of the stages batched
 // over heads (loading, window attention, scores, anchor ranking, residual rows, utilities)
-// hold every head, head h's part at h times the per-head size; head(h) views them at head h.
+// hold every head (of a batch), head h's part at h times the per-head size.
 struct CompressScratch {
   uint16_t *anchor_b;  // anchor_n in bf16 (the tensor-core operand of nearest_anchor_kernel)
   float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *rk, *rk_norm_sq, *rv_norm_sq, *z,
@@ -145,36 +145,6 @@ struct CompressScratch {
     take(cover_anchor, H * P);
     take(block_table, table_blocks);  // paged prefill: the block table on the device
     return take.bytes();
-  }
-
-  // This scratch with the per-head arrays at head h's part.
-  CompressScratch head(int h, int64_t S, int64_t P, int D, int m, int k, int64_t free_anchors) const {
-    CompressScratch c = *this;
-    c.anchor_f += static_cast<int64_t>(h) * k * D;
-    c.anchor_n += static_cast<int64_t>(h) * k * D;
-    c.anchor_b += static_cast<int64_t>(h) * k * D;
-    c.norms += static_cast<int64_t>(h) * k;
-    c.picks += h * free_anchors;
-    c.picks_dummy += h * free_anchors;
-    c.nearest += h * P;
-    c.kpre += h * S * D;
-    c.kpost += h * S * D;
-    c.v += h * S * D;
-    c.q += static_cast<int64_t>(h) * m * D;
-    c.attn += static_cast<int64_t>(h) * m * S;
-    c.y += static_cast<int64_t>(h) * m * D;
-    c.raw += h * P;
-    c.alpha_sq += h * P;
-    c.rk += h * P * D;
-    c.rk_norm_sq += h * P;
-    c.rv_norm_sq += h * P;
-    c.z += static_cast<int64_t>(h) * m * P;
-    c.vy += static_cast<int64_t>(h) * m * P;
-    c.y_norm_sq += static_cast<int64_t>(h) * m;
-    c.rank_keys += h * P;
-    c.rank_index += h * P;
-    c.anchor_of_token += h * P;
-    return c;
   }
 };
 
@@ -603,16 +573,17 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
       if (n_rand > 0) coverage_anchors(dev, s, H, S, P, D, W, k, free_anchors, n_top, n_rand, o.coverage_rounds);
     }
     for (int h = 0; h < H && o.coverage_rounds == 0; ++h) {
-      const CompressScratch hs = s.head(h, S, P, D, m, k, free_anchors);
+      const uint32_t *ranked = s.rank_index + h * P;  // head h's ranking and picks
+      uint32_t *picks = s.picks + h * free_anchors;
       if (P > n_top) {
-        dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, hs.rank_index, n_top, P, o.seed,
+        dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, ranked, n_top, P, o.seed,
                    static_cast<uint64_t>(kStreamAnchorSample),
-                   (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(o.head_offset + h0 + h), hs.sample_keys,
-                   hs.sample_index);
-        dev.sort_u64(hs.sample_keys, hs.sample_index, P - n_top);
+                   (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(o.head_offset + h0 + h), s.sample_keys,
+                   s.sample_index);
+        dev.sort_u64(s.sample_keys, s.sample_index, P - n_top);
       }
-      dev.copy(hs.picks, hs.rank_index, n_top * sizeof(uint32_t));
-      dev.copy(hs.picks + n_top, hs.sample_index, n_rand * sizeof(uint32_t));
+      dev.copy(picks, ranked, n_top * sizeof(uint32_t));
+      dev.copy(picks + n_top, s.sample_index, n_rand * sizeof(uint32_t));
     }
     // Every head's picks by token; 5. per side: anchors into the cache, nearest anchor of every
     // prefix token (batched over heads).

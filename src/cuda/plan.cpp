@@ -140,7 +140,8 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   }
   plan.row_chunks = (rows + plan.maxrows - 1) / plan.maxrows;
   // Splits over the prompt: as many as keep the grid within one wave of resident blocks
-  // (rounding up would leave a second, mostly idle wave), no more than tiles (nor kMaxSplits). Depends only on the batch shape and prompt lengths, so the grid of
+  // (rounding up would leave a second, mostly idle wave), no more than tiles (nor
+  // kMaxSplits). Depends only on the batch shape and prompt lengths, so the grid of
   // a captured decode stays valid as tokens are appended.
   plan.resident = resident ? resident(plan.maxrows, plan.smem_bytes)
                            : static_cast<int>(std::min<size_t>(2048 / kDecodeThreads, (228 * 1024) / (plan.smem_bytes + 1024)));
