@@ -17,10 +17,11 @@
 #include "core/options.hpp"
 #include "core/serialize.hpp"
 #include "cpu/attention.hpp"
-#include "cpu/thread_pool.hpp"
+#include "core/thread_pool.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/plan.hpp"
 #include "cuda/runtime.hpp"
+#include "cpu/compress.hpp"
 #include "methods/methods.hpp"
 
 using namespace akv;

@@ -3,7 +3,7 @@
 #include <cstdlib>
 #include <optional>
 #include "core/error.hpp"
-#include "cpu/thread_pool.hpp"
+#include "core/thread_pool.hpp"
 #include "cuda/runtime.hpp"
 
 akv_context::akv_context() = default;

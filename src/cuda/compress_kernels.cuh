@@ -28,7 +28,7 @@ struct PrefillArgs {
 };
 
 // Element offset of (head h, token t, dim 0) in keys/values, through the block table if paged
-// (the same arithmetic as methods/prefill_reader.hpp).
+// (the same arithmetic as cpu/prefill_reader.hpp).
 __device__ __forceinline__ int64_t kv_offset(const PrefillArgs &a, int h, int64_t t) {
   if (!a.block_table) return h * a.kv_head_stride + t * a.kv_token_stride;
   return a.block_table[t / a.block_size] * a.kv_block_stride + (t % a.block_size) * a.kv_token_stride +

@@ -1,5 +1,7 @@
-// Compression methods (CPU backend). Each builds a cache from validated inputs; the C shims
-// in api/ validate arguments and own error reporting.
+// The backend-free side of the compression methods: the request both backends execute, the
+// cache a method starts from, and each method's plan (what it keeps, its budget, its layout),
+// computed from the shape and the options alone. The executors are cpu/compress.hpp and
+// cuda/backend.hpp.
 #pragma once
 #include <memory>
 #include <vector>
@@ -43,30 +45,6 @@ std::vector<int32_t> prompt_positions(const akv_prefill &prefill);
 // positions are not consecutive (the window is stored by its first position).
 std::vector<int32_t> prepare_anchor_cache(const akv_prefill &prefill, const akv_compress_options &options,
                                           akv_cache &cache);
-
-class PrefillReader;
-// Allocates the dense ragged storage of a cache (keys [total][D] post-RoPE, then values, in
-// the storage dtype) and fills it: kept row i of head h is token tokens[i] (tokens == null:
-// every token of each head in order). head_start: H+1 offsets of each head's first row.
-void store_dense_tokens(const CompressRequest &req, const PrefillReader &in, const std::vector<int64_t> &head_start,
-                        const int32_t *tokens, akv_cache &cache);
-
-std::unique_ptr<akv_cache> compress_fullkv_cpu(const CompressRequest &req);
-std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req);
-// SnapKV, PyramidKV, AdaKV, AnDPro (methods/eviction_cpu.cpp).
-std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req);
-std::unique_ptr<akv_cache> compress_quantized_cpu(const CompressRequest &req);
-// The method's CPU implementation for req.options->method.
-std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req);
-
-// akv_cache_compact on the CPU (methods/compact_cpu.cpp): a new cache of the same method that
-// holds the whole of `cache` (T = S + appended tokens) in the compressed form with an empty
-// suffix (AnchorKV; SnapKV, PyramidKV and AnDPro re-evict at the budget of T).
-// queries: [Hq][W][D] fp32, post-RoPE, of the last W cached tokens. headroom: dense
-// tokens to leave budget for (the compressed part gets theta*M_full(T) minus what `headroom`
-// dense tokens cost beyond their theta share). `cache` is not modified.
-std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &cache, akv_context *context, const float *queries,
-                                             int64_t headroom);
 
 // Exact bytes a method's compressed cache holds (footprint), from shape and options only.
 uint64_t compressed_footprint(const akv_compress_options &options, const akv_shape &shape);

@@ -4,9 +4,7 @@
 #include "methods/eviction.hpp"
 #include <algorithm>
 #include "core/dtype.hpp"
-#include "cpu/thread_pool.hpp"
 #include "methods/methods.hpp"
-#include "methods/prefill_reader.hpp"
 
 namespace akv {
 
@@ -65,31 +63,6 @@ std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const akv_compre
   return pos;
 }
 
-void store_dense_tokens(const CompressRequest &req, const PrefillReader &in, const std::vector<int64_t> &head_start,
-                        const int32_t *tokens, akv_cache &cache) {
-  const int D = req.prefill->shape.head_dim;
-  const int64_t total = head_start.back();
-  cache.footprint = 4ull * static_cast<uint64_t>(total) * D;
-  cache.data = Buffer(req.context, cache.footprint);
-  uint16_t *keys = reinterpret_cast<uint16_t *>(cache.data.data());
-  uint16_t *values = keys + total * D;
-  const akv_dtype storage = cache.meta.storage;
-  req.context->pool->parallel_for(total, [&](int64_t b, int64_t e) {
-    std::vector<float> k(D), v(D);
-    int h = static_cast<int>(std::upper_bound(head_start.begin(), head_start.end(), b) - head_start.begin()) - 1;
-    for (int64_t i = b; i < e; ++i) {
-      while (i >= head_start[h + 1]) ++h;
-      const int64_t t = tokens ? tokens[i] : i - head_start[h];
-      in.key_row(h, t, nullptr, k.data());
-      in.value_row(h, t, v.data());
-      for (int d = 0; d < D; ++d) {
-        keys[i * D + d] = float_to_half(k[d], storage);
-        values[i * D + d] = float_to_half(v[d], storage);
-      }
-    }
-  });
-}
-
 uint64_t compressed_footprint(const akv_compress_options &o, const akv_shape &s) {
   if (o.method != AKV_METHOD_ANCHORKV && o.pool_heads != 0 && o.pool_heads != s.num_kv_heads)
     fail(AKV_ERR_UNSUPPORTED, "pool_heads ", o.pool_heads, " (groups smaller than the call's ", s.num_kv_heads,
@@ -109,20 +82,6 @@ uint64_t compressed_footprint(const akv_compress_options &o, const akv_shape &s)
     default:
       fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(o.method),
            " is not implemented in this version");
-  }
-}
-
-std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req) {
-  switch (req.options->method) {
-    case AKV_METHOD_FULLKV:
-      return compress_fullkv_cpu(req);
-    case AKV_METHOD_ANCHORKV:
-      return compress_anchorkv_cpu(req);
-    case AKV_METHOD_QUANTIZED:
-      return compress_quantized_cpu(req);
-    default:
-      if (is_eviction_method(req.options->method)) return compress_eviction_cpu(req);
-      fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(req.options->method), " is not implemented on the CPU");
   }
 }
 

@@ -15,9 +15,9 @@
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "cpu/gemm.hpp"
-#include "cpu/thread_pool.hpp"
-#include "methods/methods.hpp"
-#include "methods/prefill_reader.hpp"
+#include "core/thread_pool.hpp"
+#include "cpu/compress.hpp"
+#include "cpu/prefill_reader.hpp"
 
 namespace akv {
 namespace {

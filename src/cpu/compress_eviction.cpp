@@ -25,10 +25,10 @@
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "cpu/gemm.hpp"
-#include "cpu/thread_pool.hpp"
+#include "core/thread_pool.hpp"
 #include "methods/eviction.hpp"
-#include "methods/methods.hpp"
-#include "methods/prefill_reader.hpp"
+#include "cpu/compress.hpp"
+#include "cpu/prefill_reader.hpp"
 
 namespace akv {
 namespace {

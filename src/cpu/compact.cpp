@@ -19,8 +19,8 @@
 
 #include "core/error.hpp"
 #include "cpu/attention.hpp"
-#include "cpu/thread_pool.hpp"
-#include "methods/methods.hpp"
+#include "core/thread_pool.hpp"
+#include "cpu/compress.hpp"
 
 namespace akv {
 

@@ -1,4 +1,4 @@
-#include "methods/prefill_reader.hpp"
+#include "cpu/prefill_reader.hpp"
 
 #include <cmath>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "cpu/thread_pool.hpp"
+#include "core/thread_pool.hpp"
 
 #include <algorithm>
 #include <system_error>
