@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Bindings and consumer examples against a built and an installed libanchorkv (CPU backend):
 #   python    pytest from the source tree (ANCHORKV_LIBRARY), then `pip install ./python`
-#             (which builds and bundles the library) into a throwaway venv, the README
-#             example and pytest again with no environment variable
+#             (which builds and bundles the library) into a throwaway venv, the
+#             docs/bindings.md example and pytest again with no environment variable
 #   rust      cargo test --offline (ANCHORKV_LIB_DIR) and the quickstart example; the
 #             -sys crate once more through pkg-config; cargo test with the build-from-source
 #             feature alone (CMake builds the library, linked statically)
@@ -10,7 +10,7 @@
 #             its Javadoc (lint clean)
 #   examples  C and C++ quickstarts through pkg-config (examples/Makefile) and through
 #             find_package(anchorkv) (examples/CMakeLists.txt)
-# and, in each part, the code block of README.md marked <!-- test: LANG -->.
+# and, in each part, the code block of docs/bindings.md marked <!-- test: LANG -->.
 #
 # Environment:
 #   ANCHORKV_BUILD_DIR  a configured and built build dir of the library; default: configure
@@ -78,8 +78,8 @@ need() {
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
 
 # doc_block TAG: the fenced code block after the line "<!-- test: TAG -->" in
-# README.md, so the examples shown there are the examples run here.
-DOC=$ROOT/README.md
+# docs/bindings.md, so the examples shown there are the examples run here.
+DOC=$ROOT/docs/bindings.md
 doc_block() {
   local block
   block=$(awk -v marker="<!-- test: $1 -->" '
@@ -171,7 +171,7 @@ if wants python; then
   PART=python
   if need python3; then
     run_step "python: pytest, source tree, ANCHORKV_LIBRARY=build dir" python_source_tree
-    run_step "python: pip install ./python (library built and bundled), README example, pytest" python_installed
+    run_step "python: pip install ./python (library built and bundled), docs/bindings.md example, pytest" python_installed
   fi
 fi
 
@@ -217,7 +217,7 @@ if wants rust; then
     run_step "rust: cargo test --offline + example, ANCHORKV_LIB_DIR=prefix" rust_lib_dir
     run_step "rust: anchorkv-sys found through pkg-config" rust_pkg_config
     run_step "rust: cargo test --features anchorkv/build-from-source, no environment" rust_from_source
-    run_step "rust: README.md example" rust_doc
+    run_step "rust: docs/bindings.md example" rust_doc
   fi
 fi
 
@@ -246,14 +246,14 @@ if wants java; then
   PART=java
   if need swig javac java javadoc; then
     run_step "java: SWIG binding against the prefix, example as test" java_swig
-    run_step "java: README.md example" java_doc
+    run_step "java: docs/bindings.md example" java_doc
   fi
 fi
 
 # ---- C and C++ consumers -------------------------------------------------------------------
 
 examples_pkg_config() {
-  # Linked with pkg-config's libdir as rpath (README, "Using an installed copy"): they must
+  # Linked with pkg-config's libdir as rpath (docs/api.md, "Using an installed copy"): they must
   # start with no LD_LIBRARY_PATH.
   env -u LD_LIBRARY_PATH make -C "$ROOT/examples" OUT="$WORK/examples-pkg-config" run
 }
@@ -278,7 +278,7 @@ if wants examples; then
   if need cc c++ make pkg-config; then
     run_step "examples: C and C++ through pkg-config" examples_pkg_config
     run_step "examples: C and C++ through find_package(anchorkv)" examples_find_package
-    run_step "examples: README.md C example" c_doc
+    run_step "examples: docs/bindings.md C example" c_doc
   fi
 fi
 

@@ -3,7 +3,7 @@
 (a) FullKV through AnchorKVCache generates transformers' own DynamicCache's greedy tokens on
     ~1K-token pass-key prompts (passkey.py's prompts, answer prefix decoded after compression);
 (b) AnchorKV at 5x answers the key where the DynamicCache does;
-(c) the README's transformers example (the block marked <!-- test: python-transformers -->)
+(c) the transformers example of docs/engines.md (the block marked <!-- test: python-transformers -->)
     runs and answers its pass key.
 
 Skips without torch, transformers, accelerate, gguf or the GGUF (scripts/install-deps.sh
@@ -64,10 +64,10 @@ def test_fullkv_and_anchorkv_through_transformers(model, trial, depth):
     assert passkey.first_number(tok.decode(tokens)) == key, tok.decode(tokens)
 
 
-def test_readme_example():
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(r"<!-- test: python-transformers -->\s*```python\n(.*?)```", readme, re.S)
-    assert match, "no ```python block marked <!-- test: python-transformers --> in README.md"
+def test_docs_example():
+    page = (ROOT / "docs" / "engines.md").read_text()
+    match = re.search(r"<!-- test: python-transformers -->\s*```python\n(.*?)```", page, re.S)
+    assert match, "no ```python block marked <!-- test: python-transformers --> in docs/engines.md"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT / "python")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
     result = subprocess.run([sys.executable, "-c", match.group(1)], env=env, capture_output=True,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plot the memory curve of `anchorkv eval --generate N --curve CURVE.csv` (README figure).
+"""Plot the memory curve of `anchorkv eval --generate N --curve CURVE.csv` (the figure of docs/compaction.md).
 
     plot_generate.py CURVE.csv OUT.png [--title TEXT]
 """
