@@ -127,7 +127,7 @@ typedef enum akv_pool_type {
   AKV_POOL_MAX = 1
 } akv_pool_type;
 
-/* How a rotated residual is scaled before the 4-level Lloyd-Max codebook (SPEC 2.7).
+/* How a rotated residual is scaled before the 4-level Lloyd-Max codebook (docs/design.md §8).
  * Measured relative distortion on Gaussian residuals, D=128 (tests/core/codec_test.cpp):
  * absmax 0.267, RMS 0.116, least squares 0.115. Least squares is the default. */
 typedef enum akv_residual_scale {
@@ -233,7 +233,7 @@ typedef struct akv_compress_options {
                                      per head (schedule below); >= 1; default 20 */
   int32_t andpro_chunk;           /* ANDPRO: tokens per scored chunk, 1..64; default 4 */
   /* ---- AnchorKV beyond the paper (appended in 0.2). The defaults are the ones measured
-   * best on a real model (README, "Quality on a real model"); akv_compress_options_init_paper
+   * best on a real model (docs/evaluation.md, "Quality on a real model"); akv_compress_options_init_paper
    * sets them (and scored_fraction) to the paper's behaviour. ---- */
   int32_t sink_tokens;            /* ANCHORKV: the first sink_tokens prompt positions are always
                                      anchors (the attention sink, stored exactly); they take
@@ -258,7 +258,7 @@ typedef struct akv_compress_options {
                                      the tokens that the anchors so far represent worst (largest
                                      residual energy against their best-|cos| anchor, keys and
                                      values each relative to their mean). 0..64; default 4 */
-  /* ---- Tensor parallelism (appended in 0.2; README "Engines") ---- */
+  /* ---- Tensor parallelism (appended in 0.2; docs/engines.md) ---- */
   int32_t pool_heads;             /* ANCHORKV: KV heads per residual-pooling group. The call's
                                      heads split into consecutive groups of pool_heads; each group
                                      gets the anchors and residual slots it would get compressed
@@ -288,7 +288,7 @@ typedef struct akv_compress_options {
 
 /* Defaults for every field; method = AKV_METHOD_ANCHORKV. The AnchorKV fields take the paper's
  * values (B.3: W 32, pooling 7 avg, 2-bit residuals, seed 42) except where a real
- * model (SmolLM2-135M, pass-key prompts of 2K-8K tokens; README "Quality on a real model")
+ * model (SmolLM2-135M, pass-key prompts of 2K-8K tokens; docs/evaluation.md, "Quality on a real model")
  * measured better, each a deviation from the paper:
  *  - sink_tokens 4: the first positions are always anchors (exact);
  *  - anchor_share 0.7 and fill_budget 1: more anchors than max(W, S/128) where the budget has
@@ -312,7 +312,7 @@ AKV_API void akv_compress_options_init(akv_compress_options *options);
  * With akv_compress_options_init instead, the baselines run with the AnchorKV window and
  * pooling (32, 7, avg); every field can be overridden after either call.
  *
- * How the baselines spend retain_fraction (theta) at matched bytes (SPEC 5):
+ * How the baselines spend retain_fraction (theta) at matched bytes (docs/design.md §5):
  *  - Eviction (SNAPKV, PYRAMIDKV, ADAKV, ANDPRO) keeps exact tokens post-RoPE in the storage
  *    dtype: B = floor(theta*S) tokens per head on average, the window included, so the
  *    footprint is 4*D*(tokens kept) <= theta*4*S*H*D. SnapKV keeps B per head. PyramidKV
@@ -348,7 +348,7 @@ typedef struct akv_shape {
   int32_t head_dim;       /* D. AnchorKV and QUANTIZED: a multiple of 16 in [16, 512]; the
                              codec pads a D that is not a power of two (80, 96, 112) with
                              zeros to the next one (128), and its codes are that long
-                             (README "Engines"); the CUDA backend takes 64, 128
+                             (docs/engines.md); the CUDA backend takes 64, 128
                              and 256 only */
 } akv_shape;
 
@@ -389,7 +389,7 @@ typedef struct akv_prefill {
 AKV_API void akv_prefill_init(akv_prefill *prefill);
 
 /* Exact bytes the compressed cache will hold for this shape and options, before any data is
- * seen (the footprint of SPEC 3, appended tokens excluded). Lets engines preallocate.
+ * seen (the footprint of docs/design.md §3, appended tokens excluded). Lets engines preallocate.
  * Fails with AKV_ERR_BUDGET (message: the smallest workable retain_fraction) when the
  * budget cannot hold the anchors and metadata. */
 AKV_API akv_status akv_compressed_size(const akv_compress_options *options,

@@ -1,4 +1,4 @@
-// Byte accounting and storage layout (paper Eq. 9 and 13, App. A.1 Table 1, SPEC 2.5 and 3).
+// Byte accounting and storage layout (paper Eq. 9 and 13, App. A.1 Table 1, docs/design.md §3).
 // Everything here depends only on the shape and the options, never on the data, so the exact
 // size of a cache is known before compression.
 #pragma once

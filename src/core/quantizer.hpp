@@ -1,4 +1,4 @@
-// The TurboQuant-style quantized cache (SPEC 5, paper App. B.5): every prompt token is kept;
+// The TurboQuant-style quantized cache (docs/design.md §5, paper App. B.5): every prompt token is kept;
 // the last W exactly, the others rotated by the residual codec's seeded Hadamard transform
 // U = H diag(s)/sqrt(D) and coded at b bits per coordinate:
 //  - keys (post-RoPE): the quant_outliers largest-|x| channels are kept exactly (storage

@@ -69,7 +69,7 @@ class AnchorHead {
     kbase_ = cache.section<uint32_t>(kKeyOffsets)[h];
     kcodes_ = cache.section<uint8_t>(kKeyCodes);
     kscales_ = cache.section<float>(kKeyScales);
-    // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (SPEC 4),
+    // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (docs/design.md §4.1),
     // laid out [anchor][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's
     // angles stored as [cos | sin], its logit is one dot product of length 2*pairs.
     std::vector<uint8_t> in_pair(D_, 0);

@@ -1,4 +1,4 @@
-// AnchorKV compression on the CPU (paper §3, Algorithm 1; SPEC 2). One layer:
+// AnchorKV compression on the CPU (paper §3, Algorithm 1; docs/design.md §2.2). One layer:
 //   per head: window attention -> pooled scores -> anchors (top rho share + seeded uniform
 //   share + the window) -> per-side nearest-anchor assignment by |cos| -> utilities (Eq. 6);
 //   then residual slots chosen over all heads by utility; then Hadamard + 2-bit encoding.

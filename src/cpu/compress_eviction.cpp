@@ -1,4 +1,4 @@
-// The eviction baselines on the CPU (SPEC 5), all through one scoring pass per head:
+// The eviction baselines on the CPU (docs/design.md §5), all through one scoring pass per head:
 //   window attention A = softmax(scale * Qwin Kpost^T) over t <= S-W+w (causal inside the
 //   window), for the m = G*W observation rows of the head (every query head of its group);
 //  - SnapKV: score(t) = pool_kappa(mean over the m rows of A[r][t]), t < P; keep the

@@ -1,4 +1,4 @@
-// The TurboQuant-style quantized cache on the CPU (SPEC 5; layout and codec in
+// The TurboQuant-style quantized cache on the CPU (docs/design.md §5; layout and codec in
 // core/quantizer.hpp). Query-agnostic: the window queries are not read.
 #include <cstring>
 #include <vector>

@@ -1,4 +1,4 @@
-// Kernels of the AnchorKV compression pass on the GPU (SPEC 2, the CPU reference is
+// Kernels of the AnchorKV compression pass on the GPU (docs/design.md §2.2, the CPU reference is
 // methods/anchorkv_cpu.cpp): loading the prefill tensors, a plain GEMM (used where cuBLAS is
 // not, e.g. by the SIMT emulation tests), the window softmax, scores and pooling, anchors,
 // nearest-anchor assignment, utilities, residual bitmasks and the residual encoding. The
@@ -667,7 +667,7 @@ __global__ void __launch_bounds__(kPrefixThreads) prefix_kernel(const uint64_t *
   if (tid == 0) offsets[H] = total;
 }
 
-// Encodes the residuals of one side (SPEC 2.6): grid (words, H), one warp per block walking
+// Encodes the residuals of one side (docs/design.md §2.2 step 8, §3.3): grid (words, H), one warp per block walking
 // the word's set bits. The residual x - gamma * anchor is rebuilt from the prefill input
 // (pre-RoPE keys or values), rotated (signs, Walsh-Hadamard, 1/sqrt(D)), scaled (least
 // squares, RMS or absmax) and packed 4 codes per byte.

@@ -1,4 +1,4 @@
-// The AnchorKV compression pass on the GPU, step by step (SPEC 2; the CPU reference is
+// The AnchorKV compression pass on the GPU, step by step (docs/design.md §2.2; the CPU reference is
 // methods/anchorkv_cpu.cpp), written once over a small device policy so that the same
 // orchestration runs on a CUDA device (cuda/compress.cu: launches on a stream, cuBLAS GEMMs,
 // CUB radix sorts) and on the CPU through the SIMT emulation (tests/emu: the kernels run as

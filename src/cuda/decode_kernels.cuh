@@ -1,4 +1,4 @@
-// Fused compact decode attention (SPEC 4) for AnchorKV caches, and flash-decoding over the
+// Fused compact decode attention (docs/design.md §4) for AnchorKV caches, and flash-decoding over the
 // dense caches (FullKV, eviction methods), in one kernel family:
 //
 //   decode_split_kernel  grid (splits, H x row chunks, requests), 256 threads. A block takes

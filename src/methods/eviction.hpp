@@ -1,4 +1,4 @@
-// Token budgets of the eviction baselines at matched bytes (SPEC 5). An eviction cache keeps
+// Token budgets of the eviction baselines at matched bytes (docs/design.md §5). An eviction cache keeps
 // exact tokens (post-RoPE keys and values in the storage dtype), 4*D bytes per token and
 // head, so retain fraction theta buys B = floor(theta*S) tokens per head, the window
 // included. Everything here depends only on the shape and the options.

@@ -1,4 +1,4 @@
-// What inference engines need beyond one contiguous layer (README "Engines: paged caches,
+// What inference engines need beyond one contiguous layer (docs/engines.md, "Paged caches,
 // head dims, model sizing, tensor parallelism"): compression straight from a paged cache,
 // head_dim 80/96/112, the sizing of a whole model before prefill, and per-rank pooling when
 // KV heads are split over tensor-parallel ranks.
