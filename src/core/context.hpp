@@ -2,60 +2,36 @@
 // These are the definitions behind the opaque handles of the C API.
 #pragma once
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
-#include <set>
 #include <string>
 #include <vector>
 #include "anchorkv/anchorkv.h"
+#include "core/backend.hpp"
+#include "core/thread_pool.hpp"
 #include "core/layout.hpp"
 #include "core/rope.hpp"
+#include "core/shape.hpp"
 #include "core/codec.hpp"
 #include "core/quantizer.hpp"
 
-namespace akv {
-class ThreadPool;
-}
 
 struct akv_context {
   akv_backend backend = AKV_BACKEND_CPU;
   int32_t device = 0;
-  akv_allocator allocator{};  // resolved: never NULL functions
+  akv_allocator allocator{};  // resolved: never NULL functions once the backend is made
   std::unique_ptr<akv::ThreadPool> pool;
-  // CUDA: device properties (read once) and scratch memory per (stream, use), grown on
-  // demand and kept so that a decode can be captured in a CUDA graph. Decode and compression
-  // have separate workspaces: compressing a new request on a stream never moves the memory
-  // a captured decode on that stream uses.
-  int sm_count = 0;
-  size_t smem_optin = 0;
-  std::mutex workspace_mutex;  // also guards smem_kernels
-  // The kernels whose dynamic shared memory limit is raised to smem_optin on this device
-  // (the attribute is per device and kernel).
-  std::set<const void *> smem_kernels;
-  struct Workspace {
-    void *ptr = nullptr;
-    size_t bytes = 0;
-  };
-  enum WorkspaceUse : int { kDecodeWorkspace = 0, kCompressWorkspace = 1 };
-  std::map<std::pair<void *, int>, Workspace> workspaces;
-  // CUDA: a CPU context for the work staged through the host (see akv_compress).
-  std::unique_ptr<akv_context> host_staging;
-  // CUDA: the cuBLAS handle of the compression pass (created on first use).
-  std::shared_ptr<void> blas;
+  // Last: destroyed first, while the allocator and the pool are still there.
+  std::unique_ptr<akv::Backend> impl;
 
   akv_context();
   ~akv_context();
-  // Allocation through the hooks; throws AKV_ERR_OUT_OF_MEMORY. Zero bytes gives nullptr.
-  void *allocate(size_t bytes);
-  void deallocate(void *ptr, size_t bytes) noexcept;
+  // Allocation through the backend (the hooks, with a CUDA context's device current);
+  // throws AKV_ERR_OUT_OF_MEMORY. Zero bytes gives nullptr.
+  void *allocate(size_t bytes) { return impl->allocate(bytes); }
+  void deallocate(void *ptr, size_t bytes) noexcept { impl->deallocate(ptr, bytes); }
 };
 
 namespace akv {
-
-// Shape limits: akv_compress refuses a shape beyond them (AKV_ERR_UNSUPPORTED) and the
-// deserializer treats one as damage, so that every cache the library makes reads back.
-constexpr int32_t kMaxKvHeads = 4096, kMaxQHeads = 65536, kMaxHeadDim = 1024;
 
 // Memory owned through a context's allocator (host for CPU, device for CUDA).
 class Buffer {
@@ -177,6 +153,12 @@ struct akv_cache {
     return reinterpret_cast<T *>(data.data() + quant.offsets[index]);
   }
   int64_t total_tokens() const { return meta.shape.seq_len + suffix_len; }
+  // Bookkeeping after n tokens were appended at `positions`.
+  void record_appended(const int32_t *positions, int32_t n) {
+    suffix_positions.insert(suffix_positions.end(), positions, positions + n);
+    suffix_len += n;
+    next_position = static_cast<int64_t>(positions[n - 1]) + 1;
+  }
   uint64_t allocated_bytes() const {
     return data.size() + suffix_keys.size() + suffix_values.size() + device_view.size();
   }

@@ -24,11 +24,11 @@ cudaStream_t as_stream(void *stream) { return static_cast<cudaStream_t>(stream);
 template <typename Kernel>
 void allow_all_shared_memory(akv_context &ctx, Kernel *kernel) {
   const void *key = reinterpret_cast<const void *>(kernel);
-  std::lock_guard<std::mutex> lock(ctx.workspace_mutex);
-  if (ctx.smem_kernels.count(key)) return;
-  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(ctx.smem_optin)),
+  std::lock_guard<std::mutex> lock(state(ctx).mutex);
+  if (state(ctx).smem_kernels.count(key)) return;
+  check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(state(ctx).smem_optin)),
         "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  ctx.smem_kernels.insert(key);
+  state(ctx).smem_kernels.insert(key);
 }
 
 template <int D, int MAXROWS>
@@ -87,8 +87,8 @@ void launch_decode_rows(akv_context &ctx, const DecodePlan &plan, const DecodeLa
 
 void *workspace(akv_context &ctx, size_t bytes, void *raw_stream, int use) {
   const cudaStream_t stream = as_stream(raw_stream);
-  std::lock_guard<std::mutex> lock(ctx.workspace_mutex);
-  akv_context::Workspace &ws = ctx.workspaces[{raw_stream, use}];
+  std::lock_guard<std::mutex> lock(state(ctx).mutex);
+  CudaBackend::Workspace &ws = state(ctx).workspaces[{raw_stream, use}];
   if (ws.bytes >= bytes) return ws.ptr;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
@@ -137,21 +137,21 @@ void upload_view(akv_cache &cache, void *stream) {
 void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype,
             int32_t q_len, void *out, float *lse, void *stream) {
   DeviceScope scope(ctx.device);
-  if (ctx.sm_count == 0) {
+  if (state(ctx).sm_count == 0) {
     int sms = 0, optin = 0;
     check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device), "cudaDeviceGetAttribute");
     check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx.device), "cudaDeviceGetAttribute");
-    ctx.smem_optin = static_cast<size_t>(optin);
-    ctx.sm_count = sms;
+    state(ctx).smem_optin = static_cast<size_t>(optin);
+    state(ctx).sm_count = sms;
   }
   const akv_shape &s = caches[0]->meta.shape;
   const int D = s.head_dim;
-  const DecodePlan plan = plan_decode(caches, batch, q_len, ctx.sm_count, ctx.smem_optin, [&](int maxrows, size_t smem) {
+  const DecodePlan plan = plan_decode(caches, batch, q_len, state(ctx).sm_count, state(ctx).smem_optin, [&](int maxrows, size_t smem) {
     return D == 64 ? resident_rows<64>(ctx, maxrows, smem) : D == 128 ? resident_rows<128>(ctx, maxrows, smem)
                                                            : resident_rows<256>(ctx, maxrows, smem);
   });
   const cudaStream_t st = as_stream(stream);
-  float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, stream, akv_context::kDecodeWorkspace));
+  float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, stream, CudaBackend::kDecodeWorkspace));
   const size_t esize = dtype == AKV_DTYPE_F32 ? 4 : 2;
   const size_t per_request = static_cast<size_t>(s.num_q_heads) * q_len * s.head_dim * esize;
   for (int32_t b0 = 0; b0 < batch; b0 += kMaxBatchPerLaunch) {

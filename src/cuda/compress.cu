@@ -31,8 +31,8 @@ void check(cublasStatus_t status, const char *what) {
 // The context's cuBLAS handle, created on first use with a workspace from the context's
 // allocator (so every device allocation goes through the allocator hooks).
 cublasHandle_t blas_handle(akv_context &ctx) {
-  std::lock_guard<std::mutex> lock(ctx.workspace_mutex);
-  if (!ctx.blas) {
+  std::lock_guard<std::mutex> lock(state(ctx).mutex);
+  if (!state(ctx).blas) {
     cublasHandle_t handle = nullptr;
     check(cublasCreate(&handle), "cublasCreate");
     constexpr size_t kBlasWorkspace = 32u << 20;  // cuBLAS's recommendation for Hopper
@@ -46,12 +46,12 @@ cublasHandle_t blas_handle(akv_context &ctx) {
       throw;
     }
     akv_context *owner = &ctx;
-    ctx.blas = std::shared_ptr<void>(handle, [owner, ws](void *h) {
+    state(ctx).blas = std::shared_ptr<void>(handle, [owner, ws](void *h) {
       cublasDestroy(static_cast<cublasHandle_t>(h));
       owner->deallocate(ws, kBlasWorkspace);
     });
   }
-  return static_cast<cublasHandle_t>(ctx.blas.get());
+  return static_cast<cublasHandle_t>(state(ctx).blas.get());
 }
 
 struct CudaDevice {
@@ -207,7 +207,7 @@ uint8_t *reserve_sort_scratch(akv_context &ctx, CudaDevice &dev, size_t pipeline
   auto up = [](size_t x) { return (x + 255) / 256 * 256; };
   dev.sort_temp_bytes = std::max(temp32, temp64);
   const size_t total = up(pipeline_bytes) + up(most * 4) * 2 + up(most * 8) * 2 + up(dev.sort_temp_bytes);
-  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, total, stream, akv_context::kCompressWorkspace));
+  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, total, stream, CudaBackend::kCompressWorkspace));
   uint8_t *extra = base + up(pipeline_bytes);
   dev.alt_keys32 = reinterpret_cast<uint32_t *>(extra);
   dev.alt_values = reinterpret_cast<uint32_t *>(extra + up(most * 4));
@@ -227,7 +227,7 @@ std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &req, void
   cache->data = Buffer(&ctx, 4ull * p.shape.seq_len * p.shape.num_kv_heads * p.shape.head_dim);
   FullScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
-  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, measure.carve(nullptr, p.shape.seq_len, pairs, paged_blocks(p)), stream, akv_context::kCompressWorkspace));
+  uint8_t *base = static_cast<uint8_t *>(workspace(ctx, measure.carve(nullptr, p.shape.seq_len, pairs, paged_blocks(p)), stream, CudaBackend::kCompressWorkspace));
   CudaDevice dev(stream, nullptr);
   compress_fullkv(dev, p, *req.options, *cache, cache->data.data(), base);
   return cache;
