@@ -138,14 +138,14 @@ AKV_API akv_status akv_cache_stats_get(const akv_cache *cache, akv_cache_stats *
     s.anchors = c.meta.anchors;
     s.appended_tokens = c.suffix_len;
     s.append_capacity = c.suffix_capacity;
-    s.full_bytes = 4ull * c.meta.shape.seq_len * c.meta.shape.num_kv_heads * c.meta.shape.head_dim;
+    s.full_bytes = full_bytes(c.meta.shape);
     s.budget_bytes = c.meta.method == AKV_METHOD_ANCHORKV ? c.geometry.budget_bytes
                      : c.meta.method == AKV_METHOD_FULLKV
                          ? s.full_bytes
                          : static_cast<uint64_t>(std::floor(c.meta.retain_fraction * static_cast<double>(s.full_bytes)));
     s.base_bytes = c.meta.method == AKV_METHOD_ANCHORKV ? c.geometry.base_bytes : 0;
     s.compressed_bytes = c.footprint;
-    s.appended_bytes = 4ull * c.suffix_len * c.meta.shape.num_kv_heads * c.meta.shape.head_dim;
+    s.appended_bytes = dense_bytes(c.suffix_len, c.meta.shape.num_kv_heads, c.meta.shape.head_dim);
     s.allocated_bytes = c.allocated_bytes();
     s.ratio = static_cast<double>(s.full_bytes) / static_cast<double>(c.footprint);
     s.key_residuals = c.meta.key_residuals;

@@ -77,7 +77,7 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
     if ((p.kv_token_stride && p.kv_token_stride < p.shape.head_dim) || (p.q_token_stride && p.q_token_stride < p.shape.head_dim))
       fail(AKV_ERR_INVALID_ARGUMENT, "prefill token strides must be at least head_dim ", p.shape.head_dim);
     if (p.block_table || p.block_size || p.num_blocks || p.kv_block_stride) validate_paged(p);
-    compressed_footprint(o, p.shape);  // shape/budget checks for the method, before reading data
+    const MethodPlan plan = plan_method(o, p.shape);  // the method's checks, before reading data
     if (p.positions) {
       for (int64_t t = 1; t < p.shape.seq_len; ++t)
         if (p.positions[t] <= p.positions[t - 1])
@@ -86,7 +86,7 @@ AKV_API akv_status akv_compress(akv_context *context, const akv_prefill *prefill
       if (p.positions[0] < 0) fail(AKV_ERR_INVALID_ARGUMENT, "prefill.positions[0] ", p.positions[0], " is negative");
     }
     context->impl->check_compress(o, p.shape);
-    const CompressRequest req{context, &p, &o};
+    const CompressRequest req{context, &p, &o, &plan};
     std::unique_ptr<akv_cache> cache = context->impl->compress(req, stream);
     *out_cache = cache.release();
   });

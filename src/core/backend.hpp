@@ -19,6 +19,7 @@ struct akv_context;
 namespace akv {
 
 struct ParsedCache;
+struct MethodPlan;  // methods/methods.hpp
 
 // What a compression executes: validated inputs (prefill in backend memory, complete options)
 // and, for a compaction, what the old cache says about each token.
@@ -26,6 +27,7 @@ struct CompressRequest {
   akv_context *context;
   const akv_prefill *prefill;
   const akv_compress_options *options;  // complete (defaults filled)
+  const MethodPlan *plan;                // the method's plan for this shape and these options
   // Compaction (AnchorKV): per head and token [H][S], which tokens may become anchors, best
   // first: 3 the old cache's non-window anchors, 2 its window, 1 exact appended tokens, 0
   // tokens only known through their old representation. Null = every token alike (prefill).

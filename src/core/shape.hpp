@@ -15,4 +15,12 @@ constexpr int32_t kMaxKvHeads = 4096, kMaxQHeads = 65536, kMaxHeadDim = 1024;
 // the limits above; the message reads "<prefix><field> <value> ...".
 void check_shape(const akv_shape &shape, akv_status invalid, akv_status unsupported, const char *prefix);
 
+// M_full = 4*S*H*D: the bytes of the dense 16-bit K and V a compressed cache is measured
+// against (retain_fraction theta buys theta*M_full), and what `tokens` exact tokens of H
+// heads cost.
+inline uint64_t dense_bytes(int64_t tokens, int64_t heads, int64_t head_dim) {
+  return 4ull * static_cast<uint64_t>(tokens) * static_cast<uint64_t>(heads) * static_cast<uint64_t>(head_dim);
+}
+inline uint64_t full_bytes(const akv_shape &s) { return dense_bytes(s.seq_len, s.num_kv_heads, s.head_dim); }
+
 }  // namespace akv

@@ -59,7 +59,8 @@ std::unique_ptr<akv_cache> reevict(const akv_cache &old, akv_context *context, c
   });
   o.keys_post_rope = 1;  // the reconstruction is post-RoPE: the kept keys go back unchanged
   akv_prefill p = reconstructed_prefill(m, T, keys, values, queries, pos);
-  CompressRequest req{context, &p, &o};
+  const MethodPlan plan = plan_method(o, p.shape);
+  CompressRequest req{context, &p, &o, &plan};
   req.present = present.data();
   return compress_eviction_cpu(req);
 }
@@ -177,7 +178,8 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
   });
 
   akv_prefill p = reconstructed_prefill(m, T, keys, values, queries, pos);
-  CompressRequest req{context, &p, &o, priority.data()};
+  const MethodPlan plan = plan_method(o, p.shape);
+  CompressRequest req{context, &p, &o, &plan, priority.data()};
   req.anchor_weight = weight.data();
   for (int side = 0; side < 2; ++side) {
     req.sticky_anchor[side] = sticky[side].data();

@@ -238,7 +238,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   ThreadPool &pool = *req.context->pool;
   std::unique_ptr<akv_cache> cache = new_cache(req);
   CacheMeta &meta = cache->meta;
-  prepare_anchor_cache(p, o, *cache);
+  prepare_anchor_cache(p, req.plan->anchor, o, *cache);
   const AnchorGeometry &g = cache->geometry;
   const Rope &rope = cache->rope;
   PrefillReader in(p, g.window, rope, o.keys_post_rope != 0);

@@ -75,7 +75,7 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
   const akv_compress_options &o = *req.options;
   const akv_prefill &p = *req.prefill;
   ThreadPool &pool = *req.context->pool;
-  const EvictionBudget budget = eviction_budget(o, p.shape);
+  const EvictionBudget &budget = req.plan->eviction;
   require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (the eviction methods score tokens with"
           " the window queries)");
   std::unique_ptr<akv_cache> cache = new_cache(req);

@@ -16,7 +16,7 @@ void store_dense_tokens(const CompressRequest &req, const PrefillReader &in, con
                         const int32_t *tokens, akv_cache &cache) {
   const int D = req.prefill->shape.head_dim;
   const int64_t total = head_start.back();
-  cache.footprint = 4ull * static_cast<uint64_t>(total) * D;
+  cache.footprint = dense_bytes(total, 1, D);
   cache.data = Buffer(req.context, cache.footprint);
   uint16_t *keys = reinterpret_cast<uint16_t *>(cache.data.data());
   uint16_t *values = keys + total * D;

@@ -14,7 +14,7 @@ namespace akv {
 std::unique_ptr<akv_cache> compress_quantized_cpu(const CompressRequest &req) {
   const akv_compress_options &o = *req.options;
   const akv_prefill &p = *req.prefill;
-  const QuantGeometry g = quant_geometry(o, p.shape);
+  const QuantGeometry &g = req.plan->quant;
   std::unique_ptr<akv_cache> cache = new_cache(req);
   CacheMeta &meta = cache->meta;
   meta.window = g.window;

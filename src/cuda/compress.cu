@@ -224,7 +224,7 @@ std::unique_ptr<akv_cache> compress_fullkv_cuda(const CompressRequest &req, void
   const akv_prefill &p = *req.prefill;
   DeviceScope scope(ctx.device);
   std::unique_ptr<akv_cache> cache = new_cache(req);
-  cache->data = Buffer(&ctx, 4ull * p.shape.seq_len * p.shape.num_kv_heads * p.shape.head_dim);
+  cache->data = Buffer(&ctx, full_bytes(p.shape));
   FullScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
   uint8_t *base = static_cast<uint8_t *>(workspace(ctx, measure.carve(nullptr, p.shape.seq_len, pairs, paged_blocks(p)), stream, CudaBackend::kCompressWorkspace));
@@ -238,7 +238,7 @@ std::unique_ptr<akv_cache> compress_eviction_cuda(const CompressRequest &req, vo
   const akv_prefill &p = *req.prefill;
   const akv_compress_options &o = *req.options;
   DeviceScope scope(ctx.device);
-  const EvictionBudget budget = eviction_budget(o, p.shape);
+  const EvictionBudget &budget = req.plan->eviction;
   std::unique_ptr<akv_cache> cache = new_cache(req);
   cache->data = Buffer(&ctx, budget.footprint);
   CudaDevice dev(stream, blas_handle(ctx));
@@ -260,7 +260,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   DeviceScope scope(ctx.device);
 
   std::unique_ptr<akv_cache> cache = new_cache(req);
-  const std::vector<int32_t> positions = prepare_anchor_cache(p, o, *cache);
+  const std::vector<int32_t> positions = prepare_anchor_cache(p, req.plan->anchor, o, *cache);
   const AnchorGeometry &g = cache->geometry;
   cache->data = Buffer(&ctx, cache->layout.total_bytes);
 

@@ -8,8 +8,24 @@
 #include "anchorkv/anchorkv.h"
 #include "core/backend.hpp"
 #include "core/context.hpp"
+#include "core/layout.hpp"
+#include "core/quantizer.hpp"
+#include "methods/eviction.hpp"
 
 namespace akv {
+
+// A method's plan for one compression: what it keeps, its budget and its layout, from the
+// options and the shape alone. plan_method validates what the method reads (AKV_ERR_BUDGET
+// names the smallest workable retain_fraction); akv_compress computes the plan once and
+// hands it to the backend's executor in the CompressRequest.
+struct MethodPlan {
+  akv_method method = AKV_METHOD_FULLKV;
+  uint64_t footprint = 0;   // exact bytes of the compressed cache (akv_compressed_size)
+  AnchorGeometry anchor;    // AnchorKV
+  EvictionBudget eviction;  // SnapKV, PyramidKV, AdaKV, AnDPro
+  QuantGeometry quant;      // Quantized
+};
+MethodPlan plan_method(const akv_compress_options &options, const akv_shape &shape);
 
 // A new cache of the request's context with what every method shares: the meta fields
 // (shape, storage dtype, rope, scale, seed...) and the resolved RoPE.
@@ -18,14 +34,16 @@ std::unique_ptr<akv_cache> new_cache(const CompressRequest &req);
 // The prompt positions (host): the prefill's, or 0..S-1.
 std::vector<int32_t> prompt_positions(const akv_prefill &prefill);
 
-// AnchorKV, either backend: validates the options it reads and sets the cache's host-side
-// parts (meta, geometry, layout, codec, footprint, window and next positions); no tensor is
-// read. Returns the prompt positions. Throws AKV_ERR_UNSUPPORTED when the last `window`
+// AnchorKV, either backend: sets the cache's host-side parts from the plan's geometry (meta,
+// geometry, layout, codec, footprint, window and next positions); no tensor is read. Returns the prompt positions. Throws AKV_ERR_UNSUPPORTED when the last `window`
 // positions are not consecutive (the window is stored by its first position).
-std::vector<int32_t> prepare_anchor_cache(const akv_prefill &prefill, const akv_compress_options &options,
+std::vector<int32_t> prepare_anchor_cache(const akv_prefill &prefill, const AnchorGeometry &geometry,
+                                          const akv_compress_options &options,
                                           akv_cache &cache);
 
 // Exact bytes a method's compressed cache holds (footprint), from shape and options only.
-uint64_t compressed_footprint(const akv_compress_options &options, const akv_shape &shape);
+inline uint64_t compressed_footprint(const akv_compress_options &options, const akv_shape &shape) {
+  return plan_method(options, shape).footprint;
+}
 
 }  // namespace akv

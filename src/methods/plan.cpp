@@ -42,9 +42,9 @@ std::vector<int32_t> prompt_positions(const akv_prefill &p) {
   return pos;
 }
 
-std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const akv_compress_options &o, akv_cache &cache) {
+std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const AnchorGeometry &g, const akv_compress_options &o,
+                                          akv_cache &cache) {
   CacheMeta &meta = cache.meta;
-  const AnchorGeometry g = anchor_geometry(o, p.shape);
   require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (AnchorKV scores with the window queries)");
   meta.anchors = g.anchors;
   meta.pool_heads = g.pool_heads;
@@ -63,26 +63,35 @@ std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const akv_compre
   return pos;
 }
 
-uint64_t compressed_footprint(const akv_compress_options &o, const akv_shape &s) {
+MethodPlan plan_method(const akv_compress_options &o, const akv_shape &s) {
   if (o.method != AKV_METHOD_ANCHORKV && o.pool_heads != 0 && o.pool_heads != s.num_kv_heads)
     fail(AKV_ERR_UNSUPPORTED, "pool_heads ", o.pool_heads, " (groups smaller than the call's ", s.num_kv_heads,
          " heads) is supported by AnchorKV only: compress each group in its own call");
+  MethodPlan plan;
+  plan.method = o.method;
   switch (o.method) {
     case AKV_METHOD_FULLKV:
-      return 4ull * static_cast<uint64_t>(s.seq_len) * s.num_kv_heads * s.head_dim;
+      plan.footprint = full_bytes(s);
+      break;
     case AKV_METHOD_ANCHORKV:
-      return anchor_geometry(o, s).footprint;
+      plan.anchor = anchor_geometry(o, s);
+      plan.footprint = plan.anchor.footprint;
+      break;
     case AKV_METHOD_SNAPKV:
     case AKV_METHOD_PYRAMIDKV:
     case AKV_METHOD_ADAKV:
     case AKV_METHOD_ANDPRO:
-      return eviction_budget(o, s).footprint;
+      plan.eviction = eviction_budget(o, s);
+      plan.footprint = plan.eviction.footprint;
+      break;
     case AKV_METHOD_QUANTIZED:
-      return quant_geometry(o, s).footprint;
+      plan.quant = quant_geometry(o, s);
+      plan.footprint = plan.quant.footprint;
+      break;
     default:
-      fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(o.method),
-           " is not implemented in this version");
+      fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(o.method), " is not implemented in this version");
   }
+  return plan;
 }
 
 }  // namespace akv

@@ -117,9 +117,10 @@ void check(const CompressCase &c) {
 
   // The pipeline on host memory, into a cache shaped like the CPU one.
   const akv_prefill prefill = data.view();
-  const akv::CompressRequest req{ctx.get(), &prefill, &o};
+  const akv::MethodPlan plan = akv::plan_method(o, prefill.shape);
+  const akv::CompressRequest req{ctx.get(), &prefill, &o, &plan};
   std::unique_ptr<akv_cache> got = akv::new_cache(req);
-  const std::vector<int32_t> positions = akv::prepare_anchor_cache(prefill, o, *got);
+  const std::vector<int32_t> positions = akv::prepare_anchor_cache(prefill, plan.anchor, o, *got);
   got->data = akv::Buffer(ctx.get(), got->layout.total_bytes);
   std::memset(got->data.data(), 0xA5, got->data.size());  // poisoned
   const akv::AnchorGeometry &g = got->geometry;
@@ -314,7 +315,8 @@ TEST(EmulatedCompress, FullKvMatchesCpu) {
     o.rope.style = style;
     CachePtr expected = compress(ctx.get(), data, o);
     const akv_prefill prefill = data.view();
-    const akv::CompressRequest req{ctx.get(), &prefill, &o};
+    const akv::MethodPlan plan = akv::plan_method(o, prefill.shape);
+    const akv::CompressRequest req{ctx.get(), &prefill, &o, &plan};
     std::unique_ptr<akv_cache> got = akv::new_cache(req);
     got->data = akv::Buffer(ctx.get(), expected->data.size());
     std::memset(got->data.data(), 0xA5, got->data.size());
@@ -356,8 +358,9 @@ TEST(EmulatedCompress, EvictionMatchesCpu) {
     const PrefillData data = make_prefill(rng, spec);
     CachePtr expected = compress(ctx.get(), data, o);
     const akv_prefill prefill = data.view();
-    const akv::CompressRequest req{ctx.get(), &prefill, &o};
-    const akv::EvictionBudget budget = akv::eviction_budget(o, prefill.shape);
+    const akv::MethodPlan plan = akv::plan_method(o, prefill.shape);
+    const akv::CompressRequest req{ctx.get(), &prefill, &o, &plan};
+    const akv::EvictionBudget &budget = plan.eviction;
     std::unique_ptr<akv_cache> got = akv::new_cache(req);
     got->data = akv::Buffer(ctx.get(), budget.footprint);
     std::memset(got->data.data(), 0xA5, got->data.size());
@@ -381,7 +384,8 @@ namespace {
 // The device pipeline on host memory (AnchorKV, FullKV or an eviction method), into a cache
 // shaped like the CPU one; the cache's data starts poisoned.
 std::unique_ptr<akv_cache> emulated_compress(akv_context *ctx, const akv_prefill &prefill, const akv_compress_options &o) {
-  const akv::CompressRequest req{ctx, &prefill, &o};
+  const akv::MethodPlan plan = akv::plan_method(o, prefill.shape);
+  const akv::CompressRequest req{ctx, &prefill, &o, &plan};
   std::unique_ptr<akv_cache> got = akv::new_cache(req);
   const int pairs = got->rope.enabled() ? got->rope.pairs() : 0;
   const int64_t blocks = kc::paged_blocks(prefill);
@@ -392,7 +396,7 @@ std::unique_ptr<akv_cache> emulated_compress(akv_context *ctx, const akv_prefill
     return reinterpret_cast<uint8_t *>((reinterpret_cast<uintptr_t>(scratch.data()) + 255) / 256 * 256);
   };
   if (o.method == AKV_METHOD_ANCHORKV) {
-    const std::vector<int32_t> positions = akv::prepare_anchor_cache(prefill, o, *got);
+    const std::vector<int32_t> positions = akv::prepare_anchor_cache(prefill, plan.anchor, o, *got);
     got->data = akv::Buffer(ctx, got->layout.total_bytes);
     std::memset(got->data.data(), 0xA5, got->data.size());
     const akv::AnchorGeometry &g = got->geometry;
@@ -407,7 +411,7 @@ std::unique_ptr<akv_cache> emulated_compress(akv_context *ctx, const akv_prefill
     uint8_t *base = aligned(measure.carve(nullptr, prefill.shape.seq_len, pairs, blocks));
     kc::compress_fullkv(dev, prefill, o, *got, got->data.data(), base);
   } else {
-    const akv::EvictionBudget budget = akv::eviction_budget(o, prefill.shape);
+    const akv::EvictionBudget &budget = plan.eviction;
     got->data = akv::Buffer(ctx, budget.footprint);
     std::memset(got->data.data(), 0xA5, got->data.size());
     kc::EvictionScratch measure;
@@ -542,9 +546,10 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
     p.dtype = AKV_DTYPE_BF16;
     static const uint16_t dummy = 0;  // never read: the counting device runs nothing
     p.keys = p.values = p.queries = &dummy;
-    const akv::CompressRequest req{ctx.get(), &p, &o};
+    const akv::MethodPlan plan = akv::plan_method(o, p.shape);
+    const akv::CompressRequest req{ctx.get(), &p, &o, &plan};
     std::unique_ptr<akv_cache> cache = akv::new_cache(req);
-    const std::vector<int32_t> positions = akv::prepare_anchor_cache(p, o, *cache);
+    const std::vector<int32_t> positions = akv::prepare_anchor_cache(p, plan.anchor, o, *cache);
     std::vector<uint8_t> data(1);
     CountingDevice dev;
     const akv::AnchorGeometry &g = cache->geometry;
