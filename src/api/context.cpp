@@ -8,6 +8,7 @@
 #include "api/validate.hpp"
 #include "core/backend.hpp"
 #include "core/context.hpp"
+#include "core/options.hpp"
 
 using namespace akv;
 
@@ -48,77 +49,15 @@ AKV_API akv_status akv_context_create(const akv_context_options *options, akv_co
 AKV_API void akv_context_destroy(akv_context *context) { delete context; }
 
 AKV_API void akv_compress_options_init(akv_compress_options *o) {
-  if (!o) return;
-  std::memset(o, 0, sizeof *o);
-  o->struct_size = sizeof *o;
-  o->method = AKV_METHOD_ANCHORKV;
-  o->retain_fraction = 0.05;
-  o->window = 32;
-  o->anchors = 0;
-  o->scored_fraction = 0.3;
-  o->pool_kernel = 7;
-  o->pool_type = AKV_POOL_AVG;
-  o->residual_scale = AKV_SCALE_LEAST_SQUARES;
-  o->seed = 42;
-  o->layer_index = 0;
-  o->layer_count = 1;
-  o->rope.style = AKV_ROPE_NEOX;
-  o->rope.rotary_dim = 0;
-  o->rope.base = 10000.0;
-  o->rope.inv_freq = nullptr;
-  o->keys_post_rope = 0;
-  o->softmax_scale = 0.0f;
-  o->storage_dtype = AKV_DTYPE_AUTO;
-  o->adakv_alpha = 0.2;
-  o->quant_bits = 0;
-  o->quant_outliers = 4;
-  o->pyramid_beta = 20;
-  o->andpro_chunk = 4;
-  o->sink_tokens = 4;
-  o->fill_budget = 1;
-  o->anchor_share = 0.7;
-  o->guard_fraction = 0.75;
-  o->coverage_rounds = 4;
+  if (o) *o = default_options();
 }
 
 AKV_API void akv_compress_options_init_paper(akv_compress_options *o) {
-  if (!o) return;
-  akv_compress_options_init(o);
-  o->scored_fraction = 0.7;
-  o->sink_tokens = 0;
-  o->fill_budget = 0;
-  o->anchor_share = 0.0;
-  o->guard_fraction = 0.0;
-  o->coverage_rounds = 0;
+  if (o) *o = paper_options();
 }
 
 AKV_API void akv_compress_options_init_method(akv_compress_options *o, akv_method method) {
-  if (!o) return;
-  akv_compress_options_init(o);
-  o->method = method;
-  switch (method) {
-    case AKV_METHOD_SNAPKV:
-    case AKV_METHOD_PYRAMIDKV:
-    case AKV_METHOD_ADAKV:  // KVPress defaults (paper App. B.4)
-      o->window = 64;
-      o->pool_kernel = 5;
-      o->pool_type = AKV_POOL_AVG;
-      break;
-    case AKV_METHOD_ANDPRO:  // the authors' setup (rebuttal: window 32, chunks of 4)
-      o->window = 32;
-      o->pool_kernel = 7;
-      o->pool_type = AKV_POOL_MAX;
-      o->andpro_chunk = 4;
-      break;
-    case AKV_METHOD_QUANTIZED:  // the paper's TurboQuant reproduction (App. B.5): b=3, k=4
-      o->window = 128;
-      o->quant_bits = 3;
-      o->quant_outliers = 4;
-      o->retain_fraction = 1.0;
-      break;
-    default:
-      break;
-  }
+  if (o) *o = method_options(method);
 }
 
 AKV_API void akv_prefill_init(akv_prefill *p) {

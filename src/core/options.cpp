@@ -2,11 +2,90 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include "core/context.hpp"
 #include "core/error.hpp"
 #include "core/layout.hpp"
 
 namespace akv {
+
+akv_compress_options default_options() {
+  akv_compress_options options;
+  std::memset(&options, 0, sizeof options);
+  akv_compress_options *o = &options;
+  o->struct_size = sizeof *o;
+  o->method = AKV_METHOD_ANCHORKV;
+  o->retain_fraction = 0.05;
+  o->window = 32;
+  o->anchors = 0;
+  o->scored_fraction = 0.3;
+  o->pool_kernel = 7;
+  o->pool_type = AKV_POOL_AVG;
+  o->residual_scale = AKV_SCALE_LEAST_SQUARES;
+  o->seed = 42;
+  o->layer_index = 0;
+  o->layer_count = 1;
+  o->rope.style = AKV_ROPE_NEOX;
+  o->rope.rotary_dim = 0;
+  o->rope.base = 10000.0;
+  o->rope.inv_freq = nullptr;
+  o->keys_post_rope = 0;
+  o->softmax_scale = 0.0f;
+  o->storage_dtype = AKV_DTYPE_AUTO;
+  o->adakv_alpha = 0.2;
+  o->quant_bits = 0;
+  o->quant_outliers = 4;
+  o->pyramid_beta = 20;
+  o->andpro_chunk = 4;
+  o->sink_tokens = 4;
+  o->fill_budget = 1;
+  o->anchor_share = 0.7;
+  o->guard_fraction = 0.75;
+  o->coverage_rounds = 4;
+  return options;
+}
+
+akv_compress_options paper_options() {
+  akv_compress_options options = default_options();
+  akv_compress_options *o = &options;
+  o->scored_fraction = 0.7;
+  o->sink_tokens = 0;
+  o->fill_budget = 0;
+  o->anchor_share = 0.0;
+  o->guard_fraction = 0.0;
+  o->coverage_rounds = 0;
+  return options;
+}
+
+akv_compress_options method_options(akv_method method) {
+  akv_compress_options options = default_options();
+  akv_compress_options *o = &options;
+  o->method = method;
+  switch (method) {
+    case AKV_METHOD_SNAPKV:
+    case AKV_METHOD_PYRAMIDKV:
+    case AKV_METHOD_ADAKV:  // KVPress defaults (paper App. B.4)
+      o->window = 64;
+      o->pool_kernel = 5;
+      o->pool_type = AKV_POOL_AVG;
+      break;
+    case AKV_METHOD_ANDPRO:  // the authors' setup (rebuttal: window 32, chunks of 4)
+      o->window = 32;
+      o->pool_kernel = 7;
+      o->pool_type = AKV_POOL_MAX;
+      o->andpro_chunk = 4;
+      break;
+    case AKV_METHOD_QUANTIZED:  // the paper's TurboQuant reproduction (App. B.5): b=3, k=4
+      o->window = 128;
+      o->quant_bits = 3;
+      o->quant_outliers = 4;
+      o->retain_fraction = 1.0;
+      break;
+    default:
+      break;
+  }
+  return options;
+}
 
 void check_option_ranges(const akv_compress_options &o, akv_status status, const char *prefix) {
   auto unit = [](double x) { return std::isfinite(x) && x >= 0.0 && x <= 1.0; };
