@@ -5,12 +5,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
-
-#if defined(__CUDACC__)
-#define AKV_HD __host__ __device__
-#else
-#define AKV_HD
-#endif
+#include "core/host_device.hpp"
 
 namespace akv {
 namespace cuda {
