@@ -69,10 +69,6 @@ struct DecodeLaunch {
   float *lse;                  // optional [requests][Hq][q_len]: natural log-sum-exp per row
 };
 
-AKV_HD inline float lloyd_max_level(int code) {
-  return code < 2 ? (code == 0 ? -1.5104f : -0.4528f) : (code == 2 ? 0.4528f : 1.5104f);
-}
-
 AKV_HD inline size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 
 // Shared-memory carve-up of decode_split_kernel; the host sizes the launch with the same code.

@@ -1,9 +1,10 @@
 // Kernels of the AnchorKV compression pass on the GPU (docs/design.md §2.2, the CPU reference is
-// methods/anchorkv_cpu.cpp): loading the prefill tensors, a plain GEMM (used where cuBLAS is
+// cpu/compress_anchorkv.cpp): loading the prefill tensors, a plain GEMM (used where cuBLAS is
 // not, e.g. by the SIMT emulation tests), the window softmax, scores and pooling, anchors,
 // nearest-anchor assignment, utilities, residual bitmasks and the residual encoding. The
 // orchestration is in cuda/compress_pipeline.hpp.
 #pragma once
+#include "core/codebook.hpp"
 #include "core/rng.hpp"
 #include "cuda/device_common.cuh"
 #if !defined(AKV_SIMT_EMULATION)
@@ -716,14 +717,14 @@ __global__ void __launch_bounds__(32) encode_kernel(const __grid_constant__ Pref
     }
     sumsq = warp_sum(sumsq);
     absmax = warp_max(absmax);
-    float scale = scale_mode == 2 ? absmax / 1.5104f : sqrtf(sumsq / D);
+    float scale = scale_mode == 2 ? absmax / kLloydMaxOuter : sqrtf(sumsq / D);
     const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
     int code[EPL];
     float dot = 0.0f, levels_sq = 0.0f;
     for (int e = 0; e < EPL; ++e) {
       const float z = x[e] * inv;
-      code[e] = z < 0.0f ? (z < -0.9816f ? 0 : 1) : (z < 0.9816f ? 2 : 3);
-      const float level = code[e] < 2 ? (code[e] == 0 ? -1.5104f : -0.4528f) : (code[e] == 2 ? 0.4528f : 1.5104f);
+      code[e] = lloyd_max_code(z);
+      const float level = lloyd_max_level(code[e]);
       dot += x[e] * level;
       levels_sq += level * level;
     }
