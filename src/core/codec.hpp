@@ -4,12 +4,9 @@
 #include <cstdint>
 #include <vector>
 #include "anchorkv/anchorkv.h"
+#include "core/codebook.hpp"
 
 namespace akv {
-
-// Lloyd-Max 4-level quantizer for a unit Gaussian.
-constexpr float kLloydMaxLevels[4] = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
-constexpr float kLloydMaxThreshold = 0.9816f;
 
 inline bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
 
@@ -57,9 +54,5 @@ class ResidualCodec {
   std::vector<float> signs_;
   std::vector<float> byte_levels_;  // [256][4]: the four levels a packed byte decodes to
 };
-
-inline int lloyd_max_code(float z) {
-  return z < 0.0f ? (z < -kLloydMaxThreshold ? 0 : 1) : (z < kLloydMaxThreshold ? 2 : 3);
-}
 
 }  // namespace akv

@@ -188,8 +188,4 @@ AnchorLayout anchor_layout(const AnchorGeometry &g) {
   return layout;
 }
 
-bool compactable(akv_method m) {
-  return m == AKV_METHOD_ANCHORKV || m == AKV_METHOD_SNAPKV || m == AKV_METHOD_PYRAMIDKV || m == AKV_METHOD_ANDPRO;
-}
-
 }  // namespace akv

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include "anchorkv/anchorkv.h"
 #include "core/codec.hpp"
+#include "core/method_traits.hpp"  // compactable(), which api/c_api.cpp reaches through this header
 
 namespace akv {
 
@@ -93,10 +94,6 @@ struct ResidualSplit {
   int64_t by_energy = 0;
 };
 ResidualSplit residual_split(const akv_compress_options &options, int64_t n);
-
-// Methods akv_cache_compact folds: AnchorKV, and the eviction baselines with a decode-time
-// variant (AnDPro's rebuttal: AnDPro and SnapKV; PyramidKV is SnapKV with a layer budget).
-bool compactable(akv_method m);
 
 // Smallest retain_fraction whose budget holds the base bytes, rounded up to 6 decimals.
 double minimum_retain_fraction(uint64_t base_bytes, uint64_t full_bytes);

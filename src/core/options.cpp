@@ -6,6 +6,7 @@
 #include "core/context.hpp"
 #include "core/error.hpp"
 #include "core/layout.hpp"
+#include "core/method_traits.hpp"
 
 namespace akv {
 

@@ -18,21 +18,12 @@
 #include <cstdint>
 #include <vector>
 #include "anchorkv/anchorkv.h"
+#include "core/codebook.hpp"
 #include "core/codec.hpp"
 
 namespace akv {
 
-// Lloyd-Max quantizers for a unit Gaussian, positive halves (the negative half mirrors):
-// levels l_i = E[X | X in cell i], thresholds the midpoints. Computed once by Lloyd's
-// iteration on the exact Gaussian integrals (scripts/lloyd_max.py); MSE per coordinate
-// 0.1175 (2 bits), 0.03455 (3 bits), 0.009501 (4 bits). tests/core/quantizer_test.cpp
-// checks both optimality conditions.
-constexpr float kLloydMax2[2] = {0.452780f, 1.510418f};
-constexpr float kLloydMax3[4] = {0.245094f, 0.756005f, 1.343909f, 2.151946f};
-constexpr float kLloydMax4[8] = {0.128395f, 0.388048f, 0.656759f, 0.942340f,
-                                 1.256231f, 1.618046f, 2.069017f, 2.732590f};
-
-// The 2^bits levels in increasing order (code c -> levels[c]).
+// The 2^bits levels in increasing order (kLloydMax2/3/4, core/codebook.hpp) (code c -> levels[c]).
 std::vector<float> lloyd_max_levels(int bits);
 
 // The arrays of a quantized cache, in storage order (64-byte aligned in one allocation).

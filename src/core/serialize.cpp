@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include "core/error.hpp"
+#include "core/method_traits.hpp"
 #include "core/options.hpp"
 #include "core/quantizer.hpp"
 
@@ -112,10 +113,6 @@ void corrupt_unless(bool ok, const char *what) {
   if (!ok) fail(AKV_ERR_CORRUPT_DATA, "serialized cache is inconsistent: ", what);
 }
 
-bool is_evicting(akv_method m) {
-  return m == AKV_METHOD_SNAPKV || m == AKV_METHOD_PYRAMIDKV || m == AKV_METHOD_ADAKV || m == AKV_METHOD_ANDPRO;
-}
-
 }  // namespace
 
 // Slicing-by-8: eight independent table lookups per 8 bytes instead of a chain of eight
@@ -191,7 +188,7 @@ void write_cache(W &w, const akv_cache &c, const uint8_t *data, const uint8_t *s
   w.field("dense positions", c.dense_positions.data(), c.dense_positions.size() * sizeof(int32_t));
   // Method-specific parameters (FullKV and AnchorKV have none): the eviction methods' kept
   // token indices [sum counts], the quantizer's bits and outlier count.
-  if (is_evicting(m.method)) {
+  if (method_traits(m.method).evicting) {
     put<uint64_t>(w, "kept token count", c.dense_tokens.size());
     w.field("kept tokens", c.dense_tokens.data(), c.dense_tokens.size() * sizeof(int32_t));
   } else if (m.method == AKV_METHOD_QUANTIZED) {
@@ -435,7 +432,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
 
   const uint32_t nheads = r.get<uint32_t>("dense count");
   corrupt_unless(nheads == (anchor ? 0u : static_cast<uint32_t>(s.num_kv_heads)), "dense head count");
-  const bool evicting = is_evicting(m.method);
+  const bool evicting = method_traits(m.method).evicting;
   corrupt_unless(!evicting || m.window < s.seq_len, "eviction window");
   r.need(nheads, sizeof(int64_t), "dense counts");
   for (uint32_t h = 0; h < nheads; ++h) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/method_traits.hpp"
 #include "cpu/attention.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/compress.hpp"
@@ -71,8 +72,7 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
                                              int64_t headroom) {
   const CacheMeta &m = old.meta;
   const bool anchor = m.method == AKV_METHOD_ANCHORKV;
-  require(anchor || m.method == AKV_METHOD_SNAPKV || m.method == AKV_METHOD_PYRAMIDKV || m.method == AKV_METHOD_ANDPRO,
-          AKV_ERR_UNSUPPORTED, "compaction folds AnchorKV, SnapKV, PyramidKV and AnDPro caches only (method ",
+  require(compactable(m.method), AKV_ERR_UNSUPPORTED, "compaction folds AnchorKV, SnapKV, PyramidKV and AnDPro caches only (method ",
           static_cast<int>(m.method), "; AdaKV has no decode-time variant)");
   const int64_t S = m.shape.seq_len, L = old.suffix_len, T = S + L;
   const int H = m.shape.num_kv_heads, Hq = m.shape.num_q_heads, D = m.shape.head_dim, W = m.window;

@@ -18,6 +18,7 @@
 #include "core/thread_pool.hpp"
 #include "cpu/compress.hpp"
 #include "cpu/prefill_reader.hpp"
+#include "cpu/scores.hpp"
 
 namespace akv {
 namespace {
@@ -33,20 +34,6 @@ bool better(const Candidate &a, const Candidate &b) {
   if (a.utility != b.utility) return a.utility > b.utility;
   if (a.head != b.head) return a.head < b.head;
   return a.token < b.token;
-}
-
-void pool_scores(const std::vector<float> &raw, int kernel, akv_pool_type type, std::vector<float> &out) {
-  const int64_t n = static_cast<int64_t>(raw.size());
-  const int half = kernel / 2;
-  out.assign(n, 0.0f);
-  for (int64_t t = 0; t < n; ++t) {
-    float acc = type == AKV_POOL_MAX ? -std::numeric_limits<float>::infinity() : 0.0f;
-    for (int64_t u = t - half; u <= t + half; ++u) {
-      if (u < 0 || u >= n) continue;  // zero padding; the average divides by the full kernel
-      acc = type == AKV_POOL_MAX ? std::max(acc, raw[u]) : acc + raw[u];
-    }
-    out[t] = type == AKV_POOL_MAX ? acc : acc / static_cast<float>(kernel);
-  }
 }
 
 // Anchor token indices (sorted, non-window only) for one head: the n_top best pooled scores
@@ -279,39 +266,12 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
       for (int w = 0; w < W; ++w) in.query_row(h * G + gi, w, &Q[(gi * W + w) * D]);
 
     // 2. Window attention: A = softmax(scale * Q Kpost^T) with the causal window mask.
-    sgemm(true, m, S, D, scale, Q.data(), D, Kpost.data(), D, 0.0f, A.data(), S);
-    pool.parallel_for(m, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        float *row = &A[r * S];
-        const int64_t visible = P + (r % W) + 1;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
-        double sum = 0.0;
-        for (int64_t t = 0; t < visible; ++t) {
-          row[t] = std::exp(row[t] - mx);
-          sum += row[t];
-        }
-        const float inv = static_cast<float>(1.0 / sum);
-        for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
-        for (int64_t t = visible; t < S; ++t) row[t] = 0.0f;
-      }
-    });
+    window_attention(Q.data(), Kpost.data(), m, S, D, P, W, scale, nullptr, A.data(), pool);
     sgemm(false, m, D, S, 1.0f, A.data(), S, V.data(), D, 0.0f, Y.data(), D);  // y^(w)
 
     // 3. Scores: mean attention over the m rows, pooled (Eq. 14); sum of alpha^2 for Eq. 6.
-    pool.parallel_for(P, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        double s = 0.0, s2 = 0.0;
-        for (int64_t r = 0; r < m; ++r) {
-          const double a = A[r * S + t];
-          s += a;
-          s2 += a * a;
-        }
-        raw[t] = static_cast<float>(s / m);
-        alpha_sq[t] = static_cast<float>(s2 / m);
-      }
-    });
-    pool_scores(raw, o.pool_kernel, o.pool_type, pooled);
+    mean_attention(A.data(), m, S, P, raw.data(), alpha_sq.data(), pool);
+    pool_scores(raw.data(), P, o.pool_kernel, o.pool_type, pooled.data());
     for (int64_t t = 0; t < n_sink; ++t) pooled[t] = std::numeric_limits<float>::infinity();
 
     // 4. Anchors: sorted non-window picks, then the window (indices k-W..k-1). The share

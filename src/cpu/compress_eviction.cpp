@@ -16,7 +16,6 @@
 // Kept tokens are stored exactly: keys post-RoPE, values, storage dtype, in token order per
 // head (the dense ragged layout of FullKV), with their token indices kept host-side.
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -29,21 +28,10 @@
 #include "methods/eviction.hpp"
 #include "cpu/compress.hpp"
 #include "cpu/prefill_reader.hpp"
+#include "cpu/scores.hpp"
 
 namespace akv {
 namespace {
-
-// Pooling along the prompt with kernel/2 padding: the average divides by the full kernel
-// (PyTorch avg_pool1d with count_include_pad, as KVPress calls it), the max ignores padding.
-void pool_along(const float *raw, int64_t n, int kernel, akv_pool_type type, float *out) {
-  const int half = kernel / 2;
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t lo = std::max<int64_t>(0, t - half), hi = std::min<int64_t>(n - 1, t + half);
-    float acc = type == AKV_POOL_MAX ? -std::numeric_limits<float>::infinity() : 0.0f;
-    for (int64_t u = lo; u <= hi; ++u) acc = type == AKV_POOL_MAX ? std::max(acc, raw[u]) : acc + raw[u];
-    out[t] = type == AKV_POOL_MAX ? acc : acc / static_cast<float>(kernel);
-  }
-}
 
 // Top-n indices of score[0..count) (higher first, ties to the lower index), returned sorted.
 std::vector<int32_t> top_indices(const float *score, int64_t count, int64_t n) {
@@ -108,33 +96,12 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
     });
     for (int gi = 0; gi < G; ++gi)
       for (int w = 0; w < W; ++w) in.query_row(h * G + gi, w, &Q[(gi * W + w) * D]);
-    sgemm(true, m, S, D, scale, Q.data(), D, K.data(), D, 0.0f, A.data(), S);
     const uint8_t *present = req.present ? req.present + static_cast<size_t>(h) * S : nullptr;
-    pool.parallel_for(m, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        float *row = &A[r * S];
-        const int64_t visible = P + (r % W) + 1;
-        if (present)  // evicted before (compaction): no attention
-          for (int64_t t = 0; t < visible; ++t)
-            if (!present[t]) row[t] = -std::numeric_limits<float>::infinity();
-        const float mx = *std::max_element(row, row + visible);
-        double sum = 0.0;
-        for (int64_t t = 0; t < visible; ++t) sum += (row[t] = std::exp(row[t] - mx));
-        const float inv = static_cast<float>(1.0 / sum);
-        for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
-        for (int64_t t = visible; t < S; ++t) row[t] = 0.0f;
-      }
-    });
+    window_attention(Q.data(), K.data(), m, S, D, P, W, scale, present, A.data(), pool);
     float *head_scores = &scores[static_cast<size_t>(h) * P];
     if (!andpro) {
-      pool.parallel_for(P, [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) {
-          double s = 0.0;
-          for (int64_t r = 0; r < m; ++r) s += A[r * S + t];
-          raw[t] = static_cast<float>(s / m);
-        }
-      });
-      pool_along(raw.data(), P, o.pool_kernel, o.pool_type, head_scores);
+      mean_attention(A.data(), m, S, P, raw.data(), nullptr, pool);
+      pool_scores(raw.data(), P, o.pool_kernel, o.pool_type, head_scores);
       if (present)
         for (int64_t t = 0; t < P; ++t)
           if (!present[t]) head_scores[t] = -std::numeric_limits<float>::infinity();
@@ -142,7 +109,7 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
     }
     // AnDPro: pooled rows, y over the evictable chunks, contributions <a'_r(t) V_t, y_r>.
     pool.parallel_for(m, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) pool_along(&A[r * S], P, o.pool_kernel, o.pool_type, &pooled[r * P]);
+      for (int64_t r = b; r < e; ++r) pool_scores(&A[r * S], P, o.pool_kernel, o.pool_type, &pooled[r * P]);
     });
     if (P > c0)
       sgemm(false, m, D, P - c0, 1.0f, &pooled[c0], P, &V[c0 * D], D, 0.0f, Y.data(), D);

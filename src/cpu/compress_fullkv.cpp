@@ -4,11 +4,11 @@
 #include <vector>
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "core/method_traits.hpp"
 #include "core/thread_pool.hpp"
 #include <algorithm>
 #include "cpu/compress.hpp"
 #include "cpu/prefill_reader.hpp"
-#include "methods/eviction.hpp"
 
 namespace akv {
 
@@ -63,7 +63,8 @@ std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req) {
     case AKV_METHOD_QUANTIZED:
       return compress_quantized_cpu(req);
     default:
-      if (is_eviction_method(req.options->method)) return compress_eviction_cpu(req);
+      if (const MethodTraits *t = find_method_traits(req.options->method); t && t->evicting)
+        return compress_eviction_cpu(req);
       fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(req.options->method), " is not implemented on the CPU");
   }
 }

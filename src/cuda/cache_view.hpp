@@ -5,12 +5,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
-
-#if defined(__CUDACC__)
-#define AKV_HD __host__ __device__
-#else
-#define AKV_HD
-#endif
+#include "core/host_device.hpp"
 
 namespace akv {
 namespace cuda {
@@ -73,10 +68,6 @@ struct DecodeLaunch {
   float *ws_av;
   float *lse;                  // optional [requests][Hq][q_len]: natural log-sum-exp per row
 };
-
-AKV_HD inline float lloyd_max_level(int code) {
-  return code < 2 ? (code == 0 ? -1.5104f : -0.4528f) : (code == 2 ? 0.4528f : 1.5104f);
-}
 
 AKV_HD inline size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 

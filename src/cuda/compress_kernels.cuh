@@ -1,9 +1,11 @@
 // Kernels of the AnchorKV compression pass on the GPU (docs/design.md §2.2, the CPU reference is
-// methods/anchorkv_cpu.cpp): loading the prefill tensors, a plain GEMM (used where cuBLAS is
+// cpu/compress_anchorkv.cpp): loading the prefill tensors, a plain GEMM (used where cuBLAS is
 // not, e.g. by the SIMT emulation tests), the window softmax, scores and pooling, anchors,
 // nearest-anchor assignment, utilities, residual bitmasks and the residual encoding. The
 // orchestration is in cuda/compress_pipeline.hpp.
 #pragma once
+#include "core/codebook.hpp"
+#include "core/rng.hpp"
 #include "cuda/device_common.cuh"
 #if !defined(AKV_SIMT_EMULATION)
 #include <mma.h>
@@ -212,20 +214,8 @@ __global__ void pool_kernel(const float *raw, int64_t P, int kernel, int max_poo
   index[t] = static_cast<uint32_t>(t);
 }
 
-__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-__device__ __forceinline__ uint64_t hash_keys(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
-  uint64_t h = splitmix64(a ^ 0x6a09e667f3bcc909ull);
-  h = splitmix64(h ^ b);
-  h = splitmix64(h ^ c);
-  return splitmix64(h ^ d);
-}
-
-// The uniform share's keys: tokens ranked after the top share get their counter hash.
+// The uniform share's keys: tokens ranked after the top share get their counter hash
+// (core/rng.hpp's hash_keys, as the CPU's select_anchors).
 __global__ void sample_keys_kernel(const uint32_t *ranked, int64_t from, int64_t P, uint64_t seed, uint64_t stream,
                                    uint64_t layer_head, uint64_t *keys, uint32_t *index) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -727,14 +717,14 @@ __global__ void __launch_bounds__(32) encode_kernel(const __grid_constant__ Pref
     }
     sumsq = warp_sum(sumsq);
     absmax = warp_max(absmax);
-    float scale = scale_mode == 2 ? absmax / 1.5104f : sqrtf(sumsq / D);
+    float scale = scale_mode == 2 ? absmax / kLloydMaxOuter : sqrtf(sumsq / D);
     const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
     int code[EPL];
     float dot = 0.0f, levels_sq = 0.0f;
     for (int e = 0; e < EPL; ++e) {
       const float z = x[e] * inv;
-      code[e] = z < 0.0f ? (z < -0.9816f ? 0 : 1) : (z < 0.9816f ? 2 : 3);
-      const float level = code[e] < 2 ? (code[e] == 0 ? -1.5104f : -0.4528f) : (code[e] == 2 ? 0.4528f : 1.5104f);
+      code[e] = lloyd_max_code(z);
+      const float level = lloyd_max_level(code[e]);
       dot += x[e] * level;
       levels_sq += level * level;
     }

@@ -1,5 +1,5 @@
 // The AnchorKV compression pass on the GPU, step by step (docs/design.md §2.2; the CPU reference is
-// methods/anchorkv_cpu.cpp), written once over a small device policy so that the same
+// cpu/compress_anchorkv.cpp), written once over a small device policy so that the same
 // orchestration runs on a CUDA device (cuda/compress.cu: launches on a stream, cuBLAS GEMMs,
 // CUB radix sorts) and on the CPU through the SIMT emulation (tests/emu: the kernels run as
 // fibers, sorts are std::stable_sort, GEMMs the plain kernel).
@@ -28,6 +28,7 @@
 #include "core/error.hpp"
 #include "core/rng.hpp"
 #include "cuda/compress_kernels.cuh"
+#include "cuda/head_dim.hpp"
 #include "methods/eviction.hpp"
 #include "methods/methods.hpp"
 
@@ -440,9 +441,7 @@ void nearest_anchors(Dev &dev, int D, const float *X, int64_t n, int k, const fl
     dev.launch(kernel, grid_blocks(n, tokens), heads, 128, X, x_stride, n, k, anchor_n, anchor_b, norms, nearest,
                best_sq, out_stride, anchor_stride);
   };
-  if (D == 64) go(nearest_anchor_kernel<64>, near_tokens(64));
-  else if (D == 128) go(nearest_anchor_kernel<128>, near_tokens(128));
-  else go(nearest_anchor_kernel<256>, near_tokens(256));
+  with_head_dim(D, [&](auto d) { go(nearest_anchor_kernel<decltype(d)::value>, near_tokens(decltype(d)::value)); });
 }
 
 // The coverage share of every head's anchors (CPU: add_coverage_anchors), batched over the H
@@ -666,11 +665,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                  static_cast<const uint16_t *>(gamma[side]), static_cast<const float *>(s.signs),
                  section(codes_sec[side]), reinterpret_cast<float *>(section(scales_sec[side])), chunk);
     };
-    if (words > 0) {
-      if (D == 64) encode(encode_kernel<64>);
-      else if (D == 128) encode(encode_kernel<128>);
-      else encode(encode_kernel<256>);
-    }
+    if (words > 0) with_head_dim(D, [&](auto d) { encode(encode_kernel<decltype(d)::value>); });
   }
   dev.stage(kStageCount);  // the end of the last stage
   if (dev.read_int(s.bad) != 0)

@@ -33,6 +33,7 @@
 // emulation tests (tests/emu).
 #pragma once
 #include <cstring>
+#include "core/codebook.hpp"
 #include "cuda/cache_view.hpp"
 #include "cuda/device_common.cuh"
 

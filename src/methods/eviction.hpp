@@ -24,8 +24,6 @@ struct EvictionBudget {
   uint64_t footprint = 0;     // 4*D*layer_tokens
 };
 
-bool is_eviction_method(akv_method method);
-
 // Validates the options the eviction methods read and computes the budget; AKV_ERR_BUDGET
 // (naming the smallest workable retain_fraction) when B cannot hold what is always kept.
 EvictionBudget eviction_budget(const akv_compress_options &options, const akv_shape &shape);

@@ -8,10 +8,6 @@
 
 namespace akv {
 
-bool is_eviction_method(akv_method m) {
-  return m == AKV_METHOD_SNAPKV || m == AKV_METHOD_PYRAMIDKV || m == AKV_METHOD_ADAKV || m == AKV_METHOD_ANDPRO;
-}
-
 std::vector<int64_t> pyramid_schedule(int64_t base, int64_t prefix, int32_t beta, int32_t layer_count) {
   const int64_t L = layer_count;
   if (L <= 1) return std::vector<int64_t>(std::max<int64_t>(L, 1), base);

@@ -1,0 +1,28 @@
+// What the code asks about a compression method, one row per akv_method
+// (core/method_traits.cpp): the switches in core/, methods/ and cpu/ read this table instead of
+// listing methods.
+#pragma once
+#include "anchorkv/anchorkv.h"
+
+namespace akv {
+
+struct MethodTraits {
+  akv_method method;
+  const char *name;    // "FullKV", "AnchorKV", ...
+  bool evicting;       // keeps a ragged subset of exact prompt tokens per head (the eviction baselines)
+  bool compactable;    // akv_cache_compact folds it: AnchorKV, and the eviction baselines with a
+                       // decode-time variant (AnDPro's rebuttal: AnDPro and SnapKV; PyramidKV is
+                       // SnapKV with a layer budget); not AdaKV
+  bool dense;          // stores exact rows in the dense ragged layout (FullKV, the evicting ones)
+  bool cuda_compress;  // the CUDA backend compresses it (all but QUANTIZED)
+};
+
+// The row of a method; null for a value that is no akv_method.
+const MethodTraits *find_method_traits(akv_method m);
+// The row of a method; AKV_ERR_UNSUPPORTED for a value that is no akv_method.
+const MethodTraits &method_traits(akv_method m);
+
+// Whether akv_cache_compact folds m (false for an unknown value).
+inline bool compactable(akv_method m) { const MethodTraits *t = find_method_traits(m); return t && t->compactable; }
+
+}  // namespace akv
