@@ -9,6 +9,7 @@
 #include "api/validate.hpp"
 #include "core/backend.hpp"
 #include "core/context.hpp"
+#include "core/method_traits.hpp"
 #include "core/serialize.hpp"
 
 using namespace akv;

@@ -6,7 +6,6 @@
 #include <cstdint>
 #include "anchorkv/anchorkv.h"
 #include "core/codec.hpp"
-#include "core/method_traits.hpp"  // compactable(), which api/c_api.cpp reaches through this header
 
 namespace akv {
 

@@ -11,6 +11,7 @@
 #include "cuda/backend.hpp"
 #include "cuda/cuda_util.cuh"
 #include "cuda/decode_kernels.cuh"
+#include "cuda/head_dim.hpp"
 #include "cuda/plan.hpp"
 
 namespace akv {
@@ -147,8 +148,9 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
   const akv_shape &s = caches[0]->meta.shape;
   const int D = s.head_dim;
   const DecodePlan plan = plan_decode(caches, batch, q_len, state(ctx).sm_count, state(ctx).smem_optin, [&](int maxrows, size_t smem) {
-    return D == 64 ? resident_rows<64>(ctx, maxrows, smem) : D == 128 ? resident_rows<128>(ctx, maxrows, smem)
-                                                           : resident_rows<256>(ctx, maxrows, smem);
+    int resident = 0;
+    with_head_dim(D, [&](auto d) { resident = resident_rows<decltype(d)::value>(ctx, maxrows, smem); });
+    return resident;
   });
   const cudaStream_t st = as_stream(stream);
   float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, stream, CudaBackend::kDecodeWorkspace));
@@ -160,11 +162,7 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
                                    static_cast<uint8_t *>(out) + b0 * per_request, ws);
     p.lse = lse ? lse + static_cast<size_t>(b0) * s.num_q_heads * q_len : nullptr;
     for (int32_t i = 0; i < n; ++i) p.views[i] = reinterpret_cast<const CacheView *>(caches[b0 + i]->device_view.data());
-    switch (s.head_dim) {
-      case 64: launch_decode_rows<64>(ctx, plan, p, n, st); break;
-      case 128: launch_decode_rows<128>(ctx, plan, p, n, st); break;
-      default: launch_decode_rows<256>(ctx, plan, p, n, st); break;
-    }
+    with_head_dim(D, [&](auto d) { launch_decode_rows<decltype(d)::value>(ctx, plan, p, n, st); });
     check(cudaGetLastError(), "the decode kernel launch");
   }
 }

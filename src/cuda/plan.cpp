@@ -3,16 +3,18 @@
 #include <algorithm>
 #include <cstring>
 #include "core/error.hpp"
+#include "core/method_traits.hpp"
+#include "cuda/head_dim.hpp"
 
 namespace akv {
 namespace cuda {
 
 void check_supported(akv_method method, int head_dim) {
-  if (method == AKV_METHOD_QUANTIZED)
-    fail(AKV_ERR_UNSUPPORTED, "the CUDA backend does not hold the QUANTIZED baseline in this version "
+  const MethodTraits &traits = method_traits(method);
+  if (!traits.cuda_compress)
+    fail(AKV_ERR_UNSUPPORTED, "the CUDA backend does not hold the ", traits.name, " baseline in this version "
          "(use a CPU context)");
-  if (head_dim != 64 && head_dim != 128 && head_dim != 256)
-    fail(AKV_ERR_UNSUPPORTED, "the CUDA decode kernels take head_dim 64, 128 or 256, not ", head_dim);
+  with_head_dim(head_dim, [](auto) {});
 }
 
 void check_decodable(const akv_cache &cache) {
