@@ -11,6 +11,7 @@
 #include "core/context.hpp"
 #include "core/method_traits.hpp"
 #include "core/serialize.hpp"
+#include "core/stats.hpp"
 
 using namespace akv;
 
@@ -128,30 +129,8 @@ AKV_API akv_status akv_cache_stats_get(const akv_cache *cache, akv_cache_stats *
     if (out->struct_size == 0 || out->struct_size > sizeof(akv_cache_stats))
       fail(AKV_ERR_INVALID_ARGUMENT, "out_stats->struct_size ", out->struct_size, " is not valid (expected ",
            sizeof(akv_cache_stats), ")");
-    const akv_cache &c = *cache;
-    akv_cache_stats s;
-    std::memset(&s, 0, sizeof s);
+    akv_cache_stats s = cache_stats(*cache);
     s.struct_size = out->struct_size;
-    s.method = c.meta.method;
-    s.shape = c.meta.shape;
-    s.storage_dtype = c.meta.storage;
-    s.window = c.meta.method == AKV_METHOD_FULLKV ? 0 : c.meta.window;
-    s.anchors = c.meta.anchors;
-    s.appended_tokens = c.suffix_len;
-    s.append_capacity = c.suffix_capacity;
-    s.full_bytes = full_bytes(c.meta.shape);
-    s.budget_bytes = c.meta.method == AKV_METHOD_ANCHORKV ? c.geometry.budget_bytes
-                     : c.meta.method == AKV_METHOD_FULLKV
-                         ? s.full_bytes
-                         : static_cast<uint64_t>(std::floor(c.meta.retain_fraction * static_cast<double>(s.full_bytes)));
-    s.base_bytes = c.meta.method == AKV_METHOD_ANCHORKV ? c.geometry.base_bytes : 0;
-    s.compressed_bytes = c.footprint;
-    s.appended_bytes = dense_bytes(c.suffix_len, c.meta.shape.num_kv_heads, c.meta.shape.head_dim);
-    s.allocated_bytes = c.allocated_bytes();
-    s.ratio = static_cast<double>(s.full_bytes) / static_cast<double>(c.footprint);
-    s.key_residuals = c.meta.key_residuals;
-    s.value_residuals = c.meta.value_residuals;
-    s.compactions = c.compactions;
     std::memcpy(static_cast<void *>(out), &s, out->struct_size);
   });
 }
@@ -163,29 +142,13 @@ AKV_API akv_status akv_cache_head_stats(const akv_cache *cache, akv_head_stats *
     const akv_cache &c = *cache;
     const int H = c.meta.shape.num_kv_heads;
     std::vector<uint32_t> offsets;  // AnchorKV: key then value residual offsets [H+1] each
-    if (c.meta.method == AKV_METHOD_ANCHORKV) {
+    if (storage_of(c.meta.method) == Storage::kAnchor) {
       offsets.resize(2 * (H + 1));
       const size_t bytes = (H + 1) * sizeof(uint32_t);
       c.context->impl->read(offsets.data(), c.section<uint32_t>(kKeyOffsets), bytes, nullptr);
       c.context->impl->read(offsets.data() + H + 1, c.section<uint32_t>(kValueOffsets), bytes, nullptr);
     }
-    for (int h = 0; h < H; ++h) {
-      akv_head_stats s{};
-      if (c.meta.method == AKV_METHOD_ANCHORKV) {
-        s.kept_tokens = c.meta.shape.seq_len;
-        s.anchors = c.meta.anchors;
-        const uint32_t *ko = offsets.data(), *vo = offsets.data() + H + 1;
-        s.key_residuals = ko[h + 1] - ko[h];
-        s.value_residuals = vo[h + 1] - vo[h];
-      } else if (c.meta.method == AKV_METHOD_QUANTIZED) {
-        s.kept_tokens = c.meta.shape.seq_len;  // every token, the window exact
-        s.anchors = c.meta.window;
-      } else {  // FullKV and eviction: exact kept tokens
-        s.kept_tokens = c.meta.dense_counts[h];
-        s.anchors = c.meta.dense_counts[h];
-      }
-      out[h] = s;
-    }
+    head_stats(c, offsets.data(), out);
   });
 }
 

@@ -5,15 +5,16 @@
 namespace akv {
 namespace {
 
-// {method, name, evicting, compactable, dense, cuda_compress}
+constexpr Storage kA = Storage::kAnchor, kD = Storage::kDense, kQ = Storage::kQuantized;
+// {method, storage, name, evicting, compactable, cuda_compress}
 const MethodTraits kMethods[] = {
-    {AKV_METHOD_FULLKV,    "FullKV",    false, false, true,  true},
-    {AKV_METHOD_ANCHORKV,  "AnchorKV",  false, true,  false, true},
-    {AKV_METHOD_SNAPKV,    "SnapKV",    true,  true,  true,  true},
-    {AKV_METHOD_PYRAMIDKV, "PyramidKV", true,  true,  true,  true},
-    {AKV_METHOD_ADAKV,     "AdaKV",     true,  false, true,  true},
-    {AKV_METHOD_ANDPRO,    "AnDPro",    true,  true,  true,  true},
-    {AKV_METHOD_QUANTIZED, "Quantized", false, false, false, false},
+    {AKV_METHOD_FULLKV,    kD, "FullKV",    false, false, true},
+    {AKV_METHOD_ANCHORKV,  kA, "AnchorKV",  false, true,  true},
+    {AKV_METHOD_SNAPKV,    kD, "SnapKV",    true,  true,  true},
+    {AKV_METHOD_PYRAMIDKV, kD, "PyramidKV", true,  true,  true},
+    {AKV_METHOD_ADAKV,     kD, "AdaKV",     true,  false, true},
+    {AKV_METHOD_ANDPRO,    kD, "AnDPro",    true,  true,  true},
+    {AKV_METHOD_QUANTIZED, kQ, "Quantized", false, false, false},
 };
 
 }  // namespace

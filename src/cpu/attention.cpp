@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 #include "core/dtype.hpp"
+#include "core/method_traits.hpp"
 #include "cpu/kernels.hpp"
 #include "cpu/quantized_attention.hpp"
 
@@ -250,7 +251,7 @@ void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const floa
   const int64_t rows = static_cast<int64_t>(cache.meta.shape.num_q_heads / cache.meta.shape.num_kv_heads) * q_len;
   const int64_t per_head = rows * D;
   auto head_lse = [&](int h) { return lse ? lse + (h - h_begin) * rows : nullptr; };
-  if (cache.meta.method != AKV_METHOD_ANCHORKV) {
+  if (storage_of(cache.meta.method) != Storage::kAnchor) {
     for (int h = h_begin; h < h_end; ++h)
       decode_head_cpu(cache, h, q + (h - h_begin) * per_head, q_len, out + (h - h_begin) * per_head, head_lse(h));
     return;
@@ -274,8 +275,11 @@ void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const floa
 }
 
 void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out, float *lse) {
-  if (cache.meta.method == AKV_METHOD_QUANTIZED) return decode_quantized_head_cpu(cache, h, q, q_len, out, lse);
-  if (cache.meta.method == AKV_METHOD_ANCHORKV) return decode_heads_cpu(cache, h, h + 1, q, q_len, out, lse);
+  switch (storage_of(cache.meta.method)) {
+    case Storage::kQuantized: return decode_quantized_head_cpu(cache, h, q, q_len, out, lse);
+    case Storage::kAnchor: return decode_heads_cpu(cache, h, h + 1, q, q_len, out, lse);
+    case Storage::kDense: break;
+  }
   const CacheMeta &meta = cache.meta;
   const int D = meta.shape.head_dim;
   const int G = meta.shape.num_q_heads / meta.shape.num_kv_heads;
@@ -316,7 +320,8 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
   const akv_dtype storage = meta.storage;
   const Rope &rope = cache.rope;
   const int64_t S = meta.shape.seq_len;
-  if (meta.method == AKV_METHOD_ANCHORKV) {
+  const Storage storage_kind = storage_of(meta.method);
+  if (storage_kind == Storage::kAnchor) {
     const AnchorGeometry &g = cache.geometry;
     const int k = g.anchors, W = g.window;
     const int64_t P = g.prefix, words = g.words;
@@ -354,7 +359,7 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
         if (side == 0 && rotated) rope.apply(o, meta.window_first_position + w);
       }
     }
-  } else if (meta.method == AKV_METHOD_QUANTIZED) {
+  } else if (storage_kind == Storage::kQuantized) {
     reconstruct_quantized_prompt_cpu(cache, h, rotated, keys, values);
   } else {
     // Dense methods: the head's kept tokens in token order; dense_tokens names them for the
@@ -389,7 +394,7 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
     if (!rotated) rope.apply(keys + (S + u) * D, cache.suffix_positions[u], /*inverse=*/true);
   }
   if (present) {
-    const bool evicting = meta.method != AKV_METHOD_ANCHORKV && !cache.dense_tokens.empty();
+    const bool evicting = storage_kind != Storage::kAnchor && !cache.dense_tokens.empty();
     std::memset(present + (evicting ? S : 0), 1, static_cast<size_t>((evicting ? 0 : S) + cache.suffix_len));
   }
 }

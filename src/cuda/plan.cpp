@@ -45,7 +45,7 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
   const CacheMeta &m = cache.meta;
   const int H = m.shape.num_kv_heads, D = m.shape.head_dim;
   CacheView v;
-  v.kind = m.method == AKV_METHOD_ANCHORKV ? kKindAnchor : kKindDense;
+  v.kind = storage_of(m.method) == Storage::kAnchor ? kKindAnchor : kKindDense;
   v.storage_bf16 = m.storage == AKV_DTYPE_BF16 ? 1 : 0;
   v.heads = H;
   v.head_dim = D;
@@ -123,7 +123,7 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
     const akv_cache &c = *caches[b];
     check_decodable(c);
     plan.max_pairs = std::max(plan.max_pairs, c.rope.enabled() ? c.rope.pairs() : 0);
-    if (c.meta.method == AKV_METHOD_ANCHORKV) {
+    if (storage_of(c.meta.method) == Storage::kAnchor) {
       plan.max_anchors = std::max(plan.max_anchors, c.geometry.anchors);
       max_work = std::max(max_work, c.geometry.prefix);
     } else {
