@@ -3,8 +3,8 @@
 
 This is a MODEL, not a measurement. From the shape (H=8 KV heads, Hq=32, D=128, bf16, W=32,
 theta=0.05, akv_compress_options_init defaults) it re-derives the geometry of src/core/layout.cpp
-(k, residual counts), the heads per batch of compress_pipeline.hpp (2 GiB scratch budget), and
-walks the launches of compress_anchorkv() in src/cuda/compress_pipeline.hpp, giving each kernel
+(k, residual counts), the heads per batch of compress_anchorkv_pass.hpp (2 GiB scratch budget), and
+walks the launches of compress_anchorkv() in src/cuda/compress_anchorkv_pass.hpp, giving each kernel
 its FLOPs (by kind), HBM bytes and launches read off src/cuda/compress_kernels.cuh. Per kernel,
 time = max(compute, HBM) + launches x LAUNCH_S (+ a latency term where a kernel is a serial
 chain); a stage is the sum of its kernels.
@@ -41,7 +41,7 @@ RESIDENT_WARPS = SMS * 32   # encode_kernel blocks (one warp each) resident at o
 
 TARGET_MS = {32768: 0.5, 65536: 1.5, 131072: 8.9}  # issue 15
 STAGES = ["setup", "load", "window attention", "scores+pooling", "anchor selection", "assignment",
-          "utilities", "residual selection", "encoding"]  # compress_pipeline.hpp stage_name()
+          "utilities", "residual selection", "encoding"]  # compress_anchorkv_pass.hpp stage_name()
 
 # ---- Options (akv_compress_options_init) and shape ------------------------------------------
 H, HQ, D, W, THETA = 8, 32, 128, 32, 0.05

@@ -1,4 +1,5 @@
-// Versioned, checksummed, backend-independent serialization of a cache (little-endian).
+// Versioned, checksummed, backend-independent serialization of a cache (little-endian): the
+// writer in core/serialize.cpp, the validating reader in core/deserialize.cpp.
 //   "ANCHORKV" | u32 format | u32 flags | u64 total size | meta | arrays | suffix | u32 CRC-32
 // The CRC covers every byte before it; it is checked right after the magic and the version.
 #pragma once
@@ -16,6 +17,21 @@ namespace akv {
 constexpr uint32_t kFormatVersion = 2;
 
 uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc = 0);
+
+// The first 8 bytes of every serialized cache.
+inline constexpr char kSerializedMagic[8] = {'A', 'N', 'C', 'H', 'O', 'R', 'K', 'V'};
+
+// Section names, for serialized_fields() and the deserializer's messages.
+inline constexpr const char *kAnchorSectionNames[kAnchorSectionCount] = {
+    "anchor keys", "anchor values", "anchor tokens", "key anchor indices", "value anchor indices",
+    "key gammas", "value gammas", "prefix positions", "key residual masks", "value residual masks",
+    "key residual prefix counts", "value residual prefix counts", "key residual offsets",
+    "value residual offsets", "key residual codes", "key residual scales", "value residual codes",
+    "value residual scales", "value residual chunk positions"};
+inline constexpr const char *kQuantSectionNames[kQuantSectionCount] = {
+    "quantized window keys", "quantized window values", "quantized key codes", "quantized key scales",
+    "quantized key outlier indices", "quantized key outlier values", "quantized value codes",
+    "quantized value scales"};
 
 // Host copies of the cache's device-or-host buffers are passed in by the caller.
 std::vector<uint8_t> serialize_cache(const akv_cache &cache, const uint8_t *data,

@@ -3,7 +3,7 @@
 // The compacted cache is what compression at length T = S + appended would build, from what
 // the cache still knows: the reconstruction of the old compressed part (its anchors and window
 // exact, the other tokens gamma x_a + decoded residual) and the exact appended tokens. It runs
-// the prefill compression (anchorkv_cpu.cpp) over that sequence with the queries of the last W
+// the prefill compression (cpu/compress_anchorkv.cpp) over that sequence with the queries of the last W
 // tokens and one change, the anchor priority: the old anchors stay anchors first (they are
 // exact, and the old tokens lean on them; the old window is one of them, and when slots are
 // short the least leaned-on give way), then appended tokens are picked as at prefill; a token known only through its old representation becomes an anchor

@@ -1,0 +1,375 @@
+// The AnchorKV compression pass on the GPU (cuda/compress_pipeline.hpp describes the device
+// policy): its profile stages, its scratch and the heads per batch, the nearest-anchor and
+// coverage steps, and compress_anchorkv itself.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/context.hpp"
+#include "core/error.hpp"
+#include "core/rng.hpp"
+#include "cuda/compress_common.hpp"
+#include "cuda/compress_kernels.cuh"
+#include "cuda/head_dim.hpp"
+#include "methods/methods.hpp"
+
+namespace akv {
+namespace cuda {
+
+// The stages of the AnchorKV pass as the profile reports them (issue 15).
+enum CompressStage : int {
+  kStageSetup = 0,
+  kStageLoad,
+  kStageWindowAttention,
+  kStageScores,
+  kStageAnchorSelection,
+  kStageAssignment,
+  kStageUtilities,
+  kStageResidualSelection,
+  kStageEncoding,
+  kStageCount
+};
+inline const char *stage_name(int stage) {
+  static const char *const names[kStageCount] = {"setup",         "load",       "window attention",
+                                                 "scores+pooling", "anchor selection", "assignment",
+                                                 "utilities",     "residual selection", "encoding"};
+  return stage >= 0 && stage < kStageCount ? names[stage] : "?";
+}
+
+// Scratch of one compression, carved out of one allocation. The arrays of the stages batched
+// over heads (loading, window attention, scores, anchor ranking, residual rows, utilities)
+// hold every head (of a batch), head h's part at h times the per-head size.
+struct CompressScratch {
+  uint16_t *anchor_b;  // anchor_n in bf16 (the tensor-core operand of nearest_anchor_kernel)
+  float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *rk, *rk_norm_sq, *rv_norm_sq, *z,
+      *vy, *y_norm_sq, *inv_freq, *signs;
+  uint32_t *rank_keys, *rank_index, *sample_index, *picks, *picks_dummy, *util_keys[2], *util_ids[2], *energy_keys[2],
+      *energy_ids[2];
+  uint64_t *sample_keys;
+  int32_t *anchor_of_token, *nearest, *positions, *rope_first, *rope_second, *bad;
+  // Coverage anchors: squared norms and best |cos|^2 per side, ranking, flags, the rows
+  // absorbed next (the unit prefix rows reuse rk and kpost, free at that point).
+  float *cover_norm_sq[2], *cover_best[2], *cover_means;
+  uint32_t *cover_keys, *cover_ids, *cover_fresh;
+  int32_t *cover_anchor;
+  int32_t *block_table;
+
+  // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used. The
+  // per-head staging holds `head_batch` heads (0: all H); the residual selection's keys, all H.
+  size_t carve(uint8_t *base, int64_t S, int64_t P, int H_all, int D, int m, int k, int pairs, int64_t table_blocks = 0,
+               int head_batch = 0) {
+    const int H = head_batch > 0 ? std::min(head_batch, H_all) : H_all;
+    Carver take(base);
+    take(kpre, H * S * D);
+    take(kpost, H * S * D);
+    take(v, H * S * D);
+    take(q, int64_t{H} * m * D);
+    take(attn, int64_t{H} * m * S);
+    take(y, int64_t{H} * m * D);
+    take(raw, H * P);
+    take(alpha_sq, H * P);
+    take(anchor_f, int64_t{H} * k * D);
+    take(anchor_n, int64_t{H} * k * D);
+    take(anchor_b, int64_t{H} * k * D);
+    take(norms, int64_t{H} * k);
+    take(rk, H * P * D);
+    take(rk_norm_sq, H * P);
+    take(rv_norm_sq, H * P);
+    take(z, int64_t{H} * m * P);
+    take(vy, int64_t{H} * m * P);
+    take(y_norm_sq, int64_t{H} * m);
+    take(inv_freq, pairs);
+    take(signs, D);
+    take(rank_keys, H * P);
+    take(rank_index, H * P);
+    take(sample_index, P);
+    take(picks, int64_t{H} * k);  // head h's free_anchors picks at h * free_anchors
+    take(picks_dummy, int64_t{H} * k);
+    for (int side = 0; side < 2; ++side) {
+      take(util_keys[side], int64_t{H_all} * P);
+      take(util_ids[side], int64_t{H_all} * P);
+      take(energy_keys[side], int64_t{H_all} * P);
+      take(energy_ids[side], int64_t{H_all} * P);
+    }
+    take(sample_keys, P);
+    take(anchor_of_token, H * P);
+    take(nearest, H * P);
+    take(positions, S);
+    take(rope_first, pairs);
+    take(rope_second, pairs);
+    take(bad, 1);
+    for (int side = 0; side < 2; ++side) {
+      take(cover_norm_sq[side], H * P);
+      take(cover_best[side], H * P);
+    }
+    take(cover_means, 2 * H);
+    take(cover_keys, H * P);
+    take(cover_ids, H * P);
+    take(cover_fresh, int64_t{H} * k);
+    take(cover_anchor, H * P);
+    take(block_table, table_blocks);  // paged prefill: the block table on the device
+    return take.bytes();
+  }
+};
+
+// The CUDA pass's scratch budget for choosing the heads per batch (2 GiB: H = 8, Hq = 32,
+// D = 128 batches all 8 heads up to 64K, fewer at 128K).
+constexpr size_t kHeadBatchBudget = size_t{2} << 30;
+
+// Heads per batch of the AnchorKV pass: all of them when the scratch fits in budget_bytes,
+// else the most that do (at least 1). The stages before the residual selection run once per
+// batch (each kernel over the batch's heads), so fewer heads per batch means more launches.
+inline int anchor_head_batch(const AnchorGeometry &g, int pairs, int64_t table_blocks, size_t budget_bytes) {
+  CompressScratch measure;
+  for (int hb = g.heads; hb > 1; --hb)
+    if (measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window, g.anchors, pairs, table_blocks,
+                      hb) <= budget_bytes)
+      return hb;
+  return 1;
+}
+
+// nearest_anchor_kernel for head dim D (64, 128 or 256) over the rows X[0..n); with heads > 1,
+// head h's rows at X + h x_stride, anchors at h k D (norms: h k), outputs at h out_stride.
+template <class Dev>
+void nearest_anchors(Dev &dev, int D, const float *X, int64_t n, int k, const float *anchor_n, const uint16_t *anchor_b,
+                     const float *norms, int32_t *nearest, float *best_sq, int heads = 1, int64_t x_stride = 0,
+                     int64_t out_stride = 0, int64_t anchor_stride = 0) {
+  auto go = [&](auto kernel, int tokens) {
+    dev.launch(kernel, grid_blocks(n, tokens), heads, 128, X, x_stride, n, k, anchor_n, anchor_b, norms, nearest,
+               best_sq, out_stride, anchor_stride);
+  };
+  with_head_dim(D, [&](auto d) { go(nearest_anchor_kernel<decltype(d)::value>, near_tokens(decltype(d)::value)); });
+}
+
+// The coverage share of every head's anchors (CPU: add_coverage_anchors), batched over the H
+// heads: head h's n_top scored picks are at s.picks + h free_anchors and flagged in
+// s.cover_anchor (zeroed before); appends `count` more, chosen in `rounds` rounds as the tokens
+// the anchors so far (and the window) represent worst. Uses s.rk and s.kpost (free before the
+// assignment) for the unit prefix rows of keys and values, and s.anchor_n for the rows being
+// absorbed.
+template <class Dev>
+void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_t P, int D, int W, int k,
+                      int64_t free_anchors, int64_t n_top, int64_t count, int rounds) {
+  const float *X[2] = {s.kpre, s.v};
+  float *unit[2] = {s.rk, s.kpost};
+  const int64_t unit_stride[2] = {P * D, S * D};
+  for (int side = 0; side < 2; ++side) {
+    dev.launch(unit_rows_kernel, grid_blocks(P, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(nullptr),
+               int64_t{0}, P, D, unit[side], static_cast<uint16_t *>(nullptr), unit_stride[side],
+               s.cover_norm_sq[side], P);
+    dev.fill(s.cover_best[side], 0, H * P * sizeof(float));
+  }
+  // Raise every prefix token's best |cos|^2 with the n anchor tokens ids[0..n) of each head
+  // (head h's at ids + h ids_stride).
+  auto absorb = [&](const uint32_t *ids, int64_t ids_stride, int64_t n) {
+    if (n == 0) return;
+    for (int side = 0; side < 2; ++side) {
+      dev.launch(unit_rows_kernel, grid_blocks(n, 4), H, 128, X[side], S * D, ids, ids_stride, n, D, s.anchor_n,
+                 s.anchor_b, int64_t{k} * D, static_cast<float *>(nullptr), int64_t{0});
+      // best |cos|^2 with the new anchors (fused: tensor-core products, fp32 rescoring).
+      nearest_anchors(dev, D, unit[side], P, static_cast<int>(n), s.anchor_n, s.anchor_b, nullptr, nullptr,
+                      s.cover_best[side], H, unit_stride[side], P, k);
+    }
+  };
+  // The scored picks and the window tokens first.
+  dev.launch(coverage_take_kernel, grid_blocks(n_top + W, 128), H, 128, static_cast<const uint32_t *>(s.picks),
+             free_anchors, n_top, s.cover_anchor, P, s.cover_fresh, int64_t{k}, int64_t{W});
+  absorb(s.cover_fresh, k, n_top + W);
+  int64_t left = count, at = n_top;
+  for (int round = 0; round < rounds && left > 0; ++round) {
+    const int64_t take = std::min<int64_t>((left + (rounds - round) - 1) / (rounds - round), P - at);
+    if (take <= 0) break;
+    dev.launch(coverage_means_kernel, 2, H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
+               static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
+               static_cast<const float *>(s.cover_best[1]), P, s.cover_means);
+    dev.launch(coverage_keys_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
+               static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
+               static_cast<const float *>(s.cover_best[1]), static_cast<const float *>(s.cover_means),
+               static_cast<const int32_t *>(s.cover_anchor), P, s.cover_keys, s.cover_ids);
+    dev.sort_segments_u32(s.cover_keys, s.cover_ids, H, P);  // ties: the lower token
+    dev.launch(coverage_take_kernel, grid_blocks(take, 128), H, 128, static_cast<const uint32_t *>(s.cover_ids), P,
+               take, s.cover_anchor, P, s.picks + at, free_anchors, int64_t{0});
+    absorb(s.cover_ids, P, take);
+    at += take;
+    left -= take;
+  }
+}
+
+// Compresses into `data` (device memory of cache.layout.total_bytes) with scratch memory of
+// at least scratch_bytes(); the prefill tensors are device pointers. Throws
+// AKV_ERR_NON_FINITE (after waiting for the work) when an input holds NaN or Inf.
+template <class Dev>
+void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_options &o, const akv_cache &cache,
+                       const std::vector<int32_t> &positions, uint8_t *data, uint8_t *scratch_base,
+                       int head_batch = 0) {
+  const AnchorGeometry &g = cache.geometry;
+  const int64_t S = g.seq_len, P = g.prefix, words = g.words;
+  const int H = g.heads, G = g.group(), D = g.dim, W = g.window, k = g.anchors;
+  const int m = G * W;
+  const int64_t free_anchors = k - W;
+  const Rope &rope = cache.rope;
+  const int pairs = rope.enabled() ? rope.pairs() : 0;
+  const int HB = head_batch > 0 ? std::min(head_batch, H) : H;  // heads per batch
+  CompressScratch s;
+  s.carve(scratch_base, S, P, H, D, m, k, pairs, paged_blocks(p), HB);
+  auto section = [&](int index) { return data + cache.layout.sections[index].offset; };
+
+  // Constants: positions, RoPE tables, Hadamard signs; the cache starts zeroed.
+  dev.stage(kStageSetup);
+  dev.fill(data, 0, cache.layout.total_bytes);
+  dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
+  dev.copy(section(kPositions), positions.data(), P * sizeof(int32_t));
+  upload_rope(dev, rope, s.inv_freq, s.rope_first, s.rope_second);
+  dev.copy(s.signs, cache.codec.signs().data(), D * sizeof(float));
+  dev.fill(s.bad, 0, sizeof(int32_t));
+
+  const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad,
+                                     upload_block_table(dev, p, s.block_table));
+
+  const bool bf16 = cache.meta.storage == AKV_DTYPE_BF16;
+  const int64_t n_sink = sink_anchor_count(o, g), n_top = scored_anchor_count(o, g);
+  const int64_t n_rand = free_anchors - n_top;
+  uint16_t *index[2] = {reinterpret_cast<uint16_t *>(section(kKeyIndex)), reinterpret_cast<uint16_t *>(section(kValueIndex))};
+  uint16_t *gamma[2] = {reinterpret_cast<uint16_t *>(section(kKeyGamma)), reinterpret_cast<uint16_t *>(section(kValueGamma))};
+  uint16_t *anchors_out[2] = {reinterpret_cast<uint16_t *>(section(kAnchorKeys)),
+                              reinterpret_cast<uint16_t *>(section(kAnchorValues))};
+  int64_t *anchor_tokens = reinterpret_cast<int64_t *>(section(kAnchorTokens));
+
+  // 1-6 per batch of HB heads (all of them unless the scratch budget splits them): H below is
+  // the batch's head count, h0 its first head.
+  for (int h0 = 0; h0 < g.heads; h0 += HB) {
+    const int H = std::min(HB, g.heads - h0);
+    // 1. Every head's keys (both forms), values and its group's window queries.
+    dev.stage(kStageLoad);
+    dev.launch(load_head_kernel, grid_blocks(S, 4), H, 128, a, h0, s.kpre, s.kpost, s.v);
+    dev.launch(load_queries_kernel, m, H, 32, a, h0, s.q);
+    // 2. Window attention with the causal window mask, and its outputs y (batched over heads;
+    // the softmax rows of all heads are one [H m][S] array, m a multiple of W).
+    dev.stage(kStageWindowAttention);
+    dev.gemm_nt_batched(m, S, D, cache.meta.softmax_scale, s.q, D, int64_t{m} * D, s.kpost, D, S * D, s.attn, S,
+                        int64_t{m} * S, H);
+    dev.launch(window_softmax_kernel, H * m, 1, 128, s.attn, S, P, W);
+    dev.gemm_nn_batched(m, D, S, 1.0f, s.attn, S, int64_t{m} * S, s.v, D, S * D, s.y, D, int64_t{m} * D, H);
+    // 3. Scores, pooled; 4. anchors: the top share by pooled score (ties: lower index), then
+    // the smallest counter hashes among the rest, sorted by token.
+    dev.stage(kStageScores);
+    dev.launch(scores_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, s.raw,
+               s.alpha_sq);
+    dev.launch(pool_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
+               o.pool_type == AKV_POOL_MAX ? 1 : 0, n_sink, s.rank_keys, s.rank_index);
+    dev.stage(kStageAnchorSelection);
+    dev.sort_segments_u32(s.rank_keys, s.rank_index, H, P);
+
+    if (o.coverage_rounds > 0) {
+      // Every head's scored picks (flagged as anchors), then the coverage share.
+      dev.fill(s.cover_anchor, 0, H * P * sizeof(int32_t));
+      if (n_top > 0)
+        dev.launch(coverage_take_kernel, grid_blocks(n_top, 128), H, 128, static_cast<const uint32_t *>(s.rank_index), P,
+                   n_top, s.cover_anchor, P, s.picks, free_anchors, int64_t{0});
+      if (n_rand > 0) coverage_anchors(dev, s, H, S, P, D, W, k, free_anchors, n_top, n_rand, o.coverage_rounds);
+    }
+    for (int h = 0; h < H && o.coverage_rounds == 0; ++h) {
+      const uint32_t *ranked = s.rank_index + h * P;  // head h's ranking and picks
+      uint32_t *picks = s.picks + h * free_anchors;
+      if (P > n_top) {
+        dev.launch(sample_keys_kernel, grid_blocks(P - n_top, 128), 1, 128, ranked, n_top, P, o.seed,
+                   static_cast<uint64_t>(kStreamAnchorSample),
+                   (static_cast<uint64_t>(o.layer_index) << 32) | static_cast<uint64_t>(o.head_offset + h0 + h), s.sample_keys,
+                   s.sample_index);
+        dev.sort_u64(s.sample_keys, s.sample_index, P - n_top);
+      }
+      dev.copy(picks, ranked, n_top * sizeof(uint32_t));
+      dev.copy(picks + n_top, s.sample_index, n_rand * sizeof(uint32_t));
+    }
+    // Every head's picks by token; 5. per side: anchors into the cache, nearest anchor of every
+    // prefix token (batched over heads).
+    dev.sort_segments_u32(s.picks, s.picks_dummy, H, free_anchors);
+    dev.fill(s.anchor_of_token, 0xFF, H * P * sizeof(int32_t));  // -1: not an anchor
+    dev.stage(kStageAssignment);
+    for (int side = 0; side < 2; ++side) {
+      const float *X = side == 0 ? s.kpre : s.v;
+      dev.launch(anchors_kernel, k, H, 128, X, S * D, static_cast<const uint32_t *>(s.picks), free_anchors, P, D,
+                 bf16 ? 1 : 0, anchors_out[side] + static_cast<int64_t>(h0) * k * D, s.anchor_f, s.anchor_n, s.anchor_b,
+                 s.norms, side == 0 ? anchor_tokens + h0 * free_anchors : static_cast<int64_t *>(nullptr),
+                 s.anchor_of_token);
+      // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
+      // coefficients and residual norms.
+      nearest_anchors(dev, D, X, P, k, s.anchor_n, s.anchor_b, s.norms, s.nearest, nullptr, H, S * D, P, k);
+      dev.launch(assign_kernel, grid_blocks(P, 4), H, 128, static_cast<const int32_t *>(s.nearest), int64_t{0}, P, P, k,
+                 D, X, S * D, static_cast<const float *>(s.anchor_f), static_cast<const float *>(s.anchor_n),
+                 static_cast<const float *>(s.norms), static_cast<const int32_t *>(s.anchor_of_token), index[side] + h0 * P,
+                 gamma[side] + h0 * P, side, static_cast<const int32_t *>(s.positions), pairs,
+                 static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
+                 static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
+    }
+    // 6. Utilities (Eq. 6) of every head: Z = Q (R r_K)^T, V.y, ||y||^2 (batched over heads).
+    dev.stage(kStageUtilities);
+    dev.gemm_nt_batched(m, P, D, 1.0f, s.q, D, int64_t{m} * D, s.rk, D, P * D, s.z, P, int64_t{m} * P, H);
+    dev.gemm_nt_batched(m, P, D, 1.0f, s.y, D, int64_t{m} * D, s.v, D, S * D, s.vy, P, int64_t{m} * P, H);
+    dev.launch(row_norms_kernel, grid_blocks(int64_t{H} * m, 128), 1, 128, static_cast<const float *>(s.y), H * m, D,
+               s.y_norm_sq);
+    dev.launch(utility_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, D,
+               static_cast<const float *>(s.z), static_cast<const float *>(s.vy), static_cast<const float *>(s.y_norm_sq),
+               static_cast<const float *>(s.v), static_cast<const float *>(s.alpha_sq),
+               static_cast<const float *>(s.rk_norm_sq), static_cast<const float *>(s.rv_norm_sq),
+               static_cast<const int32_t *>(s.anchor_of_token), h0, s.util_keys[0], s.util_keys[1], s.util_ids[0],
+               s.util_ids[1], s.energy_keys[0], s.energy_keys[1], s.energy_ids[0], s.energy_ids[1]);
+  }
+
+  // 7-8. Per side and pooling group (every head unless pool_heads splits them): the best
+  // utilities over the group's heads (ties: head, then token), then the guard share by
+  // residual energy among the rest; bitmasks, prefix counts and offsets, then every stored
+  // residual encoded.
+  const int groups = g.pool_groups();
+  const int64_t wanted[2] = {g.key_residuals / groups, g.value_residuals / groups};
+  const int mask_sec[2] = {kKeyMask, kValueMask}, prefix_sec[2] = {kKeyPrefix, kValuePrefix};
+  const int offsets_sec[2] = {kKeyOffsets, kValueOffsets}, codes_sec[2] = {kKeyCodes, kValueCodes};
+  const int scales_sec[2] = {kKeyScales, kValueScales};
+  for (int side = 0; side < 2; ++side) {
+    const ResidualSplit split =
+        residual_split(o, std::min<int64_t>(wanted[side], static_cast<int64_t>(g.pool_heads) * (P - free_anchors)));
+    const int64_t candidates = static_cast<int64_t>(g.pool_heads) * P;  // per group
+    auto *mask = reinterpret_cast<unsigned long long *>(section(mask_sec[side]));
+    auto *prefix = reinterpret_cast<uint32_t *>(section(prefix_sec[side]));
+    auto *offsets = reinterpret_cast<uint32_t *>(section(offsets_sec[side]));
+    dev.stage(kStageResidualSelection);
+    for (int group = 0; group < groups; ++group) {
+      // The group's candidates are one contiguous run of keys and ids (id = h * P + t).
+      const int64_t first = group * candidates;
+      uint32_t *util_keys = s.util_keys[side] + first, *util_ids = s.util_ids[side] + first;
+      uint32_t *energy_keys = s.energy_keys[side] + first, *energy_ids = s.energy_ids[side] + first;
+      dev.sort_u32(util_keys, util_ids, candidates);
+      if (split.by_utility > 0)
+        dev.launch(mask_kernel, grid_blocks(split.by_utility, 128), 1, 128, static_cast<const uint32_t *>(util_ids),
+                   split.by_utility, P, words, mask);
+      if (split.by_energy > 0) {
+        if (split.by_utility > 0)  // energy keys are indexed by id: the whole array
+          dev.launch(exclude_chosen_kernel, grid_blocks(split.by_utility, 128), 1, 128,
+                     static_cast<const uint32_t *>(util_ids), split.by_utility, s.energy_keys[side]);
+        dev.sort_u32(energy_keys, energy_ids, candidates);
+        dev.launch(mask_kernel, grid_blocks(split.by_energy, 128), 1, 128, static_cast<const uint32_t *>(energy_ids),
+                   split.by_energy, P, words, mask);
+      }
+    }
+    dev.launch(prefix_kernel, 1, 1, kPrefixThreads, reinterpret_cast<const uint64_t *>(mask), H, words, prefix, offsets);
+    uint8_t *chunk = side == 1 ? section(kValueChunkPos) : nullptr;
+    dev.stage(kStageEncoding);
+    auto encode = [&](auto kernel) {
+      dev.launch(kernel, static_cast<int>(words), H, 32, a, side, P, words, k, bf16 ? 1 : 0,
+                 static_cast<int>(o.residual_scale), reinterpret_cast<const uint64_t *>(mask),
+                 static_cast<const uint32_t *>(prefix), static_cast<const uint32_t *>(offsets),
+                 static_cast<const uint16_t *>(anchors_out[side]), static_cast<const uint16_t *>(index[side]),
+                 static_cast<const uint16_t *>(gamma[side]), static_cast<const float *>(s.signs),
+                 section(codes_sec[side]), reinterpret_cast<float *>(section(scales_sec[side])), chunk);
+    };
+    if (words > 0) with_head_dim(D, [&](auto d) { encode(encode_kernel<decltype(d)::value>); });
+  }
+  dev.stage(kStageCount);  // the end of the last stage
+  if (dev.read_int(s.bad) != 0)
+    fail(AKV_ERR_NON_FINITE, "the keys, values or queries contain NaN or Inf (CUDA compression)");
+}
+
+}  // namespace cuda
+}  // namespace akv
