@@ -11,6 +11,7 @@
 #include "core/method_traits.hpp"
 #include "core/options.hpp"
 #include "core/quantizer.hpp"
+#include "core/shape.hpp"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "serialization assumes a little-endian host");
 
@@ -106,7 +107,7 @@ void require_finite(const uint8_t *p, uint64_t bytes, akv_dtype dtype, const cha
 
 void require_finite_storage(const akv_cache &c, const uint8_t *data, akv_status status, const char *why) {
   const CacheMeta &m = c.meta;
-  if (m.method == AKV_METHOD_ANCHORKV) {
+  if (storage_of(m.method) == Storage::kAnchor) {
     auto check = [&](int i, akv_dtype dtype) {
       require_finite(data + c.layout.sections[i].offset, c.layout.sections[i].bytes, dtype, kAnchorSectionNames[i],
                      status, why);
@@ -114,7 +115,7 @@ void require_finite_storage(const akv_cache &c, const uint8_t *data, akv_status 
     for (int i : {kAnchorKeys, kAnchorValues}) check(i, m.storage);
     for (int i : {kKeyGamma, kValueGamma}) check(i, AKV_DTYPE_BF16);
     for (int i : {kKeyScales, kValueScales}) check(i, AKV_DTYPE_F32);
-  } else if (m.method == AKV_METHOD_QUANTIZED) {
+  } else if (storage_of(m.method) == Storage::kQuantized) {
     auto check = [&](int i, akv_dtype dtype) {
       require_finite(data + c.quant.offsets[i], c.quant.bytes[i], dtype, kQuantSectionNames[i], status, why);
     };
@@ -204,18 +205,13 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   m.value_residuals = r.get<int64_t>("value_residuals");
   m.window_first_position = r.get<int64_t>("window_first_position");
   c.next_position = r.get<int64_t>("next_position");
-  const bool pooled = m.method == AKV_METHOD_ANCHORKV;
+  const Storage kind = storage_of(m.method);
+  const bool pooled = kind == Storage::kAnchor;
   m.pool_heads = version >= 2 ? r.get<int32_t>("pool_heads") : pooled ? m.shape.num_kv_heads : 0;
 
-  // What akv_compress accepts and stores (c_api.cpp validate_shape / resolve_options).
+  // What akv_compress accepts and stores (the same shape rule, api/validate.cpp resolve_options).
   const akv_shape &s = m.shape;
-  require(s.seq_len > 0 && s.seq_len <= INT32_MAX, AKV_ERR_CORRUPT_DATA, "serialized cache has seq_len ", s.seq_len);
-  require(s.num_kv_heads > 0 && s.num_kv_heads <= kMaxKvHeads && s.num_q_heads > 0 && s.num_q_heads <= kMaxQHeads &&
-              s.num_q_heads % s.num_kv_heads == 0,
-          AKV_ERR_CORRUPT_DATA, "serialized cache has num_kv_heads ", s.num_kv_heads, " and num_q_heads ",
-          s.num_q_heads);
-  require(s.head_dim > 0 && s.head_dim % 2 == 0 && s.head_dim <= kMaxHeadDim, AKV_ERR_CORRUPT_DATA,
-          "serialized cache has head_dim ", s.head_dim);
+  check_shape(s, AKV_ERR_CORRUPT_DATA, AKV_ERR_CORRUPT_DATA, "serialized cache has shape.");
   corrupt_unless(m.keys_post_rope == 0 || m.keys_post_rope == 1, "keys_post_rope");
   corrupt_unless(std::isfinite(m.softmax_scale) && m.softmax_scale > 0, "softmax_scale");
   corrupt_unless(std::isfinite(m.retain_fraction) && m.retain_fraction > 0.0 && m.retain_fraction <= 1.0,
@@ -234,7 +230,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   } catch (const Error &e) {
     fail(AKV_ERR_CORRUPT_DATA, "serialized cache has an invalid rope: ", e.what());
   }
-  const bool anchor = m.method == AKV_METHOD_ANCHORKV;
+  const bool anchor = kind == Storage::kAnchor;
   if (!anchor)  // compression sets these for AnchorKV only
     corrupt_unless(m.anchors == 0 && m.key_residuals == 0 && m.value_residuals == 0 && m.window_first_position == 0 &&
                        m.pool_heads == 0,
@@ -271,7 +267,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
       corrupt_unless(c.dense_tokens[at + n - 1] == s.seq_len - 1, "kept tokens miss the window");
       at += n;
     }
-  } else if (m.method == AKV_METHOD_QUANTIZED) {
+  } else if (storage_of(m.method) == Storage::kQuantized) {
     m.quant_bits = r.get<int32_t>("quant_bits");
     m.quant_outliers = r.get<int32_t>("quant_outliers");
     corrupt_unless(m.quant_bits >= 2 && m.quant_bits <= 4, "quant_bits");
@@ -359,7 +355,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
             AKV_ERR_CORRUPT_DATA, "serialized cache has window_first_position ", m.window_first_position,
             ": the window must follow the prefix (last position ", pos[P - 1], ") and end within int32");
     last_prompt_position = m.window_first_position + m.window - 1;
-  } else if (m.method == AKV_METHOD_QUANTIZED) {
+  } else if (storage_of(m.method) == Storage::kQuantized) {
     c.quant = quant_geometry_for_bits(s, m.window, m.quant_bits, m.quant_outliers);
     c.quant.budget_bytes = static_cast<uint64_t>(std::floor(m.retain_fraction * static_cast<double>(c.quant.full_bytes)));
     c.quantizer = TokenQuantizer(m.seed, s.head_dim, m.quant_bits, m.quant_outliers);
@@ -405,7 +401,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   // The options compaction reuses: format 2 stores them, format 1 caches get the method's
   // defaults (and the fields every format stores in the meta).
   akv_compress_options &o = c.compress_options;
-  akv_compress_options_init_method(&o, m.method);
+  o = method_options(m.method);
   o.retain_fraction = m.retain_fraction;
   if (version >= 2) {
     c.compactions = r.get<int64_t>("compactions");

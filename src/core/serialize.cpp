@@ -128,14 +128,14 @@ void write_cache(W &w, const akv_cache &c, const uint8_t *data, const uint8_t *s
   if (method_traits(m.method).evicting) {
     put<uint64_t>(w, "kept token count", c.dense_tokens.size());
     w.field("kept tokens", c.dense_tokens.data(), c.dense_tokens.size() * sizeof(int32_t));
-  } else if (m.method == AKV_METHOD_QUANTIZED) {
+  } else if (storage_of(m.method) == Storage::kQuantized) {
     put<int32_t>(w, "quant_bits", m.quant_bits);
     put<int32_t>(w, "quant_outliers", m.quant_outliers);
   }
-  if (m.method == AKV_METHOD_ANCHORKV) {
+  if (storage_of(m.method) == Storage::kAnchor) {
     for (int i = 0; i < kAnchorSectionCount; ++i)
       w.field(kAnchorSectionNames[i], data + c.layout.sections[i].offset, c.layout.sections[i].bytes);
-  } else if (m.method == AKV_METHOD_QUANTIZED) {
+  } else if (storage_of(m.method) == Storage::kQuantized) {
     for (int i = 0; i < kQuantSectionCount; ++i) w.field(kQuantSectionNames[i], data + c.quant.offsets[i], c.quant.bytes[i]);
   } else {  // keys then values, [sum counts][D] each
     w.field("dense keys", data, c.footprint / 2);
