@@ -61,10 +61,7 @@ AKV_API void akv_compress_options_init_method(akv_compress_options *o, akv_metho
 }
 
 AKV_API void akv_prefill_init(akv_prefill *p) {
-  if (!p) return;
-  std::memset(p, 0, sizeof *p);
-  p->struct_size = sizeof *p;
-  p->dtype = AKV_DTYPE_BF16;
+  if (p) *p = default_prefill();
 }
 
 }  // extern "C"

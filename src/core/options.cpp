@@ -10,6 +10,14 @@
 
 namespace akv {
 
+akv_prefill default_prefill() {
+  akv_prefill p;
+  std::memset(&p, 0, sizeof p);
+  p.struct_size = sizeof p;
+  p.dtype = AKV_DTYPE_BF16;
+  return p;
+}
+
 akv_compress_options default_options() {
   akv_compress_options options;
   std::memset(&options, 0, sizeof options);

@@ -13,6 +13,8 @@ namespace akv {
 akv_compress_options default_options();
 akv_compress_options paper_options();
 akv_compress_options method_options(akv_method method);
+// What akv_prefill_init gives: zeros, struct_size, bf16.
+akv_prefill default_prefill();
 
 // Fails with `status` and "<prefix><field> <value> must be ..." at the first numeric field
 // outside its range (enums are the caller's: the API checks them as raw integers). Fields a

@@ -19,6 +19,7 @@
 
 #include "core/error.hpp"
 #include "core/method_traits.hpp"
+#include "core/options.hpp"
 #include "cpu/attention.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/compress.hpp"
@@ -32,8 +33,7 @@ namespace {
 akv_prefill reconstructed_prefill(const CacheMeta &m, int64_t T, const std::vector<float> &keys,
                                   const std::vector<float> &values, const float *queries,
                                   const std::vector<int32_t> &pos) {
-  akv_prefill p;
-  akv_prefill_init(&p);
+  akv_prefill p = default_prefill();
   p.shape = akv_shape{T, m.shape.num_kv_heads, m.shape.num_q_heads, m.shape.head_dim};
   p.dtype = AKV_DTYPE_F32;
   p.keys = keys.data();

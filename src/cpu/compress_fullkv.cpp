@@ -55,18 +55,16 @@ std::unique_ptr<akv_cache> compress_fullkv_cpu(const CompressRequest &req) {
 }
 
 std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req) {
-  switch (req.options->method) {
-    case AKV_METHOD_FULLKV:
-      return compress_fullkv_cpu(req);
-    case AKV_METHOD_ANCHORKV:
+  const MethodTraits &traits = method_traits(req.options->method);
+  switch (traits.storage) {
+    case Storage::kAnchor:
       return compress_anchorkv_cpu(req);
-    case AKV_METHOD_QUANTIZED:
+    case Storage::kQuantized:
       return compress_quantized_cpu(req);
-    default:
-      if (const MethodTraits *t = find_method_traits(req.options->method); t && t->evicting)
-        return compress_eviction_cpu(req);
-      fail(AKV_ERR_UNSUPPORTED, "method ", static_cast<int>(req.options->method), " is not implemented on the CPU");
+    case Storage::kDense:
+      break;
   }
+  return traits.evicting ? compress_eviction_cpu(req) : compress_fullkv_cpu(req);
 }
 
 }  // namespace akv

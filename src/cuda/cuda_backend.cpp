@@ -10,6 +10,7 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "core/method_traits.hpp"
 #include "core/serialize.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/plan.hpp"
@@ -67,10 +68,10 @@ void CudaBackend::check_compress(const akv_compress_options &o, const akv_shape 
 }
 
 std::unique_ptr<akv_cache> CudaBackend::compress(const CompressRequest &req, void *stream) {
-  const akv_method m = req.options->method;
-  std::unique_ptr<akv_cache> cache = m == AKV_METHOD_ANCHORKV ? compress_anchorkv_cuda(req, stream)
-                                     : m == AKV_METHOD_FULLKV ? compress_fullkv_cuda(req, stream)
-                                                              : compress_eviction_cuda(req, stream);
+  const MethodTraits &traits = method_traits(req.options->method);  // check_compress: not quantized
+  std::unique_ptr<akv_cache> cache = traits.storage == Storage::kAnchor ? compress_anchorkv_cuda(req, stream)
+                                     : traits.evicting                  ? compress_eviction_cuda(req, stream)
+                                                                        : compress_fullkv_cuda(req, stream);
   upload_view(*cache, stream);
   return cache;
 }
