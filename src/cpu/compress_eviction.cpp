@@ -147,36 +147,27 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
     cap_counts(counts, P);
     for (int h = 0; h < H; ++h) kept[h] = top_indices(&scores[static_cast<size_t>(h) * P], P, counts[h]);
   } else {  // AnDPro
+    // Chunks best first (ties: head, then chunk); the chunk that does not fit gives its
+    // best contributions.
     std::vector<Candidate> cands;
     cands.reserve(static_cast<size_t>(H) * chunks);
-    const int64_t first_evictable = (c0 + chunk - 1) / chunk;  // chunk 0 is the protected one
     for (int h = 0; h < H; ++h)
-      for (int64_t j = first_evictable; j < chunks; ++j)
+      for (int64_t j = 0; j < chunks; ++j)
         cands.push_back({chunk_scores[static_cast<size_t>(h) * chunks + j], h, static_cast<int32_t>(j)});
     std::sort(cands.begin(), cands.end(), better);
-    int64_t left = static_cast<int64_t>(H) * (budget.per_head - W - c0);
-    for (const Candidate &c : cands) {
-      if (left == 0) break;
-      const int64_t t0 = static_cast<int64_t>(c.index) * chunk, t1 = std::min<int64_t>(t0 + chunk, P);
-      std::vector<int32_t> &k = kept[c.head];
-      const uint8_t *present = req.present ? req.present + static_cast<size_t>(c.head) * S : nullptr;
-      int64_t here = 0;  // tokens of the chunk that can be kept (compaction: not evicted before)
-      for (int64_t t = t0; t < t1; ++t) here += !present || present[t];
-      if (here <= left) {
-        for (int64_t t = t0; t < t1; ++t)
-          if (!present || present[t]) k.push_back(static_cast<int32_t>(t));
-        left -= here;
-      } else {
-        std::vector<float> contrib(&scores[static_cast<size_t>(c.head) * P + t0], &scores[static_cast<size_t>(c.head) * P + t1]);
-        for (int64_t t = t0; t < t1; ++t)
-          if (present && !present[t]) contrib[t - t0] = -std::numeric_limits<float>::infinity();
-        const std::vector<int32_t> best = top_indices(contrib.data(), t1 - t0, left);
-        for (int32_t u : best) k.push_back(static_cast<int32_t>(t0 + u));
-        left = 0;
-      }
-    }
-    for (int h = 0; h < H; ++h)
-      for (int64_t t = 0; t < c0; ++t) kept[h].push_back(static_cast<int32_t>(t));  // sorted on adoption
+    std::vector<uint32_t> order(cands.size());
+    for (size_t i = 0; i < cands.size(); ++i) order[i] = static_cast<uint32_t>(cands[i].head * chunks + cands[i].index);
+    andpro_fill(order, budget, chunk, chunks, req.present,
+                [&](int h, int64_t t0, int64_t t1, int64_t n) {
+                  const uint8_t *present = req.present ? req.present + static_cast<size_t>(h) * S : nullptr;
+                  std::vector<float> contrib(&scores[static_cast<size_t>(h) * P + t0], &scores[static_cast<size_t>(h) * P + t1]);
+                  for (int64_t t = t0; t < t1; ++t)
+                    if (present && !present[t]) contrib[t - t0] = -std::numeric_limits<float>::infinity();
+                  std::vector<int32_t> best = top_indices(contrib.data(), t1 - t0, n);
+                  for (int32_t &u : best) u += static_cast<int32_t>(t0);
+                  return best;
+                },
+                kept);  // sorted on adoption
   }
   // Dense ragged storage: keys [sum counts][D] then values, head after head.
   const std::vector<int64_t> first = adopt_kept_tokens(kept, budget, in.positions(), *cache);

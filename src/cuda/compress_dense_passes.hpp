@@ -171,29 +171,18 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.sort_u32(s.all_keys, s.all_ids, static_cast<int64_t>(H) * chunks);
     std::vector<uint32_t> order(static_cast<size_t>(H) * chunks);
     dev.read(order.data(), s.all_ids, order.size() * sizeof(uint32_t));
-    const int64_t first_evictable = (c0 + chunk - 1) / chunk;
-    int64_t left = static_cast<int64_t>(H) * (b.per_head - W - c0);
-    for (uint32_t id : order) {
-      if (left == 0) break;
-      const int h = static_cast<int>(id / chunks);
-      const int64_t j = id % chunks;
-      if (j < first_evictable) continue;
-      const int64_t t0 = j * chunk, t1 = std::min<int64_t>(t0 + chunk, P);
-      if (t1 - t0 <= left) {
-        for (int64_t t = t0; t < t1; ++t) kept[h].push_back(static_cast<int32_t>(t));
-        left -= t1 - t0;
-      } else {
-        std::vector<float> contrib(t1 - t0);
-        dev.read(contrib.data(), s.contrib + h * P + t0, contrib.size() * sizeof(float));
-        std::vector<int32_t> idx(contrib.size());
-        for (size_t u = 0; u < idx.size(); ++u) idx[u] = static_cast<int32_t>(u);
-        std::stable_sort(idx.begin(), idx.end(), [&](int32_t x, int32_t y) { return contrib[x] > contrib[y]; });
-        for (int64_t u = 0; u < left; ++u) kept[h].push_back(static_cast<int32_t>(t0 + idx[u]));
-        left = 0;
-      }
-    }
-    for (int h = 0; h < H; ++h)
-      for (int64_t t = 0; t < c0; ++t) kept[h].push_back(static_cast<int32_t>(t));
+    andpro_fill(order, b, chunk, chunks, nullptr,
+                [&](int h, int64_t t0, int64_t t1, int64_t n) {
+                  std::vector<float> contrib(t1 - t0);
+                  dev.read(contrib.data(), s.contrib + h * P + t0, contrib.size() * sizeof(float));
+                  std::vector<int32_t> idx(contrib.size());
+                  for (size_t u = 0; u < idx.size(); ++u) idx[u] = static_cast<int32_t>(u);
+                  std::stable_sort(idx.begin(), idx.end(), [&](int32_t x, int32_t y) { return contrib[x] > contrib[y]; });
+                  idx.resize(n);
+                  for (int32_t &u : idx) u += static_cast<int32_t>(t0);
+                  return idx;
+                },
+                kept);
   } else {
     for (int h = 0; h < H; ++h) {
       std::vector<uint32_t> top(std::min<int64_t>(counts[h], P));

@@ -4,6 +4,7 @@
 // included. Everything here depends only on the shape and the options.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <vector>
 #include "anchorkv/anchorkv.h"
 #include "core/context.hpp"
@@ -41,6 +42,17 @@ std::vector<int64_t> adakv_counts(const std::vector<int64_t> &selected_per_head,
 // Counts above `prefix` (floating rounding; never in exact arithmetic) capped, the excess
 // moved to the first heads with room.
 void cap_counts(std::vector<int64_t> &counts, int64_t prefix);
+
+// AnDPro's selection, given the chunks of every head best first (ids h * chunks + j; ids of
+// protected chunks are skipped): whole chunks while the layer's H*(B-W-first_chunk) tokens
+// last, the chunk that does not fit gives its best tokens (best(h, t0, t1, n): n token
+// indices in [t0, t1), none of them absent), then every head's first chunk. present ([H][S],
+// null = every token): tokens evicted before a compaction are never kept and cost nothing.
+// Appends to kept[h] (any order). Both backends select through this; they differ only in
+// how they rank the chunks and the tokens.
+using BestTokens = std::function<std::vector<int32_t>(int head, int64_t t0, int64_t t1, int64_t n)>;
+void andpro_fill(const std::vector<uint32_t> &order, const EvictionBudget &budget, int chunk, int64_t chunks,
+                 const uint8_t *present, const BestTokens &best, std::vector<std::vector<int32_t>> &kept);
 
 // The kept prompt tokens of each head (any order; the window is appended here) as the
 // cache's ragged dense layout: counts, token indices, positions. Returns the first row of

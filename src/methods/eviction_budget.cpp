@@ -132,4 +132,31 @@ std::vector<int64_t> adopt_kept_tokens(std::vector<std::vector<int32_t>> &kept, 
   return first;
 }
 
+void andpro_fill(const std::vector<uint32_t> &order, const EvictionBudget &b, int chunk, int64_t chunks,
+                 const uint8_t *present, const BestTokens &best, std::vector<std::vector<int32_t>> &kept) {
+  const int64_t P = b.prefix, S = b.seq_len, c0 = b.first_chunk;
+  const int64_t first_evictable = (c0 + chunk - 1) / chunk;  // chunk 0 is the protected one
+  int64_t left = static_cast<int64_t>(b.heads) * (b.per_head - b.window - c0);
+  for (uint32_t id : order) {
+    if (left == 0) break;
+    const int h = static_cast<int>(id / chunks);
+    const int64_t j = id % chunks;
+    if (j < first_evictable) continue;
+    const int64_t t0 = j * chunk, t1 = std::min<int64_t>(t0 + chunk, P);
+    const uint8_t *here_present = present ? present + static_cast<size_t>(h) * S : nullptr;
+    int64_t here = 0;  // tokens of the chunk that can be kept (compaction: not evicted before)
+    for (int64_t t = t0; t < t1; ++t) here += !here_present || here_present[t];
+    if (here <= left) {
+      for (int64_t t = t0; t < t1; ++t)
+        if (!here_present || here_present[t]) kept[h].push_back(static_cast<int32_t>(t));
+      left -= here;
+    } else {
+      for (int32_t t : best(h, t0, t1, left)) kept[h].push_back(t);
+      left = 0;
+    }
+  }
+  for (int h = 0; h < b.heads; ++h)
+    for (int64_t t = 0; t < c0; ++t) kept[h].push_back(static_cast<int32_t>(t));
+}
+
 }  // namespace akv
