@@ -1,6 +1,7 @@
 #include "api/validate.hpp"
 
 #include "core/dtype.hpp"
+#include "core/method_traits.hpp"
 #include "core/options.hpp"
 #include "core/shape.hpp"
 
@@ -33,7 +34,8 @@ akv_compress_options resolve_options(const akv_compress_options *options) {
   akv_compress_options_init(&defaults);
   akv_compress_options o = versioned_copy(options, defaults, "options");
   // Every enum field first, as integers (see raw_enum).
-  check_enum(raw_enum(o.method), AKV_METHOD_FULLKV, AKV_METHOD_QUANTIZED, "method");
+  if (!find_method_traits(raw_enum(o.method)))
+    fail(AKV_ERR_INVALID_ARGUMENT, "method ", raw_enum(o.method), " is not a known value");
   check_enum(raw_enum(o.pool_type), AKV_POOL_AVG, AKV_POOL_MAX, "pool_type");
   check_enum(raw_enum(o.residual_scale), AKV_SCALE_LEAST_SQUARES, AKV_SCALE_ABSMAX, "residual_scale");
   check_enum(raw_enum(o.rope.style), AKV_ROPE_NONE, AKV_ROPE_GPTJ, "rope.style");

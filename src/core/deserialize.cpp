@@ -182,7 +182,9 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     if (v < first || v > last) fail(AKV_ERR_CORRUPT_DATA, "serialized cache has an unknown ", what, " ", v);
     return v;
   };
-  m.method = static_cast<akv_method>(enum_field("method", AKV_METHOD_FULLKV, AKV_METHOD_QUANTIZED));
+  const int32_t method = r.get<int32_t>("method");
+  if (!find_method_traits(method)) fail(AKV_ERR_CORRUPT_DATA, "serialized cache has an unknown method ", method);
+  m.method = static_cast<akv_method>(method);
   m.shape.seq_len = r.get<int64_t>("seq_len");
   m.shape.num_kv_heads = r.get<int32_t>("num_kv_heads");
   m.shape.num_q_heads = r.get<int32_t>("num_q_heads");

@@ -19,9 +19,9 @@ const MethodTraits kMethods[] = {
 
 }  // namespace
 
-const MethodTraits *find_method_traits(akv_method m) {
+const MethodTraits *find_method_traits(int32_t m) {
   for (const MethodTraits &t : kMethods)
-    if (t.method == m) return &t;
+    if (static_cast<int32_t>(t.method) == m) return &t;
   return nullptr;
 }
 

@@ -2,6 +2,7 @@
 // (core/method_traits.cpp): the switches in core/, methods/ and cpu/ read this table instead of
 // listing methods.
 #pragma once
+#include <cstdint>
 #include "anchorkv/anchorkv.h"
 
 namespace akv {
@@ -22,8 +23,9 @@ struct MethodTraits {
   bool cuda_compress;  // the CUDA backend compresses it (all but QUANTIZED)
 };
 
-// The row of a method; null for a value that is no akv_method.
-const MethodTraits *find_method_traits(akv_method m);
+// The row of a method, by the integer a caller or a serialized cache holds; null for a value
+// that is no akv_method (checked before the integer becomes an enum).
+const MethodTraits *find_method_traits(int32_t m);
 // The row of a method; AKV_ERR_UNSUPPORTED for a value that is no akv_method.
 const MethodTraits &method_traits(akv_method m);
 
