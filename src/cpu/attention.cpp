@@ -1,6 +1,7 @@
 #include "cpu/attention.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -39,6 +40,11 @@ void dense_values(const uint16_t *values, int64_t n, int D, akv_dtype storage, c
 }
 
 constexpr int64_t kTile = Rope::kTile;
+// The AnchorKV decode's coefficient table is used while it fits here and each anchor serves
+// at least kTokensPerAnchor prompt tokens on average (see AnchorHead).
+constexpr size_t kCoefficientTableBytes = size_t{1} << 20;
+constexpr int64_t kTokensPerAnchor = 16;
+std::atomic<int> forced_prefix_logits{static_cast<int>(PrefixLogits::kAuto)};
 
 }  // namespace
 
@@ -73,34 +79,65 @@ class AnchorHead {
     // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (docs/design.md §4.1),
     // laid out [anchor][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's
     // angles stored as [cos | sin], its logit is one dot product of length 2*pairs.
+    r_.resize(cache.codec.rotated_dim());
+    logit_.resize(rows_);
+    x_.resize(D_);
+    // Two ways to the prefix logits. The coefficient table below costs k*rows*D per step and
+    // k*rows*D*4 bytes, then rows*D multiply-adds per token read from it; the gather path
+    // rebuilds each token's key from its anchor row instead (D*2 bytes from a k*D*2-byte
+    // table), rotates it and contracts it with every row. The table wins when it stays in
+    // this core's L2 and each anchor serves enough tokens to pay for its row of the table
+    // (at S = 16K on a 2 MiB-L2 Xeon, one thread: 5x 71 -> 17 ms per decode, 10x
+    // 16 -> 12 ms with the gather path; 20x 8.0 ms with the table, 9.5 ms without).
+    const size_t table = static_cast<size_t>(k) * rows_ * std::max(two_p_, 1) * sizeof(float);
+    switch (static_cast<PrefixLogits>(forced_prefix_logits.load(std::memory_order_relaxed))) {
+      case PrefixLogits::kTable: gather_ = false; break;
+      case PrefixLogits::kGather: gather_ = true; break;
+      case PrefixLogits::kAuto: gather_ = table > kCoefficientTableBytes || P < kTokensPerAnchor * k; break;
+    }
+    if (gather_) return;
+    // The dimensions outside the rotary pairs (partial rotary) add the constant C.
     std::vector<uint8_t> in_pair(D_, 0);
     for (int j = 0; j < pairs_; ++j) in_pair[rope_.first[j]] = in_pair[rope_.second[j]] = 1;
+    std::vector<int> plain;
+    for (int d = 0; d < D_; ++d)
+      if (!in_pair[d]) plain.push_back(d);
+    const bool neox = rope_.style == AKV_ROPE_NEOX;  // pairs (j, j + pairs): contiguous halves
     coef_.resize(static_cast<size_t>(k) * rows_ * two_p_);
-    coefC_.resize(static_cast<size_t>(k) * rows_);
+    coefC_.assign(static_cast<size_t>(k) * rows_, 0.0f);
     std::vector<float> x(D_);
+    const int P2 = pairs_;
     for (int a = 0; a < k; ++a) {
       half_row(ak_ + static_cast<int64_t>(a) * D_, storage_, D_, x.data());
+      const float *x0 = x.data(), *x1 = x.data() + P2;
       for (int i = 0; i < rows_; ++i) {
         const float *qi = &q_[static_cast<size_t>(i) * D_];
-        float *AB = coef_.data() + (static_cast<size_t>(a) * rows_ + i) * two_p_;
-        for (int j = 0; j < pairs_; ++j) {
-          const int f = rope_.first[j], s = rope_.second[j];
-          AB[j] = qi[f] * x[f] + qi[s] * x[s];
-          AB[pairs_ + j] = qi[s] * x[f] - qi[f] * x[s];
+        float *A = coef_.data() + (static_cast<size_t>(a) * rows_ + i) * two_p_, *B = A + P2;
+        if (neox) {
+          const float *q0 = qi, *q1 = qi + P2;
+#pragma omp simd
+          for (int j = 0; j < P2; ++j) {
+            A[j] = q0[j] * x0[j] + q1[j] * x1[j];
+            B[j] = q1[j] * x0[j] - q0[j] * x1[j];
+          }
+        } else {
+          for (int j = 0; j < P2; ++j) {
+            const int f = rope_.first[j], s = rope_.second[j];
+            A[j] = qi[f] * x[f] + qi[s] * x[s];
+            B[j] = qi[s] * x[f] - qi[f] * x[s];
+          }
         }
         float cst = 0.0f;
-        for (int d = 0; d < D_; ++d)
-          if (!in_pair[d]) cst += qi[d] * x[d];
+        for (int d : plain) cst += qi[d] * x[d];
         coefC_[static_cast<size_t>(a) * rows_ + i] = cst;
       }
     }
-    r_.resize(cache.codec.rotated_dim());
-    logit_.resize(rows_);
   }
 
   // Logits of prefix tokens t0..t0+n-1; trig holds [cos | sin] (2*pairs floats) per token.
   // Keys are never materialised except the decoded residual of tokens that store one.
   void prefix_tile(int64_t t0, int64_t n, const float *trig) {
+    if (gather_) return prefix_tile_gather(t0, n, trig);
     for (int64_t u = 0; u < n; ++u) {
       const int64_t t = t0 + u;
       const int a = kidx_[t];
@@ -121,9 +158,39 @@ class AnchorHead {
     }
   }
 
+  // The same logits with each token's key rebuilt pre-RoPE (gamma K_a plus its decoded
+  // residual), rotated once and contracted with the group's rows.
+  void prefix_tile_gather(int64_t t0, int64_t n, const float *trig) {
+    float *x = x_.data();
+    const int D = D_;
+    for (int64_t u = 0; u < n; ++u) {
+      const int64_t t = t0 + u;
+      const float gam = bf16_to_float(kgam_[t]);
+      const float *cs = trig + u * two_p_;
+      half_row(ak_ + static_cast<int64_t>(kidx_[t]) * D, storage_, D, x);
+      const uint64_t word = kmask_[t >> 6];
+      if (word >> (t & 63) & 1u) {
+        const uint32_t slot = kbase_ + kprefix_[t >> 6] +
+                              static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
+        c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
+        const float *r = r_.data();
+#pragma omp simd
+        for (int d = 0; d < D; ++d) x[d] = gam * x[d] + r[d];
+      } else {
+#pragma omp simd
+        for (int d = 0; d < D; ++d) x[d] *= gam;
+      }
+      if (pairs_) rope_.apply(x, cs, cs + pairs_);
+      dot_rows(q_.data(), D, rows_, x, D, logit_.data());
+      for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = logit_[i];
+    }
+  }
+
   void finish(float *out, float *lse);
 
  private:
+  bool gather_ = false;
+  std::vector<float> x_;
   const akv_cache &c_;
   int h_;
   int32_t q_len_;
@@ -244,6 +311,10 @@ void AnchorHead::finish(float *out, float *lse) {
 }
 
 }  // namespace
+
+void force_prefix_logits(PrefixLogits path) {
+  forced_prefix_logits.store(static_cast<int>(path), std::memory_order_relaxed);
+}
 
 void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const float *q, int32_t q_len,
                       float *out, float *lse) {

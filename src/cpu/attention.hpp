@@ -15,6 +15,12 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
 void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const float *q, int32_t q_len,
                       float *out, float *lse = nullptr);
 
+// How the AnchorKV decode computes its prefix logits (AnchorHead in attention.cpp): a
+// per-step coefficient table, or each key rebuilt from its anchor row. kAuto picks per call
+// from the cache's shape; the others force one way for the whole process (tests compare them).
+enum class PrefixLogits : int { kAuto = 0, kTable, kGather };
+void force_prefix_logits(PrefixLogits path);
+
 // Dense K^ (post-RoPE when rotated) and V^ of head h: [T][D] fp32 each, T = S + appended.
 // present: [T] (may be null).
 void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *keys, float *values,
