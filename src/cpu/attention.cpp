@@ -219,19 +219,8 @@ std::vector<float> softmax_rows(float *L, int rows, int64_t total, int64_t promp
     const int64_t end = prompt + suffix - (q_len - 1 - i % q_len);
     float *l = L + i * total;
     const float mx = *std::max_element(l, l + end);
-    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // independent partial sums: no add chain
-    int64_t t = 0;
-    for (; t + 4 <= end; t += 4)
-      for (int j = 0; j < 4; ++j) {
-        l[t + j] = std::exp(l[t + j] - mx);
-        part[j] += l[t + j];
-      }
-    for (; t < end; ++t) {
-      l[t] = std::exp(l[t] - mx);
-      part[0] += l[t];
-    }
-    for (t = end; t < total; ++t) l[t] = 0.0f;
-    sums[i] = (part[0] + part[1]) + (part[2] + part[3]);
+    sums[i] = exp_shifted_sum(l, end, mx);
+    for (int64_t t = end; t < total; ++t) l[t] = 0.0f;
     if (lse) lse[i] = mx + std::log(sums[i]);
   }
   return sums;

@@ -1,5 +1,6 @@
 // Small vector kernels shared by the CPU decode paths.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #ifdef __AVX2__
@@ -38,6 +39,48 @@ inline void dot_rows(const float *rows, int64_t stride, int count, const float *
   }
 #endif
   for (; r < count; ++r) out[r] = dot(rows + r * stride, b, n);
+}
+
+// l[t] = exp(l[t] - shift) for t < n; returns the sum. Eight lanes at a time with the
+// Cephes expf polynomial (about 1 ulp; arguments below -87.3 give ~1e-38 instead of 0), the
+// tail with std::exp. The softmax of every decode path runs through this.
+inline float exp_shifted_sum(float *l, int64_t n, float shift) {
+  int64_t t = 0;
+  float sum = 0.0f;
+#ifdef __AVX2__
+  const __m256 lo = _mm256_set1_ps(-87.3365f), hi = _mm256_set1_ps(88.3762f), sh = _mm256_set1_ps(shift);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), c1 = _mm256_set1_ps(0.693359375f),
+               c2 = _mm256_set1_ps(-2.12194440e-4f), one = _mm256_set1_ps(1.0f);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  auto exp8 = [&](__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(x, sh), lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, c1, x);
+    x = _mm256_fnmadd_ps(n, c2, x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, one));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  };
+  for (; t + 16 <= n; t += 16) {
+    const __m256 a = exp8(_mm256_loadu_ps(l + t)), b = exp8(_mm256_loadu_ps(l + t + 8));
+    _mm256_storeu_ps(l + t, a);
+    _mm256_storeu_ps(l + t + 8, b);
+    acc0 = _mm256_add_ps(acc0, a);
+    acc1 = _mm256_add_ps(acc1, b);
+  }
+  const __m256 acc = _mm256_add_ps(acc0, acc1);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+#endif
+  for (; t < n; ++t) sum += (l[t] = std::exp(l[t] - shift));
+  return sum;
 }
 
 inline void half_row(const uint16_t *src, akv_dtype storage, int n, float *dst) {
