@@ -168,11 +168,19 @@ fn find_library() -> Found {
             include_dirs.push(source_tree_include);
             Found { lib_dirs, include_dirs }
         }
-        Err(error) => panic!(
-            "\nlibanchorkv (>= {}) was not found.\n  pkg-config: {error}\n  Set ANCHORKV_LIB_DIR to the \
-             directory holding libanchorkv.so, or PKG_CONFIG_PATH to <prefix>/lib/pkgconfig.\n",
-            env::var("CARGO_PKG_VERSION").unwrap()
-        ),
+        Err(error) => {
+            // A plain message and exit status, not a panic: cargo shows this text as it is.
+            let why = if error.is_empty() { "no anchorkv.pc on its search path".to_string() } else { error };
+            eprintln!(
+                "\nlibanchorkv (>= {}) was not found ({pkg_config}: {why}). Either:\n  \
+                 - build it with the crate: cargo build --features build-from-source (needs cmake and a C++17 \
+                 compiler; links the library statically), or\n  \
+                 - set ANCHORKV_LIB_DIR to the directory holding an installed libanchorkv.so, or\n  \
+                 - set PKG_CONFIG_PATH to <prefix>/lib/pkgconfig of an installed library.\n",
+                env::var("CARGO_PKG_VERSION").unwrap()
+            );
+            std::process::exit(1);
+        }
     }
 }
 

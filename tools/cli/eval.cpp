@@ -54,10 +54,9 @@ Ratios: target = 1/retain_fraction; measured = M_full / compressed bytes from
   one query per head, all Hq heads), and decode time relative to FullKV.
 Methods: each starts from its paper defaults (akv_compress_options_init_method); methods
   that score with window queries get the last min(default window, W) window queries.
-  Default (and --methods all): FullKV, AnchorKV, SnapKV, PyramidKV, AdaKV, AnDPro,
-  Quantized (3 bits + 4 outlier channels, the paper's TurboQuant) and Quantized-2b. A method that fails (e.g. AKV_ERR_BUDGET) is shown with the library's message
-  and makes the exit status 1.
-)";
+  Quantized is 3 bits + 4 outlier channels (the paper's TurboQuant). A method that fails
+  (e.g. AKV_ERR_BUDGET) is shown with the library's message and makes the exit status 1.
+  Default methods: )";
 
 struct EvalSettings {
   std::string methods;
@@ -803,14 +802,16 @@ int run_eval(int argc, char **argv) {
                   "fidelity CDFs)", cxxopts::value<std::string>(), "FILE")
     ("reach-grid", "Instead of the comparison, the needle-reach grid over context lengths and depths "
                    "(anchorkv eval --reach-grid --help)")
+    ("generate", "Instead of the comparison, a synthetic generation of N tokens: the memory curve and the "
+                 "fidelity with and without compaction (anchorkv eval --generate N --help)", cxxopts::value<int64_t>(), "N")
     ("check", "Exit 3 unless FullKV matches exact attention (mean cos >= 0.999), every needle is reached by "
               "exact attention and FullKV, and the library stats are consistent")
     ("h,help", "Show this help");
   // clang-format on
   const cxxopts::ParseResult args = parse_arguments(options, argc, argv, "anchorkv eval --help");
   if (args.count("help")) {
-    std::printf("%s\n%s\n%s\n%s", options.help({"Data", "Comparison", "Output"}).c_str(), kSyntheticDataHelp,
-                kDataFormatHelp, kNeedleHelp);
+    std::printf("%s\n%s\n%s\n%s%s.\n", options.help({"Data", "Comparison", "Output"}).c_str(), kSyntheticDataHelp,
+                kDataFormatHelp, kNeedleHelp, default_method_names().c_str());
     return kExitOk;
   }
   if (!args.unmatched().empty())

@@ -64,6 +64,16 @@ std::string method_names() {
   return names;
 }
 
+std::string default_method_names() {
+  std::string names;
+  for (const MethodEntry &entry : kMethods) {
+    if (!entry.on_by_default) continue;
+    if (!names.empty()) names += ", ";
+    names += entry.name;
+  }
+  return names;
+}
+
 std::vector<MethodRun> plan_methods(const std::string &methods, const std::vector<double> &fractions) {
   std::vector<const MethodEntry *> chosen;
   const std::string wanted = lower(methods);

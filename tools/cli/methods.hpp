@@ -81,5 +81,6 @@ std::vector<MethodRun> plan_methods(const std::string &methods, const std::vecto
 std::vector<double> parse_ratios(const std::string &text);
 std::string ratio_label(double retain_fraction);  // "5x", "12.5x"
 std::string method_names();                       // "FullKV, AnchorKV, ..." for --help
+std::string default_method_names();               // the ones --methods default runs
 
 }  // namespace akvcli

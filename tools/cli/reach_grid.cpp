@@ -279,7 +279,7 @@ int run_reach_grid(int argc, char **argv) {
   cxxopts::Options options("anchorkv eval --reach-grid",
                            "Needle reach of every method over context lengths and needle depths (paper Fig. 4):\n"
                            "synthetic LLM-like layers, one needle per (layer, KV head, depth).\n");
-  options.custom_help("--reach-grid [OPTION...]");
+  options.custom_help("[OPTION...]");
   options.set_width(100);
   // clang-format off
   options.add_options()
