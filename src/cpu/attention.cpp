@@ -269,28 +269,33 @@ void AnchorHead::finish(float *out, float *lse) {
   }
   for (int w = 0; w < W; ++w)
     for (int i = 0; i < rows; ++i) weights[i * k + k - W + w] += L[i * total + P + w];
+  // Value residuals in blocks: up to kBlock decoded rows and their probabilities, then one
+  // weighted sum into every row's accumulator.
+  constexpr int kBlock = 64;
+  std::vector<float> block(static_cast<size_t>(kBlock) * std::max(RD, D)), p(static_cast<size_t>(rows) * kBlock);
+  int filled = 0;
+  auto flush = [&](float *into, int width) {
+    accumulate_weighted_rows(into, rows, p.data(), kBlock, block.data(), filled, width);
+    filled = 0;
+  };
   for (int64_t wd = 0; wd < words; ++wd) {
     const uint32_t first = vbase + vprefix[wd];
     const uint32_t count = static_cast<uint32_t>(__builtin_popcountll(vmask[wd]));
     for (uint32_t sl = first; sl < first + count; ++sl) {
       const int64_t t = wd * 64 + vchunk[sl];
-      cache.codec.decode_rotated(vcodes + static_cast<int64_t>(sl) * cache.codec.code_bytes(), vscales[sl], r.data());
-      for (int i = 0; i < rows; ++i) {
-        const float p = L[i * total + t];
-        float *ra = &racc[static_cast<size_t>(i) * RD];
-        for (int d = 0; d < RD; ++d) ra[d] += p * r[d];
-      }
+      cache.codec.decode_rotated(vcodes + static_cast<int64_t>(sl) * cache.codec.code_bytes(), vscales[sl],
+                                 &block[static_cast<size_t>(filled) * RD]);
+      for (int i = 0; i < rows; ++i) p[static_cast<size_t>(i) * kBlock + filled] = L[i * total + t];
+      if (++filled == kBlock) flush(racc.data(), RD);
     }
   }
+  if (filled) flush(racc.data(), RD);
   for (int i = 0; i < rows; ++i) cache.codec.unrotate(&racc[static_cast<size_t>(i) * RD]);
-  for (int a = 0; a < k; ++a) {
-    half_row(av + static_cast<int64_t>(a) * D, storage, D, x.data());
-    for (int i = 0; i < rows; ++i) {
-      const float wgt = weights[i * k + a];
-      if (wgt == 0.0f) continue;
-      float *o = &acc[static_cast<size_t>(i) * D];
-      for (int d = 0; d < D; ++d) o[d] += wgt * x[d];
-    }
+  // sum_a w_a V_a, kBlock anchors at a time.
+  for (int a0 = 0; a0 < k; a0 += kBlock) {
+    const int n = std::min(kBlock, k - a0);
+    for (int a = 0; a < n; ++a) half_row(av + static_cast<int64_t>(a0 + a) * D, storage, D, &block[static_cast<size_t>(a) * D]);
+    accumulate_weighted_rows(acc.data(), rows, &weights[a0], k, block.data(), n, D);
   }
   for (int i = 0; i < rows; ++i)
     for (int d = 0; d < D; ++d) acc[static_cast<size_t>(i) * D + d] += racc[static_cast<size_t>(i) * RD + d];
