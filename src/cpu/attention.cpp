@@ -163,24 +163,31 @@ class AnchorHead {
   void prefix_tile_gather(int64_t t0, int64_t n, const float *trig) {
     float *x = x_.data();
     const int D = D_;
+    const bool neox = pairs_ && rope_.style == AKV_ROPE_NEOX;
     for (int64_t u = 0; u < n; ++u) {
       const int64_t t = t0 + u;
       const float gam = bf16_to_float(kgam_[t]);
       const float *cs = trig + u * two_p_;
-      half_row(ak_ + static_cast<int64_t>(kidx_[t]) * D, storage_, D, x);
+      const uint16_t *anchor = ak_ + static_cast<int64_t>(kidx_[t]) * D;
+      const float *r = nullptr;
       const uint64_t word = kmask_[t >> 6];
       if (word >> (t & 63) & 1u) {
         const uint32_t slot = kbase_ + kprefix_[t >> 6] +
                               static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
         c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
-        const float *r = r_.data();
-#pragma omp simd
-        for (int d = 0; d < D; ++d) x[d] = gam * x[d] + r[d];
-      } else {
-#pragma omp simd
-        for (int d = 0; d < D; ++d) x[d] *= gam;
+        r = r_.data();
       }
-      if (pairs_) rope_.apply(x, cs, cs + pairs_);
+      if (!neox || !neox_key_row(anchor, storage_, gam, r, cs, cs + pairs_, pairs_, D, x)) {
+        half_row(anchor, storage_, D, x);
+        if (r) {
+#pragma omp simd
+          for (int d = 0; d < D; ++d) x[d] = gam * x[d] + r[d];
+        } else {
+#pragma omp simd
+          for (int d = 0; d < D; ++d) x[d] *= gam;
+        }
+        if (pairs_) rope_.apply(x, cs, cs + pairs_);
+      }
       dot_rows(q_.data(), D, rows_, x, D, logit_.data());
       for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = logit_[i];
     }

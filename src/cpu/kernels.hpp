@@ -137,6 +137,34 @@ inline float exp_shifted_sum(float *l, int64_t n, float shift) {
   return sum;
 }
 
+// x = rope(gamma * half(anchor) + residual) for a NeoX (rotate-half) key: pairs (j, j + h),
+// dims from 2h on pass through. One pass over the row instead of convert, scale, add and
+// rotate in turn. residual may be null (zero). False when this shape has no vector path
+// (the caller then takes the general one).
+inline bool neox_key_row(const uint16_t *anchor, akv_dtype storage, float gamma, const float *residual,
+                         const float *cos_row, const float *sin_row, int h, int D, float *x) {
+#ifdef __AVX2__
+  if (h % 8 != 0 || (D - 2 * h) % 8 != 0) return false;
+  auto load = [&](int d) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(anchor + d));
+    const __m256 v = storage == AKV_DTYPE_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))
+                                               : _mm256_cvtph_ps(raw);
+    const __m256 g = _mm256_set1_ps(gamma);
+    return residual ? _mm256_fmadd_ps(v, g, _mm256_loadu_ps(residual + d)) : _mm256_mul_ps(v, g);
+  };
+  for (int j = 0; j < h; j += 8) {
+    const __m256 x0 = load(j), x1 = load(j + h), c = _mm256_loadu_ps(cos_row + j), s = _mm256_loadu_ps(sin_row + j);
+    _mm256_storeu_ps(x + j, _mm256_fmsub_ps(x0, c, _mm256_mul_ps(x1, s)));
+    _mm256_storeu_ps(x + j + h, _mm256_fmadd_ps(x0, s, _mm256_mul_ps(x1, c)));
+  }
+  for (int d = 2 * h; d < D; d += 8) _mm256_storeu_ps(x + d, load(d));
+  return true;
+#else
+  (void)anchor, (void)storage, (void)gamma, (void)residual, (void)cos_row, (void)sin_row, (void)h, (void)D, (void)x;
+  return false;
+#endif
+}
+
 inline void half_row(const uint16_t *src, akv_dtype storage, int n, float *dst) {
   if (storage == AKV_DTYPE_BF16) {
     for (int i = 0; i < n; ++i) {
