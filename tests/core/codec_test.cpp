@@ -151,3 +151,22 @@ TEST(Codec, PaddedHeadDims) {
 }
 
 }  // namespace
+
+// decode() has a register-resident fast path for the 128-wide rotation; it must give the bits
+// of decode_rotated() followed by unrotate() (what the other head dims and reconstruct use).
+TEST(Codec, DecodeEqualsRotatedDecodeThenUnrotateBitForBit) {
+  std::mt19937 gen(7);
+  for (int D : {64, 96, 128, 256}) {
+    const akv::ResidualCodec codec(42, D, AKV_SCALE_LEAST_SQUARES);
+    std::vector<uint8_t> codes(codec.code_bytes());
+    std::vector<float> fast(codec.rotated_dim()), slow(codec.rotated_dim());
+    for (int trial = 0; trial < 50; ++trial) {
+      for (uint8_t &c : codes) c = static_cast<uint8_t>(gen());
+      const float scale = std::uniform_real_distribution<float>(0.01f, 3.0f)(gen);
+      codec.decode(codes.data(), scale, fast.data());
+      codec.decode_rotated(codes.data(), scale, slow.data());
+      codec.unrotate(slow.data());
+      for (int d = 0; d < D; ++d) ASSERT_EQ(fast[d], slow[d]) << "D=" << D << " d=" << d;
+    }
+  }
+}
