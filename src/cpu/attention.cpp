@@ -225,7 +225,7 @@ std::vector<float> softmax_rows(float *L, int rows, int64_t total, int64_t promp
   for (int i = 0; i < rows; ++i) {
     const int64_t end = prompt + suffix - (q_len - 1 - i % q_len);
     float *l = L + i * total;
-    const float mx = *std::max_element(l, l + end);
+    const float mx = max_of(l, end);
     sums[i] = exp_shifted_sum(l, end, mx);
     for (int64_t t = end; t < total; ++t) l[t] = 0.0f;
     if (lse) lse[i] = mx + std::log(sums[i]);

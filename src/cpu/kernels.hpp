@@ -95,6 +95,14 @@ inline void accumulate_weighted_rows(float *acc, int rows, const float *w, int64
     }
 }
 
+// The largest of l[0..n) (n >= 1), eight lanes at a time.
+inline float max_of(const float *l, int64_t n) {
+  float m = l[0];
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < n; ++t) m = l[t] > m ? l[t] : m;
+  return m;
+}
+
 // l[t] = exp(l[t] - shift) for t < n; returns the sum. Eight lanes at a time with the
 // Cephes expf polynomial (about 1 ulp; arguments below -87.3 give ~1e-38 instead of 0), the
 // tail with std::exp. The softmax of every decode path runs through this.
