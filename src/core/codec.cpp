@@ -100,7 +100,15 @@ float ResidualCodec::encode(const float *residual, uint8_t *codes) const {
 }
 
 void ResidualCodec::decode_rotated(const uint8_t *codes, float scale, float *y) const {
-  for (int b = 0; b < rdim_ / 4; ++b) {
+  int b = 0;
+#ifdef __AVX2__
+  const __m256 s = _mm256_set1_ps(scale);
+  for (; b + 2 <= rdim_ / 4; b += 2) {  // two packed bytes: eight levels
+    const __m128 lo = _mm_loadu_ps(&byte_levels_[codes[b] * 4]), hi = _mm_loadu_ps(&byte_levels_[codes[b + 1] * 4]);
+    _mm256_storeu_ps(y + 4 * b, _mm256_mul_ps(s, _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1)));
+  }
+#endif
+  for (; b < rdim_ / 4; ++b) {
     const float *lv = &byte_levels_[codes[b] * 4];
     for (int i = 0; i < 4; ++i) y[4 * b + i] = scale * lv[i];
   }
