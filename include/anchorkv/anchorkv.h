@@ -154,8 +154,8 @@ typedef struct akv_allocator {
  *  - holds AnchorKV, FullKV and the eviction methods' caches in device memory, for head_dim
  *    64, 128 or 256; other caches answer AKV_ERR_UNSUPPORTED (QUANTIZED: use a CPU context);
  *  - akv_decode / akv_decode_batch run the fused compact decode kernels (AnchorKV) or
- *    flash-decoding over the dense caches: two launches per call (splits over the prompt,
- *    then a merge), any batch size (launches of up to 128 requests);
+ *    flash-decoding over the dense caches: splits over the prompt, then (AnchorKV) the
+ *    anchor values, then a merge, any batch size (launches of up to 128 requests);
  *  - decode is CUDA-graph safe once one decode with the same batch shape (caches, q_len)
  *    has run on the same stream: that call sizes the stream's workspace, later ones do not
  *    allocate or synchronise, and the grid depends only on the batch shape and the prompt

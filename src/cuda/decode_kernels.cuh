@@ -22,9 +22,11 @@
 //            residuals accumulated in the rotated domain, dense values accumulated directly.
 //       The block writes its running max and sum, the dense part, the rotated residual sum
 //       and its per-anchor weights to the workspace.
+//   decode_anchor_values_kernel  grid (anchor parts x H x row chunks, requests), AnchorKV
+//       only: reduces the per-anchor weights across splits and computes sum_a w_a V_a over
+//       parts of 256 anchors.
 //   decode_merge_kernel  grid (H x row chunks, requests), 256 threads: merges the splits,
-//       reduces the per-anchor weights across splits and computes sum_a w_a V_a once per
-//       request, head and row, applies the one inverse Hadamard per row, normalises and
+//       sums the anchor-value parts, applies the one inverse Hadamard per row, normalises and
 //       stores in the caller's dtype.
 //
 // Everything a kernel reads about a cache is in its CacheView (device memory), including the
