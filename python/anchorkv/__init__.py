@@ -9,7 +9,7 @@ the owner-class API over it. The library is loaded and its version checked at im
 """
 from . import _capi
 from ._api import (Cache, CacheStats, Context, HeadStats, Shape, compress, compress_options,
-                   compressed_size, model_compressed_size, status_string)
+                   compressed_size, model_compressed_size, smallest_retain_fraction, status_string)
 from ._enums import (Backend, DType, Method, PoolType, ResidualScale, RopeStyle, Status)
 from ._errors import (AnchorKVError, BackendError, BackendUnavailableError, BudgetError,
                       CapacityError, CorruptDataError, InternalError, InvalidArgumentError,
@@ -31,7 +31,7 @@ def library_version_number() -> int:
 
 __all__ = [
     "Cache", "CacheStats", "Context", "HeadStats", "Shape", "compress", "compress_options",
-    "compressed_size", "model_compressed_size", "status_string", "library_version", "library_version_number",
+    "compressed_size", "model_compressed_size", "smallest_retain_fraction", "status_string", "library_version", "library_version_number",
     "Backend", "DType", "Method", "PoolType", "ResidualScale", "RopeStyle", "Status",
     "AnchorKVError", "BackendError", "BackendUnavailableError", "BudgetError", "CapacityError",
     "CorruptDataError", "InternalError", "InvalidArgumentError", "MismatchError",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 from ctypes import byref, c_size_t
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence, Union, overload
@@ -12,7 +13,7 @@ import numpy as np
 from . import _capi
 from . import _tensors as tensors
 from ._enums import (Backend, DType, Method, PoolType, ResidualScale, RopeStyle, Status)
-from ._errors import InvalidArgumentError, MismatchError, check
+from ._errors import BudgetError, InvalidArgumentError, MismatchError, check
 
 
 # An array argument: a numpy array, any object with __dlpack__ or __cuda_array_interface__
@@ -190,6 +191,51 @@ def compressed_size(seq_len: int, num_kv_heads: int, head_dim: int, *,
     return size.value
 
 
+def smallest_retain_fraction(seq_len: int, num_kv_heads: int, head_dim: int, *,
+                             num_q_heads: int | None = None, **options) -> float:
+    """The smallest retain_fraction whose budget holds what these options always keep at this
+    shape (the bound AKV_ERR_BUDGET names), found with akv_compressed_size; 1.0 when even
+    the full budget is too small (BudgetError then says why)."""
+    options.pop("retain_fraction", None)
+    def fits(fraction: float) -> bool:
+        try:
+            compressed_size(seq_len, num_kv_heads, head_dim, num_q_heads=num_q_heads,
+                            retain_fraction=fraction, **options)
+            return True
+        except BudgetError:
+            return False
+    if not fits(1.0):
+        compressed_size(seq_len, num_kv_heads, head_dim, num_q_heads=num_q_heads, retain_fraction=1.0,
+                        **options)  # raises with the library's reason
+    lo, hi = 0.0, 1.0
+    while hi - lo > 1e-7 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def fit_budget(seq_len: int, num_kv_heads: int, head_dim: int, *, num_q_heads: int | None = None,
+               on_budget: str = "raise", what: str = "compress", **options) -> dict:
+    """The options, with retain_fraction raised to the smallest workable one when these cannot
+    be met at this shape and on_budget is "clamp" (with a warning); "raise": BudgetError now,
+    before any data is read."""
+    if on_budget not in ("raise", "clamp"):
+        raise InvalidArgumentError(f"on_budget must be 'raise' or 'clamp', not {on_budget!r}")
+    try:
+        compressed_size(seq_len, num_kv_heads, head_dim, num_q_heads=num_q_heads, **options)
+        return options
+    except BudgetError as error:
+        if on_budget == "raise":
+            raise
+        smallest = smallest_retain_fraction(seq_len, num_kv_heads, head_dim, num_q_heads=num_q_heads,
+                                            **dict(options))
+        requested = options.get("retain_fraction",
+                                compress_options(head_dim=head_dim, **options)[0].retain_fraction)
+        warnings.warn(f"anchorkv {what}: retain_fraction {requested:g} cannot hold a {seq_len}-token prompt "
+                      f"({error}); using {smallest:.6g} (on_budget='raise' refuses instead)", stacklevel=3)
+        return dict(options, retain_fraction=smallest)
+
+
 def model_compressed_size(num_layers: int, seq_len: int, num_kv_heads: int, head_dim: int, *,
                           num_q_heads: int | None = None, retain_fractions=None, **options) -> int:
     """Exact bytes of a whole model's compressed prompt (akv_compressed_size_model): the sum
@@ -331,15 +377,18 @@ class Context(_Owner):
 
     # -- calls --
     def compress(self, keys, values, queries=None, *, positions=None, dtype=None,
-                 num_q_heads: int | None = None, stream=None, **options) -> "Cache":
+                 num_q_heads: int | None = None, stream=None, on_budget: str = "raise",
+                 **options) -> "Cache":
         """Compress one layer: keys, values [H][S][D]; queries [Hq][W][D] (post-RoPE).
 
         Arrays may be strided in the head and token dimensions (last dimension contiguous)
         and are passed without copying. dtype: needed for raw uint16 bf16/f16 data.
         queries must hold the method's window of positions (AnchorKV 32, SnapKV 64, ...: see
         compress_options()) or `window` must say how many they hold; a mismatch is refused.
-        num_q_heads: Hq when no queries are given (default H). Other options: see
-        compress_options().
+        num_q_heads: Hq when no queries are given (default H). on_budget: what to do when
+        retain_fraction cannot hold what the method always keeps at this shape: "raise"
+        (BudgetError, naming the smallest workable fraction) or "clamp" (warn and use that
+        fraction). Other options: see compress_options().
         """
         requested = DType.parse(dtype) if dtype is not None else None
         user_stream = None if stream is None else tensors.resolve_stream(stream, ())
@@ -383,6 +432,9 @@ class Context(_Owner):
         if query_view is not None:
             query_view = _strided_ok(query_view, "queries")
 
+        if on_budget != "raise":
+            options = fit_budget(seq_len, heads, head_dim, num_q_heads=num_q_heads or heads, on_budget=on_budget,
+                                 **options)
         struct, keepalive = compress_options(head_dim=head_dim, **options)
         if query_view is not None:
             _check_window(struct, query_view.shape[1], options.get("window") is not None)

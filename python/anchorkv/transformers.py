@@ -37,12 +37,18 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from ._api import Context, compress_options
+try:
+    import torch
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+except ImportError as _missing:  # the core package works without them; this module does not
+    raise ImportError(
+        f"anchorkv.transformers needs torch and transformers ({_missing}): "
+        "pip install 'anchorkv[transformers]' (or: pip install torch transformers)") from _missing
+
+from ._api import Context, compress_options, fit_budget
 from ._enums import Backend, Method
 
 ATTENTION_NAME = "anchorkv"
@@ -203,9 +209,19 @@ class AnchorKVCache(Cache):
     options: anchorkv compress options (method="anchorkv", retain_fraction=..., window=...,
     any compress_options field). The model's RoPE, softmax scale, layer index and count are
     filled in. context: an anchorkv.Context; default one per device, made on first use.
+    on_budget: when retain_fraction cannot hold a prompt's length (every method keeps some
+    tokens exact), "clamp" raises it to the smallest workable fraction with a warning,
+    "raise" fails with BudgetError; either before any compute when the prompt length is
+    known (generate through enable(), or check_budget(prompt_tokens)).
+
+    Usable on its own: ``model.generate(..., cache=AnchorKVCache(model, ...))``.
+    It sets the model's attention implementation to "anchorkv" when it is not (that function
+    is SDPA for any forward that does not run an AnchorKVCache).
     """
 
-    def __init__(self, model, *, context: Context | None = None, **options: Any):
+    def __init__(self, model, *, context: Context | None = None, on_budget: str = "clamp", **options: Any):
+        if on_budget not in ("clamp", "raise"):
+            raise ValueError(f"on_budget must be 'clamp' or 'raise', not {on_budget!r}")
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
         super().__init__(layers=[AnchorKVLayer(self, i) for i in range(self.num_layers)])
@@ -213,6 +229,31 @@ class AnchorKVCache(Cache):
         self._options.setdefault("method", "anchorkv")
         self._rope = _rope_options(model)
         self._context = context
+        self._on_budget = on_budget
+        self._q_heads = config.num_attention_heads
+        self._kv_heads = getattr(config, "num_key_value_heads", None) or self._q_heads
+        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._q_heads
+        self._fitted: dict[int, float] = {}  # prompt length -> retain_fraction every layer uses
+        if model.config._attn_implementation != ATTENTION_NAME:
+            register()
+            model.set_attn_implementation(ATTENTION_NAME)
+
+    def check_budget(self, prompt_tokens: int) -> None:
+        """Check, before the prefill, that every layer can compress a prompt of this many
+        tokens; clamp retain_fraction (warning once) or raise BudgetError, as on_budget says."""
+        if prompt_tokens in self._fitted:
+            return
+        fraction = self._options.get("retain_fraction")
+        for layer in range(self.num_layers):
+            options = self.layer_options(layer, prompt_tokens, None, fitted=False)
+            if options.get("method") in ("fullkv", Method.FULLKV):
+                continue
+            if fraction is not None:
+                options["retain_fraction"] = fraction
+            fitted = fit_budget(prompt_tokens, self._kv_heads, self._head_dim, num_q_heads=self._q_heads,
+                                on_budget=self._on_budget, what=f"layer {layer}", **options)
+            fraction = fitted.get("retain_fraction", fraction)
+        self._fitted[prompt_tokens] = fraction
 
     # -- what the layers need --
     def context_for(self, tensor: torch.Tensor) -> Context:
@@ -223,8 +264,12 @@ class AnchorKVCache(Cache):
                 self._context = Context()
         return self._context
 
-    def layer_options(self, layer_idx: int, seq_len: int, scaling: float | None) -> dict:
+    def layer_options(self, layer_idx: int, seq_len: int, scaling: float | None, fitted: bool = True) -> dict:
+        if fitted:
+            self.check_budget(seq_len)
         options = dict(self._options)
+        if fitted and self._fitted.get(seq_len) is not None:
+            options["retain_fraction"] = self._fitted[seq_len]
         method = Method.parse(options["method"])
         window = options.get("window")
         if method not in (Method.FULLKV, Method.QUANTIZED):
@@ -298,10 +343,19 @@ class AnchorKV:
         def generate(*args, **kwargs):
             mask = kwargs.get("attention_mask")
             if mask is not None and not bool(torch.all(mask != 0)):
-                raise ValueError("anchorkv.transformers supports equal-length prompts only "
-                                 "(the attention mask has padding)")
-            if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
-                kwargs["cache"] = self.new_cache()
+                raise ValueError("anchorkv.transformers supports equal-length prompts only (the attention "
+                                 "mask has padding): generate each prompt on its own, or batch prompts of one "
+                                 "length (tokenizer(..., padding=False))")
+            cache = kwargs.get("cache")
+            if cache is None:
+                cache = kwargs.get("past_key_values")
+            if cache is None:
+                cache = kwargs["cache"] = self.new_cache()
+            prompt = kwargs.get("input_ids", args[0] if args else None)
+            if prompt is None:
+                prompt = kwargs.get("inputs_embeds")
+            if isinstance(cache, AnchorKVCache) and prompt is not None and cache.get_seq_length() == 0:
+                cache.check_budget(int(prompt.shape[1]))  # before any compute
             return original(*args, **kwargs)
 
         model.generate = generate

@@ -1,5 +1,6 @@
 """Bad input raises the AnchorKVError subclass of the library's status, with its message."""
 import contextlib
+import re
 
 import numpy as np
 import pytest
@@ -25,6 +26,23 @@ def test_budget_too_small_names_the_minimum(layer):
     assert "retain_fraction" in info.value.message
     with raises_status(anchorkv.BudgetError, Status.BUDGET):
         anchorkv.compressed_size(256, 2, 64, retain_fraction=0.001)
+
+
+def test_budget_clamp_uses_the_named_minimum(layer):
+    """on_budget="clamp" warns and compresses at the smallest workable retain_fraction, the
+    one the BudgetError names; an unknown on_budget is refused."""
+    keys, values, window = layer
+    heads, seq_len, head_dim = keys.shape
+    with pytest.raises(anchorkv.BudgetError) as info:
+        anchorkv.compress(keys, values, window, retain_fraction=0.001)
+    named = [float(x) for x in re.findall(r"retain_fraction[^0-9]*([0-9.]+)", info.value.message)]
+    smallest = anchorkv.smallest_retain_fraction(seq_len, heads, head_dim, num_q_heads=window.shape[0])
+    assert any(abs(x - smallest) <= 2e-6 for x in named), (info.value.message, smallest)
+    with pytest.warns(UserWarning, match="cannot hold"):
+        cache = anchorkv.compress(keys, values, window, retain_fraction=0.001, on_budget="clamp")
+    assert cache.stats.compressed_bytes <= smallest * cache.stats.full_bytes
+    with raises_status(anchorkv.InvalidArgumentError, Status.INVALID_ARGUMENT):
+        anchorkv.compress(keys, values, window, retain_fraction=0.001, on_budget="guess")
 
 
 def test_non_finite_input(layer):

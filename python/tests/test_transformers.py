@@ -129,3 +129,45 @@ def test_lse_with_torch_tensors(model):
     logits[:, 0, -1] = -float("inf")  # the first query does not see the second's token
     torch.testing.assert_close(lse.double(), torch.logsumexp(logits, dim=-1), rtol=1e-5, atol=1e-4,
                                msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_budget_is_checked_before_the_prefill(model):
+    """A retain_fraction too small for the prompt: clamped with a warning before any compute
+    (default), or BudgetError before any forward (on_budget="raise")."""
+    prompt = torch.randint(0, 256, (1, 200))
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    handle = akv_hf.enable(model, retain_fraction=0.01, on_budget="raise")
+    try:
+        with pytest.raises(anchorkv.BudgetError):
+            model.generate(prompt, max_new_tokens=1, do_sample=False)
+        assert not forwards  # refused before the prefill
+    finally:
+        handle.disable()
+    handle = akv_hf.enable(model, retain_fraction=0.01)
+    try:
+        cache = handle.new_cache()
+        with pytest.warns(UserWarning, match="cannot hold a 200-token prompt"), torch.no_grad():
+            model.generate(prompt, max_new_tokens=2, do_sample=False, cache=cache)
+        smallest = anchorkv.smallest_retain_fraction(200, 2, 32, num_q_heads=4, window=32)
+        assert cache.full_bytes / cache.compressed_bytes == pytest.approx(1.0 / smallest, rel=0.05)
+    finally:
+        handle.disable()
+
+
+def test_cache_works_without_enable(model):
+    """An AnchorKVCache passed to generate() on its own compresses (it sets the attention
+    implementation), and the tokens equal those of enable() with the same options."""
+    prompt = torch.randint(0, 256, (1, 300))
+    assert model.config._attn_implementation != akv_hf.ATTENTION_NAME
+    cache = akv_hf.AnchorKVCache(model, retain_fraction=0.4)
+    with torch.no_grad():
+        alone = model.generate(prompt, max_new_tokens=3, do_sample=False, cache=cache)
+    assert cache.compressed_bytes > 0 and cache.full_bytes / cache.compressed_bytes > 2.0
+    handle = akv_hf.enable(model, retain_fraction=0.4)
+    try:
+        with torch.no_grad():
+            enabled = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    finally:
+        handle.disable()
+    assert torch.equal(alone, enabled)
