@@ -889,6 +889,8 @@ int run_eval(int argc, char **argv) {
   summary.dtype = source->input_dtype();
   summary.needles_per_head = settings.needles_per_head;
   int unplaced = 0;
+  const int64_t steps_total = static_cast<int64_t>(layers_to_run) * static_cast<int64_t>(rows.size());
+  int64_t steps_done = 0;
 
   for (int layer = 0; layer < layers_to_run; ++layer) {
     Stopwatch layer_clock;
@@ -917,8 +919,14 @@ int run_eval(int argc, char **argv) {
         std::cerr << "anchorkv eval: " << row.error << std::endl;
         continue;
       }
-      progress.say("layer ", layer + 1, "/", layers_to_run, ": ", row.run.entry->name, " ", row.run.target_label(),
-                   " (window ", row.window, ") done (", format_seconds(clock.seconds()), ")");
+      // Steps done of all (layer, method) steps, the time so far and an estimate of what is left
+      // (the mean step so far times the steps left; later layers repeat the first one's work).
+      ++steps_done;
+      const double elapsed = total_clock.seconds();
+      const double left = elapsed / steps_done * static_cast<double>(steps_total - steps_done);
+      const std::string eta = steps_done < steps_total ? ", ~" + format_seconds(left) + " left" : "";
+      progress.say("[", steps_done, "/", steps_total, ", ", format_seconds(elapsed), eta, "] layer ", layer + 1, "/", layers_to_run, ": ", row.run.entry->name, " ",
+                   row.run.target_label(), " (window ", row.window, ") done (", format_seconds(clock.seconds()), ")");
     }
     for (Needle &needle : prep.needles) {
       if (needle.position < 0) continue;
