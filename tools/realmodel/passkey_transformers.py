@@ -93,7 +93,8 @@ def main(argv=None):
                     options = {"method": method}
                     if ratio is not None:
                         options["retain_fraction"] = 1.0 / ratio
-                    cache = akv_hf.AnchorKVCache(model, **options)
+                    # A ratio out of the method's reach is a "budget" cell, not a clamped run.
+                    cache = akv_hf.AnchorKVCache(model, on_budget="raise", **options)
                 try:
                     tokens, prefill_s, decode_s = run_trial(model, tok, prompt, cache, passkey.MAX_NEW)
                 except anchorkv.BudgetError as error:
