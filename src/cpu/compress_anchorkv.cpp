@@ -267,7 +267,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
 
     // 2. Window attention: A = softmax(scale * Q Kpost^T) with the causal window mask.
     window_attention(Q.data(), Kpost.data(), m, S, D, P, W, scale, nullptr, A.data(), pool);
-    sgemm(false, m, D, S, 1.0f, A.data(), S, V.data(), D, 0.0f, Y.data(), D);  // y^(w)
+    sgemm(pool, false, m, D, S, 1.0f, A.data(), S, V.data(), D, 0.0f, Y.data(), D);  // y^(w)
 
     // 3. Scores: mean attention over the m rows, pooled (Eq. 14); sum of alpha^2 for Eq. 6.
     mean_attention(A.data(), m, S, P, raw.data(), alpha_sq.data(), pool);
@@ -365,8 +365,8 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     }
 
     // 6. Utilities (Eq. 6). Z = Q (R r_K)^T; ||V_t - y||^2 = ||V_t||^2 - 2 V_t.y + ||y||^2.
-    sgemm(true, m, P, D, 1.0f, Q.data(), D, Kpost.data(), D, 0.0f, Z.data(), P);
-    sgemm(true, m, P, D, 1.0f, Y.data(), D, V.data(), D, 0.0f, VY.data(), P);
+    sgemm(pool, true, m, P, D, 1.0f, Q.data(), D, Kpost.data(), D, 0.0f, Z.data(), P);
+    sgemm(pool, true, m, P, D, 1.0f, Y.data(), D, V.data(), D, 0.0f, VY.data(), P);
     std::vector<double> y_norm_sq(m);
     for (int64_t r = 0; r < m; ++r) {
       double s = 0.0;

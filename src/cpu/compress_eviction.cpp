@@ -112,10 +112,10 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
       for (int64_t r = b; r < e; ++r) pool_scores(&A[r * S], P, o.pool_kernel, o.pool_type, &pooled[r * P]);
     });
     if (P > c0)
-      sgemm(false, m, D, P - c0, 1.0f, &pooled[c0], P, &V[c0 * D], D, 0.0f, Y.data(), D);
+      sgemm(pool, false, m, D, P - c0, 1.0f, &pooled[c0], P, &V[c0 * D], D, 0.0f, Y.data(), D);
     else
       std::fill(Y.begin(), Y.end(), 0.0f);
-    sgemm(true, m, P, D, 1.0f, Y.data(), D, V.data(), D, 0.0f, VY.data(), P);
+    sgemm(pool, true, m, P, D, 1.0f, Y.data(), D, V.data(), D, 0.0f, VY.data(), P);
     pool.parallel_for(P, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         double s = 0.0;

@@ -1,9 +1,13 @@
 #include "cpu/gemm.hpp"
 
 #include <algorithm>
+#include <mutex>
 #include <vector>
+#include "core/thread_pool.hpp"
 #ifdef ANCHORKV_HAVE_BLAS
 #include <cblas.h>
+// OpenBLAS's; weak, so that another CBLAS (without it) links too.
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 #endif
 
 namespace akv {
@@ -12,6 +16,10 @@ void sgemm(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const flo
            const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
   if (M <= 0 || N <= 0) return;
 #ifdef ANCHORKV_HAVE_BLAS
+  static std::once_flag single_threaded;
+  std::call_once(single_threaded, [] {
+    if (openblas_set_num_threads) openblas_set_num_threads(1);
+  });
   cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
               static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), alpha, A,
               static_cast<int>(lda), B, static_cast<int>(ldb), beta, C, static_cast<int>(ldc));
@@ -41,6 +49,16 @@ void sgemm(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const flo
       }
   }
 #endif
+}
+
+void sgemm(ThreadPool &pool, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A,
+           int64_t lda, const float *B, int64_t ldb, float beta, float *C, int64_t ldc) {
+  // Blocks of at least 16 rows, as many as the pool has threads.
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(pool.size(), M / 16));
+  pool.parallel_for(blocks, [&](int64_t b, int64_t e) {
+    const int64_t r0 = M * b / blocks, r1 = M * e / blocks;
+    sgemm(trans_b, r1 - r0, N, K, alpha, A + r0 * lda, lda, B, ldb, beta, C + r0 * ldc, ldc);
+  });
 }
 
 }  // namespace akv

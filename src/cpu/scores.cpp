@@ -11,7 +11,7 @@ namespace akv {
 
 void window_attention(const float *Q, const float *Kpost, int64_t m, int64_t S, int D, int64_t P, int W, float scale,
                       const uint8_t *present, float *A, ThreadPool &pool) {
-  sgemm(true, m, S, D, scale, Q, D, Kpost, D, 0.0f, A, S);
+  sgemm(pool, true, m, S, D, scale, Q, D, Kpost, D, 0.0f, A, S);
   pool.parallel_for(m, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float *row = &A[r * S];
