@@ -76,9 +76,6 @@ class AnchorHead {
     kbase_ = cache.section<uint32_t>(kKeyOffsets)[h];
     kcodes_ = cache.section<uint8_t>(kKeyCodes);
     kscales_ = cache.section<float>(kKeyScales);
-    // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (docs/design.md §4.1),
-    // laid out [anchor][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's
-    // angles stored as [cos | sin], its logit is one dot product of length 2*pairs.
     r_.resize(cache.codec.rotated_dim());
     logit_.resize(rows_);
     x_.resize(D_);
@@ -96,7 +93,10 @@ class AnchorHead {
       case PrefixLogits::kAuto: gather_ = table > kCoefficientTableBytes || P < kTokensPerAnchor * k; break;
     }
     if (gather_) return;
-    // The dimensions outside the rotary pairs (partial rotary) add the constant C.
+    // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (docs/design.md §4.1),
+    // laid out [anchor][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's
+    // angles stored as [cos | sin], its logit is one dot product of length 2*pairs. The
+    // dimensions outside the rotary pairs (partial rotary) add the constant C.
     std::vector<uint8_t> in_pair(D_, 0);
     for (int j = 0; j < pairs_; ++j) in_pair[rope_.first[j]] = in_pair[rope_.second[j]] = 1;
     std::vector<int> plain;
@@ -255,7 +255,7 @@ void AnchorHead::finish(float *out, float *lse) {
   const float *vscales = cache.section<float>(kValueScales);
   const uint8_t *vchunk = cache.section<uint8_t>(kValueChunkPos);
   const int RD = cache.codec.rotated_dim();  // residuals' rotated domain (D padded to a power of two)
-  std::vector<float> x(D), r(RD);
+  std::vector<float> x(D);
   // The exact window: anchors k-W..k-1 at consecutive positions.
   for (int w = 0; w < W; ++w) {
     half_row(ak_ + static_cast<int64_t>(k - W + w) * D, storage, D, x.data());
