@@ -178,7 +178,9 @@ typedef struct akv_context_options {
   akv_backend backend;    /* default AKV_BACKEND_CPU */
   int32_t device;         /* CUDA device ordinal; default 0 */
   int32_t num_threads;    /* CPU worker threads, at most 1024; 0 = all hardware threads
-                             (capped at 1024) */
+                             (capped at 1024). They are all the CPU backend uses: when the
+                             library was built with OpenBLAS, its first GEMM sets OpenBLAS
+                             to one thread (openblas_set_num_threads(1), process-wide) */
   akv_allocator allocator;/* all NULL = the library's own (aligned malloc / cudaMalloc) */
 } akv_context_options;
 
