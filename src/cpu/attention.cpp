@@ -193,7 +193,8 @@ class AnchorHead {
     }
   }
 
-  void finish(float *out, float *lse);
+  // window_trig: the window's cos | sin, [W][2*pairs] (shared by the heads of a walk).
+  void finish(float *out, float *lse, const float *window_trig);
 
  private:
   bool gather_ = false;
@@ -233,7 +234,7 @@ std::vector<float> softmax_rows(float *L, int rows, int64_t total, int64_t promp
   return sums;
 }
 
-void AnchorHead::finish(float *out, float *lse) {
+void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
   const akv_cache &cache = c_;
   const int h = h_, D = D_, rows = rows_;
   const int k = g_.anchors, W = g_.window;
@@ -259,7 +260,7 @@ void AnchorHead::finish(float *out, float *lse) {
   // The exact window: anchors k-W..k-1 at consecutive positions.
   for (int w = 0; w < W; ++w) {
     half_row(ak_ + static_cast<int64_t>(k - W + w) * D, storage, D, x.data());
-    rope_.apply(x.data(), cache.meta.window_first_position + w);
+    if (pairs_) rope_.apply(x.data(), window_trig + w * two_p_, window_trig + w * two_p_ + pairs_);
     for (int i = 0; i < rows; ++i) L[i * total + P + w] = dot(q + i * D, x.data(), D);
   }
   if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L, total, prompt);
@@ -343,7 +344,17 @@ void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const floa
     if (pairs) sweep.next(pos + t0, n, trig.data(), trig.data() + pairs, 2 * pairs);
     for (AnchorHead &head : heads) head.prefix_tile(t0, n, trig.data());
   }
-  for (int h = h_begin; h < h_end; ++h) heads[h - h_begin].finish(out + (h - h_begin) * per_head, head_lse(h));
+  // The window's angles, exact (as Rope::apply computes them), once for every head.
+  const int W = cache.geometry.window;
+  std::vector<float> window_trig(static_cast<size_t>(W) * std::max(2 * pairs, 1));
+  for (int w = 0; w < W; ++w)
+    for (int j = 0; j < pairs; ++j) {
+      const double a = rope.angle(cache.meta.window_first_position + w, j);
+      window_trig[static_cast<size_t>(w) * 2 * pairs + j] = static_cast<float>(std::cos(a));
+      window_trig[static_cast<size_t>(w) * 2 * pairs + pairs + j] = static_cast<float>(std::sin(a));
+    }
+  for (int h = h_begin; h < h_end; ++h)
+    heads[h - h_begin].finish(out + (h - h_begin) * per_head, head_lse(h), window_trig.data());
 }
 
 void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out, float *lse) {
