@@ -79,6 +79,8 @@ class AnchorHead {
     r_.resize(cache.codec.rotated_dim());
     logit_.resize(rows_);
     x_.resize(D_);
+    x2_.resize(D_);
+    logit2_.resize(rows_);
     // Two ways to the prefix logits. The coefficient table below costs k*rows*D per step and
     // k*rows*D*4 bytes, then rows*D multiply-adds per token read from it; the gather path
     // rebuilds each token's key from its anchor row instead (D*2 bytes from a k*D*2-byte
@@ -161,36 +163,49 @@ class AnchorHead {
   // The same logits with each token's key rebuilt pre-RoPE (gamma K_a plus its decoded
   // residual), rotated once and contracted with the group's rows.
   void prefix_tile_gather(int64_t t0, int64_t n, const float *trig) {
-    float *x = x_.data();
-    const int D = D_;
-    const bool neox = pairs_ && rope_.style == AKV_ROPE_NEOX;
-    for (int64_t u = 0; u < n; ++u) {
-      const int64_t t = t0 + u;
-      const float gam = bf16_to_float(kgam_[t]);
-      const float *cs = trig + u * two_p_;
-      const uint16_t *anchor = ak_ + static_cast<int64_t>(kidx_[t]) * D;
-      const float *r = nullptr;
-      const uint64_t word = kmask_[t >> 6];
-      if (word >> (t & 63) & 1u) {
-        const uint32_t slot = kbase_ + kprefix_[t >> 6] +
-                              static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
-        c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
-        r = r_.data();
+    // Two tokens at a time share the loads of the query rows in the contraction.
+    int64_t u = 0;
+    for (; u + 2 <= n; u += 2) {
+      rebuild_key(t0 + u, trig + u * two_p_, x_.data());
+      rebuild_key(t0 + u + 1, trig + (u + 1) * two_p_, x2_.data());
+      dot_rows2(q_.data(), D_, rows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
+      for (int i = 0; i < rows_; ++i) {
+        L_[i * total_ + t0 + u] = logit_[i];
+        L_[i * total_ + t0 + u + 1] = logit2_[i];
       }
-      if (!neox || !neox_key_row(anchor, storage_, gam, r, cs, cs + pairs_, pairs_, D, x)) {
-        half_row(anchor, storage_, D, x);
-        if (r) {
-#pragma omp simd
-          for (int d = 0; d < D; ++d) x[d] = gam * x[d] + r[d];
-        } else {
-#pragma omp simd
-          for (int d = 0; d < D; ++d) x[d] *= gam;
-        }
-        if (pairs_) rope_.apply(x, cs, cs + pairs_);
-      }
-      dot_rows(q_.data(), D, rows_, x, D, logit_.data());
-      for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = logit_[i];
     }
+    for (; u < n; ++u) {
+      rebuild_key(t0 + u, trig + u * two_p_, x_.data());
+      dot_rows(q_.data(), D_, rows_, x_.data(), D_, logit_.data());
+      for (int i = 0; i < rows_; ++i) L_[i * total_ + t0 + u] = logit_[i];
+    }
+  }
+
+  // Token t's key, post-RoPE, into x: gamma K_a plus its decoded residual, rotated (cs: its
+  // cos | sin).
+  void rebuild_key(int64_t t, const float *cs, float *x) {
+    const int D = D_;
+    const float gam = bf16_to_float(kgam_[t]);
+    const uint16_t *anchor = ak_ + static_cast<int64_t>(kidx_[t]) * D;
+    const float *r = nullptr;
+    const uint64_t word = kmask_[t >> 6];
+    if (word >> (t & 63) & 1u) {
+      const uint32_t slot = kbase_ + kprefix_[t >> 6] +
+                            static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
+      c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
+      r = r_.data();
+    }
+    const bool neox = pairs_ && rope_.style == AKV_ROPE_NEOX;
+    if (neox && neox_key_row(anchor, storage_, gam, r, cs, cs + pairs_, pairs_, D, x)) return;
+    half_row(anchor, storage_, D, x);
+    if (r) {
+#pragma omp simd
+      for (int d = 0; d < D; ++d) x[d] = gam * x[d] + r[d];
+    } else {
+#pragma omp simd
+      for (int d = 0; d < D; ++d) x[d] *= gam;
+    }
+    if (pairs_) rope_.apply(x, cs, cs + pairs_);
   }
 
   // window_trig: the window's cos | sin, [W][2*pairs] (shared by the heads of a walk).
@@ -198,7 +213,7 @@ class AnchorHead {
 
  private:
   bool gather_ = false;
-  std::vector<float> x_;
+  std::vector<float> x_, x2_, logit2_;
   const akv_cache &c_;
   int h_;
   int32_t q_len_;

@@ -173,6 +173,47 @@ inline bool neox_key_row(const uint16_t *anchor, akv_dtype storage, float gamma,
 #endif
 }
 
+// dot_rows for two vectors at once: out0[r] = rows_r . b0, out1[r] = rows_r . b1. Each row is
+// loaded once for both, so the contraction needs 6 loads per 8 multiply-adds instead of 10.
+inline void dot_rows2(const float *rows, int64_t stride, int count, const float *b0, const float *b1, int n,
+                      float *out0, float *out1) {
+  int r = 0;
+#ifdef __AVX2__
+  if (n % 8 == 0) {
+    auto sum8 = [](__m256 v) {
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    };
+    for (; r + 4 <= count; r += 4) {
+      const float *a0 = rows + r * stride, *a1 = a0 + stride, *a2 = a1 + stride, *a3 = a2 + stride;
+      __m256 s00 = _mm256_setzero_ps(), s10 = s00, s20 = s00, s30 = s00, s01 = s00, s11 = s00, s21 = s00, s31 = s00;
+      for (int i = 0; i < n; i += 8) {
+        const __m256 x0 = _mm256_loadu_ps(b0 + i), x1 = _mm256_loadu_ps(b1 + i);
+        __m256 a = _mm256_loadu_ps(a0 + i);
+        s00 = _mm256_fmadd_ps(a, x0, s00);
+        s01 = _mm256_fmadd_ps(a, x1, s01);
+        a = _mm256_loadu_ps(a1 + i);
+        s10 = _mm256_fmadd_ps(a, x0, s10);
+        s11 = _mm256_fmadd_ps(a, x1, s11);
+        a = _mm256_loadu_ps(a2 + i);
+        s20 = _mm256_fmadd_ps(a, x0, s20);
+        s21 = _mm256_fmadd_ps(a, x1, s21);
+        a = _mm256_loadu_ps(a3 + i);
+        s30 = _mm256_fmadd_ps(a, x0, s30);
+        s31 = _mm256_fmadd_ps(a, x1, s31);
+      }
+      out0[r] = sum8(s00), out0[r + 1] = sum8(s10), out0[r + 2] = sum8(s20), out0[r + 3] = sum8(s30);
+      out1[r] = sum8(s01), out1[r + 1] = sum8(s11), out1[r + 2] = sum8(s21), out1[r + 3] = sum8(s31);
+    }
+  }
+#endif
+  for (; r < count; ++r) {
+    out0[r] = dot(rows + r * stride, b0, n);
+    out1[r] = dot(rows + r * stride, b1, n);
+  }
+}
+
 inline void half_row(const uint16_t *src, akv_dtype storage, int n, float *dst) {
   if (storage == AKV_DTYPE_BF16) {
     for (int i = 0; i < n; ++i) {
