@@ -52,12 +52,21 @@ Rope::Rope(const akv_rope &config, int dim) : style(config.style), head_dim(dim)
   }
 }
 
-void Rope::apply(float *x, int64_t position, bool inverse) const {
-  if (!enabled()) return;
+void Rope::exact_angles(int64_t position, float *cos_out, float *sin_out) const {
   for (int j = 0; j < pairs(); ++j) {
     const double a = angle(position, j);
-    const float c = static_cast<float>(std::cos(a));
-    const float s = static_cast<float>(inverse ? -std::sin(a) : std::sin(a));
+    cos_out[j] = static_cast<float>(std::cos(a));
+    sin_out[j] = static_cast<float>(std::sin(a));
+  }
+}
+
+void Rope::apply(float *x, int64_t position, bool inverse) const {
+  if (!enabled()) return;
+  float cs[512], sn[512];  // pairs <= head_dim/2 <= 512 (validated with the shape)
+  exact_angles(position, cs, sn);
+  for (int j = 0; j < pairs(); ++j) {
+    const float c = cs[j];
+    const float s = inverse ? -sn[j] : sn[j];
     const float x0 = x[first[j]], x1 = x[second[j]];
     x[first[j]] = x0 * c - x1 * s;
     x[second[j]] = x0 * s + x1 * c;

@@ -25,6 +25,9 @@ struct Rope {
   double angle(int64_t position, int j) const {
     return static_cast<double>(position) * static_cast<double>(inv_freq[j]);
   }
+  // cos and sin of every pair's angle at `position` (pairs() each), exact: from the angle in
+  // double, as apply(x, position) rotates.
+  void exact_angles(int64_t position, float *cos_out, float *sin_out) const;
   // x (head_dim floats) rotated to `position` in place; inverse = rotate by -position.
   void apply(float *x, int64_t position, bool inverse = false) const;
   // Same rotation with precomputed cos/sin of the position (pairs() each).

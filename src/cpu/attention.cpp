@@ -80,6 +80,7 @@ class AnchorHead {
     logit_.resize(rows_);
     x_.resize(D_);
     x2_.resize(D_);
+    neox_ = pairs_ && rope_.style == AKV_ROPE_NEOX;
     logit2_.resize(rows_);
     // Two ways to the prefix logits. The coefficient table below costs k*rows*D per step and
     // k*rows*D*4 bytes, then rows*D multiply-adds per token read from it; the gather path
@@ -104,7 +105,6 @@ class AnchorHead {
     std::vector<int> plain;
     for (int d = 0; d < D_; ++d)
       if (!in_pair[d]) plain.push_back(d);
-    const bool neox = rope_.style == AKV_ROPE_NEOX;  // pairs (j, j + pairs): contiguous halves
     coef_.resize(static_cast<size_t>(k) * rows_ * two_p_);
     coefC_.assign(static_cast<size_t>(k) * rows_, 0.0f);
     std::vector<float> x(D_);
@@ -115,7 +115,7 @@ class AnchorHead {
       for (int i = 0; i < rows_; ++i) {
         const float *qi = &q_[static_cast<size_t>(i) * D_];
         float *A = coef_.data() + (static_cast<size_t>(a) * rows_ + i) * two_p_, *B = A + P2;
-        if (neox) {
+        if (neox_) {
           const float *q0 = qi, *q1 = qi + P2;
 #pragma omp simd
           for (int j = 0; j < P2; ++j) {
@@ -195,8 +195,7 @@ class AnchorHead {
       c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
       r = r_.data();
     }
-    const bool neox = pairs_ && rope_.style == AKV_ROPE_NEOX;
-    if (neox && neox_key_row(anchor, storage_, gam, r, cs, cs + pairs_, pairs_, D, x)) return;
+    if (neox_ && neox_key_row(anchor, storage_, gam, r, cs, cs + pairs_, pairs_, D, x)) return;
     half_row(anchor, storage_, D, x);
     if (r) {
 #pragma omp simd
@@ -213,6 +212,7 @@ class AnchorHead {
 
  private:
   bool gather_ = false;
+  bool neox_ = false;  // rotary pairs (j, j + pairs): neox_key_row applies
   std::vector<float> x_, x2_, logit2_;
   const akv_cache &c_;
   int h_;
@@ -362,12 +362,10 @@ void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const floa
   // The window's angles, exact (as Rope::apply computes them), once for every head.
   const int W = cache.geometry.window;
   std::vector<float> window_trig(static_cast<size_t>(W) * std::max(2 * pairs, 1));
-  for (int w = 0; w < W; ++w)
-    for (int j = 0; j < pairs; ++j) {
-      const double a = rope.angle(cache.meta.window_first_position + w, j);
-      window_trig[static_cast<size_t>(w) * 2 * pairs + j] = static_cast<float>(std::cos(a));
-      window_trig[static_cast<size_t>(w) * 2 * pairs + pairs + j] = static_cast<float>(std::sin(a));
-    }
+  for (int w = 0; w < W && pairs; ++w) {
+    float *row = &window_trig[static_cast<size_t>(w) * 2 * pairs];
+    rope.exact_angles(cache.meta.window_first_position + w, row, row + pairs);
+  }
   for (int h = h_begin; h < h_end; ++h)
     heads[h - h_begin].finish(out + (h - h_begin) * per_head, head_lse(h), window_trig.data());
 }

@@ -10,6 +10,15 @@
 
 namespace akv {
 
+#ifdef __AVX2__
+// The sum of a vector's eight lanes.
+inline float hsum8(__m256 v) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
+
 inline float dot(const float *a, const float *b, int n) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -136,10 +145,7 @@ inline float exp_shifted_sum(float *l, int64_t n, float shift) {
     acc0 = _mm256_add_ps(acc0, a);
     acc1 = _mm256_add_ps(acc1, b);
   }
-  const __m256 acc = _mm256_add_ps(acc0, acc1);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  sum = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+  sum = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
   for (; t < n; ++t) sum += (l[t] = std::exp(l[t] - shift));
   return sum;
@@ -180,11 +186,6 @@ inline void dot_rows2(const float *rows, int64_t stride, int count, const float 
   int r = 0;
 #ifdef __AVX2__
   if (n % 8 == 0) {
-    auto sum8 = [](__m256 v) {
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-    };
     for (; r + 4 <= count; r += 4) {
       const float *a0 = rows + r * stride, *a1 = a0 + stride, *a2 = a1 + stride, *a3 = a2 + stride;
       __m256 s00 = _mm256_setzero_ps(), s10 = s00, s20 = s00, s30 = s00, s01 = s00, s11 = s00, s21 = s00, s31 = s00;
@@ -203,8 +204,8 @@ inline void dot_rows2(const float *rows, int64_t stride, int count, const float 
         s30 = _mm256_fmadd_ps(a, x0, s30);
         s31 = _mm256_fmadd_ps(a, x1, s31);
       }
-      out0[r] = sum8(s00), out0[r + 1] = sum8(s10), out0[r + 2] = sum8(s20), out0[r + 3] = sum8(s30);
-      out1[r] = sum8(s01), out1[r + 1] = sum8(s11), out1[r + 2] = sum8(s21), out1[r + 3] = sum8(s31);
+      out0[r] = hsum8(s00), out0[r + 1] = hsum8(s10), out0[r + 2] = hsum8(s20), out0[r + 3] = hsum8(s30);
+      out1[r] = hsum8(s01), out1[r + 1] = hsum8(s11), out1[r + 2] = hsum8(s21), out1[r + 3] = hsum8(s31);
     }
   }
 #endif
