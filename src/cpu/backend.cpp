@@ -11,6 +11,7 @@
 #include "core/context.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "core/method_traits.hpp"
 #include "core/serialize.hpp"
 #include "cpu/attention.hpp"
 #include "cpu/compress.hpp"
@@ -30,6 +31,20 @@ std::vector<float> to_float(const void *src, akv_dtype dtype, size_t n, const ch
       fail(AKV_ERR_NON_FINITE, name, " contain a non-finite value (", out[i], ") at element ", i);
   }
   return out;
+}
+
+// The method's CPU executor, from the method table.
+std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req) {
+  const MethodTraits &traits = method_traits(req.options->method);
+  switch (traits.storage) {
+    case Storage::kAnchor:
+      return compress_anchorkv_cpu(req);
+    case Storage::kQuantized:
+      return compress_quantized_cpu(req);
+    case Storage::kDense:
+      break;
+  }
+  return traits.evicting ? compress_eviction_cpu(req) : compress_fullkv_cpu(req);
 }
 
 class CpuBackend final : public Backend {

@@ -18,8 +18,6 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req);
 // SnapKV, PyramidKV, AdaKV, AnDPro (cpu/compress_eviction.cpp).
 std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req);
 std::unique_ptr<akv_cache> compress_quantized_cpu(const CompressRequest &req);
-// The method's CPU implementation for req.options->method.
-std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req);
 
 // akv_cache_compact on the CPU (cpu/compact.cpp): a new cache of the same method that
 // holds the whole of `cache` (T = S + appended tokens) in the compressed form with an empty

@@ -1,12 +1,9 @@
 // FullKV: the exact dense cache (keys post-RoPE, storage dtype), the reference every other
 // method is compared against and the fallback for layers an engine does not compress.
-#include <cstring>
+#include <algorithm>
 #include <vector>
 #include "core/dtype.hpp"
-#include "core/error.hpp"
-#include "core/method_traits.hpp"
 #include "core/thread_pool.hpp"
-#include <algorithm>
 #include "cpu/compress.hpp"
 #include "cpu/prefill_reader.hpp"
 
@@ -52,19 +49,6 @@ std::unique_ptr<akv_cache> compress_fullkv_cpu(const CompressRequest &req) {
   for (int h = 0; h <= H; ++h) head_start[h] = h * S;
   store_dense_tokens(req, in, head_start, nullptr, *cache);
   return cache;
-}
-
-std::unique_ptr<akv_cache> compress_method_cpu(const CompressRequest &req) {
-  const MethodTraits &traits = method_traits(req.options->method);
-  switch (traits.storage) {
-    case Storage::kAnchor:
-      return compress_anchorkv_cpu(req);
-    case Storage::kQuantized:
-      return compress_quantized_cpu(req);
-    case Storage::kDense:
-      break;
-  }
-  return traits.evicting ? compress_eviction_cpu(req) : compress_fullkv_cpu(req);
 }
 
 }  // namespace akv
