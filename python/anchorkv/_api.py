@@ -227,8 +227,7 @@ def fit_budget(seq_len: int, num_kv_heads: int, head_dim: int, *, num_q_heads: i
     except BudgetError as error:
         if on_budget == "raise":
             raise
-        smallest = smallest_retain_fraction(seq_len, num_kv_heads, head_dim, num_q_heads=num_q_heads,
-                                            **dict(options))
+        smallest = smallest_retain_fraction(seq_len, num_kv_heads, head_dim, num_q_heads=num_q_heads, **options)
         requested = options.get("retain_fraction",
                                 compress_options(head_dim=head_dim, **options)[0].retain_fraction)
         warnings.warn(f"anchorkv {what}: retain_fraction {requested:g} cannot hold a {seq_len}-token prompt "

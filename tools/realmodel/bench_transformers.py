@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import passkey  # noqa: E402
 import smollm2  # noqa: E402
-from passkey_transformers import load_hf_model  # noqa: E402
+from passkey_transformers import load_hf_model, make_cache  # noqa: E402
 
 
 def timed_generate(model, prompt_ids, cache, new_tokens: int):
@@ -49,7 +49,6 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     import torch
-    from transformers import DynamicCache
     import anchorkv.transformers as akv_hf
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,14 +65,8 @@ def main(argv=None):
         ids = torch.tensor([prompt.tokens])
         reference, base = None, None
         for label, method, ratio in rows:
-            if method is None:
-                cache = DynamicCache(config=model.config)
-            else:
-                options = {"method": method}
-                if ratio is not None:
-                    options["retain_fraction"] = 1.0 / ratio
-                cache = akv_hf.AnchorKVCache(model, on_budget="raise", **options)
             try:
+                cache = make_cache(model, method, ratio)
                 prefill, per_token, tokens = timed_generate(model, ids, cache, args.new_tokens)
             except Exception as error:  # noqa: BLE001 (a budget error is a row of the table)
                 print(f"{length:>6} {label:<14} {type(error).__name__}: {error}")

@@ -37,6 +37,20 @@ def load_hf_model(dtype: str = "float32"):
     return model
 
 
+def make_cache(model, method: str | None, ratio: float | None):
+    """transformers' own DynamicCache (method None), else an AnchorKVCache of the method at
+    1/ratio. A ratio out of the method's reach raises BudgetError (a "budget" cell), not a
+    clamped run."""
+    from transformers import DynamicCache
+    import anchorkv.transformers as akv_hf
+    if method is None:
+        return DynamicCache(config=model.config)
+    options = {"method": method}
+    if ratio is not None:
+        options["retain_fraction"] = 1.0 / ratio
+    return akv_hf.AnchorKVCache(model, on_budget="raise", **options)
+
+
 def run_trial(model, tok, prompt, cache, max_new: int):
     """Prefill the prompt into `cache`, then generate() the answer after the forced prefix."""
     import torch
@@ -69,7 +83,6 @@ def main(argv=None):
 
     anchorkv = smollm2.import_anchorkv()
     import anchorkv.transformers as akv_hf
-    from transformers import DynamicCache
     model, tok = load_hf_model(args.dtype), smollm2.load_tokenizer()
     akv_hf.enable(model)  # the "anchorkv" attention; its SDPA fallback serves DynamicCache
     depths = args.depths or passkey.default_depths(args.trials)
@@ -87,14 +100,7 @@ def main(argv=None):
             prompt = passkey.build_prompt(tok, length, key, depth, prefix_in_prompt=False)
             reference = None
             for label, method, ratio in rows:
-                if method is None:
-                    cache = DynamicCache(config=model.config)
-                else:
-                    options = {"method": method}
-                    if ratio is not None:
-                        options["retain_fraction"] = 1.0 / ratio
-                    # A ratio out of the method's reach is a "budget" cell, not a clamped run.
-                    cache = akv_hf.AnchorKVCache(model, on_budget="raise", **options)
+                cache = make_cache(model, method, ratio)
                 try:
                     tokens, prefill_s, decode_s = run_trial(model, tok, prompt, cache, passkey.MAX_NEW)
                 except anchorkv.BudgetError as error:
