@@ -286,6 +286,17 @@ typedef struct akv_compress_options {
                                      the cache as it was). Queries recorded by decode are not
                                      serialized. CUDA contexts refuse it (compaction
                                      synchronises: call akv_cache_compact between decodes) */
+  /* ---- Storage format (appended in 0.3; docs/design.md section 3) ---- */
+  int32_t storage_format;         /* ANCHORKV: the layout of the compressed prompt.
+                                     3 = local anchor tables: positions cut into segments, each
+                                     with a table of at most 256 of the head's anchors, so a
+                                     token's key and value anchors are one byte each; 8-bit
+                                     log-coded coefficients; key residuals stored post-RoPE;
+                                     positions implicit (the prompt's positions must be
+                                     consecutive). 2 = the paper's layout (u16 anchor indices,
+                                     bf16 coefficients, int32 positions; App. A.1). 0 = 3.
+                                     akv_compress_options_init_paper sets 2. Both read, decode,
+                                     serialize and compact the same way. Default 0 */
 } akv_compress_options;
 
 /* Defaults for every field; method = AKV_METHOD_ANCHORKV. The AnchorKV fields take the paper's
@@ -339,7 +350,8 @@ AKV_API void akv_compress_options_init_method(akv_compress_options *options, akv
 
 /* akv_compress_options_init with the AnchorKV paper's own settings (B.3): no sink anchors,
  * k = max(W, S/128), no budget filling, rho 0.7 with a uniform sample for the rest, residual
- * slots by the Eq. 6 utility alone. The preset for comparisons with the paper. */
+ * slots by the Eq. 6 utility alone, the paper's storage layout (storage_format 2). The preset
+ * for comparisons with the paper. */
 AKV_API void akv_compress_options_init_paper(akv_compress_options *options);
 
 /* Shape of one layer of one request. Frozen layout. */

@@ -92,6 +92,7 @@ struct CacheMeta {
   int64_t value_residuals = 0;
   int64_t window_first_position = 0;  // the window's positions are consecutive from here
   int32_t pool_heads = 0;  // heads per residual-pooling group (format 2; H before, and H = one group)
+  int32_t storage_format = 0;  // AnchorKV: 2 or 3 (core/layout.hpp); 0 for other methods
   // Dense methods (FullKV, eviction, quantized): per-head kept token counts.
   std::vector<int64_t> dense_counts;
   // Quantized: bits per coordinate and exact outlier channels per key.

@@ -113,7 +113,10 @@ void require_finite_storage(const akv_cache &c, const uint8_t *data, akv_status 
                      status, why);
     };
     for (int i : {kAnchorKeys, kAnchorValues}) check(i, m.storage);
-    for (int i : {kKeyGamma, kValueGamma}) check(i, AKV_DTYPE_BF16);
+    if (c.geometry.format == 2)
+      for (int i : {kKeyGamma, kValueGamma}) check(i, AKV_DTYPE_BF16);
+    else
+      check(kGammaScales, AKV_DTYPE_F32);
     for (int i : {kKeyScales, kValueScales}) check(i, AKV_DTYPE_F32);
   } else if (storage_of(m.method) == Storage::kQuantized) {
     auto check = [&](int i, akv_dtype dtype) {
@@ -210,6 +213,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   const Storage kind = storage_of(m.method);
   const bool pooled = kind == Storage::kAnchor;
   m.pool_heads = version >= 2 ? r.get<int32_t>("pool_heads") : pooled ? m.shape.num_kv_heads : 0;
+  m.storage_format = version >= 3 ? r.get<int32_t>("storage format") : pooled ? 2 : 0;
 
   // What akv_compress accepts and stores (the same shape rule, api/validate.cpp resolve_options).
   const akv_shape &s = m.shape;
@@ -235,7 +239,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   const bool anchor = kind == Storage::kAnchor;
   if (!anchor)  // compression sets these for AnchorKV only
     corrupt_unless(m.anchors == 0 && m.key_residuals == 0 && m.value_residuals == 0 && m.window_first_position == 0 &&
-                       m.pool_heads == 0,
+                       m.pool_heads == 0 && m.storage_format == 0,
                    "AnchorKV fields set for another method");
 
   const uint32_t nheads = r.get<uint32_t>("dense count");
@@ -291,6 +295,8 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     corrupt_unless(m.pool_heads >= 1 && m.pool_heads <= s.num_kv_heads && s.num_kv_heads % m.pool_heads == 0,
                    "pool_heads");
     o.pool_heads = m.pool_heads;
+    corrupt_unless(m.storage_format == 2 || m.storage_format == 3, "storage format");
+    o.storage_format = m.storage_format;
     try {
       c.geometry = anchor_geometry(o, s);
     } catch (const Error &e) {
@@ -316,9 +322,33 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     const int idx_sections[2] = {kKeyIndex, kValueIndex}, mask_sections[2] = {kKeyMask, kValueMask};
     const int prefix_sections[2] = {kKeyPrefix, kValuePrefix}, off_sections[2] = {kKeyOffsets, kValueOffsets};
     const int64_t totals[2] = {g.key_residuals, g.value_residuals};
+    // Anchor tokens: per head strictly increasing prefix indices (decode and compaction index
+    // with them).
+    const int64_t *anchor_tokens = reinterpret_cast<const int64_t *>(sec(kAnchorTokens));
+    const int64_t free_anchors = k - g.window;
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t a = 0; a < free_anchors; ++a) {
+        const int64_t t = anchor_tokens[h * free_anchors + a];
+        corrupt_unless(t >= 0 && t < P && (a == 0 || t > anchor_tokens[h * free_anchors + a - 1]), "anchor tokens");
+      }
+    const int gamma_sections[2] = {kKeyGamma, kValueGamma};
     for (int side = 0; side < 2; ++side) {
-      const uint16_t *idx = reinterpret_cast<const uint16_t *>(sec(idx_sections[side]));
-      for (int64_t i = 0; i < H * P; ++i) corrupt_unless(idx[i] < k, "anchor index out of range");
+      if (g.format == 2) {
+        const uint16_t *idx = reinterpret_cast<const uint16_t *>(sec(idx_sections[side]));
+        for (int64_t i = 0; i < H * P; ++i) corrupt_unless(idx[i] < k, "anchor index out of range");
+      } else {
+        // One-byte indices name an entry of the segment's table (k <= 256: an anchor), whose
+        // ids are anchors; anchor tokens carry index 0 and coefficient code 0 (they are exact).
+        const uint8_t *idx = sec(idx_sections[side]);
+        const uint8_t *code = sec(gamma_sections[side]);
+        if (g.table_size == 0)
+          for (int64_t i = 0; i < H * P; ++i) corrupt_unless(idx[i] < k, "anchor index out of range");
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t a = 0; a < free_anchors; ++a) {
+            const int64_t t = anchor_tokens[h * free_anchors + a];
+            corrupt_unless(idx[h * P + t] == 0 && code[h * P + t] == 0, "anchor token with an anchor index");
+          }
+      }
       const uint64_t *mask = reinterpret_cast<const uint64_t *>(sec(mask_sections[side]));
       const uint32_t *prefix = reinterpret_cast<const uint32_t *>(sec(prefix_sections[side]));
       const uint32_t *off = reinterpret_cast<const uint32_t *>(sec(off_sections[side]));
@@ -349,13 +379,29 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
           bits &= bits - 1;
         }
       }
+    if (g.format == 3) {
+      const uint16_t *tables = reinterpret_cast<const uint16_t *>(sec(kSegmentTables));
+      const uint64_t entries = c.layout.sections[kSegmentTables].bytes / 2;
+      for (uint64_t i = 0; i < entries; ++i) corrupt_unless(tables[i] < k, "segment table entry out of range");
+      const float *scales = reinterpret_cast<const float *>(sec(kGammaScales));
+      for (int64_t i = 0; i < H * g.segments * 2; ++i)
+        corrupt_unless(std::isfinite(scales[i]) && scales[i] >= 0.0f, "coefficient scale");
+    }
     // Prefix positions, then the window's W consecutive positions from window_first_position:
-    // decode rotates with them, so all of them must be int32 and increasing.
-    const int32_t *pos = reinterpret_cast<const int32_t *>(sec(kPositions));
-    require_increasing(pos, static_cast<uint64_t>(P), -1, "prefix positions");
-    require(m.window_first_position > pos[P - 1] && m.window_first_position <= int64_t{INT32_MAX} - (m.window - 1),
+    // decode rotates with them, so all of them must be int32 and increasing. Format 3 stores
+    // none: the prompt's positions run consecutively to the window's.
+    int64_t last_prefix = m.window_first_position - 1;
+    if (g.format == 2) {
+      const int32_t *pos = reinterpret_cast<const int32_t *>(sec(kPositions));
+      require_increasing(pos, static_cast<uint64_t>(P), -1, "prefix positions");
+      last_prefix = pos[P - 1];
+    } else {
+      require(m.window_first_position >= P, AKV_ERR_CORRUPT_DATA, "serialized cache has window_first_position ",
+              m.window_first_position, ": the implicit prefix positions would be negative");
+    }
+    require(m.window_first_position > last_prefix && m.window_first_position <= int64_t{INT32_MAX} - (m.window - 1),
             AKV_ERR_CORRUPT_DATA, "serialized cache has window_first_position ", m.window_first_position,
-            ": the window must follow the prefix (last position ", pos[P - 1], ") and end within int32");
+            ": the window must follow the prefix (last position ", last_prefix, ") and end within int32");
     last_prompt_position = m.window_first_position + m.window - 1;
   } else if (storage_of(m.method) == Storage::kQuantized) {
     c.quant = quant_geometry_for_bits(s, m.window, m.quant_bits, m.quant_outliers);
@@ -425,6 +471,7 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     corrupt_unless(o.anchors >= 0 && o.anchors <= 65536, "requested anchors");
   }
   o.pool_heads = m.pool_heads;  // a compaction pools as the compression did
+  o.storage_format = m.storage_format;
   o.window = m.window;
   o.seed = m.seed;
   o.layer_index = m.layer_index;

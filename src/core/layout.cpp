@@ -28,6 +28,39 @@ ResidualSplit residual_split(const akv_compress_options &o, int64_t n) {
   return split;
 }
 
+int64_t segment_length(int64_t prefix, int64_t anchors) {
+  if (anchors <= kTableEntries) return 1024;
+  int64_t len = 256;
+  while (len < 4096 && 2 * len * anchors <= 64 * prefix) len *= 2;
+  return len;
+}
+
+namespace {
+struct GammaUnits {
+  float value[256];
+  GammaUnits() {
+    value[0] = 0.0f;
+    for (int c = 1; c < 256; ++c) {
+      const float mag = std::exp2(static_cast<float>((c & 127) - 127) / kGammaStepsPerOctave);
+      value[c] = c & 128 ? -mag : mag;
+    }
+  }
+};
+}  // namespace
+
+const float *gamma_units() {
+  static const GammaUnits units;
+  return units.value;
+}
+
+uint8_t gamma_code(float gamma, float scale) {
+  if (!(scale > 0.0f) || gamma == 0.0f || !std::isfinite(gamma)) return 0;
+  const double m = 127.0 + kGammaStepsPerOctave * std::log2(std::fabs(static_cast<double>(gamma)) / scale);
+  const int mag = static_cast<int>(std::clamp<double>(std::nearbyint(m), 0.0, 127.0));
+  if (gamma < 0.0f) return static_cast<uint8_t>(128 | mag);
+  return static_cast<uint8_t>(mag == 0 ? 0 : mag);
+}
+
 double minimum_retain_fraction(uint64_t base_bytes, uint64_t full_bytes) {
   double theta = std::ceil(static_cast<double>(base_bytes) / full_bytes * 1e6) / 1e6;
   while (theta * static_cast<double>(full_bytes) < static_cast<double>(base_bytes)) theta += 1e-6;
@@ -49,14 +82,26 @@ AnchorGeometry geometry_for(const akv_compress_options &o, const akv_shape &s, i
   g.anchors = static_cast<int32_t>(k);
   g.pool_heads = s.num_kv_heads;
   g.words = (g.prefix + 63) / 64;
+  g.format = o.storage_format == 2 ? 2 : 3;
 
   const uint64_t H = g.heads, D = g.dim, P = g.prefix, W = g.window;
   g.full_bytes = 4ull * s.seq_len * H * D;
   const double budget = o.retain_fraction * static_cast<double>(g.full_bytes);
   g.budget_bytes = static_cast<uint64_t>(std::floor(budget));
-  const uint64_t index_bytes = 2, gamma_bytes = 2;  // b_a, b_gamma
-  g.base_bytes = H * (4ull * k * D + 8ull * (k - W) + 2ull * P * (index_bytes + gamma_bytes)) +
-                 24ull * H * static_cast<uint64_t>(g.words) + 8ull * (H + 1) + 4ull * P;
+  const uint64_t mask_bytes = 24ull * H * static_cast<uint64_t>(g.words) + 8ull * (H + 1);
+  if (g.format == 2) {
+    const uint64_t index_bytes = 2, gamma_bytes = 2;  // b_a, b_gamma
+    g.base_bytes = H * (4ull * k * D + 8ull * (k - W) + 2ull * P * (index_bytes + gamma_bytes)) + mask_bytes + 4ull * P;
+  } else {
+    // One-byte indices and coefficient codes per side; per segment a table (k > 256) and two
+    // f32 code scales; no positions.
+    g.segment_len = segment_length(g.prefix, k);
+    g.segments = (g.prefix + g.segment_len - 1) / g.segment_len;
+    g.table_size = k > kTableEntries ? kTableEntries : 0;
+    const uint64_t per_segment = 2ull * g.table_size + 8ull;
+    g.base_bytes = H * (4ull * k * D + 8ull * (k - W) + 4ull * P + per_segment * static_cast<uint64_t>(g.segments)) +
+                   mask_bytes;
+  }
   *fits = static_cast<double>(g.base_bytes) <= budget;
   if (!*fits) return g;
   const double per_residual = (g.key_residual_bytes() + g.value_residual_bytes()) / 2.0;
@@ -166,9 +211,10 @@ AnchorLayout anchor_layout(const AnchorGeometry &g) {
   bytes[kAnchorKeys] = H * k * D * 2;
   bytes[kAnchorValues] = H * k * D * 2;
   bytes[kAnchorTokens] = H * (k - W) * 8;
-  bytes[kKeyIndex] = bytes[kValueIndex] = H * P * 2;
-  bytes[kKeyGamma] = bytes[kValueGamma] = H * P * 2;
-  bytes[kPositions] = P * 4;
+  const uint64_t per_token = g.format == 2 ? 2 : 1;
+  bytes[kKeyIndex] = bytes[kValueIndex] = H * P * per_token;
+  bytes[kKeyGamma] = bytes[kValueGamma] = H * P * per_token;
+  bytes[kPositions] = g.format == 2 ? P * 4 : 0;
   bytes[kKeyMask] = bytes[kValueMask] = H * words * 8;
   bytes[kKeyPrefix] = bytes[kValuePrefix] = H * words * 4;
   bytes[kKeyOffsets] = bytes[kValueOffsets] = (H + 1) * 4;
@@ -177,6 +223,8 @@ AnchorLayout anchor_layout(const AnchorGeometry &g) {
   bytes[kValueCodes] = nv * g.code_bytes();
   bytes[kValueScales] = nv * 4;
   bytes[kValueChunkPos] = nv;
+  bytes[kSegmentTables] = H * static_cast<uint64_t>(g.segments) * g.table_size * 2;
+  bytes[kGammaScales] = H * static_cast<uint64_t>(g.segments) * 8;
   AnchorLayout layout;
   uint64_t offset = 0;
   for (int i = 0; i < kAnchorSectionCount; ++i) {

@@ -11,16 +11,18 @@ namespace akv {
 
 constexpr uint64_t kSectionAlignment = 64;
 
-// The arrays of an AnchorKV cache, in storage order. Per head unless noted.
+// The arrays of an AnchorKV cache, in storage order. Per head unless noted. Format 2 is the
+// paper's layout; format 3 (docs/design.md §3.2) reaches anchors through a table per segment of
+// positions and stores positions implicitly. A section a format does not use has 0 bytes.
 enum AnchorSection : int {
   kAnchorKeys = 0,      // [H][k][D] storage dtype, pre-RoPE
   kAnchorValues,        // [H][k][D]
   kAnchorTokens,        // [H][k-W] int64: token index of each non-window anchor
-  kKeyIndex,            // [H][P] u16 anchor index
-  kValueIndex,          // [H][P] u16
-  kKeyGamma,            // [H][P] bf16 coefficient
-  kValueGamma,          // [H][P] bf16
-  kPositions,           // [P] int32, shared by heads and sides
+  kKeyIndex,            // [H][P] format 2: u16 anchor index; 3: u8 entry of the segment's table
+  kValueIndex,          // [H][P] the same for values
+  kKeyGamma,            // [H][P] format 2: bf16 coefficient; 3: u8 code (gamma_code)
+  kValueGamma,          // [H][P]
+  kPositions,           // [P] int32, shared by heads and sides (format 2; 3: implicit)
   kKeyMask,             // [H][words] u64 residual bitmask
   kValueMask,           // [H][words] u64
   kKeyPrefix,           // [H][words] u32 residuals before each word, within the head
@@ -32,6 +34,8 @@ enum AnchorSection : int {
   kValueCodes,          // [N_V][D'/4] u8
   kValueScales,         // [N_V] f32
   kValueChunkPos,       // [N_V] u8 position of the residual inside its 64-token word
+  kSegmentTables,       // format 3, k > 256: [H][segments][256] u16 anchor of each table entry
+  kGammaScales,         // format 3: [H][segments][2] f32, the keys' then the values' code scale
   kAnchorSectionCount
 };
 
@@ -51,6 +55,11 @@ struct AnchorGeometry {
   int32_t anchors = 0;      // k (incl. window)
   int32_t pool_heads = 0;   // heads per residual-pooling group (a divisor of H; H = one group)
   int64_t words = 0;        // ceil(P / 64)
+  int32_t format = 2;       // storage format, 2 or 3
+  int64_t segment_len = 0;  // format 3: positions per segment (a power of two)
+  int64_t segments = 0;     // format 3: ceil(P / segment_len)
+  int32_t table_size = 0;   // format 3: entries per segment table; 0 = none (k <= 256: the
+                            // one-byte index is the anchor itself)
   int64_t key_residuals = 0;    // N_K
   int64_t value_residuals = 0;  // N_V
   uint64_t full_bytes = 0;      // M_full
@@ -62,6 +71,7 @@ struct AnchorGeometry {
   int64_t key_residual_bytes() const { return code_bytes() + 4; }     // c_K
   int64_t value_residual_bytes() const { return code_bytes() + 5; }   // c_V
   int32_t group() const { return q_heads / heads; }
+  int64_t segment_of(int64_t t) const { return t / segment_len; }
   int32_t pool_groups() const { return heads / pool_heads; }
 };
 
@@ -75,6 +85,22 @@ struct AnchorLayout {
   uint64_t total_bytes = 0;  // allocation size: footprint plus alignment padding
 };
 AnchorLayout anchor_layout(const AnchorGeometry &g);
+
+// Format 3 (docs/design.md §3.2).
+constexpr int32_t kTableEntries = 256;  // one-byte indices
+// Positions per segment for P prefix tokens and k anchors: the table of 256 entries holds the
+// anchors that a segment's tokens use most; a segment holds about 64 anchors' worth of tokens
+// (segment_len * k / P <= 64), 256 to 4096 positions. With k <= 256 there are no tables and
+// segments only scope the coefficient scales (1024 positions).
+int64_t segment_length(int64_t prefix, int64_t anchors);
+// Coefficients as one byte: 0 is 0; otherwise bit 7 the sign and the low 7 bits m a magnitude
+// scale * 2^((m - 127) / kGammaStepsPerOctave), scale being the largest |gamma| of the
+// segment's side (m 0 of the positive sign is not used: code 0 means 0).
+constexpr int kGammaStepsPerOctave = 12;
+uint8_t gamma_code(float gamma, float scale);
+// The value of every code for scale 1 (multiply by the segment's scale).
+const float *gamma_units();
+inline float gamma_value(uint8_t code, float scale) { return scale * gamma_units()[code]; }
 
 // The paper's anchor count k = max(W, S/128), clamped to S and to 65536 (u16 anchor indices);
 // anchor_geometry raises it by anchor_share and fill_budget.

@@ -119,6 +119,7 @@ void write_cache(W &w, const akv_cache &c, const uint8_t *data, const uint8_t *s
   put<int64_t>(w, "window_first_position", m.window_first_position);
   put<int64_t>(w, "next_position", c.next_position);
   put<int32_t>(w, "pool_heads", m.pool_heads);
+  put<int32_t>(w, "storage format", m.storage_format);
   put<uint32_t>(w, "dense count", static_cast<uint32_t>(m.dense_counts.size()));
   for (int64_t n : m.dense_counts) put<int64_t>(w, "dense counts", n);
   put<uint64_t>(w, "dense positions count", c.dense_positions.size());

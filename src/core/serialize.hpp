@@ -14,7 +14,9 @@ namespace akv {
 // 1: the first format. 2: adds pool_heads (int32, after next_position): AnchorKV's heads per
 // residual-pooling group (version-1 data reads as one group of every head), and the compaction
 // fields after the suffix (akv_cache_compact; version-1 data gets the method's defaults).
-constexpr uint32_t kFormatVersion = 2;
+// 3: adds storage format (int32, after pool_heads): AnchorKV's layout, 2 or 3 (version-1 and -2
+// data read as layout 2); layout 3 adds the sections "segment tables" and "gamma scales".
+constexpr uint32_t kFormatVersion = 3;
 
 uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc = 0);
 
@@ -27,7 +29,7 @@ inline constexpr const char *kAnchorSectionNames[kAnchorSectionCount] = {
     "key gammas", "value gammas", "prefix positions", "key residual masks", "value residual masks",
     "key residual prefix counts", "value residual prefix counts", "key residual offsets",
     "value residual offsets", "key residual codes", "key residual scales", "value residual codes",
-    "value residual scales", "value residual chunk positions"};
+    "value residual scales", "value residual chunk positions", "segment tables", "gamma scales"};
 inline constexpr const char *kQuantSectionNames[kQuantSectionCount] = {
     "quantized window keys", "quantized window values", "quantized key codes", "quantized key scales",
     "quantized key outlier indices", "quantized key outlier values", "quantized value codes",

@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 #include "core/dtype.hpp"
+#include "core/anchor_access.hpp"
 #include "core/method_traits.hpp"
 #include "cpu/kernels.hpp"
 #include "cpu/quantized_attention.hpp"
@@ -77,6 +78,22 @@ class AnchorHead {
     kcodes_ = cache.section<uint8_t>(kKeyCodes);
     kscales_ = cache.section<float>(kKeyScales);
     r_.resize(cache.codec.rotated_dim());
+    if (g_.format == 3) {
+      // One-byte indices into the segment's table, coefficient codes, post-RoPE key residuals:
+      // their logit is a dot product of the decoded codes with the query in the codec's
+      // rotated domain, so the queries are rotated once per step.
+      const int RD = cache.codec.rotated_dim();
+      kidx8_ = cache.section<uint8_t>(kKeyIndex) + h * P;
+      kcode_ = cache.section<uint8_t>(kKeyGamma) + h * P;
+      tables_ = g_.table_size ? cache.section<uint16_t>(kSegmentTables) + static_cast<int64_t>(h) * g_.segments * g_.table_size
+                              : nullptr;
+      scales_ = cache.section<float>(kGammaScales) + static_cast<int64_t>(h) * g_.segments * 2;
+      q_rot_.assign(static_cast<size_t>(rows_) * RD, 0.0f);
+      for (int i = 0; i < rows_; ++i) {
+        std::copy(&q_[static_cast<size_t>(i) * D_], &q_[static_cast<size_t>(i) * D_] + D_, &q_rot_[static_cast<size_t>(i) * RD]);
+        cache.codec.rotate(&q_rot_[static_cast<size_t>(i) * RD]);
+      }
+    }
     logit_.resize(rows_);
     x_.resize(D_);
     x2_.resize(D_);
@@ -90,6 +107,10 @@ class AnchorHead {
     // (at S = 16K on a 2 MiB-L2 Xeon, one thread: 5x 71 -> 17 ms per decode, 10x
     // 16 -> 12 ms with the gather path; 20x 8.0 ms with the table, 9.5 ms without).
     const size_t table = static_cast<size_t>(k) * rows_ * std::max(two_p_, 1) * sizeof(float);
+    if (g_.format == 3) {  // the table's anchor rows stay in cache: gather
+      gather_ = true;
+      return;
+    }
     switch (static_cast<PrefixLogits>(forced_prefix_logits.load(std::memory_order_relaxed))) {
       case PrefixLogits::kTable: gather_ = false; break;
       case PrefixLogits::kGather: gather_ = true; break;
@@ -163,6 +184,7 @@ class AnchorHead {
   // The same logits with each token's key rebuilt pre-RoPE (gamma K_a plus its decoded
   // residual), rotated once and contracted with the group's rows.
   void prefix_tile_gather(int64_t t0, int64_t n, const float *trig) {
+    if (g_.format == 3) return prefix_tile_tables(t0, n, trig);
     // Two tokens at a time share the loads of the query rows in the contraction.
     int64_t u = 0;
     for (; u + 2 <= n; u += 2) {
@@ -178,6 +200,57 @@ class AnchorHead {
       rebuild_key(t0 + u, trig + u * two_p_, x_.data());
       dot_rows(q_.data(), D_, rows_, x_.data(), D_, logit_.data());
       for (int i = 0; i < rows_; ++i) L_[i * total_ + t0 + u] = logit_[i];
+    }
+  }
+
+  // Format 3: each key is gamma K_a rotated to its position, K_a from the segment's table
+  // (a few hundred rows that stay in L1/L2); tokens with a key residual add the dot product of
+  // its rotated-domain codes with the rotated queries. Anchor tokens (index 0, code 0, a zero
+  // key here) get their exact logits in finish().
+  void prefix_tile_tables(int64_t t0, int64_t n, const float *trig) {
+    const int D = D_;
+    const int RD = c_.codec.rotated_dim();
+    auto key = [&](int64_t t, const float *cs, float *x) {
+      const int64_t seg = g_.segment_of(t);
+      const int a = tables_ ? tables_[seg * g_.table_size + kidx8_[t]] : kidx8_[t];
+      const float gam = gamma_value(kcode_[t], scales_[seg * 2]);
+      const uint16_t *anchor = ak_ + static_cast<int64_t>(a) * D;
+      if (neox_ && neox_key_row(anchor, storage_, gam, nullptr, cs, cs + pairs_, pairs_, D, x)) return;
+      half_row(anchor, storage_, D, x);
+#pragma omp simd
+      for (int d = 0; d < D; ++d) x[d] *= gam;
+      if (pairs_) rope_.apply(x, cs, cs + pairs_);
+    };
+    int64_t u = 0;
+    for (; u + 2 <= n; u += 2) {
+      key(t0 + u, trig + u * two_p_, x_.data());
+      key(t0 + u + 1, trig + (u + 1) * two_p_, x2_.data());
+      dot_rows2(q_.data(), D, rows_, x_.data(), x2_.data(), D, logit_.data(), logit2_.data());
+      for (int i = 0; i < rows_; ++i) {
+        L_[i * total_ + t0 + u] = logit_[i];
+        L_[i * total_ + t0 + u + 1] = logit2_[i];
+      }
+    }
+    for (; u < n; ++u) {
+      key(t0 + u, trig + u * two_p_, x_.data());
+      dot_rows(q_.data(), D, rows_, x_.data(), D, logit_.data());
+      for (int i = 0; i < rows_; ++i) L_[i * total_ + t0 + u] = logit_[i];
+    }
+    // Key residuals of the tile: walk its set mask bits.
+    for (int64_t wd = t0 >> 6; wd <= (t0 + n - 1) >> 6; ++wd) {
+      uint64_t bits = kmask_[wd];
+      const int64_t lo = std::max<int64_t>(t0, wd * 64), hi = std::min<int64_t>(t0 + n, wd * 64 + 64);
+      if (lo > wd * 64) bits &= ~0ull << (lo - wd * 64);
+      if (hi < wd * 64 + 64) bits &= (1ull << (hi - wd * 64)) - 1;
+      while (bits) {
+        const int bit = __builtin_ctzll(bits);
+        const uint32_t slot = kbase_ + kprefix_[wd] + static_cast<uint32_t>(__builtin_popcountll(kmask_[wd] & ((1ull << bit) - 1)));
+        bits &= bits - 1;
+        c_.codec.decode_rotated(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
+        dot_rows(q_rot_.data(), RD, rows_, r_.data(), RD, logit_.data());
+        const int64_t t = wd * 64 + bit;
+        for (int i = 0; i < rows_; ++i) L_[i * total_ + t] += logit_[i];
+      }
     }
   }
 
@@ -225,6 +298,11 @@ class AnchorHead {
   int64_t total_ = 0;
   std::vector<float> q_, L_, coef_, coefC_, r_, logit_;
   const uint16_t *ak_, *kidx_, *kgam_;
+  // Format 3.
+  std::vector<float> q_rot_;  // [rows][rotated_dim]
+  const uint8_t *kidx8_ = nullptr, *kcode_ = nullptr;
+  const uint16_t *tables_ = nullptr;
+  const float *scales_ = nullptr;
   const uint64_t *kmask_;
   const uint32_t *kprefix_;
   uint32_t kbase_;
@@ -278,6 +356,22 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
     if (pairs_) rope_.apply(x.data(), window_trig + w * two_p_, window_trig + w * two_p_ + pairs_);
     for (int i = 0; i < rows; ++i) L[i * total + P + w] = dot(q + i * D, x.data(), D);
   }
+  const int64_t free_anchors = k - W;
+  const int64_t *anchor_tokens = cache.section<int64_t>(kAnchorTokens) + h * free_anchors;
+  if (g_.format == 3) {
+    // Anchor tokens are exact: K_a rotated to the token's (implicit) position.
+    std::vector<float> cs(std::max(two_p_, 1));
+    const int64_t first = cache.meta.window_first_position - P;
+    for (int64_t a = 0; a < free_anchors; ++a) {
+      const int64_t t = anchor_tokens[a];
+      half_row(ak_ + a * D, storage, D, x.data());
+      if (pairs_) {
+        rope_.exact_angles(first + t, cs.data(), cs.data() + pairs_);
+        rope_.apply(x.data(), cs.data(), cs.data() + pairs_);
+      }
+      for (int i = 0; i < rows; ++i) L[i * total + t] = dot(q + i * D, x.data(), D);
+    }
+  }
   if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L, total, prompt);
   const std::vector<float> sums = softmax_rows(L, rows, total, prompt, suffix, q_len_, lse);
 
@@ -285,10 +379,27 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
   // domain with one inverse Hadamard per row.
   std::vector<float> weights(static_cast<size_t>(rows) * k, 0.0f), racc(static_cast<size_t>(rows) * RD, 0.0f);
   std::vector<float> acc(static_cast<size_t>(rows) * D, 0.0f);
-  for (int64_t t = 0; t < P; ++t) {
-    const int a = vidx[t];
-    const float gam = bf16_to_float(vgam[t]);
-    for (int i = 0; i < rows; ++i) weights[i * k + a] += L[i * total + t] * gam;
+  if (g_.format == 2) {
+    for (int64_t t = 0; t < P; ++t) {
+      const int a = vidx[t];
+      const float gam = bf16_to_float(vgam[t]);
+      for (int i = 0; i < rows; ++i) weights[i * k + a] += L[i * total + t] * gam;
+    }
+  } else {
+    const uint8_t *vidx8 = cache.section<uint8_t>(kValueIndex) + h * P;
+    const uint8_t *vcode = cache.section<uint8_t>(kValueGamma) + h * P;
+    for (int64_t seg = 0; seg < g_.segments; ++seg) {
+      const int64_t t0 = seg * g_.segment_len, t1 = std::min(P, t0 + g_.segment_len);
+      const uint16_t *table = tables_ ? tables_ + seg * g_.table_size : nullptr;
+      const float scale = scales_[seg * 2 + 1];
+      for (int64_t t = t0; t < t1; ++t) {
+        const int a = table ? table[vidx8[t]] : vidx8[t];
+        const float gam = gamma_value(vcode[t], scale);  // 0 for anchor tokens
+        for (int i = 0; i < rows; ++i) weights[i * k + a] += L[i * total + t] * gam;
+      }
+    }
+    for (int64_t a = 0; a < free_anchors; ++a)
+      for (int i = 0; i < rows; ++i) weights[i * k + a] += L[i * total + anchor_tokens[a]];
   }
   for (int w = 0; w < W; ++w)
     for (int i = 0; i < rows; ++i) weights[i * k + k - W + w] += L[i * total + P + w];
@@ -351,12 +462,18 @@ void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const floa
   const Rope &rope = cache.rope;
   const int pairs = rope.enabled() ? rope.pairs() : 0;
   const int64_t P = cache.geometry.prefix;
-  const int32_t *pos = cache.section<int32_t>(kPositions);
+  // Format 3: implicit positions, consecutive up to the window's.
+  const int32_t *pos = cache.geometry.format == 2 ? cache.section<int32_t>(kPositions) : nullptr;
+  std::vector<int32_t> implicit(pos ? 0 : kTile);
+  const int64_t first = cache.meta.window_first_position - P;
   std::vector<float> trig(kTile * std::max(2 * pairs, 1));
   RopeSweep sweep(rope);
   for (int64_t t0 = 0; t0 < P; t0 += kTile) {
     const int64_t n = std::min(kTile, P - t0);
-    if (pairs) sweep.next(pos + t0, n, trig.data(), trig.data() + pairs, 2 * pairs);
+    const int32_t *tile_pos = pos ? pos + t0 : implicit.data();
+    if (!pos)
+      for (int64_t u = 0; u < n; ++u) implicit[u] = static_cast<int32_t>(first + t0 + u);
+    if (pairs) sweep.next(tile_pos, n, trig.data(), trig.data() + pairs, 2 * pairs);
     for (AnchorHead &head : heads) head.prefix_tile(t0, n, trig.data());
   }
   // The window's angles, exact (as Rope::apply computes them), once for every head.
@@ -423,22 +540,25 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
     const int64_t P = g.prefix, words = g.words;
     const uint16_t *anchors[2] = {cache.section<uint16_t>(kAnchorKeys) + static_cast<int64_t>(h) * k * D,
                                   cache.section<uint16_t>(kAnchorValues) + static_cast<int64_t>(h) * k * D};
-    const uint16_t *idx[2] = {cache.section<uint16_t>(kKeyIndex) + h * P, cache.section<uint16_t>(kValueIndex) + h * P};
-    const uint16_t *gam[2] = {cache.section<uint16_t>(kKeyGamma) + h * P, cache.section<uint16_t>(kValueGamma) + h * P};
     const uint64_t *mask[2] = {cache.section<uint64_t>(kKeyMask) + h * words, cache.section<uint64_t>(kValueMask) + h * words};
     const uint32_t *prefix[2] = {cache.section<uint32_t>(kKeyPrefix) + h * words, cache.section<uint32_t>(kValuePrefix) + h * words};
     const uint32_t base[2] = {cache.section<uint32_t>(kKeyOffsets)[h], cache.section<uint32_t>(kValueOffsets)[h]};
     const uint8_t *codes[2] = {cache.section<uint8_t>(kKeyCodes), cache.section<uint8_t>(kValueCodes)};
     const float *scales[2] = {cache.section<float>(kKeyScales), cache.section<float>(kValueScales)};
-    const int32_t *pos = cache.section<int32_t>(kPositions);
+    const AnchorAccess access(cache);
+    // Format 3 stores key residuals post-RoPE.
+    const bool post_rope_residual = g.format == 3;
     std::vector<float> a(D), r(cache.codec.rotated_dim());
     for (int side = 0; side < 2; ++side) {
       float *dst = side == 0 ? keys : values;
       for (int64_t t = 0; t < P; ++t) {
-        half_row(anchors[side] + static_cast<int64_t>(idx[side][t]) * D, storage, D, a.data());
-        const float gq = bf16_to_float(gam[side][t]);
+        half_row(anchors[side] + static_cast<int64_t>(access.anchor(side, h, t)) * D, storage, D, a.data());
+        const float gq = access.gamma(side, h, t);
         float *o = dst + t * D;
         for (int d = 0; d < D; ++d) o[d] = gq * a[d];
+        const int32_t position = access.position(t);
+        const bool post = side == 0 && post_rope_residual;
+        if (post) rope.apply(o, position);
         const uint64_t word = mask[side][t >> 6];
         if (word >> (t & 63) & 1u) {
           const uint32_t slot = base[side] + prefix[side][t >> 6] +
@@ -447,7 +567,7 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
                              r.data());
           for (int d = 0; d < D; ++d) o[d] += r[d];
         }
-        if (side == 0 && rotated) rope.apply(o, pos[t]);
+        if (side == 0 && rotated != post) rope.apply(o, position, /*inverse=*/post);
       }
       for (int w = 0; w < W; ++w) {
         float *o = dst + (P + w) * D;

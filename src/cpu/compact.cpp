@@ -17,6 +17,8 @@
 #include <limits>
 #include <vector>
 
+#include "core/anchor_access.hpp"
+#include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/method_traits.hpp"
 #include "core/options.hpp"
@@ -86,7 +88,8 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
   const AnchorGeometry &g = old.geometry;
   std::vector<int32_t> pos(T);
   if (anchor) {
-    std::memcpy(pos.data(), old.section<int32_t>(kPositions), g.prefix * sizeof(int32_t));
+    const AnchorAccess access(old);
+    for (int64_t t = 0; t < g.prefix; ++t) pos[t] = access.position(t);
     for (int w = 0; w < W; ++w) pos[g.prefix + w] = static_cast<int32_t>(m.window_first_position + w);
   } else {
     std::copy(old.dense_positions.begin(), old.dense_positions.end(), pos.begin());
@@ -95,6 +98,10 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
 
   // The budget: theta of M_full(T), less what `headroom` dense tokens cost beyond their share.
   akv_compress_options o = old.compress_options;
+  // Format 3 stores positions implicitly: a suffix appended at other positions compacts into
+  // the paper's layout.
+  for (int64_t t = 1; t < T && anchor && o.storage_format != 2; ++t)
+    if (pos[t] != pos[0] + t) o.storage_format = 2;
   const double theta = o.retain_fraction;
   const double full = 4.0 * static_cast<double>(T) * H * D;
   const double reserve = (1.0 - theta) * 4.0 * static_cast<double>(headroom) * H * D;
@@ -145,10 +152,9 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
                                     std::vector<int32_t>(static_cast<size_t>(H) * T, -1)};
   std::vector<uint16_t> sticky_gamma[2] = {std::vector<uint16_t>(static_cast<size_t>(H) * T),
                                            std::vector<uint16_t>(static_cast<size_t>(H) * T)};
-  const uint16_t *old_gamma[2] = {old.section<uint16_t>(kKeyGamma), old.section<uint16_t>(kValueGamma)};
+  const AnchorAccess access(old);
   const int64_t free_old = m.anchors - W;
   const int64_t *anchor_tokens = old.section<int64_t>(kAnchorTokens);
-  const uint16_t *index[2] = {old.section<uint16_t>(kKeyIndex), old.section<uint16_t>(kValueIndex)};
   const int64_t sinks = o.sink_tokens;
   context->pool->parallel_for(H, [&](int64_t b, int64_t e) {
     for (int64_t h = b; h < e; ++h) {
@@ -158,11 +164,11 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
       std::vector<float> dependents(m.anchors, 0.0f);
       for (int side = 0; side < 2; ++side)
         for (int64_t t = 0; t < g.prefix; ++t) {
-          const int64_t a = index[side][h * g.prefix + t];
+          const int64_t a = access.anchor(side, static_cast<int>(h), t);
           dependents[a] += 1.0f;
           sticky[side][h * T + t] = static_cast<int32_t>(a < free_old ? anchor_tokens[h * free_old + a]
                                                                       : g.prefix + (a - free_old));
-          sticky_gamma[side][h * T + t] = old_gamma[side][h * g.prefix + t];
+          sticky_gamma[side][h * T + t] = float_to_bf16(access.gamma(side, static_cast<int>(h), t));
         }
       for (int64_t a = 0; a < free_old; ++a) {
         const int64_t t = anchor_tokens[h * free_old + a];

@@ -13,6 +13,7 @@
 
 #include "core/dtype.hpp"
 #include "core/error.hpp"
+#include "core/anchor_access.hpp"
 #include "core/rng.hpp"
 #include "cpu/gemm.hpp"
 #include "core/thread_pool.hpp"
@@ -217,6 +218,74 @@ std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight,
   return picks;
 }
 
+// Format 3: each segment's table (written to `tables`, [H][segments][256]) holds the anchors
+// its non-anchor tokens use most, both sides counted (ties: lower anchor); a token whose
+// nearest anchor is not in it takes the nearest one that is (largest |cos|, lower entry on
+// ties), with its coefficient. Short tables repeat their first entry. entry[side][t] gets the
+// token's table entry.
+void restrict_to_tables(const AnchorGeometry &g, int h, const std::vector<float> &Kpre, const std::vector<float> &V,
+                        const std::vector<float> (&anchor_n)[2], const std::vector<float> (&anchor_norm)[2],
+                        const std::vector<int32_t> &anchor_of_token, std::vector<int32_t> (&assigned)[2],
+                        std::vector<float> (&coef)[2], std::vector<uint8_t> (&entry)[2], uint16_t *tables,
+                        ThreadPool &pool) {
+  const int64_t P = g.prefix, L = g.segment_len, T = g.table_size;
+  const int D = g.dim, k = g.anchors;
+  const std::vector<float> *X[2] = {&Kpre, &V};
+  pool.parallel_for(g.segments, [&](int64_t sb, int64_t se) {
+    std::vector<int32_t> count(k, 0), slot(k, -1), used;
+    for (int64_t seg = sb; seg < se; ++seg) {
+      const int64_t t0 = seg * L, t1 = std::min(P, t0 + L);
+      used.clear();
+      for (int side = 0; side < 2; ++side)
+        for (int64_t t = t0; t < t1; ++t) {
+          if (anchor_of_token[t] >= 0) continue;
+          const int32_t a = assigned[side][t];
+          if (count[a]++ == 0) used.push_back(a);
+        }
+      std::sort(used.begin(), used.end(), [&](int32_t a, int32_t b) { return count[a] != count[b] ? count[a] > count[b] : a < b; });
+      const int64_t n = std::min<int64_t>(T, static_cast<int64_t>(used.size()));
+      uint16_t *table = tables + (static_cast<int64_t>(h) * g.segments + seg) * T;
+      for (int64_t j = 0; j < T; ++j) table[j] = static_cast<uint16_t>(j < n ? used[j] : (n ? used[0] : 0));
+      for (int64_t j = 0; j < n; ++j) slot[used[j]] = static_cast<int32_t>(j);
+      for (int side = 0; side < 2; ++side) {
+        const std::vector<float> &an = anchor_n[side], &norm = anchor_norm[side];
+        for (int64_t t = t0; t < t1; ++t) {
+          if (anchor_of_token[t] >= 0) {
+            entry[side][t] = 0;
+            continue;
+          }
+          const int32_t a = assigned[side][t];
+          if (slot[a] >= 0) {
+            entry[side][t] = static_cast<uint8_t>(slot[a]);
+            continue;
+          }
+          const float *x = &(*X[side])[t * D];
+          int64_t best = 0;
+          float best_abs = -1.0f, best_c = 0.0f;
+          for (int64_t j = 0; j < n; ++j) {
+            const float *u = &an[static_cast<int64_t>(table[j]) * D];
+            float c = 0.0f;
+            for (int d = 0; d < D; ++d) c += x[d] * u[d];
+            const float v = norm[table[j]] > 0.0f ? std::fabs(c) : -0.5f;
+            if (v > best_abs) {
+              best_abs = v;
+              best = j;
+              best_c = c;
+            }
+          }
+          assigned[side][t] = table[best];
+          coef[side][t] = norm[table[best]] > 0.0f ? best_c / norm[table[best]] : 0.0f;
+          entry[side][t] = static_cast<uint8_t>(best);
+        }
+      }
+      for (int32_t a : used) {
+        count[a] = 0;
+        slot[a] = -1;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
@@ -242,9 +311,10 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   uint16_t *anchor_keys = cache->section<uint16_t>(kAnchorKeys);
   uint16_t *anchor_values = cache->section<uint16_t>(kAnchorValues);
   int64_t *anchor_tokens = cache->section<int64_t>(kAnchorTokens);
-  uint16_t *index[2] = {cache->section<uint16_t>(kKeyIndex), cache->section<uint16_t>(kValueIndex)};
-  uint16_t *gamma[2] = {cache->section<uint16_t>(kKeyGamma), cache->section<uint16_t>(kValueGamma)};
-  std::memcpy(cache->section<int32_t>(kPositions), pos.data(), P * sizeof(int32_t));
+  // Format 2: u16 indices and bf16 coefficients; format 3: one byte each (core/layout.hpp).
+  uint8_t *index_bytes[2] = {cache->section<uint8_t>(kKeyIndex), cache->section<uint8_t>(kValueIndex)};
+  uint8_t *gamma_bytes[2] = {cache->section<uint8_t>(kKeyGamma), cache->section<uint8_t>(kValueGamma)};
+  if (g.format == 2) std::memcpy(cache->section<int32_t>(kPositions), pos.data(), P * sizeof(int32_t));
 
   const float scale = meta.softmax_scale;
   const int64_t n_sink = sink_anchor_count(o, g), n_top = scored_anchor_count(o, g);
@@ -252,7 +322,13 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   std::vector<float> energy[2] = {std::vector<float>(H * P), std::vector<float>(H * P)};  // ||r||^2
 
   std::vector<float> Kpre(S * D), Kpost(S * D), V(S * D), Q(m * D), Y(m * D), A(m * S);
-  std::vector<float> Z(m * P), VY(m * P), anchor_f(k * D), anchor_n(k * D), anchor_norm(k);
+  std::vector<float> Z(m * P), VY(m * P);
+  std::vector<float> anchor_f[2] = {std::vector<float>(k * D), std::vector<float>(k * D)};
+  std::vector<float> anchor_n[2] = {std::vector<float>(k * D), std::vector<float>(k * D)};
+  std::vector<float> anchor_norm[2] = {std::vector<float>(k), std::vector<float>(k)};
+  std::vector<int32_t> assigned[2] = {std::vector<int32_t>(P), std::vector<int32_t>(P)};  // per side
+  std::vector<float> coef[2] = {std::vector<float>(P), std::vector<float>(P)};
+  std::vector<uint8_t> entry[2] = {std::vector<uint8_t>(P), std::vector<uint8_t>(P)};  // format 3
   std::vector<float> raw(P), pooled(P), alpha_sq(P);
   for (int h = 0; h < H; ++h) {
     // 1. Load this head: pre- and post-RoPE keys, values, and the group's window queries.
@@ -294,75 +370,118 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     }
     auto anchor_token = [&](int64_t a) { return a < free_anchors ? static_cast<int64_t>(picks[a]) : P + (a - free_anchors); };
 
-    // 5. Per side: store anchors, assign every prefix token to its nearest anchor by |cos|.
+    // 5. Per side: store the anchors and assign every prefix token to its nearest anchor by
+    // |cos| with the least-squares coefficient; format 3 then restricts each segment's tokens
+    // to its table (restrict_to_tables); then the coefficients are stored (bf16 or a one-byte
+    // code) and the residuals against the stored coefficient measured.
     for (int side = 0; side < 2; ++side) {
       const std::vector<float> &X = side == 0 ? Kpre : V;
       uint16_t *anchors_out = (side == 0 ? anchor_keys : anchor_values) + static_cast<int64_t>(h) * k * D;
+      std::vector<float> &af = anchor_f[side], &an = anchor_n[side], &norm = anchor_norm[side];
       for (int64_t a = 0; a < k; ++a) {
         const float *src = &X[anchor_token(a) * D];
         double n2 = 0.0;
         for (int d = 0; d < D; ++d) {
           anchors_out[a * D + d] = float_to_half(src[d], storage);
-          anchor_f[a * D + d] = half_to_float(anchors_out[a * D + d], storage);
-          n2 += static_cast<double>(anchor_f[a * D + d]) * anchor_f[a * D + d];
+          af[a * D + d] = half_to_float(anchors_out[a * D + d], storage);
+          n2 += static_cast<double>(af[a * D + d]) * af[a * D + d];
         }
-        anchor_norm[a] = static_cast<float>(std::sqrt(n2));
-        const float inv = anchor_norm[a] > 0.0f ? 1.0f / anchor_norm[a] : 0.0f;
-        for (int d = 0; d < D; ++d) anchor_n[a * D + d] = anchor_f[a * D + d] * inv;
+        norm[a] = static_cast<float>(std::sqrt(n2));
+        const float inv = norm[a] > 0.0f ? 1.0f / norm[a] : 0.0f;
+        for (int d = 0; d < D; ++d) an[a * D + d] = af[a * D + d] * inv;
       }
       const int32_t *sticky = req.sticky_anchor[side] ? req.sticky_anchor[side] + static_cast<int64_t>(h) * S : nullptr;
-      uint16_t *idx_out = index[side] + static_cast<int64_t>(h) * P;
-      uint16_t *gamma_out = gamma[side] + static_cast<int64_t>(h) * P;
       constexpr int64_t kBlock = 1024;
       pool.parallel_for((P + kBlock - 1) / kBlock, [&](int64_t b, int64_t e) {
-        std::vector<float> C(kBlock * k), r(D);
+        std::vector<float> C(kBlock * k);
         for (int64_t blk = b; blk < e; ++blk) {
           const int64_t t0 = blk * kBlock, n = std::min(kBlock, P - t0);
-          sgemm(true, n, k, D, 1.0f, &X[t0 * D], D, anchor_n.data(), D, 0.0f, C.data(), k);
+          sgemm(true, n, k, D, 1.0f, &X[t0 * D], D, an.data(), D, 0.0f, C.data(), k);
           for (int64_t i = 0; i < n; ++i) {
             const int64_t t = t0 + i;
-            int32_t best;
-            float g_t;
             const int32_t stuck = sticky ? sticky[t] : -1;  // compaction: the old assignment
             if (anchor_of_token[t] >= 0) {
-              best = anchor_of_token[t];
-              g_t = 1.0f;
+              assigned[side][t] = anchor_of_token[t];
+              coef[side][t] = 1.0f;
             } else if (stuck >= 0 && stuck < P && anchor_of_token[stuck] >= 0) {
-              best = anchor_of_token[stuck];
-              g_t = bf16_to_float(req.sticky_gamma[side][static_cast<int64_t>(h) * S + t]);
+              assigned[side][t] = anchor_of_token[stuck];
+              coef[side][t] = bf16_to_float(req.sticky_gamma[side][static_cast<int64_t>(h) * S + t]);
             } else {
               const float *c = &C[i * k];
-              best = 0;
+              int32_t best = 0;
               float best_abs = -1.0f;
               for (int64_t a = 0; a < k; ++a) {
-                const float v = anchor_norm[a] > 0.0f ? std::fabs(c[a]) : -0.5f;
+                const float v = norm[a] > 0.0f ? std::fabs(c[a]) : -0.5f;
                 if (v > best_abs) {
                   best_abs = v;
                   best = static_cast<int32_t>(a);
                 }
               }
-              g_t = anchor_norm[best] > 0.0f ? c[best] / anchor_norm[best] : 0.0f;
-            }
-            idx_out[t] = static_cast<uint16_t>(best);
-            gamma_out[t] = float_to_bf16(g_t);
-            const float gq = bf16_to_float(gamma_out[t]);
-            const float *x = &X[t * D];
-            const float *av = &anchor_f[static_cast<int64_t>(best) * D];
-            double n2 = 0.0;
-            for (int d = 0; d < D; ++d) {
-              r[d] = x[d] - gq * av[d];
-              n2 += static_cast<double>(r[d]) * r[d];
-            }
-            energy[side][h * P + t] = static_cast<float>(n2);
-            if (side == 0) {
-              // The key residual as attention sees it: rotated to the token's position.
-              in.rotate(r.data(), t);
-              std::memcpy(&Kpost[t * D], r.data(), D * sizeof(float));
+              assigned[side][t] = best;
+              coef[side][t] = norm[best] > 0.0f ? c[best] / norm[best] : 0.0f;
             }
           }
         }
       });
     }
+    if (g.format == 3) {
+      if (g.table_size) restrict_to_tables(g, h, Kpre, V, anchor_n, anchor_norm, anchor_of_token, assigned, coef,
+                                           entry, cache->section<uint16_t>(kSegmentTables), pool);
+      else
+        for (int side = 0; side < 2; ++side)
+          for (int64_t t = 0; t < P; ++t) entry[side][t] = static_cast<uint8_t>(assigned[side][t]);
+      float *scales = cache->section<float>(kGammaScales) + static_cast<int64_t>(h) * g.segments * 2;
+      for (int64_t seg = 0; seg < g.segments; ++seg)
+        for (int side = 0; side < 2; ++side) {
+          float mx = 0.0f;
+          for (int64_t t = seg * g.segment_len; t < std::min(P, (seg + 1) * g.segment_len); ++t)
+            if (anchor_of_token[t] < 0) mx = std::max(mx, std::fabs(coef[side][t]));
+          scales[seg * 2 + side] = mx;
+        }
+    }
+    for (int side = 0; side < 2; ++side) {
+      const std::vector<float> &X = side == 0 ? Kpre : V;
+      const float *scales = g.format == 3 ? cache->section<float>(kGammaScales) + static_cast<int64_t>(h) * g.segments * 2 : nullptr;
+      pool.parallel_for(P, [&](int64_t b, int64_t e) {
+        std::vector<float> r(D);
+        for (int64_t t = b; t < e; ++t) {
+          const int32_t best = assigned[side][t];
+          float gq;
+          if (g.format == 2) {
+            uint16_t *gamma_out = reinterpret_cast<uint16_t *>(gamma_bytes[side]) + static_cast<int64_t>(h) * P;
+            reinterpret_cast<uint16_t *>(index_bytes[side])[static_cast<int64_t>(h) * P + t] = static_cast<uint16_t>(best);
+            gamma_out[t] = float_to_bf16(coef[side][t]);
+            gq = bf16_to_float(gamma_out[t]);
+          } else if (anchor_of_token[t] >= 0) {
+            continue;  // exact through the anchor list: index 0, code 0 (the memset)
+          } else {
+            const float scale = scales[g.segment_of(t) * 2 + side];
+            const uint8_t code = gamma_code(coef[side][t], scale);
+            index_bytes[side][static_cast<int64_t>(h) * P + t] = entry[side][t];
+            gamma_bytes[side][static_cast<int64_t>(h) * P + t] = code;
+            gq = gamma_value(code, scale);
+          }
+          const float *x = &X[t * D];
+          const float *av = &anchor_f[side][static_cast<int64_t>(best) * D];
+          double n2 = 0.0;
+          for (int d = 0; d < D; ++d) {
+            r[d] = x[d] - gq * av[d];
+            n2 += static_cast<double>(r[d]) * r[d];
+          }
+          energy[side][h * P + t] = static_cast<float>(n2);
+          if (side == 0) {
+            // The key residual as attention sees it: rotated to the token's position.
+            in.rotate(r.data(), t);
+            std::memcpy(&Kpost[t * D], r.data(), D * sizeof(float));
+          }
+        }
+      });
+    }
+    if (g.format == 3)  // anchor tokens: their key residual is zero (they are exact)
+      for (int64_t a = 0; a < free_anchors; ++a) {
+        std::memset(&Kpost[static_cast<int64_t>(picks[a]) * D], 0, D * sizeof(float));
+        energy[0][h * P + picks[a]] = energy[1][h * P + picks[a]] = 0.0f;
+      }
 
     // 6. Utilities (Eq. 6). Z = Q (R r_K)^T; ||V_t - y||^2 = ||V_t||^2 - 2 V_t.y + ||y||^2.
     sgemm(pool, true, m, P, D, 1.0f, Q.data(), D, Kpost.data(), D, 0.0f, Z.data(), P);
@@ -427,6 +546,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   const int sections_codes[2] = {kKeyCodes, kValueCodes}, sections_scales[2] = {kKeyScales, kValueScales};
   uint8_t *chunk_pos = cache->section<uint8_t>(kValueChunkPos);
   const ResidualCodec &codec = cache->codec;
+  const AnchorAccess access(*cache);
   for (int side = 0; side < 2; ++side) {
     uint64_t *mask = cache->section<uint64_t>(sections_mask[side]);
     uint32_t *prefix = cache->section<uint32_t>(sections_prefix[side]);
@@ -458,10 +578,11 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
             const int64_t t = wd * 64 + bit;
             if (side == 0) in.key_row(static_cast<int>(h), t, x.data(), nullptr);
             else in.value_row(static_cast<int>(h), t, x.data());
-            const int64_t a = index[side][h * P + t];
-            const float gq = bf16_to_float(gamma[side][h * P + t]);
+            const int64_t a = access.anchor(side, static_cast<int>(h), t);
+            const float gq = access.gamma(side, static_cast<int>(h), t);
             const uint16_t *av = anchors_in + (h * k + a) * D;
             for (int d = 0; d < D; ++d) x[d] -= gq * half_to_float(av[d], storage);
+            if (side == 0 && g.format == 3) in.rotate(x.data(), t);  // format 3: post-RoPE
             scales[slot] = codec.encode(x.data(), codes + static_cast<int64_t>(slot) * codec.code_bytes());
             if (side == 1) chunk_pos[slot] = static_cast<uint8_t>(bit);
             ++slot;

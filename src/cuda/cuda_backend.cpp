@@ -65,6 +65,8 @@ void CudaBackend::check_compress(const akv_compress_options &o, const akv_shape 
     fail(AKV_ERR_UNSUPPORTED, "compact_after (automatic compaction) needs a CPU context: on CUDA, call "
          "akv_cache_compact between decodes (it synchronises)");
   check_supported(o.method, shape.head_dim);
+  if (o.method == AKV_METHOD_ANCHORKV && o.storage_format != 2)
+    fail(AKV_ERR_UNSUPPORTED, "storage_format 3 is not yet compressed on CUDA: set storage_format 2");
 }
 
 std::unique_ptr<akv_cache> CudaBackend::compress(const CompressRequest &req, void *stream) {

@@ -58,6 +58,7 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
   v.suffix_values = at.suffix_values;
   if (v.kind == kKindAnchor) {
     const AnchorGeometry &g = cache.geometry;
+    require(g.format == 2, AKV_ERR_UNSUPPORTED, "storage_format 3 caches do not decode on CUDA yet");
     v.prefix = static_cast<int32_t>(g.prefix);
     v.anchors = g.anchors;
     v.window = g.window;

@@ -48,6 +48,7 @@ std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const AnchorGeom
   require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (AnchorKV scores with the window queries)");
   meta.anchors = g.anchors;
   meta.pool_heads = g.pool_heads;
+  meta.storage_format = g.format;
   meta.key_residuals = g.key_residuals;
   meta.value_residuals = g.value_residuals;
   cache.geometry = g;
@@ -58,6 +59,13 @@ std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const AnchorGeom
   const int64_t S = g.seq_len, P = g.prefix;
   require(pos[S - 1] - pos[P] == g.window - 1, AKV_ERR_UNSUPPORTED, "positions of the last window=", g.window,
           " tokens must be consecutive (got ", pos[P], "..", pos[S - 1], ")");
+  if (g.format == 3) {  // positions are implicit: first + t
+    for (int64_t t = 1; t < P; ++t)
+      require(pos[t] == pos[0] + t, AKV_ERR_UNSUPPORTED, "storage_format 3 stores positions implicitly and needs them "
+              "consecutive; positions[", t, "] = ", pos[t], " after ", pos[t - 1], " (set storage_format 2)");
+    require(pos[P] == pos[0] + P, AKV_ERR_UNSUPPORTED, "storage_format 3 needs consecutive positions; the window starts at ",
+            pos[P], " after ", pos[P - 1], " (set storage_format 2)");
+  }
   meta.window_first_position = pos[P];
   cache.next_position = static_cast<int64_t>(pos[S - 1]) + 1;
   return pos;

@@ -167,7 +167,7 @@ TEST(CompressedSize, AutomaticAnchorsFollowTheBudget) {
           akv_compress_options_init(&options);
           options.retain_fraction = theta;
           const akv_shape shape{S, H, H, D};
-          const int64_t k = anchorkv_auto_anchors(S, H, D, 32, options.anchor_share, options.fill_budget != 0, theta);
+          const int64_t k = anchorkv_auto_anchors(S, H, D, 32, options.anchor_share, options.fill_budget != 0, theta, 3);
           size_t bytes = 0;
           const akv_status status = akv_compressed_size(&options, &shape, &bytes);
           const std::string where = "S=" + std::to_string(S) + " H=" + std::to_string(H) + " D=" + std::to_string(D) +
@@ -177,7 +177,7 @@ TEST(CompressedSize, AutomaticAnchorsFollowTheBudget) {
             continue;
           }
           ASSERT_EQ(status, AKV_OK) << where << ": " << akv_last_error_message();
-          const AnchorBudget expected = anchorkv_budget(S, H, D, 32, k, theta);
+          const AnchorBudget expected = anchorkv_budget(S, H, D, 32, k, theta, 3);
           EXPECT_EQ(bytes, expected.compressed_bytes) << where << " k=" << k;
           EXPECT_LE(static_cast<double>(bytes), theta * expected.full_bytes) << where;
           ++checked;

@@ -24,17 +24,35 @@ struct AnchorBudget {
   double min_retain_fraction = 0.0;  // M_base / M_full
 };
 
-// anchors_option 0 = the default k = max(W, S/128).
+// Storage format 3's segments (docs/design.md §3.2): 1024 positions when k <= 256 (no
+// tables), else the largest of 256, 512, ..., 4096 with segment * k <= 64 * P.
+inline int64_t format3_segment(int64_t P, int64_t k) {
+  if (k <= 256) return 1024;
+  int64_t len = 4096;
+  while (len > 256 && len * k > 64 * P) len /= 2;
+  return len;
+}
+
+// anchors_option 0 = the default k = max(W, S/128). format: the storage format, 2 (the
+// paper's: u16 index and bf16 coefficient per token and side, int32 positions) or 3 (a byte
+// each; per segment a 256-entry u16 table when k > 256 and two f32 scales; no positions).
 inline AnchorBudget anchorkv_budget(int64_t S, int64_t H, int64_t D, int64_t W,
-                                    int64_t anchors_option, double retain_fraction) {
+                                    int64_t anchors_option, double retain_fraction, int format = 2) {
   AnchorBudget b;
   b.anchors = anchors_option > 0 ? anchors_option : std::max<int64_t>(W, S / 128);
   const int64_t k = b.anchors, P = S - W;
   b.non_window = P;
   b.full_bytes = static_cast<uint64_t>(4 * S * H * D);
-  const int64_t index_bytes = 2, coefficient_bytes = 2;
-  b.base_bytes = static_cast<uint64_t>(H * (4 * k * D + 8 * (k - W) + 2 * P * (index_bytes + coefficient_bytes)) +
-                                       24 * H * ((P + 63) / 64) + 8 * (H + 1) + 4 * P);
+  if (format == 2) {
+    const int64_t index_bytes = 2, coefficient_bytes = 2;
+    b.base_bytes = static_cast<uint64_t>(H * (4 * k * D + 8 * (k - W) + 2 * P * (index_bytes + coefficient_bytes)) +
+                                         24 * H * ((P + 63) / 64) + 8 * (H + 1) + 4 * P);
+  } else {
+    const int64_t segment = format3_segment(P, k), segments = (P + segment - 1) / segment;
+    const int64_t per_segment = (k > 256 ? 2 * 256 : 0) + 2 * 4;
+    b.base_bytes = static_cast<uint64_t>(H * (4 * k * D + 8 * (k - W) + 2 * P * (1 + 1) + segments * per_segment) +
+                                         24 * H * ((P + 63) / 64) + 8 * (H + 1));
+  }
   b.budget = retain_fraction * static_cast<double>(b.full_bytes);
   b.min_retain_fraction = static_cast<double>(b.base_bytes) / static_cast<double>(b.full_bytes);
   int64_t padded = 1;  // the codec rotates D padded to a power of two (80, 96, 112 -> 128)
@@ -64,15 +82,15 @@ inline AnchorBudget anchorkv_budget(int64_t S, int64_t H, int64_t D, int64_t W,
 // fill_budget, while every non-anchor token holds both residuals, the largest k that still
 // fits with that true. 0 when even the paper's k does not fit.
 inline int64_t anchorkv_auto_anchors(int64_t S, int64_t H, int64_t D, int64_t W, double anchor_share,
-                                     bool fill_budget, double retain_fraction) {
+                                     bool fill_budget, double retain_fraction, int format = 2) {
   const int64_t cap = std::min<int64_t>(S, 65536);
   int64_t k = std::min<int64_t>(cap, std::max<int64_t>(W, S / 128));
-  const AnchorBudget paper = anchorkv_budget(S, H, D, W, k, retain_fraction);
+  const AnchorBudget paper = anchorkv_budget(S, H, D, W, k, retain_fraction, format);
   if (!paper.fits) return 0;
   const double spare = anchor_share * (paper.budget - static_cast<double>(paper.base_bytes));
   while (k < cap && static_cast<double>((k + 1 - paper.anchors) * H * (4 * D + 8)) <= spare) ++k;
   auto saturated = [&](int64_t anchors) {
-    const AnchorBudget b = anchorkv_budget(S, H, D, W, anchors, retain_fraction);
+    const AnchorBudget b = anchorkv_budget(S, H, D, W, anchors, retain_fraction, format);
     return b.fits && b.key_residuals >= b.residuals_per_side_cap && b.value_residuals >= b.residuals_per_side_cap;
   };
   if (fill_budget && saturated(k))

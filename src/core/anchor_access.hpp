@@ -1,0 +1,37 @@
+// A token's anchor assignment, read the same way from either storage format (core/layout.hpp):
+// the anchor, the coefficient and the position of prefix token t of head h. Host-side readers
+// (reconstruct, compaction, the CUDA view, tests) use it; the CPU decode reads the sections
+// directly. In format 3 an anchor token stores index 0 and coefficient code 0 and is exact
+// through the anchor list: here it reads as its own anchor with coefficient 1, as in format 2.
+#pragma once
+#include <cstdint>
+#include <vector>
+#include "core/layout.hpp"
+
+struct akv_cache;
+
+namespace akv {
+
+class AnchorAccess {
+ public:
+  // data: the cache's sections laid out by `layout` (host memory).
+  AnchorAccess(const AnchorGeometry &g, const AnchorLayout &layout, const uint8_t *data, int64_t window_first_position);
+  explicit AnchorAccess(const akv_cache &cache);  // a CPU cache's own data
+
+  int32_t anchor(int side, int h, int64_t t) const;
+  float gamma(int side, int h, int64_t t) const;
+  int32_t position(int64_t t) const {
+    return positions_ ? positions_[t] : static_cast<int32_t>(first_position_ + t);
+  }
+
+ private:
+  const AnchorGeometry &g_;
+  const uint8_t *index_[2], *gamma_[2];
+  const uint16_t *tables_ = nullptr;
+  const float *scales_ = nullptr;
+  const int32_t *positions_ = nullptr;
+  int64_t first_position_ = 0;
+  std::vector<int32_t> own_;  // format 3: [H][P] the anchor a token is, else -1
+};
+
+}  // namespace akv
