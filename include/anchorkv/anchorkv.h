@@ -291,7 +291,7 @@ typedef struct akv_compress_options {
                                      3 = local anchor tables: positions cut into segments, each
                                      with a table of at most 256 of the head's anchors, so a
                                      token's key and value anchors are one byte each; 8-bit
-                                     log-coded coefficients; key residuals stored post-RoPE;
+                                     log-coded coefficients;
                                      positions implicit (the prompt's positions must be
                                      consecutive). 2 = the paper's layout (u16 anchor indices,
                                      bf16 coefficients, int32 positions; App. A.1). 0 = 3.

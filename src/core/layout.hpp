@@ -6,6 +6,7 @@
 #include <cstdint>
 #include "anchorkv/anchorkv.h"
 #include "core/codec.hpp"
+#include "core/dtype.hpp"
 
 namespace akv {
 
@@ -98,9 +99,10 @@ int64_t segment_length(int64_t prefix, int64_t anchors);
 // segment's side (m 0 of the positive sign is not used: code 0 means 0).
 constexpr int kGammaStepsPerOctave = 12;
 uint8_t gamma_code(float gamma, float scale);
-// The value of every code for scale 1 (multiply by the segment's scale).
+// The value of every code for scale 1. A code's coefficient is scale * unit rounded to bf16,
+// so that it widens exactly to format 2's bf16 coefficient (the CUDA view, cuda/plan.hpp).
 const float *gamma_units();
-inline float gamma_value(uint8_t code, float scale) { return scale * gamma_units()[code]; }
+inline float gamma_value(uint8_t code, float scale) { return bf16_to_float(float_to_bf16(scale * gamma_units()[code])); }
 
 // The paper's anchor count k = max(W, S/128), clamped to S and to 65536 (u16 anchor indices);
 // anchor_geometry raises it by anchor_share and fill_budget.

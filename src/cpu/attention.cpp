@@ -78,21 +78,12 @@ class AnchorHead {
     kcodes_ = cache.section<uint8_t>(kKeyCodes);
     kscales_ = cache.section<float>(kKeyScales);
     r_.resize(cache.codec.rotated_dim());
-    if (g_.format == 3) {
-      // One-byte indices into the segment's table, coefficient codes, post-RoPE key residuals:
-      // their logit is a dot product of the decoded codes with the query in the codec's
-      // rotated domain, so the queries are rotated once per step.
-      const int RD = cache.codec.rotated_dim();
+    if (g_.format == 3) {  // one-byte indices into the segment's table, coefficient codes
       kidx8_ = cache.section<uint8_t>(kKeyIndex) + h * P;
       kcode_ = cache.section<uint8_t>(kKeyGamma) + h * P;
       tables_ = g_.table_size ? cache.section<uint16_t>(kSegmentTables) + static_cast<int64_t>(h) * g_.segments * g_.table_size
                               : nullptr;
       scales_ = cache.section<float>(kGammaScales) + static_cast<int64_t>(h) * g_.segments * 2;
-      q_rot_.assign(static_cast<size_t>(rows_) * RD, 0.0f);
-      for (int i = 0; i < rows_; ++i) {
-        std::copy(&q_[static_cast<size_t>(i) * D_], &q_[static_cast<size_t>(i) * D_] + D_, &q_rot_[static_cast<size_t>(i) * RD]);
-        cache.codec.rotate(&q_rot_[static_cast<size_t>(i) * RD]);
-      }
     }
     logit_.resize(rows_);
     x_.resize(D_);
@@ -184,7 +175,6 @@ class AnchorHead {
   // The same logits with each token's key rebuilt pre-RoPE (gamma K_a plus its decoded
   // residual), rotated once and contracted with the group's rows.
   void prefix_tile_gather(int64_t t0, int64_t n, const float *trig) {
-    if (g_.format == 3) return prefix_tile_tables(t0, n, trig);
     // Two tokens at a time share the loads of the query rows in the contraction.
     int64_t u = 0;
     for (; u + 2 <= n; u += 2) {
@@ -203,63 +193,23 @@ class AnchorHead {
     }
   }
 
-  // Format 3: each key is gamma K_a rotated to its position, K_a from the segment's table
-  // (a few hundred rows that stay in L1/L2); tokens with a key residual add the dot product of
-  // its rotated-domain codes with the rotated queries. Anchor tokens (index 0, code 0, a zero
-  // key here) get their exact logits in finish().
-  void prefix_tile_tables(int64_t t0, int64_t n, const float *trig) {
-    const int D = D_;
-    const int RD = c_.codec.rotated_dim();
-    auto key = [&](int64_t t, const float *cs, float *x) {
-      const int64_t seg = g_.segment_of(t);
-      const int a = tables_ ? tables_[seg * g_.table_size + kidx8_[t]] : kidx8_[t];
-      const float gam = gamma_value(kcode_[t], scales_[seg * 2]);
-      const uint16_t *anchor = ak_ + static_cast<int64_t>(a) * D;
-      if (neox_ && neox_key_row(anchor, storage_, gam, nullptr, cs, cs + pairs_, pairs_, D, x)) return;
-      half_row(anchor, storage_, D, x);
-#pragma omp simd
-      for (int d = 0; d < D; ++d) x[d] *= gam;
-      if (pairs_) rope_.apply(x, cs, cs + pairs_);
-    };
-    int64_t u = 0;
-    for (; u + 2 <= n; u += 2) {
-      key(t0 + u, trig + u * two_p_, x_.data());
-      key(t0 + u + 1, trig + (u + 1) * two_p_, x2_.data());
-      dot_rows2(q_.data(), D, rows_, x_.data(), x2_.data(), D, logit_.data(), logit2_.data());
-      for (int i = 0; i < rows_; ++i) {
-        L_[i * total_ + t0 + u] = logit_[i];
-        L_[i * total_ + t0 + u + 1] = logit2_[i];
-      }
-    }
-    for (; u < n; ++u) {
-      key(t0 + u, trig + u * two_p_, x_.data());
-      dot_rows(q_.data(), D, rows_, x_.data(), D, logit_.data());
-      for (int i = 0; i < rows_; ++i) L_[i * total_ + t0 + u] = logit_[i];
-    }
-    // Key residuals of the tile: walk its set mask bits.
-    for (int64_t wd = t0 >> 6; wd <= (t0 + n - 1) >> 6; ++wd) {
-      uint64_t bits = kmask_[wd];
-      const int64_t lo = std::max<int64_t>(t0, wd * 64), hi = std::min<int64_t>(t0 + n, wd * 64 + 64);
-      if (lo > wd * 64) bits &= ~0ull << (lo - wd * 64);
-      if (hi < wd * 64 + 64) bits &= (1ull << (hi - wd * 64)) - 1;
-      while (bits) {
-        const int bit = __builtin_ctzll(bits);
-        const uint32_t slot = kbase_ + kprefix_[wd] + static_cast<uint32_t>(__builtin_popcountll(kmask_[wd] & ((1ull << bit) - 1)));
-        bits &= bits - 1;
-        c_.codec.decode_rotated(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
-        dot_rows(q_rot_.data(), RD, rows_, r_.data(), RD, logit_.data());
-        const int64_t t = wd * 64 + bit;
-        for (int i = 0; i < rows_; ++i) L_[i * total_ + t] += logit_[i];
-      }
-    }
-  }
-
   // Token t's key, post-RoPE, into x: gamma K_a plus its decoded residual, rotated (cs: its
   // cos | sin).
+  // Format 3 reads the anchor through the segment's table (a few hundred rows that stay in
+  // L1/L2) and the coefficient from its code; an anchor token (index 0, code 0) rebuilds as
+  // zero here and gets its exact logit in finish().
   void rebuild_key(int64_t t, const float *cs, float *x) {
     const int D = D_;
-    const float gam = bf16_to_float(kgam_[t]);
-    const uint16_t *anchor = ak_ + static_cast<int64_t>(kidx_[t]) * D;
+    float gam;
+    const uint16_t *anchor;
+    if (g_.format == 2) {
+      gam = bf16_to_float(kgam_[t]);
+      anchor = ak_ + static_cast<int64_t>(kidx_[t]) * D;
+    } else {
+      const int64_t seg = g_.segment_of(t);
+      gam = gamma_value(kcode_[t], scales_[seg * 2]);
+      anchor = ak_ + static_cast<int64_t>(tables_ ? tables_[seg * g_.table_size + kidx8_[t]] : kidx8_[t]) * D;
+    }
     const float *r = nullptr;
     const uint64_t word = kmask_[t >> 6];
     if (word >> (t & 63) & 1u) {
@@ -299,7 +249,6 @@ class AnchorHead {
   std::vector<float> q_, L_, coef_, coefC_, r_, logit_;
   const uint16_t *ak_, *kidx_, *kgam_;
   // Format 3.
-  std::vector<float> q_rot_;  // [rows][rotated_dim]
   const uint8_t *kidx8_ = nullptr, *kcode_ = nullptr;
   const uint16_t *tables_ = nullptr;
   const float *scales_ = nullptr;
@@ -546,8 +495,6 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
     const uint8_t *codes[2] = {cache.section<uint8_t>(kKeyCodes), cache.section<uint8_t>(kValueCodes)};
     const float *scales[2] = {cache.section<float>(kKeyScales), cache.section<float>(kValueScales)};
     const AnchorAccess access(cache);
-    // Format 3 stores key residuals post-RoPE.
-    const bool post_rope_residual = g.format == 3;
     std::vector<float> a(D), r(cache.codec.rotated_dim());
     for (int side = 0; side < 2; ++side) {
       float *dst = side == 0 ? keys : values;
@@ -556,9 +503,6 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
         const float gq = access.gamma(side, h, t);
         float *o = dst + t * D;
         for (int d = 0; d < D; ++d) o[d] = gq * a[d];
-        const int32_t position = access.position(t);
-        const bool post = side == 0 && post_rope_residual;
-        if (post) rope.apply(o, position);
         const uint64_t word = mask[side][t >> 6];
         if (word >> (t & 63) & 1u) {
           const uint32_t slot = base[side] + prefix[side][t >> 6] +
@@ -567,7 +511,7 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
                              r.data());
           for (int d = 0; d < D; ++d) o[d] += r[d];
         }
-        if (side == 0 && rotated != post) rope.apply(o, position, /*inverse=*/post);
+        if (side == 0 && rotated) rope.apply(o, access.position(t));
       }
       for (int w = 0; w < W; ++w) {
         float *o = dst + (P + w) * D;

@@ -582,7 +582,6 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
             const float gq = access.gamma(side, static_cast<int>(h), t);
             const uint16_t *av = anchors_in + (h * k + a) * D;
             for (int d = 0; d < D; ++d) x[d] -= gq * half_to_float(av[d], storage);
-            if (side == 0 && g.format == 3) in.rotate(x.data(), t);  // format 3: post-RoPE
             scales[slot] = codec.encode(x.data(), codes + static_cast<int64_t>(slot) * codec.code_bytes());
             if (side == 1) chunk_pos[slot] = static_cast<uint8_t>(bit);
             ++slot;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.hpp"
+#include "core/method_traits.hpp"
 #include "cuda/backend.hpp"
 #include "cuda/cuda_util.cuh"
 #include "cuda/decode_kernels.cuh"
@@ -125,6 +126,12 @@ void upload_view(akv_cache &cache, void *stream) {
   at.data = cache.data.data();
   at.suffix_keys = reinterpret_cast<uint16_t *>(cache.suffix_keys.data());
   at.suffix_values = reinterpret_cast<uint16_t *>(cache.suffix_values.data());
+  std::vector<uint8_t> host;  // format 3: the view widens it (plan.hpp)
+  if (storage_of(cache.meta.method) == Storage::kAnchor && cache.geometry.format == 3) {
+    host.resize(cache.data.size());
+    copy(host.data(), cache.data.data(), host.size(), stream, /*wait=*/true);
+    at.host_data = host.data();
+  }
   const size_t bytes = build_view_block(cache, at).size();
   if (cache.device_view.size() != bytes) {
     synchronize(stream);  // a pending kernel may still read the old view

@@ -205,6 +205,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                        const std::vector<int32_t> &positions, uint8_t *data, uint8_t *scratch_base,
                        int head_batch = 0) {
   const AnchorGeometry &g = cache.geometry;
+  require(g.format == 2, AKV_ERR_INTERNAL, "the device compression pass writes storage format 2");
   const int64_t S = g.seq_len, P = g.prefix, words = g.words;
   const int H = g.heads, G = g.group(), D = g.dim, W = g.window, k = g.anchors;
   const int m = G * W;

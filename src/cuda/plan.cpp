@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include "core/anchor_access.hpp"
+#include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/method_traits.hpp"
 #include "cuda/head_dim.hpp"
@@ -58,7 +60,6 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
   v.suffix_values = at.suffix_values;
   if (v.kind == kKindAnchor) {
     const AnchorGeometry &g = cache.geometry;
-    require(g.format == 2, AKV_ERR_UNSUPPORTED, "storage_format 3 caches do not decode on CUDA yet");
     v.prefix = static_cast<int32_t>(g.prefix);
     v.anchors = g.anchors;
     v.window = g.window;
@@ -109,6 +110,28 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
   v.rope_second = reinterpret_cast<const int32_t *>(at.aux + s);
   if (v.kind == kKindAnchor) v.signs = reinterpret_cast<const float *>(at.aux + signs);
   else v.dense_start = reinterpret_cast<const int64_t *>(at.aux + starts);
+  if (v.kind == kKindAnchor && cache.geometry.format == 3) {
+    const AnchorGeometry &g = cache.geometry;
+    require(at.host_data != nullptr, AKV_ERR_INTERNAL, "a format-3 view needs a host copy of the cache");
+    const AnchorAccess access(g, cache.layout, at.host_data, m.window_first_position);
+    const int64_t P = g.prefix;
+    std::vector<uint16_t> index(2 * H * P), gamma(2 * H * P);
+    std::vector<int32_t> positions(P);
+    for (int side = 0; side < 2; ++side)
+      for (int h = 0; h < H; ++h)
+        for (int64_t t = 0; t < P; ++t) {
+          index[(side * H + h) * P + t] = static_cast<uint16_t>(access.anchor(side, h, t));
+          gamma[(side * H + h) * P + t] = float_to_bf16(access.gamma(side, h, t));
+        }
+    for (int64_t t = 0; t < P; ++t) positions[t] = access.position(t);
+    const size_t ix = put(bytes, index.data(), index.size()), gm = put(bytes, gamma.data(), gamma.size());
+    const size_t ps = put(bytes, positions.data(), positions.size());
+    v.key_index = reinterpret_cast<const uint16_t *>(at.aux + ix);
+    v.value_index = v.key_index + H * P;
+    v.key_gamma = reinterpret_cast<const uint16_t *>(at.aux + gm);
+    v.value_gamma = v.key_gamma + H * P;
+    v.positions = reinterpret_cast<const int32_t *>(at.aux + ps);
+  }
   std::memcpy(bytes.data(), &v, sizeof v);
   return bytes;
 }

@@ -22,11 +22,15 @@ struct ViewAddresses {
   uint16_t *suffix_keys = nullptr;  // cache.suffix_keys
   uint16_t *suffix_values = nullptr;
   uint8_t *aux = nullptr;  // where the returned bytes will be copied
+  // A host copy of cache.data: storage format 3 is widened into the block (below).
+  const uint8_t *host_data = nullptr;
 };
 
 // The bytes of the cache's auxiliary block: a CacheView (first, at offset 0) followed by the
 // tables it points to (RoPE frequencies and pairs, Hadamard signs, dense head starts). Every
-// pointer in the view is expressed in `at`'s address space.
+// pointer in the view is expressed in `at`'s address space. The kernels read storage format 2;
+// a format-3 cache gets format-2 index, coefficient and position arrays here, widened from its
+// tables and codes (read from at.host_data), so it decodes exactly as the CPU decodes it.
 std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresses &at);
 
 struct DecodePlan {

@@ -365,23 +365,26 @@ uint32_t crc32_of(const uint8_t *p, size_t n) {
   return ~crc;
 }
 
-// Format 1 (before compaction) still reads: the same cache without what format 2 added (the
-// 4-byte pool_heads after next_position, the 76 bytes of compaction fields before the CRC),
-// version 1, its size and CRC patched.
+// Format 1 (before compaction) still reads: the same cache, in storage format 2, without what
+// serialization formats 2 and 3 added (the 4-byte pool_heads and the 4-byte storage format
+// after next_position, the 76 bytes of compaction fields before the CRC), version 1, its size
+// and CRC patched.
 TEST(Compact, FormatOneStillReads) {
   const Generation g = make_generation(79, 512, 40);
   ContextPtr ctx = make_context(2);
-  CachePtr cache = compress(ctx.get(), g.prompt, defaults(0.3));
+  akv_compress_options options = defaults(0.3);
+  options.storage_format = 2;
+  CachePtr cache = compress(ctx.get(), g.prompt, options);
   append_all(cache.get(), g);
   std::vector<uint8_t> bytes = serialize(cache.get());
   uint32_t version;
   std::memcpy(&version, &bytes[8], 4);
-  ASSERT_EQ(version, 2u);
+  ASSERT_EQ(version, 3u);
   bytes.erase(bytes.end() - 4 - 76, bytes.end());  // the compaction fields and the CRC
   uint32_t frequencies;  // the header runs to the inv_freq count at 96, then the table, then
   std::memcpy(&frequencies, &bytes[96], 4);  // window, anchors, two residual counts, positions
   const size_t pool_heads = 100 + 4 * static_cast<size_t>(frequencies) + 4 + 4 + 8 + 8 + 8 + 8;
-  bytes.erase(bytes.begin() + pool_heads, bytes.begin() + pool_heads + 4);
+  bytes.erase(bytes.begin() + pool_heads, bytes.begin() + pool_heads + 8);
   version = 1;
   std::memcpy(&bytes[8], &version, 4);
   const uint64_t total = bytes.size() + 4;

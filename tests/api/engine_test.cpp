@@ -53,6 +53,7 @@ TEST(PagedPrefill, SerializesToTheSameBytesAsTheContiguousPrefill) {
       o.retain_fraction = 0.3;
     }
     o.window = spec.window;
+    if (spec.explicit_positions) o.storage_format = 2;  // gapped positions (format 3 needs them consecutive)
     CachePtr contiguous = compress(ctx.get(), data, o);
     const PagedKV paged = make_paged(rng, data, c.block_size, c.head_major);
     const akv_prefill view = paged.view(data);

@@ -37,6 +37,8 @@ struct SmallCacheSpec {
   double retain_fraction = 0.0;              // 0: the smallest of 0.3, 0.4 .. 1.0 that fits
   int layer_index = 0, layer_count = 1;
   int quant_bits = 0, quant_outliers = 2;
+  int storage_format = 0;                    // AnchorKV: 0 (= 3) or 2
+  int anchors = 0;                           // AnchorKV: 0 = automatic
 };
 
 inline std::vector<SmallCacheSpec> small_cache_specs() {
@@ -59,9 +61,17 @@ inline std::vector<SmallCacheSpec> small_cache_specs() {
   s.name = "anchorkv_bf16_full_budget", s.method = AKV_METHOD_ANCHORKV, s.seq_len = 80, s.retain_fraction = 1.0;
   add(s);
   s = {};
-  s.name = "anchorkv_f16_gptj_partial_invfreq", s.method = AKV_METHOD_ANCHORKV, s.seq_len = 96,
+  s.name = "anchorkv_layout2_f16_gptj_partial_invfreq", s.method = AKV_METHOD_ANCHORKV, s.seq_len = 96,
   s.dtype = AKV_DTYPE_F16, s.rope = AKV_ROPE_GPTJ, s.rotary_dim = 8, s.inv_freq_table = true,
-  s.gapped_positions = true, s.appended = 1;
+  s.gapped_positions = true, s.appended = 1, s.storage_format = 2;  // gapped: the paper's layout
+  add(s);
+  s = {};  // storage format 3 with segment tables (k > 256), segments of 256 positions
+  s.name = "anchorkv_tables", s.method = AKV_METHOD_ANCHORKV, s.seq_len = 560, s.kv_heads = 1,
+  s.group = 1, s.anchors = 300, s.retain_fraction = 0.8;
+  add(s);
+  s = {};
+  s.name = "anchorkv_layout2_neox_appended", s.method = AKV_METHOD_ANCHORKV, s.seq_len = 96, s.appended = 2,
+  s.storage_format = 2;
   add(s);
   s = {};
   s.name = "anchorkv_norope_postrope_flag", s.method = AKV_METHOD_ANCHORKV, s.seq_len = 72,
@@ -154,6 +164,8 @@ inline std::shared_ptr<akv_cache> make_small_cache(akv_context *context, const S
   options.layer_count = spec.layer_count;
   options.quant_bits = spec.quant_bits;
   options.quant_outliers = spec.quant_outliers;
+  options.storage_format = spec.storage_format;
+  options.anchors = spec.anchors;
   options.seed = seed;
   akv_cache *raw = nullptr;
   akv_status status = AKV_ERR_BUDGET;

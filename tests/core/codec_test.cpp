@@ -101,6 +101,7 @@ TEST(Layout, PaperWorkedExample) {
   o.retain_fraction = 0.05;
   o.window = 32;
   o.anchors = 0;
+  o.storage_format = 2;  // the paper's layout
   const akv_shape s{32768, 8, 32, 128};
   const akv::AnchorGeometry g = akv::anchor_geometry(o, s);
   EXPECT_EQ(g.anchors, 256);

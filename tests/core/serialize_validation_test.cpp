@@ -123,12 +123,26 @@ std::vector<Damage> damages() {
       {"suffix positions not increasing", "suffix positions", value_bytes<int32_t>(i32min), kLast},
       // Offsets and indices (already checked before issue 12; kept as a guard).
       {"key residual offsets total", "key residual offsets", value_bytes<uint32_t>(0xffffffffu), kLast},
-      {"key anchor index beyond k", "key anchor indices", value_bytes<uint16_t>(0xffff)},
+      {"key anchor index beyond k", "key anchor indices", value_bytes<uint16_t>(0xffff), 0, "anchorkv_layout2"},
+      // Storage format 3: a one-byte index beyond k (no tables), on an anchor token (token 0 is
+      // a sink), table entries beyond k, code scales finite and >= 0; the format field itself.
+      {"one-byte key anchor index beyond k", "key anchor indices", value_bytes<uint8_t>(0xff), kLast, "anchorkv_bf16"},
+      {"value index on an anchor token", "value anchor indices", value_bytes<uint8_t>(1), 0, "anchorkv_bf16"},
+      {"key code on an anchor token", "key gammas", value_bytes<uint8_t>(7), 0, "anchorkv_tables"},
+      {"segment table entry beyond k", "segment tables", value_bytes<uint16_t>(0xffff), 0, "anchorkv_tables"},
+      {"segment table entry k", "segment tables", value_bytes<uint16_t>(300), kLast, "anchorkv_tables"},
+      {"gamma scale NaN", "gamma scales", value_bytes<float>(fnan), 0, "anchorkv"},
+      {"gamma scale negative", "gamma scales", value_bytes<float>(-1.0f), kLast, "anchorkv"},
+      {"storage format 4", "storage format", value_bytes<int32_t>(4), 0, "anchorkv"},
+      {"storage format 0 on AnchorKV", "storage format", value_bytes<int32_t>(0), 0, "anchorkv"},
+      {"storage format set without AnchorKV", "storage format", value_bytes<int32_t>(3), 0, "fullkv"},
+      {"anchor token beyond the prefix", "anchor tokens", value_bytes<int64_t>(i64max), 0, "anchorkv"},
+      {"anchor tokens not increasing", "anchor tokens", value_bytes<int64_t>(0), kLast, "anchorkv"},
       // Stored floats must be finite.
       {"anchor key Inf", "anchor keys", value_bytes<uint16_t>(0x7f80)},
       {"anchor value NaN", "anchor values", value_bytes<uint16_t>(0xffff), kLast},
-      {"key gamma NaN", "key gammas", value_bytes<uint16_t>(0x7fc0)},
-      {"value gamma -Inf", "value gammas", value_bytes<uint16_t>(0xff80), kLast},
+      {"key gamma NaN", "key gammas", value_bytes<uint16_t>(0x7fc0), 0, "anchorkv_layout2"},
+      {"value gamma -Inf", "value gammas", value_bytes<uint16_t>(0xff80), kLast, "anchorkv_layout2"},
       {"key residual scale NaN", "key residual scales", value_bytes<float>(fnan)},
       {"value residual scale Inf", "value residual scales", value_bytes<float>(finf), kLast},
       {"dense key Inf", "dense keys", value_bytes<uint16_t>(0x7f80)},
@@ -277,22 +291,29 @@ TEST_F(SerializeValidation, EveryDamagedFieldIsCorruptWithoutALargeAllocation) {
 
 namespace {
 
-// Format 1 still loads: the same cache without what format 2 added (pool_heads after
-// next_position, the compaction fields before the CRC), version 1. It reads back as one pooling
-// group of every head and serializes to today's bytes up to the compaction fields (those take
-// the method's defaults, as format 1 did not store the compression options).
+// Format 1 still loads: the same cache without what formats 2 and 3 added (pool_heads and the
+// storage format after next_position, the compaction fields before the CRC), version 1. It
+// reads back as one pooling group of every head, storage format 2, and serializes to today's
+// bytes up to the compaction fields (those take the method's defaults, as format 1 did not
+// store the compression options). Caches in storage format 3 have no older form.
 TEST(SerializeFormat, VersionOneDataStillLoads) {
   ContextOwner context;
+  int checked = 0;
   for (const akv_test::SmallCache &small : akv_test::small_caches(context.raw, 20261130)) {
+    if (small.cache->meta.storage_format == 3) continue;
     SCOPED_TRACE(small.name);
+    ++checked;
     const Bytes current = akv_test::serialized_bytes(small.cache.get());
     const std::vector<akv::SerializedField> fields = akv::serialized_fields(*small.cache);
     const akv::SerializedField *pool = find_field(fields, "pool_heads");
+    const akv::SerializedField *format = find_field(fields, "storage format");
     const akv::SerializedField *compaction = find_field(fields, "compactions");
     ASSERT_NE(pool, nullptr);
+    ASSERT_NE(format, nullptr);
     ASSERT_NE(compaction, nullptr);
+    ASSERT_EQ(format->offset, pool->offset + pool->bytes);
     Bytes old(current.begin(), current.begin() + pool->offset);
-    old.insert(old.end(), current.begin() + pool->offset + pool->bytes, current.begin() + compaction->offset);
+    old.insert(old.end(), current.begin() + format->offset + format->bytes, current.begin() + compaction->offset);
     old.resize(old.size() + 4);  // the CRC's place
     const uint32_t version = 1;
     const uint64_t total = old.size();
@@ -308,6 +329,35 @@ TEST(SerializeFormat, VersionOneDataStillLoads) {
     EXPECT_TRUE(std::equal(current.begin(), current.begin() + compaction->offset, again.begin()));
     akv_cache_destroy(loaded);
   }
+  EXPECT_GE(checked, 10);
+}
+
+// Format 2 still loads: without the storage format field, version 2 reads as storage format 2
+// and serializes back to today's bytes.
+TEST(SerializeFormat, VersionTwoDataStillLoads) {
+  ContextOwner context;
+  int checked = 0;
+  for (const akv_test::SmallCache &small : akv_test::small_caches(context.raw, 20261201)) {
+    if (small.cache->meta.storage_format == 3) continue;
+    SCOPED_TRACE(small.name);
+    ++checked;
+    const Bytes current = akv_test::serialized_bytes(small.cache.get());
+    const akv::SerializedField *format = find_field(akv::serialized_fields(*small.cache), "storage format");
+    ASSERT_NE(format, nullptr);
+    Bytes old(current.begin(), current.begin() + format->offset);
+    old.insert(old.end(), current.begin() + format->offset + format->bytes, current.end());
+    const uint32_t version = 2;
+    const uint64_t total = old.size();
+    std::memcpy(old.data() + 8, &version, 4);
+    std::memcpy(old.data() + 16, &total, 8);
+    old = with_crc(old);
+    akv_cache *loaded = nullptr;
+    ASSERT_EQ(akv_cache_deserialize(context.raw, old.data(), old.size(), &loaded, nullptr), AKV_OK)
+        << akv_last_error_message();
+    EXPECT_TRUE(akv_test::serialized_bytes(loaded) == current);
+    akv_cache_destroy(loaded);
+  }
+  EXPECT_GE(checked, 10);
 }
 
 }  // namespace

@@ -108,6 +108,7 @@ void check(const CompressCase &c) {
   spec.explicit_positions = c.gapped;
   akv_compress_options o = anchorkv_options(0.1);
   if (c.additions) akv_compress_options_init(&o);
+  o.storage_format = 2;  // the device pass writes format 2 (format 3 compresses on the host)
   o.rope.style = c.rope;
   o.keys_post_rope = c.post_rope ? 1 : 0;
   const RopeReference ref = rope_reference(o.rope);
@@ -435,6 +436,7 @@ TEST(EmulatedCompress, PagedPrefillGivesTheContiguousBytes) {
       SCOPED_TRACE("method " + std::to_string(method) + (head_major ? " head-major blocks" : " vLLM blocks"));
       akv_compress_options o;
       akv_compress_options_init_method(&o, method);
+      o.storage_format = 2;  // the device pass
       o.retain_fraction = method == AKV_METHOD_FULLKV ? 1.0 : 0.2;
       PrefillSpec spec;
       spec.seq_len = 700 + rng.uniform_int(0, 99);
@@ -467,6 +469,7 @@ TEST(EmulatedCompress, PoolingGroupsMatchCpuCompression) {
     SCOPED_TRACE("pool_heads " + std::to_string(pool_heads));
     akv_compress_options o;
     akv_compress_options_init(&o);
+    o.storage_format = 2;  // the device pass
     o.retain_fraction = 0.15;
     o.pool_heads = pool_heads;
     o.head_offset = static_cast<int32_t>(rng.uniform_int(0, 8));
@@ -535,6 +538,7 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
     akv_compress_options o;
     if (paper) akv_compress_options_init_paper(&o);
     else akv_compress_options_init(&o);  // the benchmark's options (scripts/bench_compress.py)
+    o.storage_format = 2;  // the device pass
     o.method = AKV_METHOD_ANCHORKV;
     o.retain_fraction = 0.05;
     akv_prefill p{};

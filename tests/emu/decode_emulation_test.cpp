@@ -23,6 +23,7 @@ struct HostView {
   explicit HostView(const akv_cache &c, bool copy_suffix = false) {
     kc::ViewAddresses at;
     at.data = c.data.data();
+    at.host_data = c.data.data();  // the emulated device reads host memory
     at.suffix_keys = reinterpret_cast<uint16_t *>(c.suffix_keys.data());
     at.suffix_values = reinterpret_cast<uint16_t *>(c.suffix_values.data());
     if (copy_suffix) {
@@ -116,6 +117,7 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
   o.rope.rotary_dim = c.rotary_dim;
   if (c.window) o.window = c.window;
   if (c.anchors) o.anchors = c.anchors;
+  if (c.gapped_positions) o.storage_format = 2;  // format 3 needs consecutive positions
   PrefillSpec spec;
   spec.seq_len = c.seq_len;
   spec.kv_heads = kv_heads;

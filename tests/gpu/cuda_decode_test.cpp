@@ -143,7 +143,8 @@ Cuda::Requests Cuda::make_requests(const DecodeCase &c, int batch, Rng &rng) {
     spec.group = c.group;
     spec.head_dim = c.head_dim;
     spec.window = o.window;
-    spec.explicit_positions = b == 1;
+    spec.explicit_positions = b == 1;  // gapped: that request in format 2, the others in 3
+    if (spec.explicit_positions) o.storage_format = 2;
     const PrefillData data = make_prefill(rng, spec);
     if (c.method == AKV_METHOD_ANCHORKV) {
       o.anchors = c.anchors;
