@@ -379,7 +379,9 @@ typedef struct akv_prefill {
   const int32_t *positions;/* optional host [S], strictly increasing, >= 0; NULL = 0..S-1.
                               AnchorKV stores the window with its first position only: the
                               last `window` positions must be consecutive, else
-                              AKV_ERR_UNSUPPORTED (left padding and offsets are fine). */
+                              AKV_ERR_UNSUPPORTED (left padding and offsets are fine). In
+                              storage format 3 (the default) all of them must be consecutive
+                              (any first position); gapped positions need storage_format 2. */
   int64_t kv_head_stride;  /* elements between heads of keys/values; 0 = S*D */
   int64_t kv_token_stride; /* elements between tokens; 0 = D */
   int64_t q_head_stride;   /* 0 = W*D */
@@ -516,6 +518,9 @@ typedef struct akv_cache_stats {
   int64_t key_residuals;     /* residuals stored on the key side, all heads */
   int64_t value_residuals;
   int64_t compactions;       /* akv_cache_compact calls folded into this cache (0.2) */
+  int32_t storage_format;    /* AnchorKV: 2 or 3 (akv_compress_options.storage_format); 0 for
+                                the other methods (0.3) */
+  int32_t segment_tokens;    /* AnchorKV format 3: positions per segment; 0 otherwise (0.3) */
 } akv_cache_stats;
 
 typedef struct akv_head_stats {

@@ -54,6 +54,8 @@ class CacheStats:
     key_residuals: int
     value_residuals: int
     compactions: int = 0
+    storage_format: int = 0  # AnchorKV: 2 or 3; 0 for the other methods
+    segment_tokens: int = 0  # AnchorKV storage format 3: positions per segment
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ _OPTION_CONVERTERS = {
     "guard_fraction": float,
     "coverage_rounds": int,
     "compact_after": int,
+    "storage_format": int,
 }
 _ROPE_CONVERTERS = {"rope_style": ("style", RopeStyle.parse), "rotary_dim": ("rotary_dim", int),
                     "rope_base": ("base", float)}
@@ -667,7 +670,7 @@ class Cache(_Owner):
             struct.window, struct.anchors, struct.appended_tokens, struct.append_capacity,
             struct.full_bytes, struct.budget_bytes, struct.base_bytes, struct.compressed_bytes,
             struct.appended_bytes, struct.allocated_bytes, struct.ratio, struct.key_residuals,
-            struct.value_residuals, struct.compactions)
+            struct.value_residuals, struct.compactions, struct.storage_format, struct.segment_tokens)
 
     def head_stats(self) -> list[HeadStats]:
         heads = (_capi.akv_head_stats * self._shape.num_kv_heads)()

@@ -181,6 +181,8 @@ class akv_compress_options(Structure):
         ("head_offset", c_int32),
         # Long generations (0.2)
         ("compact_after", c_int64),
+        # Storage format (0.3)
+        ("storage_format", c_int32),
     ]
 
 
@@ -234,6 +236,8 @@ class akv_cache_stats(Structure):
         ("key_residuals", c_int64),
         ("value_residuals", c_int64),
         ("compactions", c_int64),
+        ("storage_format", c_int32),
+        ("segment_tokens", c_int32),
     ]
 
 

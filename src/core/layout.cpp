@@ -97,6 +97,7 @@ AnchorGeometry geometry_for(const akv_compress_options &o, const akv_shape &s, i
     // f32 code scales; no positions.
     g.segment_len = segment_length(g.prefix, k);
     g.segments = (g.prefix + g.segment_len - 1) / g.segment_len;
+    while ((int64_t{1} << g.segment_shift) < g.segment_len) ++g.segment_shift;
     g.table_size = k > kTableEntries ? kTableEntries : 0;
     const uint64_t per_segment = 2ull * g.table_size + 8ull;
     g.base_bytes = H * (4ull * k * D + 8ull * (k - W) + 4ull * P + per_segment * static_cast<uint64_t>(g.segments)) +

@@ -58,6 +58,7 @@ struct AnchorGeometry {
   int64_t words = 0;        // ceil(P / 64)
   int32_t format = 2;       // storage format, 2 or 3
   int64_t segment_len = 0;  // format 3: positions per segment (a power of two)
+  int32_t segment_shift = 0;  // log2(segment_len)
   int64_t segments = 0;     // format 3: ceil(P / segment_len)
   int32_t table_size = 0;   // format 3: entries per segment table; 0 = none (k <= 256: the
                             // one-byte index is the anchor itself)
@@ -72,7 +73,7 @@ struct AnchorGeometry {
   int64_t key_residual_bytes() const { return code_bytes() + 4; }     // c_K
   int64_t value_residual_bytes() const { return code_bytes() + 5; }   // c_V
   int32_t group() const { return q_heads / heads; }
-  int64_t segment_of(int64_t t) const { return t / segment_len; }
+  int64_t segment_of(int64_t t) const { return t >> segment_shift; }
   int32_t pool_groups() const { return heads / pool_heads; }
 };
 

@@ -32,6 +32,8 @@ akv_cache_stats cache_stats(const akv_cache &c) {
   s.key_residuals = c.meta.key_residuals;
   s.value_residuals = c.meta.value_residuals;
   s.compactions = c.compactions;
+  s.storage_format = anchor ? c.geometry.format : 0;
+  s.segment_tokens = anchor && c.geometry.format == 3 ? static_cast<int32_t>(c.geometry.segment_len) : 0;
   return s;
 }
 

@@ -41,10 +41,12 @@ void dense_values(const uint16_t *values, int64_t n, int D, akv_dtype storage, c
 }
 
 constexpr int64_t kTile = Rope::kTile;
+static_assert(kTile <= 256, "a tile of positions lies in one format-3 segment (segments have >= 256)");
 // The AnchorKV decode's coefficient table is used while it fits here and each anchor serves
 // at least kTokensPerAnchor prompt tokens on average (see AnchorHead).
 constexpr size_t kCoefficientTableBytes = size_t{1} << 20;
 constexpr int64_t kTokensPerAnchor = 16;
+constexpr int64_t kTokensPerTableEntry = 8;  // format 3: tokens of a segment per table entry
 std::atomic<int> forced_prefix_logits{static_cast<int>(PrefixLogits::kAuto)};
 
 }  // namespace
@@ -84,49 +86,57 @@ class AnchorHead {
       tables_ = g_.table_size ? cache.section<uint16_t>(kSegmentTables) + static_cast<int64_t>(h) * g_.segments * g_.table_size
                               : nullptr;
       scales_ = cache.section<float>(kGammaScales) + static_cast<int64_t>(h) * g_.segments * 2;
+      free_anchors_ = k - g_.window;
+      anchor_tokens_ = cache.section<int64_t>(kAnchorTokens) + h * free_anchors_;
+      next_anchor_token_ = free_anchors_ > 0 ? anchor_tokens_[0] : -1;
     }
     logit_.resize(rows_);
     x_.resize(D_);
     x2_.resize(D_);
     neox_ = pairs_ && rope_.style == AKV_ROPE_NEOX;
     logit2_.resize(rows_);
-    // Two ways to the prefix logits. The coefficient table below costs k*rows*D per step and
-    // k*rows*D*4 bytes, then rows*D multiply-adds per token read from it; the gather path
-    // rebuilds each token's key from its anchor row instead (D*2 bytes from a k*D*2-byte
-    // table), rotates it and contracts it with every row. The table wins when it stays in
-    // this core's L2 and each anchor serves enough tokens to pay for its row of the table
-    // (at S = 16K on a 2 MiB-L2 Xeon, one thread: 5x 71 -> 17 ms per decode, 10x
-    // 16 -> 12 ms with the gather path; 20x 8.0 ms with the table, 9.5 ms without).
-    const size_t table = static_cast<size_t>(k) * rows_ * std::max(two_p_, 1) * sizeof(float);
-    if (g_.format == 3) {  // the table's anchor rows stay in cache: gather
-      gather_ = true;
-      return;
-    }
+    // Two ways to the prefix logits. The coefficient table (build_coefficients) costs
+    // entries*rows*D per step and as many floats, then rows*D multiply-adds per token read
+    // from it; the gather path rebuilds each token's key from its anchor row instead (D*2
+    // bytes from a table that stays in L2), rotates it and contracts it with every row. The
+    // table wins when it stays in this core's L2 and each entry serves enough tokens to pay
+    // for its row (format 2, S = 16K on a 2 MiB-L2 Xeon, one thread: 5x 71 -> 17 ms per
+    // decode, 10x 16 -> 12 ms with the gather path; 20x 8.0 ms with the table, 9.5 ms
+    // without). Format 3 builds it per segment from the segment's table (k <= 256: once,
+    // from every anchor).
+    const int64_t entries = g_.format == 3 && g_.table_size ? g_.table_size : k;
+    const int64_t served = g_.format == 3 && g_.table_size ? g_.segment_len : P;  // tokens per build
+    const size_t table = static_cast<size_t>(entries) * rows_ * std::max(two_p_, 1) * sizeof(float);
+    const int64_t per_entry = g_.format == 3 ? kTokensPerTableEntry : kTokensPerAnchor;
     switch (static_cast<PrefixLogits>(forced_prefix_logits.load(std::memory_order_relaxed))) {
       case PrefixLogits::kTable: gather_ = false; break;
       case PrefixLogits::kGather: gather_ = true; break;
-      case PrefixLogits::kAuto: gather_ = table > kCoefficientTableBytes || P < kTokensPerAnchor * k; break;
+      case PrefixLogits::kAuto: gather_ = table > kCoefficientTableBytes || served < per_entry * entries; break;
     }
     if (gather_) return;
-    // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (docs/design.md §4.1),
-    // laid out [anchor][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's
-    // angles stored as [cos | sin], its logit is one dot product of length 2*pairs. The
-    // dimensions outside the rotary pairs (partial rotary) add the constant C.
     std::vector<uint8_t> in_pair(D_, 0);
     for (int j = 0; j < pairs_; ++j) in_pair[rope_.first[j]] = in_pair[rope_.second[j]] = 1;
-    std::vector<int> plain;
     for (int d = 0; d < D_; ++d)
-      if (!in_pair[d]) plain.push_back(d);
-    coef_.resize(static_cast<size_t>(k) * rows_ * two_p_);
-    coefC_.assign(static_cast<size_t>(k) * rows_, 0.0f);
-    std::vector<float> x(D_);
+      if (!in_pair[d]) plain_.push_back(d);
+    coef_.resize(static_cast<size_t>(entries) * rows_ * two_p_);
+    coefC_.assign(static_cast<size_t>(entries) * rows_, 0.0f);
+    if (!(g_.format == 3 && g_.table_size)) build_coefficients(nullptr, k);
+  }
+
+  // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (docs/design.md §4.1),
+  // laid out [entry][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's angles
+  // stored as [cos | sin], its logit is one dot product of length 2*pairs. The dimensions
+  // outside the rotary pairs (partial rotary) add the constant C. Entry e is anchor ids[e]
+  // (ids null: anchor e).
+  void build_coefficients(const uint16_t *ids, int count) {
+    std::vector<float> &x = x_;
     const int P2 = pairs_;
-    for (int a = 0; a < k; ++a) {
-      half_row(ak_ + static_cast<int64_t>(a) * D_, storage_, D_, x.data());
+    for (int e = 0; e < count; ++e) {
+      half_row(ak_ + static_cast<int64_t>(ids ? ids[e] : e) * D_, storage_, D_, x.data());
       const float *x0 = x.data(), *x1 = x.data() + P2;
       for (int i = 0; i < rows_; ++i) {
         const float *qi = &q_[static_cast<size_t>(i) * D_];
-        float *A = coef_.data() + (static_cast<size_t>(a) * rows_ + i) * two_p_, *B = A + P2;
+        float *A = coef_.data() + (static_cast<size_t>(e) * rows_ + i) * two_p_, *B = A + P2;
         if (neox_) {
           const float *q0 = qi, *q1 = qi + P2;
 #pragma omp simd
@@ -142,8 +152,8 @@ class AnchorHead {
           }
         }
         float cst = 0.0f;
-        for (int d : plain) cst += qi[d] * x[d];
-        coefC_[static_cast<size_t>(a) * rows_ + i] = cst;
+        for (int d : plain_) cst += qi[d] * x[d];
+        coefC_[static_cast<size_t>(e) * rows_ + i] = cst;
       }
     }
   }
@@ -152,11 +162,28 @@ class AnchorHead {
   // Keys are never materialised except the decoded residual of tokens that store one.
   void prefix_tile(int64_t t0, int64_t n, const float *trig) {
     if (gather_) return prefix_tile_gather(t0, n, trig);
+    const int64_t seg = g_.format == 3 ? g_.segment_of(t0) : 0;  // a tile lies in one segment
+    if (g_.format == 3 && g_.table_size && seg != coef_segment_) {
+      build_coefficients(tables_ + seg * g_.table_size, g_.table_size);
+      coef_segment_ = seg;
+    }
     for (int64_t u = 0; u < n; ++u) {
       const int64_t t = t0 + u;
-      const int a = kidx_[t];
-      const float gam = bf16_to_float(kgam_[t]);
       const float *cs = trig + u * two_p_;
+      int a;
+      float gam;
+      if (g_.format == 2) {
+        a = kidx_[t];
+        gam = bf16_to_float(kgam_[t]);
+      } else if (t == next_anchor_token_) {  // an anchor token, exact: its row may not be in the table
+        rebuild_key(t, cs, x_.data());
+        dot_rows(q_.data(), D_, rows_, x_.data(), D_, logit_.data());
+        for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = logit_[i];
+        continue;
+      } else {
+        a = kidx8_[t];  // the table entry (k <= 256: the anchor)
+        gam = gamma_value(kcode_[t], scales_[seg * 2]);
+      }
       dot_rows(coef_.data() + static_cast<size_t>(a) * rows_ * two_p_, two_p_, rows_, cs, two_p_, logit_.data());
       const float *C = &coefC_[static_cast<size_t>(a) * rows_];
       for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = gam * (C[i] + logit_[i]);
@@ -196,8 +223,8 @@ class AnchorHead {
   // Token t's key, post-RoPE, into x: gamma K_a plus its decoded residual, rotated (cs: its
   // cos | sin).
   // Format 3 reads the anchor through the segment's table (a few hundred rows that stay in
-  // L1/L2) and the coefficient from its code; an anchor token (index 0, code 0) rebuilds as
-  // zero here and gets its exact logit in finish().
+  // L1/L2) and the coefficient from its code; anchor tokens (index 0, code 0 in storage) are
+  // recognised from the anchor list, which the walk over increasing t follows with a cursor.
   void rebuild_key(int64_t t, const float *cs, float *x) {
     const int D = D_;
     float gam;
@@ -205,6 +232,11 @@ class AnchorHead {
     if (g_.format == 2) {
       gam = bf16_to_float(kgam_[t]);
       anchor = ak_ + static_cast<int64_t>(kidx_[t]) * D;
+    } else if (t == next_anchor_token_) {  // an anchor token: exact, its own anchor
+      gam = 1.0f;
+      anchor = ak_ + next_anchor_ * D;
+      ++next_anchor_;
+      next_anchor_token_ = next_anchor_ < free_anchors_ ? anchor_tokens_[next_anchor_] : -1;
     } else {
       const int64_t seg = g_.segment_of(t);
       gam = gamma_value(kcode_[t], scales_[seg * 2]);
@@ -247,8 +279,12 @@ class AnchorHead {
   int pairs_, two_p_;
   int64_t total_ = 0;
   std::vector<float> q_, L_, coef_, coefC_, r_, logit_;
+  std::vector<int> plain_;       // dimensions outside the rotary pairs
+  int64_t coef_segment_ = -1;    // format 3: the segment whose table coef_ holds
   const uint16_t *ak_, *kidx_, *kgam_;
   // Format 3.
+  const int64_t *anchor_tokens_ = nullptr;
+  int64_t free_anchors_ = 0, next_anchor_ = 0, next_anchor_token_ = -1;
   const uint8_t *kidx8_ = nullptr, *kcode_ = nullptr;
   const uint16_t *tables_ = nullptr;
   const float *scales_ = nullptr;
@@ -307,20 +343,6 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
   }
   const int64_t free_anchors = k - W;
   const int64_t *anchor_tokens = cache.section<int64_t>(kAnchorTokens) + h * free_anchors;
-  if (g_.format == 3) {
-    // Anchor tokens are exact: K_a rotated to the token's (implicit) position.
-    std::vector<float> cs(std::max(two_p_, 1));
-    const int64_t first = cache.meta.window_first_position - P;
-    for (int64_t a = 0; a < free_anchors; ++a) {
-      const int64_t t = anchor_tokens[a];
-      half_row(ak_ + a * D, storage, D, x.data());
-      if (pairs_) {
-        rope_.exact_angles(first + t, cs.data(), cs.data() + pairs_);
-        rope_.apply(x.data(), cs.data(), cs.data() + pairs_);
-      }
-      for (int i = 0; i < rows; ++i) L[i * total + t] = dot(q + i * D, x.data(), D);
-    }
-  }
   if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L, total, prompt);
   const std::vector<float> sums = softmax_rows(L, rows, total, prompt, suffix, q_len_, lse);
 

@@ -40,6 +40,8 @@ struct DecodeCase {
   bool explicit_append_positions;
   int q_len;
   int window = 32;
+  int storage_format = 2;  // the paper preset's layout; 3: segment tables and one-byte codes
+  int anchors = 0;         // 0 = automatic
 };
 
 std::vector<float> llama3_style_frequencies(int rotary_dim, double base) {
@@ -67,6 +69,8 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
   options.rope.base = 500000.0;
   options.keys_post_rope = c.keys_post_rope ? 1 : 0;
   options.softmax_scale = c.softmax_scale;
+  options.storage_format = c.storage_format;
+  options.anchors = c.anchors;
   const int rotary = c.rotary_dim == 0 ? c.D : c.rotary_dim;
   const std::vector<float> frequency_table = llama3_style_frequencies(rotary, options.rope.base);
   if (c.inv_freq_table) options.rope.inv_freq = frequency_table.data();
@@ -84,7 +88,7 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
   spec.gaps_in_window = c.method == AKV_METHOD_FULLKV;  // only AnchorKV needs a consecutive window
   const PrefillData data = make_prefill(rng, spec, c.keys_post_rope ? &rope : nullptr);
   if (c.method == AKV_METHOD_ANCHORKV)
-    options.retain_fraction = workable_retain_fraction(data.shape, c.window, 0, 0.05);
+    options.retain_fraction = workable_retain_fraction(data.shape, c.window, c.anchors, 0.05);
 
   const ContextPtr context = make_context();
   const CachePtr cache = compress(context.get(), data, options);
@@ -113,6 +117,8 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
   }
   const akv_cache_stats stats = cache_stats(cache.get());
   ASSERT_EQ(stats.appended_tokens, c.appended);
+  if (c.method == AKV_METHOD_ANCHORKV) EXPECT_EQ(stats.storage_format, c.storage_format);
+  if (c.anchors) EXPECT_EQ(stats.anchors, c.anchors);
   const int64_t T = c.S + c.appended;
   const int Hq = c.H * c.G;
 
@@ -217,6 +223,11 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{"AnchorKV_BF16_G1_D128_NoRope_Qlen2",     A, AKV_DTYPE_BF16, 301, 2, 1, 128, AKV_ROPE_NONE, 0,  false, false, false, 0.2f,  2, false, 2},
         DecodeCase{"AnchorKV_F32_S4096_G4_D128",             A, AKV_DTYPE_F32, 4096, 2, 4, 128, AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  1, false, 2},
         DecodeCase{"AnchorKV_F16_W16",                       A, AKV_DTYPE_F16,  260, 2, 2, 64,  AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  1, false, 1, 16},
+        // Storage format 3: k <= 256 (the index is the anchor), and k = 600 > 256 (segment tables).
+        DecodeCase{"AnchorKV3_F32_G1_D64_NeoX",              A, AKV_DTYPE_F32,  300, 2, 1, 64,  AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  0, false, 1, 32, 3},
+        DecodeCase{"AnchorKV3_BF16_G4_D64_Partial_InvFreq",  A, AKV_DTYPE_BF16, 400, 2, 4, 64,  AKV_ROPE_NEOX, 32, true,  false, false, 0.0f,  5, true,  4, 32, 3},
+        DecodeCase{"AnchorKV3_F16_G1_D128_PostRope_GptJ",    A, AKV_DTYPE_F16,  257, 3, 1, 128, AKV_ROPE_GPTJ, 0,  false, false, true,  0.05f, 2, true,  3, 32, 3},
+        DecodeCase{"AnchorKV3_F32_S4096_G4_D128_Tables",     A, AKV_DTYPE_F32, 4096, 2, 4, 128, AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  1, false, 2, 32, 3, 600},
         DecodeCase{"FullKV_F32_G4_D64_NeoX",                 F, AKV_DTYPE_F32,  200, 2, 4, 64,  AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  4, false, 3},
         DecodeCase{"FullKV_BF16_G1_D128_GptJ_Positions_Post",F, AKV_DTYPE_BF16, 150, 2, 1, 128, AKV_ROPE_GPTJ, 0,  false, true,  true,  0.0f,  2, true,  2},
         DecodeCase{"FullKV_F16_G4_D64_Partial_InvFreq_Scale",F, AKV_DTYPE_F16,  180, 1, 4, 64,  AKV_ROPE_NEOX, 16, true,  true,  false, 0.1f,  3, true,  1},

@@ -32,9 +32,13 @@ inline const MethodEntry kMethods[] = {
     // name         method                  sweeps  queries  default  configure
     {"FullKV",      AKV_METHOD_FULLKV,      false,  false,   true,    nullptr},
     {"AnchorKV",    AKV_METHOD_ANCHORKV,    true,   true,    true,    nullptr},
+    // AnchorKV's defaults in the paper's storage layout (format 2: u16 indices, bf16
+    // coefficients, stored positions), to measure what storage format 3 changes.
+    {"AnchorKV-f2", AKV_METHOD_ANCHORKV,    true,   true,    false,
+     [](akv_compress_options *o) { o->storage_format = 2; }},
     // The AnchorKV paper's own settings (akv_compress_options_init_paper): no sink anchors,
     // k = max(W, S/128), no budget filling, rho 0.7 and a uniform sample, residual slots by
-    // utility alone.
+    // utility alone, the paper's storage layout.
     {"AnchorKV-paper", AKV_METHOD_ANCHORKV, true,   true,    true,
      [](akv_compress_options *o) {
        akv_compress_options paper;
@@ -45,6 +49,7 @@ inline const MethodEntry kMethods[] = {
        o->fill_budget = paper.fill_budget;
        o->guard_fraction = paper.guard_fraction;
        o->coverage_rounds = paper.coverage_rounds;
+       o->storage_format = paper.storage_format;
      }},
     {"SnapKV",      AKV_METHOD_SNAPKV,      true,   true,    true,    nullptr},
     {"PyramidKV",   AKV_METHOD_PYRAMIDKV,   true,   true,    true,    nullptr},

@@ -147,6 +147,8 @@ pub struct akv_compress_options {
     pub head_offset: i32,
     // Long generations (appended in 0.2).
     pub compact_after: i64,
+    // Storage format (appended in 0.3).
+    pub storage_format: i32,
 }
 
 #[repr(C)]
@@ -200,6 +202,9 @@ pub struct akv_cache_stats {
     pub key_residuals: i64,
     pub value_residuals: i64,
     pub compactions: i64,
+    // Appended in 0.3.
+    pub storage_format: i32,
+    pub segment_tokens: i32,
 }
 
 #[repr(C)]

@@ -253,6 +253,12 @@ impl CompressOptions {
         self.raw.window = window;
         self
     }
+    /// AnchorKV: storage layout, 3 (local anchor tables, one-byte indices and coefficients,
+    /// implicit positions) or 2 (the paper's); 0 = 3.
+    pub fn storage_format(mut self, format: i32) -> Self {
+        self.raw.storage_format = format;
+        self
+    }
     /// AnchorKV: k anchors per head including the window; 0 = automatic.
     pub fn anchors(mut self, anchors: i32) -> Self {
         self.raw.anchors = anchors;
@@ -421,6 +427,8 @@ pub struct CacheStats {
     pub key_residuals: i64,
     /// Residuals stored on the value side, all heads.
     pub value_residuals: i64,
+    /// AnchorKV: storage format, 2 or 3; 0 for the other methods.
+    pub storage_format: i32,
 }
 
 impl CacheStats {
@@ -442,6 +450,7 @@ impl CacheStats {
             ratio: raw.ratio,
             key_residuals: raw.key_residuals,
             value_residuals: raw.value_residuals,
+            storage_format: raw.storage_format,
         }
     }
 }
