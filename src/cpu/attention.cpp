@@ -46,7 +46,7 @@ static_assert(kTile <= 256, "a tile of positions lies in one format-3 segment (s
 // at least kTokensPerAnchor prompt tokens on average (see AnchorHead).
 constexpr size_t kCoefficientTableBytes = size_t{1} << 20;
 constexpr int64_t kTokensPerAnchor = 16;
-constexpr int64_t kTokensPerTableEntry = 8;  // format 3: tokens of a segment per table entry
+constexpr int64_t kTokensPerTableEntry = 64;  // format 3: tokens of a segment per table entry
 std::atomic<int> forced_prefix_logits{static_cast<int>(PrefixLogits::kAuto)};
 
 }  // namespace
@@ -94,6 +94,8 @@ class AnchorHead {
     x_.resize(D_);
     x2_.resize(D_);
     neox_ = pairs_ && rope_.style == AKV_ROPE_NEOX;
+    wide_ = neox_ && D_ % 16 == 0 && pairs_ % 16 == 0 && has_avx512() &&
+            forced_prefix_logits.load(std::memory_order_relaxed) != static_cast<int>(PrefixLogits::kGatherAvx2);
     logit2_.resize(rows_);
     // Two ways to the prefix logits. The coefficient table (build_coefficients) costs
     // entries*rows*D per step and as many floats, then rows*D multiply-adds per token read
@@ -110,7 +112,8 @@ class AnchorHead {
     const int64_t per_entry = g_.format == 3 ? kTokensPerTableEntry : kTokensPerAnchor;
     switch (static_cast<PrefixLogits>(forced_prefix_logits.load(std::memory_order_relaxed))) {
       case PrefixLogits::kTable: gather_ = false; break;
-      case PrefixLogits::kGather: gather_ = true; break;
+      case PrefixLogits::kGather:
+      case PrefixLogits::kGatherAvx2: gather_ = true; break;
       case PrefixLogits::kAuto: gather_ = table > kCoefficientTableBytes || served < per_entry * entries; break;
     }
     if (gather_) return;
@@ -202,16 +205,16 @@ class AnchorHead {
   // The same logits with each token's key rebuilt pre-RoPE (gamma K_a plus its decoded
   // residual), rotated once and contracted with the group's rows.
   void prefix_tile_gather(int64_t t0, int64_t n, const float *trig) {
+#ifdef AKV_HAVE_AVX512_KERNELS
+    if (wide_) return prefix_tile_gather_avx512(t0, n, trig);
+#endif
     // Two tokens at a time share the loads of the query rows in the contraction.
     int64_t u = 0;
     for (; u + 2 <= n; u += 2) {
       rebuild_key(t0 + u, trig + u * two_p_, x_.data());
       rebuild_key(t0 + u + 1, trig + (u + 1) * two_p_, x2_.data());
       dot_rows2(q_.data(), D_, rows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
-      for (int i = 0; i < rows_; ++i) {
-        L_[i * total_ + t0 + u] = logit_[i];
-        L_[i * total_ + t0 + u + 1] = logit2_[i];
-      }
+      store_pair(t0 + u);
     }
     for (; u < n; ++u) {
       rebuild_key(t0 + u, trig + u * two_p_, x_.data());
@@ -220,44 +223,89 @@ class AnchorHead {
     }
   }
 
-  // Token t's key, post-RoPE, into x: gamma K_a plus its decoded residual, rotated (cs: its
-  // cos | sin).
+#ifdef AKV_HAVE_AVX512_KERNELS
+  // The same walk with sixteen-lane kernels (NeoX pairs, D and pairs multiples of 16).
+  AKV_TARGET_AVX512 void rebuild_key_avx512(int64_t t, const float *cs, float *x) {
+    const KeySource k = key_source(t);
+    if (!neox_key_row_avx512(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x))
+      generic_key(k, cs, x);
+  }
+  AKV_TARGET_AVX512 void prefix_tile_gather_avx512(int64_t t0, int64_t n, const float *trig) {
+    int64_t u = 0;
+    for (; u + 2 <= n; u += 2) {
+      rebuild_key_avx512(t0 + u, trig + u * two_p_, x_.data());
+      rebuild_key_avx512(t0 + u + 1, trig + (u + 1) * two_p_, x2_.data());
+      dot_rows2_avx512(q_.data(), D_, rows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
+      store_pair(t0 + u);
+    }
+    for (; u < n; ++u) {
+      rebuild_key_avx512(t0 + u, trig + u * two_p_, x_.data());
+      dot_rows(q_.data(), D_, rows_, x_.data(), D_, logit_.data());
+      for (int i = 0; i < rows_; ++i) L_[i * total_ + t0 + u] = logit_[i];
+    }
+  }
+#endif
+
+  void store_pair(int64_t t) {
+    for (int i = 0; i < rows_; ++i) {
+      L_[i * total_ + t] = logit_[i];
+      L_[i * total_ + t + 1] = logit2_[i];
+    }
+  }
+
+  // What token t's key is built from: gamma K_a plus its decoded residual (null: none).
   // Format 3 reads the anchor through the segment's table (a few hundred rows that stay in
   // L1/L2) and the coefficient from its code; anchor tokens (index 0, code 0 in storage) are
   // recognised from the anchor list, which the walk over increasing t follows with a cursor.
-  void rebuild_key(int64_t t, const float *cs, float *x) {
-    const int D = D_;
-    float gam;
+  struct KeySource {
     const uint16_t *anchor;
+    float gamma;
+    const float *residual;
+  };
+  KeySource key_source(int64_t t) {
+    const int D = D_;
+    KeySource k;
     if (g_.format == 2) {
-      gam = bf16_to_float(kgam_[t]);
-      anchor = ak_ + static_cast<int64_t>(kidx_[t]) * D;
+      k.gamma = bf16_to_float(kgam_[t]);
+      k.anchor = ak_ + static_cast<int64_t>(kidx_[t]) * D;
     } else if (t == next_anchor_token_) {  // an anchor token: exact, its own anchor
-      gam = 1.0f;
-      anchor = ak_ + next_anchor_ * D;
+      k.gamma = 1.0f;
+      k.anchor = ak_ + next_anchor_ * D;
       ++next_anchor_;
       next_anchor_token_ = next_anchor_ < free_anchors_ ? anchor_tokens_[next_anchor_] : -1;
     } else {
       const int64_t seg = g_.segment_of(t);
-      gam = gamma_value(kcode_[t], scales_[seg * 2]);
-      anchor = ak_ + static_cast<int64_t>(tables_ ? tables_[seg * g_.table_size + kidx8_[t]] : kidx8_[t]) * D;
+      k.gamma = gamma_value(kcode_[t], scales_[seg * 2]);
+      k.anchor = ak_ + static_cast<int64_t>(tables_ ? tables_[seg * g_.table_size + kidx8_[t]] : kidx8_[t]) * D;
     }
-    const float *r = nullptr;
+    k.residual = nullptr;
     const uint64_t word = kmask_[t >> 6];
     if (word >> (t & 63) & 1u) {
       const uint32_t slot = kbase_ + kprefix_[t >> 6] +
                             static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
       c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
-      r = r_.data();
+      k.residual = r_.data();
     }
-    if (neox_ && neox_key_row(anchor, storage_, gam, r, cs, cs + pairs_, pairs_, D, x)) return;
-    half_row(anchor, storage_, D, x);
-    if (r) {
+    return k;
+  }
+
+  // Token t's key, post-RoPE, into x (cs: its cos | sin).
+  void rebuild_key(int64_t t, const float *cs, float *x) {
+    const KeySource k = key_source(t);
+    if (neox_ && neox_key_row(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x)) return;
+    generic_key(k, cs, x);
+  }
+
+  void generic_key(const KeySource &k, const float *cs, float *x) const {
+    const int D = D_;
+    half_row(k.anchor, storage_, D, x);
+    if (k.residual) {
+      const float *r = k.residual;
 #pragma omp simd
-      for (int d = 0; d < D; ++d) x[d] = gam * x[d] + r[d];
+      for (int d = 0; d < D; ++d) x[d] = k.gamma * x[d] + r[d];
     } else {
 #pragma omp simd
-      for (int d = 0; d < D; ++d) x[d] *= gam;
+      for (int d = 0; d < D; ++d) x[d] *= k.gamma;
     }
     if (pairs_) rope_.apply(x, cs, cs + pairs_);
   }
@@ -268,6 +316,7 @@ class AnchorHead {
  private:
   bool gather_ = false;
   bool neox_ = false;  // rotary pairs (j, j + pairs): neox_key_row applies
+  bool wide_ = false;  // the AVX-512 gather walk applies (see the constructor)
   std::vector<float> x_, x2_, logit2_;
   const akv_cache &c_;
   int h_;

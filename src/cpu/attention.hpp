@@ -18,7 +18,7 @@ void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const floa
 // How the AnchorKV decode computes its prefix logits (AnchorHead in attention.cpp): a
 // per-step coefficient table, or each key rebuilt from its anchor row. kAuto picks per call
 // from the cache's shape; the others force one way for the whole process (tests compare them).
-enum class PrefixLogits : int { kAuto = 0, kTable, kGather };
+enum class PrefixLogits : int { kAuto = 0, kTable, kGather, kGatherAvx2 /* the gather path without AVX-512 */ };
 void force_prefix_logits(PrefixLogits path);
 
 // Dense K^ (post-RoPE when rotated) and V^ of head h: [T][D] fp32 each, T = S + appended.

@@ -215,6 +215,81 @@ inline void dot_rows2(const float *rows, int64_t stride, int count, const float 
   }
 }
 
+// ---- AVX-512 variants, chosen at run time (has_avx512()) --------------------------------
+// The library is built for x86-64-v3 (AVX2); these functions carry their own target, so they
+// may only run where has_avx512() is true. They do the work of their AVX2 namesakes with
+// sixteen lanes and return false (or are not called) where a shape does not fit.
+#if defined(__AVX2__) && defined(__GNUC__) && defined(__x86_64__)
+#define AKV_HAVE_AVX512_KERNELS 1
+#define AKV_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+inline bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return yes;
+}
+
+// Sixteen storage-dtype elements as fp32, times g, plus residual[0..15] when given.
+AKV_TARGET_AVX512 inline __m512 scaled_row16(const uint16_t *src, bool bf16, __m512 g, const float *residual) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(src));
+  const __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)) : _mm512_cvtph_ps(raw);
+  return residual ? _mm512_fmadd_ps(v, g, _mm512_loadu_ps(residual)) : _mm512_mul_ps(v, g);
+}
+
+AKV_TARGET_AVX512 inline bool neox_key_row_avx512(const uint16_t *anchor, akv_dtype storage, float gamma,
+                                                   const float *residual, const float *cos_row, const float *sin_row,
+                                                   int h, int D, float *x) {
+  if (h % 16 != 0 || (D - 2 * h) % 16 != 0) return false;
+  const __m512 g = _mm512_set1_ps(gamma);
+  const bool bf16 = storage == AKV_DTYPE_BF16;
+  for (int j = 0; j < h; j += 16) {
+    const __m512 x0 = scaled_row16(anchor + j, bf16, g, residual ? residual + j : nullptr);
+    const __m512 x1 = scaled_row16(anchor + j + h, bf16, g, residual ? residual + j + h : nullptr);
+    const __m512 c = _mm512_loadu_ps(cos_row + j), s = _mm512_loadu_ps(sin_row + j);
+    _mm512_storeu_ps(x + j, _mm512_fmsub_ps(x0, c, _mm512_mul_ps(x1, s)));
+    _mm512_storeu_ps(x + j + h, _mm512_fmadd_ps(x0, s, _mm512_mul_ps(x1, c)));
+  }
+  for (int d = 2 * h; d < D; d += 16)
+    _mm512_storeu_ps(x + d, scaled_row16(anchor + d, bf16, g, residual ? residual + d : nullptr));
+  return true;
+}
+
+// dot_rows2 with n a multiple of 16.
+AKV_TARGET_AVX512 inline void dot_rows2_avx512(const float *rows, int64_t stride, int count, const float *b0,
+                                                const float *b1, int n, float *out0, float *out1) {
+  int r = 0;
+  for (; r + 4 <= count; r += 4) {
+    const float *a0 = rows + r * stride, *a1 = a0 + stride, *a2 = a1 + stride, *a3 = a2 + stride;
+    __m512 s00 = _mm512_setzero_ps(), s10 = s00, s20 = s00, s30 = s00, s01 = s00, s11 = s00, s21 = s00, s31 = s00;
+    for (int i = 0; i < n; i += 16) {
+      const __m512 x0 = _mm512_loadu_ps(b0 + i), x1 = _mm512_loadu_ps(b1 + i);
+      __m512 a = _mm512_loadu_ps(a0 + i);
+      s00 = _mm512_fmadd_ps(a, x0, s00);
+      s01 = _mm512_fmadd_ps(a, x1, s01);
+      a = _mm512_loadu_ps(a1 + i);
+      s10 = _mm512_fmadd_ps(a, x0, s10);
+      s11 = _mm512_fmadd_ps(a, x1, s11);
+      a = _mm512_loadu_ps(a2 + i);
+      s20 = _mm512_fmadd_ps(a, x0, s20);
+      s21 = _mm512_fmadd_ps(a, x1, s21);
+      a = _mm512_loadu_ps(a3 + i);
+      s30 = _mm512_fmadd_ps(a, x0, s30);
+      s31 = _mm512_fmadd_ps(a, x1, s31);
+    }
+    out0[r] = _mm512_reduce_add_ps(s00), out0[r + 1] = _mm512_reduce_add_ps(s10);
+    out0[r + 2] = _mm512_reduce_add_ps(s20), out0[r + 3] = _mm512_reduce_add_ps(s30);
+    out1[r] = _mm512_reduce_add_ps(s01), out1[r + 1] = _mm512_reduce_add_ps(s11);
+    out1[r + 2] = _mm512_reduce_add_ps(s21), out1[r + 3] = _mm512_reduce_add_ps(s31);
+  }
+  for (; r < count; ++r) {
+    out0[r] = dot(rows + r * stride, b0, n);
+    out1[r] = dot(rows + r * stride, b1, n);
+  }
+}
+#else
+inline bool has_avx512() { return false; }
+#endif
+
 inline void half_row(const uint16_t *src, akv_dtype storage, int n, float *dst) {
   if (storage == AKV_DTYPE_BF16) {
     for (int i = 0; i < n; ++i) {

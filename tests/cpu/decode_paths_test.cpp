@@ -1,6 +1,8 @@
 // The CPU AnchorKV decode has two ways to the prefix logits (cpu/attention.hpp, PrefixLogits):
-// a per-step coefficient table, or every key rebuilt from its anchor row. Each is forced in
-// turn on the same caches and must equal exact attention over akv_cache_reconstruct's K/V.
+// a per-step coefficient table (format 3: per segment), or every key rebuilt from its anchor
+// row (with AVX-512 where the CPU has it, and the AVX2 walk). Each is forced in turn on the
+// same caches, in storage formats 2 and 3 (with segment tables), and must equal exact
+// attention over akv_cache_reconstruct's K/V.
 // The shapes cover NeoX, GPT-J, partial rotary, no RoPE, several query rows per KV head,
 // q_len > 1 with appended tokens, and both storage dtypes.
 #include <gtest/gtest.h>
@@ -46,39 +48,49 @@ TEST_P(PrefixLogitPaths, TableAndGatherEqualExactAttention) {
   spec.head_dim = 64;
   spec.dtype = c.dtype;
   const PrefillData data = make_prefill(rng, spec);
-  akv_compress_options options;
-  akv_compress_options_init(&options);
-  options.retain_fraction = 0.25;
-  options.rope.style = c.rope;
-  options.rope.rotary_dim = c.rotary_dim;
-  const ContextPtr context = make_context(2);
-  const CachePtr cache = compress(context.get(), data, options);
-  ASSERT_GT(cache_stats(cache.get()).key_residuals, 0);
+  for (int format : {2, 3}) {
+    SCOPED_TRACE("storage format " + std::to_string(format));
+    akv_compress_options options;
+    akv_compress_options_init(&options);
+    options.retain_fraction = 0.25;
+    options.rope.style = c.rope;
+    options.rope.rotary_dim = c.rotary_dim;
+    options.storage_format = format;
+    options.anchors = format == 3 ? 300 : 0;  // > 256: segment tables
+    const ContextPtr context = make_context(2);
+    const CachePtr cache = compress(context.get(), data, options);
+    ASSERT_GT(cache_stats(cache.get()).key_residuals, 0);
 
-  const int H = spec.kv_heads, Hq = H * c.G, D = spec.head_dim;
-  const int appended = c.q_len + 2;
-  const Tensor keys = make_tensor(llm_like_keys(rng, H, appended, D), c.dtype);
-  const Tensor values = make_tensor(nonzero_normal(rng, static_cast<size_t>(H) * appended * D), c.dtype);
-  ok(akv_append(cache.get(), keys.data(), values.data(), c.dtype, appended, nullptr, nullptr), "akv_append");
+    const int H = spec.kv_heads, Hq = H * c.G, D = spec.head_dim;
+    const int appended = c.q_len + 2;
+    Rng local(seed + format);
+    const Tensor keys = make_tensor(llm_like_keys(local, H, appended, D), c.dtype);
+    const Tensor values = make_tensor(nonzero_normal(local, static_cast<size_t>(H) * appended * D), c.dtype);
+    ok(akv_append(cache.get(), keys.data(), values.data(), c.dtype, appended, nullptr, nullptr), "akv_append");
 
-  const Dense rotated = reconstruct(cache.get(), 1);
-  const Tensor queries = make_tensor(nonzero_normal(rng, static_cast<size_t>(Hq) * c.q_len * D, 1.5), c.dtype);
-  const AttentionShape shape{H, Hq, D, spec.seq_len + appended, c.q_len};
-  const std::vector<double> expected =
-      reference_attention(rotated.keys, rotated.values, queries.values, shape, effective_softmax_scale(options, D));
-  double value_rms = 0.0;
-  for (float v : rotated.values) value_rms += static_cast<double>(v) * v;
-  value_rms = std::sqrt(value_rms / static_cast<double>(rotated.values.size()));
-  const double abs_tolerance = (c.dtype == AKV_DTYPE_F32 ? 2e-5 : 2e-4) * value_rms;
+    const Dense rotated = reconstruct(cache.get(), 1);
+    const Tensor queries = make_tensor(nonzero_normal(local, static_cast<size_t>(Hq) * c.q_len * D, 1.5), c.dtype);
+    const AttentionShape shape{H, Hq, D, spec.seq_len + appended, c.q_len};
+    const std::vector<double> expected =
+        reference_attention(rotated.keys, rotated.values, queries.values, shape, effective_softmax_scale(options, D));
+    double value_rms = 0.0;
+    for (float v : rotated.values) value_rms += static_cast<double>(v) * v;
+    value_rms = std::sqrt(value_rms / static_cast<double>(rotated.values.size()));
+    const double abs_tolerance = (c.dtype == AKV_DTYPE_F32 ? 2e-5 : 2e-4) * value_rms;
 
-  std::vector<std::vector<float>> outs;
-  for (akv::PrefixLogits path : {akv::PrefixLogits::kTable, akv::PrefixLogits::kGather}) {
-    akv::force_prefix_logits(path);
-    outs.push_back(decode(cache.get(), queries, c.q_len));
-    EXPECT_TRUE(all_near(outs.back(), expected, abs_tolerance, output_rel_tolerance(c.dtype)))
-        << (path == akv::PrefixLogits::kTable ? "table" : "gather") << " path differs from exact attention";
+    std::vector<std::vector<float>> outs;
+    const char *names[] = {"table", "gather", "gather (AVX2)"};
+    int i = 0;
+    for (akv::PrefixLogits path : {akv::PrefixLogits::kTable, akv::PrefixLogits::kGather, akv::PrefixLogits::kGatherAvx2}) {
+      akv::force_prefix_logits(path);
+      outs.push_back(decode(cache.get(), queries, c.q_len));
+      EXPECT_TRUE(all_near(outs.back(), expected, abs_tolerance, output_rel_tolerance(c.dtype)))
+          << names[i] << " path differs from exact attention";
+      ++i;
+    }
+    EXPECT_TRUE(all_near(outs[0], outs[1], abs_tolerance, output_rel_tolerance(c.dtype))) << "the paths disagree";
+    EXPECT_TRUE(all_near(outs[1], outs[2], abs_tolerance, output_rel_tolerance(c.dtype))) << "the gather walks disagree";
   }
-  EXPECT_TRUE(all_near(outs[0], outs[1], abs_tolerance, output_rel_tolerance(c.dtype))) << "the two paths disagree";
 }
 
 INSTANTIATE_TEST_SUITE_P(
