@@ -222,6 +222,9 @@ inline void dot_rows2(const float *rows, int64_t stride, int count, const float 
 #if defined(__AVX2__) && defined(__GNUC__) && defined(__x86_64__)
 #define AKV_HAVE_AVX512_KERNELS 1
 #define AKV_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+// GCC 12 flags the undefined pass-through operand inside the conversion intrinsics.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 inline bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -286,6 +289,7 @@ AKV_TARGET_AVX512 inline void dot_rows2_avx512(const float *rows, int64_t stride
     out1[r] = dot(rows + r * stride, b1, n);
   }
 }
+#pragma GCC diagnostic pop
 #else
 inline bool has_avx512() { return false; }
 #endif
