@@ -167,6 +167,20 @@ def test_stats_budget_and_compressed_size(layer):
     assert sum(h.value_residuals for h in per_head) == stats.value_residuals
     assert all(h.kept_tokens == seq_len and h.anchors == stats.anchors for h in per_head)
     assert stats.key_residuals + stats.value_residuals > 0
+    assert stats.storage_format == 3 and stats.segment_tokens >= 256
+
+
+def test_storage_format_two_is_the_papers_layout(layer):
+    keys, values, window = layer
+    heads, seq_len, head_dim = keys.shape
+    two = anchorkv.compress(keys, values, window, retain_fraction=0.2, storage_format=2)
+    three = anchorkv.compress(keys, values, window, retain_fraction=0.2)
+    assert (two.stats.storage_format, two.stats.segment_tokens) == (2, 0)
+    assert three.stats.base_bytes < two.stats.base_bytes  # one-byte indices and coefficients
+    assert two.stats.compressed_bytes == anchorkv.compressed_size(
+        seq_len, heads, head_dim, num_q_heads=4, retain_fraction=0.2, storage_format=2)
+    with pytest.raises(anchorkv.InvalidArgumentError, match="storage_format"):
+        anchorkv.compress(keys, values, window, retain_fraction=0.2, storage_format=5)
 
 
 def test_append_then_decode_causal(layer, rng):

@@ -164,8 +164,9 @@ class AnchorHead {
   // Logits of prefix tokens t0..t0+n-1; trig holds [cos | sin] (2*pairs floats) per token.
   // Keys are never materialised except the decoded residual of tokens that store one.
   void prefix_tile(int64_t t0, int64_t n, const float *trig) {
-    if (gather_) return prefix_tile_gather(t0, n, trig);
     const int64_t seg = g_.format == 3 ? g_.segment_of(t0) : 0;  // a tile lies in one segment
+    if (g_.format == 3 && seg != lut_segment_) enter_segment(seg);
+    if (gather_) return prefix_tile_gather(t0, n, trig);
     if (g_.format == 3 && g_.table_size && seg != coef_segment_) {
       build_coefficients(tables_ + seg * g_.table_size, g_.table_size);
       coef_segment_ = seg;
@@ -185,7 +186,7 @@ class AnchorHead {
         continue;
       } else {
         a = kidx8_[t];  // the table entry (k <= 256: the anchor)
-        gam = gamma_value(kcode_[t], scales_[seg * 2]);
+        gam = key_gamma_[kcode_[t]];
       }
       dot_rows(coef_.data() + static_cast<size_t>(a) * rows_ * two_p_, two_p_, rows_, cs, two_p_, logit_.data());
       const float *C = &coefC_[static_cast<size_t>(a) * rows_];
@@ -257,6 +258,13 @@ class AnchorHead {
   // Format 3 reads the anchor through the segment's table (a few hundred rows that stay in
   // L1/L2) and the coefficient from its code; anchor tokens (index 0, code 0 in storage) are
   // recognised from the anchor list, which the walk over increasing t follows with a cursor.
+  // Format 3: the table and the key coefficient of every code in segment seg.
+  void enter_segment(int64_t seg) {
+    lut_segment_ = seg;
+    segment_table_ = tables_ ? tables_ + seg * g_.table_size : nullptr;
+    for (int c = 0; c < 256; ++c) key_gamma_[c] = gamma_value(static_cast<uint8_t>(c), scales_[seg * 2]);
+  }
+
   struct KeySource {
     const uint16_t *anchor;
     float gamma;
@@ -273,10 +281,9 @@ class AnchorHead {
       k.anchor = ak_ + next_anchor_ * D;
       ++next_anchor_;
       next_anchor_token_ = next_anchor_ < free_anchors_ ? anchor_tokens_[next_anchor_] : -1;
-    } else {
-      const int64_t seg = g_.segment_of(t);
-      k.gamma = gamma_value(kcode_[t], scales_[seg * 2]);
-      k.anchor = ak_ + static_cast<int64_t>(tables_ ? tables_[seg * g_.table_size + kidx8_[t]] : kidx8_[t]) * D;
+    } else {  // enter_segment() has set this segment's table and coefficient values
+      k.gamma = key_gamma_[kcode_[t]];
+      k.anchor = ak_ + static_cast<int64_t>(segment_table_ ? segment_table_[kidx8_[t]] : kidx8_[t]) * D;
     }
     k.residual = nullptr;
     const uint64_t word = kmask_[t >> 6];
@@ -330,6 +337,9 @@ class AnchorHead {
   std::vector<float> q_, L_, coef_, coefC_, r_, logit_;
   std::vector<int> plain_;       // dimensions outside the rotary pairs
   int64_t coef_segment_ = -1;    // format 3: the segment whose table coef_ holds
+  int64_t lut_segment_ = -1;     // format 3: the segment of segment_table_ and key_gamma_
+  const uint16_t *segment_table_ = nullptr;
+  float key_gamma_[256] = {};
   const uint16_t *ak_, *kidx_, *kgam_;
   // Format 3.
   const int64_t *anchor_tokens_ = nullptr;
@@ -411,10 +421,11 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
     for (int64_t seg = 0; seg < g_.segments; ++seg) {
       const int64_t t0 = seg * g_.segment_len, t1 = std::min(P, t0 + g_.segment_len);
       const uint16_t *table = tables_ ? tables_ + seg * g_.table_size : nullptr;
-      const float scale = scales_[seg * 2 + 1];
+      float value_gamma[256];
+      for (int c = 0; c < 256; ++c) value_gamma[c] = gamma_value(static_cast<uint8_t>(c), scales_[seg * 2 + 1]);
       for (int64_t t = t0; t < t1; ++t) {
         const int a = table ? table[vidx8[t]] : vidx8[t];
-        const float gam = gamma_value(vcode[t], scale);  // 0 for anchor tokens
+        const float gam = value_gamma[vcode[t]];  // 0 for anchor tokens
         for (int i = 0; i < rows; ++i) weights[i * k + a] += L[i * total + t] * gam;
       }
     }
