@@ -93,6 +93,8 @@ class AnchorHead {
     logit_.resize(rows_);
     x_.resize(D_);
     x2_.resize(D_);
+    x3_.resize(D_);
+    x4_.resize(D_);
     neox_ = pairs_ && rope_.style == AKV_ROPE_NEOX;
     wide_ = neox_ && D_ % 16 == 0 && pairs_ % 16 == 0 && has_avx512() &&
             forced_prefix_logits.load(std::memory_order_relaxed) != static_cast<int>(PrefixLogits::kGatherAvx2);
@@ -233,6 +235,19 @@ class AnchorHead {
   }
   AKV_TARGET_AVX512 void prefix_tile_gather_avx512(int64_t t0, int64_t n, const float *trig) {
     int64_t u = 0;
+    if (rows_ % 4 == 0) {  // four tokens against four rows at a time: one reduction per block
+      float *x[4] = {x_.data(), x2_.data(), x3_.data(), x4_.data()};
+      const float *const xs[4] = {x[0], x[1], x[2], x[3]};
+      alignas(64) float block[16];
+      for (; u + 4 <= n; u += 4) {
+        for (int j = 0; j < 4; ++j) rebuild_key_avx512(t0 + u + j, trig + (u + j) * two_p_, x[j]);
+        for (int r0 = 0; r0 < rows_; r0 += 4) {
+          dot_rows4x4_avx512(q_.data() + static_cast<size_t>(r0) * D_, D_, xs, D_, block);
+          for (int j = 0; j < 4; ++j)
+            for (int r = 0; r < 4; ++r) L_[(r0 + r) * total_ + t0 + u + j] = block[j * 4 + r];
+        }
+      }
+    }
     for (; u + 2 <= n; u += 2) {
       rebuild_key_avx512(t0 + u, trig + u * two_p_, x_.data());
       rebuild_key_avx512(t0 + u + 1, trig + (u + 1) * two_p_, x2_.data());
@@ -254,10 +269,6 @@ class AnchorHead {
     }
   }
 
-  // What token t's key is built from: gamma K_a plus its decoded residual (null: none).
-  // Format 3 reads the anchor through the segment's table (a few hundred rows that stay in
-  // L1/L2) and the coefficient from its code; anchor tokens (index 0, code 0 in storage) are
-  // recognised from the anchor list, which the walk over increasing t follows with a cursor.
   // Format 3: the table and the key coefficient of every code in segment seg.
   void enter_segment(int64_t seg) {
     lut_segment_ = seg;
@@ -265,6 +276,10 @@ class AnchorHead {
     for (int c = 0; c < 256; ++c) key_gamma_[c] = gamma_value(static_cast<uint8_t>(c), scales_[seg * 2]);
   }
 
+  // What token t's key is built from: gamma K_a plus its decoded residual (null: none).
+  // Format 3 reads the anchor through the segment's table (a few hundred rows that stay in
+  // L1/L2) and the coefficient from its code; anchor tokens (index 0, code 0 in storage) are
+  // recognised from the anchor list, which the walk over increasing t follows with a cursor.
   struct KeySource {
     const uint16_t *anchor;
     float gamma;
@@ -324,7 +339,7 @@ class AnchorHead {
   bool gather_ = false;
   bool neox_ = false;  // rotary pairs (j, j + pairs): neox_key_row applies
   bool wide_ = false;  // the AVX-512 gather walk applies (see the constructor)
-  std::vector<float> x_, x2_, logit2_;
+  std::vector<float> x_, x2_, x3_, x4_, logit2_;
   const akv_cache &c_;
   int h_;
   int32_t q_len_;

@@ -289,6 +289,46 @@ AKV_TARGET_AVX512 inline void dot_rows2_avx512(const float *rows, int64_t stride
     out1[r] = dot(rows + r * stride, b1, n);
   }
 }
+// The sixteen horizontal sums of v[0..15] in one vector, transposed: lane 4k + j holds the sum
+// of v[4j + k].
+AKV_TARGET_AVX512 inline __m512 sum16(const __m512 (&v)[16]) {
+  // Halve 16 lanes to 8 (pairs of vectors share a register), then to 4, then within 128 bits.
+  __m512 h8[8], h4[4];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    h8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));  // [a lo+hi | b lo+hi]
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512 a = h8[2 * i], b = h8[2 * i + 1];
+    h4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));  // [a0 a1 b0 b1] (128-bit)
+  }
+  // h4[i] 128-bit lane k holds four partial sums of vector 4i + k; finish like SSE hadd.
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(h4[0], h4[1]), _mm512_unpackhi_ps(h4[0], h4[1]));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(h4[2], h4[3]), _mm512_unpackhi_ps(h4[2], h4[3]));
+  const __m512 lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23)));
+  const __m512 hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23)));
+  return _mm512_add_ps(lo, hi);
+}
+
+// Four rows against four vectors (n a multiple of 16): out[t * 4 + r] = rows_r . b_t, with one
+// sixteen-way reduction instead of sixteen horizontal sums.
+AKV_TARGET_AVX512 inline void dot_rows4x4_avx512(const float *rows, int64_t stride, const float *const (&b)[4], int n,
+                                                  float *out) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int i = 0; i < n; i += 16) {
+    const __m512 x0 = _mm512_loadu_ps(b[0] + i), x1 = _mm512_loadu_ps(b[1] + i), x2 = _mm512_loadu_ps(b[2] + i),
+                 x3 = _mm512_loadu_ps(b[3] + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m512 a = _mm512_loadu_ps(rows + r * stride + i);
+      acc[r * 4 + 0] = _mm512_fmadd_ps(a, x0, acc[r * 4 + 0]);
+      acc[r * 4 + 1] = _mm512_fmadd_ps(a, x1, acc[r * 4 + 1]);
+      acc[r * 4 + 2] = _mm512_fmadd_ps(a, x2, acc[r * 4 + 2]);
+      acc[r * 4 + 3] = _mm512_fmadd_ps(a, x3, acc[r * 4 + 3]);
+    }
+  }
+  _mm512_storeu_ps(out, sum16(acc));
+}
 #pragma GCC diagnostic pop
 #else
 inline bool has_avx512() { return false; }

@@ -342,7 +342,8 @@ TEST(SerializeFormat, VersionTwoDataStillLoads) {
     SCOPED_TRACE(small.name);
     ++checked;
     const Bytes current = akv_test::serialized_bytes(small.cache.get());
-    const akv::SerializedField *format = find_field(akv::serialized_fields(*small.cache), "storage format");
+    const std::vector<akv::SerializedField> fields = akv::serialized_fields(*small.cache);
+    const akv::SerializedField *format = find_field(fields, "storage format");
     ASSERT_NE(format, nullptr);
     Bytes old(current.begin(), current.begin() + format->offset);
     old.insert(old.end(), current.begin() + format->offset + format->bytes, current.end());
