@@ -46,7 +46,6 @@ static_assert(kTile <= 256, "a tile of positions lies in one format-3 segment (s
 // at least kTokensPerAnchor prompt tokens on average (see AnchorHead).
 constexpr size_t kCoefficientTableBytes = size_t{1} << 20;
 constexpr int64_t kTokensPerAnchor = 16;
-constexpr int64_t kTokensPerTableEntry = 64;  // format 3: tokens of a segment per table entry
 std::atomic<int> forced_prefix_logits{static_cast<int>(PrefixLogits::kAuto)};
 
 }  // namespace
@@ -106,38 +105,35 @@ class AnchorHead {
     // table wins when it stays in this core's L2 and each entry serves enough tokens to pay
     // for its row (format 2, S = 16K on a 2 MiB-L2 Xeon, one thread: 5x 71 -> 17 ms per
     // decode, 10x 16 -> 12 ms with the gather path; 20x 8.0 ms with the table, 9.5 ms
-    // without). Format 3 builds it per segment from the segment's table (k <= 256: once,
-    // from every anchor).
-    const int64_t entries = g_.format == 3 && g_.table_size ? g_.table_size : k;
-    const int64_t served = g_.format == 3 && g_.table_size ? g_.segment_len : P;  // tokens per build
-    const size_t table = static_cast<size_t>(entries) * rows_ * std::max(two_p_, 1) * sizeof(float);
-    const int64_t per_entry = g_.format == 3 ? kTokensPerTableEntry : kTokensPerAnchor;
+    // without). Format 3 with segment tables (k > 256) always gathers: a table built per
+    // segment (256 entries for at most 4096 tokens) was measured slower than the walk.
+    const bool segment_tables = g_.format == 3 && g_.table_size;
+    const size_t table = static_cast<size_t>(k) * rows_ * std::max(two_p_, 1) * sizeof(float);
     switch (static_cast<PrefixLogits>(forced_prefix_logits.load(std::memory_order_relaxed))) {
-      case PrefixLogits::kTable: gather_ = false; break;
+      case PrefixLogits::kTable: gather_ = segment_tables; break;
       case PrefixLogits::kGather:
       case PrefixLogits::kGatherAvx2: gather_ = true; break;
-      case PrefixLogits::kAuto: gather_ = table > kCoefficientTableBytes || served < per_entry * entries; break;
+      case PrefixLogits::kAuto: gather_ = segment_tables || table > kCoefficientTableBytes || P < kTokensPerAnchor * k; break;
     }
     if (gather_) return;
     std::vector<uint8_t> in_pair(D_, 0);
     for (int j = 0; j < pairs_; ++j) in_pair[rope_.first[j]] = in_pair[rope_.second[j]] = 1;
     for (int d = 0; d < D_; ++d)
       if (!in_pair[d]) plain_.push_back(d);
-    coef_.resize(static_cast<size_t>(entries) * rows_ * two_p_);
-    coefC_.assign(static_cast<size_t>(entries) * rows_, 0.0f);
-    if (!(g_.format == 3 && g_.table_size)) build_coefficients(nullptr, k);
+    coef_.resize(static_cast<size_t>(k) * rows_ * two_p_);
+    coefC_.assign(static_cast<size_t>(k) * rows_, 0.0f);
+    build_coefficients(k);
   }
 
   // Per (anchor, row): q.R_t K_a = C + sum_j A_j cos(t w_j) + B_j sin(t w_j)  (docs/design.md §4.1),
-  // laid out [entry][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's angles
+  // laid out [anchor][row][A_0..A_{pairs-1}, B_0..B_{pairs-1}] so that, with a token's angles
   // stored as [cos | sin], its logit is one dot product of length 2*pairs. The dimensions
-  // outside the rotary pairs (partial rotary) add the constant C. Entry e is anchor ids[e]
-  // (ids null: anchor e).
-  void build_coefficients(const uint16_t *ids, int count) {
+  // outside the rotary pairs (partial rotary) add the constant C.
+  void build_coefficients(int count) {
     std::vector<float> &x = x_;
     const int P2 = pairs_;
     for (int e = 0; e < count; ++e) {
-      half_row(ak_ + static_cast<int64_t>(ids ? ids[e] : e) * D_, storage_, D_, x.data());
+      half_row(ak_ + static_cast<int64_t>(e) * D_, storage_, D_, x.data());
       const float *x0 = x.data(), *x1 = x.data() + P2;
       for (int i = 0; i < rows_; ++i) {
         const float *qi = &q_[static_cast<size_t>(i) * D_];
@@ -169,10 +165,6 @@ class AnchorHead {
     const int64_t seg = g_.format == 3 ? g_.segment_of(t0) : 0;  // a tile lies in one segment
     if (g_.format == 3 && seg != lut_segment_) enter_segment(seg);
     if (gather_) return prefix_tile_gather(t0, n, trig);
-    if (g_.format == 3 && g_.table_size && seg != coef_segment_) {
-      build_coefficients(tables_ + seg * g_.table_size, g_.table_size);
-      coef_segment_ = seg;
-    }
     for (int64_t u = 0; u < n; ++u) {
       const int64_t t = t0 + u;
       const float *cs = trig + u * two_p_;
@@ -181,13 +173,13 @@ class AnchorHead {
       if (g_.format == 2) {
         a = kidx_[t];
         gam = bf16_to_float(kgam_[t]);
-      } else if (t == next_anchor_token_) {  // an anchor token, exact: its row may not be in the table
-        rebuild_key(t, cs, x_.data());
-        dot_rows(q_.data(), D_, rows_, x_.data(), D_, logit_.data());
-        for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = logit_[i];
-        continue;
+      } else if (t == next_anchor_token_) {  // an anchor token: exact (format 3 stores code 0)
+        a = static_cast<int>(next_anchor_);
+        gam = 1.0f;
+        ++next_anchor_;
+        next_anchor_token_ = next_anchor_ < free_anchors_ ? anchor_tokens_[next_anchor_] : -1;
       } else {
-        a = kidx8_[t];  // the table entry (k <= 256: the anchor)
+        a = kidx8_[t];  // no segment tables here (k <= 256): the index is the anchor
         gam = key_gamma_[kcode_[t]];
       }
       dot_rows(coef_.data() + static_cast<size_t>(a) * rows_ * two_p_, two_p_, rows_, cs, two_p_, logit_.data());
@@ -351,7 +343,6 @@ class AnchorHead {
   int64_t total_ = 0;
   std::vector<float> q_, L_, coef_, coefC_, r_, logit_;
   std::vector<int> plain_;       // dimensions outside the rotary pairs
-  int64_t coef_segment_ = -1;    // format 3: the segment whose table coef_ holds
   int64_t lut_segment_ = -1;     // format 3: the segment of segment_table_ and key_gamma_
   const uint16_t *segment_table_ = nullptr;
   float key_gamma_[256] = {};

@@ -1,8 +1,8 @@
 // The CPU AnchorKV decode has two ways to the prefix logits (cpu/attention.hpp, PrefixLogits):
-// a per-step coefficient table (format 3: per segment), or every key rebuilt from its anchor
-// row (with AVX-512 where the CPU has it, and the AVX2 walk). Each is forced in turn on the
-// same caches, in storage formats 2 and 3 (with segment tables), and must equal exact
-// attention over akv_cache_reconstruct's K/V.
+// a per-step coefficient table, or every key rebuilt from its anchor row (with AVX-512 where
+// the CPU has it, and the AVX2 walk). Each is forced in turn on the same caches, in storage
+// formats 2 and 3 (without and with segment tables: there the table path is not offered and
+// the walk runs), and must equal exact attention over akv_cache_reconstruct's K/V.
 // The shapes cover NeoX, GPT-J, partial rotary, no RoPE, several query rows per KV head,
 // q_len > 1 with appended tokens, and both storage dtypes.
 #include <gtest/gtest.h>
@@ -48,18 +48,20 @@ TEST_P(PrefixLogitPaths, TableAndGatherEqualExactAttention) {
   spec.head_dim = 64;
   spec.dtype = c.dtype;
   const PrefillData data = make_prefill(rng, spec);
-  for (int format : {2, 3}) {
+  for (int format : {2, 3, 33}) {  // 33: format 3 with segment tables
     SCOPED_TRACE("storage format " + std::to_string(format));
     akv_compress_options options;
     akv_compress_options_init(&options);
     options.retain_fraction = 0.25;
     options.rope.style = c.rope;
     options.rope.rotary_dim = c.rotary_dim;
-    options.storage_format = format;
-    options.anchors = format == 3 ? 300 : 0;  // > 256: segment tables
+    options.storage_format = format == 2 ? 2 : 3;
+    options.anchors = format == 33 ? 300 : 0;  // > 256: segment tables
     const ContextPtr context = make_context(2);
     const CachePtr cache = compress(context.get(), data, options);
     ASSERT_GT(cache_stats(cache.get()).key_residuals, 0);
+    if (format == 3) ASSERT_LE(cache_stats(cache.get()).anchors, 256) << "meant to run without segment tables";
+    if (format == 33) ASSERT_GT(cache_stats(cache.get()).anchors, 256) << "meant to run with segment tables";
 
     const int H = spec.kv_heads, Hq = H * c.G, D = spec.head_dim;
     const int appended = c.q_len + 2;
