@@ -13,7 +13,7 @@ namespace akv {
 constexpr uint64_t kSectionAlignment = 64;
 
 // The arrays of an AnchorKV cache, in storage order. Per head unless noted. Format 2 is the
-// paper's layout; format 3 (docs/design.md §3.2) reaches anchors through a table per segment of
+// paper's layout; format 3 (docs/design.md §3.7) reaches anchors through a table per segment of
 // positions and stores positions implicitly. A section a format does not use has 0 bytes.
 enum AnchorSection : int {
   kAnchorKeys = 0,      // [H][k][D] storage dtype, pre-RoPE
