@@ -104,6 +104,10 @@ uint8_t gamma_code(float gamma, float scale);
 // so that it widens exactly to format 2's bf16 coefficient (the CUDA view, cuda/plan.hpp).
 const float *gamma_units();
 inline float gamma_value(uint8_t code, float scale) { return bf16_to_float(float_to_bf16(scale * gamma_units()[code])); }
+// gamma_value of every code for one scale: out[256].
+inline void gamma_values(float scale, float *out) {
+  for (int c = 0; c < 256; ++c) out[c] = gamma_value(static_cast<uint8_t>(c), scale);
+}
 
 // The paper's anchor count k = max(W, S/128), clamped to S and to 65536 (u16 anchor indices);
 // anchor_geometry raises it by anchor_share and fill_budget.

@@ -173,14 +173,8 @@ class AnchorHead {
       if (g_.format == 2) {
         a = kidx_[t];
         gam = bf16_to_float(kgam_[t]);
-      } else if (t == next_anchor_token_) {  // an anchor token: exact (format 3 stores code 0)
-        a = static_cast<int>(next_anchor_);
-        gam = 1.0f;
-        ++next_anchor_;
-        next_anchor_token_ = next_anchor_ < free_anchors_ ? anchor_tokens_[next_anchor_] : -1;
       } else {
-        a = kidx8_[t];  // no segment tables here (k <= 256): the index is the anchor
-        gam = key_gamma_[kcode_[t]];
+        a = format3_anchor(t, &gam);  // no segment tables on this path (k <= 256)
       }
       dot_rows(coef_.data() + static_cast<size_t>(a) * rows_ * two_p_, two_p_, rows_, cs, two_p_, logit_.data());
       const float *C = &coefC_[static_cast<size_t>(a) * rows_];
@@ -219,7 +213,9 @@ class AnchorHead {
   }
 
 #ifdef AKV_HAVE_AVX512_KERNELS
-  // The same walk with sixteen-lane kernels (NeoX pairs, D and pairs multiples of 16).
+  // The same walk with sixteen-lane kernels (NeoX pairs, D and pairs multiples of 16): keys
+  // rebuilt sixteen lanes at a time and, where the rows come in fours, four tokens contracted
+  // against four rows per block; the remaining tokens (and other row counts) in pairs as above.
   AKV_TARGET_AVX512 void rebuild_key_avx512(int64_t t, const float *cs, float *x) {
     const KeySource k = key_source(t);
     if (!neox_key_row_avx512(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x))
@@ -243,7 +239,7 @@ class AnchorHead {
     for (; u + 2 <= n; u += 2) {
       rebuild_key_avx512(t0 + u, trig + u * two_p_, x_.data());
       rebuild_key_avx512(t0 + u + 1, trig + (u + 1) * two_p_, x2_.data());
-      dot_rows2_avx512(q_.data(), D_, rows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
+      dot_rows2(q_.data(), D_, rows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
       store_pair(t0 + u);
     }
     for (; u < n; ++u) {
@@ -265,13 +261,26 @@ class AnchorHead {
   void enter_segment(int64_t seg) {
     lut_segment_ = seg;
     segment_table_ = tables_ ? tables_ + seg * g_.table_size : nullptr;
-    for (int c = 0; c < 256; ++c) key_gamma_[c] = gamma_value(static_cast<uint8_t>(c), scales_[seg * 2]);
+    gamma_values(scales_[seg * 2], key_gamma_);
+  }
+
+  // Format 3: token t's key anchor and coefficient. Tokens come in increasing order within a
+  // walk: anchor tokens (stored as index 0, code 0) are exact and found by following the
+  // anchor list with a cursor; the others read t's segment table (enter_segment) and code.
+  int format3_anchor(int64_t t, float *gamma) {
+    if (t == next_anchor_token_) {
+      *gamma = 1.0f;
+      const int a = static_cast<int>(next_anchor_++);
+      next_anchor_token_ = next_anchor_ < free_anchors_ ? anchor_tokens_[next_anchor_] : -1;
+      return a;
+    }
+    *gamma = key_gamma_[kcode_[t]];
+    return segment_table_ ? segment_table_[kidx8_[t]] : kidx8_[t];
   }
 
   // What token t's key is built from: gamma K_a plus its decoded residual (null: none).
   // Format 3 reads the anchor through the segment's table (a few hundred rows that stay in
-  // L1/L2) and the coefficient from its code; anchor tokens (index 0, code 0 in storage) are
-  // recognised from the anchor list, which the walk over increasing t follows with a cursor.
+  // L1/L2) and the coefficient from its code (format3_anchor).
   struct KeySource {
     const uint16_t *anchor;
     float gamma;
@@ -283,14 +292,8 @@ class AnchorHead {
     if (g_.format == 2) {
       k.gamma = bf16_to_float(kgam_[t]);
       k.anchor = ak_ + static_cast<int64_t>(kidx_[t]) * D;
-    } else if (t == next_anchor_token_) {  // an anchor token: exact, its own anchor
-      k.gamma = 1.0f;
-      k.anchor = ak_ + next_anchor_ * D;
-      ++next_anchor_;
-      next_anchor_token_ = next_anchor_ < free_anchors_ ? anchor_tokens_[next_anchor_] : -1;
-    } else {  // enter_segment() has set this segment's table and coefficient values
-      k.gamma = key_gamma_[kcode_[t]];
-      k.anchor = ak_ + static_cast<int64_t>(segment_table_ ? segment_table_[kidx8_[t]] : kidx8_[t]) * D;
+    } else {
+      k.anchor = ak_ + static_cast<int64_t>(format3_anchor(t, &k.gamma)) * D;
     }
     k.residual = nullptr;
     const uint64_t word = kmask_[t >> 6];
@@ -428,7 +431,7 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
       const int64_t t0 = seg * g_.segment_len, t1 = std::min(P, t0 + g_.segment_len);
       const uint16_t *table = tables_ ? tables_ + seg * g_.table_size : nullptr;
       float value_gamma[256];
-      for (int c = 0; c < 256; ++c) value_gamma[c] = gamma_value(static_cast<uint8_t>(c), scales_[seg * 2 + 1]);
+      gamma_values(scales_[seg * 2 + 1], value_gamma);
       for (int64_t t = t0; t < t1; ++t) {
         const int a = table ? table[vidx8[t]] : vidx8[t];
         const float gam = value_gamma[vcode[t]];  // 0 for anchor tokens

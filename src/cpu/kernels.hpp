@@ -257,38 +257,6 @@ AKV_TARGET_AVX512 inline bool neox_key_row_avx512(const uint16_t *anchor, akv_dt
   return true;
 }
 
-// dot_rows2 with n a multiple of 16.
-AKV_TARGET_AVX512 inline void dot_rows2_avx512(const float *rows, int64_t stride, int count, const float *b0,
-                                                const float *b1, int n, float *out0, float *out1) {
-  int r = 0;
-  for (; r + 4 <= count; r += 4) {
-    const float *a0 = rows + r * stride, *a1 = a0 + stride, *a2 = a1 + stride, *a3 = a2 + stride;
-    __m512 s00 = _mm512_setzero_ps(), s10 = s00, s20 = s00, s30 = s00, s01 = s00, s11 = s00, s21 = s00, s31 = s00;
-    for (int i = 0; i < n; i += 16) {
-      const __m512 x0 = _mm512_loadu_ps(b0 + i), x1 = _mm512_loadu_ps(b1 + i);
-      __m512 a = _mm512_loadu_ps(a0 + i);
-      s00 = _mm512_fmadd_ps(a, x0, s00);
-      s01 = _mm512_fmadd_ps(a, x1, s01);
-      a = _mm512_loadu_ps(a1 + i);
-      s10 = _mm512_fmadd_ps(a, x0, s10);
-      s11 = _mm512_fmadd_ps(a, x1, s11);
-      a = _mm512_loadu_ps(a2 + i);
-      s20 = _mm512_fmadd_ps(a, x0, s20);
-      s21 = _mm512_fmadd_ps(a, x1, s21);
-      a = _mm512_loadu_ps(a3 + i);
-      s30 = _mm512_fmadd_ps(a, x0, s30);
-      s31 = _mm512_fmadd_ps(a, x1, s31);
-    }
-    out0[r] = _mm512_reduce_add_ps(s00), out0[r + 1] = _mm512_reduce_add_ps(s10);
-    out0[r + 2] = _mm512_reduce_add_ps(s20), out0[r + 3] = _mm512_reduce_add_ps(s30);
-    out1[r] = _mm512_reduce_add_ps(s01), out1[r + 1] = _mm512_reduce_add_ps(s11);
-    out1[r + 2] = _mm512_reduce_add_ps(s21), out1[r + 3] = _mm512_reduce_add_ps(s31);
-  }
-  for (; r < count; ++r) {
-    out0[r] = dot(rows + r * stride, b0, n);
-    out1[r] = dot(rows + r * stride, b1, n);
-  }
-}
 // The sixteen horizontal sums of v[0..15] in one vector, transposed: lane 4k + j holds the sum
 // of v[4j + k].
 AKV_TARGET_AVX512 inline __m512 sum16(const __m512 (&v)[16]) {
