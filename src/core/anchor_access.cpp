@@ -1,5 +1,7 @@
 #include "core/anchor_access.hpp"
 
+#include <algorithm>
+
 #include "core/context.hpp"
 #include "core/dtype.hpp"
 
@@ -20,20 +22,25 @@ AnchorAccess::AnchorAccess(const AnchorGeometry &g, const AnchorLayout &layout, 
   first_position_ = window_first_position - g.prefix;
   if (g.table_size) tables_ = reinterpret_cast<const uint16_t *>(sec(kSegmentTables));
   scales_ = reinterpret_cast<const float *>(sec(kGammaScales));
-  const int64_t free_anchors = g.anchors - g.window;
-  const int64_t *tokens = reinterpret_cast<const int64_t *>(sec(kAnchorTokens));
-  own_.assign(static_cast<size_t>(g.heads) * g.prefix, -1);
-  for (int64_t h = 0; h < g.heads; ++h)
-    for (int64_t a = 0; a < free_anchors; ++a) own_[h * g.prefix + tokens[h * free_anchors + a]] = static_cast<int32_t>(a);
+  free_anchors_ = g.anchors - g.window;
+  tokens_ = reinterpret_cast<const int64_t *>(sec(kAnchorTokens));
 }
 
 AnchorAccess::AnchorAccess(const akv_cache &c)
     : AnchorAccess(c.geometry, c.layout, c.data.data(), c.meta.window_first_position) {}
 
+int32_t AnchorAccess::own_anchor(int side, int h, int64_t t) const {
+  const int64_t i = static_cast<int64_t>(h) * g_.prefix + t;
+  if (index_[side][i] != 0 || gamma_[side][i] != 0) return -1;  // what every anchor token stores
+  const int64_t *first = tokens_ + static_cast<int64_t>(h) * free_anchors_, *last = first + free_anchors_;
+  const int64_t *at = std::lower_bound(first, last, t);  // the list is increasing (deserializer-checked)
+  return at != last && *at == t ? static_cast<int32_t>(at - first) : -1;
+}
+
 int32_t AnchorAccess::anchor(int side, int h, int64_t t) const {
   const int64_t i = static_cast<int64_t>(h) * g_.prefix + t;
   if (g_.format == 2) return reinterpret_cast<const uint16_t *>(index_[side])[i];
-  if (own_[i] >= 0) return own_[i];
+  if (const int32_t own = own_anchor(side, h, t); own >= 0) return own;
   const uint8_t entry = index_[side][i];
   return tables_ ? tables_[(static_cast<int64_t>(h) * g_.segments + g_.segment_of(t)) * g_.table_size + entry] : entry;
 }
@@ -41,7 +48,7 @@ int32_t AnchorAccess::anchor(int side, int h, int64_t t) const {
 float AnchorAccess::gamma(int side, int h, int64_t t) const {
   const int64_t i = static_cast<int64_t>(h) * g_.prefix + t;
   if (g_.format == 2) return bf16_to_float(reinterpret_cast<const uint16_t *>(gamma_[side])[i]);
-  if (own_[i] >= 0) return 1.0f;
+  if (own_anchor(side, h, t) >= 0) return 1.0f;
   return gamma_value(gamma_[side][i], scales_[(static_cast<int64_t>(h) * g_.segments + g_.segment_of(t)) * 2 + side]);
 }
 

@@ -5,7 +5,6 @@
 // through the anchor list: here it reads as its own anchor with coefficient 1, as in format 2.
 #pragma once
 #include <cstdint>
-#include <vector>
 #include "core/layout.hpp"
 
 struct akv_cache;
@@ -31,7 +30,10 @@ class AnchorAccess {
   const float *scales_ = nullptr;
   const int32_t *positions_ = nullptr;
   int64_t first_position_ = 0;
-  std::vector<int32_t> own_;  // format 3: [H][P] the anchor a token is, else -1
+  // Format 3: the anchor token list, [H][k-W] increasing; own_anchor() finds a token in it.
+  const int64_t *tokens_ = nullptr;
+  int64_t free_anchors_ = 0;
+  int32_t own_anchor(int side, int h, int64_t t) const;  // the anchor t is, else -1
 };
 
 }  // namespace akv
