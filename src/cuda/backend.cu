@@ -126,11 +126,12 @@ void upload_view(akv_cache &cache, void *stream) {
   at.data = cache.data.data();
   at.suffix_keys = reinterpret_cast<uint16_t *>(cache.suffix_keys.data());
   at.suffix_values = reinterpret_cast<uint16_t *>(cache.suffix_values.data());
-  std::vector<uint8_t> host;  // format 3: the view widens it (plan.hpp)
+  WidenedAnchors widened;  // format 3: widened once for both builds of the block (plan.hpp)
   if (storage_of(cache.meta.method) == Storage::kAnchor && cache.geometry.format == 3) {
-    host.resize(cache.data.size());
+    std::vector<uint8_t> host(cache.data.size());
     copy(host.data(), cache.data.data(), host.size(), stream, /*wait=*/true);
-    at.host_data = host.data();
+    widened = widen_format3(cache, host.data());
+    at.widened = &widened;
   }
   const size_t bytes = build_view_block(cache, at).size();
   if (cache.device_view.size() != bytes) {

@@ -43,6 +43,24 @@ size_t put(std::vector<uint8_t> &bytes, const T *src, size_t count) {
 
 }  // namespace
 
+WidenedAnchors widen_format3(const akv_cache &cache, const uint8_t *host_data) {
+  const AnchorGeometry &g = cache.geometry;
+  const AnchorAccess access(g, cache.layout, host_data, cache.meta.window_first_position);
+  const int64_t H = g.heads, P = g.prefix;
+  WidenedAnchors w;
+  w.index.resize(2 * H * P);
+  w.gamma.resize(2 * H * P);
+  w.positions.resize(P);
+  for (int side = 0; side < 2; ++side)
+    for (int h = 0; h < H; ++h)
+      for (int64_t t = 0; t < P; ++t) {
+        w.index[(side * H + h) * P + t] = static_cast<uint16_t>(access.anchor(side, h, t));
+        w.gamma[(side * H + h) * P + t] = float_to_bf16(access.gamma(side, h, t));
+      }
+  for (int64_t t = 0; t < P; ++t) w.positions[t] = access.position(t);
+  return w;
+}
+
 std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresses &at) {
   const CacheMeta &m = cache.meta;
   const int H = m.shape.num_kv_heads, D = m.shape.head_dim;
@@ -111,21 +129,11 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
   if (v.kind == kKindAnchor) v.signs = reinterpret_cast<const float *>(at.aux + signs);
   else v.dense_start = reinterpret_cast<const int64_t *>(at.aux + starts);
   if (v.kind == kKindAnchor && cache.geometry.format == 3) {
-    const AnchorGeometry &g = cache.geometry;
-    require(at.host_data != nullptr, AKV_ERR_INTERNAL, "a format-3 view needs a host copy of the cache");
-    const AnchorAccess access(g, cache.layout, at.host_data, m.window_first_position);
-    const int64_t P = g.prefix;
-    std::vector<uint16_t> index(2 * H * P), gamma(2 * H * P);
-    std::vector<int32_t> positions(P);
-    for (int side = 0; side < 2; ++side)
-      for (int h = 0; h < H; ++h)
-        for (int64_t t = 0; t < P; ++t) {
-          index[(side * H + h) * P + t] = static_cast<uint16_t>(access.anchor(side, h, t));
-          gamma[(side * H + h) * P + t] = float_to_bf16(access.gamma(side, h, t));
-        }
-    for (int64_t t = 0; t < P; ++t) positions[t] = access.position(t);
-    const size_t ix = put(bytes, index.data(), index.size()), gm = put(bytes, gamma.data(), gamma.size());
-    const size_t ps = put(bytes, positions.data(), positions.size());
+    require(at.widened != nullptr, AKV_ERR_INTERNAL, "a format-3 view needs its widened arrays");
+    const WidenedAnchors &w = *at.widened;
+    const int64_t P = cache.geometry.prefix;
+    const size_t ix = put(bytes, w.index.data(), w.index.size()), gm = put(bytes, w.gamma.data(), w.gamma.size());
+    const size_t ps = put(bytes, w.positions.data(), w.positions.size());
     v.key_index = reinterpret_cast<const uint16_t *>(at.aux + ix);
     v.value_index = v.key_index + H * P;
     v.key_gamma = reinterpret_cast<const uint16_t *>(at.aux + gm);

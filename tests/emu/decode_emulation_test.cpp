@@ -18,12 +18,16 @@ namespace kc = akv::cuda;
 struct HostView {
   std::vector<uint8_t> block;
   std::vector<uint16_t> suffix_keys, suffix_values;  // copies the append test writes into
+  kc::WidenedAnchors widened;
   kc::CacheView *view() { return reinterpret_cast<kc::CacheView *>(block.data()); }
 
   explicit HostView(const akv_cache &c, bool copy_suffix = false) {
     kc::ViewAddresses at;
     at.data = c.data.data();
-    at.host_data = c.data.data();  // the emulated device reads host memory
+    if (c.geometry.format == 3) {  // AnchorKV storage format 3 (other methods keep the default 2)
+      widened = kc::widen_format3(c, c.data.data());  // the emulated device reads host memory
+      at.widened = &widened;
+    }
     at.suffix_keys = reinterpret_cast<uint16_t *>(c.suffix_keys.data());
     at.suffix_values = reinterpret_cast<uint16_t *>(c.suffix_values.data());
     if (copy_suffix) {
