@@ -100,8 +100,7 @@ std::unique_ptr<akv_cache> compact_cache_cpu(const akv_cache &old, akv_context *
   akv_compress_options o = old.compress_options;
   // Format 3 stores positions implicitly: a suffix appended at other positions compacts into
   // the paper's layout.
-  for (int64_t t = 1; t < T && anchor && o.storage_format != 2; ++t)
-    if (pos[t] != pos[0] + t) o.storage_format = 2;
+  if (anchor && first_position_gap(pos) >= 0) o.storage_format = 2;
   const double theta = o.retain_fraction;
   const double full = 4.0 * static_cast<double>(T) * H * D;
   const double reserve = (1.0 - theta) * 4.0 * static_cast<double>(headroom) * H * D;

@@ -33,6 +33,9 @@ std::unique_ptr<akv_cache> new_cache(const CompressRequest &req);
 
 // The prompt positions (host): the prefill's, or 0..S-1.
 std::vector<int32_t> prompt_positions(const akv_prefill &prefill);
+// The first t whose position is not positions[0] + t, or -1 when they are consecutive (storage
+// format 3 stores them implicitly).
+int64_t first_position_gap(const std::vector<int32_t> &positions);
 
 // AnchorKV, either backend: sets the cache's host-side parts from the plan's geometry (meta,
 // geometry, layout, codec, footprint, window and next positions); no tensor is read. Returns the prompt positions. Throws AKV_ERR_UNSUPPORTED when the last `window`

@@ -42,6 +42,12 @@ std::vector<int32_t> prompt_positions(const akv_prefill &p) {
   return pos;
 }
 
+int64_t first_position_gap(const std::vector<int32_t> &positions) {
+  for (size_t t = 1; t < positions.size(); ++t)
+    if (positions[t] != positions[0] + static_cast<int64_t>(t)) return static_cast<int64_t>(t);
+  return -1;
+}
+
 std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const AnchorGeometry &g, const akv_compress_options &o,
                                           akv_cache &cache) {
   CacheMeta &meta = cache.meta;
@@ -60,11 +66,9 @@ std::vector<int32_t> prepare_anchor_cache(const akv_prefill &p, const AnchorGeom
   require(pos[S - 1] - pos[P] == g.window - 1, AKV_ERR_UNSUPPORTED, "positions of the last window=", g.window,
           " tokens must be consecutive (got ", pos[P], "..", pos[S - 1], ")");
   if (g.format == 3) {  // positions are implicit: first + t
-    for (int64_t t = 1; t < P; ++t)
-      require(pos[t] == pos[0] + t, AKV_ERR_UNSUPPORTED, "storage_format 3 stores positions implicitly and needs them "
-              "consecutive; positions[", t, "] = ", pos[t], " after ", pos[t - 1], " (set storage_format 2)");
-    require(pos[P] == pos[0] + P, AKV_ERR_UNSUPPORTED, "storage_format 3 needs consecutive positions; the window starts at ",
-            pos[P], " after ", pos[P - 1], " (set storage_format 2)");
+    if (const int64_t t = first_position_gap(pos); t >= 0)
+      fail(AKV_ERR_UNSUPPORTED, "storage_format 3 stores positions implicitly and needs them consecutive; positions[", t,
+           "] = ", pos[t], " after ", pos[t - 1], " (set storage_format 2)");
   }
   meta.window_first_position = pos[P];
   cache.next_position = static_cast<int64_t>(pos[S - 1]) + 1;
