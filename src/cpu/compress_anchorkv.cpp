@@ -16,6 +16,7 @@
 #include "core/anchor_access.hpp"
 #include "core/rng.hpp"
 #include "cpu/gemm.hpp"
+#include "cpu/kernels.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/compress.hpp"
 #include "cpu/prefill_reader.hpp"
@@ -263,9 +264,7 @@ void restrict_to_tables(const AnchorGeometry &g, int h, const std::vector<float>
           int64_t best = 0;
           float best_abs = -1.0f, best_c = 0.0f;
           for (int64_t j = 0; j < n; ++j) {
-            const float *u = &an[static_cast<int64_t>(table[j]) * D];
-            float c = 0.0f;
-            for (int d = 0; d < D; ++d) c += x[d] * u[d];
+            const float c = dot(x, &an[static_cast<int64_t>(table[j]) * D], D);
             const float v = norm[table[j]] > 0.0f ? std::fabs(c) : -0.5f;
             if (v > best_abs) {
               best_abs = v;
