@@ -54,6 +54,15 @@ Bytes with_crc(Bytes bytes) {
   return bytes;
 }
 
+// Older serialized data: `bytes` (CRC place included) stamped with `version`, its total size
+// and CRC recomputed.
+Bytes as_version(Bytes bytes, uint32_t version) {
+  const uint64_t total = bytes.size();
+  std::memcpy(bytes.data() + 8, &version, 4);
+  std::memcpy(bytes.data() + 16, &total, 8);
+  return with_crc(bytes);
+}
+
 const akv::SerializedField *find_field(const std::vector<akv::SerializedField> &fields, const std::string &name) {
   for (const akv::SerializedField &f : fields)
     if (f.name == name) return &f;
@@ -315,11 +324,7 @@ TEST(SerializeFormat, VersionOneDataStillLoads) {
     Bytes old(current.begin(), current.begin() + pool->offset);
     old.insert(old.end(), current.begin() + format->offset + format->bytes, current.begin() + compaction->offset);
     old.resize(old.size() + 4);  // the CRC's place
-    const uint32_t version = 1;
-    const uint64_t total = old.size();
-    std::memcpy(old.data() + 8, &version, 4);
-    std::memcpy(old.data() + 16, &total, 8);
-    old = with_crc(old);
+    old = as_version(old, 1);
     akv_cache *loaded = nullptr;
     ASSERT_EQ(akv_cache_deserialize(context.raw, old.data(), old.size(), &loaded, nullptr), AKV_OK)
         << akv_last_error_message();
@@ -347,11 +352,7 @@ TEST(SerializeFormat, VersionTwoDataStillLoads) {
     ASSERT_NE(format, nullptr);
     Bytes old(current.begin(), current.begin() + format->offset);
     old.insert(old.end(), current.begin() + format->offset + format->bytes, current.end());
-    const uint32_t version = 2;
-    const uint64_t total = old.size();
-    std::memcpy(old.data() + 8, &version, 4);
-    std::memcpy(old.data() + 16, &total, 8);
-    old = with_crc(old);
+    old = as_version(old, 2);
     akv_cache *loaded = nullptr;
     ASSERT_EQ(akv_cache_deserialize(context.raw, old.data(), old.size(), &loaded, nullptr), AKV_OK)
         << akv_last_error_message();
