@@ -95,8 +95,13 @@ class AnchorHead {
     x3_.resize(D_);
     x4_.resize(D_);
     neox_ = pairs_ && rope_.style == AKV_ROPE_NEOX;
-    wide_ = neox_ && D_ % 16 == 0 && pairs_ % 16 == 0 && has_avx512() &&
+    wide_ = has_avx512() &&
             forced_prefix_logits.load(std::memory_order_relaxed) != static_cast<int>(PrefixLogits::kGatherAvx2);
+    wide_walk_ = wide_ && neox_ && D_ % 16 == 0 && pairs_ % 16 == 0;
+    if (wide_ && r_.size() == 128) {  // decode_residual128_avx512's norm * sign
+      const float norm = 1.0f / std::sqrt(128.0f);
+      for (float sgn : cache.codec.signs()) norm_signs_.push_back(norm * sgn);
+    }
     logit2_.resize(rows_);
     // Two ways to the prefix logits. The coefficient table (build_coefficients) costs
     // entries*rows*D per step and as many floats, then rows*D multiply-adds per token read
@@ -195,7 +200,7 @@ class AnchorHead {
   // residual), rotated once and contracted with the group's rows.
   void prefix_tile_gather(int64_t t0, int64_t n, const float *trig) {
 #ifdef AKV_HAVE_AVX512_KERNELS
-    if (wide_) return prefix_tile_gather_avx512(t0, n, trig);
+    if (wide_walk_) return prefix_tile_gather_avx512(t0, n, trig);
 #endif
     // Two tokens at a time share the loads of the query rows in the contraction.
     int64_t u = 0;
@@ -226,13 +231,14 @@ class AnchorHead {
     if (rows_ % 4 == 0) {  // four tokens against four rows at a time: one reduction per block
       float *x[4] = {x_.data(), x2_.data(), x3_.data(), x4_.data()};
       const float *const xs[4] = {x[0], x[1], x[2], x[3]};
-      alignas(64) float block[16];
       for (; u + 4 <= n; u += 4) {
         for (int j = 0; j < 4; ++j) rebuild_key_avx512(t0 + u + j, trig + (u + j) * two_p_, x[j]);
-        for (int r0 = 0; r0 < rows_; r0 += 4) {
-          dot_rows4x4_avx512(q_.data() + static_cast<size_t>(r0) * D_, D_, xs, D_, block);
-          for (int j = 0; j < 4; ++j)
-            for (int r = 0; r < 4; ++r) L_[(r0 + r) * total_ + t0 + u + j] = block[j * 4 + r];
+        for (int r0 = 0; r0 < rows_; r0 += 4) {  // staged: vector stores straight into L_ were slower
+          alignas(64) float block[16];
+          float *const out[4] = {block, block + 4, block + 8, block + 12};
+          dot_rows4x4_avx512(q_.data() + static_cast<size_t>(r0) * D_, D_, xs, D_, out);
+          for (int r = 0; r < 4; ++r)
+            for (int j = 0; j < 4; ++j) L_[(r0 + r) * total_ + t0 + u + j] = block[r * 4 + j];
         }
       }
     }
@@ -300,7 +306,13 @@ class AnchorHead {
     if (word >> (t & 63) & 1u) {
       const uint32_t slot = kbase_ + kprefix_[t >> 6] +
                             static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
-      c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
+      const uint8_t *codes = kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes();
+#ifdef AKV_HAVE_AVX512_KERNELS
+      if (wide_ && !norm_signs_.empty())
+        decode_residual128_avx512(codes, kscales_[slot], kLloydMaxLevels, norm_signs_.data(), r_.data());
+      else
+#endif
+        c_.codec.decode(codes, kscales_[slot], r_.data());
       k.residual = r_.data();
     }
     return k;
@@ -327,13 +339,23 @@ class AnchorHead {
     if (pairs_) rope_.apply(x, cs, cs + pairs_);
   }
 
+  // accumulate_weighted_rows over this head's rows, with sixteen lanes where they may run.
+  void weighted_rows(float *acc, const float *w, int64_t ldw, const float *x, int n, int width) const {
+#ifdef AKV_HAVE_AVX512_KERNELS
+    if (wide_ && accumulate_weighted_rows_avx512(acc, rows_, w, ldw, x, n, width)) return;
+#endif
+    accumulate_weighted_rows(acc, rows_, w, ldw, x, n, width);
+  }
+
   // window_trig: the window's cos | sin, [W][2*pairs] (shared by the heads of a walk).
   void finish(float *out, float *lse, const float *window_trig);
 
  private:
   bool gather_ = false;
   bool neox_ = false;  // rotary pairs (j, j + pairs): neox_key_row applies
-  bool wide_ = false;  // the AVX-512 gather walk applies (see the constructor)
+  bool wide_ = false;       // AVX-512 kernels may run (has_avx512, not forced off by a test)
+  bool wide_walk_ = false;  // and the AVX-512 gather walk applies to this shape
+  std::vector<float> norm_signs_;  // decode_residual128_avx512's norm * sign
   std::vector<float> x_, x2_, x3_, x4_, logit2_;
   const akv_cache &c_;
   int h_;
@@ -449,7 +471,7 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
   std::vector<float> block(static_cast<size_t>(kBlock) * std::max(RD, D)), p(static_cast<size_t>(rows) * kBlock);
   int filled = 0;
   auto flush = [&](float *into, int width) {
-    accumulate_weighted_rows(into, rows, p.data(), kBlock, block.data(), filled, width);
+    weighted_rows(into, p.data(), kBlock, block.data(), filled, width);
     filled = 0;
   };
   for (int64_t wd = 0; wd < words; ++wd) {
@@ -457,8 +479,14 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
     const uint32_t count = static_cast<uint32_t>(__builtin_popcountll(vmask[wd]));
     for (uint32_t sl = first; sl < first + count; ++sl) {
       const int64_t t = wd * 64 + vchunk[sl];
-      cache.codec.decode_rotated(vcodes + static_cast<int64_t>(sl) * cache.codec.code_bytes(), vscales[sl],
-                                 &block[static_cast<size_t>(filled) * RD]);
+      const uint8_t *codes = vcodes + static_cast<int64_t>(sl) * cache.codec.code_bytes();
+      float *into = &block[static_cast<size_t>(filled) * RD];
+#ifdef AKV_HAVE_AVX512_KERNELS
+      if (wide_ && RD % 16 == 0)
+        decode_rotated_avx512(codes, vscales[sl], kLloydMaxLevels, RD, into);
+      else
+#endif
+        cache.codec.decode_rotated(codes, vscales[sl], into);
       for (int i = 0; i < rows; ++i) p[static_cast<size_t>(i) * kBlock + filled] = L[i * total + t];
       if (++filled == kBlock) flush(racc.data(), RD);
     }
@@ -469,7 +497,7 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
   for (int a0 = 0; a0 < k; a0 += kBlock) {
     const int n = std::min(kBlock, k - a0);
     for (int a = 0; a < n; ++a) half_row(av + static_cast<int64_t>(a0 + a) * D, storage, D, &block[static_cast<size_t>(a) * D]);
-    accumulate_weighted_rows(acc.data(), rows, &weights[a0], k, block.data(), n, D);
+    weighted_rows(acc.data(), &weights[a0], k, block.data(), n, D);
   }
   for (int i = 0; i < rows; ++i)
     for (int d = 0; d < D; ++d) acc[static_cast<size_t>(i) * D + d] += racc[static_cast<size_t>(i) * RD + d];

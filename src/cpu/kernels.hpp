@@ -222,9 +222,10 @@ inline void dot_rows2(const float *rows, int64_t stride, int count, const float 
 #if defined(__AVX2__) && defined(__GNUC__) && defined(__x86_64__)
 #define AKV_HAVE_AVX512_KERNELS 1
 #define AKV_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
-// GCC 12 flags the undefined pass-through operand inside the conversion intrinsics.
+// GCC 12 flags the undefined pass-through operand inside the conversion and set intrinsics.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 inline bool has_avx512() {
   static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -278,10 +279,19 @@ AKV_TARGET_AVX512 inline __m512 sum16(const __m512 (&v)[16]) {
   return _mm512_add_ps(lo, hi);
 }
 
-// Four rows against four vectors (n a multiple of 16): out[t * 4 + r] = rows_r . b_t, with one
-// sixteen-way reduction instead of sixteen horizontal sums.
+// sum16 of a 4 x 4 block (lane 4r + t) as four rows of four: out[r][0..3] = lanes 4r..4r+3.
+AKV_TARGET_AVX512 inline void store_rows4(__m512 v, float *const (&out)[4]) {
+  _mm_storeu_ps(out[0], _mm512_castps512_ps128(v));
+  _mm_storeu_ps(out[1], _mm512_extractf32x4_ps(v, 1));
+  _mm_storeu_ps(out[2], _mm512_extractf32x4_ps(v, 2));
+  _mm_storeu_ps(out[3], _mm512_extractf32x4_ps(v, 3));
+}
+
+// Four rows against four vectors (n a multiple of 16): out[r][t] = rows_r . b_t (four
+// consecutive logits of each row), with one sixteen-way reduction instead of sixteen
+// horizontal sums.
 AKV_TARGET_AVX512 inline void dot_rows4x4_avx512(const float *rows, int64_t stride, const float *const (&b)[4], int n,
-                                                  float *out) {
+                                                  float *const (&out)[4]) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int i = 0; i < n; i += 16) {
@@ -289,13 +299,87 @@ AKV_TARGET_AVX512 inline void dot_rows4x4_avx512(const float *rows, int64_t stri
                  x3 = _mm512_loadu_ps(b[3] + i);
     for (int r = 0; r < 4; ++r) {
       const __m512 a = _mm512_loadu_ps(rows + r * stride + i);
-      acc[r * 4 + 0] = _mm512_fmadd_ps(a, x0, acc[r * 4 + 0]);
-      acc[r * 4 + 1] = _mm512_fmadd_ps(a, x1, acc[r * 4 + 1]);
-      acc[r * 4 + 2] = _mm512_fmadd_ps(a, x2, acc[r * 4 + 2]);
-      acc[r * 4 + 3] = _mm512_fmadd_ps(a, x3, acc[r * 4 + 3]);
+      acc[0 * 4 + r] = _mm512_fmadd_ps(a, x0, acc[0 * 4 + r]);
+      acc[1 * 4 + r] = _mm512_fmadd_ps(a, x1, acc[1 * 4 + r]);
+      acc[2 * 4 + r] = _mm512_fmadd_ps(a, x2, acc[2 * 4 + r]);
+      acc[3 * 4 + r] = _mm512_fmadd_ps(a, x3, acc[3 * 4 + r]);
     }
   }
-  _mm512_storeu_ps(out, sum16(acc));
+  store_rows4(sum16(acc), out);
+}
+// The residual codec's levels for sixteen dims: lane i of word w (the sixteen dims' four code
+// bytes) has code (w >> 2i) & 3; lv holds the four levels, already times the scale.
+AKV_TARGET_AVX512 inline __m512 residual_levels16(const uint8_t *codes, __m512 lv) {
+  uint32_t w;
+  std::memcpy(&w, codes, 4);
+  const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i idx = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)), shifts), _mm512_set1_epi32(3));
+  return _mm512_permutexvar_ps(idx, lv);
+}
+AKV_TARGET_AVX512 inline __m512 scaled_levels(const float (&levels)[4], float scale) {
+  return _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_zextps128_ps512(_mm_loadu_ps(levels)));
+}
+
+// ResidualCodec::decode_rotated with sixteen lanes (n a multiple of 16): the same products.
+AKV_TARGET_AVX512 inline void decode_rotated_avx512(const uint8_t *codes, float scale, const float (&levels)[4], int n,
+                                                    float *y) {
+  const __m512 lv = scaled_levels(levels, scale);
+  for (int i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, residual_levels16(codes + i / 4, lv));
+}
+
+// ResidualCodec::decode for a 128-dim rotated domain in eight registers: levels times scale,
+// the Walsh-Hadamard butterflies in fwht's stage order (so the same sums, bit for bit), then
+// times norm * sign (norm_signs: 128 floats).
+AKV_TARGET_AVX512 inline void decode_residual128_avx512(const uint8_t *codes, float scale, const float (&levels)[4],
+                                                        const float *norm_signs, float *out) {
+  const __m512 lv = scaled_levels(levels, scale);
+  __m512 v[8];
+  for (int i = 0; i < 8; ++i) v[i] = residual_levels16(codes + 4 * i, lv);
+  const __m512 m1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
+  const __m512 m2 = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
+  const __m512 m4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
+  const __m512 m8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+  for (int i = 0; i < 8; ++i) {  // y = x * sign + partner: the partner one, two, four, eight lanes away
+    v[i] = _mm512_fmadd_ps(v[i], m1, _mm512_permute_ps(v[i], 0xB1));
+    v[i] = _mm512_fmadd_ps(v[i], m2, _mm512_permute_ps(v[i], 0x4E));
+    v[i] = _mm512_fmadd_ps(v[i], m4, _mm512_shuffle_f32x4(v[i], v[i], 0xB1));
+    v[i] = _mm512_fmadd_ps(v[i], m8, _mm512_shuffle_f32x4(v[i], v[i], 0x4E));
+  }
+  for (int step = 1; step < 8; step <<= 1)
+    for (int i = 0; i < 8; ++i)
+      if (!(i & step)) {
+        const __m512 a = v[i], b = v[i + step];
+        v[i] = _mm512_add_ps(a, b);
+        v[i + step] = _mm512_sub_ps(a, b);
+      }
+  for (int i = 0; i < 8; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(v[i], _mm512_loadu_ps(norm_signs + 16 * i)));
+}
+
+// accumulate_weighted_rows with sixteen lanes: a 4 x 32 block of acc in registers (D a
+// multiple of 32); other row counts and widths go to the AVX2 version.
+AKV_TARGET_AVX512 inline bool accumulate_weighted_rows_avx512(float *acc, int rows, const float *w, int64_t ldw,
+                                                              const float *x, int n, int D) {
+  if (rows % 4 != 0 || D % 32 != 0) return false;
+  for (int r0 = 0; r0 < rows; r0 += 4) {
+    const float *wr[4] = {w + r0 * ldw, w + (r0 + 1) * ldw, w + (r0 + 2) * ldw, w + (r0 + 3) * ldw};
+    for (int d0 = 0; d0 < D; d0 += 32) {
+      __m512 s[4][2];
+      for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < 2; ++c) s[r][c] = _mm512_loadu_ps(acc + (r0 + r) * D + d0 + 16 * c);
+      for (int j = 0; j < n; ++j) {
+        const __m512 x0 = _mm512_loadu_ps(x + static_cast<int64_t>(j) * D + d0);
+        const __m512 x1 = _mm512_loadu_ps(x + static_cast<int64_t>(j) * D + d0 + 16);
+        for (int r = 0; r < 4; ++r) {
+          const __m512 b = _mm512_set1_ps(wr[r][j]);
+          s[r][0] = _mm512_fmadd_ps(b, x0, s[r][0]);
+          s[r][1] = _mm512_fmadd_ps(b, x1, s[r][1]);
+        }
+      }
+      for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < 2; ++c) _mm512_storeu_ps(acc + (r0 + r) * D + d0 + 16 * c, s[r][c]);
+    }
+  }
+  return true;
 }
 #pragma GCC diagnostic pop
 #else
