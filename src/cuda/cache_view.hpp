@@ -58,6 +58,10 @@ struct DecodeLaunch {
   int32_t dtype;        // akv_dtype of queries and out
   int32_t heads, q_heads, q_len, rows, row_chunks, splits;
   int32_t max_anchors, max_pairs;
+  // 0: each split block sums its per-anchor weights in shared memory and writes them to ws_w
+  // at the end; 1 (too many anchors for shared memory): it sums them in its own ws_w rows
+  // directly (global atomics), so that shared memory does not grow with the anchor count.
+  int32_t global_weights;
   // Per split block: dense part of the output, rotated residual sum, running max and sum, and
   // the per-anchor weights w_a = sum p_t gamma_t (reduced across splits, and sum_a w_a V_a
   // computed once per request, head and row, by decode_anchor_values_kernel).
@@ -75,12 +79,14 @@ AKV_HD inline size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 struct SplitSmem {
   size_t q, qr, w, logits, red, inv, first, second, basec, bases, step, signs, meta_a, meta_off, meta_g, meta_pos, meta_bit, keys, total;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
-  AKV_HD SplitSmem(int D, int maxrows, int max_anchors, int max_pairs) {
+  // smem_anchors: anchors whose per-anchor weights live in shared memory (0 with
+  // DecodeLaunch::global_weights).
+  AKV_HD SplitSmem(int D, int maxrows, int smem_anchors, int max_pairs) {
     const int T = kDecodeTile;
     size_t o = 0;
     q = o; o = align16(o + sizeof(float) * maxrows * D);
     qr = o; o = align16(o + sizeof(float) * maxrows * D);  // queries rotated by minus the tile's first position
-    w = o; o = align16(o + sizeof(float) * maxrows * max_anchors);
+    w = o; o = align16(o + sizeof(float) * maxrows * smem_anchors);
     logits = o; o = align16(o + sizeof(float) * maxrows * T);
     red = o; o = align16(o + sizeof(float) * (kDecodeThreads / 32) * maxrows);
     inv = o; o = align16(o + sizeof(float) * max_pairs);

@@ -18,8 +18,10 @@
 //         5. the key tile contracted with all rows of the chunk (SIMT: four threads per
 //            token, float4 shared-memory loads, quad shuffles);
 //         6. online softmax (base 2; the scale and log2(e) are folded into the queries);
-//         7. values: per-anchor weights w_a += p_t gamma_t (shared-memory atomics), value
-//            residuals accumulated in the rotated domain, dense values accumulated directly.
+//         7. values: per-anchor weights w_a += p_t gamma_t (shared-memory atomics; with more
+//            anchors than shared memory holds, global atomics into the block's own workspace
+//            rows, DecodeLaunch::global_weights), value residuals accumulated in the rotated
+//            domain, dense values accumulated directly.
 //       The block writes its running max and sum, the dense part, the rotated residual sum
 //       and its per-anchor weights to the workspace.
 //   decode_anchor_values_kernel  grid (anchor parts x H x row chunks, requests), AnchorKV
@@ -139,6 +141,10 @@ struct SplitBlock {
   // they are added; no separate RoPE pass.
   bool fused;
   int k, pairs;
+  // Per-anchor weights [MAXROWS][wstride]: shared memory (wstride = k), or this block's rows
+  // of ws_w (wstride = max_anchors) when DecodeLaunch::global_weights.
+  float *w;
+  int64_t wstride;
   float *q_s, *qr_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *K_s, *sgn_s;
   float2 *step_s;
   int32_t *first_s, *second_s, *a_s, *off_s, *bit_s;
@@ -146,7 +152,9 @@ struct SplitBlock {
 
   float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
 
-  __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc)
+  // blk: this block's index among the launch's split blocks (its workspace rows).
+  __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc,
+                                        int64_t blk)
       : c(view), p(launch) {
     tid = threadIdx.x;
     lane = tid & 31;
@@ -161,7 +169,7 @@ struct SplitBlock {
     for (int j = 0; j < pairs; ++j) neox = neox && c.rope_first[j] == j && c.rope_second[j] == j + pairs;
     fused = neox && pairs % 4 == 0 && pairs % (D / 8) == 0 &&
             (pairs == 0 || pairs / (D / 8) == 1 || pairs / (D / 8) == 2 || pairs / (D / 8) == 4);
-    const SplitSmem lay(D, MAXROWS, p.max_anchors, p.max_pairs);
+    const SplitSmem lay(D, MAXROWS, p.global_weights ? 0 : p.max_anchors, p.max_pairs);
     q_s = reinterpret_cast<float *>(smem + lay.q);
     qr_s = reinterpret_cast<float *>(smem + lay.qr);
     w_s = reinterpret_cast<float *>(smem + lay.w);
@@ -187,7 +195,14 @@ struct SplitBlock {
     const float qscale = c.softmax_scale * kLog2e;
     for (int e = tid; e < MAXROWS * D; e += NT)
       q_s[e] = qr_s[e] = e / D < rows ? load_elem(p.queries, p.dtype, qbase + e) * qscale : 0.0f;
-    for (int e = tid; e < MAXROWS * k; e += NT) w_s[e] = 0.0f;
+    if (p.global_weights) {
+      w = p.ws_w + blk * MAXROWS * p.max_anchors;
+      wstride = p.max_anchors;
+    } else {
+      w = w_s;
+      wstride = k;
+    }
+    for (int e = tid; e < MAXROWS * k; e += NT) w[(e / k) * wstride + e % k] = 0.0f;
     if (k)
       for (int d = tid; d < D; d += NT) sgn_s[d] = c.signs[d] / sqrtf(static_cast<float>(D));
     for (int j = tid; j < pairs; j += NT) {
@@ -547,7 +562,8 @@ struct SplitBlock {
     float alpha[MAXROWS];
     for (int i = 0; i < MAXROWS; ++i) {
       const float m_new = fmaxf(m_run[i], red_s[i]);
-      alpha[i] = m_new == -INFINITY ? 1.0f : exp2f(m_run[i] - m_new);  // exp2(-inf) = 0
+      // Nothing is accumulated while the max is -inf: no rescale then (the first tile).
+      alpha[i] = m_run[i] == -INFINITY || m_new == -INFINITY ? 1.0f : exp2f(m_run[i] - m_new);
       if (alpha[i] != 1.0f) rescale = true;
       m_run[i] = m_new;
     }
@@ -559,7 +575,7 @@ struct SplitBlock {
           dacc[i][e] *= alpha[i];
         }
       }
-      for (int e = tid; e < MAXROWS * k; e += NT) w_s[e] *= alpha[e / k];
+      for (int e = tid; e < MAXROWS * k; e += NT) w[(e / k) * wstride + e % k] *= alpha[e / k];
     }
     for (int i = 0; i < MAXROWS; ++i)
       if (i % NW == warp)
@@ -585,7 +601,7 @@ struct SplitBlock {
       const int64_t t = t0 + u;
       if (t >= end) continue;
       const int64_t at = static_cast<int64_t>(h) * P + t;
-      atomicAdd(&w_s[i * k + c.value_index[at]], L_s[i * T + u] * bits_to_float(c.value_gamma[at], true));
+      atomicAdd(&w[i * wstride + c.value_index[at]], L_s[i * T + u] * bits_to_float(c.value_gamma[at], true));
     }
     const int64_t wd = t0 / 64;
     const uint32_t base = c.value_offsets[h] + c.value_prefix[h * words + wd];
@@ -625,7 +641,7 @@ struct SplitBlock {
   __device__ __forceinline__ void window_values(int64_t w0, int64_t end) {
     for (int e = tid; e < rows * T; e += NT) {  // one anchor per token: no two threads share an entry
       const int i = e / T, u = e % T;
-      if (w0 + u < end) w_s[i * k + k - c.window + w0 + u] += L_s[i * T + u];
+      if (w0 + u < end) w[i * wstride + k - c.window + w0 + u] += L_s[i * T + u];
     }
     __syncthreads();
   }
@@ -659,8 +675,8 @@ struct SplitBlock {
       }
       __syncthreads();
     }
-    for (int e = tid; e < MAXROWS * k; e += NT)
-      p.ws_w[(blk * MAXROWS + e / k) * p.max_anchors + e % k] = w_s[e];
+    if (!p.global_weights)  // else they are there already
+      for (int e = tid; e < MAXROWS * k; e += NT) p.ws_w[(blk * MAXROWS + e / k) * p.max_anchors + e % k] = w_s[e];
     for (int i = 0; i < MAXROWS; ++i) {
       const float l = warp_sum(l_part[i]);
       if (lane == 0) red_s[warp * MAXROWS + i] = l;
@@ -689,7 +705,8 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
   const int split = blockIdx.x;
   const int h = blockIdx.y / p.row_chunks, rc = blockIdx.y % p.row_chunks;
   const CacheView &c = *p.views[blockIdx.z];
-  Block blk(c, p, smem, h, rc);
+  const int64_t block_index = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  Block blk(c, p, smem, h, rc, block_index);
   const int splits = p.splits;
   const int64_t suffix_len = c.suffix_len;
 
@@ -752,7 +769,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
       blk.dense_values(values, t0, end);
     }
   }
-  blk.write_partial((static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
+  blk.write_partial(block_index);
 }
 
 // Each row's overall max m and sum l over the splits of one (request, head, row chunk), and

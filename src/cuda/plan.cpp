@@ -164,14 +164,25 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   }
   // The smallest row chunk (at most 16 rows: more spill) that holds every row, shrunk while
   // its shared memory (queries, per-anchor weights, key tile, angle tables) does not fit.
-  plan.maxrows = rows <= 4 ? 4 : rows <= 8 ? 8 : 16;
-  for (;; plan.maxrows /= 2) {
+  // When not even 4 rows fit with the weights (about 9.5K anchors at 227 KB), the weights
+  // move to the workspace and shared memory no longer depends on the anchor count.
+  const int first_maxrows = rows <= 4 ? 4 : rows <= 8 ? 8 : 16;
+  for (plan.maxrows = first_maxrows;; plan.maxrows /= 2) {
     plan.smem_bytes = SplitSmem(D, plan.maxrows, plan.max_anchors, plan.max_pairs).total;
     if (plan.smem_bytes <= smem_limit) break;
-    if (plan.maxrows == 4)
-      fail(AKV_ERR_UNSUPPORTED, "decode needs ", plan.smem_bytes, " bytes of shared memory per block (", plan.max_anchors,
-           " anchors); the device allows ", smem_limit);
+    if (plan.maxrows == 4) {
+      plan.global_weights = true;
+      break;
+    }
   }
+  if (plan.global_weights)
+    for (plan.maxrows = first_maxrows;; plan.maxrows /= 2) {
+      plan.smem_bytes = SplitSmem(D, plan.maxrows, 0, plan.max_pairs).total;
+      if (plan.smem_bytes <= smem_limit) break;
+      if (plan.maxrows == 4)
+        fail(AKV_ERR_UNSUPPORTED, "decode needs ", plan.smem_bytes, " bytes of shared memory per block (head_dim ", D,
+             ", ", plan.max_pairs, " rotary pairs); the device allows ", smem_limit);
+    }
   plan.row_chunks = (rows + plan.maxrows - 1) / plan.maxrows;
   // Splits over the prompt: as many as keep the grid within one wave of resident blocks
   // (rounding up would leave a second, mostly idle wave), no more than tiles (nor
@@ -209,6 +220,7 @@ DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32
   p.splits = plan.splits;
   p.max_anchors = plan.max_anchors;
   p.max_pairs = plan.max_pairs;
+  p.global_weights = plan.global_weights ? 1 : 0;
   const size_t per_block = static_cast<size_t>(plan.maxrows) * shape.head_dim;
   p.ws_o = workspace;
   p.ws_r = workspace + plan.blocks * per_block;

@@ -47,6 +47,7 @@ struct DecodePlan {
   int splits = 1;
   int max_anchors = 0, max_pairs = 0;
   int anchor_parts = 0;  // blocks of decode_anchor_values_kernel per (request, head, row chunk)
+  bool global_weights = false;  // per-anchor weights summed in the workspace (DecodeLaunch)
   int resident = 1;       // split blocks resident per multiprocessor
   size_t smem_bytes = 0;  // dynamic shared memory of decode_split_kernel
   int64_t blocks = 0;     // split blocks of one launch (kMaxBatchPerLaunch requests at most)

@@ -66,16 +66,18 @@ void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, i
 
 // Emulated GPU decode of a batch; queries and the result: bytes in `io` dtype.
 // sm_count and resident (split blocks per multiprocessor) set the number of splits; smem:
-// the shared memory a block may have (a device's 227 KB, or less, which shrinks the row chunk).
+// the shared memory a block may have (a device's 227 KB, or less, which shrinks the row chunk
+// or moves the per-anchor weights to the workspace; global_weights: the expected choice).
 // lse (optional): receives [batch][Hq][q_len], each row's log-sum-exp.
 std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, const std::vector<uint8_t> &queries,
                                      akv_dtype io, int q_len, int sm_count, int resident, size_t smem,
-                                     std::vector<float> *lse = nullptr) {
+                                     std::vector<float> *lse = nullptr, const bool *global_weights = nullptr) {
   const int32_t batch = static_cast<int32_t>(caches.size());
   const akv_shape &s = caches[0]->meta.shape;
   const kc::DecodePlan plan = kc::plan_decode(caches.data(), batch, q_len, sm_count, smem,
                                               [&](int, size_t) { return resident; });
   EXPECT_EQ(plan.resident, resident);
+  if (global_weights) EXPECT_EQ(plan.global_weights, *global_weights) << "where the per-anchor weights are summed";
   std::vector<HostView> views;
   views.reserve(caches.size());
   for (akv_cache *c : caches) views.emplace_back(*c);
@@ -141,7 +143,10 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
   return cache;
 }
 
-void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t smem = 227 * 1024) {
+// global_weights: whether the plan must (true) or must not (false) sum the per-anchor
+// weights in the workspace.
+void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t smem = 227 * 1024,
+                bool global_weights = false) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   SCOPED_TRACE(describe(c) + " batch " + std::to_string(batch) + " sm_count " + std::to_string(sm_count));
@@ -164,7 +169,7 @@ void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t
                           expected_lse.data(), nullptr),
      "akv_decode_batch_lse");
   const std::vector<float> got =
-      decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, resident, smem, &got_lse), c.io);
+      decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, resident, smem, &got_lse, &global_weights), c.io);
   const std::vector<float> expected = decode_bytes(expected_bytes, c.io);
   ASSERT_EQ(count_non_finite(got), 0u);
   // Same arithmetic up to summation order and the angle method (both accurate to ~1e-6);
@@ -218,6 +223,21 @@ TEST(EmulatedDecode, ManyAnchorsGqaGroupsAndQueryLengths) {
   Case g4{AKV_METHOD_ANCHORKV, 1200, 64, 4, 4, 3, AKV_ROPE_NEOX, true};
   g4.anchors = 700;
   check_case(g4, 3, 4, 2);
+}
+
+// More anchors than shared memory holds with even 4 rows (about 9.5K anchors on a device):
+// the per-anchor weights are summed in the workspace (DecodePlan::global_weights), and
+// shared memory no longer depends on the anchor count. Here a small shared-memory limit
+// forces it at 900 anchors.
+TEST(EmulatedDecode, AnchorWeightsInTheWorkspaceWhenSharedMemoryIsShort) {
+  Case c{AKV_METHOD_ANCHORKV, 1800, 64, 4, 2, 3, AKV_ROPE_NEOX, false};  // 8 rows
+  c.anchors = 900;
+  const size_t smem = kc::SplitSmem(64, 8, 0, 32).total + 4096;
+  ASSERT_GT(kc::SplitSmem(64, 4, 800, 32).total, smem) << "the weights must not fit at 4 rows";
+  check_case(c, 2, 4, 2, smem, /*global_weights=*/true);
+  Case one_row{AKV_METHOD_ANCHORKV, 1300, 128, 1, 1, 0, AKV_ROPE_NEOX, true};  // a chunk of 4 with 1 row
+  one_row.anchors = 700;
+  check_case(one_row, 1, 8, 1, kc::SplitSmem(128, 4, 0, 64).total, /*global_weights=*/true);
 }
 
 TEST(EmulatedDecode, DenseCachesMatchCpu) {
