@@ -168,6 +168,13 @@ typedef struct akv_allocator {
  *    (that would synchronise); reserve capacity first (akv_cache_reserve) so that it never
  *    allocates. akv_cache_reserve, akv_cache_deserialize, akv_cache_serialize and
  *    akv_cache_reconstruct synchronise the stream;
+ *  - akv_append may be captured in a graph with the decode (positions NULL; explicit ones are
+ *    refused under capture): each replay appends after the cache's last token, its position
+ *    read on the device. Reserve room for every replay before capturing. The host's count of
+ *    appended tokens catches up at the next call that reads it (stats, reserve, append outside
+ *    capture, compact, reconstruct, serialize), which then waits for the device
+ *    (cudaDeviceSynchronize); if replays ran past the reservation, the extra tokens were
+ *    dropped and that call returns AKV_ERR_CAPACITY once (the cache stays usable);
  *  - akv_compress runs on the device for every method but QUANTIZED (the same layout as the
  *    CPU; the GPU computes in a different order, so a floating-point near-tie can flip an
  *    anchor, an assignment, a residual or a kept token: rare, and bounded by the GPU

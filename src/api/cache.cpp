@@ -17,6 +17,13 @@ using namespace akv;
 
 namespace {
 
+// Backend::sync_appended: the host's record of appended tokens, current before it is read
+// (a const handle's record is brought up to date too: it is the same cache).
+void sync_appended(const akv_cache *cache, void *stream) {
+  akv_cache &c = const_cast<akv_cache &>(*cache);
+  c.context->impl->sync_appended(c, stream);
+}
+
 akv_status decode_one(const char *function, akv_cache *cache, const void *queries, akv_dtype dtype, int32_t q_len,
                       void *out, float *lse, void *stream) {
   return guard(function, [&] {
@@ -66,6 +73,7 @@ AKV_API akv_status akv_cache_reserve(akv_cache *cache, int64_t tokens, void *str
   return guard(__func__, [&] {
     validate_cache(cache);
     if (tokens < 0) fail(AKV_ERR_INVALID_ARGUMENT, "tokens ", tokens, " is negative");
+    sync_appended(cache, stream);
     cache->context->impl->reserve(*cache, tokens, stream);
   });
 }
@@ -78,6 +86,7 @@ AKV_API akv_status akv_append(akv_cache *cache, const void *keys, const void *va
     check_not_null(values, "values");
     check_input_dtype(dtype, "dtype");
     if (num_tokens < 1) fail(AKV_ERR_INVALID_ARGUMENT, "num_tokens ", num_tokens, " must be at least 1");
+    sync_appended(cache, stream);
     akv_cache &c = *cache;
     std::vector<int32_t> pos(num_tokens);
     for (int32_t i = 0; i < num_tokens; ++i) {
@@ -88,7 +97,7 @@ AKV_API akv_status akv_append(akv_cache *cache, const void *keys, const void *va
       if (p > INT32_MAX) fail(AKV_ERR_INVALID_ARGUMENT, "positions exceed int32");
       pos[i] = static_cast<int32_t>(p);
     }
-    c.context->impl->append(c, keys, values, dtype, num_tokens, pos.data(), stream);
+    c.context->impl->append(c, keys, values, dtype, num_tokens, pos.data(), positions == nullptr, stream);
   });
 }
 
@@ -115,6 +124,7 @@ AKV_API akv_status akv_cache_compact(akv_cache *cache, const void *queries, akv_
            static_cast<int>(c.meta.method), "; AdaKV has no decode-time variant)");
     if (headroom_tokens < 0 || headroom_tokens > INT32_MAX)
       fail(AKV_ERR_INVALID_ARGUMENT, "headroom_tokens ", headroom_tokens, " must be in [0, 2^31)");
+    sync_appended(cache, stream);
     if (c.suffix_len < c.meta.window)
       fail(AKV_ERR_INVALID_ARGUMENT, "compaction needs at least window=", c.meta.window,
            " appended tokens (they become the new window), but the cache has ", c.suffix_len);
@@ -129,6 +139,7 @@ AKV_API akv_status akv_cache_stats_get(const akv_cache *cache, akv_cache_stats *
     if (out->struct_size == 0 || out->struct_size > sizeof(akv_cache_stats))
       fail(AKV_ERR_INVALID_ARGUMENT, "out_stats->struct_size ", out->struct_size, " is not valid (expected ",
            sizeof(akv_cache_stats), ")");
+    sync_appended(cache, nullptr);
     akv_cache_stats s = cache_stats(*cache);
     s.struct_size = out->struct_size;
     std::memcpy(static_cast<void *>(out), &s, out->struct_size);
@@ -159,6 +170,7 @@ AKV_API akv_status akv_cache_reconstruct(const akv_cache *cache, akv_dtype dtype
     check_not_null(keys, "keys");
     check_not_null(values, "values");
     check_input_dtype(dtype, "dtype");
+    sync_appended(cache, stream);
     cache->context->impl->reconstruct(*cache, dtype, rotated, keys, values, present, stream);
   });
 }
@@ -167,6 +179,7 @@ AKV_API akv_status akv_cache_serialized_size(const akv_cache *cache, size_t *out
   return guard(__func__, [&] {
     validate_cache(cache);
     check_not_null(out_bytes, "out_bytes");
+    sync_appended(cache, nullptr);
     *out_bytes = serialized_size(*cache);
   });
 }
@@ -176,6 +189,7 @@ AKV_API akv_status akv_cache_serialize(const akv_cache *cache, void *buffer, siz
   return guard(__func__, [&] {
     validate_cache(cache);
     check_not_null(buffer, "buffer");
+    sync_appended(cache, stream);
     const std::vector<uint8_t> bytes = cache->context->impl->serialize(*cache, stream);
     if (bytes.size() > capacity)
       fail(AKV_ERR_CAPACITY, "buffer capacity ", capacity, " is smaller than the ", bytes.size(),

@@ -63,9 +63,16 @@ class Backend {
   // Room for `tokens` appended tokens (what is there is kept).
   virtual void reserve(akv_cache &cache, int64_t tokens, void *stream) = 0;
   // n tokens, keys/values [H][n][D] in backend memory, at validated positions (strictly
-  // increasing, after every cached one); grows the reservation when needed.
+  // increasing, after every cached one); grows the reservation when needed. implicit: the
+  // caller passed no positions (these continue from the last one).
   virtual void append(akv_cache &cache, const void *keys, const void *values, akv_dtype dtype, int32_t n,
-                      const int32_t *positions, void *stream) = 0;
+                      const int32_t *positions, bool implicit, void *stream) = 0;
+  // Brings the host's record of appended tokens (suffix_len, suffix_positions,
+  // next_position) up to date where tokens were appended without it (CUDA: replays of an
+  // append captured in a graph). The API calls it before any call that reads that record.
+  // Throws AKV_ERR_CAPACITY, the record up to date, when such appends ran past the
+  // reservation and tokens were dropped.
+  virtual void sync_appended(akv_cache &cache, void *stream) { (void)cache, (void)stream; }
   // Caches of this context with one shape, validated; queries/out [batch][Hq][q_len][D] and
   // lse (optional) [batch][Hq][q_len] in backend memory.
   virtual void decode(akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype, int32_t q_len,

@@ -133,6 +133,9 @@ struct akv_cache {
   int64_t suffix_capacity = 0;
   std::vector<int32_t> suffix_positions;  // host
   int64_t next_position = 0;
+  // CUDA: an append was captured in a graph, so the device may hold appended tokens that the
+  // three fields above do not count yet (Backend::sync_appended).
+  bool appended_on_device = false;
 
   // The options the cache was compressed with (rope.inv_freq cleared: meta.inv_freq holds the
   // table), retain_fraction the target theta: akv_cache_compact reuses them. A compacted

@@ -93,7 +93,7 @@ class CpuBackend final : public Backend {
   }
 
   void append(akv_cache &c, const void *keys, const void *values, akv_dtype dtype, int32_t num_tokens,
-              const int32_t *pos, void *stream) override {
+              const int32_t *pos, bool /*implicit*/, void *stream) override {
     const int64_t H = c.meta.shape.num_kv_heads, D = c.meta.shape.head_dim;
     const size_t n = static_cast<size_t>(H) * num_tokens * D;
     std::vector<float> k = to_float(keys, dtype, n, "keys");

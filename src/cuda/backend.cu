@@ -189,11 +189,42 @@ void append(akv_cache &cache, const void *keys, const void *values, akv_dtype dt
     a.n_total = n;
     a.token0 = t0;
     a.n = std::min(n - t0, kMaxAppendPerLaunch);
-    for (int32_t i = 0; i < a.n; ++i) a.positions[i] = positions[t0 + i];
+    a.implicit = positions ? 0 : 1;
+    for (int32_t i = 0; positions && i < a.n; ++i) a.positions[i] = positions[t0 + i];
     append_rows_kernel<<<dim3(a.n, cache.meta.shape.num_kv_heads), 64, 0, st>>>(a);
-    append_commit_kernel<<<1, 1, 0, st>>>(view, a.n);
+    append_commit_kernel<<<1, 1, 0, st>>>(a);
     check(cudaGetLastError(), "the append kernel launch");
   }
+}
+
+bool capturing(void *stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(as_stream(stream), &capture), "cudaStreamIsCapturing");
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+AppendedOnDevice read_appended(akv_cache &cache, int64_t known) {
+  DeviceScope scope(cache.context->device);
+  // Replays of a captured append may run on any stream.
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  CacheView v;
+  check(cudaMemcpy(&v, cache.device_view.data(), sizeof v, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  AppendedOnDevice r;
+  r.length = v.suffix_len;
+  r.next_position = v.next_position;
+  r.dropped = v.dropped;
+  if (v.suffix_len > known) {
+    r.positions.resize(static_cast<size_t>(v.suffix_len - known));
+    check(cudaMemcpy(r.positions.data(), v.suffix_positions + known, r.positions.size() * sizeof(int32_t),
+                     cudaMemcpyDeviceToHost),
+          "cudaMemcpy");
+  }
+  if (v.dropped) {  // reported once
+    const int32_t zero = 0;
+    check(cudaMemcpy(cache.device_view.data() + offsetof(CacheView, dropped), &zero, sizeof zero, cudaMemcpyHostToDevice),
+          "cudaMemcpy");
+  }
+  return r;
 }
 
 }  // namespace cuda

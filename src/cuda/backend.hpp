@@ -30,7 +30,8 @@ class CudaBackend final : public Backend {
   std::unique_ptr<akv_cache> compress(const CompressRequest &request, void *stream) override;
   void reserve(akv_cache &cache, int64_t tokens, void *stream) override;
   void append(akv_cache &cache, const void *keys, const void *values, akv_dtype dtype, int32_t n,
-              const int32_t *positions, void *stream) override;
+              const int32_t *positions, bool implicit, void *stream) override;
+  void sync_appended(akv_cache &cache, void *stream) override;
   void decode(akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype, int32_t q_len, void *out,
               float *lse, void *stream) override;
   void compact(akv_cache &cache, const void *queries, akv_dtype dtype, int64_t headroom, void *stream) override;
@@ -102,10 +103,25 @@ void upload_view(akv_cache &cache, void *stream);
 void decode(akv_context &context, akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype,
             int32_t q_len, void *out, float *lse, void *stream);
 
-// Writes n tokens (device keys/values [H][n][D], positions already validated) after the
-// cache's appended tokens and advances the device-side length. Capacity must be reserved.
+// Writes n tokens (device keys/values [H][n][D]) after the cache's appended tokens and
+// advances the device-side length and next position. positions: validated host positions,
+// baked into the launch; null: the tokens continue from the device-side next position (a
+// captured append then advances on every replay). Capacity must be reserved; tokens past it
+// are dropped and counted on the device (read_appended).
 void append(akv_cache &cache, const void *keys, const void *values, akv_dtype dtype, int32_t n,
             const int32_t *positions, void *stream);
+
+// Whether `stream` is being captured into a CUDA graph.
+bool capturing(void *stream);
+
+// The appended tokens as the device has them (after cudaDeviceSynchronize): length, next
+// position, the positions of tokens [known, length), and the tokens dropped past the
+// capacity since the last call (the device count is reset).
+struct AppendedOnDevice {
+  int64_t length = 0, next_position = 0, dropped = 0;
+  std::vector<int32_t> positions;
+};
+AppendedOnDevice read_appended(akv_cache &cache, int64_t known);
 
 }  // namespace cuda
 }  // namespace akv

@@ -35,7 +35,14 @@ struct CacheView {
   int32_t rope_pairs = 0;      // 0: no rotation
   int32_t keys_post_rope = 0;  // append: keys arrive rotated
   int32_t suffix_capacity = 0;
-  int32_t suffix_len = 0;      // advanced on the device by append
+  // Advanced on the device by append, so that a captured append replays correctly: the
+  // appended length, the next implicit position, the positions of the appended tokens
+  // ([suffix_capacity], in the view block) and the tokens dropped past the capacity (replays
+  // beyond the reservation; CudaBackend::sync_appended reports them).
+  int32_t suffix_len = 0;
+  int32_t next_position = 0;
+  int32_t dropped = 0;
+  int32_t *suffix_positions = nullptr;
   const uint16_t *anchor_keys = nullptr, *anchor_values = nullptr;
   const uint16_t *key_index = nullptr, *key_gamma = nullptr, *value_index = nullptr, *value_gamma = nullptr;
   const int32_t *positions = nullptr;
@@ -111,6 +118,9 @@ struct AppendLaunch {
   CacheView *view;
   const void *keys, *values;  // [H][n_total][D], this launch's tokens start at token0
   int32_t dtype, n_total, token0, n;
+  // 1: the tokens continue from the view's next_position (read on the device, so a replayed
+  // graph advances); 0: at positions[].
+  int32_t implicit;
   int32_t positions[kMaxAppendPerLaunch];
 };
 

@@ -172,13 +172,40 @@ void CudaBackend::reserve(akv_cache &c, int64_t tokens, void *stream) {
   upload_view(c, stream);
 }
 
-// Device tensors: not scanned for NaN/Inf (that would need a sync).
+// Device tensors: not scanned for NaN/Inf (that would need a sync). Under graph capture the
+// tokens take their positions on the device (so every replay continues from the last one)
+// and the host's record stays as it was until sync_appended reads the device's.
 void CudaBackend::append(akv_cache &c, const void *keys, const void *values, akv_dtype dtype, int32_t n,
-                         const int32_t *positions, void *stream) {
+                         const int32_t *positions, bool implicit, void *stream) {
+  if (cuda::capturing(stream)) {
+    if (!implicit)
+      fail(AKV_ERR_INVALID_ARGUMENT, "akv_append under CUDA-graph capture takes positions = NULL (each replay continues "
+           "from the cache's last position on the device); explicit positions would be replayed unchanged");
+    if (c.suffix_len + n > c.suffix_capacity)
+      fail(AKV_ERR_INVALID_ARGUMENT, "akv_append under CUDA-graph capture cannot grow the reservation (", c.suffix_capacity,
+           " tokens, ", c.suffix_len, " used); call akv_cache_reserve with room for every replay before capturing");
+    cuda::append(c, keys, values, dtype, n, nullptr, stream);
+    c.appended_on_device = true;
+    return;
+  }
   if (c.suffix_len + n > c.suffix_capacity)
     reserve(c, std::max<int64_t>(c.suffix_len + n, 2 * c.suffix_capacity + 16), stream);
-  cuda::append(c, keys, values, dtype, n, positions, stream);
+  cuda::append(c, keys, values, dtype, n, positions, stream);  // the record is current (sync_appended ran)
   c.record_appended(positions, n);
+}
+
+void CudaBackend::sync_appended(akv_cache &c, void *stream) {
+  if (!c.appended_on_device || cuda::capturing(stream)) return;
+  const cuda::AppendedOnDevice d = cuda::read_appended(c, c.suffix_len);
+  c.suffix_positions.resize(static_cast<size_t>(c.suffix_len));
+  c.suffix_positions.insert(c.suffix_positions.end(), d.positions.begin(), d.positions.end());
+  c.suffix_len = d.length;
+  c.next_position = d.next_position;
+  c.appended_on_device = false;
+  if (d.dropped)
+    fail(AKV_ERR_CAPACITY, d.dropped, " appended tokens were dropped: replays of a captured akv_append ran past the ",
+         "reservation of ", c.suffix_capacity, " tokens (the cache keeps the first ", c.suffix_len,
+         "); reserve room for every replay (akv_cache_reserve) before capturing");
 }
 
 void CudaBackend::decode(akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype, int32_t q_len,

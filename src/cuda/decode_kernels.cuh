@@ -947,10 +947,13 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
 // Append: rows [suffix_len, suffix_len + n) of every head, RoPE applied to keys unless they
 // arrive rotated. grid (n, H), 64 threads. The length itself advances in append_commit.
 __global__ void append_rows_kernel(const __grid_constant__ AppendLaunch a) {
-  const CacheView &c = *a.view;
+  CacheView &c = *a.view;
   const int i = blockIdx.x, h = blockIdx.y, D = c.head_dim;
   const int64_t row = static_cast<int64_t>(c.suffix_len) + i;
-  if (row >= c.suffix_capacity) return;  // the host reserved; a stale replay must not overrun
+  // Past the capacity (replays beyond the reservation): dropped, counted by the commit.
+  if (row >= c.suffix_capacity) return;
+  const int32_t position = a.implicit ? c.next_position + i : a.positions[i];
+  if (h == 0 && threadIdx.x == 0) c.suffix_positions[row] = position;
   const int64_t src = (static_cast<int64_t>(h) * a.n_total + a.token0 + i) * D;
   const int64_t dst = (static_cast<int64_t>(h) * c.suffix_capacity + row) * D;
   const bool bf16 = c.storage_bf16 != 0;
@@ -963,17 +966,25 @@ __global__ void append_rows_kernel(const __grid_constant__ AppendLaunch a) {
     for (int j = threadIdx.x; j < c.rope_pairs; j += blockDim.x) {
       const int f = c.rope_first[j], s = c.rope_second[j];
       float cs, sn;
-      rope_angle(a.positions[i], c.inv_freq[j], &cs, &sn);
+      rope_angle(position, c.inv_freq[j], &cs, &sn);
       const float x0 = load_elem(a.keys, a.dtype, src + f), x1 = load_elem(a.keys, a.dtype, src + s);
       c.suffix_keys[dst + f] = float_to_bits(x0 * cs - x1 * sn, bf16);
       c.suffix_keys[dst + s] = float_to_bits(x0 * sn + x1 * cs, bf16);
     }
 }
 
-__global__ void append_commit_kernel(CacheView *view, int32_t n) {
+// After append_rows_kernel with the same launch: the length and the next position advance;
+// tokens past the capacity are counted in `dropped`, never written.
+__global__ void append_commit_kernel(const __grid_constant__ AppendLaunch a) {
   if (threadIdx.x == 0 && blockIdx.x == 0) {
-    const int32_t len = view->suffix_len + n;
-    view->suffix_len = len < view->suffix_capacity ? len : view->suffix_capacity;
+    CacheView *view = a.view;
+    int32_t len = view->suffix_len + a.n;
+    if (len > view->suffix_capacity) {
+      view->dropped += len - view->suffix_capacity;
+      len = view->suffix_capacity;
+    }
+    view->suffix_len = len;
+    view->next_position = a.implicit ? view->next_position + a.n : a.positions[a.n - 1] + 1;
   }
 }
 

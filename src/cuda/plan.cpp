@@ -74,6 +74,7 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
   v.keys_post_rope = m.keys_post_rope;
   v.suffix_capacity = static_cast<int32_t>(cache.suffix_capacity);
   v.suffix_len = static_cast<int32_t>(cache.suffix_len);
+  v.next_position = static_cast<int32_t>(cache.next_position);
   v.suffix_keys = at.suffix_keys;
   v.suffix_values = at.suffix_values;
   if (v.kind == kKindAnchor) {
@@ -123,6 +124,11 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
     for (int h = 0; h < H; ++h) start[h + 1] = start[h] + m.dense_counts[h];
     starts = put(bytes, start.data(), start.size());
   }
+  // The appended tokens' positions, room for the whole reservation (append writes them).
+  std::vector<int32_t> positions(static_cast<size_t>(cache.suffix_capacity), 0);
+  std::copy(cache.suffix_positions.begin(), cache.suffix_positions.end(), positions.begin());
+  const size_t sp = put(bytes, positions.data(), positions.size());
+  v.suffix_positions = reinterpret_cast<int32_t *>(at.aux + sp);
   v.inv_freq = reinterpret_cast<const float *>(at.aux + inv);
   v.rope_first = reinterpret_cast<const int32_t *>(at.aux + f);
   v.rope_second = reinterpret_cast<const int32_t *>(at.aux + s);

@@ -36,6 +36,14 @@ void decode(akv_context &, akv_cache *const *, int32_t, const void *, akv_dtype,
   check_device(0);
 }
 void append(akv_cache &, const void *, const void *, akv_dtype, int32_t, const int32_t *, void *) { check_device(0); }
+bool capturing(void *) {
+  check_device(0);
+  return false;
+}
+AppendedOnDevice read_appended(akv_cache &, int64_t) {
+  check_device(0);
+  return {};
+}
 void *workspace(akv_context &, size_t, void *, int) {
   check_device(0);
   return nullptr;

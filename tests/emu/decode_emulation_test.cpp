@@ -276,8 +276,10 @@ TEST(EmulatedAppend, RowsAndLengthMatchCpu) {
     a.n = n;
     for (int i = 0; i < n; ++i) a.positions[i] = pos[i];
     simt::launch(simt::dim3(n, H), simt::dim3(64), 0, kc::append_rows_kernel, a);
-    simt::launch(simt::dim3(1), simt::dim3(1), 0, kc::append_commit_kernel, hv.view(), n);
+    simt::launch(simt::dim3(1), simt::dim3(1), 0, kc::append_commit_kernel, a);
     EXPECT_EQ(hv.view()->suffix_len, n);
+    EXPECT_EQ(hv.view()->next_position, 411);
+    for (int i = 0; i < n; ++i) EXPECT_EQ(hv.view()->suffix_positions[i], pos[i]);
     const uint16_t *cpu_k = reinterpret_cast<const uint16_t *>(cache->suffix_keys.data());
     const uint16_t *cpu_v = reinterpret_cast<const uint16_t *>(cache->suffix_values.data());
     size_t key_mismatch = 0;
@@ -290,6 +292,75 @@ TEST(EmulatedAppend, RowsAndLengthMatchCpu) {
           if (std::abs(static_cast<int>(hv.suffix_keys[at]) - static_cast<int>(cpu_k[at])) > 1) ++key_mismatch;
         }
     EXPECT_EQ(key_mismatch, 0u);
+  }
+}
+
+// The rows of an emulated device append against the CPU cache's: values exactly, keys
+// (rotated in float on both sides) within a last bit.
+void expect_suffix_rows(HostView &hv, const akv_cache &cache, int rows, int H, int D) {
+  const uint16_t *cpu_k = reinterpret_cast<const uint16_t *>(cache.suffix_keys.data());
+  const uint16_t *cpu_v = reinterpret_cast<const uint16_t *>(cache.suffix_values.data());
+  size_t key_mismatch = 0, value_mismatch = 0;
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < rows; ++i)
+      for (int d = 0; d < D; ++d) {
+        const size_t got = (static_cast<size_t>(h) * hv.view()->suffix_capacity + i) * D + d;
+        const size_t want = (static_cast<size_t>(h) * cache.suffix_capacity + i) * D + d;
+        if (hv.suffix_values[got] != cpu_v[want]) ++value_mismatch;
+        if (std::abs(static_cast<int>(hv.suffix_keys[got]) - static_cast<int>(cpu_k[want])) > 1) ++key_mismatch;
+      }
+  EXPECT_EQ(value_mismatch, 0u);
+  EXPECT_EQ(key_mismatch, 0u);
+}
+
+// A CUDA graph replays an append launch with the arguments it was captured with. Launched
+// three times unchanged (the engine refilling the same key/value buffers in between), the
+// tokens must land one after the other at consecutive positions read on the device, as
+// three CPU appends without positions place them; and replays past the reserved capacity
+// must be counted as dropped, never written, with the length stopping at the capacity.
+TEST(EmulatedAppend, ReplayedLaunchContinuesFromTheDevicePosition) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(1);
+  PrefillSpec spec;
+  spec.seq_len = 300;
+  spec.head_dim = 64;
+  const PrefillData data = make_prefill(rng, spec);
+  const int n = 5, H = 2, D = 64, replays = 3;
+  for (int capacity : {16, 8}) {
+    SCOPED_TRACE("capacity " + std::to_string(capacity));
+    CachePtr cache = compress(ctx.get(), data, anchorkv_options(workable_retain_fraction(data.shape, 32, 0, 0.1)));
+    CachePtr cpu = compress(ctx.get(), data, anchorkv_options(workable_retain_fraction(data.shape, 32, 0, 0.1)));
+    ok(akv_cache_reserve(cache.get(), capacity, nullptr), "akv_cache_reserve");
+    ASSERT_EQ(cache->suffix_capacity, capacity);
+    HostView hv(*cache, /*copy_suffix=*/true);
+    const int32_t first = hv.view()->next_position;
+    std::vector<float> k(static_cast<size_t>(H) * n * D), v(k.size());
+    kc::AppendLaunch a{};  // "captured" once
+    a.view = hv.view();
+    a.keys = k.data();
+    a.values = v.data();
+    a.dtype = AKV_DTYPE_F32;
+    a.n_total = n;
+    a.token0 = 0;
+    a.n = n;
+    a.implicit = 1;
+    std::fill(std::begin(a.positions), std::end(a.positions), -7);  // never read
+    for (int r = 0; r < replays; ++r) {
+      const std::vector<float> nk = nonzero_normal(rng, k.size()), nv = nonzero_normal(rng, v.size());
+      std::copy(nk.begin(), nk.end(), k.begin());  // the same buffers, as a graph's inputs
+      std::copy(nv.begin(), nv.end(), v.begin());
+      simt::launch(simt::dim3(n, H), simt::dim3(64), 0, kc::append_rows_kernel, a);
+      simt::launch(simt::dim3(1), simt::dim3(1), 0, kc::append_commit_kernel, a);
+      ok(akv_append(cpu.get(), k.data(), v.data(), AKV_DTYPE_F32, n, nullptr, nullptr), "akv_append");
+    }
+    const int kept = std::min(capacity, n * replays);
+    EXPECT_EQ(hv.view()->suffix_len, kept);
+    EXPECT_EQ(hv.view()->dropped, n * replays - kept);
+    EXPECT_EQ(hv.view()->next_position, first + n * replays);
+    for (int i = 0; i < kept; ++i) EXPECT_EQ(hv.view()->suffix_positions[i], cpu->suffix_positions[i]) << "token " << i;
+    expect_suffix_rows(hv, *cpu, kept, H, D);
   }
 }
 

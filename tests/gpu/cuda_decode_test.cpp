@@ -320,6 +320,78 @@ TEST_F(Cuda, GraphCapturedDecodeReplaysAcrossAppends) {
   cudaStreamDestroy(stream);
 }
 
+// An append captured in a CUDA graph together with the decode (an engine's whole decode
+// step): every replay appends the token the engine wrote into the same device buffers at the
+// next position (read on the device, not baked into the graph), the decode sees it, and the
+// host's record (stats, positions) catches up at the next call that reads it. Explicit
+// positions are refused under capture. Replays past the reservation drop tokens and the next
+// call that reads the record says so (AKV_ERR_CAPACITY), the cache staying usable.
+TEST_F(Cuda, GraphCapturedAppendAdvancesOnEveryReplay) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  PrefillSpec spec;
+  spec.seq_len = 3000;
+  spec.kv_heads = 2;
+  spec.group = 4;
+  spec.head_dim = 128;
+  const PrefillData data = make_prefill(rng, spec);
+  for (int capacity : {16, 2}) {
+    SCOPED_TRACE("capacity " + std::to_string(capacity));
+    CachePtr cpu_cache = compress(cpu_.get(), data, anchorkv_options(0.05));
+    CachePtr gpu_cache = to_gpu(cpu_cache.get());
+    ok(akv_cache_reserve(gpu_cache.get(), capacity, nullptr), "reserve");
+    const size_t n = 2 * 4 * 128, kv = 2 * 128;
+    const Tensor q = make_tensor(nonzero_normal(rng, n, 1.5), AKV_DTYPE_F32);
+    DeviceBuffer dq(q.bytes), dout(q.bytes.size()), dk(kv * 4), dv(kv * 4);
+    cudaStream_t stream;
+    cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate");
+    akv_cache *list[1] = {gpu_cache.get()};
+    ok(akv_decode_batch(gpu_.get(), list, 1, dq.get(), AKV_DTYPE_F32, 1, dout.get(), stream), "warm-up decode");
+    cudaGraph_t graph;
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+    const int32_t explicit_position = 100000;
+    const akv_status refused =
+        akv_append(gpu_cache.get(), dk.get(), dv.get(), AKV_DTYPE_F32, 1, &explicit_position, stream);
+    const akv_status appended = akv_append(gpu_cache.get(), dk.get(), dv.get(), AKV_DTYPE_F32, 1, nullptr, stream);
+    const akv_status decoded = akv_decode_batch(gpu_.get(), list, 1, dq.get(), AKV_DTYPE_F32, 1, dout.get(), stream);
+    cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+    EXPECT_EQ(refused, AKV_ERR_INVALID_ARGUMENT) << "explicit positions under capture";
+    ASSERT_EQ(appended, AKV_OK) << akv_last_error_message();
+    ASSERT_EQ(decoded, AKV_OK) << akv_last_error_message();
+    cudaGraphExec_t exec;
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    const int replays = 3;
+    for (int step = 0; step < replays; ++step) {
+      const std::vector<float> k = nonzero_normal(rng, kv), v = nonzero_normal(rng, kv);
+      dk.upload(encode(k, AKV_DTYPE_F32));
+      dv.upload(encode(v, AKV_DTYPE_F32));
+      if (step < capacity) ok(akv_append(cpu_cache.get(), k.data(), v.data(), AKV_DTYPE_F32, 1, nullptr, nullptr), "append cpu");
+      dout.poison();
+      cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+      cuda_ok(cudaStreamSynchronize(stream), "sync");
+      if (step >= capacity) continue;  // dropped on the device: the CPU cache did not take it
+      const std::vector<float> got = decode_bytes(dout.download(), AKV_DTYPE_F32);
+      EXPECT_TRUE(all_near(got, decode(cpu_cache.get(), q, 1), 2e-3, 2e-3)) << "replay " << step;
+    }
+    akv_cache_stats stats;
+    stats.struct_size = sizeof stats;
+    const akv_status first = akv_cache_stats_get(gpu_cache.get(), &stats);
+    if (capacity >= replays) {
+      ASSERT_EQ(first, AKV_OK) << akv_last_error_message();
+    } else {
+      EXPECT_EQ(first, AKV_ERR_CAPACITY) << "tokens dropped past the reservation must be reported";
+      ok(akv_cache_stats_get(gpu_cache.get(), &stats), "stats after the report");
+    }
+    EXPECT_EQ(stats.appended_tokens, std::min(capacity, replays));
+    // The positions came back too: the reconstructed caches agree token for token.
+    EXPECT_TRUE(all_near(reconstruct(gpu_cache.get(), 1).keys, reconstruct(cpu_cache.get(), 1).keys, 1e-2, 1e-2));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
+}
+
 // akv_cache_compact on a CUDA cache (staged through the host): the compacted cache agrees
 // with the CPU's compaction of the same cache, and a graph-captured decode replays on it once
 // re-captured (the buffers move).
