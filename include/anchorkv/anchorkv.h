@@ -156,14 +156,15 @@ typedef struct akv_allocator {
  *  - akv_decode / akv_decode_batch run the fused compact decode kernels (AnchorKV) or
  *    flash-decoding over the dense caches: splits over the prompt, then (AnchorKV) the
  *    anchor values, then a merge, any batch size (launches of up to 128 requests);
- *  - decode is CUDA-graph safe once one decode with the same batch shape (caches, q_len)
- *    has run on the same stream: that call sizes the stream's workspace, later ones do not
- *    allocate or synchronise, and the grid depends only on the batch shape and the prompt
- *    lengths. The appended length is read on the device, so a captured decode replayed
- *    after akv_append sees the new tokens. Growing the workspace while the stream is being
- *    captured fails with AKV_ERR_INVALID_ARGUMENT; a later decode with a larger batch shape
- *    on the same stream grows it and invalidates graphs captured before (capture the
- *    largest shape first, or one stream per shape). Compression has its own workspace;
+ *  - decode is CUDA-graph safe: the grid depends only on the batch shape and the prompt
+ *    lengths, and the appended length is read on the device, so a captured decode replayed
+ *    after akv_append sees the new tokens. A captured decode allocates its scratch inside
+ *    the graph (a stream-ordered allocation, from the device's default memory pool, not the
+ *    context's allocator hooks), so every graph owns its own and may be replayed on any
+ *    stream alongside other decodes. Run one decode with the same batch shape (caches,
+ *    q_len) before capturing it: it sets the kernels' attributes. Outside capture a decode
+ *    uses its stream's workspace, grown when a larger batch shape first runs there (that
+ *    synchronises the stream). Compression has its own workspace;
  *  - akv_append writes on the device from device tensors, without scanning them for NaN/Inf
  *    (that would synchronise); reserve capacity first (akv_cache_reserve) so that it never
  *    allocates. akv_cache_reserve, akv_cache_deserialize, akv_cache_serialize and

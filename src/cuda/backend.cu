@@ -161,7 +161,19 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
     return resident;
   });
   const cudaStream_t st = as_stream(stream);
-  float *ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, stream, CudaBackend::kDecodeWorkspace));
+  // Under capture the workspace is allocated inside the graph (a stream-ordered allocation
+  // becomes the graph's own memory node), so a replay on any stream never shares scratch
+  // with the capture stream's later decodes or with another graph. Otherwise the stream's
+  // workspace, kept between calls.
+  int pools = 0;
+  check(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, ctx.device), "cudaDeviceGetAttribute");
+  const bool graph_owned = pools != 0 && capturing(stream);
+  float *ws = nullptr;
+  if (graph_owned)
+    check(cudaMallocAsync(reinterpret_cast<void **>(&ws), std::max<size_t>(plan.workspace_bytes, 16), st),
+          "cudaMallocAsync (the captured decode's workspace)");
+  else
+    ws = static_cast<float *>(workspace(ctx, plan.workspace_bytes, stream, CudaBackend::kDecodeWorkspace));
   const size_t esize = dtype == AKV_DTYPE_F32 ? 4 : 2;
   const size_t per_request = static_cast<size_t>(s.num_q_heads) * q_len * s.head_dim * esize;
   for (int32_t b0 = 0; b0 < batch; b0 += kMaxBatchPerLaunch) {
@@ -173,6 +185,7 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
     with_head_dim(D, [&](auto d) { launch_decode_rows<decltype(d)::value>(ctx, plan, p, n, st); });
     check(cudaGetLastError(), "the decode kernel launch");
   }
+  if (graph_owned) check(cudaFreeAsync(ws, st), "cudaFreeAsync (the captured decode's workspace)");
 }
 
 void append(akv_cache &cache, const void *keys, const void *values, akv_dtype dtype, int32_t n,

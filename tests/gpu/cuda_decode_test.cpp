@@ -320,6 +320,55 @@ TEST_F(Cuda, GraphCapturedDecodeReplaysAcrossAppends) {
   cudaStreamDestroy(stream);
 }
 
+// A graph captured on one stream and replayed on another while the capture stream runs
+// decodes of another cache: each has its own scratch (the captured decode allocates inside
+// the graph), so both results stay right.
+TEST_F(Cuda, GraphReplayedOnAnotherStreamHasItsOwnWorkspace) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  PrefillSpec spec;
+  spec.seq_len = 20000;
+  spec.kv_heads = 2;
+  spec.group = 4;
+  spec.head_dim = 128;
+  const PrefillData a_data = make_prefill(rng, spec), b_data = make_prefill(rng, spec);
+  CachePtr a_cpu = compress(cpu_.get(), a_data, anchorkv_options(0.05));
+  CachePtr b_cpu = compress(cpu_.get(), b_data, anchorkv_options(0.05));
+  CachePtr a_gpu = to_gpu(a_cpu.get()), b_gpu = to_gpu(b_cpu.get());
+  const size_t n = 2 * 4 * 128;
+  const Tensor qa = make_tensor(nonzero_normal(rng, n, 1.5), AKV_DTYPE_F32);
+  const Tensor qb = make_tensor(nonzero_normal(rng, n, 1.5), AKV_DTYPE_F32);
+  DeviceBuffer dqa(qa.bytes), dqb(qb.bytes), outa(qa.bytes.size()), outb(qb.bytes.size());
+  cudaStream_t capture_stream, replay_stream;
+  cuda_ok(cudaStreamCreate(&capture_stream), "cudaStreamCreate");
+  cuda_ok(cudaStreamCreate(&replay_stream), "cudaStreamCreate");
+  akv_cache *la[1] = {a_gpu.get()}, *lb[1] = {b_gpu.get()};
+  ok(akv_decode_batch(gpu_.get(), la, 1, dqa.get(), AKV_DTYPE_F32, 1, outa.get(), capture_stream), "warm-up");
+  cudaGraph_t graph;
+  cuda_ok(cudaStreamBeginCapture(capture_stream, cudaStreamCaptureModeGlobal), "begin capture");
+  const akv_status captured = akv_decode_batch(gpu_.get(), la, 1, dqa.get(), AKV_DTYPE_F32, 1, outa.get(), capture_stream);
+  cuda_ok(cudaStreamEndCapture(capture_stream, &graph), "end capture");
+  ASSERT_EQ(captured, AKV_OK) << akv_last_error_message();
+  cudaGraphExec_t exec;
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  const std::vector<float> want_a = decode(a_cpu.get(), qa, 1), want_b = decode(b_cpu.get(), qb, 1);
+  for (int round = 0; round < 5; ++round) {
+    outa.poison();
+    outb.poison();
+    cuda_ok(cudaDeviceSynchronize(), "sync");
+    cuda_ok(cudaGraphLaunch(exec, replay_stream), "graph launch");
+    ok(akv_decode_batch(gpu_.get(), lb, 1, dqb.get(), AKV_DTYPE_F32, 1, outb.get(), capture_stream), "concurrent decode");
+    cuda_ok(cudaDeviceSynchronize(), "sync");
+    EXPECT_TRUE(all_near(decode_bytes(outa.download(), AKV_DTYPE_F32), want_a, 2e-3, 2e-3)) << "replay, round " << round;
+    EXPECT_TRUE(all_near(decode_bytes(outb.download(), AKV_DTYPE_F32), want_b, 2e-3, 2e-3)) << "decode, round " << round;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(capture_stream);
+  cudaStreamDestroy(replay_stream);
+}
+
 // An append captured in a CUDA graph together with the decode (an engine's whole decode
 // step): every replay appends the token the engine wrote into the same device buffers at the
 // next position (read on the device, not baked into the graph), the decode sees it, and the
