@@ -174,6 +174,18 @@ fi
 # ---- CUDA (optional) --------------------------------------------------------------------
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   log "CUDA: $( (command -v nvcc || echo /usr/local/cuda/bin/nvcc) )"
+  # scripts/sass_count.py disassembles the kernels; this toolkit may lack nvdisasm and
+  # cuobjdump, which PyPI ships as wheels.
+  if ! command -v nvdisasm >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvdisasm ] &&
+     ! python3 -c 'import nvidia, os, sys; sys.exit(not any(os.path.isfile(os.path.join(p, "cu13", "bin", "nvdisasm")) for p in nvidia.__path__))' >/dev/null 2>&1; then
+    log "pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump (SASS counts, scripts/sass_count.py)"
+    if [ "$dry_run" = 1 ]; then log "dry run: nothing installed"; else
+      python3 -m pip install "${pip_flags[@]}" nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump ||
+        log "WARNING: pip install nvidia-cuda-nvdisasm failed: the SASS count will be skipped"
+    fi
+  else
+    log "nvdisasm: present"
+  fi
 else
   log "CUDA: nvcc not found; the CUDA backend is not built (optional)"
 fi

@@ -135,12 +135,25 @@ def tile_phases(fk, fv):
     }
 
 
-def predict(S, batch):
+def sass_phases(fk, fv, k):
+    """Per-tile warp instructions by phase from scripts/sass_count.py (SASS), or None."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "counts.json")
+        r = subprocess.run([sys.executable, os.path.join(root, "sass_count.py"), "--fk", str(fk), "--fv", str(fv),
+                            "--anchors", str(k), "--json", out], capture_output=True, text=True)
+        if r.returncode or not os.path.exists(out):
+            return None
+        import json
+        return json.load(open(out))["tile_loop"]["per_tile"]
+
+
+def predict(S, batch, use_sass=False):
     g = GEOM[S]
     P = S - W
     fk, fv = g["nk"] / (H * P), g["nv"] / (H * P)
     pl = plan(S, batch, g["k"])
-    ph = tile_phases(fk, fv)
+    ph = (use_sass and sass_phases(fk, fv, g["k"])) or tile_phases(fk, fv)
     tile = sum(ph.values())
     fixed = prologue(g["k"]) + write_partial(g["k"])
     per_block = math.ceil(pl["tiles"] / pl["splits"]) * tile + fixed + WINDOW_TILE  # split 0 block
@@ -197,15 +210,21 @@ def from_ptx():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--from-ptx", action="store_true", help="compile and list the PTX counts first")
+    ap.add_argument("--ptx-model", action="store_true",
+                    help="use the hand-mapped PTX constants for the tile loop instead of scripts/sass_count.py")
     ap.add_argument("--measure", action="store_true", help="re-derive the geometry with the library")
     a = ap.parse_args()
     if a.measure:
         return measure()
     if a.from_ptx:
         from_ptx()
+    use_sass = not a.ptx_model and sass_phases(0.052, 0.052, 815) is not None
+    source = ("tile loop: SASS counts (scripts/sass_count.py, its trip-count and warp model); prologue, merge and "
+              "window: PTX constants" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
+              "--ptx-model)")
     print(f"Assumptions: {SMS} SMs x {SCHED} schedulers x {CLOCK_GHZ} GHz x IPC {IPC}; HBM {HBM_TBS} TB/s; "
-          f"L2 {L2_TBS} TB/s; launch {LAUNCH_US} us; PTX counts, not SASS.\n")
-    rows = [predict(S, b) for S, b in ((32768, 1), (131072, 1), (131072, 8), (32768, 32))]
+          f"L2 {L2_TBS} TB/s; launch {LAUNCH_US} us; {source}.\n")
+    rows = [predict(S, b, use_sass) for S, b in ((32768, 1), (131072, 1), (131072, 8), (32768, 32))]
     print("| S | batch | k | f_K/f_V | splits x blocks (res/SM) | thr instr /tok/head (tiles) | warp instr /tok/head (tiles) "
           "| total warp instr | issue us | HBM MB | HBM us | L2 us | merge us | pred us | SDPA us | speedup "
           "| target | met |")

@@ -154,6 +154,9 @@ cuda_build() {
   grep -q '^ANCHORKV_CUDA:STRING=ON' "$cuda_dir/CMakeCache.txt"
   "$cuda_dir/bundle/bin/anchorkv_gpu_tests"  # RUNPATH $ORIGIN/../lib finds the library
   "$cuda_dir/bundle/bin/anchorkv_api_tests" --gtest_filter='GpuContext.*'
+  # The kernels' SASS for sm_90: registers, spills, local memory, tensor-core use, and the
+  # decode tile loop's instructions per token and head by phase (prints; skips without nvdisasm).
+  python3 "$root/scripts/sass_count.py"
 }
 if command -v nvcc >/dev/null 2>&1; then
   step "cuda: bundle sm_80+sm_90" cuda_build

@@ -169,6 +169,13 @@ struct SplitBlock {
     for (int j = 0; j < pairs; ++j) neox = neox && c.rope_first[j] == j && c.rope_second[j] == j + pairs;
     fused = neox && pairs % 4 == 0 && pairs % (D / 8) == 0 &&
             (pairs == 0 || pairs / (D / 8) == 1 || pairs / (D / 8) == 2 || pairs / (D / 8) == 4);
+#ifdef AKV_SASS_PIN_BF16_FUSED
+    // scripts/sass_count.py: the path of the default caches (bf16, NeoX over every pair, a
+    // full row chunk) as constants, so that the count holds only the code that runs.
+    bf16 = true;
+    fused = true;
+    rows = MAXROWS;
+#endif
     const SplitSmem lay(D, MAXROWS, p.global_weights ? 0 : p.max_anchors, p.max_pairs);
     q_s = reinterpret_cast<float *>(smem + lay.q);
     qr_s = reinterpret_cast<float *>(smem + lay.qr);

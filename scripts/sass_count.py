@@ -1,0 +1,393 @@
+#!/usr/bin/env python3
+"""SASS counts of the CUDA kernels for sm_90, without a GPU.
+
+Compiles the decode kernels (decode_kernels.cuh: split <128,4>, anchor values, merge, append)
+and the compression kernels (compress_kernels.cuh) for sm_90 with line info, disassembles
+them (nvdisasm/cuobjdump: the CUDA toolkit's, or PyPI's nvidia-cuda-nvdisasm and
+nvidia-cuda-cuobjdump, which scripts/install-deps.sh installs) and prints per kernel:
+registers, stack, spills (ptxas -v), SASS instructions, local-memory accesses, barriers,
+atomics, and whether tensor-core (HMMA) or packed half2/bf16x2 arithmetic is present.
+
+For decode_split_kernel<128,4> (bf16, fused NeoX RoPE, 4 rows: compiled with
+AKV_SASS_PIN_BF16_FUSED, which makes that path a constant so that the SASS holds only the
+code that runs; the per-kernel table is of that build too) it also counts the AnchorKV
+prefix tile loop: the loop is found in the control flow (the innermost backward branch whose
+body holds both the key residuals and the per-anchor weights), each instruction is put in a
+phase by its source line (nvdisasm -gi: the line in decode_kernels.cuh, or the line it was
+inlined at) and weighted by
+  - the trip count of each inner loop around it, from the loop's source line (table TRIPS:
+    derived from the kernel's constants and the residual fractions --fk/--fv; loops nvcc
+    unrolled are not loops in SASS and count once);
+  - the warps that execute it (table WARPS: e.g. the tile metadata runs on 2 of 8 warps);
+and summed per tile over the block's 8 warps, then divided by the tile's 64 tokens: warp
+instructions per token and head. Predicated-off instructions count (they issue); branch
+divergence inside a warp is not modelled beyond WARPS. The counts are static SASS with a
+stated dynamic model, not a profile.
+
+  scripts/sass_count.py [--fk 0.052 --fv 0.052] [--json out.json] [--keep DIR]
+
+scripts/predict_decode.py reads the tile-loop phases from here (--json) instead of PTX.
+"""
+import argparse
+import collections
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNELS = os.path.join(ROOT, "src", "cuda", "decode_kernels.cuh")
+T, NT, NW, ROWS, D, PAIRS = 64, 256, 8, 4, 128, 64
+
+# Phases of the tile loop by SplitBlock member (the function whose body holds the line).
+PHASES = [
+    ("metadata", ["anchor_meta"]),
+    ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
+                                               "put8", "exact_angle"]),
+    ("key residuals", ["key_residuals", "rotate_exact"]),
+    ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
+    ("contraction", ["contract", "contract_rows"]),
+    ("softmax", ["softmax_tile"]),
+    ("per-anchor weights", ["prefix_values:weights"]),
+    ("value residuals", ["prefix_values:residuals"]),
+    ("loop control and barriers", ["decode_split_kernel"]),
+]
+
+# Trip counts per tile and warp of the inner loops that survive in SASS, by the source line of
+# the loop's backward branch (a substring of it). fk, fv: residual fractions; a tile holds
+# T * f residuals on average. rescale: tiles whose running max rises (rare after the first).
+def trips(src, fk, fv, k):
+    ck, cv = T * fk, T * fv
+    table = [
+        ("n0 < count; n0 += NW * 4", ck / (NW * 4)),        # key residuals: warp w takes 4w.., 4w+32..
+        ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
+        ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
+        ("e < count * MAXROWS; e += NT", max(1.0, cv * ROWS / NT)),
+        ("e < count * 4; e += NT", max(1.0, cv * 4 / NT)),
+        ("n < count; n += SG", cv / (NT // D)),               # value residuals: SG = NT / D groups
+        ("u < T; u += 32", T / 32),
+        ("j < pairs; j += NT", 1.0),
+        ("e < MAXROWS * k; e += NT", 0.02 * ROWS * k / NT),   # weight rescale: ~2% of tiles
+        ("v < D / 4; v += 4", D / 16),
+        ("i < MAXROWS; ++i", ROWS),                           # rows loops that stay rolled
+        ("atomicAdd(", 1.0),                                  # a CAS retry loop: no contention assumed
+    ]
+    for pattern, n in table:
+        if pattern in src:
+            return n, pattern
+    return 1.0, None
+
+
+# Blocks that the default path (consecutive positions, every dim rotary, tokens inside the
+# prompt) does not take, or takes rarely: (substring of the line that opens the block, the
+# fraction of tiles that run it). The block is the braces opened on that line.
+COLD = [
+    ("if (rescale)", 0.02),                     # the running max rises: ~ln(tiles)/tiles of tiles
+    ("} else {  // gapped positions", 0.0),     # gapped positions only
+    ("if (q >= P4)", 0.0),                      # dims past the rotary pairs only
+    ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)
+]
+
+
+def cold_lines(lines):
+    """line number -> weight for the lines inside the COLD blocks (the braces opened on the
+    pattern's line, up to the line that closes them)."""
+    weight = {}
+    for pattern, w in COLD:
+        for n, ln in enumerate(lines, 1):
+            at = ln.find(pattern)
+            if at < 0:
+                continue
+            depth = ln[at:].count("{") - ln[at:].count("}")
+            m = n
+            while depth > 0 and m < len(lines):
+                m += 1
+                weight[m] = w
+                depth += lines[m - 1].count("{") - lines[m - 1].count("}")
+    return weight
+
+
+# Warps of 8 that execute a line, by a substring of the enclosing condition's source (checked
+# against the lines from the function's start); default 8.
+def warps(func, line_text, cond_text):
+    if func == "anchor_meta":
+        return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each
+    if func == "gather_anchor_rows" and "pairs" in cond_text:
+        return PAIRS / 32  # the query rotation: one thread a pair
+    if func == "softmax_tile" and "i % NW == warp" in cond_text:
+        return ROWS  # one warp a row
+    return 8.0
+
+
+def find_tool(name):
+    cands = [os.environ.get("ANCHORKV_CUDA_BINUTILS", ""), "/usr/local/cuda/bin"]
+    try:
+        import nvidia  # PyPI nvidia-cuda-* wheels
+        cands += [os.path.join(p, "cu13", "bin") for p in nvidia.__path__]
+        cands += [os.path.join(p, "cuda_nvdisasm", "bin") for p in nvidia.__path__]
+        cands += [os.path.join(p, "cuda_cuobjdump", "bin") for p in nvidia.__path__]
+    except ImportError:
+        pass
+    for c in cands:
+        if c and os.path.isfile(os.path.join(c, name)):
+            return os.path.join(c, name)
+    return shutil.which(name)
+
+
+def function_spans(path):
+    """(name, first line, last line) of each function body in the file (1-based)."""
+    text = open(path).read()
+    lines = text.split("\n")
+    spans = []
+    sig = re.compile(r"(?:__device__|__global__)(?:[^;{]*?__launch_bounds__\([^)]*\))?[^;{(]*?\b(\w+)\s*\(")
+    for i, ln in enumerate(lines):
+        m = sig.search(ln)
+        if not m or ln.strip().startswith("//"):
+            continue
+        # the body: from the first '{' after the signature to its match
+        depth, started, j = 0, False, i
+        while j < len(lines):
+            for ch in lines[j][(m.end() if j == i else 0):]:
+                if ch == "{":
+                    depth += 1
+                    started = True
+                elif ch == "}":
+                    depth -= 1
+            if started and depth == 0:
+                break
+            if not started and lines[j].rstrip().endswith(";"):
+                break
+            j += 1
+        if started:
+            spans.append((m.group(1), i + 1, j + 1))
+    return spans, lines
+
+
+def owner(spans, line):
+    best = None
+    for name, a, b in spans:
+        if a <= line <= b and (best is None or b - a < best[2] - best[1]):
+            best = (name, a, b)
+    return best
+
+
+def compile_cubin(workdir, nvcc):
+    src = os.path.join(workdir, "inst.cu")
+    with open(src, "w") as f:
+        f.write('#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_kernels.cuh"\n')
+        for k in ("decode_split_kernel<128, 4>", "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
+            f.write(f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n")
+    cubin = os.path.join(workdir, "k.cubin")
+    r = subprocess.run([nvcc, "-cubin", "-lineinfo", "-arch=sm_90", "-std=c++17", "-O3", "-DNDEBUG", "-Xptxas", "-v",
+                        "-DAKV_SASS_PIN_BF16_FUSED",
+                        "-I", os.path.join(ROOT, "src"), "-I", os.path.join(ROOT, "include"), src, "-o", cubin],
+                       capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(r.stderr)
+    return cubin, r.stderr
+
+
+def ptxas_info(log):
+    info, cur = {}, None
+    for ln in log.splitlines():
+        m = re.search(r"Function properties for (\S+)", ln) or re.search(r"Compiling entry function '(\S+)'", ln)
+        if m:
+            cur = m.group(1)
+            info.setdefault(cur, {})
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", ln)
+        if m and cur:
+            info[cur].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", ln)
+        if m and cur:
+            info[cur]["registers"] = int(m.group(1))
+    return info
+
+
+def disassemble(nvdisasm, cubin):
+    out = subprocess.run([nvdisasm, "-gi", "-c", cubin], capture_output=True, text=True, check=True).stdout
+    funcs = collections.OrderedDict()
+    cur, loc, fresh = None, (None, None, None, None), True
+    ins_re = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+    for ln in out.splitlines():
+        m = re.match(r"\s*\.text\.(\S+):", ln)
+        if m:
+            cur = m.group(1)
+            funcs[cur] = {"ins": [], "labels": {}}
+            fresh = True
+            continue
+        if cur is None:
+            continue
+        m = re.match(r'\s*//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?', ln)
+        if m:
+            # -gi lists the innermost location first, then the frames it was inlined into:
+            # keep the first of a run (with the line it was inlined at)
+            if fresh:
+                loc = (m.group(1), int(m.group(2)), m.group(3), int(m.group(4)) if m.group(4) else None)
+                fresh = False
+            continue
+        m = re.match(r"(\.L_x_\d+):", ln.strip())
+        if m:
+            funcs[cur]["labels"][m.group(1)] = len(funcs[cur]["ins"])
+            continue
+        m = ins_re.search(ln)
+        if m:
+            text = m.group(2)
+            op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+            tgt = re.search(r"`\((\.L_x_\d+)\)", text)
+            funcs[cur]["ins"].append({"op": op, "text": text, "loc": loc, "target": tgt.group(1) if tgt else None})
+            fresh = True
+    return funcs
+
+
+def demangle(names):
+    r = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True)
+    return r.stdout.splitlines() if r.returncode == 0 else names
+
+
+def kernel_summary(f):
+    ops = collections.Counter(i["op"].split(".")[0] for i in f["ins"])
+    full = collections.Counter(i["op"] for i in f["ins"])
+    packed = sum(n for o, n in full.items() if o.split(".")[0] in ("HFMA2", "HADD2", "HMUL2", "HMNMX2"))
+    return {
+        "instructions": len(f["ins"]),
+        "hmma": sum(n for o, n in ops.items() if o in ("HMMA", "HGMMA", "IMMA")),
+        "packed_half2": packed,
+        "local_accesses": ops["LDL"] + ops["STL"],
+        "barriers": ops["BAR"],
+        "shared_atomics": ops["ATOMS"],
+        "global_atomics": ops["RED"] + ops["ATOMG"] + ops["ATOM"],
+    }
+
+
+def tile_loop(f, spans, lines, fk, fv, k):
+    """Per-phase warp instructions per tile of the AnchorKV prefix loop."""
+    ins = f["ins"]
+
+    def where(i):  # (function, line in decode_kernels.cuh) of instruction i
+        file, line, cfile, cline = ins[i]["loc"] if ins[i]["loc"][0] else (None, None, None, None)
+        for fl, ln in ((file, line), (cfile, cline)):
+            if fl and fl.endswith("decode_kernels.cuh") and ln:
+                o = owner(spans, ln)
+                return (o[0] if o else None), ln, (o[1] if o else None)
+        return None, None, None
+
+    back = {}  # loop header -> last backward branch to it: (start, end) of each loop
+    for i, x in enumerate(ins):
+        if x["op"].startswith("BRA") and x["target"] in f["labels"] and f["labels"][x["target"]] <= i:
+            back[f["labels"][x["target"]]] = i
+    back = sorted(back.items())
+    funcs_in = lambda a, b: {where(i)[0] for i in range(a, b + 1)}
+    cands = [(a, b) for a, b in back if {"key_residuals", "prefix_values"} <= funcs_in(a, b)]
+    if not cands:
+        raise SystemExit("sass_count: the tile loop was not found (key residuals and weights in one loop)")
+    a0, b0 = min(cands, key=lambda ab: ab[1] - ab[0])
+    inner = [(a, b) for a, b in back if a0 <= a and b <= b0 and (a, b) != (a0, b0)]
+    phase_of = {}
+    for name, members in PHASES:
+        for m in members:
+            phase_of[m] = name
+    weights_end = None  # prefix_values: the per-anchor weights end where the residual word starts
+    for name, a, b in spans:
+        if name == "prefix_values":
+            weights_end = next(n for n in range(a, b + 1) if "const int64_t wd = t0 / 64;" in lines[n - 1])
+    # SASS trips of each inner loop: the source trips over nvcc's unroll factor, which is read
+    # off the body: the fewest loads any one source line of the body issues (a line loads
+    # once per source iteration).
+    loop_trips, unknown = {}, set()
+    for a, b in inner:
+        bf, bl, _ = where(b)
+        n, pattern = trips(lines[bl - 1] if bl else "", fk, fv, k)
+        if pattern is None:
+            unknown.add((bf, bl, lines[bl - 1].strip() if bl else "?"))
+        loads = collections.Counter(where(i)[1] for i in range(a, b + 1)
+                                    if ins[i]["op"].startswith(("LDS", "LDG", "LD.")) and where(i)[1] != bl)
+        unroll = min(loads.values()) if loads else 1
+        loop_trips[(a, b)] = n / unroll
+    cold = cold_lines(lines)
+    totals, static = collections.Counter(), collections.Counter()
+    for i in range(a0, b0 + 1):
+        func, ln, start = where(i)
+        if func == "prefix_values":
+            func = "prefix_values:weights" if ln < weights_end else "prefix_values:residuals"
+        phase = phase_of.get(func, "other (%s)" % func) if func else "library code (no line of decode_kernels.cuh)"
+        mult = 1.0
+        for a, b in inner:
+            if a <= i <= b:
+                mult *= loop_trips[(a, b)]
+        cond = "\n".join(lines[start - 1:ln]) if start and ln else ""
+        base = func.split(":")[0] if func else ""
+        w = warps(base, lines[ln - 1] if ln else "", cond.split("\n")[-3:] and "\n".join(cond.split("\n")[-6:]))
+        totals[phase] += mult * w * cold.get(ln, 1.0)
+        static[phase] += 1
+    return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner),
+            "unknown_loops": sorted(unknown, key=str)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fk", type=float, default=0.052, help="key residual fraction (32K default geometry: 0.052)")
+    ap.add_argument("--fv", type=float, default=0.052, help="value residual fraction")
+    ap.add_argument("--anchors", type=int, default=815, help="k per head (weight rescale cost; 32K default: 815)")
+    ap.add_argument("--json", help="write the counts here")
+    ap.add_argument("--keep", help="keep the cubin and the disassembly in this folder")
+    a = ap.parse_args()
+    nvcc = find_tool("nvcc")
+    nvdisasm = find_tool("nvdisasm")
+    if not nvcc or not nvdisasm:
+        print(f"sass_count: skipped: needs nvcc ({nvcc or 'not found'}) and nvdisasm ({nvdisasm or 'not found'}; "
+              "pip install nvidia-cuda-nvdisasm)")
+        return 0
+    workdir = a.keep or tempfile.mkdtemp()
+    os.makedirs(workdir, exist_ok=True)
+    cubin, log = compile_cubin(workdir, nvcc)
+    pinfo = ptxas_info(log)
+    funcs = disassemble(nvdisasm, cubin)
+    names = dict(zip(funcs, demangle(list(funcs))))
+    spans, lines = function_spans(KERNELS)
+    result = {"assumptions": {"fk": a.fk, "fv": a.fv, "anchors": a.anchors, "tile": T, "threads": NT, "rows": ROWS,
+                              "head_dim": D, "pairs": PAIRS}, "kernels": {}}
+    print(f"SASS of {os.path.relpath(cubin, workdir) if a.keep else 'the decode and compression kernels'} for sm_90 "
+          f"({os.path.basename(nvdisasm)} {nvdisasm})\n")
+    print("| kernel | regs | stack B | spill st/ld B | SASS instr | LDL/STL | BAR | shared atomics | global atomics "
+          "| HMMA | packed half2 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for mangled, f in funcs.items():
+        s = kernel_summary(f)
+        p = pinfo.get(mangled, {})
+        s.update(p)
+        result["kernels"][names[mangled]] = s
+        short = re.sub(r"\(.*", "", names[mangled]).replace("akv::cuda::", "")
+        print(f"| {short} | {p.get('registers', '?')} | {p.get('stack', '?')} | {p.get('spill_stores', '?')}/"
+              f"{p.get('spill_loads', '?')} | {s['instructions']} | {s['local_accesses']} | {s['barriers']} | "
+              f"{s['shared_atomics']} | {s['global_atomics']} | {'yes' if s['hmma'] else 'no'} | "
+              f"{'yes' if s['packed_half2'] else 'no'} |")
+    split = next(m for m in funcs if "decode_split_kernelILi128ELi4E" in m)
+    loop = tile_loop(funcs[split], spans, lines, a.fk, a.fv, a.anchors)
+    result["tile_loop"] = loop
+    total = sum(loop["per_tile"].values())
+    print(f"\ndecode_split_kernel<128,4>, AnchorKV prefix tile loop ({T} tokens, {NW} warps, {ROWS} rows, "
+          f"f_K {a.fk}, f_V {a.fv}, k {a.anchors}): {sum(loop['static'].values())} static SASS instructions, "
+          f"{loop['inner_loops']} inner loops")
+    print("| phase | static SASS | warp instr per tile | per token and head |")
+    print("|---|---|---|---|")
+    for name, v in sorted(loop["per_tile"].items(), key=lambda x: -x[1]):
+        print(f"| {name} | {loop['static'][name]} | {v:.0f} | {v / T:.1f} |")
+    print(f"| total | {sum(loop['static'].values())} | {total:.0f} | {total / T:.1f} |")
+    for u in loop["unknown_loops"]:
+        print(f"note: inner loop at {u[0]} line {u[1]} ({u[2]}) has no trip-count model: counted once")
+    result["tile_loop"]["per_token_head"] = total / T
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    if not a.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
