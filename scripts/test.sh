@@ -108,7 +108,8 @@ after "cpu: build" "cpu: ctest" ctest_run "$build_dir" -LE install
 emulation_seeds() {
   local pids=() seed pid failed=0
   for seed in 2 3; do
-    ANCHORKV_SIMT_SEED=$seed "$build_dir/tests/anchorkv_emulation_tests" --gtest_brief=1 &
+    # the million-position test checks lengths, not schedules: seed 1 (ctest) runs it
+    ANCHORKV_SIMT_SEED=$seed "$build_dir/tests/anchorkv_emulation_tests" --gtest_brief=1 --gtest_filter='-*MillionPositions' &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || failed=1; done

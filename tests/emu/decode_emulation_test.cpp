@@ -146,13 +146,13 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
 // global_weights: whether the plan must (true) or must not (false) sum the per-anchor
 // weights in the workspace.
 void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t smem = 227 * 1024,
-                bool global_weights = false) {
+                bool global_weights = false, int kv_heads = 2) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   SCOPED_TRACE(describe(c) + " batch " + std::to_string(batch) + " sm_count " + std::to_string(sm_count));
   Rng rng(seed);
   ContextPtr ctx = make_context(2);
-  const int H = 2;
+  const int H = kv_heads;
   std::vector<CachePtr> owned;
   std::vector<akv_cache *> caches;
   for (int b = 0; b < batch; ++b) {
@@ -238,6 +238,15 @@ TEST(EmulatedDecode, AnchorWeightsInTheWorkspaceWhenSharedMemoryIsShort) {
   Case one_row{AKV_METHOD_ANCHORKV, 1300, 128, 1, 1, 0, AKV_ROPE_NEOX, true};  // a chunk of 4 with 1 row
   one_row.anchors = 700;
   check_case(one_row, 1, 8, 1, kc::SplitSmem(128, 4, 0, 64).total, /*global_weights=*/true);
+}
+
+// A million prompt positions (one KV head, one query row, 300 anchors: format 3 with
+// 4096-token segment tables): the kernels' offsets and counters hold at that length, and
+// the result is the CPU decode's. The longest emulation test (about a minute).
+TEST(EmulatedDecode, MillionPositions) {
+  Case c{AKV_METHOD_ANCHORKV, 1 << 20, 64, 1, 1, 0, AKV_ROPE_NEOX, false};
+  c.anchors = 300;
+  check_case(c, 1, 64, 1, 227 * 1024, /*global_weights=*/false, /*kv_heads=*/1);
 }
 
 TEST(EmulatedDecode, DenseCachesMatchCpu) {
