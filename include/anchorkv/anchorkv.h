@@ -113,7 +113,13 @@ typedef enum akv_method {
   AKV_METHOD_PYRAMIDKV = 3,/* eviction: SnapKV scores, budgets decreasing over layers */
   AKV_METHOD_ADAKV = 4,    /* eviction: SnapKV scores, budget shared across heads */
   AKV_METHOD_ANDPRO = 5,   /* eviction: chunks scored by projection on the window output */
-  AKV_METHOD_QUANTIZED = 6 /* every token, TurboQuant-style b-bit codes (about 4-6x) */
+  AKV_METHOD_QUANTIZED = 6, /* every token, TurboQuant-style b-bit codes (about 4-6x) */
+  /* Evictions of KVPress's presses, at the same matched bytes (appended in 0.3): */
+  AKV_METHOD_TOVA = 7,      /* eviction: the last window query's attention (mean over the
+                               GQA group); default window 1 (the last token), as TOVAPress */
+  AKV_METHOD_KNORM = 8,     /* eviction: the smallest key norms (KnormPress); no queries */
+  AKV_METHOD_STREAMINGLLM = 9 /* eviction: the first sink_tokens and the most recent
+                               tokens (StreamingLLMPress: 4 sinks); no queries */
 } akv_method;
 
 typedef enum akv_rope_style {
@@ -248,7 +254,8 @@ typedef struct akv_compress_options {
   int32_t sink_tokens;            /* ANCHORKV: the first sink_tokens prompt positions are always
                                      anchors (the attention sink, stored exactly); they take
                                      slots of the scored share (which grows to hold them) and
-                                     are capped at k-W. >= 0; default 4 */
+                                     are capped at k-W. >= 0; default 4. STREAMINGLLM: the
+                                     first sink_tokens are always kept; default 4 */
   int32_t fill_budget;            /* ANCHORKV with anchors = 0: 1 = while every non-anchor token
                                      already gets both residuals and budget is left, add anchors
                                      (exact tokens) to spend it, so the footprint follows
@@ -382,8 +389,8 @@ typedef struct akv_prefill {
   const void *keys;        /* [H][S][D] (see strides) */
   const void *values;      /* [H][S][D] */
   const void *queries;     /* [Hq][W][D] post-RoPE queries of the last W prompt positions;
-                              W = options.window. May be NULL for AKV_METHOD_FULLKV
-                              and AKV_METHOD_QUANTIZED. */
+                              W = options.window. May be NULL for AKV_METHOD_FULLKV,
+                              QUANTIZED, KNORM and STREAMINGLLM. */
   const int32_t *positions;/* optional host [S], strictly increasing, >= 0; NULL = 0..S-1.
                               AnchorKV stores the window with its first position only: the
                               last `window` positions must be consecutive, else

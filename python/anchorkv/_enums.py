@@ -71,6 +71,9 @@ class Method(_ParsedEnum):
     ADAKV = 4
     ANDPRO = 5
     QUANTIZED = 6
+    TOVA = 7
+    KNORM = 8
+    STREAMINGLLM = 9
 
 
 class RopeStyle(_ParsedEnum):

@@ -15,6 +15,9 @@ const MethodTraits kMethods[] = {
     {AKV_METHOD_ADAKV,     kD, "AdaKV",     true,  false, true},
     {AKV_METHOD_ANDPRO,    kD, "AnDPro",    true,  true,  true},
     {AKV_METHOD_QUANTIZED, kQ, "Quantized", false, false, false},
+    {AKV_METHOD_TOVA,      kD, "TOVA",      true,  false, true},
+    {AKV_METHOD_KNORM,     kD, "Knorm",     true,  false, true},
+    {AKV_METHOD_STREAMINGLLM, kD, "StreamingLLM", true, false, true},
 };
 
 }  // namespace

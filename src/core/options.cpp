@@ -85,6 +85,13 @@ akv_compress_options method_options(akv_method method) {
       o->pool_type = AKV_POOL_MAX;
       o->andpro_chunk = 4;
       break;
+    case AKV_METHOD_TOVA:  // KVPress's presses: no pooling; the window is the last token
+    case AKV_METHOD_KNORM:
+    case AKV_METHOD_STREAMINGLLM:
+      o->window = 1;
+      o->pool_kernel = 1;
+      o->sink_tokens = method == AKV_METHOD_STREAMINGLLM ? 4 : 0;
+      break;
     case AKV_METHOD_QUANTIZED:  // the paper's TurboQuant reproduction (App. B.5): b=3, k=4
       o->window = 128;
       o->quant_bits = 3;

@@ -13,9 +13,15 @@
 //    all heads compete for the layer's H*(B-W-first chunk) tokens, best first; the chunk that
 //    does not fit whole gives its best tokens (by their own contribution), so the layer keeps
 //    exactly H*B tokens. The first chunk (the attention sink) and the window are always kept.
+//  - TOVA (KVPress TOVAPress): score(t) = mean over the group's query heads of the last window
+//    row's attention A[gi*W + W-1][t]; no pooling; default window 1 (the last token).
+//  - Knorm (KnormPress): score(t) = -|K_t| (rotation keeps the norm); no queries.
+//  - StreamingLLM (StreamingLLMPress): the first sink_tokens, then the most recent; no queries.
+//  The last three keep the top-(B-W) per head, as SnapKV.
 // Kept tokens are stored exactly: keys post-RoPE, values, storage dtype, in token order per
 // head (the dense ragged layout of FullKV), with their token indices kept host-side.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -64,8 +70,10 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
   const akv_prefill &p = *req.prefill;
   ThreadPool &pool = *req.context->pool;
   const EvictionBudget &budget = req.plan->eviction;
-  require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (the eviction methods score tokens with"
-          " the window queries)");
+  const EvictionScore score_kind = eviction_score(o.method);
+  const bool attention = eviction_reads_queries(o.method);
+  require(!attention || p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT, "queries is NULL (this eviction method scores"
+          " tokens with the window queries)");
   std::unique_ptr<akv_cache> cache = new_cache(req);
   CacheMeta &meta = cache->meta;
   PrefillReader in(p, o.window, cache->rope, o.keys_post_rope != 0);
@@ -84,7 +92,7 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
   // Per head: SnapKV-family pooled scores [P], or AnDPro token contributions [P] and chunk
   // scores [chunks].
   std::vector<float> scores(static_cast<size_t>(H) * P), chunk_scores(static_cast<size_t>(H) * chunks);
-  std::vector<float> K(S * D), V(andpro ? P * D : 0), Q(m * D), A(m * S);
+  std::vector<float> K(S * D), V(andpro ? P * D : 0), Q(attention ? m * D : 0), A(attention ? m * S : 0);
   std::vector<float> pooled(andpro ? m * P : 0), Y(andpro ? m * D : 0), VY(andpro ? m * P : 0);
   std::vector<float> raw(P);
   for (int h = 0; h < H; ++h) {
@@ -94,11 +102,27 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
         if (andpro && t < P) in.value_row(h, t, &V[t * D]);
       }
     });
+    const uint8_t *present = req.present ? req.present + static_cast<size_t>(h) * S : nullptr;
+    float *head_scores = &scores[static_cast<size_t>(h) * P];
+    if (!attention) {  // Knorm, StreamingLLM: no window attention
+      for (int64_t t = 0; t < P; ++t) {
+        float s = 0.0f;  // in order, as the CUDA pass sums
+        for (int d = 0; score_kind == EvictionScore::kKeyNorm && d < D; ++d) s += K[t * D + d] * K[t * D + d];
+        head_scores[t] = score_kind == EvictionScore::kKeyNorm ? -std::sqrt(s) : recency_score(t, budget.first_chunk);
+      }
+      continue;
+    }
     for (int gi = 0; gi < G; ++gi)
       for (int w = 0; w < W; ++w) in.query_row(h * G + gi, w, &Q[(gi * W + w) * D]);
-    const uint8_t *present = req.present ? req.present + static_cast<size_t>(h) * S : nullptr;
     window_attention(Q.data(), K.data(), m, S, D, P, W, scale, present, A.data(), pool);
-    float *head_scores = &scores[static_cast<size_t>(h) * P];
+    if (score_kind == EvictionScore::kLastQuery) {  // TOVA: the last window row of each query head
+      for (int64_t t = 0; t < P; ++t) {
+        float s = 0.0f;
+        for (int gi = 0; gi < G; ++gi) s += A[(static_cast<int64_t>(gi) * W + W - 1) * S + t];
+        head_scores[t] = present && !present[t] ? -std::numeric_limits<float>::infinity() : s / static_cast<float>(G);
+      }
+      continue;
+    }
     if (!andpro) {
       mean_attention(A.data(), m, S, P, raw.data(), nullptr, pool);
       pool_scores(raw.data(), P, o.pool_kernel, o.pool_type, head_scores);
@@ -132,7 +156,7 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
 
   // Kept evictable tokens per head (sorted), then the window (and AnDPro's first chunk).
   std::vector<std::vector<int32_t>> kept(H);
-  if (o.method == AKV_METHOD_SNAPKV || o.method == AKV_METHOD_PYRAMIDKV) {
+  if (o.method != AKV_METHOD_ADAKV && !andpro) {  // SnapKV, PyramidKV, TOVA, Knorm, StreamingLLM
     for (int h = 0; h < H; ++h) kept[h] = top_indices(&scores[static_cast<size_t>(h) * P], P, budget.head_tokens - W);
   } else if (o.method == AKV_METHOD_ADAKV) {
     std::vector<Candidate> cands;

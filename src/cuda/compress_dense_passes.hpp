@@ -108,8 +108,10 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
   const int H = b.heads, W = b.window, D = p.shape.head_dim;
   const int m = p.shape.num_q_heads / H * W;
   const int pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
-  require(p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT,
-          "queries is NULL (the eviction methods score tokens with the window queries)");
+  const EvictionScore score_kind = eviction_score(o.method);
+  const bool attention = eviction_reads_queries(o.method);
+  require(!attention || p.queries != nullptr, AKV_ERR_INVALID_ARGUMENT,
+          "queries is NULL (this eviction method scores tokens with the window queries)");
   const bool andpro = o.method == AKV_METHOD_ANDPRO;
   const int chunk = andpro ? o.andpro_chunk : 1;
   const int64_t chunks = andpro ? (P + chunk - 1) / chunk : 0, c0 = b.first_chunk;
@@ -124,9 +126,11 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
   const bool adakv = o.method == AKV_METHOD_ADAKV;
   for (int h = 0; h < H; ++h) {
     dev.launch(load_head_kernel, grid_blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
-    dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q);
-    dev.gemm_nt(m, S, D, cache.meta.softmax_scale, s.q, D, s.kpost, D, s.attn, S);
-    dev.launch(window_softmax_kernel, m, 1, 128, s.attn, S, P, W);
+    if (attention) {
+      dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q);
+      dev.gemm_nt(m, S, D, cache.meta.softmax_scale, s.q, D, s.kpost, D, s.attn, S);
+      dev.launch(window_softmax_kernel, m, 1, 128, s.attn, S, P, W);
+    }
     if (andpro) {  // pooled rows, y over the evictable chunks, contributions, chunk scores
       dev.launch(pool_rows_kernel, grid_blocks(P, 128), m, 128, static_cast<const float *>(s.attn), S, P, o.pool_kernel,
                  o.pool_type == AKV_POOL_MAX ? 1 : 0, s.pooled);
@@ -141,9 +145,19 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
                  chunk, chunks, h, s.all_keys, s.all_ids);
       continue;
     }
-    dev.launch(scores_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, s.raw, s.alpha_sq);
+    if (score_kind == EvictionScore::kLastQuery)  // TOVA
+      dev.launch(last_row_scores_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m / W, W,
+                 s.raw);
+    else if (!attention)  // Knorm, StreamingLLM
+      dev.launch(key_scores_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.kpost), P, D,
+                 score_kind == EvictionScore::kRecency ? 1 : 0, static_cast<int64_t>(b.first_chunk), s.raw);
+    else
+      dev.launch(scores_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m, s.raw,
+                 s.alpha_sq);
     uint32_t *keys = s.keys + h * P, *index = s.index + h * P;
-    dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
+    // TOVA, Knorm and StreamingLLM do not pool (kernel 1).
+    const int pool = score_kind == EvictionScore::kPooledWindow ? o.pool_kernel : 1;
+    dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.raw), P, pool,
                o.pool_type == AKV_POOL_MAX ? 1 : 0, int64_t{0}, keys, index);
     if (adakv) {
       dev.copy(s.all_keys + h * P, keys, P * sizeof(uint32_t));

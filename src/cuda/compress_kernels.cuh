@@ -184,6 +184,31 @@ __global__ void scores_kernel(const float *A, int64_t S, int64_t P, int m, float
   alpha_sq[t] = s2 / m;
 }
 
+// TOVA: raw[t] = mean over the G query heads of the last window row's attention (rows
+// gi * W + W - 1 of A [m][S]), t < P; the CPU's order of sums.
+__global__ void last_row_scores_kernel(const float *A, int64_t S, int64_t P, int G, int W, float *raw) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= P) return;
+  float s = 0.0f;
+  for (int gi = 0; gi < G; ++gi) s += A[(static_cast<int64_t>(gi) * W + W - 1) * S + t];
+  raw[t] = s / static_cast<float>(G);
+}
+
+// Knorm (recency = 0): raw[t] = -|K_t| of the post-RoPE keys [S][D], summed in order as the
+// CPU does; StreamingLLM (recency = 1): the first `sinks` tokens first, then the most recent
+// (the float of methods/eviction.hpp's recency_score).
+__global__ void key_scores_kernel(const float *K, int64_t P, int D, int recency, int64_t sinks, float *raw) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= P) return;
+  if (recency) {
+    raw[t] = t < sinks ? 3.0e38f : static_cast<float>(t);
+    return;
+  }
+  float s = 0.0f;
+  for (int d = 0; d < D; ++d) s += K[t * D + d] * K[t * D + d];
+  raw[t] = -sqrtf(s);
+}
+
 // Order-preserving map of a float to uint32, inverted so that ascending = descending value.
 __device__ __forceinline__ uint32_t descending_key(float value) {
   uint32_t bits;

@@ -16,7 +16,7 @@ struct EvictionBudget {
   int64_t prefix = 0;         // P = S - W, the evictable positions
   int32_t heads = 0;          // H
   int32_t window = 0;         // W, always kept
-  int32_t first_chunk = 0;    // AnDPro: tokens 0..first_chunk-1 always kept (0 otherwise)
+  int32_t first_chunk = 0;    // AnDPro, StreamingLLM: tokens 0..first_chunk-1 always kept (0 otherwise)
   int64_t per_head = 0;       // B = floor(theta*S): tokens per head incl. the window
   int64_t head_tokens = 0;    // SnapKV, PyramidKV: tokens every head keeps (this layer)
   int64_t layer_tokens = 0;   // tokens kept by the layer, all heads (data-independent)
@@ -24,6 +24,25 @@ struct EvictionBudget {
   uint64_t budget_bytes = 0;  // floor(theta * M_full)
   uint64_t footprint = 0;     // 4*D*layer_tokens
 };
+
+// How an eviction method scores the evictable tokens t < P (both backends; higher is kept).
+enum class EvictionScore {
+  kPooledWindow,  // SnapKV, PyramidKV, AdaKV: pooled mean window attention
+  kAnDPro,        // AnDPro: chunk contributions
+  kLastQuery,     // TOVA: mean over the GQA group of the last window row's attention
+  kKeyNorm,       // Knorm: minus the key's norm
+  kRecency,       // StreamingLLM: the first first_chunk tokens (sinks), then later is better
+};
+EvictionScore eviction_score(akv_method method);
+// Whether the method reads the window queries (the others take queries = NULL).
+inline bool eviction_reads_queries(akv_method method) {
+  const EvictionScore s = eviction_score(method);
+  return s != EvictionScore::kKeyNorm && s != EvictionScore::kRecency;
+}
+// kRecency's score of token t (sinks first, then the most recent), the same float on both backends.
+inline float recency_score(int64_t t, int64_t sinks) {
+  return t < sinks ? 3.0e38f : static_cast<float>(t);
+}
 
 // Validates the options the eviction methods read and computes the budget; AKV_ERR_BUDGET
 // (naming the smallest workable retain_fraction) when B cannot hold what is always kept.

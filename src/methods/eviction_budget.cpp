@@ -54,6 +54,16 @@ std::vector<int64_t> adakv_counts(const std::vector<int64_t> &selected, int64_t 
   return out;
 }
 
+EvictionScore eviction_score(akv_method method) {
+  switch (method) {
+    case AKV_METHOD_ANDPRO: return EvictionScore::kAnDPro;
+    case AKV_METHOD_TOVA: return EvictionScore::kLastQuery;
+    case AKV_METHOD_KNORM: return EvictionScore::kKeyNorm;
+    case AKV_METHOD_STREAMINGLLM: return EvictionScore::kRecency;
+    default: return EvictionScore::kPooledWindow;
+  }
+}
+
 EvictionBudget eviction_budget(const akv_compress_options &o, const akv_shape &s) {
   require(s.seq_len > o.window, AKV_ERR_INVALID_ARGUMENT, "seq_len ", s.seq_len, " must exceed the window ",
           o.window, " for the eviction methods");
@@ -70,7 +80,10 @@ EvictionBudget eviction_budget(const akv_compress_options &o, const akv_shape &s
   b.heads = s.num_kv_heads;
   b.window = o.window;
   b.prefix = s.seq_len - o.window;
-  b.first_chunk = o.method == AKV_METHOD_ANDPRO ? static_cast<int32_t>(std::min<int64_t>(o.andpro_chunk, b.prefix)) : 0;
+  const int64_t always_first = o.method == AKV_METHOD_ANDPRO         ? o.andpro_chunk
+                               : o.method == AKV_METHOD_STREAMINGLLM ? o.sink_tokens
+                                                                     : 0;
+  b.first_chunk = static_cast<int32_t>(std::min<int64_t>(always_first, b.prefix));
   const uint64_t token_bytes = 4ull * s.head_dim;  // key + value, 2 bytes per coordinate
   b.full_bytes = token_bytes * s.seq_len * s.num_kv_heads;
   const double budget = o.retain_fraction * static_cast<double>(b.full_bytes);
@@ -81,11 +94,15 @@ EvictionBudget eviction_budget(const akv_compress_options &o, const akv_shape &s
   if (b.per_head < always)
     fail(AKV_ERR_BUDGET, "retain_fraction ", o.retain_fraction, " keeps ", b.per_head, " tokens per head (floor(",
          o.retain_fraction, " * S=", s.seq_len, ")), fewer than the ", always, " always kept (window ", b.window,
-         b.first_chunk ? " and the first chunk" : "", "); the smallest workable retain_fraction is ",
+         b.first_chunk ? (o.method == AKV_METHOD_ANDPRO ? " and the first chunk" : " and the sink tokens") : "",
+         "); the smallest workable retain_fraction is ",
          minimum_retain_fraction(token_bytes * always * s.num_kv_heads, b.full_bytes));
   const int64_t base = b.per_head - b.window;  // evictable budget per head, SnapKV's C - W
   switch (o.method) {
     case AKV_METHOD_SNAPKV:
+    case AKV_METHOD_TOVA:
+    case AKV_METHOD_KNORM:
+    case AKV_METHOD_STREAMINGLLM:
       b.head_tokens = b.per_head;
       break;
     case AKV_METHOD_PYRAMIDKV:

@@ -93,6 +93,9 @@ MethodPlan plan_method(const akv_compress_options &o, const akv_shape &s) {
     case AKV_METHOD_PYRAMIDKV:
     case AKV_METHOD_ADAKV:
     case AKV_METHOD_ANDPRO:
+    case AKV_METHOD_TOVA:
+    case AKV_METHOD_KNORM:
+    case AKV_METHOD_STREAMINGLLM:
       plan.eviction = eviction_budget(o, s);
       plan.footprint = plan.eviction.footprint;
       break;

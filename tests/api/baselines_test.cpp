@@ -16,7 +16,8 @@ namespace akv_test {
 namespace {
 
 constexpr akv_method kEvictionMethods[] = {AKV_METHOD_SNAPKV, AKV_METHOD_PYRAMIDKV, AKV_METHOD_ADAKV,
-                                           AKV_METHOD_ANDPRO};
+                                           AKV_METHOD_ANDPRO,  AKV_METHOD_TOVA,      AKV_METHOD_KNORM,
+                                           AKV_METHOD_STREAMINGLLM};
 
 const char *method_name(akv_method m) {
   switch (m) {
@@ -25,6 +26,9 @@ const char *method_name(akv_method m) {
     case AKV_METHOD_ADAKV: return "AdaKV";
     case AKV_METHOD_ANDPRO: return "AnDPro";
     case AKV_METHOD_QUANTIZED: return "Quantized";
+    case AKV_METHOD_TOVA: return "TOVA";
+    case AKV_METHOD_KNORM: return "Knorm";
+    case AKV_METHOD_STREAMINGLLM: return "StreamingLLM";
     default: return "other";
   }
 }
@@ -259,6 +263,7 @@ struct Reference {
   int64_t S, P;
   std::vector<std::vector<double>> rows;    // per head [G*W][S]
   std::vector<std::vector<double>> values;  // per head [S][D]
+  std::vector<double> post;                  // post-RoPE keys [H][S][D]
 };
 
 Reference reference_attention_rows(const PrefillData &data, const akv_compress_options &o) {
@@ -270,6 +275,7 @@ Reference reference_attention_rows(const PrefillData &data, const akv_compress_o
   r.S = data.seq_len();
   r.P = r.S - r.W;
   const std::vector<double> post = rope_reference(o.rope).apply(data.keys.values, r.H, r.S, r.D, data.positions);
+  r.post = post;
   const double scale = effective_softmax_scale(o, r.D);
   for (int h = 0; h < r.H; ++h) {
     std::vector<double> q(data.queries.values.begin() + static_cast<size_t>(h) * r.G * r.W * r.D,
@@ -378,6 +384,29 @@ TEST_P(EvictionMatchesReference, KeptSetsOnRandomLayers) {
       continue;
     }
 
+    if (method == AKV_METHOD_TOVA || method == AKV_METHOD_KNORM || method == AKV_METHOD_STREAMINGLLM) {
+      // KVPress's presses: the top-(B-W) of their own score per head, no pooling.
+      for (int h = 0; h < H; ++h) {
+        std::vector<double> score(P);
+        for (int64_t t = 0; t < P; ++t) {
+          if (method == AKV_METHOD_TOVA) {  // the last window row of each query head, averaged
+            for (int gi = 0; gi < G; ++gi) score[t] += ref.rows[h][(static_cast<int64_t>(gi) * W + W - 1) * S + t] / G;
+          } else if (method == AKV_METHOD_KNORM) {
+            const double *k = &ref.post[(static_cast<size_t>(h) * S + t) * D];
+            double n2 = 0.0;
+            for (int d = 0; d < D; ++d) n2 += k[d] * k[d];
+            score[t] = -std::sqrt(n2);
+          } else {  // the sinks, then the most recent
+            score[t] = t < o.sink_tokens ? 1e30 : static_cast<double>(t);
+          }
+        }
+        const std::vector<int64_t> evictable = evictable_part(kept[h], P);
+        EXPECT_EQ(static_cast<int64_t>(evictable.size()), base) << "head " << h;
+        EXPECT_TRUE(is_top(evictable, score, method == AKV_METHOD_STREAMINGLLM ? 0.0 : tolerance_for(score)))
+            << "head " << h;
+      }
+      continue;
+    }
     std::vector<std::vector<double>> scores(H);
     for (int h = 0; h < H; ++h) scores[h] = snapkv_scores(ref.rows[h], m, S, W, o.pool_kernel, max_pool);
     std::vector<int64_t> expected_counts(H, base);

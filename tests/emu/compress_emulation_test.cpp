@@ -341,7 +341,8 @@ TEST(EmulatedCompress, EvictionMatchesCpu) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   Rng rng(seed);
-  for (akv_method method : {AKV_METHOD_SNAPKV, AKV_METHOD_PYRAMIDKV, AKV_METHOD_ADAKV, AKV_METHOD_ANDPRO}) {
+  for (akv_method method : {AKV_METHOD_SNAPKV, AKV_METHOD_PYRAMIDKV, AKV_METHOD_ADAKV, AKV_METHOD_ANDPRO,
+                            AKV_METHOD_TOVA, AKV_METHOD_KNORM, AKV_METHOD_STREAMINGLLM}) {
     SCOPED_TRACE("method " + std::to_string(method));
     ContextPtr ctx = make_context(2);
     akv_compress_options o;

@@ -55,6 +55,10 @@ inline const MethodEntry kMethods[] = {
     {"PyramidKV",   AKV_METHOD_PYRAMIDKV,   true,   true,    true,    nullptr},
     {"AdaKV",       AKV_METHOD_ADAKV,       true,   true,    true,    nullptr},
     {"AnDPro",      AKV_METHOD_ANDPRO,      true,   true,    true,    nullptr},
+    // KVPress's presses as evictions at matched bytes (not in the default comparison).
+    {"TOVA",        AKV_METHOD_TOVA,        true,   true,    false,   nullptr},
+    {"Knorm",       AKV_METHOD_KNORM,       true,   false,   false,   nullptr},
+    {"StreamingLLM", AKV_METHOD_STREAMINGLLM, true, false,   false,   nullptr},
     // TurboQuant as the paper measures it (3 bits + 4 outlier channels, "3.5 bits"), and at
     // 2 bits, the one width whose ratio reaches 5x (about 5.9x at D=128); no width reaches 10x.
     {"Quantized",   AKV_METHOD_QUANTIZED,   false,  false,   true,    nullptr},

@@ -49,7 +49,7 @@ FIRST_PREFIX = "The pass key is"  # the prefix of the first cache version (meta.
 MAX_NEW = 8
 PREFILL_FORMAT = 1  # bump when the cached prefill layout changes
 AKV_WINDOW = 32
-METHODS = ("fullkv", "anchorkv", "snapkv", "adakv", "pyramidkv", "andpro")
+METHODS = ("fullkv", "anchorkv", "snapkv", "adakv", "pyramidkv", "andpro", "tova", "knorm", "streamingllm")
 
 
 def log(*args):

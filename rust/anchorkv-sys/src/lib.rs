@@ -53,6 +53,9 @@ pub const AKV_METHOD_PYRAMIDKV: akv_method = 3;
 pub const AKV_METHOD_ADAKV: akv_method = 4;
 pub const AKV_METHOD_ANDPRO: akv_method = 5;
 pub const AKV_METHOD_QUANTIZED: akv_method = 6;
+pub const AKV_METHOD_TOVA: akv_method = 7;
+pub const AKV_METHOD_KNORM: akv_method = 8;
+pub const AKV_METHOD_STREAMINGLLM: akv_method = 9;
 
 pub type akv_rope_style = c_int;
 pub const AKV_ROPE_NONE: akv_rope_style = 0;
