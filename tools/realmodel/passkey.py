@@ -39,6 +39,46 @@ import smollm2  # noqa: E402
 
 FILLER = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
           "There and back again."]
+HAYSTACKS = ("repeat", "prose")  # the repeated unit above, or distinct generated sentences
+
+# "prose": distinct sentences from templates, drawn with a seed per (length, trial); no
+# sentence and no short unit repeats, so no few anchors can stand for the haystack.
+_NAMES = ["Maria", "the old baker", "a young engineer", "Thomas", "the harbour master", "Aiko", "the mayor",
+          "a retired teacher", "Lukas", "the night nurse", "Fatima", "the gardener", "an apprentice", "Omar",
+          "the librarian", "Ines", "a travelling musician", "the ferryman", "Priya", "the village doctor"]
+_VERBS = ["repaired", "painted", "sold", "carried", "found", "borrowed", "described", "measured", "cleaned",
+          "photographed", "forgot", "ordered", "built", "inspected", "returned", "hid", "weighed", "wrapped"]
+_ADJS = ["wooden", "rusty", "narrow", "bright", "heavy", "crooked", "silver", "dusty", "enormous", "tiny",
+         "striped", "broken", "fragrant", "ancient", "polished", "folded", "damp", "hollow"]
+_NOUNS = ["ladder", "bicycle", "lantern", "chair", "boat", "clock", "kettle", "map", "violin", "basket",
+          "window frame", "telescope", "wheelbarrow", "piano", "umbrella", "fishing net", "cabinet", "bell"]
+_PLACES = ["behind the station", "near the river", "in the market square", "at the edge of the forest",
+           "beside the chapel", "under the bridge", "on the hill road", "inside the warehouse",
+           "next to the school", "by the harbour wall", "in the courtyard", "at the crossroads"]
+_TIMES = ["on a cold Tuesday", "before dawn", "after the storm", "late in the summer", "during the festival",
+          "one quiet evening", "at noon", "in early spring", "the day before the election", "last winter"]
+_FRAMES = ["{time}, {name} {verb} a {adj} {noun} {place}.",
+           "{name} {verb} the {adj} {noun} {place} {time}.",
+           "Nobody expected that {name} {verb} a {adj} {noun} {time}.",
+           "{place_cap}, {name} once {verb} a {adj} {noun}.",
+           "It was {time} when {name} {verb} the {noun}, which was {adj}.",
+           "According to the neighbours, {name} {verb} a {adj} {noun} {place}."]
+
+
+def prose_sentences(seed: int, length: int, trial: int, count: int) -> list[str]:
+    """`count` distinct template sentences for a trial (deterministic)."""
+    rng = np.random.default_rng([seed, length, trial, 7])
+    out, seen = [], set()
+    while len(out) < count:
+        pick = lambda xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+        place = pick(_PLACES)
+        s = pick(_FRAMES).format(time=pick(_TIMES), name=pick(_NAMES), verb=pick(_VERBS), adj=pick(_ADJS),
+                                 noun=pick(_NOUNS), place=place, place_cap=place[0].upper() + place[1:])
+        s = s[0].upper() + s[1:]
+        if s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
                "memorize it. I will quiz you about the important information there.")
 QUESTION = "What is the pass key?"
@@ -83,9 +123,10 @@ class Prompt:
 
 
 def build_prompt(tok, length: int, key: int, depth: float, prefix_in_prompt: bool,
-                 answer_prefix: str = PREFIX) -> Prompt:
+                 answer_prefix: str = PREFIX, haystack: str = "repeat", seed: int = 0, trial: int = 0) -> Prompt:
     """Exactly `length` tokens: chat template, instruction, filler with the needle at `depth`
-    (a fraction of the filler, at a sentence boundary), the question."""
+    (a fraction of the filler, at a sentence boundary), the question. haystack "repeat"
+    cycles FILLER; "prose" uses distinct template sentences (prose_sentences)."""
     head = tok.encode(f"<|im_start|>system\n{smollm2.DEFAULT_SYSTEM}<|im_end|>\n"
                       f"<|im_start|>user\n{INSTRUCTION}")
     needle = tok.encode(f" IMPORTANT: The pass key is {key}. Remember it.")
@@ -94,7 +135,10 @@ def build_prompt(tok, length: int, key: int, depth: float, prefix_in_prompt: boo
     budget = length - len(head) - len(needle) - len(tail)
     if budget < 16:
         raise ValueError(f"length {length} is too short for the pass-key prompt")
-    sentences = [tok.encode(" " + s) for s in FILLER]
+    if haystack == "prose":  # about 12 tokens a sentence: more than enough of them
+        sentences = [tok.encode(" " + s) for s in prose_sentences(seed, length, trial, budget // 6 + 8)]
+    else:
+        sentences = [tok.encode(" " + s) for s in FILLER]
     pieces, total = [], 0
     while total < budget:
         piece = sentences[len(pieces) % len(sentences)]
@@ -176,13 +220,13 @@ def _write_json(path: Path, value):
 
 
 def load_trial(model, tok, cache_dir, length, trial, seed, depth, prefix_in_prompt,
-               use_cache=True, answer_prefix=PREFIX) -> TrialData:
+               use_cache=True, answer_prefix=PREFIX, haystack="repeat") -> TrialData:
     """The trial's prompt, prefill and numpy full-cache reference, from the cache under
     cache_dir when there (K/V/Qwin memory-mapped), else computed and stored. The prefill is
     keyed by the prompt's tokens; the reference by the answer prefix as well, so runs with
     another --answer-prefix reuse the prefill of the decode flavour."""
     key = trial_key(seed, length, trial)
-    prompt = build_prompt(tok, length, key, depth, prefix_in_prompt, answer_prefix)
+    prompt = build_prompt(tok, length, key, depth, prefix_in_prompt, answer_prefix, haystack, seed, trial)
     flavour = "prompt" if prefix_in_prompt else "decode"
     use_cache = use_cache and cache_dir is not None
     if not use_cache:
@@ -460,6 +504,9 @@ def main(argv=None):
     parser.add_argument("--cache-dir", default=None,
                         help=f"weights and prefill cache (default {smollm2.default_cache_dir()})")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--haystack", choices=HAYSTACKS, default="repeat",
+                        help="repeat: the short filler unit cycled (the original test); prose: distinct "
+                             "template sentences, none repeated (natural-text fidelity)")
     parser.add_argument("--threads", type=int, default=0, help="anchorkv context threads")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every answer")
     parser.add_argument("--from-csv", default=None, metavar="PATH",
@@ -495,7 +542,8 @@ def main(argv=None):
                 depth = trial_depth(depths, trial)
                 started = time.time()
                 data = load_trial(model, tok, cache_dir, length, trial, args.seed, depth,
-                                  args.prefix_in_prompt, answer_prefix=args.answer_prefix)
+                                  args.prefix_in_prompt, answer_prefix=args.answer_prefix,
+                                  haystack=args.haystack)
                 log(f"L={length} trial {trial}: key {data.prompt.key} depth {depth:.2f} "
                     f"{'cached prefill' if data.cached else f'prefill {data.prefill_seconds:.1f} s'}"
                     f" (load {time.time() - started:.1f} s); numpy full cache: {data.ref_text!r}")
