@@ -307,6 +307,7 @@ AKV_TARGET_AVX512 inline void dot_rows4x4_avx512(const float *rows, int64_t stri
   }
   store_rows4(sum16(acc), out);
 }
+
 // The residual codec's levels for sixteen dims: lane i of word w (the sixteen dims' four code
 // bytes) has code (w >> 2i) & 3; lv holds the four levels, already times the scale.
 AKV_TARGET_AVX512 inline __m512 residual_levels16(const uint8_t *codes, __m512 lv) {
