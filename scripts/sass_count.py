@@ -251,8 +251,10 @@ def demangle(names):
 
 def kernel_summary(f):
     ops = collections.Counter(i["op"].split(".")[0] for i in f["ins"])
-    full = collections.Counter(i["op"] for i in f["ins"])
-    packed = sum(n for o, n in full.items() if o.split(".")[0] in ("HFMA2", "HADD2", "HMUL2", "HMNMX2"))
+    # Packed half2/bf16x2 arithmetic; not the compiler's idioms that use these opcodes for a
+    # conversion (HADD2.F32 x, -RZ, y.H0_H0) or a move (HFMA2.MMA x, -RZ, RZ, ...).
+    packed = sum(1 for i in f["ins"] if i["op"].split(".")[0] in ("HFMA2", "HADD2", "HMUL2", "HMNMX2")
+                 and not i["op"].endswith(".F32") and "-RZ" not in i["text"])
     return {
         "instructions": len(f["ins"]),
         "hmma": sum(n for o, n in ops.items() if o in ("HMMA", "HGMMA", "IMMA")),
