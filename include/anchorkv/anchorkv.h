@@ -115,8 +115,9 @@ typedef enum akv_method {
   AKV_METHOD_ANDPRO = 5,   /* eviction: chunks scored by projection on the window output */
   AKV_METHOD_QUANTIZED = 6, /* every token, TurboQuant-style b-bit codes (about 4-6x) */
   /* Evictions of KVPress's presses, at the same matched bytes (appended in 0.3): */
-  AKV_METHOD_TOVA = 7,      /* eviction: the last window query's attention (mean over the
-                               GQA group); default window 1 (the last token), as TOVAPress */
+  AKV_METHOD_TOVA = 7,      /* eviction: the last window query's attention, mean over all
+                               query heads (one kept set per layer); default window 1 (the
+                               last token), as TOVAPress */
   AKV_METHOD_KNORM = 8,     /* eviction: the smallest key norms (KnormPress); no queries */
   AKV_METHOD_STREAMINGLLM = 9 /* eviction: the first sink_tokens and the most recent
                                tokens (StreamingLLMPress: 4 sinks); no queries */

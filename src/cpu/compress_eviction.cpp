@@ -13,8 +13,9 @@
 //    all heads compete for the layer's H*(B-W-first chunk) tokens, best first; the chunk that
 //    does not fit whole gives its best tokens (by their own contribution), so the layer keeps
 //    exactly H*B tokens. The first chunk (the attention sink) and the window are always kept.
-//  - TOVA (KVPress TOVAPress): score(t) = mean over the group's query heads of the last window
-//    row's attention A[gi*W + W-1][t]; no pooling; default window 1 (the last token).
+//  - TOVA (KVPress TOVAPress): score(t) = mean over all the layer's query heads of the last
+//    window row's attention A[gi*W + W-1][t]: one score and so one kept set for every head;
+//    no pooling; default window 1 (the last token).
 //  - Knorm (KnormPress): score(t) = -|K_t| (rotation keeps the norm); no queries.
 //  - StreamingLLM (StreamingLLMPress): the first sink_tokens, then the most recent; no queries.
 //  The last three keep the top-(B-W) per head, as SnapKV.
@@ -95,6 +96,7 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
   std::vector<float> K(S * D), V(andpro ? P * D : 0), Q(attention ? m * D : 0), A(attention ? m * S : 0);
   std::vector<float> pooled(andpro ? m * P : 0), Y(andpro ? m * D : 0), VY(andpro ? m * P : 0);
   std::vector<float> raw(P);
+  std::vector<float> layer_scores(score_kind == EvictionScore::kLastQuery ? P : 0, 0.0f);  // TOVA
   for (int h = 0; h < H; ++h) {
     pool.parallel_for(S, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
@@ -115,11 +117,11 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
     for (int gi = 0; gi < G; ++gi)
       for (int w = 0; w < W; ++w) in.query_row(h * G + gi, w, &Q[(gi * W + w) * D]);
     window_attention(Q.data(), K.data(), m, S, D, P, W, scale, present, A.data(), pool);
-    if (score_kind == EvictionScore::kLastQuery) {  // TOVA: the last window row of each query head
-      for (int64_t t = 0; t < P; ++t) {
+    if (score_kind == EvictionScore::kLastQuery) {  // TOVA: the last window row of every query head
+      for (int64_t t = 0; t < P; ++t) {  // the CUDA pass's order: per head, then over heads
         float s = 0.0f;
         for (int gi = 0; gi < G; ++gi) s += A[(static_cast<int64_t>(gi) * W + W - 1) * S + t];
-        head_scores[t] = present && !present[t] ? -std::numeric_limits<float>::infinity() : s / static_cast<float>(G);
+        layer_scores[t] += s / static_cast<float>(H * G);
       }
       continue;
     }
@@ -154,6 +156,8 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
     }
   }
 
+  if (score_kind == EvictionScore::kLastQuery)  // TOVA: the layer's score for every head
+    for (int h = 0; h < H; ++h) std::copy(layer_scores.begin(), layer_scores.end(), &scores[static_cast<size_t>(h) * P]);
   // Kept evictable tokens per head (sorted), then the window (and AnDPro's first chunk).
   std::vector<std::vector<int32_t>> kept(H);
   if (o.method != AKV_METHOD_ADAKV && !andpro) {  // SnapKV, PyramidKV, TOVA, Knorm, StreamingLLM

@@ -124,6 +124,8 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
   const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad,
                                      upload_block_table(dev, p, s.block_table));
   const bool adakv = o.method == AKV_METHOD_ADAKV;
+  const bool tova = score_kind == EvictionScore::kLastQuery;  // one score for the layer (alpha_sq: its sum)
+  if (tova) dev.fill(s.alpha_sq, 0, sizeof(float) * P);
   for (int h = 0; h < H; ++h) {
     dev.launch(load_head_kernel, grid_blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v);
     if (attention) {
@@ -145,10 +147,12 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
                  chunk, chunks, h, s.all_keys, s.all_ids);
       continue;
     }
-    if (score_kind == EvictionScore::kLastQuery)  // TOVA
+    if (tova) {  // summed over the heads; ranked once after the loop
       dev.launch(last_row_scores_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.attn), S, P, m / W, W,
-                 s.raw);
-    else if (!attention)  // Knorm, StreamingLLM
+                 H * (m / W), s.alpha_sq);
+      continue;
+    }
+    if (!attention)  // Knorm, StreamingLLM
       dev.launch(key_scores_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.kpost), P, D,
                  score_kind == EvictionScore::kRecency ? 1 : 0, static_cast<int64_t>(b.first_chunk), s.raw);
     else
@@ -164,6 +168,12 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
       dev.launch(iota_kernel, grid_blocks(P, 128), 1, 128, s.all_ids + h * P, static_cast<uint32_t>(h * P), P);
     }
     dev.sort_u32(keys, index, P);  // best first, ties to the lower index
+  }
+  if (tova) {  // the layer's ranking, kept by every head
+    dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.alpha_sq), P, 1, 0, int64_t{0},
+               s.keys, s.index);
+    dev.sort_u32(s.keys, s.index, P);
+    for (int h = 1; h < H; ++h) dev.copy(s.index + h * P, s.index, P * sizeof(uint32_t));
   }
   // Evictable tokens kept per head.
   std::vector<int64_t> counts(H, b.head_tokens - W);

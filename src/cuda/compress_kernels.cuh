@@ -184,14 +184,15 @@ __global__ void scores_kernel(const float *A, int64_t S, int64_t P, int m, float
   alpha_sq[t] = s2 / m;
 }
 
-// TOVA: raw[t] = mean over the G query heads of the last window row's attention (rows
-// gi * W + W - 1 of A [m][S]), t < P; the CPU's order of sums.
-__global__ void last_row_scores_kernel(const float *A, int64_t S, int64_t P, int G, int W, float *raw) {
+// TOVA: acc[t] += (sum over the head's G query heads of the last window row's attention,
+// rows gi * W + W - 1 of A [m][S]) / heads_q, t < P: over the layer's heads, the mean over
+// all its query heads, summed in the CPU's order.
+__global__ void last_row_scores_kernel(const float *A, int64_t S, int64_t P, int G, int W, int heads_q, float *acc) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
   float s = 0.0f;
   for (int gi = 0; gi < G; ++gi) s += A[(static_cast<int64_t>(gi) * W + W - 1) * S + t];
-  raw[t] = s / static_cast<float>(G);
+  acc[t] += s / static_cast<float>(heads_q);
 }
 
 // Knorm (recency = 0): raw[t] = -|K_t| of the post-RoPE keys [S][D], summed in order as the

@@ -389,8 +389,10 @@ TEST_P(EvictionMatchesReference, KeptSetsOnRandomLayers) {
       for (int h = 0; h < H; ++h) {
         std::vector<double> score(P);
         for (int64_t t = 0; t < P; ++t) {
-          if (method == AKV_METHOD_TOVA) {  // the last window row of each query head, averaged
-            for (int gi = 0; gi < G; ++gi) score[t] += ref.rows[h][(static_cast<int64_t>(gi) * W + W - 1) * S + t] / G;
+          if (method == AKV_METHOD_TOVA) {  // the last window row of every query head of the layer
+            for (int hh = 0; hh < H; ++hh)
+              for (int gi = 0; gi < G; ++gi)
+                score[t] += ref.rows[hh][(static_cast<int64_t>(gi) * W + W - 1) * S + t] / (H * G);
           } else if (method == AKV_METHOD_KNORM) {
             const double *k = &ref.post[(static_cast<size_t>(h) * S + t) * D];
             double n2 = 0.0;

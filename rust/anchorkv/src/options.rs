@@ -64,7 +64,7 @@ c_enum!(
         AnDPro = sys::AKV_METHOD_ANDPRO,
         /// Every token, as b-bit codes (TurboQuant-style, about 4-6x).
         Quantized = sys::AKV_METHOD_QUANTIZED,
-        /// Eviction: the last window query's attention (KVPress's TOVAPress; window 1).
+        /// Eviction: the last window query's attention over all heads (KVPress's TOVAPress; window 1).
         Tova = sys::AKV_METHOD_TOVA,
         /// Eviction: the smallest key norms (KVPress's KnormPress); no queries.
         Knorm = sys::AKV_METHOD_KNORM,
