@@ -30,9 +30,7 @@ scripts/predict_decode.py reads the tile-loop phases from here (--json) instead 
 """
 import argparse
 import collections
-import glob
 import json
-import math
 import os
 import re
 import shutil
@@ -112,9 +110,9 @@ def cold_lines(lines):
     return weight
 
 
-# Warps of 8 that execute a line, by a substring of the enclosing condition's source (checked
-# against the lines from the function's start); default 8.
-def warps(func, line_text, cond_text):
+# Warps of 8 that execute a line, by its function and a substring of the enclosing condition
+# (the lines just above it); default 8.
+def warps(func, cond_text):
     if func == "anchor_meta":
         return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each
     if func == "gather_anchor_rows" and "pairs" in cond_text:
@@ -321,9 +319,9 @@ def tile_loop(f, spans, lines, fk, fv, k):
         for a, b in inner:
             if a <= i <= b:
                 mult *= loop_trips[(a, b)]
-        cond = "\n".join(lines[start - 1:ln]) if start and ln else ""
-        base = func.split(":")[0] if func else ""
-        w = warps(base, lines[ln - 1] if ln else "", cond.split("\n")[-3:] and "\n".join(cond.split("\n")[-6:]))
+        # the enclosing condition: the six lines up to this one, inside its function
+        cond = "\n".join(lines[max(start - 1, ln - 6):ln]) if start and ln else ""
+        w = warps(func.split(":")[0] if func else "", cond)
         totals[phase] += mult * w * cold.get(ln, 1.0)
         static[phase] += 1
     return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner),
