@@ -150,7 +150,10 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
     int sms = 0, optin = 0;
     check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device), "cudaDeviceGetAttribute");
     check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx.device), "cudaDeviceGetAttribute");
+    int pools = 0;
+    check(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, ctx.device), "cudaDeviceGetAttribute");
     state(ctx).smem_optin = static_cast<size_t>(optin);
+    state(ctx).memory_pools = pools != 0;
     state(ctx).sm_count = sms;
   }
   const akv_shape &s = caches[0]->meta.shape;
@@ -165,9 +168,7 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
   // becomes the graph's own memory node), so a replay on any stream never shares scratch
   // with the capture stream's later decodes or with another graph. Otherwise the stream's
   // workspace, kept between calls.
-  int pools = 0;
-  check(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, ctx.device), "cudaDeviceGetAttribute");
-  const bool graph_owned = pools != 0 && capturing(stream);
+  const bool graph_owned = state(ctx).memory_pools && capturing(stream);
   float *ws = nullptr;
   if (graph_owned)
     check(cudaMallocAsync(reinterpret_cast<void **>(&ws), std::max<size_t>(plan.workspace_bytes, 16), st),

@@ -49,6 +49,7 @@ class CudaBackend final : public Backend {
   // captured decode on that stream uses.
   int sm_count = 0;
   size_t smem_optin = 0;
+  bool memory_pools = false;  // stream-ordered allocation (a captured decode's workspace)
   std::mutex mutex;  // guards smem_kernels, workspaces, host_staging and blas
   // The kernels whose dynamic shared memory limit is raised to smem_optin on this device
   // (the attribute is per device and kernel).

@@ -172,23 +172,20 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   // its shared memory (queries, per-anchor weights, key tile, angle tables) does not fit.
   // When not even 4 rows fit with the weights (about 9.5K anchors at 227 KB), the weights
   // move to the workspace and shared memory no longer depends on the anchor count.
-  const int first_maxrows = rows <= 4 ? 4 : rows <= 8 ? 8 : 16;
-  for (plan.maxrows = first_maxrows;; plan.maxrows /= 2) {
-    plan.smem_bytes = SplitSmem(D, plan.maxrows, plan.max_anchors, plan.max_pairs).total;
-    if (plan.smem_bytes <= smem_limit) break;
-    if (plan.maxrows == 4) {
-      plan.global_weights = true;
-      break;
+  // fits(anchors): sets maxrows and smem_bytes to the largest chunk that fits with `anchors`
+  // weights in shared memory; false when not even 4 rows fit.
+  auto fits = [&](int smem_anchors) {
+    for (plan.maxrows = rows <= 4 ? 4 : rows <= 8 ? 8 : 16; plan.maxrows >= 4; plan.maxrows /= 2) {
+      plan.smem_bytes = SplitSmem(D, plan.maxrows, smem_anchors, plan.max_pairs).total;
+      if (plan.smem_bytes <= smem_limit) return true;
     }
-  }
-  if (plan.global_weights)
-    for (plan.maxrows = first_maxrows;; plan.maxrows /= 2) {
-      plan.smem_bytes = SplitSmem(D, plan.maxrows, 0, plan.max_pairs).total;
-      if (plan.smem_bytes <= smem_limit) break;
-      if (plan.maxrows == 4)
-        fail(AKV_ERR_UNSUPPORTED, "decode needs ", plan.smem_bytes, " bytes of shared memory per block (head_dim ", D,
-             ", ", plan.max_pairs, " rotary pairs); the device allows ", smem_limit);
-    }
+    plan.maxrows = 4;
+    return false;
+  };
+  plan.global_weights = !fits(plan.max_anchors);
+  if (plan.global_weights && !fits(0))
+    fail(AKV_ERR_UNSUPPORTED, "decode needs ", plan.smem_bytes, " bytes of shared memory per block (head_dim ", D,
+         ", ", plan.max_pairs, " rotary pairs); the device allows ", smem_limit);
   plan.row_chunks = (rows + plan.maxrows - 1) / plan.maxrows;
   // Splits over the prompt: as many as keep the grid within one wave of resident blocks
   // (rounding up would leave a second, mostly idle wave), no more than tiles (nor
