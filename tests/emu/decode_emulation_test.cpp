@@ -254,6 +254,46 @@ TEST(EmulatedDecode, DenseCachesMatchCpu) {
   check_case({AKV_METHOD_SNAPKV, 800, 128, 2, 1, 2, AKV_ROPE_NEOX, false}, 2, 4, 3);
 }
 
+// The rows of an emulated device append against the CPU cache's: values exactly, keys
+// (rotated in float on both sides) within a last bit.
+void expect_suffix_rows(HostView &hv, const akv_cache &cache, int rows, int H, int D) {
+  const uint16_t *cpu_k = reinterpret_cast<const uint16_t *>(cache.suffix_keys.data());
+  const uint16_t *cpu_v = reinterpret_cast<const uint16_t *>(cache.suffix_values.data());
+  size_t key_mismatch = 0, value_mismatch = 0;
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < rows; ++i)
+      for (int d = 0; d < D; ++d) {
+        const size_t got = (static_cast<size_t>(h) * hv.view()->suffix_capacity + i) * D + d;
+        const size_t want = (static_cast<size_t>(h) * cache.suffix_capacity + i) * D + d;
+        if (hv.suffix_values[got] != cpu_v[want]) ++value_mismatch;
+        if (std::abs(static_cast<int>(hv.suffix_keys[got]) - static_cast<int>(cpu_k[want])) > 1) ++key_mismatch;
+      }
+  EXPECT_EQ(value_mismatch, 0u);
+  EXPECT_EQ(key_mismatch, 0u);
+}
+
+// An append launch of n tokens [H][n][D] (f32) into the view, as cuda::append builds it;
+// positions null: implicit (continued on the device).
+kc::AppendLaunch append_launch(HostView &hv, const float *keys, const float *values, int n, const int32_t *positions) {
+  kc::AppendLaunch a{};
+  a.view = hv.view();
+  a.keys = keys;
+  a.values = values;
+  a.dtype = AKV_DTYPE_F32;
+  a.n_total = n;
+  a.token0 = 0;
+  a.n = n;
+  a.implicit = positions ? 0 : 1;
+  for (int i = 0; positions && i < n; ++i) a.positions[i] = positions[i];
+  return a;
+}
+
+// The two kernels of one append launch, as the backend runs them.
+void run_append(const kc::AppendLaunch &a, int heads) {
+  simt::launch(simt::dim3(a.n, heads), simt::dim3(64), 0, kc::append_rows_kernel, a);
+  simt::launch(simt::dim3(1), simt::dim3(1), 0, kc::append_commit_kernel, a);
+}
+
 // Append on the "device" writes the same rows as the CPU append, and the kernel-side length
 // advances, so a decode captured before the append sees the new tokens.
 TEST(EmulatedAppend, RowsAndLengthMatchCpu) {
@@ -275,51 +315,12 @@ TEST(EmulatedAppend, RowsAndLengthMatchCpu) {
     const std::vector<float> v = nonzero_normal(rng, static_cast<size_t>(H) * n * D);
     std::vector<int32_t> pos = {400, 401, 405, 406, 410};
     ok(akv_append(cache.get(), k.data(), v.data(), AKV_DTYPE_F32, n, pos.data(), nullptr), "akv_append");
-    kc::AppendLaunch a{};
-    a.view = hv.view();
-    a.keys = k.data();
-    a.values = v.data();
-    a.dtype = AKV_DTYPE_F32;
-    a.n_total = n;
-    a.token0 = 0;
-    a.n = n;
-    for (int i = 0; i < n; ++i) a.positions[i] = pos[i];
-    simt::launch(simt::dim3(n, H), simt::dim3(64), 0, kc::append_rows_kernel, a);
-    simt::launch(simt::dim3(1), simt::dim3(1), 0, kc::append_commit_kernel, a);
+    run_append(append_launch(hv, k.data(), v.data(), n, pos.data()), H);
     EXPECT_EQ(hv.view()->suffix_len, n);
     EXPECT_EQ(hv.view()->next_position, 411);
     for (int i = 0; i < n; ++i) EXPECT_EQ(hv.view()->suffix_positions[i], pos[i]);
-    const uint16_t *cpu_k = reinterpret_cast<const uint16_t *>(cache->suffix_keys.data());
-    const uint16_t *cpu_v = reinterpret_cast<const uint16_t *>(cache->suffix_values.data());
-    size_t key_mismatch = 0;
-    for (int h = 0; h < H; ++h)
-      for (int i = 0; i < n; ++i)
-        for (int d = 0; d < D; ++d) {
-          const size_t at = (static_cast<size_t>(h) * cache->suffix_capacity + i) * D + d;
-          EXPECT_EQ(hv.suffix_values[at], cpu_v[at]);
-          // Keys are rotated in float on both sides; allow a last-bit difference.
-          if (std::abs(static_cast<int>(hv.suffix_keys[at]) - static_cast<int>(cpu_k[at])) > 1) ++key_mismatch;
-        }
-    EXPECT_EQ(key_mismatch, 0u);
+    expect_suffix_rows(hv, *cache, n, H, D);
   }
-}
-
-// The rows of an emulated device append against the CPU cache's: values exactly, keys
-// (rotated in float on both sides) within a last bit.
-void expect_suffix_rows(HostView &hv, const akv_cache &cache, int rows, int H, int D) {
-  const uint16_t *cpu_k = reinterpret_cast<const uint16_t *>(cache.suffix_keys.data());
-  const uint16_t *cpu_v = reinterpret_cast<const uint16_t *>(cache.suffix_values.data());
-  size_t key_mismatch = 0, value_mismatch = 0;
-  for (int h = 0; h < H; ++h)
-    for (int i = 0; i < rows; ++i)
-      for (int d = 0; d < D; ++d) {
-        const size_t got = (static_cast<size_t>(h) * hv.view()->suffix_capacity + i) * D + d;
-        const size_t want = (static_cast<size_t>(h) * cache.suffix_capacity + i) * D + d;
-        if (hv.suffix_values[got] != cpu_v[want]) ++value_mismatch;
-        if (std::abs(static_cast<int>(hv.suffix_keys[got]) - static_cast<int>(cpu_k[want])) > 1) ++key_mismatch;
-      }
-  EXPECT_EQ(value_mismatch, 0u);
-  EXPECT_EQ(key_mismatch, 0u);
 }
 
 // A CUDA graph replays an append launch with the arguments it was captured with. Launched
@@ -346,22 +347,13 @@ TEST(EmulatedAppend, ReplayedLaunchContinuesFromTheDevicePosition) {
     HostView hv(*cache, /*copy_suffix=*/true);
     const int32_t first = hv.view()->next_position;
     std::vector<float> k(static_cast<size_t>(H) * n * D), v(k.size());
-    kc::AppendLaunch a{};  // "captured" once
-    a.view = hv.view();
-    a.keys = k.data();
-    a.values = v.data();
-    a.dtype = AKV_DTYPE_F32;
-    a.n_total = n;
-    a.token0 = 0;
-    a.n = n;
-    a.implicit = 1;
-    std::fill(std::begin(a.positions), std::end(a.positions), -7);  // never read
+    kc::AppendLaunch a = append_launch(hv, k.data(), v.data(), n, nullptr);  // "captured" once
+    std::fill(std::begin(a.positions), std::end(a.positions), -7);           // never read
     for (int r = 0; r < replays; ++r) {
       const std::vector<float> nk = nonzero_normal(rng, k.size()), nv = nonzero_normal(rng, v.size());
       std::copy(nk.begin(), nk.end(), k.begin());  // the same buffers, as a graph's inputs
       std::copy(nv.begin(), nv.end(), v.begin());
-      simt::launch(simt::dim3(n, H), simt::dim3(64), 0, kc::append_rows_kernel, a);
-      simt::launch(simt::dim3(1), simt::dim3(1), 0, kc::append_commit_kernel, a);
+      run_append(a, H);
       ok(akv_append(cpu.get(), k.data(), v.data(), AKV_DTYPE_F32, n, nullptr, nullptr), "akv_append");
     }
     const int kept = std::min(capacity, n * replays);
