@@ -55,6 +55,43 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
+// A CUDA stream for the test's lifetime.
+class Stream {
+ public:
+  Stream() { cuda_ok(cudaStreamCreate(&stream_), "cudaStreamCreate"); }
+  ~Stream() { cudaStreamDestroy(stream_); }
+  Stream(const Stream &) = delete;
+  Stream &operator=(const Stream &) = delete;
+  operator cudaStream_t() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// What `body` enqueues on `stream`, captured (global mode) and instantiated; body records
+// the statuses of its calls for the test to check after the capture has ended.
+class CapturedGraph {
+ public:
+  template <class Body>
+  CapturedGraph(cudaStream_t stream, Body body) {
+    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+    body();
+    cuda_ok(cudaStreamEndCapture(stream, &graph_), "end capture");
+    cuda_ok(cudaGraphInstantiate(&exec_, graph_, 0), "instantiate");
+  }
+  ~CapturedGraph() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+  CapturedGraph(const CapturedGraph &) = delete;
+  CapturedGraph &operator=(const CapturedGraph &) = delete;
+  void launch(cudaStream_t stream) const { cuda_ok(cudaGraphLaunch(exec_, stream), "graph launch"); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // A prefill's tensors copied to the device (keys from `key_bytes`, by default the prefill's
 // own), and the akv_prefill that points at them.
 struct DevicePrefill {
@@ -288,18 +325,15 @@ TEST_F(Cuda, GraphCapturedDecodeReplaysAcrossAppends) {
   const size_t n = 2 * 4 * 128;
   const Tensor q = make_tensor(nonzero_normal(rng, n, 1.5), AKV_DTYPE_F32);
   DeviceBuffer dq(q.bytes), dout(q.bytes.size());
-  cudaStream_t stream;
-  cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate");
+  const Stream stream;
   akv_cache *list[1] = {gpu_cache.get()};
   // Warm-up on the stream sizes its workspace; then capture.
   ok(akv_decode_batch(gpu_.get(), list, 1, dq.get(), AKV_DTYPE_F32, 1, dout.get(), stream), "warm-up decode");
-  cudaGraph_t graph;
-  cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
-  const akv_status captured = akv_decode_batch(gpu_.get(), list, 1, dq.get(), AKV_DTYPE_F32, 1, dout.get(), stream);
-  cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+  akv_status captured = AKV_OK;
+  const CapturedGraph graph(stream, [&] {
+    captured = akv_decode_batch(gpu_.get(), list, 1, dq.get(), AKV_DTYPE_F32, 1, dout.get(), stream);
+  });
   ASSERT_EQ(captured, AKV_OK) << akv_last_error_message();
-  cudaGraphExec_t exec;
-  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
   for (int step = 0; step < 3; ++step) {
     if (step > 0) {  // one more token on both backends, outside the graph
       const std::vector<float> k = nonzero_normal(rng, 2 * 128), v = nonzero_normal(rng, 2 * 128);
@@ -309,15 +343,12 @@ TEST_F(Cuda, GraphCapturedDecodeReplaysAcrossAppends) {
       cuda_ok(cudaStreamSynchronize(stream), "sync");
     }
     dout.poison();
-    cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+    graph.launch(stream);
     cuda_ok(cudaStreamSynchronize(stream), "sync");
     const std::vector<float> got = decode_bytes(dout.download(), AKV_DTYPE_F32);
     const std::vector<float> expected = decode(cpu_cache.get(), q, 1);
     EXPECT_TRUE(all_near(got, expected, 2e-3, 2e-3)) << "replay " << step;
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 // A graph captured on one stream and replayed on another while the capture stream runs
@@ -340,33 +371,25 @@ TEST_F(Cuda, GraphReplayedOnAnotherStreamHasItsOwnWorkspace) {
   const Tensor qa = make_tensor(nonzero_normal(rng, n, 1.5), AKV_DTYPE_F32);
   const Tensor qb = make_tensor(nonzero_normal(rng, n, 1.5), AKV_DTYPE_F32);
   DeviceBuffer dqa(qa.bytes), dqb(qb.bytes), outa(qa.bytes.size()), outb(qb.bytes.size());
-  cudaStream_t capture_stream, replay_stream;
-  cuda_ok(cudaStreamCreate(&capture_stream), "cudaStreamCreate");
-  cuda_ok(cudaStreamCreate(&replay_stream), "cudaStreamCreate");
+  const Stream capture_stream, replay_stream;
   akv_cache *la[1] = {a_gpu.get()}, *lb[1] = {b_gpu.get()};
   ok(akv_decode_batch(gpu_.get(), la, 1, dqa.get(), AKV_DTYPE_F32, 1, outa.get(), capture_stream), "warm-up");
-  cudaGraph_t graph;
-  cuda_ok(cudaStreamBeginCapture(capture_stream, cudaStreamCaptureModeGlobal), "begin capture");
-  const akv_status captured = akv_decode_batch(gpu_.get(), la, 1, dqa.get(), AKV_DTYPE_F32, 1, outa.get(), capture_stream);
-  cuda_ok(cudaStreamEndCapture(capture_stream, &graph), "end capture");
+  akv_status captured = AKV_OK;
+  const CapturedGraph graph(capture_stream, [&] {
+    captured = akv_decode_batch(gpu_.get(), la, 1, dqa.get(), AKV_DTYPE_F32, 1, outa.get(), capture_stream);
+  });
   ASSERT_EQ(captured, AKV_OK) << akv_last_error_message();
-  cudaGraphExec_t exec;
-  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
   const std::vector<float> want_a = decode(a_cpu.get(), qa, 1), want_b = decode(b_cpu.get(), qb, 1);
   for (int round = 0; round < 5; ++round) {
     outa.poison();
     outb.poison();
     cuda_ok(cudaDeviceSynchronize(), "sync");
-    cuda_ok(cudaGraphLaunch(exec, replay_stream), "graph launch");
+    graph.launch(replay_stream);
     ok(akv_decode_batch(gpu_.get(), lb, 1, dqb.get(), AKV_DTYPE_F32, 1, outb.get(), capture_stream), "concurrent decode");
     cuda_ok(cudaDeviceSynchronize(), "sync");
     EXPECT_TRUE(all_near(decode_bytes(outa.download(), AKV_DTYPE_F32), want_a, 2e-3, 2e-3)) << "replay, round " << round;
     EXPECT_TRUE(all_near(decode_bytes(outb.download(), AKV_DTYPE_F32), want_b, 2e-3, 2e-3)) << "decode, round " << round;
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(capture_stream);
-  cudaStreamDestroy(replay_stream);
 }
 
 // An append captured in a CUDA graph together with the decode (an engine's whole decode
@@ -393,23 +416,19 @@ TEST_F(Cuda, GraphCapturedAppendAdvancesOnEveryReplay) {
     const size_t n = 2 * 4 * 128, kv = 2 * 128;
     const Tensor q = make_tensor(nonzero_normal(rng, n, 1.5), AKV_DTYPE_F32);
     DeviceBuffer dq(q.bytes), dout(q.bytes.size()), dk(kv * 4), dv(kv * 4);
-    cudaStream_t stream;
-    cuda_ok(cudaStreamCreate(&stream), "cudaStreamCreate");
+    const Stream stream;
     akv_cache *list[1] = {gpu_cache.get()};
     ok(akv_decode_batch(gpu_.get(), list, 1, dq.get(), AKV_DTYPE_F32, 1, dout.get(), stream), "warm-up decode");
-    cudaGraph_t graph;
-    cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
     const int32_t explicit_position = 100000;
-    const akv_status refused =
-        akv_append(gpu_cache.get(), dk.get(), dv.get(), AKV_DTYPE_F32, 1, &explicit_position, stream);
-    const akv_status appended = akv_append(gpu_cache.get(), dk.get(), dv.get(), AKV_DTYPE_F32, 1, nullptr, stream);
-    const akv_status decoded = akv_decode_batch(gpu_.get(), list, 1, dq.get(), AKV_DTYPE_F32, 1, dout.get(), stream);
-    cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+    akv_status refused = AKV_OK, appended = AKV_OK, decoded = AKV_OK;
+    const CapturedGraph graph(stream, [&] {
+      refused = akv_append(gpu_cache.get(), dk.get(), dv.get(), AKV_DTYPE_F32, 1, &explicit_position, stream);
+      appended = akv_append(gpu_cache.get(), dk.get(), dv.get(), AKV_DTYPE_F32, 1, nullptr, stream);
+      decoded = akv_decode_batch(gpu_.get(), list, 1, dq.get(), AKV_DTYPE_F32, 1, dout.get(), stream);
+    });
     EXPECT_EQ(refused, AKV_ERR_INVALID_ARGUMENT) << "explicit positions under capture";
     ASSERT_EQ(appended, AKV_OK) << akv_last_error_message();
     ASSERT_EQ(decoded, AKV_OK) << akv_last_error_message();
-    cudaGraphExec_t exec;
-    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
     const int replays = 3;
     for (int step = 0; step < replays; ++step) {
       const std::vector<float> k = nonzero_normal(rng, kv), v = nonzero_normal(rng, kv);
@@ -417,7 +436,7 @@ TEST_F(Cuda, GraphCapturedAppendAdvancesOnEveryReplay) {
       dv.upload(encode(v, AKV_DTYPE_F32));
       if (step < capacity) ok(akv_append(cpu_cache.get(), k.data(), v.data(), AKV_DTYPE_F32, 1, nullptr, nullptr), "append cpu");
       dout.poison();
-      cuda_ok(cudaGraphLaunch(exec, stream), "graph launch");
+      graph.launch(stream);
       cuda_ok(cudaStreamSynchronize(stream), "sync");
       if (step >= capacity) continue;  // dropped on the device: the CPU cache did not take it
       const std::vector<float> got = decode_bytes(dout.download(), AKV_DTYPE_F32);
@@ -435,9 +454,6 @@ TEST_F(Cuda, GraphCapturedAppendAdvancesOnEveryReplay) {
     EXPECT_EQ(stats.appended_tokens, std::min(capacity, replays));
     // The positions came back too: the reconstructed caches agree token for token.
     EXPECT_TRUE(all_near(reconstruct(gpu_cache.get(), 1).keys, reconstruct(cpu_cache.get(), 1).keys, 1e-2, 1e-2));
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
   }
 }
 
