@@ -1,6 +1,7 @@
 // Every codebook constant, for the CPU and the CUDA kernels (AKV_HD): what a stored code
 // means must be the same float on both sides, compared in the same order.
 #pragma once
+#include <cstdint>
 #include "core/host_device.hpp"
 
 namespace akv {
@@ -35,5 +36,9 @@ constexpr float kLloydMax2[2] = {0.452780f, 1.510418f};
 constexpr float kLloydMax3[4] = {0.245094f, 0.756005f, 1.343909f, 2.151946f};
 constexpr float kLloydMax4[8] = {0.128395f, 0.388048f, 0.656759f, 0.942340f,
                                  1.256231f, 1.618046f, 2.069017f, 2.732590f};
+
+// StreamingLLM's score of evictable token t (methods/eviction.hpp, kRecency): the first
+// `sinks` tokens first, then the most recent; the same float in the CPU and CUDA passes.
+AKV_HD inline float recency_score(int64_t t, int64_t sinks) { return t < sinks ? 3.0e38f : static_cast<float>(t); }
 
 }  // namespace akv

@@ -28,6 +28,7 @@
 #include <numeric>
 #include <vector>
 
+#include "core/codebook.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "cpu/gemm.hpp"
@@ -108,9 +109,13 @@ std::unique_ptr<akv_cache> compress_eviction_cpu(const CompressRequest &req) {
     float *head_scores = &scores[static_cast<size_t>(h) * P];
     if (!attention) {  // Knorm, StreamingLLM: no window attention
       for (int64_t t = 0; t < P; ++t) {
+        if (score_kind == EvictionScore::kRecency) {
+          head_scores[t] = recency_score(t, budget.first_chunk);
+          continue;
+        }
         float s = 0.0f;  // in order, as the CUDA pass sums
-        for (int d = 0; score_kind == EvictionScore::kKeyNorm && d < D; ++d) s += K[t * D + d] * K[t * D + d];
-        head_scores[t] = score_kind == EvictionScore::kKeyNorm ? -std::sqrt(s) : recency_score(t, budget.first_chunk);
+        for (int d = 0; d < D; ++d) s += K[t * D + d] * K[t * D + d];
+        head_scores[t] = -std::sqrt(s);
       }
       continue;
     }

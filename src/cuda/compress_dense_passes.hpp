@@ -173,7 +173,6 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.alpha_sq), P, 1, 0, int64_t{0},
                s.keys, s.index);
     dev.sort_u32(s.keys, s.index, P);
-    for (int h = 1; h < H; ++h) dev.copy(s.index + h * P, s.index, P * sizeof(uint32_t));
   }
   // Evictable tokens kept per head.
   std::vector<int64_t> counts(H, b.head_tokens - W);
@@ -210,7 +209,7 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
   } else {
     for (int h = 0; h < H; ++h) {
       std::vector<uint32_t> top(std::min<int64_t>(counts[h], P));
-      dev.read(top.data(), s.index + h * P, top.size() * sizeof(uint32_t));
+      dev.read(top.data(), s.index + (tova ? 0 : h * P), top.size() * sizeof(uint32_t));  // TOVA: one ranking
       kept[h].assign(top.begin(), top.end());
     }
   }

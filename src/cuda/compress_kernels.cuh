@@ -196,13 +196,12 @@ __global__ void last_row_scores_kernel(const float *A, int64_t S, int64_t P, int
 }
 
 // Knorm (recency = 0): raw[t] = -|K_t| of the post-RoPE keys [S][D], summed in order as the
-// CPU does; StreamingLLM (recency = 1): the first `sinks` tokens first, then the most recent
-// (the float of methods/eviction.hpp's recency_score).
+// CPU does; StreamingLLM (recency = 1): recency_score (core/codebook.hpp).
 __global__ void key_scores_kernel(const float *K, int64_t P, int D, int recency, int64_t sinks, float *raw) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
   if (recency) {
-    raw[t] = t < sinks ? 3.0e38f : static_cast<float>(t);
+    raw[t] = recency_score(t, sinks);
     return;
   }
   float s = 0.0f;

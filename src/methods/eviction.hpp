@@ -29,19 +29,15 @@ struct EvictionBudget {
 enum class EvictionScore {
   kPooledWindow,  // SnapKV, PyramidKV, AdaKV: pooled mean window attention
   kAnDPro,        // AnDPro: chunk contributions
-  kLastQuery,     // TOVA: mean over the GQA group of the last window row's attention
+  kLastQuery,     // TOVA: mean over all the layer's query heads of the last window row's attention
   kKeyNorm,       // Knorm: minus the key's norm
-  kRecency,       // StreamingLLM: the first first_chunk tokens (sinks), then later is better
+  kRecency,       // StreamingLLM: recency_score (core/codebook.hpp), sinks = first_chunk
 };
 EvictionScore eviction_score(akv_method method);
 // Whether the method reads the window queries (the others take queries = NULL).
 inline bool eviction_reads_queries(akv_method method) {
   const EvictionScore s = eviction_score(method);
   return s != EvictionScore::kKeyNorm && s != EvictionScore::kRecency;
-}
-// kRecency's score of token t (sinks first, then the most recent), the same float on both backends.
-inline float recency_score(int64_t t, int64_t sinks) {
-  return t < sinks ? 3.0e38f : static_cast<float>(t);
 }
 
 // Validates the options the eviction methods read and computes the budget; AKV_ERR_BUDGET
