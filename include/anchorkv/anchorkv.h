@@ -313,6 +313,14 @@ typedef struct akv_compress_options {
                                      bf16 coefficients, int32 positions; App. A.1). 0 = 3.
                                      akv_compress_options_init_paper sets 2. Both read, decode,
                                      serialize and compact the same way. Default 0 */
+  /* ---- Scoring (appended in 0.3; docs/design.md section 2.2) ---- */
+  int32_t follow_tokens;          /* ANCHORKV: after pooling, a prompt token's score is the
+                                     largest of its own and those of the follow_tokens tokens
+                                     before it, so the text right after what the window attends
+                                     to is scored with it. The window's question finds where the
+                                     answer is written ("the pass key is"), but at answer time
+                                     an induction head reads the tokens that follow that match
+                                     (the digits). 0 = the paper's pooled score. 0..64; default 8 */
 } akv_compress_options;
 
 /* Defaults for every field; method = AKV_METHOD_ANCHORKV. The AnchorKV fields take the paper's
@@ -325,8 +333,10 @@ typedef struct akv_compress_options {
  *  - coverage_rounds 4 and scored_fraction 0.3 (paper: rho 0.7): after the scored share, most
  *    anchors are the tokens the others represent worst, not a uniform sample;
  *  - guard_fraction 0.75: most residual slots go by residual energy, the rest by the Eq. 6
- *    utility (which only sees what the window queries attend to).
- * akv_compress_options_init_paper gives the paper's setup (these six fields as the paper). */
+ *    utility (which only sees what the window queries attend to);
+ *  - follow_tokens 8: the tokens after a scored one share its score (on natural text the
+ *    window finds the question's match, not the answer that follows it).
+ * akv_compress_options_init_paper gives the paper's setup (these seven fields as the paper). */
 AKV_API void akv_compress_options_init(akv_compress_options *options);
 
 /* akv_compress_options_init, then `method` and that method's paper defaults where they differ

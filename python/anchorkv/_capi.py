@@ -183,6 +183,8 @@ class akv_compress_options(Structure):
         ("compact_after", c_int64),
         # Storage format (0.3)
         ("storage_format", c_int32),
+        # Scoring (0.3)
+        ("follow_tokens", c_int32),
     ]
 
 

@@ -51,6 +51,7 @@ akv_compress_options default_options() {
   o->anchor_share = 0.7;
   o->guard_fraction = 0.75;
   o->coverage_rounds = 4;
+  o->follow_tokens = 8;
   return options;
 }
 
@@ -63,6 +64,7 @@ akv_compress_options paper_options() {
   o->anchor_share = 0.0;
   o->guard_fraction = 0.0;
   o->coverage_rounds = 0;
+  o->follow_tokens = 0;
   o->storage_format = 2;
   return options;
 }
@@ -123,6 +125,8 @@ void check_option_ranges(const akv_compress_options &o, akv_status status, const
   if (!unit(o.guard_fraction)) fail(status, prefix, "guard_fraction ", o.guard_fraction, " must be in [0, 1]");
   if (o.coverage_rounds < 0 || o.coverage_rounds > 64)
     fail(status, prefix, "coverage_rounds ", o.coverage_rounds, " must be in [0, 64]");
+  if (o.follow_tokens < 0 || o.follow_tokens > 64)
+    fail(status, prefix, "follow_tokens ", o.follow_tokens, " must be in [0, 64]");
   if (o.storage_format != 0 && o.storage_format != 2 && o.storage_format != 3)
     fail(status, prefix, "storage_format ", o.storage_format, " must be 0, 2 or 3 (0 = 3)");
   if (o.pool_heads < 0) fail(status, prefix, "pool_heads ", o.pool_heads, " must be >= 0 (0 = every head)");

@@ -344,9 +344,11 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     window_attention(Q.data(), Kpost.data(), m, S, D, P, W, scale, nullptr, A.data(), pool);
     sgemm(pool, false, m, D, S, 1.0f, A.data(), S, V.data(), D, 0.0f, Y.data(), D);  // y^(w)
 
-    // 3. Scores: mean attention over the m rows, pooled (Eq. 14); sum of alpha^2 for Eq. 6.
+    // 3. Scores: mean attention over the m rows, pooled (Eq. 14), then carried forward over
+    // follow_tokens tokens; sum of alpha^2 for Eq. 6.
     mean_attention(A.data(), m, S, P, raw.data(), alpha_sq.data(), pool);
     pool_scores(raw.data(), P, o.pool_kernel, o.pool_type, pooled.data());
+    follow_scores(pooled.data(), P, o.follow_tokens);
     for (int64_t t = 0; t < n_sink; ++t) pooled[t] = std::numeric_limits<float>::infinity();
 
     // 4. Anchors: sorted non-window picks, then the window (indices k-W..k-1). The share

@@ -58,4 +58,10 @@ void pool_scores(const float *raw, int64_t n, int kernel, akv_pool_type type, fl
   }
 }
 
+void follow_scores(float *scores, int64_t n, int follow) {
+  if (follow <= 0) return;
+  for (int64_t t = n - 1; t > 0; --t)  // backwards: scores[u < t] still hold their own score
+    for (int64_t u = std::max<int64_t>(0, t - follow); u < t; ++u) scores[t] = std::max(scores[t], scores[u]);
+}
+
 }  // namespace akv

@@ -25,4 +25,7 @@ void mean_attention(const float *A, int64_t m, int64_t S, int64_t P, float *raw,
 // ignores the padding.
 void pool_scores(const float *raw, int64_t n, int kernel, akv_pool_type type, float *out);
 
+// In place: scores[t] = max(scores[t - follow .. t]) (AnchorKV's follow_tokens).
+void follow_scores(float *scores, int64_t n, int follow);
+
 }  // namespace akv

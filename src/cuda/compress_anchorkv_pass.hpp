@@ -259,7 +259,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.launch(scores_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, s.raw,
                s.alpha_sq);
     dev.launch(pool_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.raw), P, o.pool_kernel,
-               o.pool_type == AKV_POOL_MAX ? 1 : 0, n_sink, s.rank_keys, s.rank_index);
+               o.pool_type == AKV_POOL_MAX ? 1 : 0, o.follow_tokens, n_sink, s.rank_keys, s.rank_index);
     dev.stage(kStageAnchorSelection);
     dev.sort_segments_u32(s.rank_keys, s.rank_index, H, P);
 

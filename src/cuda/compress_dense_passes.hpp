@@ -162,7 +162,7 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     // TOVA, Knorm and StreamingLLM do not pool (kernel 1).
     const int pool = score_kind == EvictionScore::kPooledWindow ? o.pool_kernel : 1;
     dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.raw), P, pool,
-               o.pool_type == AKV_POOL_MAX ? 1 : 0, int64_t{0}, keys, index);
+               o.pool_type == AKV_POOL_MAX ? 1 : 0, 0, int64_t{0}, keys, index);
     if (adakv) {
       dev.copy(s.all_keys + h * P, keys, P * sizeof(uint32_t));
       dev.launch(iota_kernel, grid_blocks(P, 128), 1, 128, s.all_ids + h * P, static_cast<uint32_t>(h * P), P);
@@ -170,7 +170,7 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.sort_u32(keys, index, P);  // best first, ties to the lower index
   }
   if (tova) {  // the layer's ranking, kept by every head
-    dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.alpha_sq), P, 1, 0, int64_t{0},
+    dev.launch(pool_kernel, grid_blocks(P, 128), 1, 128, static_cast<const float *>(s.alpha_sq), P, 1, 0, 0, int64_t{0},
                s.keys, s.index);
     dev.sort_u32(s.keys, s.index, P);
   }

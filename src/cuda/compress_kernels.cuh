@@ -217,25 +217,30 @@ __device__ __forceinline__ uint32_t descending_key(float value) {
   return ~bits;
 }
 
-// Pooling over a window of `kernel` tokens (zero padding; the average divides by kernel).
-// Also the sort keys of the anchor selection: descending pooled score as an ascending key;
-// the first `sinks` tokens get key 0, ahead of every score (ties: lower index). Grid y over
-// heads: raw, keys and index [y][P] (index: the token within the head).
-__global__ void pool_kernel(const float *raw, int64_t P, int kernel, int max_pool, int64_t sinks, uint32_t *keys,
-                            uint32_t *index) {
+// Pooling over a window of `kernel` tokens (zero padding; the average divides by kernel),
+// then the largest pooled score of the token and the `follow` tokens before it (AnchorKV's
+// follow_tokens; CPU: pool_scores, follow_scores). Also the sort keys of the anchor selection:
+// descending score as an ascending key; the first `sinks` tokens get key 0, ahead of every
+// score (ties: lower index). Grid y over heads: raw, keys and index [y][P] (index: the token
+// within the head).
+__global__ void pool_kernel(const float *raw, int64_t P, int kernel, int max_pool, int follow, int64_t sinks,
+                            uint32_t *keys, uint32_t *index) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
   raw += static_cast<int64_t>(blockIdx.y) * P;
   keys += static_cast<int64_t>(blockIdx.y) * P;
   index += static_cast<int64_t>(blockIdx.y) * P;
   const int half = kernel / 2;
-  float acc = max_pool ? -INFINITY : 0.0f;
-  for (int64_t u = t - half; u <= t + half; ++u) {
-    if (u < 0 || u >= P) continue;
-    acc = max_pool ? fmaxf(acc, raw[u]) : acc + raw[u];
+  float score = -INFINITY;
+  for (int64_t c = t; c >= 0 && c >= t - follow; --c) {
+    float acc = max_pool ? -INFINITY : 0.0f;
+    for (int64_t u = c - half; u <= c + half; ++u) {
+      if (u < 0 || u >= P) continue;
+      acc = max_pool ? fmaxf(acc, raw[u]) : acc + raw[u];
+    }
+    score = fmaxf(score, max_pool ? acc : acc / static_cast<float>(kernel));
   }
-  const float pooled = max_pool ? acc : acc / static_cast<float>(kernel);
-  keys[t] = t < sinks ? 0u : descending_key(pooled);
+  keys[t] = t < sinks ? 0u : descending_key(score);
   index[t] = static_cast<uint32_t>(t);
 }
 

@@ -561,6 +561,50 @@ TEST(Additions, CoverageAnchorsTakeTheWorstRepresentedToken) {
         << "head " << h << ": the token no anchor represents did not become one";
 }
 
+// follow_tokens: the window attends to one token (the question's match); the tokens after it
+// (where the answer would be written) share its score and become anchors with it. Without
+// follow_tokens they are anchors only by chance.
+TEST(Additions, FollowTokensAnchorWhatFollowsTheAttendedToken) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  const int64_t S = 900, match = 300;
+  const int H = 2, G = 2, D = 64, follow = 6;
+  PrefillData data = needle_prefill(rng, S, H, G, D, match);
+  std::vector<float> queries(static_cast<size_t>(H) * G * data.window * D);
+  for (size_t q = 0; q < queries.size(); ++q) queries[q] = 0.05f * static_cast<float>(rng.normal());
+  const float inv = 1.0f / std::sqrt(1.0f + 4.0f + 9.0f + 0.25f), u[4] = {1.0f * inv, -2.0f * inv, 3.0f * inv, 0.5f * inv};
+  for (size_t q = 0; q < queries.size(); q += D)
+    for (int i = 0; i < 4; ++i) queries[q + i] = 3.0f * u[i];  // every window row looks at `match`
+  data.queries = make_tensor(queries, AKV_DTYPE_F32);
+  akv_compress_options options;
+  akv_compress_options_init(&options);
+  options.rope.style = AKV_ROPE_NONE;
+  options.retain_fraction = 0.2;
+  options.scored_fraction = 1.0;  // every free anchor by score: no sample, no coverage
+  options.coverage_rounds = 0;
+  options.pool_kernel = 1;
+  options.sink_tokens = 0;
+  const ContextPtr context = make_context();
+  auto anchors_with = [&](int follow_tokens) {
+    akv_compress_options o = options;
+    o.follow_tokens = follow_tokens;
+    const CachePtr cache = compress(context.get(), data, o);
+    EXPECT_GT(cache_stats(cache.get()).anchors, 4 * follow);
+    return anchors_of(cache.get(), data);
+  };
+  const auto following = anchors_with(follow), plain = anchors_with(0);
+  for (int h = 0; h < H; ++h) {
+    int plain_followers = 0;
+    for (int64_t t = match; t <= match + follow; ++t) {
+      EXPECT_TRUE(std::binary_search(following[h].begin(), following[h].end(), t)) << "head " << h << " token " << t;
+      plain_followers += t > match && std::binary_search(plain[h].begin(), plain[h].end(), t);
+    }
+    EXPECT_TRUE(std::binary_search(plain[h].begin(), plain[h].end(), match)) << "head " << h;
+    EXPECT_LT(plain_followers, follow) << "head " << h << ": without follow_tokens the followers are not all anchors";
+  }
+}
+
 // guard_fraction: a share of the residual slots by residual energy. The needle (orthogonal to
 // every anchor, unattended) gets no anchor (coverage off, all anchors scored) and no
 // residual from the utilities, but one from the guard. With guard_fraction 1, the tokens with

@@ -185,6 +185,8 @@ std::vector<Damage> damages() {
       {"pool_type 7", "pool_type", value_bytes<int32_t>(7)},
       {"anchor_share 2", "anchor_share", value_bytes<double>(2.0)},
       {"coverage_rounds 65", "coverage_rounds", value_bytes<int32_t>(65)},
+      {"follow_tokens 65", "follow_tokens", value_bytes<int32_t>(65)},
+      {"follow_tokens -1", "follow_tokens", value_bytes<int32_t>(-1)},
       {"anchors set without AnchorKV", "anchors", value_bytes<int32_t>(3), 0, "fullkv"},
       {"key_residuals set without AnchorKV", "key_residuals", value_bytes<int64_t>(5), 0, "quantized"},
       {"window_first_position set without AnchorKV", "window_first_position", value_bytes<int64_t>(9), 0, "snapkv"},
@@ -337,29 +339,39 @@ TEST(SerializeFormat, VersionOneDataStillLoads) {
   EXPECT_GE(checked, 10);
 }
 
-// Format 2 still loads: without the storage format field, version 2 reads as storage format 2
-// and serializes back to today's bytes.
-TEST(SerializeFormat, VersionTwoDataStillLoads) {
+// Formats 2 and 3 still load: without the storage format field (format 2; it reads as storage
+// format 2) and without follow_tokens (formats 2 and 3; it reads as 0, the score those caches
+// were compressed with), they serialize back to today's bytes with follow_tokens 0.
+TEST(SerializeFormat, VersionTwoAndThreeDataStillLoad) {
   ContextOwner context;
-  int checked = 0;
-  for (const akv_test::SmallCache &small : akv_test::small_caches(context.raw, 20261201)) {
-    if (small.cache->meta.storage_format == 3) continue;
-    SCOPED_TRACE(small.name);
-    ++checked;
-    const Bytes current = akv_test::serialized_bytes(small.cache.get());
-    const std::vector<akv::SerializedField> fields = akv::serialized_fields(*small.cache);
-    const akv::SerializedField *format = find_field(fields, "storage format");
-    ASSERT_NE(format, nullptr);
-    Bytes old(current.begin(), current.begin() + format->offset);
-    old.insert(old.end(), current.begin() + format->offset + format->bytes, current.end());
-    old = as_version(old, 2);
-    akv_cache *loaded = nullptr;
-    ASSERT_EQ(akv_cache_deserialize(context.raw, old.data(), old.size(), &loaded, nullptr), AKV_OK)
-        << akv_last_error_message();
-    EXPECT_TRUE(akv_test::serialized_bytes(loaded) == current);
-    akv_cache_destroy(loaded);
+  for (const uint32_t version : {2u, 3u}) {
+    int checked = 0;
+    for (const akv_test::SmallCache &small : akv_test::small_caches(context.raw, 20261201)) {
+      if (version == 2 && small.cache->meta.storage_format == 3) continue;
+      SCOPED_TRACE(small.name + " as version " + std::to_string(version));
+      ++checked;
+      const Bytes current = akv_test::serialized_bytes(small.cache.get());
+      const std::vector<akv::SerializedField> fields = akv::serialized_fields(*small.cache);
+      const akv::SerializedField *format = find_field(fields, "storage format");
+      const akv::SerializedField *follow = find_field(fields, "follow_tokens");
+      ASSERT_NE(format, nullptr);
+      ASSERT_NE(follow, nullptr);
+      ASSERT_LT(format->offset, follow->offset);
+      Bytes old(current.begin(), current.begin() + (version == 2 ? format->offset : follow->offset));
+      if (version == 2) old.insert(old.end(), current.begin() + format->offset + format->bytes, current.begin() + follow->offset);
+      old.insert(old.end(), current.begin() + follow->offset + follow->bytes, current.end());
+      old = as_version(old, version);
+      akv_cache *loaded = nullptr;
+      ASSERT_EQ(akv_cache_deserialize(context.raw, old.data(), old.size(), &loaded, nullptr), AKV_OK)
+          << akv_last_error_message();
+      EXPECT_EQ(loaded->compress_options.follow_tokens, 0);
+      Bytes expected = current;
+      std::memset(expected.data() + follow->offset, 0, follow->bytes);
+      EXPECT_TRUE(akv_test::serialized_bytes(loaded) == with_crc(expected));
+      akv_cache_destroy(loaded);
+    }
+    EXPECT_GE(checked, 10);
   }
-  EXPECT_GE(checked, 10);
 }
 
 }  // namespace

@@ -38,7 +38,7 @@ inline const MethodEntry kMethods[] = {
      [](akv_compress_options *o) { o->storage_format = 2; }},
     // The AnchorKV paper's own settings (akv_compress_options_init_paper): no sink anchors,
     // k = max(W, S/128), no budget filling, rho 0.7 and a uniform sample, residual slots by
-    // utility alone, the paper's storage layout.
+    // utility alone, the pooled score as it is, the paper's storage layout.
     {"AnchorKV-paper", AKV_METHOD_ANCHORKV, true,   true,    true,
      [](akv_compress_options *o) {
        akv_compress_options paper;
@@ -49,6 +49,7 @@ inline const MethodEntry kMethods[] = {
        o->fill_budget = paper.fill_budget;
        o->guard_fraction = paper.guard_fraction;
        o->coverage_rounds = paper.coverage_rounds;
+       o->follow_tokens = paper.follow_tokens;
        o->storage_format = paper.storage_format;
      }},
     {"SnapKV",      AKV_METHOD_SNAPKV,      true,   true,    true,    nullptr},

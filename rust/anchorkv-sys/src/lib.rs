@@ -152,6 +152,8 @@ pub struct akv_compress_options {
     pub compact_after: i64,
     // Storage format (appended in 0.3).
     pub storage_format: i32,
+    // Scoring (appended in 0.3).
+    pub follow_tokens: i32,
 }
 
 #[repr(C)]

@@ -248,6 +248,12 @@ impl CompressOptions {
         self.raw.coverage_rounds = rounds;
         self
     }
+    /// AnchorKV: a token's score is the largest of its own and the `tokens` before it, so the
+    /// text after what the window attends to is scored with it (0: the paper's score).
+    pub fn follow_tokens(mut self, tokens: i32) -> Self {
+        self.raw.follow_tokens = tokens;
+        self
+    }
     /// theta in (0, 1]: the footprint stays at most theta * 4*S*H*D bytes. FullKV, the exact
     /// reference, keeps every token and ignores it (`budget_bytes` = `full_bytes`).
     pub fn retain_fraction(mut self, theta: f64) -> Self {
