@@ -226,7 +226,8 @@ typedef struct akv_compress_options {
   int32_t window;                 /* W, always-exact recent positions; default 32 */
   int32_t anchors;                /* k per head incl. the window; 0 = automatic (see
                                      anchor_share and fill_budget) */
-  double scored_fraction;         /* rho: share of k-W chosen by score; default 0.3 (paper 0.7) */
+  double scored_fraction;         /* rho: share of k-W chosen by score (at least scored_min
+                                     anchors); default 0.3 (paper 0.7) */
   int32_t pool_kernel;            /* kappa, odd; default 7 */
   akv_pool_type pool_type;        /* default AKV_POOL_AVG (paper Eq. 14) */
   akv_residual_scale residual_scale; /* default AKV_SCALE_LEAST_SQUARES */
@@ -314,6 +315,10 @@ typedef struct akv_compress_options {
                                      akv_compress_options_init_paper sets 2. Both read, decode,
                                      serialize and compact the same way. Default 0 */
   /* ---- Scoring (appended in 0.3; docs/design.md section 2.2) ---- */
+  int32_t scored_min;             /* ANCHORKV: the scored share holds at least this many anchors
+                                     (capped at k-W): at high ratios scored_fraction*(k-W) is
+                                     too few for the places the window attends to (at 4K tokens
+                                     and 20x, k-W is about 60). >= 0; default 64 */
   int32_t follow_tokens;          /* ANCHORKV: after pooling, a prompt token's score is the
                                      largest of its own and those of the follow_tokens tokens
                                      before it, so the text right after what the window attends
@@ -334,9 +339,10 @@ typedef struct akv_compress_options {
  *    anchors are the tokens the others represent worst, not a uniform sample;
  *  - guard_fraction 0.75: most residual slots go by residual energy, the rest by the Eq. 6
  *    utility (which only sees what the window queries attend to);
- *  - follow_tokens 8: the tokens after a scored one share its score (on natural text the
- *    window finds the question's match, not the answer that follows it).
- * akv_compress_options_init_paper gives the paper's setup (these seven fields as the paper). */
+ *  - follow_tokens 8 and scored_min 64: the tokens after a scored one share its score (on
+ *    natural text the window finds the question's match, not the answer that follows it),
+ *    and at least 64 anchors are scored.
+ * akv_compress_options_init_paper gives the paper's setup (these eight fields as the paper). */
 AKV_API void akv_compress_options_init(akv_compress_options *options);
 
 /* akv_compress_options_init, then `method` and that method's paper defaults where they differ

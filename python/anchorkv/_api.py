@@ -101,6 +101,7 @@ _OPTION_CONVERTERS = {
     "coverage_rounds": int,
     "compact_after": int,
     "storage_format": int,
+    "scored_min": int,
     "follow_tokens": int,
 }
 _ROPE_CONVERTERS = {"rope_style": ("style", RopeStyle.parse), "rotary_dim": ("rotary_dim", int),

@@ -184,6 +184,7 @@ class akv_compress_options(Structure):
         # Storage format (0.3)
         ("storage_format", c_int32),
         # Scoring (0.3)
+        ("scored_min", c_int32),
         ("follow_tokens", c_int32),
     ]
 

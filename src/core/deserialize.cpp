@@ -465,7 +465,12 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     o.guard_fraction = r.get<double>("guard_fraction");
     o.coverage_rounds = r.get<int32_t>("coverage_rounds");
     o.head_offset = r.get<int32_t>("head_offset");
-    o.follow_tokens = version >= 4 ? r.get<int32_t>("follow_tokens") : 0;  // compressed without it
+    if (version >= 4) {  // older caches were compressed without them: 0
+      o.scored_min = r.get<int32_t>("scored_min");
+      o.follow_tokens = r.get<int32_t>("follow_tokens");
+    } else {
+      o.scored_min = o.follow_tokens = 0;
+    }
     const bool foldable = compactable(m.method);
     corrupt_unless(c.compactions >= 0 && (c.compactions == 0 || foldable), "compactions");
     corrupt_unless(o.retain_fraction >= m.retain_fraction, "target retain_fraction");

@@ -51,6 +51,7 @@ akv_compress_options default_options() {
   o->anchor_share = 0.7;
   o->guard_fraction = 0.75;
   o->coverage_rounds = 4;
+  o->scored_min = 64;
   o->follow_tokens = 8;
   return options;
 }
@@ -64,6 +65,7 @@ akv_compress_options paper_options() {
   o->anchor_share = 0.0;
   o->guard_fraction = 0.0;
   o->coverage_rounds = 0;
+  o->scored_min = 0;
   o->follow_tokens = 0;
   o->storage_format = 2;
   return options;
@@ -125,6 +127,7 @@ void check_option_ranges(const akv_compress_options &o, akv_status status, const
   if (!unit(o.guard_fraction)) fail(status, prefix, "guard_fraction ", o.guard_fraction, " must be in [0, 1]");
   if (o.coverage_rounds < 0 || o.coverage_rounds > 64)
     fail(status, prefix, "coverage_rounds ", o.coverage_rounds, " must be in [0, 64]");
+  if (o.scored_min < 0) fail(status, prefix, "scored_min ", o.scored_min, " must be >= 0");
   if (o.follow_tokens < 0 || o.follow_tokens > 64)
     fail(status, prefix, "follow_tokens ", o.follow_tokens, " must be in [0, 64]");
   if (o.storage_format != 0 && o.storage_format != 2 && o.storage_format != 3)

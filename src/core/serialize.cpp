@@ -166,6 +166,7 @@ void write_cache(W &w, const akv_cache &c, const uint8_t *data, const uint8_t *s
   put<double>(w, "guard_fraction", o.guard_fraction);
   put<int32_t>(w, "coverage_rounds", o.coverage_rounds);
   put<int32_t>(w, "head_offset", o.head_offset);
+  put<int32_t>(w, "scored_min", o.scored_min);
   put<int32_t>(w, "follow_tokens", o.follow_tokens);
 }
 

@@ -16,8 +16,8 @@ namespace akv {
 // fields after the suffix (akv_cache_compact; version-1 data gets the method's defaults).
 // 3: adds storage format (int32, after pool_heads): AnchorKV's layout, 2 or 3 (version-1 and -2
 // data read as layout 2); layout 3 adds the sections "segment tables" and "gamma scales".
-// 4: adds follow_tokens (int32, after head_offset) to the compaction fields (older data reads
-// as 0, the score it was compressed with).
+// 4: adds scored_min and follow_tokens (int32 each, after head_offset) to the compaction fields
+// (older data reads both as 0, the selection it was compressed with).
 constexpr uint32_t kFormatVersion = 4;
 
 uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc = 0);

@@ -153,7 +153,7 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
 // old window 2), the most leaned-on first (weight: their dependents), in the slots left after
 // the appended tokens' share (their fraction of the prefix: a fold must be able to give a
 // needle in the new text an anchor); then the appended tokens (1) as at prefill (the scored
-// share of the slots left by score, the rest for coverage or by the seeded sample); then, only
+// share of the slots left by score, at least scored_min, the rest for coverage or by the seeded sample); then, only
 // if slots are still left, the other old tokens (0) by score.
 std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight, const std::vector<float> &pooled,
                                     int64_t free_anchors,
@@ -196,7 +196,8 @@ std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight,
   }
   const int64_t slots = left();
   if (slots > 0) {
-    take_best(1, std::min<int64_t>(slots, std::llround(o.scored_fraction * static_cast<double>(slots))));
+    const int64_t by_share = std::llround(o.scored_fraction * static_cast<double>(slots));
+    take_best(1, std::min<int64_t>(slots, std::max<int64_t>(by_share, o.scored_min)));
     std::vector<int8_t> eligible(P);
     for (int64_t t = 0; t < P; ++t) eligible[t] = priority[t] == 1 && !taken[t];
     if (o.coverage_rounds > 0) {

@@ -204,6 +204,7 @@ TEST(CompressedSize, PaperPresetKeepsThePaperAnchors) {
   EXPECT_EQ(options.fill_budget, 0);
   EXPECT_EQ(options.guard_fraction, 0.0);
   EXPECT_EQ(options.coverage_rounds, 0);
+  EXPECT_EQ(options.scored_min, 0);
   EXPECT_EQ(options.follow_tokens, 0);
   options.retain_fraction = 0.5;
   const akv_shape shape{4096, 3, 9, 64};

@@ -190,8 +190,11 @@ TEST(Compact, FidelityMatchesAOneShotCompressionAtTheSameLength) {
   note("one_shot_mean_cos", f_one_shot);
   note("dense_suffix_mean_cos", f_dense);
   // Same length, same budget: compaction loses at most a little to compressing in one go
-  // (measured: 0.461 against 0.440; these single-token probes are hard at 15%).
-  EXPECT_GT(f_compacted, f_one_shot - 0.01);
+  // (these single-token probes are hard at 15%). Measured over generation seeds 73-78 with
+  // the defaults of 0.3 (follow_tokens 8, scored_min 64): one-shot minus compacted 0.018,
+  // 0.021, 0.018, 0.000, 0.026, 0.007; with neither option 0.008, 0.023, 0.007, -0.021, 0.020,
+  // 0.041 (the 0.01 bound this test had passed only at seed 73).
+  EXPECT_GT(f_compacted, f_one_shot - 0.03);
   EXPECT_LT(cache_stats(compacted.get()).compressed_bytes, cache_stats(dense_suffix.get()).compressed_bytes +
                                                                cache_stats(dense_suffix.get()).appended_bytes);
 }
@@ -366,8 +369,8 @@ uint32_t crc32_of(const uint8_t *p, size_t n) {
 }
 
 // Format 1 (before compaction) still reads: the same cache, in storage format 2, without what
-// serialization formats 2 and 3 added (the 4-byte pool_heads and the 4-byte storage format
-// after next_position, the 76 bytes of compaction fields before the CRC), version 1, its size
+// serialization formats 2 to 4 added (the 4-byte pool_heads and the 4-byte storage format
+// after next_position, the 84 bytes of compaction fields before the CRC), version 1, its size
 // and CRC patched.
 TEST(Compact, FormatOneStillReads) {
   const Generation g = make_generation(79, 512, 40);
@@ -379,8 +382,8 @@ TEST(Compact, FormatOneStillReads) {
   std::vector<uint8_t> bytes = serialize(cache.get());
   uint32_t version;
   std::memcpy(&version, &bytes[8], 4);
-  ASSERT_EQ(version, 3u);
-  bytes.erase(bytes.end() - 4 - 76, bytes.end());  // the compaction fields and the CRC
+  ASSERT_EQ(version, 4u);
+  bytes.erase(bytes.end() - 4 - 84, bytes.end());  // the compaction fields and the CRC
   uint32_t frequencies;  // the header runs to the inv_freq count at 96, then the table, then
   std::memcpy(&frequencies, &bytes[96], 4);  // window, anchors, two residual counts, positions
   const size_t pool_heads = 100 + 4 * static_cast<size_t>(frequencies) + 4 + 4 + 8 + 8 + 8 + 8;

@@ -92,6 +92,7 @@ TEST(Options, InitFillsDocumentedDefaults) {
   EXPECT_EQ(options.keys_post_rope, 0);
   EXPECT_EQ(options.softmax_scale, 0.0f);
   EXPECT_EQ(options.storage_dtype, AKV_DTYPE_AUTO);
+  EXPECT_EQ(options.scored_min, 64);
   EXPECT_EQ(options.follow_tokens, 8);
 
   akv_context_options context_options;

@@ -187,6 +187,7 @@ std::vector<Damage> damages() {
       {"coverage_rounds 65", "coverage_rounds", value_bytes<int32_t>(65)},
       {"follow_tokens 65", "follow_tokens", value_bytes<int32_t>(65)},
       {"follow_tokens -1", "follow_tokens", value_bytes<int32_t>(-1)},
+      {"scored_min -1", "scored_min", value_bytes<int32_t>(-1)},
       {"anchors set without AnchorKV", "anchors", value_bytes<int32_t>(3), 0, "fullkv"},
       {"key_residuals set without AnchorKV", "key_residuals", value_bytes<int64_t>(5), 0, "quantized"},
       {"window_first_position set without AnchorKV", "window_first_position", value_bytes<int64_t>(9), 0, "snapkv"},
@@ -340,8 +341,8 @@ TEST(SerializeFormat, VersionOneDataStillLoads) {
 }
 
 // Formats 2 and 3 still load: without the storage format field (format 2; it reads as storage
-// format 2) and without follow_tokens (formats 2 and 3; it reads as 0, the score those caches
-// were compressed with), they serialize back to today's bytes with follow_tokens 0.
+// format 2) and without scored_min and follow_tokens (formats 2 and 3; they read as 0, the
+// selection those caches were compressed with), they serialize back to today's bytes with both 0.
 TEST(SerializeFormat, VersionTwoAndThreeDataStillLoad) {
   ContextOwner context;
   for (const uint32_t version : {2u, 3u}) {
@@ -353,20 +354,24 @@ TEST(SerializeFormat, VersionTwoAndThreeDataStillLoad) {
       const Bytes current = akv_test::serialized_bytes(small.cache.get());
       const std::vector<akv::SerializedField> fields = akv::serialized_fields(*small.cache);
       const akv::SerializedField *format = find_field(fields, "storage format");
+      const akv::SerializedField *scored = find_field(fields, "scored_min");
       const akv::SerializedField *follow = find_field(fields, "follow_tokens");
       ASSERT_NE(format, nullptr);
+      ASSERT_NE(scored, nullptr);
       ASSERT_NE(follow, nullptr);
-      ASSERT_LT(format->offset, follow->offset);
-      Bytes old(current.begin(), current.begin() + (version == 2 ? format->offset : follow->offset));
-      if (version == 2) old.insert(old.end(), current.begin() + format->offset + format->bytes, current.begin() + follow->offset);
+      ASSERT_EQ(follow->offset, scored->offset + scored->bytes);
+      ASSERT_LT(format->offset, scored->offset);
+      Bytes old(current.begin(), current.begin() + (version == 2 ? format->offset : scored->offset));
+      if (version == 2) old.insert(old.end(), current.begin() + format->offset + format->bytes, current.begin() + scored->offset);
       old.insert(old.end(), current.begin() + follow->offset + follow->bytes, current.end());
       old = as_version(old, version);
       akv_cache *loaded = nullptr;
       ASSERT_EQ(akv_cache_deserialize(context.raw, old.data(), old.size(), &loaded, nullptr), AKV_OK)
           << akv_last_error_message();
+      EXPECT_EQ(loaded->compress_options.scored_min, 0);
       EXPECT_EQ(loaded->compress_options.follow_tokens, 0);
       Bytes expected = current;
-      std::memset(expected.data() + follow->offset, 0, follow->bytes);
+      std::memset(expected.data() + scored->offset, 0, scored->bytes + follow->bytes);
       EXPECT_TRUE(akv_test::serialized_bytes(loaded) == with_crc(expected));
       akv_cache_destroy(loaded);
     }

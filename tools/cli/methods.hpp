@@ -49,6 +49,7 @@ inline const MethodEntry kMethods[] = {
        o->fill_budget = paper.fill_budget;
        o->guard_fraction = paper.guard_fraction;
        o->coverage_rounds = paper.coverage_rounds;
+       o->scored_min = paper.scored_min;
        o->follow_tokens = paper.follow_tokens;
        o->storage_format = paper.storage_format;
      }},

@@ -153,6 +153,7 @@ pub struct akv_compress_options {
     // Storage format (appended in 0.3).
     pub storage_format: i32,
     // Scoring (appended in 0.3).
+    pub scored_min: i32,
     pub follow_tokens: i32,
 }
 

@@ -248,6 +248,11 @@ impl CompressOptions {
         self.raw.coverage_rounds = rounds;
         self
     }
+    /// AnchorKV: the scored share holds at least `anchors` anchors (capped at k - W).
+    pub fn scored_min(mut self, anchors: i32) -> Self {
+        self.raw.scored_min = anchors;
+        self
+    }
     /// AnchorKV: a token's score is the largest of its own and the `tokens` before it, so the
     /// text after what the window attends to is scored with it (0: the paper's score).
     pub fn follow_tokens(mut self, tokens: i32) -> Self {
