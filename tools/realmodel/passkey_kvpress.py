@@ -148,13 +148,21 @@ def main(argv=None):
                       f"{'ok ' if correct else 'BAD'} kept {cache.get_seq_length()} {text!r}", file=sys.stderr, flush=True)
             print(f"L={length} t{trial}: prefill {prefill_s:.1f} s, all rows {time.time() - started:.1f} s",
                   file=sys.stderr, flush=True)
-    print(f"\ncorrect / trials (KVPress {getattr(kvpress, '__version__', '?')}, haystack {args.haystack})")
+    try:
+        from importlib.metadata import version
+        kvpress_version = version("kvpress")
+    except Exception:  # noqa: BLE001 - a source tree without metadata
+        kvpress_version = "?"
+    print(f"\ncorrect / trials (KVPress {kvpress_version}, haystack {args.haystack}; hf-full: the uncompressed cache)")
     print(f"{'':>28}" + "".join(f"{f'{l // 1024}K/{passkey._fmt_ratio(r)}':>10}" for l in args.lengths
                                  for r in args.ratios))
     for name in ["hf-full"] + args.presses:
         line = f"{name:>28}"
         for length in args.lengths:
             for ratio in args.ratios:
+                if name == "hf-full" and ratio != args.ratios[0]:
+                    line += f"{'':>10}"
+                    continue
                 cell = results.get((name, None if name == "hf-full" else ratio, length), [])
                 line += f"{f'{sum(cell)}/{len(cell)}':>10}"
         print(line)
