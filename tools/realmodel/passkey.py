@@ -39,7 +39,10 @@ import smollm2  # noqa: E402
 
 FILLER = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
           "There and back again."]
-HAYSTACKS = ("repeat", "prose")  # the repeated unit above, or distinct generated sentences
+# The repeated unit above, or distinct generated sentences; "prose-multikey": prose with four
+# needles, one per door colour, and the question asks for one door's key.
+HAYSTACKS = ("repeat", "prose", "prose-multikey")
+_DOORS = ["red", "green", "blue", "yellow"]
 
 # "prose": distinct sentences from templates, drawn with a seed per (length, trial); no
 # sentence and no short unit repeats, so no few anchors can stand for the haystack.
@@ -126,16 +129,29 @@ def build_prompt(tok, length: int, key: int, depth: float, prefix_in_prompt: boo
                  answer_prefix: str = PREFIX, haystack: str = "repeat", seed: int = 0, trial: int = 0) -> Prompt:
     """Exactly `length` tokens: chat template, instruction, filler with the needle at `depth`
     (a fraction of the filler, at a sentence boundary), the question. haystack "repeat"
-    cycles FILLER; "prose" uses distinct template sentences (prose_sentences)."""
+    cycles FILLER; "prose" uses distinct template sentences (prose_sentences);
+    "prose-multikey" adds three needles of other doors (their keys seeded per trial) a quarter
+    of the filler apart, and asks for the key of one door (by trial)."""
     head = tok.encode(f"<|im_start|>system\n{smollm2.DEFAULT_SYSTEM}<|im_end|>\n"
                       f"<|im_start|>user\n{INSTRUCTION}")
-    needle = tok.encode(f" IMPORTANT: The pass key is {key}. Remember it.")
-    tail = tok.encode(f"\n\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n" +
+    question, distractors = QUESTION, []  # distractors: (depth, tokens)
+    if haystack == "prose-multikey":
+        door = _DOORS[trial % len(_DOORS)]
+        needle = tok.encode(f" IMPORTANT: The pass key of the {door} door is {key}. Remember it.")
+        question = f"What is the pass key of the {door} door?"
+        rng = np.random.default_rng([seed, length, trial, 7])
+        for i, other in enumerate(d for d in _DOORS if d != door):
+            other_key = int(rng.integers(10000, 100000))
+            distractors.append(((depth + (i + 1) / len(_DOORS)) % 1.0,
+                                tok.encode(f" IMPORTANT: The pass key of the {other} door is {other_key}. Remember it.")))
+    else:
+        needle = tok.encode(f" IMPORTANT: The pass key is {key}. Remember it.")
+    tail = tok.encode(f"\n\n{question}<|im_end|>\n<|im_start|>assistant\n" +
                       (answer_prefix if prefix_in_prompt else ""))
-    budget = length - len(head) - len(needle) - len(tail)
+    budget = length - len(head) - len(needle) - len(tail) - sum(len(d) for _, d in distractors)
     if budget < 16:
         raise ValueError(f"length {length} is too short for the pass-key prompt")
-    if haystack == "prose":  # about 12 tokens a sentence: more than enough of them
+    if haystack.startswith("prose"):  # about 12 tokens a sentence: more than enough of them
         sentences = [tok.encode(" " + s) for s in prose_sentences(seed, length, trial, budget // 6 + 8)]
     else:
         sentences = [tok.encode(" " + s) for s in FILLER]
@@ -144,6 +160,9 @@ def build_prompt(tok, length: int, key: int, depth: float, prefix_in_prompt: boo
         piece = sentences[len(pieces) % len(sentences)]
         pieces.append(piece)
         total += len(piece)
+    for where, tokens_d in sorted(distractors, key=lambda d: -d[0]):  # whole, never cut off the end
+        pieces.insert(min(int(round(where * len(pieces))), len(pieces) - 2), tokens_d)
+        budget += len(tokens_d)
     at = min(int(round(depth * len(pieces))), len(pieces) - 1)
     before = [t for piece in pieces[:at] for t in piece]
     after = [t for piece in pieces[at:] for t in piece][:budget - len(before)]
