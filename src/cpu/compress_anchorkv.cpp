@@ -153,8 +153,8 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
 // old window 2), the most leaned-on first (weight: their dependents), in the slots left after
 // the appended tokens' share (their fraction of the prefix: a fold must be able to give a
 // needle in the new text an anchor); then the appended tokens (1) as at prefill (the scored
-// share of the slots left by score, at least scored_min, the rest for coverage or by the seeded sample); then, only
-// if slots are still left, the other old tokens (0) by score.
+// share of the slots left, at least scored_min, by score; the rest for coverage or by the
+// seeded sample); then, only if slots are still left, the other old tokens (0) by score.
 std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight, const std::vector<float> &pooled,
                                     int64_t free_anchors,
                                     const akv_compress_options &o, const std::vector<float> &Kpre,
