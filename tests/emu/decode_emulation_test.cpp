@@ -255,19 +255,31 @@ TEST(EmulatedDecode, DenseCachesMatchCpu) {
 }
 
 // The rows of an emulated device append against the CPU cache's: values exactly, keys
-// (rotated in float on both sides) within a last bit.
+// (rotated in float on both sides, then rounded to the storage dtype) within one rounding
+// step of the row's largest element: an element near zero may round to another sign or
+// exponent, so bit patterns are not compared (seed 3322598116004043129 under SIMT seed 3 had
+// such a pair).
 void expect_suffix_rows(HostView &hv, const akv_cache &cache, int rows, int H, int D) {
   const uint16_t *cpu_k = reinterpret_cast<const uint16_t *>(cache.suffix_keys.data());
   const uint16_t *cpu_v = reinterpret_cast<const uint16_t *>(cache.suffix_values.data());
+  const akv_dtype storage = cache.meta.storage;
   size_t key_mismatch = 0, value_mismatch = 0;
   for (int h = 0; h < H; ++h)
-    for (int i = 0; i < rows; ++i)
+    for (int i = 0; i < rows; ++i) {
+      const size_t got = (static_cast<size_t>(h) * hv.view()->suffix_capacity + i) * D;
+      const size_t want = (static_cast<size_t>(h) * cache.suffix_capacity + i) * D;
+      float row_max = 0.0f;
+      for (int d = 0; d < D; ++d) row_max = std::max(row_max, std::fabs(akv::half_to_float(cpu_k[want + d], storage)));
       for (int d = 0; d < D; ++d) {
-        const size_t got = (static_cast<size_t>(h) * hv.view()->suffix_capacity + i) * D + d;
-        const size_t want = (static_cast<size_t>(h) * cache.suffix_capacity + i) * D + d;
-        if (hv.suffix_values[got] != cpu_v[want]) ++value_mismatch;
-        if (std::abs(static_cast<int>(hv.suffix_keys[got]) - static_cast<int>(cpu_k[want])) > 1) ++key_mismatch;
+        if (hv.suffix_values[got + d] != cpu_v[want + d]) ++value_mismatch;
+        const float a = akv::half_to_float(hv.suffix_keys[got + d], storage);
+        const float b = akv::half_to_float(cpu_k[want + d], storage);
+        if (std::fabs(a - b) > row_max * 0x1p-8f) {
+          ++key_mismatch;
+          ADD_FAILURE() << "head " << h << " row " << i << " dim " << d << ": " << a << " vs " << b;
+        }
       }
+    }
   EXPECT_EQ(value_mismatch, 0u);
   EXPECT_EQ(key_mismatch, 0u);
 }
