@@ -16,10 +16,12 @@ int64_t sink_anchor_count(const akv_compress_options &o, const AnchorGeometry &g
 }
 
 int64_t scored_anchor_count(const akv_compress_options &o, const AnchorGeometry &g) {
-  const int64_t free_anchors = g.anchors - g.window;
-  const int64_t by_share = std::llround(o.scored_fraction * static_cast<double>(free_anchors));
-  const int64_t n_top = std::min<int64_t>(free_anchors, std::max<int64_t>(by_share, o.scored_min));
-  return std::max(n_top, sink_anchor_count(o, g));
+  return std::max(scored_share(o, g.anchors - g.window), sink_anchor_count(o, g));
+}
+
+int64_t scored_share(const akv_compress_options &o, int64_t slots) {
+  const int64_t by_share = std::llround(o.scored_fraction * static_cast<double>(slots));
+  return std::min<int64_t>(slots, std::max<int64_t>(by_share, o.scored_min));
 }
 
 ResidualSplit residual_split(const akv_compress_options &o, int64_t n) {

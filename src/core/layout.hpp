@@ -114,10 +114,13 @@ inline void gamma_values(float scale, float *out) {
 int64_t default_anchor_count(int64_t seq_len, int32_t window);
 
 // Anchor selection shares of one head, the same on every backend: the sink anchors (the first
-// positions, min(sink_tokens, k-W, P)) and the scored share round(rho (k-W)), raised to hold
-// the sinks, which rank first in it.
+// positions, min(sink_tokens, k-W, P)) and the scored share of the k-W free slots
+// (scored_share), raised to hold the sinks, which rank first in it.
 int64_t sink_anchor_count(const akv_compress_options &options, const AnchorGeometry &g);
 int64_t scored_anchor_count(const akv_compress_options &options, const AnchorGeometry &g);
+// Of `slots` anchor slots, how many go by score: round(rho * slots), at least scored_min,
+// at most slots (prefill: the k-W free slots; compaction: the appended tokens' slots).
+int64_t scored_share(const akv_compress_options &options, int64_t slots);
 
 // How one side's n residual slots are chosen: by_utility by Eq. 6, then by_energy (the
 // guard_fraction share) by residual energy among the tokens left.

@@ -196,8 +196,7 @@ std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight,
   }
   const int64_t slots = left();
   if (slots > 0) {
-    const int64_t by_share = std::llround(o.scored_fraction * static_cast<double>(slots));
-    take_best(1, std::min<int64_t>(slots, std::max<int64_t>(by_share, o.scored_min)));
+    take_best(1, scored_share(o, slots));
     std::vector<int8_t> eligible(P);
     for (int64_t t = 0; t < P; ++t) eligible[t] = priority[t] == 1 && !taken[t];
     if (o.coverage_rounds > 0) {

@@ -4,6 +4,7 @@
 //  - every other row is gamma * (its anchor), plus a decoded residual for the rows that got one;
 //  - anchors are the best-scored positions (plus seeded uniform samples);
 //  - residuals go to the positions with the largest utilities (Eq. 6), pooled over heads.
+#include <array>
 #include <map>
 #include <numeric>
 #include <set>
@@ -484,6 +485,15 @@ TEST(ResidualAllocation, LargestUtilitiesPooledOverHeads) {
 // own (coordinates 0..3, zero in every other token), 4x the typical norm, and that the window
 // queries avoid (their coordinates 0..3 are -3u: the needle's logits are about -12 with RoPE
 // off): only a query-agnostic rule can find it.
+// The unit direction (first four dimensions) of needle_prefill's needle key.
+std::array<float, 4> needle_direction() {
+  const float raw[4] = {1.0f, -2.0f, 3.0f, 0.5f};
+  const float length = std::sqrt(1.0f + 4.0f + 9.0f + 0.25f);
+  std::array<float, 4> u;
+  for (int i = 0; i < 4; ++i) u[i] = raw[i] / length;
+  return u;
+}
+
 PrefillData needle_prefill(Rng &rng, int64_t S, int H, int G, int D, int64_t needle) {
   PrefillSpec spec;
   spec.seq_len = S;
@@ -492,10 +502,7 @@ PrefillData needle_prefill(Rng &rng, int64_t S, int H, int G, int D, int64_t nee
   spec.head_dim = D;
   PrefillData data = make_prefill(rng, spec);
   std::vector<float> keys = data.keys.values, values = data.values.values, queries = data.queries.values;
-  const float raw[4] = {1.0f, -2.0f, 3.0f, 0.5f};
-  const float length = std::sqrt(1.0f + 4.0f + 9.0f + 0.25f);
-  float u[4];
-  for (int i = 0; i < 4; ++i) u[i] = raw[i] / length;
+  const std::array<float, 4> u = needle_direction();
   for (int h = 0; h < H; ++h) {
     for (int64_t t = 0; t < S; ++t) {
       const size_t row = (static_cast<size_t>(h) * S + t) * D;
@@ -573,7 +580,7 @@ TEST(Additions, FollowTokensAnchorWhatFollowsTheAttendedToken) {
   PrefillData data = needle_prefill(rng, S, H, G, D, match);
   std::vector<float> queries(static_cast<size_t>(H) * G * data.window * D);
   for (size_t q = 0; q < queries.size(); ++q) queries[q] = 0.05f * static_cast<float>(rng.normal());
-  const float inv = 1.0f / std::sqrt(1.0f + 4.0f + 9.0f + 0.25f), u[4] = {1.0f * inv, -2.0f * inv, 3.0f * inv, 0.5f * inv};
+  const std::array<float, 4> u = needle_direction();
   for (size_t q = 0; q < queries.size(); q += D)
     for (int i = 0; i < 4; ++i) queries[q + i] = 3.0f * u[i];  // every window row looks at `match`
   data.queries = make_tensor(queries, AKV_DTYPE_F32);
