@@ -46,7 +46,7 @@ STAGES = ["setup", "load", "window attention", "scores+pooling", "anchor selecti
 # ---- Options (akv_compress_options_init) and shape ------------------------------------------
 H, HQ, D, W, THETA = 8, 32, 128, 32, 0.05
 OPT = dict(scored_fraction=0.3, pool_kernel=7, sink_tokens=4, fill_budget=1, anchor_share=0.7,
-           guard_fraction=0.75, coverage_rounds=4)
+           guard_fraction=0.75, coverage_rounds=16)
 PAIRS = D // 2            # NeoX RoPE over the whole head (rotary_dim 0 = D)
 HEAD_BATCH_BUDGET = 2 << 30
 

@@ -75,28 +75,38 @@ void ResidualCodec::unrotate(float *y) const {
 }
 
 float ResidualCodec::encode(const float *residual, uint8_t *codes) const {
-  std::vector<float> y(rdim_);
-  std::copy(residual, residual + dim_, y.begin());
-  rotate(y.data());
-  double sumsq = 0.0, absmax = 0.0;
+  // On the stack up to D' = 256 (every common head dim), so that encoding allocates nothing;
+  // float sums in vector lanes (the CUDA encoder sums in float too).
+  float small_y[256];
+  uint8_t small_c[256];
+  std::vector<float> large_y(rdim_ > 256 ? rdim_ : 0);
+  std::vector<uint8_t> large_c(rdim_ > 256 ? rdim_ : 0);
+  float *y = rdim_ > 256 ? large_y.data() : small_y;
+  uint8_t *code = rdim_ > 256 ? large_c.data() : small_c;
+  std::copy(residual, residual + dim_, y);
+  rotate(y);
+  float sumsq = 0.0f, absmax = 0.0f;
+#pragma omp simd reduction(+ : sumsq) reduction(max : absmax)
   for (int d = 0; d < rdim_; ++d) {
-    sumsq += static_cast<double>(y[d]) * y[d];
-    absmax = std::fmax(absmax, std::fabs(static_cast<double>(y[d])));
+    sumsq += y[d] * y[d];
+    absmax = std::max(absmax, std::fabs(y[d]));
   }
-  double scale = mode_ == AKV_SCALE_ABSMAX ? absmax / kLloydMaxLevels[3]
-                                           : std::sqrt(sumsq / rdim_);
-  const double inv = scale > 0.0 ? 1.0 / scale : 0.0;
-  for (int b = 0; b < rdim_ / 4; ++b) codes[b] = 0;
-  double dot = 0.0, levels_sq = 0.0;
+  float scale = mode_ == AKV_SCALE_ABSMAX ? absmax / kLloydMaxLevels[3] : std::sqrt(sumsq / rdim_);
+  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  float dot = 0.0f, levels_sq = 0.0f;
+#pragma omp simd reduction(+ : dot, levels_sq)
   for (int d = 0; d < rdim_; ++d) {
-    const int c = lloyd_max_code(static_cast<float>(y[d] * inv));
-    codes[d >> 2] |= static_cast<uint8_t>(c << ((d & 3) * 2));
-    dot += static_cast<double>(y[d]) * kLloydMaxLevels[c];
-    levels_sq += static_cast<double>(kLloydMaxLevels[c]) * kLloydMaxLevels[c];
+    const int c = lloyd_max_code(y[d] * inv);
+    const float level = lloyd_max_level(c);
+    code[d] = static_cast<uint8_t>(c);
+    dot += y[d] * level;
+    levels_sq += level * level;
   }
+  for (int b = 0; b < rdim_ / 4; ++b)
+    codes[b] = static_cast<uint8_t>(code[4 * b] | code[4 * b + 1] << 2 | code[4 * b + 2] << 4 | code[4 * b + 3] << 6);
   // Least squares: the scale that minimises ||y - s*levels||^2 for the chosen codes.
-  if (mode_ == AKV_SCALE_LEAST_SQUARES && levels_sq > 0.0) scale = dot / levels_sq;
-  return static_cast<float>(scale);
+  if (mode_ == AKV_SCALE_LEAST_SQUARES && levels_sq > 0.0f) scale = dot / levels_sq;
+  return scale;
 }
 
 void ResidualCodec::decode_rotated(const uint8_t *codes, float scale, float *y) const {

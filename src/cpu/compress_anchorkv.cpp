@@ -11,12 +11,14 @@
 #include <numeric>
 #include <vector>
 
+#include "core/compress_stages.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/anchor_access.hpp"
 #include "core/rng.hpp"
 #include "cpu/gemm.hpp"
 #include "cpu/kernels.hpp"
+#include "cpu/local_anchors.hpp"
 #include "core/thread_pool.hpp"
 #include "cpu/compress.hpp"
 #include "cpu/prefill_reader.hpp"
@@ -291,6 +293,8 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   const akv_compress_options &o = *req.options;
   const akv_prefill &p = *req.prefill;
   ThreadPool &pool = *req.context->pool;
+  StageClock clock;  // ANCHORKV_COMPRESS_PROFILE: milliseconds per stage on stderr
+  clock.stage(kStageSetup);
   std::unique_ptr<akv_cache> cache = new_cache(req);
   CacheMeta &meta = cache->meta;
   prepare_anchor_cache(p, req.plan->anchor, o, *cache);
@@ -329,8 +333,13 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   std::vector<float> coef[2] = {std::vector<float>(P), std::vector<float>(P)};
   std::vector<uint8_t> entry[2] = {std::vector<uint8_t>(P), std::vector<uint8_t>(P)};  // format 3
   std::vector<float> raw(P), pooled(P), alpha_sq(P);
+  // Format 3 chooses and assigns anchors with local candidates (cpu/local_anchors.hpp), except
+  // in compaction, whose old anchors and assignments are global.
+  const bool local = g.format == 3 && !req.anchor_priority && !req.sticky_anchor[0] && !req.sticky_anchor[1];
+  LocalNearest nearest;
   for (int h = 0; h < H; ++h) {
     // 1. Load this head: pre- and post-RoPE keys, values, and the group's window queries.
+    clock.stage(kStageLoad);
     pool.parallel_for(S, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         in.key_row(h, t, &Kpre[t * D], &Kpost[t * D]);
@@ -340,10 +349,12 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     for (int gi = 0; gi < G; ++gi)
       for (int w = 0; w < W; ++w) in.query_row(h * G + gi, w, &Q[(gi * W + w) * D]);
 
+    clock.stage(kStageWindowAttention);
     // 2. Window attention: A = softmax(scale * Q Kpost^T) with the causal window mask.
     window_attention(Q.data(), Kpost.data(), m, S, D, P, W, scale, nullptr, A.data(), pool);
     sgemm(pool, false, m, D, S, 1.0f, A.data(), S, V.data(), D, 0.0f, Y.data(), D);  // y^(w)
 
+    clock.stage(kStageScores);
     // 3. Scores: mean attention over the m rows, pooled (Eq. 14), then carried forward over
     // follow_tokens tokens; sum of alpha^2 for Eq. 6.
     mean_attention(A.data(), m, S, P, raw.data(), alpha_sq.data(), pool);
@@ -351,12 +362,18 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     follow_scores(pooled.data(), P, o.follow_tokens);
     for (int64_t t = 0; t < n_sink; ++t) pooled[t] = std::numeric_limits<float>::infinity();
 
+    clock.stage(kStageAnchorSelection);
     // 4. Anchors: sorted non-window picks, then the window (indices k-W..k-1). The share
     // after the scored one is a uniform sample (paper) or chosen for coverage.
     std::vector<int32_t> picks;
     if (req.anchor_priority) {
       picks = ranked_anchors(req.anchor_priority + static_cast<int64_t>(h) * S, req.anchor_weight + static_cast<int64_t>(h) * S,
                              pooled, free_anchors, o, Kpre, V, S, P, D, h, pool);
+    } else if (local) {
+      const bool cover = o.coverage_rounds > 0;
+      picks = select_anchors(pooled, cover ? n_top : free_anchors, n_top, o.seed, o.layer_index, o.head_offset + h);
+      local_coverage(Kpre, V, g, storage, o.coverage_rounds, cover ? free_anchors - n_top : 0, picks, nearest, pool);
+      std::sort(picks.begin(), picks.end());
     } else if (o.coverage_rounds > 0) {
       picks = select_anchors(pooled, n_top, n_top, o.seed, o.layer_index, o.head_offset + h);
       add_coverage_anchors(Kpre, V, S, P, D, o.coverage_rounds, free_anchors - n_top, picks, pool);
@@ -371,6 +388,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     }
     auto anchor_token = [&](int64_t a) { return a < free_anchors ? static_cast<int64_t>(picks[a]) : P + (a - free_anchors); };
 
+    clock.stage(kStageAssignment);
     // 5. Per side: store the anchors and assign every prefix token to its nearest anchor by
     // |cos| with the least-squares coefficient; format 3 then restricts each segment's tokens
     // to its table (restrict_to_tables); then the coefficients are stored (bf16 or a one-byte
@@ -390,6 +408,25 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
         norm[a] = static_cast<float>(std::sqrt(n2));
         const float inv = norm[a] > 0.0f ? 1.0f / norm[a] : 0.0f;
         for (int d = 0; d < D; ++d) an[a * D + d] = af[a * D + d] * inv;
+      }
+      if (local) {  // the nearest candidates local_coverage found
+        pool.parallel_for(P, [&](int64_t b, int64_t e) {
+          for (int64_t t = b; t < e; ++t) {
+            const int32_t near = nearest.token[side][t];
+            if (anchor_of_token[t] >= 0) {
+              assigned[side][t] = anchor_of_token[t];
+              coef[side][t] = 1.0f;
+            } else if (near < 0) {  // every candidate has zero norm
+              assigned[side][t] = 0;
+              coef[side][t] = 0.0f;
+            } else {
+              const int32_t a = near < P ? anchor_of_token[near] : static_cast<int32_t>(free_anchors + (near - P));
+              assigned[side][t] = a;
+              coef[side][t] = norm[a] > 0.0f ? nearest.dot[side][t] / norm[a] : 0.0f;
+            }
+          }
+        });
+        continue;
       }
       const int32_t *sticky = req.sticky_anchor[side] ? req.sticky_anchor[side] + static_cast<int64_t>(h) * S : nullptr;
       constexpr int64_t kBlock = 1024;
@@ -484,6 +521,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
         energy[0][h * P + picks[a]] = energy[1][h * P + picks[a]] = 0.0f;
       }
 
+    clock.stage(kStageUtilities);
     // 6. Utilities (Eq. 6). Z = Q (R r_K)^T; ||V_t - y||^2 = ||V_t||^2 - 2 V_t.y + ||y||^2.
     sgemm(pool, true, m, P, D, 1.0f, Q.data(), D, Kpost.data(), D, 0.0f, Z.data(), P);
     sgemm(pool, true, m, P, D, 1.0f, Y.data(), D, V.data(), D, 0.0f, VY.data(), P);
@@ -495,26 +533,38 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     }
     float *u_key = &utility[0][static_cast<int64_t>(h) * P];
     float *u_value = &utility[1][static_cast<int64_t>(h) * P];
-    pool.parallel_for(P, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
-        if (anchor_of_token[t] >= 0) {
-          u_key[t] = u_value[t] = -1.0f;  // anchors are exact: never candidates
-          continue;
+    // In float over blocks of tokens, the rows in order (as the CUDA utility_kernel sums).
+    constexpr int64_t kTokens = 256;
+    pool.parallel_for((P + kTokens - 1) / kTokens, [&](int64_t b, int64_t e) {
+      float vn[kTokens], uk[kTokens];
+      for (int64_t blk = b; blk < e; ++blk) {
+        const int64_t t0 = blk * kTokens, n = std::min(kTokens, P - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          const float *v = &V[(t0 + i) * D];
+          float s = 0.0f;
+          for (int d = 0; d < D; ++d) s += v[d] * v[d];
+          vn[i] = s;
+          uk[i] = 0.0f;
         }
-        double vn = 0.0;
-        for (int d = 0; d < D; ++d) vn += static_cast<double>(V[t * D + d]) * V[t * D + d];
-        double uk = 0.0;
         for (int64_t r = 0; r < m; ++r) {
-          const double a = A[r * S + t], z = Z[r * P + t];
-          const double dist = std::max(0.0, vn - 2.0 * VY[r * P + t] + y_norm_sq[r]);
-          uk += a * a * z * z * dist;
+          const float *a = &A[r * S + t0], *z = &Z[r * P + t0], *vy = &VY[r * P + t0];
+          const float yn = static_cast<float>(y_norm_sq[r]);
+          for (int64_t i = 0; i < n; ++i) {
+            const float dist = std::max(0.0f, vn[i] - 2.0f * vy[i] + yn);
+            uk[i] += a[i] * a[i] * z[i] * z[i] * dist;
+          }
         }
-        u_key[t] = static_cast<float>(uk / (static_cast<double>(m) * D));
-        u_value[t] = alpha_sq[t] * energy[1][h * P + t];
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t t = t0 + i;
+          const bool anchor = anchor_of_token[t] >= 0;  // anchors are exact: never candidates
+          u_key[t] = anchor ? -1.0f : uk[i] / (static_cast<float>(m) * D);
+          u_value[t] = anchor ? -1.0f : alpha_sq[t] * energy[1][h * P + t];
+        }
       }
     });
   }
 
+  clock.stage(kStageResidualSelection);
   // 7. Residual slots per side, pooled over the heads of each pooling group (all heads of the
   // layer unless pool_heads splits them): the largest utilities, then (guard share) the
   // largest residual energies among the tokens left.
@@ -541,6 +591,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
       masks[side][cands[i].head * g.words + cands[i].token / 64] |= 1ull << (cands[i].token % 64);
   }
 
+  clock.stage(kStageEncoding);
   // 8. Bitmasks, prefix counts, per-head offsets, then encode each stored residual.
   const int sections_mask[2] = {kKeyMask, kValueMask}, sections_prefix[2] = {kKeyPrefix, kValuePrefix};
   const int sections_offsets[2] = {kKeyOffsets, kValueOffsets};
@@ -591,6 +642,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
       }
     });
   }
+  clock.report("AnchorKV compress (cpu)", S);
   return cache;
 }
 

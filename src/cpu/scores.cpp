@@ -6,6 +6,7 @@
 
 #include "core/thread_pool.hpp"
 #include "cpu/gemm.hpp"
+#include "cpu/kernels.hpp"
 
 namespace akv {
 
@@ -19,15 +20,16 @@ void window_attention(const float *Q, const float *Kpost, int64_t m, int64_t S, 
       if (present)
         for (int64_t t = 0; t < visible; ++t)
           if (!present[t]) row[t] = -std::numeric_limits<float>::infinity();
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
-      double sum = 0.0;
-      for (int64_t t = 0; t < visible; ++t) {
-        row[t] = std::exp(row[t] - mx);
-        sum += row[t];
+      const float mx = max_of(row, visible);
+      if (mx == -std::numeric_limits<float>::infinity()) {  // nothing present: no weight anywhere
+        std::fill(row, row + S, 0.0f);
+        continue;
       }
-      const float inv = static_cast<float>(1.0 / sum);
+      const float inv = 1.0f / exp_shifted_sum(row, visible, mx);  // the decode paths' softmax
       for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
+      if (present)  // the vector exp leaves ~1e-38 where it was given -inf
+        for (int64_t t = 0; t < visible; ++t)
+          if (!present[t]) row[t] = 0.0f;
       for (int64_t t = visible; t < S; ++t) row[t] = 0.0f;
     }
   });

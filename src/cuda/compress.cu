@@ -265,8 +265,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   cache->data = Buffer(&ctx, cache->layout.total_bytes);
 
   CudaDevice dev(stream, blas_handle(ctx));
-  const char *profile = std::getenv("ANCHORKV_COMPRESS_PROFILE");
-  dev.profiling = profile && *profile && *profile != '0';
+  dev.profiling = compress_profiling();
   // Scratch: the pipeline's arrays, then the sorts' second buffers and temporary storage.
   CompressScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;

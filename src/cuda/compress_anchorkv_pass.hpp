@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/compress_stages.hpp"
 #include "core/context.hpp"
 #include "core/error.hpp"
 #include "core/rng.hpp"
@@ -17,26 +18,6 @@
 
 namespace akv {
 namespace cuda {
-
-// The stages of the AnchorKV pass as the profile reports them (issue 15).
-enum CompressStage : int {
-  kStageSetup = 0,
-  kStageLoad,
-  kStageWindowAttention,
-  kStageScores,
-  kStageAnchorSelection,
-  kStageAssignment,
-  kStageUtilities,
-  kStageResidualSelection,
-  kStageEncoding,
-  kStageCount
-};
-inline const char *stage_name(int stage) {
-  static const char *const names[kStageCount] = {"setup",         "load",       "window attention",
-                                                 "scores+pooling", "anchor selection", "assignment",
-                                                 "utilities",     "residual selection", "encoding"};
-  return stage >= 0 && stage < kStageCount ? names[stage] : "?";
-}
 
 // Scratch of one compression, carved out of one allocation. The arrays of the stages batched
 // over heads (loading, window attention, scores, anchor ranking, residual rows, utilities)
