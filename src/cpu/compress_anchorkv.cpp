@@ -501,12 +501,8 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
           }
           const float *x = &X[t * D];
           const float *av = &anchor_f[side][static_cast<int64_t>(best) * D];
-          double n2 = 0.0;
-          for (int d = 0; d < D; ++d) {
-            r[d] = x[d] - gq * av[d];
-            n2 += static_cast<double>(r[d]) * r[d];
-          }
-          energy[side][h * P + t] = static_cast<float>(n2);
+          for (int d = 0; d < D; ++d) r[d] = x[d] - gq * av[d];
+          energy[side][h * P + t] = dot(r.data(), r.data(), D);  // float lanes, as on the GPU
           if (side == 0) {
             // The key residual as attention sees it: rotated to the token's position.
             in.rotate(r.data(), t);

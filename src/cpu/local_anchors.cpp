@@ -7,8 +7,57 @@
 
 #include "core/thread_pool.hpp"
 #include "cpu/gemm.hpp"
+#include "cpu/kernels.hpp"
 
 namespace akv {
+namespace {
+
+#ifdef AKV_HAVE_AVX512_KERNELS
+// C[i][j] = X_i . A_j for i < m, j < ldc (C rows ldc apart, ldc a multiple of 4, A readable
+// for ldc rows), D a multiple of 16: 4 x 4 blocks with no packing. A round adds a dozen
+// anchors to a segment, too few for a GEMM to pay for packing the segment's rows every time
+// (OpenBLAS spent a third of its time packing here).
+AKV_TARGET_AVX512 void dot_block_avx512(const float *X, int64_t m, const float *A, int64_t ldc, int D, float *C) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4)
+    for (int64_t j = 0; j < ldc; j += 4) {
+      const float *const b[4] = {A + j * D, A + (j + 1) * D, A + (j + 2) * D, A + (j + 3) * D};
+      float *const out[4] = {C + i * ldc + j, C + (i + 1) * ldc + j, C + (i + 2) * ldc + j, C + (i + 3) * ldc + j};
+      dot_rows4x4_avx512(X + i * D, D, b, D, out);
+    }
+  for (; i < m; ++i)
+    for (int64_t j = 0; j < ldc; ++j) C[i * ldc + j] = dot(X + i * D, A + j * D, D);
+}
+#endif
+
+// C = X A^T for the first c rows of A; C's rows are ldc = dot_width(c) apart, and A must be
+// readable for ldc rows (the candidate rows carry 3 zero rows of padding at their end).
+int64_t dot_width(int64_t c) { return (c + 3) / 4 * 4; }
+void dot_block(const float *X, int64_t m, const float *A, int64_t c, int D, float *C) {
+  const int64_t ldc = dot_width(c);
+#ifdef AKV_HAVE_AVX512_KERNELS
+  if (has_avx512() && D % 16 == 0) {
+    dot_block_avx512(X, m, A, ldc, D, C);
+    return;
+  }
+#endif
+  sgemm(true, m, c, D, 1.0f, X, D, A, D, 0.0f, C, ldc);
+}
+
+// out = x rounded to storage, divided by its norm (zero stays zero); returns the norm.
+float stored_unit_row(const float *x, akv_dtype storage, int D, float *out) {
+  double n2 = 0.0;
+  for (int d = 0; d < D; ++d) {
+    out[d] = round_to_storage(x[d], storage);
+    n2 += static_cast<double>(out[d]) * out[d];
+  }
+  const float norm = static_cast<float>(std::sqrt(n2));
+  const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
+  for (int d = 0; d < D; ++d) out[d] *= inv;
+  return norm;
+}
+
+}  // namespace
 
 CandidateRange candidate_range(const AnchorGeometry &g, int64_t seg) {
   const int64_t P = g.prefix;
@@ -34,9 +83,7 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
     pool.parallel_for(P, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const float *x = &(*X[side])[t * D];
-        double n2 = 0.0;
-        for (int d = 0; d < D; ++d) n2 += static_cast<double>(x[d]) * x[d];
-        norm_sq[side][t] = static_cast<float>(n2);
+        norm_sq[side][t] = dot(x, x, D);
       }
     });
   }
@@ -54,21 +101,12 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
       for (int l = 0; l < 2; ++l) {
         const std::vector<int32_t> &tokens = *list[l];
         const int64_t n = static_cast<int64_t>(tokens.size());
-        rows[l].resize(n * D);
+        rows[l].assign((n + 3) * D, 0.0f);  // 3 zero rows: dot_block's padding
         usable[l].resize(n);
         pool.parallel_for(n, [&](int64_t b, int64_t e) {
           for (int64_t i = b; i < e; ++i) {
             const float *src = &(*X[side])[static_cast<int64_t>(tokens[i]) * D];
-            float *row = &rows[l][i * D];
-            double n2 = 0.0;
-            for (int d = 0; d < D; ++d) {
-              row[d] = round_to_storage(src[d], storage);
-              n2 += static_cast<double>(row[d]) * row[d];
-            }
-            const float norm = static_cast<float>(std::sqrt(n2));
-            usable[l][i] = norm > 0.0f;
-            const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
-            for (int d = 0; d < D; ++d) row[d] *= inv;
+            usable[l][i] = stored_unit_row(src, storage, D, &rows[l][i * D]) > 0.0f;
           }
         });
       }
@@ -84,12 +122,13 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
             const int l = static_cast<int>(blk[0]);
             const int64_t first = blk[1], c = blk[2] - blk[1];
             if (c <= 0) continue;
-            C.resize(m * c);
-            sgemm(true, m, c, D, 1.0f, &(*X[side])[t0 * D], D, &rows[l][first * D], D, 0.0f, C.data(), c);
+            const int64_t ldc = dot_width(c);
+            C.resize(m * ldc);
+            dot_block(&(*X[side])[t0 * D], m, &rows[l][first * D], c, D, C.data());
             for (int64_t i = 0; i < m; ++i) {
               int32_t &best = nearest.token[side][t0 + i];
               float &best_dot = nearest.dot[side][t0 + i];
-              const float *row = &C[i * c];
+              const float *row = &C[i * ldc];
               // A vectorised pass first (most rows gain nothing): the largest |value| as the
               // largest of the bit patterns with the sign cleared, which order as the values do.
               uint32_t most = 0;
@@ -102,6 +141,22 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
               const float best_abs = std::fabs(best_dot);
               std::memcpy(&have, &best_abs, sizeof(have));
               if (best >= 0 && most < have) continue;
+              // The first column at the maximum: the lowest token there (a block's tokens
+              // increase). Only a zero-norm anchor (product 0) needs the full scan below.
+              int64_t at = 0;
+              for (;; ++at) {
+                uint32_t bits;
+                std::memcpy(&bits, &row[at], sizeof(bits));
+                if ((bits & 0x7FFFFFFFu) == most) break;
+              }
+              if (usable[l][first + at]) {
+                const int32_t tok = (*list[l])[first + at];
+                if (best < 0 || most > have || tok < best) {
+                  best = tok;
+                  best_dot = row[at];
+                }
+                continue;
+              }
               for (int64_t j = 0; j < c; ++j) {
                 if (!usable[l][first + j]) continue;
                 const float v = row[j], a = std::fabs(v), b = std::fabs(best_dot);
