@@ -92,8 +92,8 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
 
   // Compares every token with the new anchors: `fresh` (prefix positions) where its segment's
   // range holds them, `everywhere` (the window) in every segment.
-  std::vector<float> rows[2];  // their rows as stored, normalised (zero rows: zero norm)
-  std::vector<char> usable[2];
+  std::vector<float> rows[2][2];  // [side][list]: rows as stored, normalised (zero rows: zero norm)
+  std::vector<char> usable[2][2];
   auto absorb = [&](std::vector<int32_t> fresh, const std::vector<int32_t> &everywhere) {
     std::sort(fresh.begin(), fresh.end());
     const std::vector<int32_t> *list[2] = {&fresh, &everywhere};
@@ -101,18 +101,24 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
       for (int l = 0; l < 2; ++l) {
         const std::vector<int32_t> &tokens = *list[l];
         const int64_t n = static_cast<int64_t>(tokens.size());
-        rows[l].assign((n + 3) * D, 0.0f);  // 3 zero rows: dot_block's padding
-        usable[l].resize(n);
-        pool.parallel_for(n, [&](int64_t b, int64_t e) {
-          for (int64_t i = b; i < e; ++i) {
-            const float *src = &(*X[side])[static_cast<int64_t>(tokens[i]) * D];
-            usable[l][i] = stored_unit_row(src, storage, D, &rows[l][i * D]) > 0.0f;
-          }
-        });
+        rows[side][l].assign((n + 3) * D, 0.0f);  // 3 zero rows: dot_block's padding
+        usable[side][l].resize(n);
+        // A round's few hundred rows: not worth waking the pool for.
+        for (int64_t i = 0; i < n; ++i) {
+          const float *src = &(*X[side])[static_cast<int64_t>(tokens[i]) * D];
+          usable[side][l][i] = stored_unit_row(src, storage, D, &rows[side][l][i * D]) > 0.0f;
+        }
       }
-      pool.parallel_for(g.segments, [&](int64_t sb, int64_t se) {
+    }
+    // Segments dealt round robin (a round's new anchors crowd where the error was, so equal
+    // runs of segments would not be equal work), both sides in one call.
+    {
+      const int64_t lanes = std::min<int64_t>(pool.size(), g.segments);
+      pool.parallel_for(lanes, [&](int64_t lb, int64_t le) {
         std::vector<float> C;
-        for (int64_t seg = sb; seg < se; ++seg) {
+        for (int64_t lane = lb; lane < le; ++lane)
+        for (int64_t seg = lane; seg < g.segments; seg += lanes)
+        for (int side = 0; side < 2; ++side) {
           const CandidateRange r = candidate_range(g, seg);
           const int64_t t0 = seg * L, m = std::min(P, t0 + L) - t0;
           const int64_t lo = std::lower_bound(fresh.begin(), fresh.end(), static_cast<int32_t>(r.first)) - fresh.begin();
@@ -124,7 +130,7 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
             if (c <= 0) continue;
             const int64_t ldc = dot_width(c);
             C.resize(m * ldc);
-            dot_block(&(*X[side])[t0 * D], m, &rows[l][first * D], c, D, C.data());
+            dot_block(&(*X[side])[t0 * D], m, &rows[side][l][first * D], c, D, C.data());
             for (int64_t i = 0; i < m; ++i) {
               int32_t &best = nearest.token[side][t0 + i];
               float &best_dot = nearest.dot[side][t0 + i];
@@ -149,7 +155,7 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
                 std::memcpy(&bits, &row[at], sizeof(bits));
                 if ((bits & 0x7FFFFFFFu) == most) break;
               }
-              if (usable[l][first + at]) {
+              if (usable[side][l][first + at]) {
                 const int32_t tok = (*list[l])[first + at];
                 if (best < 0 || most > have || tok < best) {
                   best = tok;
@@ -158,7 +164,7 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
                 continue;
               }
               for (int64_t j = 0; j < c; ++j) {
-                if (!usable[l][first + j]) continue;
+                if (!usable[side][l][first + j]) continue;
                 const float v = row[j], a = std::fabs(v), b = std::fabs(best_dot);
                 const int32_t tok = (*list[l])[first + j];
                 if (best < 0 || a > b || (a == b && tok < best)) {
