@@ -287,6 +287,42 @@ void restrict_to_tables(const AnchorGeometry &g, int h, const std::vector<float>
   });
 }
 
+// The arrays of one head's steps 1-6 (compress_anchorkv_cpu), allocated on first use.
+struct HeadScratch {
+  std::vector<float> Kpre, Kpost, V, Q, Y, A, Z, VY;
+  std::vector<float> anchor_f[2], anchor_n[2], anchor_norm[2], coef[2];
+  std::vector<int32_t> assigned[2];
+  std::vector<uint8_t> entry[2];  // format 3
+  std::vector<float> raw, pooled, alpha_sq;
+  LocalNearest nearest;
+  void allocate(int64_t S, int64_t P, int D, int64_t m, int64_t k) {
+    if (!Kpre.empty()) return;
+    for (auto *v : {&Kpre, &Kpost, &V}) v->resize(S * D);
+    Q.resize(m * D);
+    Y.resize(m * D);
+    A.resize(m * S);
+    Z.resize(m * P);
+    VY.resize(m * P);
+    for (int side = 0; side < 2; ++side) {
+      anchor_f[side].resize(k * D);
+      anchor_n[side].resize(k * D);
+      anchor_norm[side].resize(k);
+      coef[side].resize(P);
+      assigned[side].resize(P);
+      entry[side].resize(P);
+    }
+    raw.resize(P);
+    pooled.resize(P);
+    alpha_sq.resize(P);
+  }
+  // About what allocate() and local_coverage take.
+  static uint64_t bytes(int64_t S, int64_t P, int D, int64_t m, int64_t k) {
+    return 4ull * static_cast<uint64_t>(3 * S * D + 2 * m * D + m * S + 2 * m * P + 5 * k * D + 16 * P);
+  }
+};
+// The extra memory head workers may take (besides the first head's arrays).
+constexpr uint64_t kHeadWorkerBytes = uint64_t{1} << 30;
+
 }  // namespace
 
 std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
@@ -324,22 +360,25 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   std::vector<float> utility[2] = {std::vector<float>(H * P), std::vector<float>(H * P)};
   std::vector<float> energy[2] = {std::vector<float>(H * P), std::vector<float>(H * P)};  // ||r||^2
 
-  std::vector<float> Kpre(S * D), Kpost(S * D), V(S * D), Q(m * D), Y(m * D), A(m * S);
-  std::vector<float> Z(m * P), VY(m * P);
-  std::vector<float> anchor_f[2] = {std::vector<float>(k * D), std::vector<float>(k * D)};
-  std::vector<float> anchor_n[2] = {std::vector<float>(k * D), std::vector<float>(k * D)};
-  std::vector<float> anchor_norm[2] = {std::vector<float>(k), std::vector<float>(k)};
-  std::vector<int32_t> assigned[2] = {std::vector<int32_t>(P), std::vector<int32_t>(P)};  // per side
-  std::vector<float> coef[2] = {std::vector<float>(P), std::vector<float>(P)};
-  std::vector<uint8_t> entry[2] = {std::vector<uint8_t>(P), std::vector<uint8_t>(P)};  // format 3
-  std::vector<float> raw(P), pooled(P), alpha_sq(P);
   // Format 3 chooses and assigns anchors with local candidates (cpu/local_anchors.hpp), except
   // in compaction, whose old anchors and assignments are global.
   const bool local = g.format == 3 && !req.anchor_priority && !req.sticky_anchor[0] && !req.sticky_anchor[1];
-  LocalNearest nearest;
-  for (int h = 0; h < H; ++h) {
+  // Steps 1-6 for head h with the arrays of `s` and the threads of `pool` (the context's, or
+  // one of the head workers' own single thread); `timed`: this call marks the profile stages.
+  auto compress_head = [&](int h, HeadScratch &s, ThreadPool &pool, bool timed) {
+    auto stage = [&](int id) {
+      if (timed) clock.stage(id);
+    };
+    s.allocate(S, P, D, m, k);
+    std::vector<float> &Kpre = s.Kpre, &Kpost = s.Kpost, &V = s.V, &Q = s.Q, &Y = s.Y, &A = s.A, &Z = s.Z, &VY = s.VY;
+    std::vector<float>(&anchor_f)[2] = s.anchor_f, (&anchor_n)[2] = s.anchor_n, (&anchor_norm)[2] = s.anchor_norm;
+    std::vector<int32_t>(&assigned)[2] = s.assigned;
+    std::vector<float>(&coef)[2] = s.coef;
+    std::vector<uint8_t>(&entry)[2] = s.entry;
+    std::vector<float> &raw = s.raw, &pooled = s.pooled, &alpha_sq = s.alpha_sq;
+    LocalNearest &nearest = s.nearest;
     // 1. Load this head: pre- and post-RoPE keys, values, and the group's window queries.
-    clock.stage(kStageLoad);
+    stage(kStageLoad);
     pool.parallel_for(S, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         in.key_row(h, t, &Kpre[t * D], &Kpost[t * D]);
@@ -349,12 +388,12 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     for (int gi = 0; gi < G; ++gi)
       for (int w = 0; w < W; ++w) in.query_row(h * G + gi, w, &Q[(gi * W + w) * D]);
 
-    clock.stage(kStageWindowAttention);
+    stage(kStageWindowAttention);
     // 2. Window attention: A = softmax(scale * Q Kpost^T) with the causal window mask.
     window_attention(Q.data(), Kpost.data(), m, S, D, P, W, scale, nullptr, A.data(), pool);
     sgemm(pool, false, m, D, S, 1.0f, A.data(), S, V.data(), D, 0.0f, Y.data(), D);  // y^(w)
 
-    clock.stage(kStageScores);
+    stage(kStageScores);
     // 3. Scores: mean attention over the m rows, pooled (Eq. 14), then carried forward over
     // follow_tokens tokens; sum of alpha^2 for Eq. 6.
     mean_attention(A.data(), m, S, P, raw.data(), alpha_sq.data(), pool);
@@ -362,7 +401,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     follow_scores(pooled.data(), P, o.follow_tokens);
     for (int64_t t = 0; t < n_sink; ++t) pooled[t] = std::numeric_limits<float>::infinity();
 
-    clock.stage(kStageAnchorSelection);
+    stage(kStageAnchorSelection);
     // 4. Anchors: sorted non-window picks, then the window (indices k-W..k-1). The share
     // after the scored one is a uniform sample (paper) or chosen for coverage.
     std::vector<int32_t> picks;
@@ -388,7 +427,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     }
     auto anchor_token = [&](int64_t a) { return a < free_anchors ? static_cast<int64_t>(picks[a]) : P + (a - free_anchors); };
 
-    clock.stage(kStageAssignment);
+    stage(kStageAssignment);
     // 5. Per side: store the anchors and assign every prefix token to its nearest anchor by
     // |cos| with the least-squares coefficient; format 3 then restricts each segment's tokens
     // to its table (restrict_to_tables); then the coefficients are stored (bf16 or a one-byte
@@ -517,7 +556,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
         energy[0][h * P + picks[a]] = energy[1][h * P + picks[a]] = 0.0f;
       }
 
-    clock.stage(kStageUtilities);
+    stage(kStageUtilities);
     // 6. Utilities (Eq. 6). Z = Q (R r_K)^T; ||V_t - y||^2 = ||V_t||^2 - 2 V_t.y + ||y||^2.
     sgemm(pool, true, m, P, D, 1.0f, Q.data(), D, Kpost.data(), D, 0.0f, Z.data(), P);
     sgemm(pool, true, m, P, D, 1.0f, Y.data(), D, V.data(), D, 0.0f, VY.data(), P);
@@ -556,6 +595,27 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
           u_key[t] = anchor ? -1.0f : uk[i] / (static_cast<float>(m) * D);
           u_value[t] = anchor ? -1.0f : alpha_sq[t] * energy[1][h * P + t];
         }
+      }
+    });
+  };
+  // Heads run side by side, one per thread with its own arrays, where there are at least as
+  // many heads as threads and the arrays fit in kHeadWorkerBytes; else one head at a time over
+  // every thread. Each head's result is the same either way.
+  const int threads = pool.size();
+  const int workers = threads > 1 && H >= threads &&
+                              static_cast<uint64_t>(threads - 1) * HeadScratch::bytes(S, P, D, m, k) <= kHeadWorkerBytes
+                          ? threads
+                          : 1;
+  if (workers == 1) {
+    HeadScratch s;
+    for (int h = 0; h < H; ++h) compress_head(h, s, pool, true);
+  } else {
+    // The profile marks are worker 0's: its heads run while the others run theirs.
+    pool.parallel_for(workers, [&](int64_t wb, int64_t we) {
+      for (int64_t w = wb; w < we; ++w) {
+        HeadScratch s;
+        ThreadPool own(1);
+        for (int h = static_cast<int>(w); h < H; h += workers) compress_head(h, s, own, w == 0);
       }
     });
   }
