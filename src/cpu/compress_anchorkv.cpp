@@ -575,10 +575,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
       for (int64_t blk = b; blk < e; ++blk) {
         const int64_t t0 = blk * kTokens, n = std::min(kTokens, P - t0);
         for (int64_t i = 0; i < n; ++i) {
-          const float *v = &V[(t0 + i) * D];
-          float s = 0.0f;
-          for (int d = 0; d < D; ++d) s += v[d] * v[d];
-          vn[i] = s;
+          vn[i] = dot(&V[(t0 + i) * D], &V[(t0 + i) * D], D);
           uk[i] = 0.0f;
         }
         for (int64_t r = 0; r < m; ++r) {

@@ -44,12 +44,15 @@ std::vector<float> rows(std::mt19937_64 &rng, int64_t S, int D) {
   return x;
 }
 
-TEST(LocalAnchors, NearestIsTheBestCandidateAndCoverageAddsDistinctTokens) {
+// D 64 takes the AVX-512 dot blocks where the CPU has them, D 40 the SGEMM path.
+class LocalAnchorsDim : public ::testing::TestWithParam<int> {};
+
+TEST_P(LocalAnchorsDim, NearestIsTheBestCandidateAndCoverageAddsDistinctTokens) {
   const uint64_t seed = akv_test::fresh_seed();
   AKV_TRACE_SEED(seed);
   std::mt19937_64 rng(seed);
   const int64_t S = 6144;
-  const int W = 32, k = 600, D = 64;
+  const int W = 32, k = 600, D = GetParam();
   const akv::AnchorGeometry g = geometry(S, W, k, D, 256);
   const int64_t P = g.prefix, free_anchors = k - W;
   const std::vector<float> K = rows(rng, S, D), V = rows(rng, S, D);
@@ -113,6 +116,8 @@ TEST(LocalAnchors, NearestIsTheBestCandidateAndCoverageAddsDistinctTokens) {
     EXPECT_GT(checked, 800);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(HeadDims, LocalAnchorsDim, ::testing::Values(64, 40));
 
 TEST(LocalAnchors, CoverageAnchorsThePlantedOutliers) {
   const uint64_t seed = akv_test::fresh_seed();
