@@ -629,6 +629,7 @@ TEST(Additions, GuardResidualsGoToTheLargestResidualEnergy) {
   options.coverage_rounds = 0;
   options.scored_fraction = 1.0;
   options.pool_kernel = 1;  // pooling would lift the needle with a hot neighbour into the anchors
+  options.follow_tokens = 0;  // and so would carrying a hot token's score over the 8 after it
   options.sink_tokens = 0;
   options.fill_budget = 0;
   options.retain_fraction = 0.08;
