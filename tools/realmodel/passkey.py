@@ -40,9 +40,14 @@ import smollm2  # noqa: E402
 FILLER = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.",
           "There and back again."]
 # The repeated unit above, or distinct generated sentences; "prose-multikey": prose with four
-# needles, one per door colour, and the question asks for one door's key.
-HAYSTACKS = ("repeat", "prose", "prose-multikey")
+# needles, one per door colour, and the question asks for one door's key; "prose-word": prose
+# with a word to remember instead of a number (the answer prefix's "pass key" becomes "secret
+# word"), drawn from _WORDS by the trial's key.
+HAYSTACKS = ("repeat", "prose", "prose-multikey", "prose-word")
 _DOORS = ["red", "green", "blue", "yellow"]
+_WORDS = ["tangerine", "saxophone", "glacier", "walnut", "harpoon", "tulip", "compass", "origami", "volcano",
+          "penguin", "cathedral", "marmalade", "cactus", "parsley", "hurricane", "igloo", "kangaroo", "pelican",
+          "lighthouse", "cinnamon", "trombone", "avalanche", "pumpkin", "flamingo"]
 
 # "prose": distinct sentences from templates, drawn with a seed per (length, trial); no
 # sentence and no short unit repeats, so no few anchors can stand for the haystack.
@@ -122,7 +127,8 @@ class Prompt:
     needle_start: int        # token index of the needle
     forced: list[int]        # answer prefix fed after compression ([] with the prefix in the prompt)
     tf_tokens: list[int]     # forced + " NNNNN": the teacher-forced continuation
-    digit_index: list[int]   # indices into tf_tokens of the key's digits
+    digit_index: list[int]   # indices into tf_tokens of the key's digits (of the word's tokens)
+    answer: str = ""         # the expected answer: the key's digits, or the word
 
 
 def build_prompt(tok, length: int, key: int, depth: float, prefix_in_prompt: bool,
@@ -135,7 +141,14 @@ def build_prompt(tok, length: int, key: int, depth: float, prefix_in_prompt: boo
     head = tok.encode(f"<|im_start|>system\n{smollm2.DEFAULT_SYSTEM}<|im_end|>\n"
                       f"<|im_start|>user\n{INSTRUCTION}")
     question, distractors = QUESTION, []  # distractors: (depth, tokens)
-    if haystack == "prose-multikey":
+    answer_text = str(key)
+    if haystack == "prose-word":
+        answer_text = _WORDS[key % len(_WORDS)]
+        needle = tok.encode(f" IMPORTANT: The secret word is {answer_text}. Remember it.")
+        question = "What is the secret word?"
+        # A word follows its space in one token, so the prefix stops before the space.
+        answer_prefix = answer_prefix.replace("pass key", "secret word").rstrip(" ")
+    elif haystack == "prose-multikey":
         door = _DOORS[trial % len(_DOORS)]
         needle = tok.encode(f" IMPORTANT: The pass key of the {door} door is {key}. Remember it.")
         question = f"What is the pass key of the {door} door?"
@@ -171,19 +184,29 @@ def build_prompt(tok, length: int, key: int, depth: float, prefix_in_prompt: boo
     # The answer as the model would write it: prefix, one space, the digits (a prefix ending
     # in a space, e.g. "The pass key is ", forces the space token that precedes the digits).
     prefix = tok.encode(answer_prefix)
-    answer = tok.encode(answer_prefix + ("" if answer_prefix.endswith(" ") else " ") + str(key))
+    answer = tok.encode(answer_prefix + ("" if answer_prefix.endswith(" ") else " ") + answer_text)
     assert answer[:len(prefix)] == prefix, "the answer prefix does not tokenize as a prefix"
     forced = [] if prefix_in_prompt else prefix
     tf_tokens = forced + answer[len(prefix):]
     digit_index = [i for i, t in enumerate(tf_tokens) if i >= len(forced) and
-                   tok.decode([t]).strip().isdigit()]
-    assert "".join(tok.decode([tf_tokens[i]]).strip() for i in digit_index) == str(key)
-    return Prompt(tokens, key, depth, len(head) + len(before), forced, tf_tokens, digit_index)
+                   (haystack == "prose-word" or tok.decode([t]).strip().isdigit())]
+    assert "".join(tok.decode([tf_tokens[i]]).strip() for i in digit_index) == answer_text
+    return Prompt(tokens, key, depth, len(head) + len(before), forced, tf_tokens, digit_index, answer_text)
 
 
 def first_number(text: str) -> int | None:
     match = re.search(r"(?<!\d)\d{5}(?!\d)", text)
     return int(match.group(0)) if match else None
+
+
+def answer_of(text: str, prompt: Prompt) -> str | None:
+    """The answer in a generated text: the first five-digit number, or for a word needle the
+    first word (lower case)."""
+    if prompt.answer and not prompt.answer.isdigit():
+        match = re.search(r"[A-Za-z]+", text)
+        return match.group(0).lower() if match else None
+    number = first_number(text)
+    return None if number is None else str(number)
 
 
 # ---- Prefill cache -------------------------------------------------------------------------
@@ -400,13 +423,13 @@ def evaluate(anchorkv, context, model, tok, data: TrialData, spec: Spec) -> dict
         finally:
             attention.close()
     text = tok.decode(tokens)
-    answer = first_number(text)
+    answer = answer_of(text, data.prompt)
     return dict(
         label=spec.label, method=spec.method,
         ratio="" if spec.ratio is None else spec.ratio,
         retain_fraction="" if spec.retain_fraction is None else spec.retain_fraction,
         options=";".join(f"{k}={v}" for k, v in spec.options.items()),
-        correct=int(answer == data.prompt.key), answer=answer if answer is not None else "",
+        correct=int(answer == data.prompt.answer), answer=answer if answer is not None else "",
         text=text, same_tokens=int(tokens == data.ref_tokens),
         logp=float(np.mean(logp)), ref_logp=float(np.mean(data.ref_logp)),
         dlogp=float(np.mean(logp) - np.mean(data.ref_logp)),
@@ -563,7 +586,7 @@ def main(argv=None):
                 data = load_trial(model, tok, cache_dir, length, trial, args.seed, depth,
                                   args.prefix_in_prompt, answer_prefix=args.answer_prefix,
                                   haystack=args.haystack)
-                log(f"L={length} trial {trial}: key {data.prompt.key} depth {depth:.2f} "
+                log(f"L={length} trial {trial}: key {data.prompt.answer} depth {depth:.2f} "
                     f"{'cached prefill' if data.cached else f'prefill {data.prefill_seconds:.1f} s'}"
                     f" (load {time.time() - started:.1f} s); numpy full cache: {data.ref_text!r}")
                 for spec in specs:

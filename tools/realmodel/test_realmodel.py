@@ -103,7 +103,7 @@ def test_anchorkv_5x_answers_like_full_cache(model, context, trial, depth):
     result = passkey.evaluate(anchorkv, context, net, tok, data,
                               passkey.Spec("anchorkv", "anchorkv", 5.0))
     assert result["correct"] != "", result["text"]  # compressed at all (budget)
-    assert result["answer"] == passkey.first_number(data.ref_text), (result["text"], data.ref_text)
+    assert result["answer"] == passkey.answer_of(data.ref_text, data.prompt), (result["text"], data.ref_text)
 
 
 def test_prose_haystack_repeats_no_sentence(model):
@@ -116,13 +116,26 @@ def test_prose_haystack_repeats_no_sentence(model):
     assert len(sentences) > 40 and len(set(sentences)) == len(sentences)
 
 
+def test_word_needle_prompt(model):
+    _, tok = model
+    prompt = passkey.build_prompt(tok, LENGTH, 12345, 0.5, False, "The pass key is ", haystack="prose-word",
+                                  seed=SEED, trial=0)
+    word = passkey._WORDS[12345 % len(passkey._WORDS)]
+    assert len(prompt.tokens) == LENGTH and prompt.answer == word
+    assert f"The secret word is {word}." in tok.decode(prompt.tokens)
+    assert tok.decode(prompt.forced) == "The secret word is"
+    assert "".join(tok.decode([prompt.tf_tokens[i]]) for i in prompt.digit_index).strip() == word
+    assert passkey.answer_of(f" {word.capitalize()}. It is", prompt) == word
+    assert passkey.answer_of(" 12345", prompt) is None
+
+
 @pytest.mark.parametrize("trial,depth", PROSE_TRIALS)
 def test_anchorkv_5x_answers_like_full_cache_on_prose(model, context, trial, depth):
     net, tok = model
     data = trial_data(model, trial, depth, "prose")
     assert passkey.first_number(data.ref_text) == data.prompt.key, data.ref_text
     result = passkey.evaluate(anchorkv, context, net, tok, data, passkey.Spec("anchorkv", "anchorkv", 5.0))
-    assert result["answer"] == passkey.first_number(data.ref_text), (result["text"], data.ref_text)
+    assert result["answer"] == passkey.answer_of(data.ref_text, data.prompt), (result["text"], data.ref_text)
 
 
 
