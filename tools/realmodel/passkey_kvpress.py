@@ -142,7 +142,7 @@ def main(argv=None):
             for name, ratio, cache in rows:
                 tokens = greedy(model, tok, cache, length, prompt.forced, passkey.MAX_NEW)
                 text = tok.decode(tokens)
-                correct = passkey.first_number(text) == key
+                correct = passkey.answer_of(text, prompt) == prompt.answer
                 results.setdefault((name, ratio, length), []).append(correct)
                 print(f"L={length} t{trial} key {key} depth {depth:.2f} {name:>22} {passkey._fmt_ratio(ratio):>4}: "
                       f"{'ok ' if correct else 'BAD'} kept {cache.get_seq_length()} {text!r}", file=sys.stderr, flush=True)

@@ -111,7 +111,7 @@ def main(argv=None):
                     actual = f" actual {cache.full_bytes / cache.compressed_bytes:.1f}x"
                     cache.close()
                 text = tok.decode(tokens)
-                correct = passkey.first_number(text) == key
+                correct = passkey.answer_of(text, prompt) == prompt.answer
                 if method is None:
                     reference = tokens
                 same = reference is not None and tokens == reference

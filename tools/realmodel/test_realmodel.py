@@ -149,4 +149,4 @@ def test_anchorkv_10x_answers_like_full_cache_on_2k_prose(model, context, trial,
     data = trial_data(model, trial, depth, "prose", length=2048)
     assert passkey.first_number(data.ref_text) == data.prompt.key, data.ref_text
     result = passkey.evaluate(anchorkv, context, net, tok, data, passkey.Spec("anchorkv", "anchorkv", 10.0))
-    assert result["answer"] == data.prompt.key, result["text"]
+    assert result["answer"] == data.prompt.answer, result["text"]
