@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """How well a compressed cache keeps the pass-key needle: per layer, the relative error of the
-reconstructed (pre-RoPE) keys and values of the key's digit tokens, against the prompt's
+reconstructed (pre-RoPE) keys and values of the key's digit tokens (a word needle's pieces
+with --haystack prose-word), against the prompt's
 average, for AnchorKV at the given ratios on cached pass-key prefills (passkey.py's prompts).
 
     tools/realmodel/needle_error.py --haystack prose repeat --trials 0 3 --ratios 5 10
@@ -43,9 +44,12 @@ def main(argv=None):
             for trial in args.trials:
                 data = passkey.load_trial(net, tok, smollm2.default_cache_dir(), args.length, trial, 0,
                                           passkey.trial_depth(depths, trial), False, haystack=haystack)
-                needle = len(tok.encode(f" IMPORTANT: The pass key is {data.prompt.key}. Remember it."))
-                start = data.prompt.needle_start
-                digits = [i for i in range(start, start + needle) if tok.decode([data.prompt.tokens[i]]).strip().isdigit()]
+                # The answer's tokens inside the needle: the key's digits, or the word's pieces.
+                start, answer = data.prompt.needle_start, data.prompt.answer
+                digits = [i for i in range(start, start + 24)
+                          if (piece := tok.decode([data.prompt.tokens[i]]).strip()) and
+                          (piece.isdigit() if answer.isdigit() else piece.isalpha() and piece in answer and
+                           piece not in ("The", "is", "secret", "word"))]
                 for ratio in args.ratios:
                     caches = passkey.compress_layers(anchorkv, ctx, net, data,
                                                      passkey.Spec("anchorkv", "anchorkv", ratio, dict(options)))
