@@ -157,11 +157,13 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
 // needle in the new text an anchor); then the appended tokens (1) as at prefill (the scored
 // share of the slots left, at least scored_min, by score; the rest for coverage or by the
 // seeded sample); then, only if slots are still left, the other old tokens (0) by score.
+// local (format 3): coverage through local_coverage with `storage` and `nearest` as scratch.
 std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight, const std::vector<float> &pooled,
                                     int64_t free_anchors,
                                     const akv_compress_options &o, const std::vector<float> &Kpre,
                                     const std::vector<float> &V, int64_t S, int64_t P, int D, int head,
-                                    ThreadPool &pool) {
+                                    ThreadPool &pool, const AnchorGeometry *local, akv_dtype storage,
+                                    LocalNearest &nearest) {
   std::vector<int32_t> picks;
   std::vector<char> taken(P, 0);
   auto take_best = [&](int level, int64_t n) {
@@ -201,7 +203,9 @@ std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight,
     take_best(1, scored_share(o, slots));
     std::vector<int8_t> eligible(P);
     for (int64_t t = 0; t < P; ++t) eligible[t] = priority[t] == 1 && !taken[t];
-    if (o.coverage_rounds > 0) {
+    if (o.coverage_rounds > 0 && local) {
+      local_coverage(Kpre, V, *local, storage, o.coverage_rounds, left(), picks, nearest, pool, eligible.data());
+    } else if (o.coverage_rounds > 0) {
       add_coverage_anchors(Kpre, V, S, P, D, o.coverage_rounds, left(), picks, pool, eligible.data());
     } else {
       std::vector<std::pair<uint64_t, int32_t>> rest;
@@ -360,9 +364,9 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
   std::vector<float> utility[2] = {std::vector<float>(H * P), std::vector<float>(H * P)};
   std::vector<float> energy[2] = {std::vector<float>(H * P), std::vector<float>(H * P)};  // ||r||^2
 
-  // Format 3 chooses and assigns anchors with local candidates (cpu/local_anchors.hpp), except
-  // in compaction, whose old anchors and assignments are global.
-  const bool local = g.format == 3 && !req.anchor_priority && !req.sticky_anchor[0] && !req.sticky_anchor[1];
+  // Format 3 chooses and assigns anchors with local candidates (cpu/local_anchors.hpp); in
+  // compaction a token whose old anchor stays an anchor keeps it (the sticky assignment).
+  const bool local = g.format == 3;
   // Steps 1-6 for head h with the arrays of `s` and the threads of `pool` (the context's, or
   // one of the head workers' own single thread); `timed`: this call marks the profile stages.
   auto compress_head = [&](int h, HeadScratch &s, ThreadPool &pool, bool timed) {
@@ -407,7 +411,9 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     std::vector<int32_t> picks;
     if (req.anchor_priority) {
       picks = ranked_anchors(req.anchor_priority + static_cast<int64_t>(h) * S, req.anchor_weight + static_cast<int64_t>(h) * S,
-                             pooled, free_anchors, o, Kpre, V, S, P, D, h, pool);
+                             pooled, free_anchors, o, Kpre, V, S, P, D, h, pool, local ? &g : nullptr, storage, nearest);
+      if (local)  // the nearest candidates among the final anchors
+        local_coverage(Kpre, V, g, storage, 0, 0, picks, nearest, pool);
     } else if (local) {
       const bool cover = o.coverage_rounds > 0;
       picks = select_anchors(pooled, cover ? n_top : free_anchors, n_top, o.seed, o.layer_index, o.head_offset + h);
@@ -448,13 +454,18 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
         const float inv = norm[a] > 0.0f ? 1.0f / norm[a] : 0.0f;
         for (int d = 0; d < D; ++d) an[a * D + d] = af[a * D + d] * inv;
       }
+      const int32_t *sticky = req.sticky_anchor[side] ? req.sticky_anchor[side] + static_cast<int64_t>(h) * S : nullptr;
       if (local) {  // the nearest candidates local_coverage found
         pool.parallel_for(P, [&](int64_t b, int64_t e) {
           for (int64_t t = b; t < e; ++t) {
             const int32_t near = nearest.token[side][t];
+            const int32_t stuck = sticky ? sticky[t] : -1;  // compaction: the old assignment
             if (anchor_of_token[t] >= 0) {
               assigned[side][t] = anchor_of_token[t];
               coef[side][t] = 1.0f;
+            } else if (stuck >= 0 && stuck < P && anchor_of_token[stuck] >= 0) {
+              assigned[side][t] = anchor_of_token[stuck];
+              coef[side][t] = bf16_to_float(req.sticky_gamma[side][static_cast<int64_t>(h) * S + t]);
             } else if (near < 0) {  // every candidate has zero norm
               assigned[side][t] = 0;
               coef[side][t] = 0.0f;
@@ -467,7 +478,6 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
         });
         continue;
       }
-      const int32_t *sticky = req.sticky_anchor[side] ? req.sticky_anchor[side] + static_cast<int64_t>(h) * S : nullptr;
       constexpr int64_t kBlock = 1024;
       pool.parallel_for((P + kBlock - 1) / kBlock, [&](int64_t b, int64_t e) {
         std::vector<float> C(kBlock * k);

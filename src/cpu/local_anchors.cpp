@@ -72,7 +72,7 @@ CandidateRange candidate_range(const AnchorGeometry &g, int64_t seg) {
 
 void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V, const AnchorGeometry &g,
                     akv_dtype storage, int rounds, int64_t count, std::vector<int32_t> &anchors,
-                    LocalNearest &nearest, ThreadPool &pool) {
+                    LocalNearest &nearest, ThreadPool &pool, const int8_t *eligible) {
   const int64_t S = g.seq_len, P = g.prefix, L = g.segment_len;
   const int D = g.dim;
   const std::vector<float> *X[2] = {&Kpre, &V};
@@ -199,7 +199,7 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
     }
     order.clear();
     for (int64_t t = 0; t < P; ++t)
-      if (!is_anchor[t])
+      if (!is_anchor[t] && (!eligible || eligible[t]))
         order.emplace_back(static_cast<float>(error[0][t] / mean[0] + error[1][t] / mean[1]), static_cast<int32_t>(t));
     const int64_t n = std::min<int64_t>(take, static_cast<int64_t>(order.size()));
     std::nth_element(order.begin(), order.begin() + n, order.end(), [](const auto &a, const auto &b) {

@@ -35,9 +35,10 @@ CandidateRange candidate_range(const AnchorGeometry &g, int64_t seg);
 // taking the tokens their candidates represent worst (residual energy against the candidate of
 // largest |cos|, keys and values each relative to their mean, summed; ties: lower position).
 // Rows are [S][D] fp32, pre-RoPE keys and values; anchors are compared as stored (rounded to
-// `storage`). Appends the new anchors to `anchors` and fills `nearest`.
+// `storage`). Only tokens with eligible[t] != 0 are added (null: all). Appends the new anchors
+// to `anchors` and fills `nearest`.
 void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V, const AnchorGeometry &g,
                     akv_dtype storage, int rounds, int64_t count, std::vector<int32_t> &anchors,
-                    LocalNearest &nearest, ThreadPool &pool);
+                    LocalNearest &nearest, ThreadPool &pool, const int8_t *eligible = nullptr);
 
 }  // namespace akv
