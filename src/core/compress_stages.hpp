@@ -34,6 +34,18 @@ inline bool compress_profiling() {
   return profile && *profile && *profile != '0';
 }
 
+// The profile's one stderr line: "anchorkv <what> S=<S>: <stage> <ms> ms; ... total <ms> ms"
+// and then `tail` (may be empty).
+inline void print_stage_profile(const char *what, int64_t seq_len, const double (&ms)[kStageCount], const char *tail) {
+  double total = 0.0;
+  std::fprintf(stderr, "anchorkv %s S=%lld:", what, static_cast<long long>(seq_len));
+  for (int i = 0; i < kStageCount; ++i) {
+    std::fprintf(stderr, " %s %.3f ms;", stage_name(i), ms[i]);
+    total += ms[i];
+  }
+  std::fprintf(stderr, " total %.3f ms%s\n", total, tail);
+}
+
 // Host wall clock per stage (the CPU backend): stage(id) closes the running stage and opens id;
 // report() closes the last one and prints one stderr line in the CUDA profile's format.
 class StageClock {
@@ -49,13 +61,7 @@ class StageClock {
   void report(const char *what, int64_t seq_len) {
     if (!on_) return;
     stage(-1);
-    double total = 0.0;
-    std::fprintf(stderr, "anchorkv %s S=%lld:", what, static_cast<long long>(seq_len));
-    for (int i = 0; i < kStageCount; ++i) {
-      std::fprintf(stderr, " %s %.3f ms;", stage_name(i), ms_[i]);
-      total += ms_[i];
-    }
-    std::fprintf(stderr, " total %.3f ms\n", total);
+    print_stage_profile(what, seq_len, ms_, "");
   }
 
  private:

@@ -121,30 +121,12 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
   int64_t left = count;
   for (int round = 0; round < rounds && left > 0; ++round) {
     const int64_t take = (left + (rounds - round) - 1) / (rounds - round);
-    double mean[2] = {0.0, 0.0};
     std::vector<float> error[2] = {std::vector<float>(P), std::vector<float>(P)};
-    for (int side = 0; side < 2; ++side) {
-      for (int64_t t = 0; t < P; ++t) {
+    for (int side = 0; side < 2; ++side)
+      for (int64_t t = 0; t < P; ++t)
         error[side][t] = norm_sq[side][t] * std::max(0.0f, 1.0f - best_cos_sq[side][t]);
-        mean[side] += error[side][t];
-      }
-      mean[side] = mean[side] > 0.0 ? mean[side] / P : 1.0;
-    }
-    std::vector<std::pair<float, int32_t>> order;
-    order.reserve(P);
-    for (int64_t t = 0; t < P; ++t)
-      if (!is_anchor[t] && (!eligible || eligible[t]))
-        order.emplace_back(static_cast<float>(error[0][t] / mean[0] + error[1][t] / mean[1]), static_cast<int32_t>(t));
-    const int64_t n = std::min<int64_t>(take, static_cast<int64_t>(order.size()));
-    std::nth_element(order.begin(), order.begin() + n, order.end(), [](const auto &a, const auto &b) {
-      return a.first != b.first ? a.first > b.first : a.second < b.second;
-    });
-    fresh.clear();
-    for (int64_t i = 0; i < n; ++i) {
-      fresh.push_back(order[i].second);
-      is_anchor[order[i].second] = 1;
-      anchors.push_back(order[i].second);
-    }
+    fresh = worst_represented(error, take, is_anchor, eligible, anchors);
+    const int64_t n = static_cast<int64_t>(fresh.size());
     absorb(fresh);
     left -= n;
   }
@@ -455,17 +437,27 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
         for (int d = 0; d < D; ++d) an[a * D + d] = af[a * D + d] * inv;
       }
       const int32_t *sticky = req.sticky_anchor[side] ? req.sticky_anchor[side] + static_cast<int64_t>(h) * S : nullptr;
+      // Anchors point at themselves with gamma 1; in compaction a token whose old anchor is
+      // still an anchor keeps it and its old coefficient. False: t needs its nearest anchor.
+      auto assign_fixed = [&](int64_t t) {
+        const int32_t stuck = sticky ? sticky[t] : -1;
+        if (anchor_of_token[t] >= 0) {
+          assigned[side][t] = anchor_of_token[t];
+          coef[side][t] = 1.0f;
+        } else if (stuck >= 0 && stuck < P && anchor_of_token[stuck] >= 0) {
+          assigned[side][t] = anchor_of_token[stuck];
+          coef[side][t] = bf16_to_float(req.sticky_gamma[side][static_cast<int64_t>(h) * S + t]);
+        } else {
+          return false;
+        }
+        return true;
+      };
       if (local) {  // the nearest candidates local_coverage found
         pool.parallel_for(P, [&](int64_t b, int64_t e) {
           for (int64_t t = b; t < e; ++t) {
             const int32_t near = nearest.token[side][t];
-            const int32_t stuck = sticky ? sticky[t] : -1;  // compaction: the old assignment
-            if (anchor_of_token[t] >= 0) {
-              assigned[side][t] = anchor_of_token[t];
-              coef[side][t] = 1.0f;
-            } else if (stuck >= 0 && stuck < P && anchor_of_token[stuck] >= 0) {
-              assigned[side][t] = anchor_of_token[stuck];
-              coef[side][t] = bf16_to_float(req.sticky_gamma[side][static_cast<int64_t>(h) * S + t]);
+            if (assign_fixed(t)) {
+              continue;
             } else if (near < 0) {  // every candidate has zero norm
               assigned[side][t] = 0;
               coef[side][t] = 0.0f;
@@ -486,14 +478,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
           sgemm(true, n, k, D, 1.0f, &X[t0 * D], D, an.data(), D, 0.0f, C.data(), k);
           for (int64_t i = 0; i < n; ++i) {
             const int64_t t = t0 + i;
-            const int32_t stuck = sticky ? sticky[t] : -1;  // compaction: the old assignment
-            if (anchor_of_token[t] >= 0) {
-              assigned[side][t] = anchor_of_token[t];
-              coef[side][t] = 1.0f;
-            } else if (stuck >= 0 && stuck < P && anchor_of_token[stuck] >= 0) {
-              assigned[side][t] = anchor_of_token[stuck];
-              coef[side][t] = bf16_to_float(req.sticky_gamma[side][static_cast<int64_t>(h) * S + t]);
-            } else {
+            if (!assign_fixed(t)) {
               const float *c = &C[i * k];
               int32_t best = 0;
               float best_abs = -1.0f;

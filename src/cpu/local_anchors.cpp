@@ -70,6 +70,32 @@ CandidateRange candidate_range(const AnchorGeometry &g, int64_t seg) {
   return {std::max<int64_t>(0, t0 - reach), std::min(P, t1 + reach)};
 }
 
+std::vector<int32_t> worst_represented(const std::vector<float> (&error)[2], int64_t take, std::vector<char> &is_anchor,
+                                       const int8_t *eligible, std::vector<int32_t> &anchors) {
+  const int64_t P = static_cast<int64_t>(error[0].size());
+  double mean[2] = {0.0, 0.0};
+  for (int side = 0; side < 2; ++side) {
+    for (int64_t t = 0; t < P; ++t) mean[side] += error[side][t];
+    mean[side] = mean[side] > 0.0 ? mean[side] / P : 1.0;
+  }
+  std::vector<std::pair<float, int32_t>> order;
+  order.reserve(P);
+  for (int64_t t = 0; t < P; ++t)
+    if (!is_anchor[t] && (!eligible || eligible[t]))
+      order.emplace_back(static_cast<float>(error[0][t] / mean[0] + error[1][t] / mean[1]), static_cast<int32_t>(t));
+  const int64_t n = std::min<int64_t>(take, static_cast<int64_t>(order.size()));
+  std::nth_element(order.begin(), order.begin() + n, order.end(), [](const auto &a, const auto &b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  });
+  std::vector<int32_t> picked;
+  for (int64_t i = 0; i < n; ++i) {
+    picked.push_back(order[i].second);
+    is_anchor[order[i].second] = 1;
+    anchors.push_back(order[i].second);
+  }
+  return picked;
+}
+
 void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V, const AnchorGeometry &g,
                     akv_dtype storage, int rounds, int64_t count, std::vector<int32_t> &anchors,
                     LocalNearest &nearest, ThreadPool &pool, const int8_t *eligible) {
@@ -80,6 +106,7 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
   for (int side = 0; side < 2; ++side) {
     nearest.token[side].assign(P, -1);
     nearest.dot[side].assign(P, 0.0f);
+    if (rounds == 0 || count == 0) continue;  // the norms only rank the rounds' picks
     pool.parallel_for(P, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const float *x = &(*X[side])[t * D];
@@ -184,33 +211,16 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
   absorb(fresh, everywhere);
   everywhere.clear();
   int64_t left = count;
-  std::vector<std::pair<float, int32_t>> order;
   for (int round = 0; round < rounds && left > 0; ++round) {
     const int64_t take = (left + (rounds - round) - 1) / (rounds - round);
     std::vector<float> error[2] = {std::vector<float>(P), std::vector<float>(P)};
-    double mean[2] = {0.0, 0.0};
-    for (int side = 0; side < 2; ++side) {
+    for (int side = 0; side < 2; ++side)
       for (int64_t t = 0; t < P; ++t) {
         const float c = nearest.dot[side][t];
         error[side][t] = std::max(0.0f, norm_sq[side][t] - c * c);
-        mean[side] += error[side][t];
       }
-      mean[side] = mean[side] > 0.0 ? mean[side] / P : 1.0;
-    }
-    order.clear();
-    for (int64_t t = 0; t < P; ++t)
-      if (!is_anchor[t] && (!eligible || eligible[t]))
-        order.emplace_back(static_cast<float>(error[0][t] / mean[0] + error[1][t] / mean[1]), static_cast<int32_t>(t));
-    const int64_t n = std::min<int64_t>(take, static_cast<int64_t>(order.size()));
-    std::nth_element(order.begin(), order.begin() + n, order.end(), [](const auto &a, const auto &b) {
-      return a.first != b.first ? a.first > b.first : a.second < b.second;
-    });
-    fresh.clear();
-    for (int64_t i = 0; i < n; ++i) {
-      fresh.push_back(order[i].second);
-      is_anchor[order[i].second] = 1;
-      anchors.push_back(order[i].second);
-    }
+    fresh = worst_represented(error, take, is_anchor, eligible, anchors);
+    const int64_t n = static_cast<int64_t>(fresh.size());
     absorb(fresh, everywhere);
     left -= n;
   }

@@ -29,6 +29,13 @@ struct CandidateRange {
 };
 CandidateRange candidate_range(const AnchorGeometry &g, int64_t seg);
 
+// One coverage round's picks: of the prefix tokens that are not anchors (and are eligible,
+// eligible null: all), the `take` of largest error[0]/mean + error[1]/mean (each side's error
+// relative to its mean over the prefix; ties: lower position). Marks them in is_anchor,
+// appends them to `anchors` and returns them.
+std::vector<int32_t> worst_represented(const std::vector<float> (&error)[2], int64_t take, std::vector<char> &is_anchor,
+                                       const int8_t *eligible, std::vector<int32_t> &anchors);
+
 // Chooses the coverage share and finds every token's nearest candidate anchor in one pass:
 // starting from `anchors` (non-window prefix positions, any order) and the window P..S-1,
 // `count` more anchors are added in `rounds` rounds (0 rounds or count 0: none), each round

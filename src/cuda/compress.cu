@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <utility>
+#include <string>
 #include <vector>
 
 #include "core/error.hpp"
@@ -86,19 +87,14 @@ struct CudaDevice {
   void report(const char *what, int64_t seq_len) {
     if (!profiling || marks.empty()) return;
     check(cudaEventSynchronize(marks.back().second), "cudaEventSynchronize");
-    float per_stage[kStageCount] = {};
+    double per_stage[kStageCount] = {};
     for (size_t i = 0; i + 1 < marks.size(); ++i) {
       float ms = 0.0f;
       check(cudaEventElapsedTime(&ms, marks[i].second, marks[i + 1].second), "cudaEventElapsedTime");
       if (marks[i].first >= 0 && marks[i].first < kStageCount) per_stage[marks[i].first] += ms;
     }
-    float total = 0.0f;
-    std::fprintf(stderr, "anchorkv %s S=%lld:", what, static_cast<long long>(seq_len));
-    for (int i = 0; i < kStageCount; ++i) {
-      std::fprintf(stderr, " %s %.3f ms;", stage_name(i), per_stage[i]);
-      total += per_stage[i];
-    }
-    std::fprintf(stderr, " total %.3f ms; %lld stream operations\n", total, static_cast<long long>(operations));
+    const std::string tail = "; " + std::to_string(operations) + " stream operations";
+    print_stage_profile(what, seq_len, per_stage, tail.c_str());
   }
 
   template <typename... KArgs, typename... Args>
