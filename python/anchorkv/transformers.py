@@ -24,10 +24,11 @@ by ``module.layer_idx``; outside such a cache it is SDPA.
 
 Supported: decoder-only models whose attention modules follow transformers' functional
 AttentionInterface with NeoX (rotate-half) RoPE (Llama, Mistral, Qwen2, SmolLM...), batch
-size 1 and batches of equal-length prompts (no padding), torch tensors on the CPU (CPU
-context) or on CUDA (CUDA context, when the library is built with CUDA), passed without
-copies where their layout allows. Prompts of at most 2 * window tokens are kept exact
-(FullKV). Not supported: padded batches, chunked prefill, beam search, cropping.
+size 1 and batches, left-padded where the prompts differ in length (each row's prompt
+without its padding is compressed at the row's own positions and budget), torch tensors on
+the CPU (CPU context) or on CUDA (CUDA context, when the library is built with CUDA), passed
+without copies where their layout allows. Prompts of at most 2 * window tokens are kept
+exact (FullKV). Not supported: right padding, chunked prefill, beam search, cropping.
 """
 from __future__ import annotations
 
@@ -73,11 +74,48 @@ def anchorkv_attention(module, query, key, value, attention_mask, scaling=None, 
                                 dropout=dropout, **kwargs)
     layer.returned_keys = None
     if layer.has_pending_prefill:
+        pads = left_padding(attention_mask, key.shape[0], key.shape[-2])
         out = _exact_attention(module, query, key, value, attention_mask, scaling=scaling,
                                dropout=dropout, **kwargs)
-        layer.compress(query, scaling)
+        layer.compress(query, scaling, pads, kwargs.get("position_ids"))
         return out
     return layer.decode(query), None
+
+
+_PADDING_HELP = ("anchorkv.transformers takes left-padded batches only (tokenizer(..., padding=True) with "
+                 "tokenizer.padding_side = 'left', as transformers recommends for generation)")
+
+
+def left_padding(attention_mask, batch: int, seq_len: int) -> list[int]:
+    """Pad tokens at the start of each batch row of a prefill, from the attention mask its
+    attention function receives: [B][1][q][kv] bool (True: attended) or additive float (0:
+    attended), or None (no padding). The last query of a row attends to every real token of
+    its prompt. Raises ValueError where a row's masked tokens are not all at its start."""
+    if attention_mask is None:
+        return [0] * batch
+    last = attention_mask[:, 0, -1, -seq_len:]
+    visible = last if last.dtype == torch.bool else last == 0
+    visible = visible.expand(batch, seq_len).cpu()
+    pads = (~visible).sum(dim=-1).tolist()
+    for row, pad in enumerate(pads):
+        if pad == seq_len or not bool(visible[row, pad:].all()):
+            raise ValueError(f"{_PADDING_HELP}; row {row} of the batch has masked tokens after its first "
+                             "real token (right padding, or a mask that is not causal)")
+    return pads
+
+
+def mask_row_lengths(mask) -> list[int] | None:
+    """The prompt length of each row of a [B][S] attention mask (1: token, 0: pad); None
+    when it has no padding. Raises ValueError unless the padding is on the left."""
+    if mask is None or bool(torch.all(mask != 0)):
+        return None
+    real = (mask != 0).cpu()
+    lengths = real.sum(dim=-1).tolist()
+    for row, length in enumerate(lengths):
+        if length == 0 or not bool(real[row, real.shape[1] - length:].all()):
+            raise ValueError(f"{_PADDING_HELP}; row {row} of attention_mask is "
+                             + ("all padding" if length == 0 else "not padded on the left"))
+    return lengths
 
 
 def register() -> None:
@@ -148,20 +186,30 @@ class AnchorKVLayer(CacheLayerMixin):
         self.returned_keys = key_states
         return key_states, value_states
 
-    def compress(self, query: torch.Tensor, scaling: float | None) -> None:
+    def compress(self, query: torch.Tensor, scaling: float | None, pads: list[int] | None = None,
+                 position_ids: torch.Tensor | None = None) -> None:
+        """Compress each batch row's prompt: its last seq_len - pads[row] tokens (left padding
+        is dropped; the positions are the row's position_ids, which generate() counts from the
+        first real token)."""
         keys, values = self._pending
         self._pending = None
         batch, heads, seq_len, head_dim = keys.shape
-        options = self.owner.layer_options(self.layer_idx, seq_len, scaling)
-        window = options.get("window")
         context = self.owner.context_for(keys)
         caches = []
         for row in range(batch):
-            k, v = keys[row], values[row]
+            pad = pads[row] if pads else 0
+            options = self.owner.layer_options(self.layer_idx, seq_len - pad, scaling)
+            window = options.get("window")
+            k, v = keys[row, :, pad:], values[row, :, pad:]
             if k.stride() != v.stride():  # the library takes one stride pair for both
                 k, v = k.contiguous(), v.contiguous()
             q = None if window is None else query[row, :, seq_len - window:, :]
-            caches.append(context.compress(k, v, q, num_q_heads=query.shape[1], **options))
+            positions = None
+            if pad and position_ids is not None:
+                ids = position_ids[row if position_ids.shape[0] > 1 else 0, pad:]
+                positions = ids.to(device=keys.device, dtype=torch.int32).contiguous()
+            caches.append(context.compress(k, v, q, num_q_heads=query.shape[1], positions=positions,
+                                           **options))
         self.caches = caches
 
     def decode(self, query: torch.Tensor) -> torch.Tensor:
@@ -341,11 +389,7 @@ class AnchorKV:
         original = model.generate
 
         def generate(*args, **kwargs):
-            mask = kwargs.get("attention_mask")
-            if mask is not None and not bool(torch.all(mask != 0)):
-                raise ValueError("anchorkv.transformers supports equal-length prompts only (the attention "
-                                 "mask has padding): generate each prompt on its own, or batch prompts of one "
-                                 "length (tokenizer(..., padding=False))")
+            lengths = mask_row_lengths(kwargs.get("attention_mask"))  # refuses right padding
             cache = kwargs.get("cache")
             if cache is None:
                 cache = kwargs.get("past_key_values")
@@ -355,7 +399,8 @@ class AnchorKV:
             if prompt is None:
                 prompt = kwargs.get("inputs_embeds")
             if isinstance(cache, AnchorKVCache) and prompt is not None and cache.get_seq_length() == 0:
-                cache.check_budget(int(prompt.shape[1]))  # before any compute
+                for length in sorted(set(lengths or [int(prompt.shape[1])])):
+                    cache.check_budget(length)  # before any compute
             return original(*args, **kwargs)
 
         model.generate = generate

@@ -104,9 +104,9 @@ def test_enable_and_press_install_and_restore(model):
         with torch.no_grad():
             model.generate(prompt, max_new_tokens=2, do_sample=False, cache=cache)
         assert 2.0 < cache.full_bytes / cache.compressed_bytes < 2.6
-        with pytest.raises(ValueError, match="equal-length"):
+        with pytest.raises(ValueError, match="left-padded"):  # right padding: refused before any forward
             mask = torch.ones(2, 300, dtype=torch.long)
-            mask[0, 0] = 0
+            mask[0, -1] = 0
             model.generate(torch.randint(0, 256, (2, 300)), attention_mask=mask, max_new_tokens=1)
     assert model.config._attn_implementation == before
     assert "generate" not in vars(model)
@@ -171,3 +171,73 @@ def test_cache_works_without_enable(model):
     finally:
         handle.disable()
     assert torch.equal(alone, enabled)
+
+
+def _left_padded(prompts: list[torch.Tensor]):
+    """input_ids, attention_mask and generate()'s position_ids of left-padded prompts."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - p.numel():] = p
+        mask[row, width - p.numel():] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions
+
+
+@pytest.mark.parametrize("method, options", [("fullkv", {}), ("anchorkv", {"retain_fraction": 0.4})])
+def test_left_padded_batch_compresses_each_prompt_without_its_padding(model, method, options):
+    """Prompts of 300, 170 and 60 tokens, left-padded into one batch: each row's cache holds
+    its own prompt (the padding dropped; 60 <= 2 * window stays exact) at generate()'s
+    positions, and the next token's logits equal each prompt run alone: against the exact
+    cache (FullKV), or against SDPA over what the row's cache represents (AnchorKV)."""
+    generator = torch.Generator().manual_seed(model.seed)
+    lengths = [300, 170, 60]
+    prompts = [torch.randint(0, 256, (n,), generator=generator) for n in lengths]
+    nxt = torch.randint(0, 256, (len(lengths), 1), generator=generator)
+    ids, mask, positions = _left_padded(prompts)
+    cache = akv_hf.AnchorKVCache(model, method=method, **options)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
+        for layer in cache.layers:
+            assert [row.shape.seq_len for row in layer.caches] == lengths
+        references = []
+        for row, n in enumerate(lengths):
+            if method == "fullkv":
+                reference = DynamicCache(config=model.config)
+                model(input_ids=prompts[row][None], cache=reference)
+            else:  # what the row's caches represent, taken before the decode appends to them
+                alone = akv_hf.AnchorKVCache(model, method=method, **options)
+                for mine, theirs in zip(alone.layers, cache.layers):
+                    mine.caches = [theirs.caches[row]]
+                reference = _reference_cache(alone)
+            references.append(reference)
+        got = model(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], dim=1),
+                    position_ids=torch.tensor(lengths)[:, None], cache=cache).logits
+        for row, n in enumerate(lengths):
+            expected = model(input_ids=nxt[row][None], cache=references[row],
+                             position_ids=torch.tensor([[n]])).logits
+            # FullKV stores K/V in bf16 (see test_fullkv_follows_the_exact_cache_and_generate_runs).
+            torch.testing.assert_close(got[row], expected[0], rtol=0, atol=3e-3 if method == "fullkv" else 1e-4,
+                                       msg=lambda m: f"seed {model.seed}, row {row}: {m}")
+    stats = [row.stats for row in cache.layers[0].caches]
+    if method == "anchorkv":
+        assert stats[0].ratio > 2.0 and stats[1].ratio > 2.0 and stats[2].method == anchorkv.Method.FULLKV
+    cache.close()
+
+
+def test_left_padded_generate(model):
+    """generate() with a left-padded batch through enable(): each row's greedy tokens equal
+    those of its prompt generated alone (FullKV; exact up to bf16 storage)."""
+    generator = torch.Generator().manual_seed(model.seed)
+    prompts = [torch.randint(0, 256, (n,), generator=generator) for n in (200, 130)]
+    ids, mask, _ = _left_padded(prompts)
+    handle = akv_hf.enable(model, method="fullkv")
+    try:
+        with torch.no_grad():
+            batch = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+            alone = [model.generate(p[None], max_new_tokens=4, do_sample=False)[0, -4:] for p in prompts]
+    finally:
+        handle.disable()
+    assert batch.shape == (2, 204)
+    assert torch.equal(batch[0, -4:], alone[0]) and torch.equal(batch[1, -4:], alone[1])
