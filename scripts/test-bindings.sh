@@ -10,7 +10,8 @@
 #             its Javadoc (lint clean)
 #   examples  C and C++ quickstarts through pkg-config (examples/Makefile) and through
 #             find_package(anchorkv) (examples/CMakeLists.txt)
-# and, in each part, the code block of docs/bindings.md marked <!-- test: LANG -->.
+# and, in each part, the code blocks of docs/bindings.md marked <!-- test: TAG --> (the C
+# part also runs the C section's shell and CMake blocks as written).
 #
 # Environment:
 #   ANCHORKV_BUILD_DIR  a configured and built build dir of the library; default: configure
@@ -77,17 +78,17 @@ need() {
 
 wants() { [[ " $PARTS " == *" $1 "* ]]; }
 
-# doc_block TAG: the fenced code block after the line "<!-- test: TAG -->" in
-# docs/bindings.md, so the examples shown there are the examples run here.
+# doc_block TAG [FILE]: the fenced code block after the line "<!-- test: TAG -->" in FILE
+# (default docs/bindings.md), so the examples shown there are the examples run here.
 DOC=$ROOT/docs/bindings.md
 doc_block() {
-  local block
+  local block doc=${2:-$DOC}
   block=$(awk -v marker="<!-- test: $1 -->" '
     $0 == marker { armed = 1; next }
     armed && /^```/ { if (inside) exit; inside = 1; next }
-    inside { print }' "$DOC")
+    inside { print }' "$doc")
   if [[ -z "$block" ]]; then
-    echo "no block marked <!-- test: $1 --> in $DOC" >&2
+    echo "no block marked <!-- test: $1 --> in $doc" >&2
     return 1
   fi
   printf '%s\n' "$block"
@@ -273,12 +274,49 @@ c_doc() {
   LD_LIBRARY_PATH="$PREFIX_LIB_DIR"${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} "$WORK/doc_example_c"
 }
 
+# The shell and CMake blocks of docs/bindings.md's "C and C++" (and the shell block of
+# docs/api.md's "Using an installed copy") as written, building bindings.md's C
+# example (app.c), with the docs' /opt/anchorkv replaced by the prefix under test and no
+# LD_LIBRARY_PATH: the rpath they set must be enough for the loader.
+c_doc_sh() {
+  local doc lib_pc dir
+  lib_pc=$(dirname "$PC_FILE")
+  for doc in bindings api; do
+    dir=$WORK/doc-sh-$doc
+    mkdir -p "$dir"
+    doc_block c >"$dir/app.c"
+    doc_block c-sh "$ROOT/docs/$doc.md" |
+      sed "s|/opt/anchorkv/lib/pkgconfig|$lib_pc|g; s|/opt/anchorkv|$PREFIX|g" >"$dir/run.sh"
+    (cd "$dir" && env -u LD_LIBRARY_PATH -u PKG_CONFIG_PATH bash -euo pipefail run.sh)
+  done
+}
+
+c_doc_cmake() {
+  local dir=$WORK/doc-cmake
+  mkdir -p "$dir"
+  doc_block c >"$dir/app.c"
+  {
+    echo "cmake_minimum_required(VERSION 3.16)"
+    echo "project(app C)"
+    echo "add_executable(app app.c)"
+    doc_block cmake
+    echo "install(TARGETS app)"
+  } >"$dir/CMakeLists.txt"
+  cmake -S "$dir" -B "$dir/build" -DCMAKE_PREFIX_PATH="$PREFIX" >/dev/null
+  cmake --build "$dir/build" -j"$JOBS"
+  env -u LD_LIBRARY_PATH "$dir/build/app"  # from the build tree
+  cmake --install "$dir/build" --prefix "$dir/installed" >/dev/null
+  env -u LD_LIBRARY_PATH "$dir/installed/bin/app"  # installed (INSTALL_RPATH_USE_LINK_PATH)
+}
+
 if wants examples; then
   PART=examples
   if need cc c++ make pkg-config; then
     run_step "examples: C and C++ through pkg-config" examples_pkg_config
     run_step "examples: C and C++ through find_package(anchorkv)" examples_find_package
     run_step "examples: docs/bindings.md C example" c_doc
+    run_step "examples: docs/bindings.md and api.md C builds through pkg-config, as written" c_doc_sh
+    run_step "examples: docs/bindings.md CMake block, as written" c_doc_cmake
   fi
 fi
 
