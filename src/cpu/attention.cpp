@@ -67,8 +67,11 @@ class AnchorHead {
     const int64_t P = g_.prefix, words = g_.words;
     total_ = cache.meta.shape.seq_len + cache.suffix_len;
     // Fold the softmax scale into the queries once instead of scaling every logit.
-    q_.assign(q, q + static_cast<size_t>(rows_) * D_);
-    for (float &x : q_) x *= cache.meta.softmax_scale;
+    // Rows padded with zero queries to a multiple of four for the gather walk's blocked
+    // contractions (G = 3 or 6 would otherwise contract one row at a time).
+    crows_ = (rows_ + 3) / 4 * 4;
+    q_.assign(static_cast<size_t>(crows_) * D_, 0.0f);
+    for (size_t e = 0; e < static_cast<size_t>(rows_) * D_; ++e) q_[e] = q[e] * cache.meta.softmax_scale;
     L_.resize(static_cast<size_t>(rows_) * total_);
     ak_ = cache.section<uint16_t>(kAnchorKeys) + static_cast<int64_t>(h) * k * D_;
     kidx_ = cache.section<uint16_t>(kKeyIndex) + h * P;
@@ -89,7 +92,7 @@ class AnchorHead {
       anchor_tokens_ = cache.section<int64_t>(kAnchorTokens) + h * free_anchors_;
       next_anchor_token_ = free_anchors_ > 0 ? anchor_tokens_[0] : -1;
     }
-    logit_.resize(rows_);
+    logit_.resize(crows_);
     x_.resize(D_);
     x2_.resize(D_);
     x3_.resize(D_);
@@ -98,11 +101,12 @@ class AnchorHead {
     wide_ = has_avx512() &&
             forced_prefix_logits.load(std::memory_order_relaxed) != static_cast<int>(PrefixLogits::kGatherAvx2);
     wide_walk_ = wide_ && neox_ && D_ % 16 == 0 && pairs_ % 16 == 0;
-    if (wide_ && r_.size() == 128) {  // decode_residual128_avx512's norm * sign
-      const float norm = 1.0f / std::sqrt(128.0f);
+    const size_t rdim = r_.size();
+    if (wide_ && (rdim == 64 || rdim == 128 || rdim == 256)) {  // decode_residual_avx512's norm * sign
+      const float norm = 1.0f / std::sqrt(static_cast<float>(rdim));
       for (float sgn : cache.codec.signs()) norm_signs_.push_back(norm * sgn);
     }
-    logit2_.resize(rows_);
+    logit2_.resize(crows_);
     // Two ways to the prefix logits. The coefficient table (build_coefficients) costs
     // entries*rows*D per step and as many floats, then rows*D multiply-adds per token read
     // from it; the gather path rebuilds each token's key from its anchor row instead (D*2
@@ -188,7 +192,7 @@ class AnchorHead {
       if (word >> (t & 63) & 1u) {
         const uint32_t slot = kbase_ + kprefix_[t >> 6] +
                               static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
-        c_.codec.decode(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot], r_.data());
+        decode_residual(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot]);
         if (pairs_) rope_.apply(r_.data(), cs, cs + pairs_);
         dot_rows(q_.data(), D_, rows_, r_.data(), D_, logit_.data());
         for (int i = 0; i < rows_; ++i) L_[i * total_ + t] += logit_[i];
@@ -207,7 +211,7 @@ class AnchorHead {
     for (; u + 2 <= n; u += 2) {
       rebuild_key(t0 + u, trig + u * two_p_, x_.data());
       rebuild_key(t0 + u + 1, trig + (u + 1) * two_p_, x2_.data());
-      dot_rows2(q_.data(), D_, rows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
+      dot_rows2(q_.data(), D_, crows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
       store_pair(t0 + u);
     }
     for (; u < n; ++u) {
@@ -228,7 +232,7 @@ class AnchorHead {
   }
   AKV_TARGET_AVX512 void prefix_tile_gather_avx512(int64_t t0, int64_t n, const float *trig) {
     int64_t u = 0;
-    if (rows_ % 4 == 0) {  // four tokens against four rows at a time: one reduction per block
+    {  // four tokens against four rows at a time (rows padded to fours): one reduction per block
       float *x[4] = {x_.data(), x2_.data(), x3_.data(), x4_.data()};
       const float *const xs[4] = {x[0], x[1], x[2], x[3]};
       for (; u + 4 <= n; u += 4) {
@@ -237,7 +241,7 @@ class AnchorHead {
           alignas(64) float block[16];
           float *const out[4] = {block, block + 4, block + 8, block + 12};
           dot_rows4x4_avx512(q_.data() + static_cast<size_t>(r0) * D_, D_, xs, D_, out);
-          for (int r = 0; r < 4; ++r)
+          for (int r = 0; r < 4 && r0 + r < rows_; ++r)
             for (int j = 0; j < 4; ++j) L_[(r0 + r) * total_ + t0 + u + j] = block[r * 4 + j];
         }
       }
@@ -245,7 +249,7 @@ class AnchorHead {
     for (; u + 2 <= n; u += 2) {
       rebuild_key_avx512(t0 + u, trig + u * two_p_, x_.data());
       rebuild_key_avx512(t0 + u + 1, trig + (u + 1) * two_p_, x2_.data());
-      dot_rows2(q_.data(), D_, rows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
+      dot_rows2(q_.data(), D_, crows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
       store_pair(t0 + u);
     }
     for (; u < n; ++u) {
@@ -306,17 +310,29 @@ class AnchorHead {
     if (word >> (t & 63) & 1u) {
       const uint32_t slot = kbase_ + kprefix_[t >> 6] +
                             static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
-      const uint8_t *codes = kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes();
-#ifdef AKV_HAVE_AVX512_KERNELS
-      if (wide_ && !norm_signs_.empty())
-        decode_residual128_avx512(codes, kscales_[slot], kLloydMaxLevels, norm_signs_.data(), r_.data());
-      else
-#endif
-        c_.codec.decode(codes, kscales_[slot], r_.data());
+      decode_residual(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot]);
       k.residual = r_.data();
     }
     return k;
   }
+
+  // ResidualCodec::decode into r_, with sixteen lanes where they may run (D' = 64, 128, 256:
+  // norm_signs_ set); bit for bit the codec's result either way.
+  void decode_residual(const uint8_t *codes, float scale) {
+#ifdef AKV_HAVE_AVX512_KERNELS
+    if (!norm_signs_.empty()) return decode_residual_wide(codes, scale);
+#endif
+    c_.codec.decode(codes, scale, r_.data());
+  }
+#ifdef AKV_HAVE_AVX512_KERNELS
+  AKV_TARGET_AVX512 void decode_residual_wide(const uint8_t *codes, float scale) {
+    switch (norm_signs_.size()) {
+      case 64: return decode_residual_avx512<4>(codes, scale, kLloydMaxLevels, norm_signs_.data(), r_.data());
+      case 128: return decode_residual_avx512<8>(codes, scale, kLloydMaxLevels, norm_signs_.data(), r_.data());
+      default: return decode_residual_avx512<16>(codes, scale, kLloydMaxLevels, norm_signs_.data(), r_.data());
+    }
+  }
+#endif
 
   // Token t's key, post-RoPE, into x (cs: its cos | sin).
   void rebuild_key(int64_t t, const float *cs, float *x) {
@@ -355,12 +371,13 @@ class AnchorHead {
   bool neox_ = false;  // rotary pairs (j, j + pairs): neox_key_row applies
   bool wide_ = false;       // AVX-512 kernels may run (has_avx512, not forced off by a test)
   bool wide_walk_ = false;  // and the AVX-512 gather walk applies to this shape
-  std::vector<float> norm_signs_;  // decode_residual128_avx512's norm * sign
+  std::vector<float> norm_signs_;  // decode_residual_avx512's norm * sign (D' floats)
   std::vector<float> x_, x2_, x3_, x4_, logit2_;
   const akv_cache &c_;
   int h_;
   int32_t q_len_;
   int D_, rows_;
+  int crows_;  // rows_ rounded up to a multiple of four: q_'s rows (the padding is zero)
   const Rope &rope_;
   const AnchorGeometry &g_;
   akv_dtype storage_;

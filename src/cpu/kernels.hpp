@@ -328,32 +328,34 @@ AKV_TARGET_AVX512 inline void decode_rotated_avx512(const uint8_t *codes, float 
   for (int i = 0; i < n; i += 16) _mm512_storeu_ps(y + i, residual_levels16(codes + i / 4, lv));
 }
 
-// ResidualCodec::decode for a 128-dim rotated domain in eight registers: levels times scale,
-// the Walsh-Hadamard butterflies in fwht's stage order (so the same sums, bit for bit), then
-// times norm * sign (norm_signs: 128 floats).
-AKV_TARGET_AVX512 inline void decode_residual128_avx512(const uint8_t *codes, float scale, const float (&levels)[4],
-                                                        const float *norm_signs, float *out) {
+// ResidualCodec::decode for a rotated domain of 16 * R dims (R = 4, 8, 16: D' = 64, 128, 256)
+// in R registers: levels times scale, the Walsh-Hadamard butterflies in fwht's stage order
+// (so the same sums, bit for bit), then times norm * sign (norm_signs: 16 * R floats).
+template <int R>
+AKV_TARGET_AVX512 inline void decode_residual_avx512(const uint8_t *codes, float scale, const float (&levels)[4],
+                                                     const float *norm_signs, float *out) {
+  static_assert(R == 4 || R == 8 || R == 16, "64, 128 or 256 dims");
   const __m512 lv = scaled_levels(levels, scale);
-  __m512 v[8];
-  for (int i = 0; i < 8; ++i) v[i] = residual_levels16(codes + 4 * i, lv);
+  __m512 v[R];
+  for (int i = 0; i < R; ++i) v[i] = residual_levels16(codes + 4 * i, lv);
   const __m512 m1 = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
   const __m512 m2 = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
   const __m512 m4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
   const __m512 m8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
-  for (int i = 0; i < 8; ++i) {  // y = x * sign + partner: the partner one, two, four, eight lanes away
+  for (int i = 0; i < R; ++i) {  // y = x * sign + partner: the partner one, two, four, eight lanes away
     v[i] = _mm512_fmadd_ps(v[i], m1, _mm512_permute_ps(v[i], 0xB1));
     v[i] = _mm512_fmadd_ps(v[i], m2, _mm512_permute_ps(v[i], 0x4E));
     v[i] = _mm512_fmadd_ps(v[i], m4, _mm512_shuffle_f32x4(v[i], v[i], 0xB1));
     v[i] = _mm512_fmadd_ps(v[i], m8, _mm512_shuffle_f32x4(v[i], v[i], 0x4E));
   }
-  for (int step = 1; step < 8; step <<= 1)
-    for (int i = 0; i < 8; ++i)
+  for (int step = 1; step < R; step <<= 1)
+    for (int i = 0; i < R; ++i)
       if (!(i & step)) {
         const __m512 a = v[i], b = v[i + step];
         v[i] = _mm512_add_ps(a, b);
         v[i + step] = _mm512_sub_ps(a, b);
       }
-  for (int i = 0; i < 8; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(v[i], _mm512_loadu_ps(norm_signs + 16 * i)));
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(v[i], _mm512_loadu_ps(norm_signs + 16 * i)));
 }
 
 // accumulate_weighted_rows with sixteen lanes: a 4 x 32 block of acc in registers (D a

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "api/api_test_util.hpp"
@@ -18,21 +19,26 @@ TEST(Avx512Kernels, ResidualDecodeEqualsTheCodecBitForBit) {
   const uint64_t seed = akv_test::fresh_seed();
   AKV_TRACE_SEED(seed);
   std::mt19937_64 rng(seed);
-  const akv::ResidualCodec codec(seed, 128, AKV_SCALE_LEAST_SQUARES);
-  std::vector<float> norm_signs;
-  for (float s : codec.signs()) norm_signs.push_back(s / std::sqrt(128.0f));
-  std::vector<uint8_t> codes(codec.code_bytes());
-  std::vector<float> want(128, -7.0f), got(128, -9.0f), rot_want(128, -7.0f), rot_got(128, -9.0f);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int trial = 0; trial < 200; ++trial) {
-    for (uint8_t &b : codes) b = static_cast<uint8_t>(rng());
-    const float scale = std::fabs(normal(rng)) + 1e-3f;
-    codec.decode(codes.data(), scale, want.data());
-    akv::decode_residual128_avx512(codes.data(), scale, akv::kLloydMaxLevels, norm_signs.data(), got.data());
-    ASSERT_EQ(0, std::memcmp(want.data(), got.data(), 128 * sizeof(float))) << "trial " << trial;
-    codec.decode_rotated(codes.data(), scale, rot_want.data());
-    akv::decode_rotated_avx512(codes.data(), scale, akv::kLloydMaxLevels, 128, rot_got.data());
-    ASSERT_EQ(0, std::memcmp(rot_want.data(), rot_got.data(), 128 * sizeof(float))) << "trial " << trial;
+  for (const int dim : {64, 128, 256}) {
+    SCOPED_TRACE("dim " + std::to_string(dim));
+    const akv::ResidualCodec codec(seed + dim, dim, AKV_SCALE_LEAST_SQUARES);
+    std::vector<float> norm_signs;
+    for (float s : codec.signs()) norm_signs.push_back(s / std::sqrt(static_cast<float>(dim)));
+    std::vector<uint8_t> codes(codec.code_bytes());
+    std::vector<float> want(dim, -7.0f), got(dim, -9.0f), rot_want(dim, -7.0f), rot_got(dim, -9.0f);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (int trial = 0; trial < 200; ++trial) {
+      for (uint8_t &b : codes) b = static_cast<uint8_t>(rng());
+      const float scale = std::fabs(normal(rng)) + 1e-3f;
+      codec.decode(codes.data(), scale, want.data());
+      if (dim == 64) akv::decode_residual_avx512<4>(codes.data(), scale, akv::kLloydMaxLevels, norm_signs.data(), got.data());
+      if (dim == 128) akv::decode_residual_avx512<8>(codes.data(), scale, akv::kLloydMaxLevels, norm_signs.data(), got.data());
+      if (dim == 256) akv::decode_residual_avx512<16>(codes.data(), scale, akv::kLloydMaxLevels, norm_signs.data(), got.data());
+      ASSERT_EQ(0, std::memcmp(want.data(), got.data(), dim * sizeof(float))) << "trial " << trial;
+      codec.decode_rotated(codes.data(), scale, rot_want.data());
+      akv::decode_rotated_avx512(codes.data(), scale, akv::kLloydMaxLevels, dim, rot_got.data());
+      ASSERT_EQ(0, std::memcmp(rot_want.data(), rot_got.data(), dim * sizeof(float))) << "trial " << trial;
+    }
   }
 }
 
