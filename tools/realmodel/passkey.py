@@ -42,8 +42,10 @@ FILLER = ["The grass is green.", "The sky is blue.", "The sun is yellow.", "Here
 # The repeated unit above, or distinct generated sentences; "prose-multikey": prose with four
 # needles, one per door colour, and the question asks for one door's key; "prose-word": prose
 # with a word to remember instead of a number (the answer prefix's "pass key" becomes "secret
-# word"), drawn from _WORDS by the trial's key.
-HAYSTACKS = ("repeat", "prose", "prose-multikey", "prose-word")
+# word"), drawn from _WORDS by the trial's key; "prose-chain": RULER's variable tracking on
+# prose, two chains of two hops ("VAR QZT = 12345." ... "VAR MKB = VAR QZT."), the question
+# asks for the value of one chain's last variable.
+HAYSTACKS = ("repeat", "prose", "prose-multikey", "prose-word", "prose-chain")
 _DOORS = ["red", "green", "blue", "yellow"]
 _WORDS = ["tangerine", "saxophone", "glacier", "walnut", "harpoon", "tulip", "compass", "origami", "volcano",
           "penguin", "cathedral", "marmalade", "cactus", "parsley", "hurricane", "igloo", "kangaroo", "pelican",
@@ -137,7 +139,10 @@ def build_prompt(tok, length: int, key: int, depth: float, prefix_in_prompt: boo
     (a fraction of the filler, at a sentence boundary), the question. haystack "repeat"
     cycles FILLER; "prose" uses distinct template sentences (prose_sentences);
     "prose-multikey" adds three needles of other doors (their keys seeded per trial) a quarter
-    of the filler apart, and asks for the key of one door (by trial)."""
+    of the filler apart, and asks for the key of one door (by trial); "prose-chain" states
+    the key in one variable and copies it to a second one later in the text, a second chain
+    with another key in between (names and key seeded per trial), and asks for the value of
+    the asked chain's second variable (the needle is the first statement)."""
     head = tok.encode(f"<|im_start|>system\n{smollm2.DEFAULT_SYSTEM}<|im_end|>\n"
                       f"<|im_start|>user\n{INSTRUCTION}")
     question, distractors = QUESTION, []  # distractors: (depth, tokens)
@@ -157,6 +162,21 @@ def build_prompt(tok, length: int, key: int, depth: float, prefix_in_prompt: boo
             other_key = int(rng.integers(10000, 100000))
             distractors.append(((depth + (i + 1) / len(_DOORS)) % 1.0,
                                 tok.encode(f" IMPORTANT: The pass key of the {other} door is {other_key}. Remember it.")))
+    elif haystack == "prose-chain":
+        rng = np.random.default_rng([seed, length, trial, 11])
+        names = set()
+        while len(names) < 4:
+            names.add("".join(chr(ord("A") + int(c)) for c in rng.integers(0, 26, 3)))
+        first, second, other_first, other_second = sorted(names, key=lambda n: rng.random())
+        other_key = int(rng.integers(10000, 100000))
+        # The asked chain's hops at depth/2 and depth/2 + 0.45, the other chain's between and after.
+        needle = tok.encode(f" VAR {first} = {key}.")
+        distractors = [(depth / 2 + 0.45, tok.encode(f" VAR {second} = VAR {first}.")),
+                       (depth / 2 + 0.2, tok.encode(f" VAR {other_first} = {other_key}.")),
+                       (depth / 2 + 0.5, tok.encode(f" VAR {other_second} = VAR {other_first}."))]
+        question = f"What is the value of VAR {second}?"
+        answer_prefix = answer_prefix.replace("pass key", f"value of VAR {second}")
+        depth = depth / 2
     else:
         needle = tok.encode(f" IMPORTANT: The pass key is {key}. Remember it.")
     tail = tok.encode(f"\n\n{question}<|im_end|>\n<|im_start|>assistant\n" +

