@@ -44,7 +44,7 @@ T, NT, NW, ROWS, D, PAIRS = 64, 256, 8, 4, 128, 64
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
 PHASES = [
-    ("metadata", ["anchor_meta"]),
+    ("metadata", ["anchor_meta", "code_gamma"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle"]),
     ("key residuals", ["key_residuals", "rotate_exact"]),
@@ -113,7 +113,7 @@ def cold_lines(lines):
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition
 # (the lines just above it); default 8.
 def warps(func, cond_text):
-    if func == "anchor_meta":
+    if func in ("anchor_meta", "code_gamma"):
         return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each
     if func == "gather_anchor_rows" and "pairs" in cond_text:
         return PAIRS / 32  # the query rotation: one thread a pair

@@ -101,7 +101,8 @@ int64_t segment_length(int64_t prefix, int64_t anchors);
 constexpr int kGammaStepsPerOctave = 12;
 uint8_t gamma_code(float gamma, float scale);
 // The value of every code for scale 1. A code's coefficient is scale * unit rounded to bf16,
-// so that it widens exactly to format 2's bf16 coefficient (the CUDA view, cuda/plan.hpp).
+// so that it widens exactly to format 2's bf16 coefficient (the CUDA decode computes it the
+// same way from CacheView::gamma_units).
 const float *gamma_units();
 inline float gamma_value(uint8_t code, float scale) { return bf16_to_float(float_to_bf16(scale * gamma_units()[code])); }
 // gamma_value of every code for one scale: out[256].

@@ -126,12 +126,12 @@ void upload_view(akv_cache &cache, void *stream) {
   at.data = cache.data.data();
   at.suffix_keys = reinterpret_cast<uint16_t *>(cache.suffix_keys.data());
   at.suffix_values = reinterpret_cast<uint16_t *>(cache.suffix_values.data());
-  WidenedAnchors widened;  // format 3: widened once for both builds of the block (plan.hpp)
+  std::vector<int64_t> anchor_tokens;  // format 3: the per-tile anchor masks come from this list
   if (storage_of(cache.meta.method) == Storage::kAnchor && cache.geometry.format == 3) {
-    std::vector<uint8_t> host(cache.data.size());
-    copy(host.data(), cache.data.data(), host.size(), stream, /*wait=*/true);
-    widened = widen_format3(cache, host.data());
-    at.widened = &widened;
+    const Section &list = cache.layout.sections[kAnchorTokens];
+    anchor_tokens.resize(list.bytes / sizeof(int64_t));
+    copy(anchor_tokens.data(), cache.data.data() + list.offset, list.bytes, stream, /*wait=*/true);
+    at.host_anchor_tokens = anchor_tokens.data();
   }
   const size_t bytes = build_view_block(cache, at).size();
   if (cache.device_view.size() != bytes) {

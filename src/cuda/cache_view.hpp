@@ -56,6 +56,23 @@ struct CacheView {
   const float *inv_freq = nullptr;                            // [pairs]
   const int32_t *rope_first = nullptr, *rope_second = nullptr;  // [pairs]
   const float *signs = nullptr;                               // [D] Hadamard signs
+  // Storage format 3 (docs/design.md §3.7), read as stored: per token and side a one-byte
+  // entry of the segment's table (the anchor itself without tables) and a one-byte
+  // coefficient code, per segment the table and the two code scales; positions are
+  // first_position + t. Two per-tile arrays [H][words] come from the host with the view: the
+  // tile's anchor tokens as a bit mask and the anchor index of the first of them (anchor
+  // tokens are exact, their own anchors, in token order).
+  int32_t format = 2;
+  int32_t segment_shift = 0;
+  int32_t table_size = 0;  // entries per table; 0: no tables (k <= 256)
+  int64_t segments = 0;
+  int64_t first_position = 0;
+  const uint8_t *key_entry = nullptr, *value_entry = nullptr, *key_code = nullptr, *value_code = nullptr;
+  const uint16_t *segment_tables = nullptr;  // [H][segments][table_size]
+  const float *gamma_scales = nullptr;       // [H][segments][2]: keys', values' code scale
+  const float *gamma_units = nullptr;        // [256]: each code's coefficient for scale 1
+  const uint64_t *anchor_mask = nullptr;     // [H][words]
+  const int32_t *anchor_first = nullptr;     // [H][words]
 };
 
 struct DecodeLaunch {
@@ -80,20 +97,23 @@ struct DecodeLaunch {
   float *lse;                  // optional [requests][Hq][q_len]: natural log-sum-exp per row
 };
 
-AKV_HD inline size_t align16(size_t x) { return (x + 15) / 16 * 16; }
+AKV_HD constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 
 // Shared-memory carve-up of decode_split_kernel; the host sizes the launch with the same code.
+// Every offset but the total depends only on D and the row chunk (room for D / 2 rotary
+// pairs; the per-anchor weights last), so that in the kernel they are constants.
 struct SplitSmem {
-  size_t q, qr, w, logits, red, inv, first, second, basec, bases, step, signs, meta_a, meta_off, meta_g, meta_pos, meta_bit, keys, total;
+  size_t q = 0, qr = 0, logits = 0, red = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0, step = 0, signs = 0,
+         meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, keys = 0, w = 0,
+         total = 0;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
   // smem_anchors: anchors whose per-anchor weights live in shared memory (0 with
   // DecodeLaunch::global_weights).
-  AKV_HD SplitSmem(int D, int maxrows, int smem_anchors, int max_pairs) {
-    const int T = kDecodeTile;
+  AKV_HD constexpr SplitSmem(int D, int maxrows, int smem_anchors) {
+    const int T = kDecodeTile, max_pairs = D / 2;
     size_t o = 0;
     q = o; o = align16(o + sizeof(float) * maxrows * D);
     qr = o; o = align16(o + sizeof(float) * maxrows * D);  // queries rotated by minus the tile's first position
-    w = o; o = align16(o + sizeof(float) * maxrows * smem_anchors);
     logits = o; o = align16(o + sizeof(float) * maxrows * T);
     red = o; o = align16(o + sizeof(float) * (kDecodeThreads / 32) * maxrows);
     inv = o; o = align16(o + sizeof(float) * max_pairs);
@@ -108,7 +128,10 @@ struct SplitSmem {
     meta_off = o; o = align16(o + sizeof(int32_t) * T);
     meta_g = o; o = align16(o + sizeof(float) * T);
     meta_pos = o; o = align16(o + sizeof(int64_t) * T);
+    meta_va = o; o = align16(o + sizeof(int32_t) * T);  // value anchor and coefficient of each token
+    meta_vg = o; o = align16(o + sizeof(float) * T);
     keys = o; o = align16(o + sizeof(float) * T * key_stride(D));  // also write_partial's scratch
+    w = o; o = align16(o + sizeof(float) * maxrows * smem_anchors);
     total = o;
   }
 };

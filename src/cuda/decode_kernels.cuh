@@ -140,14 +140,15 @@ struct SplitBlock {
   // they are gathered, and key residuals rotated (partner dimension one shuffle away) before
   // they are added; no separate RoPE pass.
   bool fused;
+  bool format3;  // AnchorKV storage format 3: metadata read as stored (CacheView)
   int k, pairs;
   // Per-anchor weights [MAXROWS][wstride]: shared memory (wstride = k), or this block's rows
   // of ws_w (wstride = max_anchors) when DecodeLaunch::global_weights.
   float *w;
   int64_t wstride;
-  float *q_s, *qr_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *K_s, *sgn_s;
+  float *q_s, *qr_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s;
   float2 *step_s;
-  int32_t *first_s, *second_s, *a_s, *off_s, *bit_s;
+  int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s;
   int64_t *pos_s;
 
   float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
@@ -169,14 +170,17 @@ struct SplitBlock {
     for (int j = 0; j < pairs; ++j) neox = neox && c.rope_first[j] == j && c.rope_second[j] == j + pairs;
     fused = neox && pairs % 4 == 0 && pairs % (D / 8) == 0 &&
             (pairs == 0 || pairs / (D / 8) == 1 || pairs / (D / 8) == 2 || pairs / (D / 8) == 4);
+    format3 = c.format == 3;
 #ifdef AKV_SASS_PIN_BF16_FUSED
     // scripts/sass_count.py: the path of the default caches (bf16, NeoX over every pair, a
-    // full row chunk) as constants, so that the count holds only the code that runs.
+    // full row chunk, storage format 3) as constants, so that the count holds only the code
+    // that runs.
     bf16 = true;
     fused = true;
     rows = MAXROWS;
+    format3 = true;
 #endif
-    const SplitSmem lay(D, MAXROWS, p.global_weights ? 0 : p.max_anchors, p.max_pairs);
+    constexpr SplitSmem lay(D, MAXROWS, 0);  // offsets are constants; the weights come last
     q_s = reinterpret_cast<float *>(smem + lay.q);
     qr_s = reinterpret_cast<float *>(smem + lay.qr);
     w_s = reinterpret_cast<float *>(smem + lay.w);
@@ -193,6 +197,8 @@ struct SplitBlock {
     bit_s = reinterpret_cast<int32_t *>(smem + lay.meta_bit);
     sgn_s = reinterpret_cast<float *>(smem + lay.signs);
     g_s = reinterpret_cast<float *>(smem + lay.meta_g);
+    va_s = reinterpret_cast<int32_t *>(smem + lay.meta_va);
+    vg_s = reinterpret_cast<float *>(smem + lay.meta_vg);
     pos_s = reinterpret_cast<int64_t *>(smem + lay.meta_pos);
     K_s = reinterpret_cast<float *>(smem + lay.keys);
 
@@ -231,12 +237,19 @@ struct SplitBlock {
 
   // ---- 1. tile metadata: anchor, gamma and position of each token; the first angles ------
 
-  // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1).
+  // A format-3 coefficient code's value in segment scale `scale`: bf16(scale * unit), as the
+  // host's gamma_value (core/layout.hpp).
+  __device__ __forceinline__ float code_gamma(uint8_t code, float scale) const {
+    return bits_to_float(float_to_bits(scale * c.gamma_units[code], true), true);
+  }
+
+  // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1): the
+  // key and value anchor and coefficient of each token, its position and offset in the tile.
   __device__ __forceinline__ void anchor_meta(int64_t t0, int64_t end, bool window) {
     if (tid < T) {
       const int64_t t = t0 + tid;
-      int a = -1, off = 0;  // off: position - the tile's first; -1 outside [0, T); 0 for no token (zero row)
-      float g = 0.0f;
+      int a = -1, va = -1, off = 0;  // off: position - the tile's first; -1 outside [0, T); 0 for no token (zero row)
+      float g = 0.0f, vg = 0.0f;
       int64_t pos = 0;
       if (t < end) {
         if (window) {
@@ -246,23 +259,48 @@ struct SplitBlock {
           off = tid;
         } else {
           const int64_t at = static_cast<int64_t>(h) * c.prefix + t;
-          a = c.key_index[at];
-          g = bits_to_float(c.key_gamma[at], true);
-          pos = c.positions[t];
-          const int64_t d = pos - c.positions[t0];
-          off = d >= 0 && d < T ? static_cast<int>(d) : -1;
+          const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
+          if (format3) {
+            // An anchor token is its own anchor (exact); the others read the segment's table
+            // and code scales. A tile lies in one segment (segments hold >= 256 positions).
+            const uint64_t anchors = c.anchor_mask[wd];
+            if ((anchors >> tid) & 1) {
+              a = va = c.anchor_first[wd] + __popcll(anchors & ((1ull << tid) - 1));
+              g = vg = 1.0f;
+            } else {
+              const int64_t seg = static_cast<int64_t>(h) * c.segments + (t >> c.segment_shift);
+              const uint8_t ke = c.key_entry[at], ve = c.value_entry[at];
+              a = c.table_size ? c.segment_tables[seg * c.table_size + ke] : ke;
+              va = c.table_size ? c.segment_tables[seg * c.table_size + ve] : ve;
+              g = code_gamma(c.key_code[at], c.gamma_scales[2 * seg]);
+              vg = code_gamma(c.value_code[at], c.gamma_scales[2 * seg + 1]);
+            }
+            pos = c.first_position + t;
+            off = tid;
+          } else {
+            a = c.key_index[at];
+            g = bits_to_float(c.key_gamma[at], true);
+            va = c.value_index[at];
+            vg = bits_to_float(c.value_gamma[at], true);
+            pos = c.positions[t];
+            const int64_t d = pos - c.positions[t0];
+            off = d >= 0 && d < T ? static_cast<int>(d) : -1;
+          }
           // The key residuals of the tile (mask word t0 / 64) listed in slot order.
-          const uint64_t mask = c.key_mask[static_cast<int64_t>(h) * c.words + t0 / 64];
+          const uint64_t mask = c.key_mask[wd];
           if ((mask >> tid) & 1) bit_s[__popcll(mask & ((1ull << tid) - 1))] = tid;
         }
       }
       a_s[tid] = a;
+      va_s[tid] = va;
       off_s[tid] = off;
       g_s[tid] = g;
+      vg_s[tid] = vg;
       pos_s[tid] = pos;
     } else if (tid - T < pairs) {
       const int j = tid - T;
-      const int64_t p0 = window ? c.window_first_position + t0 : static_cast<int64_t>(c.positions[t0]);
+      const int64_t p0 = window ? c.window_first_position + t0
+                                : format3 ? c.first_position + t0 : static_cast<int64_t>(c.positions[t0]);
       rope_angle(p0, inv_s[j], &basec_s[j], &bases_s[j]);
     }
   }
@@ -602,13 +640,11 @@ struct SplitBlock {
   // tile, free after the contraction), so that a thread reads each residual's rows with
   // float4 loads and its level with one shared-memory load.
   __device__ __forceinline__ void prefix_values(int64_t t0, int64_t end) {
-    const int64_t P = c.prefix, words = c.words;
+    const int64_t words = c.words;
     for (int e = tid; e < rows * T; e += NT) {
       const int i = e / T, u = e % T;
-      const int64_t t = t0 + u;
-      if (t >= end) continue;
-      const int64_t at = static_cast<int64_t>(h) * P + t;
-      atomicAdd(&w[i * wstride + c.value_index[at]], L_s[i * T + u] * bits_to_float(c.value_gamma[at], true));
+      if (t0 + u >= end) continue;
+      atomicAdd(&w[i * wstride + va_s[u]], L_s[i * T + u] * vg_s[u]);
     }
     const int64_t wd = t0 / 64;
     const uint32_t base = c.value_offsets[h] + c.value_prefix[h * words + wd];

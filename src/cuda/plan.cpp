@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include "core/anchor_access.hpp"
 #include "core/dtype.hpp"
 #include "core/error.hpp"
 #include "core/method_traits.hpp"
@@ -42,24 +41,6 @@ size_t put(std::vector<uint8_t> &bytes, const T *src, size_t count) {
 }
 
 }  // namespace
-
-WidenedAnchors widen_format3(const akv_cache &cache, const uint8_t *host_data) {
-  const AnchorGeometry &g = cache.geometry;
-  const AnchorAccess access(g, cache.layout, host_data, cache.meta.window_first_position);
-  const int64_t H = g.heads, P = g.prefix;
-  WidenedAnchors w;
-  w.index.resize(2 * H * P);
-  w.gamma.resize(2 * H * P);
-  w.positions.resize(P);
-  for (int side = 0; side < 2; ++side)
-    for (int h = 0; h < H; ++h)
-      for (int64_t t = 0; t < P; ++t) {
-        w.index[(side * H + h) * P + t] = static_cast<uint16_t>(access.anchor(side, h, t));
-        w.gamma[(side * H + h) * P + t] = float_to_bf16(access.gamma(side, h, t));
-      }
-  for (int64_t t = 0; t < P; ++t) w.positions[t] = access.position(t);
-  return w;
-}
 
 std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresses &at) {
   const CacheMeta &m = cache.meta;
@@ -135,16 +116,40 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
   if (v.kind == kKindAnchor) v.signs = reinterpret_cast<const float *>(at.aux + signs);
   else v.dense_start = reinterpret_cast<const int64_t *>(at.aux + starts);
   if (v.kind == kKindAnchor && cache.geometry.format == 3) {
-    require(at.widened != nullptr, AKV_ERR_INTERNAL, "a format-3 view needs its widened arrays");
-    const WidenedAnchors &w = *at.widened;
-    const int64_t P = cache.geometry.prefix;
-    const size_t ix = put(bytes, w.index.data(), w.index.size()), gm = put(bytes, w.gamma.data(), w.gamma.size());
-    const size_t ps = put(bytes, w.positions.data(), w.positions.size());
-    v.key_index = reinterpret_cast<const uint16_t *>(at.aux + ix);
-    v.value_index = v.key_index + H * P;
-    v.key_gamma = reinterpret_cast<const uint16_t *>(at.aux + gm);
-    v.value_gamma = v.key_gamma + H * P;
-    v.positions = reinterpret_cast<const int32_t *>(at.aux + ps);
+    require(at.host_anchor_tokens != nullptr, AKV_ERR_INTERNAL, "a format-3 view needs the anchor token list");
+    const AnchorGeometry &g = cache.geometry;
+    auto sec = [&](int i) { return at.data + cache.layout.sections[i].offset; };
+    v.format = 3;
+    v.segment_shift = g.segment_shift;
+    v.table_size = g.table_size;
+    v.segments = g.segments;
+    v.first_position = m.window_first_position - g.prefix;
+    v.key_entry = sec(kKeyIndex);
+    v.value_entry = sec(kValueIndex);
+    v.key_code = sec(kKeyGamma);
+    v.value_code = sec(kValueGamma);
+    v.segment_tables = g.table_size ? reinterpret_cast<const uint16_t *>(sec(kSegmentTables)) : nullptr;
+    v.gamma_scales = reinterpret_cast<const float *>(sec(kGammaScales));
+    v.key_index = v.value_index = v.key_gamma = v.value_gamma = nullptr;  // format 2's arrays
+    v.positions = nullptr;
+    // Per tile (residual mask word) and head: which of its tokens are anchors, and the
+    // anchor index of the first (the list is increasing: deserializer-checked).
+    const int64_t free = g.anchors - g.window;
+    std::vector<uint64_t> mask(static_cast<size_t>(H * g.words), 0);
+    std::vector<int32_t> first(static_cast<size_t>(H * g.words), 0);
+    for (int h = 0; h < H; ++h) {
+      const int64_t *tokens = at.host_anchor_tokens + h * free;
+      int64_t a = 0;
+      for (int64_t wd = 0; wd < g.words; ++wd) {
+        first[h * g.words + wd] = static_cast<int32_t>(a);
+        for (; a < free && tokens[a] < 64 * (wd + 1); ++a) mask[h * g.words + wd] |= uint64_t{1} << (tokens[a] & 63);
+      }
+    }
+    const size_t units = put(bytes, gamma_units(), 256);
+    const size_t am = put(bytes, mask.data(), mask.size()), af = put(bytes, first.data(), first.size());
+    v.gamma_units = reinterpret_cast<const float *>(at.aux + units);
+    v.anchor_mask = reinterpret_cast<const uint64_t *>(at.aux + am);
+    v.anchor_first = reinterpret_cast<const int32_t *>(at.aux + af);
   }
   std::memcpy(bytes.data(), &v, sizeof v);
   return bytes;
@@ -176,7 +181,7 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   // weights in shared memory; false when not even 4 rows fit.
   auto fits = [&](int smem_anchors) {
     for (plan.maxrows = rows <= 4 ? 4 : rows <= 8 ? 8 : 16; plan.maxrows >= 4; plan.maxrows /= 2) {
-      plan.smem_bytes = SplitSmem(D, plan.maxrows, smem_anchors, plan.max_pairs).total;
+      plan.smem_bytes = SplitSmem(D, plan.maxrows, smem_anchors).total;
       if (plan.smem_bytes <= smem_limit) return true;
     }
     plan.maxrows = 4;

@@ -17,29 +17,21 @@ void check_supported(akv_method method, int head_dim);
 void check_decodable(const akv_cache &cache);
 
 // Where a cache's buffers live in the memory the kernels read.
-// Storage format 3 widened to format 2's per-token arrays, which the kernels read: anchor
-// index and bf16 coefficient per side [2][H][P], positions [P] (widen_format3, below).
-struct WidenedAnchors {
-  std::vector<uint16_t> index, gamma;
-  std::vector<int32_t> positions;
-};
-
 struct ViewAddresses {
   const uint8_t *data = nullptr;   // cache.data
   uint16_t *suffix_keys = nullptr;  // cache.suffix_keys
   uint16_t *suffix_values = nullptr;
   uint8_t *aux = nullptr;  // where the returned bytes will be copied
-  const WidenedAnchors *widened = nullptr;  // a format-3 cache's, else null
+  // Storage format 3: the anchor token list ([H][k-W], the kAnchorTokens section) in host
+  // memory, from which the per-tile anchor masks are derived; else null.
+  const int64_t *host_anchor_tokens = nullptr;
 };
 
 // The bytes of the cache's auxiliary block: a CacheView (first, at offset 0) followed by the
-// tables it points to (RoPE frequencies and pairs, Hadamard signs, dense head starts). Every
-// pointer in the view is expressed in `at`'s address space. The kernels read storage format 2;
-// a format-3 cache's block also holds at.widened, so it decodes exactly as the CPU decodes it.
+// tables it points to (RoPE frequencies and pairs, Hadamard signs, dense head starts; for
+// storage format 3 the coefficient units and the per-tile anchor masks). Every pointer in
+// the view is expressed in `at`'s address space.
 std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresses &at);
-
-// The widened arrays of a format-3 cache whose sections (cache.layout) are at host_data.
-WidenedAnchors widen_format3(const akv_cache &cache, const uint8_t *host_data);
 
 struct DecodePlan {
   int maxrows = 4;      // template row chunk (4, 8, 16): more rows are split into chunks

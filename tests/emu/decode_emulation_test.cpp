@@ -5,6 +5,7 @@
 // CUDA thread is an OS thread.
 #include "api/api_test_util.hpp"
 #include "core/context.hpp"
+#include "core/method_traits.hpp"
 #include "cuda/plan.hpp"
 // Last: the emulation defines threadIdx, __shared__ and friends as macros.
 #include "cuda/decode_kernels.cuh"
@@ -18,16 +19,13 @@ namespace kc = akv::cuda;
 struct HostView {
   std::vector<uint8_t> block;
   std::vector<uint16_t> suffix_keys, suffix_values;  // copies the append test writes into
-  kc::WidenedAnchors widened;
   kc::CacheView *view() { return reinterpret_cast<kc::CacheView *>(block.data()); }
 
   explicit HostView(const akv_cache &c, bool copy_suffix = false) {
     kc::ViewAddresses at;
-    at.data = c.data.data();
-    if (c.geometry.format == 3) {  // AnchorKV storage format 3 (other methods keep the default 2)
-      widened = kc::widen_format3(c, c.data.data());  // the emulated device reads host memory
-      at.widened = &widened;
-    }
+    at.data = c.data.data();  // the emulated device reads host memory
+    if (akv::storage_of(c.meta.method) == akv::Storage::kAnchor && c.geometry.format == 3)
+      at.host_anchor_tokens = c.section<int64_t>(akv::kAnchorTokens);
     at.suffix_keys = reinterpret_cast<uint16_t *>(c.suffix_keys.data());
     at.suffix_values = reinterpret_cast<uint16_t *>(c.suffix_values.data());
     if (copy_suffix) {
@@ -232,12 +230,12 @@ TEST(EmulatedDecode, ManyAnchorsGqaGroupsAndQueryLengths) {
 TEST(EmulatedDecode, AnchorWeightsInTheWorkspaceWhenSharedMemoryIsShort) {
   Case c{AKV_METHOD_ANCHORKV, 1800, 64, 4, 2, 3, AKV_ROPE_NEOX, false};  // 8 rows
   c.anchors = 900;
-  const size_t smem = kc::SplitSmem(64, 8, 0, 32).total + 4096;
-  ASSERT_GT(kc::SplitSmem(64, 4, 800, 32).total, smem) << "the weights must not fit at 4 rows";
+  const size_t smem = kc::SplitSmem(64, 8, 0).total + 4096;
+  ASSERT_GT(kc::SplitSmem(64, 4, 800).total, smem) << "the weights must not fit at 4 rows";
   check_case(c, 2, 4, 2, smem, /*global_weights=*/true);
   Case one_row{AKV_METHOD_ANCHORKV, 1300, 128, 1, 1, 0, AKV_ROPE_NEOX, true};  // a chunk of 4 with 1 row
   one_row.anchors = 700;
-  check_case(one_row, 1, 8, 1, kc::SplitSmem(128, 4, 0, 64).total, /*global_weights=*/true);
+  check_case(one_row, 1, 8, 1, kc::SplitSmem(128, 4, 0).total, /*global_weights=*/true);
 }
 
 // A million prompt positions (one KV head, one query row, 300 anchors: format 3 with
@@ -247,6 +245,25 @@ TEST(EmulatedDecode, MillionPositions) {
   Case c{AKV_METHOD_ANCHORKV, 1 << 20, 64, 1, 1, 0, AKV_ROPE_NEOX, false};
   c.anchors = 300;
   check_case(c, 1, 64, 1, 227 * 1024, /*global_weights=*/false, /*kv_heads=*/1);
+}
+
+// Storage format 3 is read as stored: the view block adds the coefficient units and two
+// words per tile and head, not format 2's per-token arrays (8 + 4/H bytes per token and head,
+// which it used to widen into it).
+TEST(EmulatedDecode, FormatThreeViewStaysSmall) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  for (const int anchors : {0, 700}) {  // without and with segment tables
+    Case c{AKV_METHOD_ANCHORKV, 8192, 64, 4, 1, 0, AKV_ROPE_NEOX, false};
+    c.anchors = anchors;
+    const CachePtr cache = build_cache(ctx.get(), rng, c, 2);
+    ASSERT_EQ(cache->geometry.format, 3);
+    const HostView view(*cache);
+    const int64_t token_heads = cache->geometry.prefix * cache->geometry.heads;
+    EXPECT_LT(view.block.size(), 4096 + token_heads / 4) << "anchors " << anchors;
+  }
 }
 
 TEST(EmulatedDecode, DenseCachesMatchCpu) {
