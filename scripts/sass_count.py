@@ -101,7 +101,8 @@ def cold_lines(lines):
             at = ln.find(pattern)
             if at < 0:
                 continue
-            depth = ln[at:].count("{") - ln[at:].count("}")
+            rest = ln[at:].lstrip("}")  # "} else {": the block the pattern opens
+            depth = rest.count("{") - rest.count("}")
             m = n
             while depth > 0 and m < len(lines):
                 m += 1
@@ -322,7 +323,10 @@ def tile_loop(f, spans, lines, fk, fv, k):
         # the enclosing condition: the six lines up to this one, inside its function
         cond = "\n".join(lines[max(start - 1, ln - 6):ln]) if start and ln else ""
         w = warps(func.split(":")[0] if func else "", cond)
-        totals[phase] += mult * w * cold.get(ln, 1.0)
+        # Cold where the line is, or where it was inlined (put8 called in a cold block).
+        _, _, cfile, cline = ins[i]["loc"] if ins[i]["loc"][0] else (None, None, None, None)
+        site = cold.get(cline, 1.0) if cfile and cfile.endswith("decode_kernels.cuh") and cline else 1.0
+        totals[phase] += mult * w * min(cold.get(ln, 1.0), site)
         static[phase] += 1
     return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner),
             "unknown_loops": sorted(unknown, key=str)}
