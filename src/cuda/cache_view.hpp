@@ -53,6 +53,10 @@ struct CacheView {
   const uint16_t *dense_keys = nullptr, *dense_values = nullptr;
   const int64_t *dense_start = nullptr;  // [H+1] first row of each head
   uint16_t *suffix_keys = nullptr, *suffix_values = nullptr;  // [H][capacity][D]
+  // NeoX pairs (j, j + pairs) with pairs % 4 == 0 and pairs / (D / 8) in {1, 2, 4} (or no
+  // RoPE): the split kernel rotates anchor rows as it gathers them (decided on the host).
+  int32_t rope_fused = 0;
+  const float *rope_step = nullptr;  // [kDecodeTile][pairs] (cos, sin) of d * inv_freq[j], d < tile
   const float *inv_freq = nullptr;                            // [pairs]
   const int32_t *rope_first = nullptr, *rope_second = nullptr;  // [pairs]
   const float *signs = nullptr;                               // [D] Hadamard signs

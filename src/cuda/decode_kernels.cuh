@@ -86,16 +86,6 @@ __device__ AKV_NOINLINE void rotate_exact(float *x, int n, int64_t d, const floa
 #define AKV_NO_UNROLL _Pragma("unroll 1")
 #endif
 
-// (cos a, sin a) for a moderate angle (|a| < 100 rad).
-__device__ __forceinline__ void small_sincos(float a, float2 *cs) {
-#ifdef AKV_SIMT_EMULATION
-  cs->x = std::cos(a);
-  cs->y = std::sin(a);
-#else
-  sincosf(a, &cs->y, &cs->x);
-#endif
-}
-
 // A float's bits and back.
 __device__ __forceinline__ uint32_t float_as_bits(float f) {
 #ifdef AKV_SIMT_EMULATION
@@ -166,10 +156,7 @@ struct SplitBlock {
     bf16 = c.storage_bf16 != 0;
     k = c.kind == kKindAnchor ? c.anchors : 0;
     pairs = c.rope_pairs;
-    bool neox = true;  // rotary pairs (j, j + pairs)
-    for (int j = 0; j < pairs; ++j) neox = neox && c.rope_first[j] == j && c.rope_second[j] == j + pairs;
-    fused = neox && pairs % 4 == 0 && pairs % (D / 8) == 0 &&
-            (pairs == 0 || pairs / (D / 8) == 1 || pairs / (D / 8) == 2 || pairs / (D / 8) == 4);
+    fused = c.rope_fused != 0;  // decided on the host (build_view_block)
     format3 = c.format == 3;
 #ifdef AKV_SASS_PIN_BF16_FUSED
     // scripts/sass_count.py: the path of the default caches (bf16, NeoX over every pair, a
@@ -223,10 +210,10 @@ struct SplitBlock {
       first_s[j] = c.rope_first[j];
       second_s[j] = c.rope_second[j];
     }
-    // e^{i d omega_j} for the offsets d < T inside a tile, once per block.
-    // |d omega| < T rad: the float product is off by at most half an ulp of T (4e-6 rad), and
-    // sincosf stays on its fast path (rope_angle's exact double reduction is for positions).
-    for (int e = tid; e < T * pairs; e += NT) small_sincos(static_cast<float>(e / pairs) * c.inv_freq[e % pairs], &step_s[e]);
+    // e^{i d omega_j} for the offsets d < T inside a tile: the host's table (in double), copied
+    // once per block.
+    const float2 *step = reinterpret_cast<const float2 *>(c.rope_step);
+    for (int e = tid; e < T * pairs; e += NT) step_s[e] = step[e];
     for (int i = 0; i < MAXROWS; ++i) {
       m_run[i] = -INFINITY;
       l_part[i] = 0.0f;

@@ -1,6 +1,7 @@
 #include "cuda/plan.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include "core/dtype.hpp"
 #include "core/error.hpp"
@@ -91,8 +92,23 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
     v.dense_values = reinterpret_cast<const uint16_t *>(at.data) + kept * D;
   }
 
+  const int pairs = v.rope_pairs;
+  bool neox = true;
+  for (int j = 0; j < pairs; ++j) neox = neox && cache.rope.first[j] == j && cache.rope.second[j] == j + pairs;
+  const int ratio = pairs / (D / 8);
+  v.rope_fused = neox && pairs % 4 == 0 && pairs % (D / 8) == 0 && (pairs == 0 || ratio == 1 || ratio == 2 || ratio == 4);
+  // e^{i d omega_j} for the offsets d inside a tile, in double (|d omega| < kDecodeTile rad).
+  std::vector<float> step(static_cast<size_t>(2) * kDecodeTile * pairs);
+  for (int d = 0; d < kDecodeTile; ++d)
+    for (int j = 0; j < pairs; ++j) {
+      const double a = static_cast<double>(d) * static_cast<double>(cache.rope.inv_freq[j]);
+      step[2 * (static_cast<size_t>(d) * pairs + j)] = static_cast<float>(std::cos(a));
+      step[2 * (static_cast<size_t>(d) * pairs + j) + 1] = static_cast<float>(std::sin(a));
+    }
+
   std::vector<uint8_t> bytes(sizeof(CacheView));
   const size_t inv = put(bytes, cache.rope.inv_freq.data(), v.rope_pairs);
+  const size_t st = put(bytes, step.data(), step.size());
   std::vector<int32_t> first(cache.rope.first.begin(), cache.rope.first.end());
   std::vector<int32_t> second(cache.rope.second.begin(), cache.rope.second.end());
   const size_t f = put(bytes, first.data(), v.rope_pairs);
@@ -111,6 +127,7 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
   const size_t sp = put(bytes, positions.data(), positions.size());
   v.suffix_positions = reinterpret_cast<int32_t *>(at.aux + sp);
   v.inv_freq = reinterpret_cast<const float *>(at.aux + inv);
+  v.rope_step = reinterpret_cast<const float *>(at.aux + st);
   v.rope_first = reinterpret_cast<const int32_t *>(at.aux + f);
   v.rope_second = reinterpret_cast<const int32_t *>(at.aux + s);
   if (v.kind == kKindAnchor) v.signs = reinterpret_cast<const float *>(at.aux + signs);
