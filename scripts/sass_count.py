@@ -89,6 +89,7 @@ COLD = [
     ("} else {  // gapped positions", 0.0),     # gapped positions only
     ("if (q >= P4)", 0.0),                      # dims past the rotary pairs only
     ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)
+    ("if (p.global_weights) {", 0.0),           # more anchors than shared memory holds (> ~9.5K)
 ]
 
 
@@ -104,10 +105,14 @@ def cold_lines(lines):
             rest = ln[at:].lstrip("}")  # "} else {": the block the pattern opens
             depth = rest.count("{") - rest.count("}")
             m = n
-            while depth > 0 and m < len(lines):
+            while depth > 0 and m < len(lines):  # up to the brace that closes it ("} else {" too)
                 m += 1
-                weight[m] = w
-                depth += lines[m - 1].count("{") - lines[m - 1].count("}")
+                for ch in lines[m - 1]:
+                    depth += (ch == "{") - (ch == "}")
+                    if depth == 0:
+                        break
+                if depth > 0:
+                    weight[m] = w
     return weight
 
 
@@ -119,7 +124,9 @@ def warps(func, cond_text):
     if func == "gather_anchor_rows" and "pairs" in cond_text:
         return PAIRS / 32  # the query rotation: one thread a pair
     if func == "softmax_tile" and "i % NW == warp" in cond_text:
-        return ROWS  # one warp a row
+        # One warp a row: the row loop is unrolled (MAXROWS copies in SASS, each counted once),
+        # and each copy runs in the one warp whose index is its row's.
+        return 1.0
     return 8.0
 
 

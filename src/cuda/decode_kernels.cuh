@@ -607,7 +607,9 @@ struct SplitBlock {
           dacc[i][e] *= alpha[i];
         }
       }
-      for (int e = tid; e < MAXROWS * k; e += NT) w[(e / k) * wstride + e % k] *= alpha[e / k];
+      for (int i = 0; i < MAXROWS; ++i)  // static row indices: alpha stays in registers
+        if (alpha[i] != 1.0f)
+          for (int e = tid; e < k; e += NT) w[i * wstride + e] *= alpha[i];
     }
     for (int i = 0; i < MAXROWS; ++i)
       if (i % NW == warp)
@@ -628,10 +630,19 @@ struct SplitBlock {
   // float4 loads and its level with one shared-memory load.
   __device__ __forceinline__ void prefix_values(int64_t t0, int64_t end) {
     const int64_t words = c.words;
-    for (int e = tid; e < rows * T; e += NT) {
-      const int i = e / T, u = e % T;
-      if (t0 + u >= end) continue;
-      atomicAdd(&w[i * wstride + va_s[u]], L_s[i * T + u] * vg_s[u]);
+    // w_a += p_t gamma_t. Shared memory (a compare-and-swap loop per add), or with
+    // global_weights the block's workspace rows (native float adds); the address space known
+    // in each loop, so no generic atomics.
+    if (p.global_weights) {
+      for (int e = tid; e < rows * T; e += NT) {
+        const int i = e / T, u = e % T;
+        if (t0 + u < end) atomicAdd(&w[i * wstride + va_s[u]], L_s[i * T + u] * vg_s[u]);
+      }
+    } else {
+      for (int e = tid; e < rows * T; e += NT) {
+        const int i = e / T, u = e % T;
+        if (t0 + u < end) atomicAdd(&w_s[i * k + va_s[u]], L_s[i * T + u] * vg_s[u]);
+      }
     }
     const int64_t wd = t0 / 64;
     const uint32_t base = c.value_offsets[h] + c.value_prefix[h * words + wd];
