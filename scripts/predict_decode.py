@@ -72,11 +72,13 @@ WEIGHTS = 8 * 36
 #   levels listed: ceil(4 c_V / 32) warps x (22 + 23); accumulation loop body 17, SG=2 groups:
 #   4 warps x ceil(c_V/2) + 4 warps x floor(c_V/2) = 4 c_V warp iterations.
 VRES_SETUP, VRES_LIST, VRES_ITER = 8 * 40, 45, 17
-# Per block: prologue [148-198]: ~150 straight-line + q/qr load 80 + 16 sincosf table entries
-#   x 75 + w_s zeroing 5 per (4 k / 256); write partial [647-671]: 2 x (9 + 2 x 22 + 10) + 14 per
-#   (4 k / 256) + 81; the window tile (split 0 only): a tile without residuals or weights + 40.
+# Per block: prologue [148-198]: ~150 straight-line + q/qr load 80 + 16 entries of the tile's
+#   (cos, sin) table copied from the view (~4 each; they were 16 sincosf x 75 until the host
+#   computed the table) + w_s zeroing 5 per (4 k / 256); write partial [647-671]: 2 x (9 + 2 x
+#   22 + 10) + 14 per (4 k / 256) + 81; the window tile (split 0 only): a tile without
+#   residuals or weights + 40.
 def prologue(k):
-    return 8 * (150 + 80 + 16 * 75 + 5 * 4 * k / NT)
+    return 8 * (150 + 80 + 16 * 4 + 5 * 4 * k / NT)
 
 
 def write_partial(k):
