@@ -15,28 +15,60 @@
 namespace akv {
 namespace {
 
-// Dense keys/values [n][D] (post-RoPE, storage dtype): logits into L[i][offset + t].
+#ifdef AKV_HAVE_AVX512_KERNELS
+// dense_logits' whole blocks of four tokens against four rows at a time (q holds the rows
+// padded to fours); returns the tokens done.
+AKV_TARGET_AVX512 int64_t dense_logits_avx512(const uint16_t *keys, int64_t n, int D, akv_dtype storage, const float *q,
+                                              int rows, float *L, int64_t ldl, int64_t offset) {
+  std::vector<float> buf(static_cast<size_t>(4) * D);
+  const float *const xs[4] = {buf.data(), buf.data() + D, buf.data() + 2 * D, buf.data() + 3 * D};
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    for (int j = 0; j < 4; ++j) half_row(keys + (t + j) * D, storage, D, buf.data() + j * D);
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+      alignas(64) float block[16];
+      float *const out[4] = {block, block + 4, block + 8, block + 12};
+      dot_rows4x4_avx512(q + static_cast<size_t>(r0) * D, D, xs, D, out);
+      for (int r = 0; r < 4 && r0 + r < rows; ++r)
+        for (int j = 0; j < 4; ++j) L[(r0 + r) * ldl + offset + t + j] = block[r * 4 + j];
+    }
+  }
+  return t;
+}
+#endif
+
+// Dense keys/values [n][D] (post-RoPE, storage dtype): logits into L[i][offset + t] for the
+// `rows` query rows of q. q holds the rows rounded up to a multiple of four (the extra ones
+// zero), so that tokens and rows are contracted four by four where AVX-512 runs.
 void dense_logits(const uint16_t *keys, int64_t n, int D, akv_dtype storage, const float *q, int rows,
                   float *L, int64_t ldl, int64_t offset) {
+  int64_t t = 0;
+#ifdef AKV_HAVE_AVX512_KERNELS
+  if (has_avx512() && D % 16 == 0) t = dense_logits_avx512(keys, n, D, storage, q, rows, L, ldl, offset);
+#endif
   std::vector<float> k(D), logit(rows);
-  for (int64_t t = 0; t < n; ++t) {
+  for (; t < n; ++t) {
     half_row(keys + t * D, storage, D, k.data());
     dot_rows(q, D, rows, k.data(), D, logit.data());
     for (int i = 0; i < rows; ++i) L[i * ldl + offset + t] = logit[i];
   }
 }
 
+// acc[i] += sum_t P[i][offset + t] v_t over n dense value rows, 64 rows widened at a time and
+// added by the register-blocked kernel (four accumulator rows at a time: callers may pad the
+// rows with zero weights to use it).
 void dense_values(const uint16_t *values, int64_t n, int D, akv_dtype storage, const float *P, int rows,
                   int64_t ldp, int64_t offset, float *acc) {
-  std::vector<float> v(D);
-  for (int64_t t = 0; t < n; ++t) {
-    half_row(values + t * D, storage, D, v.data());
-    for (int i = 0; i < rows; ++i) {
-      const float p = P[i * ldp + offset + t];
-      if (p == 0.0f) continue;
-      float *a = acc + i * D;
-      for (int d = 0; d < D; ++d) a[d] += p * v[d];
-    }
+  constexpr int kBlock = 64;
+  std::vector<float> block(static_cast<size_t>(kBlock) * D);
+  for (int64_t t0 = 0; t0 < n; t0 += kBlock) {
+    const int nb = static_cast<int>(std::min<int64_t>(kBlock, n - t0));
+    for (int j = 0; j < nb; ++j) half_row(values + (t0 + j) * D, storage, D, &block[static_cast<size_t>(j) * D]);
+    const float *w = P + offset + t0;
+#ifdef AKV_HAVE_AVX512_KERNELS
+    if (has_avx512() && accumulate_weighted_rows_avx512(acc, rows, w, ldp, block.data(), nb, D)) continue;
+#endif
+    accumulate_weighted_rows(acc, rows, w, ldp, block.data(), nb, D);
   }
 }
 
@@ -585,10 +617,12 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
   const int D = meta.shape.head_dim;
   const int G = meta.shape.num_q_heads / meta.shape.num_kv_heads;
   const int rows = G * q_len;
+  // Rows padded with zero queries (and zero weights) to fours for the blocked kernels.
+  const int crows = (rows + 3) / 4 * 4;
   const akv_dtype storage = meta.storage;
   // Fold the softmax scale into the queries once instead of scaling every logit.
-  std::vector<float> q_scaled(q, q + static_cast<size_t>(rows) * D);
-  for (float &x : q_scaled) x *= meta.softmax_scale;
+  std::vector<float> q_scaled(static_cast<size_t>(crows) * D, 0.0f);
+  for (size_t e = 0; e < static_cast<size_t>(rows) * D; ++e) q_scaled[e] = q[e] * meta.softmax_scale;
   q = q_scaled.data();
   const int64_t suffix = cache.suffix_len;
   const int64_t suffix_base = (static_cast<int64_t>(h) * cache.suffix_capacity) * D;
@@ -596,8 +630,8 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
   const uint16_t *sv = reinterpret_cast<const uint16_t *>(cache.suffix_values.data());
   const int64_t prompt = meta.dense_counts[h];
   const int64_t total = prompt + suffix;
-  std::vector<float> L(static_cast<size_t>(rows) * total);
-  std::vector<float> acc(static_cast<size_t>(rows) * D, 0.0f);
+  std::vector<float> L(static_cast<size_t>(crows) * total, 0.0f);  // the padding rows stay 0
+  std::vector<float> acc(static_cast<size_t>(crows) * D, 0.0f);
   // Dense methods: prompt tokens [count][D] for this head, then the suffix.
   int64_t before = 0;
   for (int hh = 0; hh < h; ++hh) before += meta.dense_counts[hh];
@@ -608,8 +642,8 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
   dense_logits(dk, prompt, D, storage, q, rows, L.data(), total, 0);
   if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L.data(), total, prompt);
   const std::vector<float> sums = softmax_rows(L.data(), rows, total, prompt, suffix, q_len, lse);
-  dense_values(dv, prompt, D, storage, L.data(), rows, total, 0, acc.data());
-  if (suffix) dense_values(sv + suffix_base, suffix, D, storage, L.data(), rows, total, prompt, acc.data());
+  dense_values(dv, prompt, D, storage, L.data(), crows, total, 0, acc.data());
+  if (suffix) dense_values(sv + suffix_base, suffix, D, storage, L.data(), crows, total, prompt, acc.data());
   for (int i = 0; i < rows; ++i)
     for (int d = 0; d < D; ++d) out[i * D + d] = acc[i * D + d] / sums[i];
 }

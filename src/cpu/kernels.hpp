@@ -290,8 +290,11 @@ AKV_TARGET_AVX512 inline void store_rows4(__m512 v, float *const (&out)[4]) {
 // Four rows against four vectors (n a multiple of 16): out[r][t] = rows_r . b_t (four
 // consecutive logits of each row), with one sixteen-way reduction instead of sixteen
 // horizontal sums.
-AKV_TARGET_AVX512 inline void dot_rows4x4_avx512(const float *rows, int64_t stride, const float *const (&b)[4], int n,
-                                                  float *const (&out)[4]) {
+// Always inlined: out of line (three callers) the call and the sixteen accumulators' setup
+// cost as much as the work at D = 64.
+AKV_TARGET_AVX512 inline __attribute__((always_inline)) void dot_rows4x4_avx512(const float *rows, int64_t stride,
+                                                                                const float *const (&b)[4], int n,
+                                                                                float *const (&out)[4]) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   for (int i = 0; i < n; i += 16) {
