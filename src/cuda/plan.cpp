@@ -151,15 +151,15 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
     v.positions = nullptr;
     // Per tile (residual mask word) and head: which of its tokens are anchors, and the
     // anchor index of the first (the list is increasing: deserializer-checked).
-    const int64_t free = g.anchors - g.window;
+    const int64_t free_anchors = g.anchors - g.window;
     std::vector<uint64_t> mask(static_cast<size_t>(H * g.words), 0);
     std::vector<int32_t> first(static_cast<size_t>(H * g.words), 0);
     for (int h = 0; h < H; ++h) {
-      const int64_t *tokens = at.host_anchor_tokens + h * free;
+      const int64_t *tokens = at.host_anchor_tokens + h * free_anchors;
       int64_t a = 0;
       for (int64_t wd = 0; wd < g.words; ++wd) {
         first[h * g.words + wd] = static_cast<int32_t>(a);
-        for (; a < free && tokens[a] < 64 * (wd + 1); ++a) mask[h * g.words + wd] |= uint64_t{1} << (tokens[a] & 63);
+        for (; a < free_anchors && tokens[a] < 64 * (wd + 1); ++a) mask[h * g.words + wd] |= uint64_t{1} << (tokens[a] & 63);
       }
     }
     const size_t units = put(bytes, gamma_units(), 256);
