@@ -15,9 +15,27 @@
 namespace akv {
 namespace {
 
+// The decodes' query rows are padded with zero rows to a multiple of four, so that tokens
+// and rows are contracted four by four (G = 3 would otherwise go one row at a time).
+inline int rows_in_fours(int rows) { return (rows + 3) / 4 * 4; }
+
 #ifdef AKV_HAVE_AVX512_KERNELS
-// dense_logits' whole blocks of four tokens against four rows at a time (q holds the rows
-// padded to fours); returns the tokens done.
+// The logits of four tokens (xs) against `rows` query rows, four rows per block: L[r * ldl + j]
+// for r < rows, j < 4. q holds rows_in_fours(rows) rows. Staged through a block: vector
+// stores straight into L were slower.
+AKV_TARGET_AVX512 inline __attribute__((always_inline)) void logits4x4_avx512(const float *q, int D, int rows,
+                                                                              const float *const (&xs)[4], float *L,
+                                                                              int64_t ldl) {
+  for (int r0 = 0; r0 < rows; r0 += 4) {
+    alignas(64) float block[16];
+    float *const out[4] = {block, block + 4, block + 8, block + 12};
+    dot_rows4x4_avx512(q + static_cast<size_t>(r0) * D, D, xs, D, out);
+    for (int r = 0; r < 4 && r0 + r < rows; ++r)
+      for (int j = 0; j < 4; ++j) L[(r0 + r) * ldl + j] = block[r * 4 + j];
+  }
+}
+
+// dense_logits' whole blocks of four tokens; returns the tokens done.
 AKV_TARGET_AVX512 int64_t dense_logits_avx512(const uint16_t *keys, int64_t n, int D, akv_dtype storage, const float *q,
                                               int rows, float *L, int64_t ldl, int64_t offset) {
   std::vector<float> buf(static_cast<size_t>(4) * D);
@@ -25,21 +43,14 @@ AKV_TARGET_AVX512 int64_t dense_logits_avx512(const uint16_t *keys, int64_t n, i
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     for (int j = 0; j < 4; ++j) half_row(keys + (t + j) * D, storage, D, buf.data() + j * D);
-    for (int r0 = 0; r0 < rows; r0 += 4) {
-      alignas(64) float block[16];
-      float *const out[4] = {block, block + 4, block + 8, block + 12};
-      dot_rows4x4_avx512(q + static_cast<size_t>(r0) * D, D, xs, D, out);
-      for (int r = 0; r < 4 && r0 + r < rows; ++r)
-        for (int j = 0; j < 4; ++j) L[(r0 + r) * ldl + offset + t + j] = block[r * 4 + j];
-    }
+    logits4x4_avx512(q, D, rows, xs, L + offset + t, ldl);
   }
   return t;
 }
 #endif
 
 // Dense keys/values [n][D] (post-RoPE, storage dtype): logits into L[i][offset + t] for the
-// `rows` query rows of q. q holds the rows rounded up to a multiple of four (the extra ones
-// zero), so that tokens and rows are contracted four by four where AVX-512 runs.
+// `rows` query rows of q, which holds rows_in_fours(rows) rows.
 void dense_logits(const uint16_t *keys, int64_t n, int D, akv_dtype storage, const float *q, int rows,
                   float *L, int64_t ldl, int64_t offset) {
   int64_t t = 0;
@@ -99,9 +110,7 @@ class AnchorHead {
     const int64_t P = g_.prefix, words = g_.words;
     total_ = cache.meta.shape.seq_len + cache.suffix_len;
     // Fold the softmax scale into the queries once instead of scaling every logit.
-    // Rows padded with zero queries to a multiple of four for the gather walk's blocked
-    // contractions (G = 3 or 6 would otherwise contract one row at a time).
-    crows_ = (rows_ + 3) / 4 * 4;
+    crows_ = rows_in_fours(rows_);
     q_.assign(static_cast<size_t>(crows_) * D_, 0.0f);
     for (size_t e = 0; e < static_cast<size_t>(rows_) * D_; ++e) q_[e] = q[e] * cache.meta.softmax_scale;
     L_.resize(static_cast<size_t>(rows_) * total_);
@@ -272,13 +281,7 @@ class AnchorHead {
       const float *const xs[4] = {x[0], x[1], x[2], x[3]};
       for (; u + 4 <= n; u += 4) {
         for (int j = 0; j < 4; ++j) rebuild_key_avx512(t0 + u + j, trig + (u + j) * two_p_, x[j]);
-        for (int r0 = 0; r0 < rows_; r0 += 4) {  // staged: vector stores straight into L_ were slower
-          alignas(64) float block[16];
-          float *const out[4] = {block, block + 4, block + 8, block + 12};
-          dot_rows4x4_avx512(q_.data() + static_cast<size_t>(r0) * D_, D_, xs, D_, out);
-          for (int r = 0; r < 4 && r0 + r < rows_; ++r)
-            for (int j = 0; j < 4; ++j) L_[(r0 + r) * total_ + t0 + u + j] = block[r * 4 + j];
-        }
+        logits4x4_avx512(q_.data(), D_, rows_, xs, L_.data() + t0 + u, total_);
       }
     }
     for (; u + 2 <= n; u += 2) {
@@ -617,8 +620,7 @@ void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_le
   const int D = meta.shape.head_dim;
   const int G = meta.shape.num_q_heads / meta.shape.num_kv_heads;
   const int rows = G * q_len;
-  // Rows padded with zero queries (and zero weights) to fours for the blocked kernels.
-  const int crows = (rows + 3) / 4 * 4;
+  const int crows = rows_in_fours(rows);  // the padding: zero queries, zero weights
   const akv_dtype storage = meta.storage;
   // Fold the softmax scale into the queries once instead of scaling every logit.
   std::vector<float> q_scaled(static_cast<size_t>(crows) * D, 0.0f);

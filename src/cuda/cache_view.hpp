@@ -85,7 +85,7 @@ struct DecodeLaunch {
   void *out;
   int32_t dtype;        // akv_dtype of queries and out
   int32_t heads, q_heads, q_len, rows, row_chunks, splits;
-  int32_t max_anchors, max_pairs;
+  int32_t max_anchors;
   // 0: each split block sums its per-anchor weights in shared memory and writes them to ws_w
   // at the end; 1 (too many anchors for shared memory): it sums them in its own ws_w rows
   // directly (global atomics), so that shared memory does not grow with the anchor count.

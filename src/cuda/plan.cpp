@@ -153,17 +153,17 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
     // anchor index of the first (the list is increasing: deserializer-checked).
     const int64_t free_anchors = g.anchors - g.window;
     std::vector<uint64_t> mask(static_cast<size_t>(H * g.words), 0);
-    std::vector<int32_t> first(static_cast<size_t>(H * g.words), 0);
+    std::vector<int32_t> first_anchor(static_cast<size_t>(H * g.words), 0);
     for (int h = 0; h < H; ++h) {
       const int64_t *tokens = at.host_anchor_tokens + h * free_anchors;
       int64_t a = 0;
       for (int64_t wd = 0; wd < g.words; ++wd) {
-        first[h * g.words + wd] = static_cast<int32_t>(a);
+        first_anchor[h * g.words + wd] = static_cast<int32_t>(a);
         for (; a < free_anchors && tokens[a] < 64 * (wd + 1); ++a) mask[h * g.words + wd] |= uint64_t{1} << (tokens[a] & 63);
       }
     }
     const size_t units = put(bytes, gamma_units(), 256);
-    const size_t am = put(bytes, mask.data(), mask.size()), af = put(bytes, first.data(), first.size());
+    const size_t am = put(bytes, mask.data(), mask.size()), af = put(bytes, first_anchor.data(), first_anchor.size());
     v.gamma_units = reinterpret_cast<const float *>(at.aux + units);
     v.anchor_mask = reinterpret_cast<const uint64_t *>(at.aux + am);
     v.anchor_first = reinterpret_cast<const int32_t *>(at.aux + af);
@@ -182,7 +182,6 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   for (int32_t b = 0; b < batch; ++b) {
     const akv_cache &c = *caches[b];
     check_decodable(c);
-    plan.max_pairs = std::max(plan.max_pairs, c.rope.enabled() ? c.rope.pairs() : 0);
     if (storage_of(c.meta.method) == Storage::kAnchor) {
       plan.max_anchors = std::max(plan.max_anchors, c.geometry.anchors);
       max_work = std::max(max_work, c.geometry.prefix);
@@ -207,7 +206,7 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   plan.global_weights = !fits(plan.max_anchors);
   if (plan.global_weights && !fits(0))
     fail(AKV_ERR_UNSUPPORTED, "decode needs ", plan.smem_bytes, " bytes of shared memory per block (head_dim ", D,
-         ", ", plan.max_pairs, " rotary pairs); the device allows ", smem_limit);
+         "); the device allows ", smem_limit);
   plan.row_chunks = (rows + plan.maxrows - 1) / plan.maxrows;
   // Splits over the prompt: as many as keep the grid within one wave of resident blocks
   // (rounding up would leave a second, mostly idle wave), no more than tiles (nor
@@ -244,7 +243,6 @@ DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32
   p.row_chunks = plan.row_chunks;
   p.splits = plan.splits;
   p.max_anchors = plan.max_anchors;
-  p.max_pairs = plan.max_pairs;
   p.global_weights = plan.global_weights ? 1 : 0;
   const size_t per_block = static_cast<size_t>(plan.maxrows) * shape.head_dim;
   p.ws_o = workspace;

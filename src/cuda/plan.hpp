@@ -37,7 +37,7 @@ struct DecodePlan {
   int maxrows = 4;      // template row chunk (4, 8, 16): more rows are split into chunks
   int row_chunks = 1;
   int splits = 1;
-  int max_anchors = 0, max_pairs = 0;
+  int max_anchors = 0;
   int anchor_parts = 0;  // blocks of decode_anchor_values_kernel per (request, head, row chunk)
   bool global_weights = false;  // per-anchor weights summed in the workspace (DecodeLaunch)
   int resident = 1;       // split blocks resident per multiprocessor
