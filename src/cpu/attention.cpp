@@ -393,12 +393,13 @@ class AnchorHead {
     if (pairs_) rope_.apply(x, cs, cs + pairs_);
   }
 
-  // accumulate_weighted_rows over this head's rows, with sixteen lanes where they may run.
+  // accumulate_weighted_rows over this head's rows padded to fours (crows_: w and acc hold
+  // that many rows, the padding zero), with sixteen lanes where they may run.
   void weighted_rows(float *acc, const float *w, int64_t ldw, const float *x, int n, int width) const {
 #ifdef AKV_HAVE_AVX512_KERNELS
-    if (wide_ && accumulate_weighted_rows_avx512(acc, rows_, w, ldw, x, n, width)) return;
+    if (wide_ && accumulate_weighted_rows_avx512(acc, crows_, w, ldw, x, n, width)) return;
 #endif
-    accumulate_weighted_rows(acc, rows_, w, ldw, x, n, width);
+    accumulate_weighted_rows(acc, crows_, w, ldw, x, n, width);
   }
 
   // window_trig: the window's cos | sin, [W][2*pairs] (shared by the heads of a walk).
@@ -493,8 +494,10 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
 
   // Values are never reconstructed: per-anchor weights, then residuals in the rotated
   // domain with one inverse Hadamard per row.
-  std::vector<float> weights(static_cast<size_t>(rows) * k, 0.0f), racc(static_cast<size_t>(rows) * RD, 0.0f);
-  std::vector<float> acc(static_cast<size_t>(rows) * D, 0.0f);
+  // Rows padded to fours with zero weights (weighted_rows' blocks); only rows < rows are read.
+  const int crows = crows_;
+  std::vector<float> weights(static_cast<size_t>(crows) * k, 0.0f), racc(static_cast<size_t>(crows) * RD, 0.0f);
+  std::vector<float> acc(static_cast<size_t>(crows) * D, 0.0f);
   if (g_.format == 2) {
     for (int64_t t = 0; t < P; ++t) {
       const int a = vidx[t];
@@ -523,7 +526,7 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
   // Value residuals in blocks: up to kBlock decoded rows and their probabilities, then one
   // weighted sum into every row's accumulator.
   constexpr int kBlock = 64;
-  std::vector<float> block(static_cast<size_t>(kBlock) * std::max(RD, D)), p(static_cast<size_t>(rows) * kBlock);
+  std::vector<float> block(static_cast<size_t>(kBlock) * std::max(RD, D)), p(static_cast<size_t>(crows) * kBlock, 0.0f);
   int filled = 0;
   auto flush = [&](float *into, int width) {
     weighted_rows(into, p.data(), kBlock, block.data(), filled, width);
