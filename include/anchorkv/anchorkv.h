@@ -326,6 +326,19 @@ typedef struct akv_compress_options {
                                      answer is written ("the pass key is"), but at answer time
                                      an induction head reads the tokens that follow that match
                                      (the digits). 0 = the paper's pooled score. 0..64; default 8 */
+  /* ---- Decode (appended in 0.3; docs/design.md section 4.3) ---- */
+  double logit_correction;        /* ANCHORKV, storage format 3: the decode lowers the logit of
+                                     every reconstructed prompt token (not an anchor) by
+                                     logit_correction * |q|^2 * e, q the scaled query and e its
+                                     head's mean squared key error per dimension over such
+                                     tokens (with and without a key residual apart), measured
+                                     at compression. A key error e_t the query cannot see makes
+                                     exp(q.k^_t) overestimate exp(q.k_t) by exp(Var(q.e_t)/2)
+                                     on average, so without it the many reconstructed tokens
+                                     draw attention from the exact ones (at 20x on natural
+                                     text, the answer). 0.5 removes that bias for an isotropic
+                                     error; 0 = attention over akv_cache_reconstruct exactly.
+                                     [0, 4]; default 0.5; format 2 ignores it */
 } akv_compress_options;
 
 /* Defaults for every field; method = AKV_METHOD_ANCHORKV. The AnchorKV fields take the paper's
@@ -341,8 +354,10 @@ typedef struct akv_compress_options {
  *    utility (which only sees what the window queries attend to);
  *  - follow_tokens 8 and scored_min 64: the tokens after a scored one share its score (on
  *    natural text the window finds the question's match, not the answer that follows it),
- *    and at least 64 anchors are scored.
- * akv_compress_options_init_paper gives the paper's setup (these eight fields as the paper). */
+ *    and at least 64 anchors are scored;
+ *  - logit_correction 0.5: the decode removes the attention that key errors add to the
+ *    reconstructed tokens (the paper attends over the reconstruction as it is).
+ * akv_compress_options_init_paper gives the paper's setup (these nine fields as the paper). */
 AKV_API void akv_compress_options_init(akv_compress_options *options);
 
 /* akv_compress_options_init, then `method` and that method's paper defaults where they differ
@@ -573,6 +588,13 @@ AKV_API akv_status akv_cache_head_stats(const akv_cache *cache, akv_head_stats *
 AKV_API akv_status akv_cache_reconstruct(const akv_cache *cache, akv_dtype dtype,
                                          int32_t rotated, void *keys, void *values,
                                          uint8_t *present, void *stream);
+/* What the decode subtracts from each cached token's logit per |s q|^2 (s the softmax scale,
+ * q the query): out [H][T] floats in host memory, T as akv_cache_reconstruct. With
+ * akv_cache_reconstruct's post-RoPE keys, akv_decode is softmax_t(s q.k_t - out[h][t] |s q|^2)
+ * over the values. Non-zero only for the reconstructed prompt tokens of an AnchorKV cache in
+ * storage format 3 compressed with logit_correction > 0 (akv_compress_options); 0 for exact
+ * tokens (anchors, window, appended) and for every other cache. */
+AKV_API akv_status akv_cache_logit_penalty(const akv_cache *cache, float *out, void *stream);
 
 /* ---- Serialization ----------------------------------------------------------------------- */
 

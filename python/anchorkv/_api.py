@@ -103,6 +103,7 @@ _OPTION_CONVERTERS = {
     "storage_format": int,
     "scored_min": int,
     "follow_tokens": int,
+    "logit_correction": float,
 }
 _ROPE_CONVERTERS = {"rope_style": ("style", RopeStyle.parse), "rotary_dim": ("rotary_dim", int),
                     "rope_base": ("base", float)}

@@ -186,6 +186,8 @@ class akv_compress_options(Structure):
         # Scoring (0.3)
         ("scored_min", c_int32),
         ("follow_tokens", c_int32),
+        # Decode (0.3)
+        ("logit_correction", c_double),
     ]
 
 

@@ -7,6 +7,7 @@
 
 #include "api/guard.hpp"
 #include "api/validate.hpp"
+#include "core/anchor_access.hpp"
 #include "core/backend.hpp"
 #include "core/context.hpp"
 #include "core/method_traits.hpp"
@@ -172,6 +173,15 @@ AKV_API akv_status akv_cache_reconstruct(const akv_cache *cache, akv_dtype dtype
     check_input_dtype(dtype, "dtype");
     sync_appended(cache, stream);
     cache->context->impl->reconstruct(*cache, dtype, rotated, keys, values, present, stream);
+  });
+}
+
+AKV_API akv_status akv_cache_logit_penalty(const akv_cache *cache, float *out, void *stream) {
+  return guard(__func__, [&] {
+    validate_cache(cache);
+    check_not_null(out, "out");
+    sync_appended(cache, stream);
+    logit_penalties(*cache, *cache->context->impl, out, stream);
   });
 }
 

@@ -1,7 +1,9 @@
 #include "core/anchor_access.hpp"
 
 #include <algorithm>
+#include <vector>
 
+#include "core/backend.hpp"
 #include "core/context.hpp"
 #include "core/dtype.hpp"
 
@@ -50,6 +52,24 @@ float AnchorAccess::gamma(int side, int h, int64_t t) const {
   if (g_.format == 2) return bf16_to_float(reinterpret_cast<const uint16_t *>(gamma_[side])[i]);
   if (own_anchor(side, h, t) >= 0) return 1.0f;
   return gamma_value(gamma_[side][i], scales_[(static_cast<int64_t>(h) * g_.segments + g_.segment_of(t)) * 2 + side]);
+}
+
+void logit_penalties(const akv_cache &cache, Backend &backend, float *out, void *stream) {
+  const int64_t H = cache.meta.shape.num_kv_heads, T = cache.meta.shape.seq_len + cache.suffix_len;
+  std::fill(out, out + H * T, 0.0f);
+  if (cache.meta.logit_penalty.empty()) return;
+  const AnchorGeometry &g = cache.geometry;
+  const int64_t free_anchors = g.anchors - g.window;
+  std::vector<uint64_t> mask(static_cast<size_t>(H * g.words));
+  std::vector<int64_t> anchors(static_cast<size_t>(H * free_anchors));
+  backend.read(mask.data(), cache.section<uint64_t>(kKeyMask), mask.size() * sizeof(uint64_t), stream);
+  backend.read(anchors.data(), cache.section<int64_t>(kAnchorTokens), anchors.size() * sizeof(int64_t), stream);
+  for (int64_t h = 0; h < H; ++h) {
+    float *row = out + h * T;
+    for (int64_t t = 0; t < g.prefix; ++t)
+      row[t] = cache.meta.logit_penalty[2 * h + (mask[h * g.words + (t >> 6)] >> (t & 63) & 1u)];
+    for (int64_t a = 0; a < free_anchors; ++a) row[anchors[h * free_anchors + a]] = 0.0f;
+  }
 }
 
 }  // namespace akv

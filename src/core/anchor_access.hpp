@@ -36,4 +36,12 @@ class AnchorAccess {
   int32_t own_anchor(int side, int h, int64_t t) const;  // the anchor t is, else -1
 };
 
+class Backend;
+
+// akv_cache_logit_penalty: [H][T] (T = prompt + appended tokens) into host memory, what the
+// decode subtracts from each token's logit per |scale q|^2 (CacheMeta::logit_penalty for the
+// reconstructed prefix tokens, 0 for anchors, the window, appended tokens and other caches).
+// The sections it needs are read through the backend (device memory on a CUDA context).
+void logit_penalties(const akv_cache &cache, Backend &backend, float *out, void *stream);
+
 }  // namespace akv

@@ -214,6 +214,13 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   const bool pooled = kind == Storage::kAnchor;
   m.pool_heads = version >= 2 ? r.get<int32_t>("pool_heads") : pooled ? m.shape.num_kv_heads : 0;
   m.storage_format = version >= 3 ? r.get<int32_t>("storage format") : pooled ? 2 : 0;
+  if (version >= 5) {
+    const uint32_t n = r.get<uint32_t>("logit penalty count");
+    corrupt_unless(n == 0 || (pooled && m.storage_format == 3 && int64_t{n} == 2 * int64_t{m.shape.num_kv_heads}),
+                   "logit penalty count");
+    m.logit_penalty = r.array<float>(n, "logit penalties");
+    for (float v : m.logit_penalty) corrupt_unless(std::isfinite(v) && v >= 0.0f, "logit penalties");
+  }
 
   // What akv_compress accepts and stores (the same shape rule, api/validate.cpp resolve_options).
   const akv_shape &s = m.shape;
@@ -471,11 +478,13 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
     } else {
       o.scored_min = o.follow_tokens = 0;
     }
+    if (version >= 5) o.logit_correction = r.get<double>("logit_correction");
     const bool foldable = compactable(m.method);
     corrupt_unless(c.compactions >= 0 && (c.compactions == 0 || foldable), "compactions");
     corrupt_unless(o.retain_fraction >= m.retain_fraction, "target retain_fraction");
     corrupt_unless(o.anchors >= 0 && o.anchors <= 65536, "requested anchors");
   }
+  if (version < 5) o.logit_correction = 0.0;  // decoded over the reconstruction as it is
   o.pool_heads = m.pool_heads;  // a compaction pools as the compression did
   o.storage_format = m.storage_format;
   o.window = m.window;

@@ -53,6 +53,7 @@ akv_compress_options default_options() {
   o->coverage_rounds = 16;
   o->scored_min = 64;
   o->follow_tokens = 8;
+  o->logit_correction = 0.5;
   return options;
 }
 
@@ -67,6 +68,7 @@ akv_compress_options paper_options() {
   o->coverage_rounds = 0;
   o->scored_min = 0;
   o->follow_tokens = 0;
+  o->logit_correction = 0.0;
   o->storage_format = 2;
   return options;
 }
@@ -130,6 +132,8 @@ void check_option_ranges(const akv_compress_options &o, akv_status status, const
   if (o.scored_min < 0) fail(status, prefix, "scored_min ", o.scored_min, " must be >= 0");
   if (o.follow_tokens < 0 || o.follow_tokens > 64)
     fail(status, prefix, "follow_tokens ", o.follow_tokens, " must be in [0, 64]");
+  if (!(o.logit_correction >= 0.0 && o.logit_correction <= 4.0))
+    fail(status, prefix, "logit_correction ", o.logit_correction, " must be in [0, 4]");
   if (o.storage_format != 0 && o.storage_format != 2 && o.storage_format != 3)
     fail(status, prefix, "storage_format ", o.storage_format, " must be 0, 2 or 3 (0 = 3)");
   if (o.pool_heads < 0) fail(status, prefix, "pool_heads ", o.pool_heads, " must be >= 0 (0 = every head)");

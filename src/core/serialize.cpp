@@ -120,6 +120,8 @@ void write_cache(W &w, const akv_cache &c, const uint8_t *data, const uint8_t *s
   put<int64_t>(w, "next_position", c.next_position);
   put<int32_t>(w, "pool_heads", m.pool_heads);
   put<int32_t>(w, "storage format", m.storage_format);
+  put<uint32_t>(w, "logit penalty count", static_cast<uint32_t>(m.logit_penalty.size()));
+  w.field("logit penalties", m.logit_penalty.data(), m.logit_penalty.size() * sizeof(float));
   put<uint32_t>(w, "dense count", static_cast<uint32_t>(m.dense_counts.size()));
   for (int64_t n : m.dense_counts) put<int64_t>(w, "dense counts", n);
   put<uint64_t>(w, "dense positions count", c.dense_positions.size());
@@ -168,6 +170,7 @@ void write_cache(W &w, const akv_cache &c, const uint8_t *data, const uint8_t *s
   put<int32_t>(w, "head_offset", o.head_offset);
   put<int32_t>(w, "scored_min", o.scored_min);
   put<int32_t>(w, "follow_tokens", o.follow_tokens);
+  put<double>(w, "logit_correction", o.logit_correction);
 }
 
 }  // namespace

@@ -18,7 +18,10 @@ namespace akv {
 // data read as layout 2); layout 3 adds the sections "segment tables" and "gamma scales".
 // 4: adds scored_min and follow_tokens (int32 each, after head_offset) to the compaction fields
 // (older data reads both as 0, the selection it was compressed with).
-constexpr uint32_t kFormatVersion = 4;
+// 5: adds the decode's logit penalties after storage format (u32 count, then that many f32:
+// 0, or [H][2] for AnchorKV format 3) and logit_correction (double) after follow_tokens
+// (older data: no penalties, logit_correction 0).
+constexpr uint32_t kFormatVersion = 5;
 
 uint32_t crc32(const uint8_t *data, size_t size, uint32_t crc = 0);
 

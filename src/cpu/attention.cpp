@@ -405,6 +405,25 @@ class AnchorHead {
   // window_trig: the window's cos | sin, [W][2*pairs] (shared by the heads of a walk).
   void finish(float *out, float *lse, const float *window_trig);
 
+  // Format 3 with logit penalties (docs/design.md §4.3): every reconstructed prefix token's
+  // logit lowered by its head's penalty times |q|^2 (q scaled), the one of tokens with a key
+  // residual for those; anchors are exact and keep theirs.
+  void correct_logits() {
+    const float *beta = &c_.meta.logit_penalty[static_cast<size_t>(h_) * 2];
+    const int64_t P = g_.prefix;
+    std::vector<uint8_t> kind(P, 0);  // 0: reconstructed, 1: with a key residual, 2: anchor
+    for (int64_t wd = 0; wd < g_.words; ++wd)
+      for (uint64_t bits = kmask_[wd]; bits; bits &= bits - 1) kind[wd * 64 + __builtin_ctzll(bits)] = 1;
+    for (int64_t a = 0; a < free_anchors_; ++a) kind[anchor_tokens_[a]] = 2;
+    for (int i = 0; i < rows_; ++i) {
+      const float *qi = &q_[static_cast<size_t>(i) * D_];
+      const float q2 = dot(qi, qi, D_);
+      const float penalty[3] = {beta[0] * q2, beta[1] * q2, 0.0f};
+      float *l = &L_[static_cast<size_t>(i) * total_];
+      for (int64_t t = 0; t < P; ++t) l[t] -= penalty[kind[t]];
+    }
+  }
+
  private:
   bool gather_ = false;
   bool neox_ = false;  // rotary pairs (j, j + pairs): neox_key_row applies
@@ -490,6 +509,7 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
   const int64_t free_anchors = k - W;
   const int64_t *anchor_tokens = cache.section<int64_t>(kAnchorTokens) + h * free_anchors;
   if (suffix) dense_logits(sk + suffix_base, suffix, D, storage, q, rows, L, total, prompt);
+  if (!cache.meta.logit_penalty.empty()) correct_logits();
   const std::vector<float> sums = softmax_rows(L, rows, total, prompt, suffix, q_len_, lse);
 
   // Values are never reconstructed: per-anchor weights, then residuals in the rotated

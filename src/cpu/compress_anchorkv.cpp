@@ -20,6 +20,7 @@
 #include "cpu/kernels.hpp"
 #include "cpu/local_anchors.hpp"
 #include "core/thread_pool.hpp"
+#include "cpu/attention.hpp"
 #include "cpu/compress.hpp"
 #include "cpu/prefill_reader.hpp"
 #include "cpu/scores.hpp"
@@ -687,6 +688,39 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
             ++slot;
           }
         }
+      }
+    });
+  }
+  // 9. The decode's logit penalties (format 3; docs/design.md §4.3): per head, logit_correction
+  // times the mean squared error per dimension of the reconstructed keys of the prefix tokens
+  // that are not anchors, without and with a key residual.
+  if (g.format == 3 && o.logit_correction > 0.0) {
+    std::vector<float> &penalty = cache->meta.logit_penalty;
+    penalty.assign(static_cast<size_t>(2) * H, 0.0f);
+    const uint64_t *key_mask = cache->section<uint64_t>(kKeyMask);
+    pool.parallel_for(H, [&](int64_t hb, int64_t he) {
+      std::vector<float> keys(static_cast<size_t>(S + cache->suffix_len) * D), values(keys.size()), x(D);
+      std::vector<char> anchor(P);
+      for (int64_t h = hb; h < he; ++h) {
+        reconstruct_head_cpu(*cache, static_cast<int>(h), false, keys.data(), values.data(), nullptr);
+        std::fill(anchor.begin(), anchor.end(), 0);
+        for (int64_t a = 0; a < free_anchors; ++a) anchor[anchor_tokens[h * free_anchors + a]] = 1;
+        double sum[2] = {0.0, 0.0};
+        int64_t count[2] = {0, 0};
+        for (int64_t t = 0; t < P; ++t) {
+          if (anchor[t]) continue;
+          in.key_row(static_cast<int>(h), t, x.data(), nullptr);
+          double e = 0.0;
+          for (int d = 0; d < D; ++d) {
+            const double diff = static_cast<double>(x[d]) - keys[t * D + d];
+            e += diff * diff;
+          }
+          const int with_residual = key_mask[h * g.words + (t >> 6)] >> (t & 63) & 1u;
+          sum[with_residual] += e;
+          ++count[with_residual];
+        }
+        for (int i = 0; i < 2; ++i)
+          penalty[2 * h + i] = count[i] ? static_cast<float>(o.logit_correction * sum[i] / (static_cast<double>(count[i]) * D)) : 0.0f;
       }
     });
   }

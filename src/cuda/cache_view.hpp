@@ -77,6 +77,9 @@ struct CacheView {
   const float *gamma_units = nullptr;        // [256]: each code's coefficient for scale 1
   const uint64_t *anchor_mask = nullptr;     // [H][words]
   const int32_t *anchor_first = nullptr;     // [H][words]
+  // Format 3 with logit_correction: [H][2] the logit penalty per |q|^2 of a reconstructed
+  // prefix token without, then with, a key residual (CacheMeta::logit_penalty); null: none.
+  const float *logit_penalty = nullptr;
 };
 
 struct DecodeLaunch {
@@ -108,8 +111,8 @@ AKV_HD constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 // pairs; the per-anchor weights last), so that in the kernel they are constants.
 struct SplitSmem {
   size_t q = 0, qr = 0, logits = 0, red = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0, step = 0, signs = 0,
-         meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, keys = 0, w = 0,
-         total = 0;
+         meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
+         penalty = 0, keys = 0, w = 0, total = 0;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
   // smem_anchors: anchors whose per-anchor weights live in shared memory (0 with
   // DecodeLaunch::global_weights).
@@ -134,6 +137,8 @@ struct SplitSmem {
     meta_pos = o; o = align16(o + sizeof(int64_t) * T);
     meta_va = o; o = align16(o + sizeof(int32_t) * T);  // value anchor and coefficient of each token
     meta_vg = o; o = align16(o + sizeof(float) * T);
+    meta_kind = o; o = align16(o + sizeof(int32_t) * T);  // logit penalty of each token: 0, 1 or none (2)
+    penalty = o; o = align16(o + sizeof(float) * 2 * maxrows);  // per row: without, with a key residual
     keys = o; o = align16(o + sizeof(float) * T * key_stride(D));  // also write_partial's scratch
     w = o; o = align16(o + sizeof(float) * maxrows * smem_anchors);
     total = o;

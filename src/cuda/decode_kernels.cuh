@@ -136,9 +136,9 @@ struct SplitBlock {
   // of ws_w (wstride = max_anchors) when DecodeLaunch::global_weights.
   float *w;
   int64_t wstride;
-  float *q_s, *qr_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s;
+  float *q_s, *qr_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s, *pen_s;
   float2 *step_s;
-  int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s;
+  int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s, *kind_s;
   int64_t *pos_s;
 
   float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
@@ -188,6 +188,8 @@ struct SplitBlock {
     vg_s = reinterpret_cast<float *>(smem + lay.meta_vg);
     pos_s = reinterpret_cast<int64_t *>(smem + lay.meta_pos);
     K_s = reinterpret_cast<float *>(smem + lay.keys);
+    kind_s = reinterpret_cast<int32_t *>(smem + lay.meta_kind);
+    pen_s = reinterpret_cast<float *>(smem + lay.penalty);
 
     // Queries of this row chunk, scaled so that exp2(logit) is the softmax weight.
     const int G = p.q_heads / p.heads;
@@ -220,6 +222,18 @@ struct SplitBlock {
       for (int e = 0; e < DPT; ++e) racc[i][e] = dacc[i][e] = 0.0f;
     }
     __syncthreads();
+    // Logit penalties (docs/design.md §4.3) in the base-2 logits: beta |q scale|^2 log2(e)
+    // = beta |q_s|^2 / log2(e), per row, without and with a key residual; zero without.
+    for (int i = warp; i < MAXROWS; i += NW) {
+      float q2 = 0.0f;
+      for (int d = lane; d < D; d += 32) q2 += q_s[i * D + d] * q_s[i * D + d];
+      q2 = warp_sum(q2);
+      if (lane < 2) {
+        const float beta = c.logit_penalty && format3 && k ? c.logit_penalty[2 * h + lane] : 0.0f;
+        pen_s[lane * MAXROWS + i] = beta * q2 / kLog2e;
+      }
+    }
+    __syncthreads();
   }
 
   // ---- 1. tile metadata: anchor, gamma and position of each token; the first angles ------
@@ -236,6 +250,7 @@ struct SplitBlock {
     if (tid < T) {
       const int64_t t = t0 + tid;
       int a = -1, va = -1, off = 0;  // off: position - the tile's first; -1 outside [0, T); 0 for no token (zero row)
+      int kind = 2;                  // logit penalty: 0 reconstructed, 1 with a key residual, 2 none (exact)
       float g = 0.0f, vg = 0.0f;
       int64_t pos = 0;
       if (t < end) {
@@ -261,6 +276,7 @@ struct SplitBlock {
               va = c.table_size ? c.segment_tables[seg * c.table_size + ve] : ve;
               g = code_gamma(c.key_code[at], c.gamma_scales[2 * seg]);
               vg = code_gamma(c.value_code[at], c.gamma_scales[2 * seg + 1]);
+              kind = static_cast<int>((c.key_mask[wd] >> tid) & 1);
             }
             pos = c.first_position + t;
             off = tid;
@@ -281,6 +297,7 @@ struct SplitBlock {
       a_s[tid] = a;
       va_s[tid] = va;
       off_s[tid] = off;
+      kind_s[tid] = kind;
       g_s[tid] = g;
       vg_s[tid] = vg;
       pos_s[tid] = pos;
@@ -576,6 +593,7 @@ struct SplitBlock {
       const int i = r + part;
       bool visible = t0 + t < end;
       if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
+      if (anchor && kind_s[t] < 2) v -= pen_s[kind_s[t] * MAXROWS + i];
       L_s[i * T + t] = visible ? v : -INFINITY;
     }
   }

@@ -167,6 +167,10 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
     v.gamma_units = reinterpret_cast<const float *>(at.aux + units);
     v.anchor_mask = reinterpret_cast<const uint64_t *>(at.aux + am);
     v.anchor_first = reinterpret_cast<const int32_t *>(at.aux + af);
+    if (!m.logit_penalty.empty()) {
+      const size_t pen = put(bytes, m.logit_penalty.data(), m.logit_penalty.size());
+      v.logit_penalty = reinterpret_cast<const float *>(at.aux + pen);
+    }
   }
   std::memcpy(bytes.data(), &v, sizeof v);
   return bytes;

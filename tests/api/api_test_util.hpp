@@ -314,6 +314,17 @@ inline Dense reconstruct(const akv_cache *cache, int rotated, akv_dtype dtype = 
   return dense;
 }
 
+// akv_cache_logit_penalty into a poisoned buffer, as reference_attention's logit_penalty
+// ([H][T], T as reconstruct()).
+inline std::vector<double> logit_penalties(const akv_cache *cache) {
+  const akv_cache_stats stats = cache_stats(cache);
+  const size_t count = static_cast<size_t>(stats.shape.num_kv_heads) * (stats.shape.seq_len + stats.appended_tokens);
+  std::vector<float> out(count, std::numeric_limits<float>::quiet_NaN());
+  ok(akv_cache_logit_penalty(cache, out.data(), nullptr), "akv_cache_logit_penalty");
+  if (count_non_finite(out)) throw std::runtime_error("akv_cache_logit_penalty left non-finite (unwritten) elements");
+  return std::vector<double>(out.begin(), out.end());
+}
+
 // akv_decode into a poisoned buffer; returns the raw output bytes (for bitwise comparisons).
 inline std::vector<uint8_t> decode_raw(akv_cache *cache, const Tensor &queries, int q_len) {
   std::vector<uint8_t> out = poisoned(queries.count(), queries.dtype);

@@ -113,14 +113,14 @@ struct Env {
   }
   // Offsets in the serialized format (src/core/serialize.cpp): a fixed header up to the
   // inv_freq count at 96, the table, then window, anchors, two residual counts and the window
-  // start; the suffix (count, positions, keys, values of kAppended tokens) ends before the 76
-  // bytes of compaction fields (format 2) and the CRC.
+  // start; the suffix (count, positions, keys, values of kAppended tokens) ends before the 92
+  // bytes of compaction fields (serialization format 5) and the CRC.
   size_t window_position_offset() const {
     uint32_t frequencies;
     std::memcpy(&frequencies, bytes.data() + 96, 4);
     return 100 + 4 * static_cast<size_t>(frequencies) + 4 + 4 + 8 + 8;
   }
-  size_t suffix_keys_offset() const { return bytes.size() - 4 - 76 - 2 * static_cast<size_t>(kH) * kAppended * kD * 2; }
+  size_t suffix_keys_offset() const { return bytes.size() - 4 - 92 - 2 * static_cast<size_t>(kH) * kAppended * kD * 2; }
   size_t suffix_count_offset() const { return suffix_keys_offset() - 4 * kAppended - 8; }
 
   akv_status compress_with(const std::function<void(akv_prefill &, akv_compress_options &)> &mutate) {
@@ -633,6 +633,13 @@ std::vector<BadCase> bad_cases() {
          return akv_cache_reconstruct(e.cache.get(), AKV_DTYPE_AUTO, 1, e.scratch.data(),
                                       e.scratch.data() + e.scratch.size() / 2, nullptr, nullptr);
        }},
+      {"LogitPenalty_NullCache", AKV_ERR_INVALID_ARGUMENT, {"cache"},
+       [](Env &e) {
+         e.scratch.assign(static_cast<size_t>(kH) * (kS + kAppended) * 4, 0);
+         return akv_cache_logit_penalty(nullptr, reinterpret_cast<float *>(e.scratch.data()), nullptr);
+       }},
+      {"LogitPenalty_NullOut", AKV_ERR_INVALID_ARGUMENT, {"out"},
+       [](Env &e) { return akv_cache_logit_penalty(e.cache.get(), nullptr, nullptr); }},
 
       // ---- serialization ----
       {"SerializedSize_NullCache", AKV_ERR_INVALID_ARGUMENT, {"cache"},
@@ -756,6 +763,7 @@ TEST(BadInputTable, EveryEntryPointHasCases) {
       {"akv_decode_batch", "Batch_"},            {"akv_cache_stats_get", "Stats_"},
       {"akv_decode_lse", "DecodeLse_"},          {"akv_decode_batch_lse", "BatchLse_"},
       {"akv_cache_head_stats", "HeadStats_"},    {"akv_cache_reconstruct", "Reconstruct_"},
+      {"akv_cache_logit_penalty", "LogitPenalty_"},
       {"akv_cache_serialized_size", "SerializedSize_"}, {"akv_cache_serialize", "Serialize_"},
       {"akv_cache_deserialize", "Deserialize_"}};
   const std::vector<BadCase> cases = bad_cases();

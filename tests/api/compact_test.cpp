@@ -369,9 +369,9 @@ uint32_t crc32_of(const uint8_t *p, size_t n) {
 }
 
 // Format 1 (before compaction) still reads: the same cache, in storage format 2, without what
-// serialization formats 2 to 4 added (the 4-byte pool_heads and the 4-byte storage format
-// after next_position, the 84 bytes of compaction fields before the CRC), version 1, its size
-// and CRC patched.
+// serialization formats 2 to 5 added (the 4-byte pool_heads, the 4-byte storage format and the
+// 4-byte logit penalty count, 0 in storage format 2, after next_position; the 92 bytes of
+// compaction fields before the CRC), version 1, its size and CRC patched.
 TEST(Compact, FormatOneStillReads) {
   const Generation g = make_generation(79, 512, 40);
   ContextPtr ctx = make_context(2);
@@ -382,12 +382,12 @@ TEST(Compact, FormatOneStillReads) {
   std::vector<uint8_t> bytes = serialize(cache.get());
   uint32_t version;
   std::memcpy(&version, &bytes[8], 4);
-  ASSERT_EQ(version, 4u);
-  bytes.erase(bytes.end() - 4 - 84, bytes.end());  // the compaction fields and the CRC
+  ASSERT_EQ(version, 5u);
+  bytes.erase(bytes.end() - 4 - 92, bytes.end());  // the compaction fields and the CRC
   uint32_t frequencies;  // the header runs to the inv_freq count at 96, then the table, then
   std::memcpy(&frequencies, &bytes[96], 4);  // window, anchors, two residual counts, positions
   const size_t pool_heads = 100 + 4 * static_cast<size_t>(frequencies) + 4 + 4 + 8 + 8 + 8 + 8;
-  bytes.erase(bytes.begin() + pool_heads, bytes.begin() + pool_heads + 8);
+  bytes.erase(bytes.begin() + pool_heads, bytes.begin() + pool_heads + 12);
   version = 1;
   std::memcpy(&bytes[8], &version, 4);
   const uint64_t total = bytes.size() + 4;

@@ -62,6 +62,7 @@ akv_compress_options options_for(akv_method method, const akv_shape &shape) {
     akv_compress_options o;
     akv_compress_options_init(&o);
     o.retain_fraction = workable_retain_fraction(shape, 32, 0, 0.1);
+    o.logit_correction = 0.0;  // attention over akv_cache_reconstruct exactly (the identity tested)
     return o;
   }
   if (method == AKV_METHOD_FULLKV) return fullkv_options();

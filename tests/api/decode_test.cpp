@@ -4,7 +4,9 @@
 //  - FullKV: over the original inputs (as stored), with the reference RoPE;
 //  - appended tokens, q_len > 1 (causal among the new tokens), GQA, RoPE variants, explicit
 //    positions, keys_post_rope, softmax_scale, F32/F16/BF16;
-//  - akv_decode_batch == a loop of akv_decode, bitwise.
+//  - akv_decode_batch == a loop of akv_decode, bitwise;
+//  - logit_correction: the penalties akv_cache_logit_penalty reports, and the decode with them.
+#include <map>
 #include <thread>
 
 #include "api/api_test_util.hpp"
@@ -70,6 +72,7 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
   options.keys_post_rope = c.keys_post_rope ? 1 : 0;
   options.softmax_scale = c.softmax_scale;
   options.storage_format = c.storage_format;
+  if (c.storage_format == 3) options.logit_correction = 0.5;  // the default preset's decode
   options.anchors = c.anchors;
   const int rotary = c.rotary_dim == 0 ? c.D : c.rotary_dim;
   const std::vector<float> frequency_table = llama3_style_frequencies(rotary, options.rope.base);
@@ -180,12 +183,17 @@ TEST_P(DecodeMatchesReference, AfterCompressAppendAndDecode) {
   EXPECT_EQ(key_rows_off, 0) << "window/appended keys differ from the handed keys beyond storage rounding"
                              << " (worst relative row error " << worst_row_error << ")";
 
-  // (3) Decode equals exact attention over the reconstructed cache.
+  // (3) Decode equals exact attention over the reconstructed cache, each token's logit lowered
+  // by akv_cache_logit_penalty's share (format 3 with logit_correction; 0 elsewhere).
   const Tensor queries = make_tensor(nonzero_normal(rng, static_cast<size_t>(Hq) * c.q_len * c.D, 1.5), c.dtype);
   const std::vector<float> out = decode(cache.get(), queries, c.q_len);
   const double scale = effective_softmax_scale(options, c.D);
   const AttentionShape shape{c.H, Hq, c.D, T, c.q_len};
-  const std::vector<double> expected = reference_attention(rotated.keys, rotated.values, queries.values, shape, scale);
+  const std::vector<double> penalty = logit_penalties(cache.get());
+  if (c.storage_format == 3) EXPECT_GT(*std::max_element(penalty.begin(), penalty.end()), 0.0) << "no logit penalty";
+  else EXPECT_EQ(*std::max_element(penalty.begin(), penalty.end()), 0.0) << "a logit penalty without logit_correction";
+  const std::vector<double> expected =
+      reference_attention(rotated.keys, rotated.values, queries.values, shape, scale, nullptr, &penalty);
   note("decode_vs_reconstruct_max_error_over_value_rms", max_error(out, expected, value_rms));
   const double abs_tolerance = (c.dtype == AKV_DTYPE_F32 ? 2e-5 : 2e-4) * value_rms;
   EXPECT_TRUE(all_near(out, expected, abs_tolerance, output_rel_tolerance(c.dtype)))
@@ -233,6 +241,76 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{"FullKV_F16_G4_D64_Partial_InvFreq_Scale",F, AKV_DTYPE_F16,  180, 1, 4, 64,  AKV_ROPE_NEOX, 16, true,  true,  false, 0.1f,  3, true,  1},
         DecodeCase{"FullKV_F32_D96_AnyHeadDim",              F, AKV_DTYPE_F32,  100, 2, 2, 96,  AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  1, false, 2}),
     [](const ::testing::TestParamInfo<DecodeCase> &info) { return std::string(info.param.name); });
+
+// ---- logit_correction (docs/design.md §4.3) ----------------------------------------------------
+
+// The default preset's penalties: logit_correction times the mean squared pre-RoPE key error
+// per dimension of a head's reconstructed prompt tokens, one value without and one with a key
+// residual; 0 for anchors, the window and appended tokens; linear in logit_correction (the
+// selection does not depend on it); 0 everywhere with logit_correction 0 (decode = attention
+// over the reconstruction); kept by serialization.
+TEST(LogitCorrection, PenaltyIsTheMeanKeyErrorOfTheReconstructedTokens) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  PrefillSpec spec;
+  spec.seq_len = 700;
+  spec.group = 2;
+  const PrefillData data = make_prefill(rng, spec);
+  const int H = spec.kv_heads, D = spec.head_dim, W = spec.window;
+  const int64_t S = spec.seq_len;
+  const ContextPtr context = make_context(2);
+  auto with = [&](double correction) {
+    akv_compress_options o;
+    akv_compress_options_init(&o);
+    o.retain_fraction = workable_retain_fraction(data.shape, W, 0, 0.15);
+    o.logit_correction = correction;
+    return compress(context.get(), data, o);
+  };
+  const CachePtr half = with(0.5), one = with(1.0), none = with(0.0);
+  const std::vector<double> p_half = logit_penalties(half.get()), p_one = logit_penalties(one.get());
+  const std::vector<double> p_none = logit_penalties(none.get());
+  EXPECT_EQ(*std::max_element(p_none.begin(), p_none.end()), 0.0);
+  const Dense plain = reconstruct(half.get(), 0);
+  int64_t penalised = 0;
+  for (int h = 0; h < H; ++h) {
+    std::map<double, std::pair<double, int64_t>> groups;  // penalty -> (sum of squared errors, tokens)
+    for (int64_t t = 0; t < S; ++t) {
+      const double p = p_half[h * S + t];
+      EXPECT_NEAR(p_one[h * S + t], 2.0 * p, 1e-6 * p) << "head " << h << " token " << t;
+      if (t >= S - W) EXPECT_EQ(p, 0.0) << "window token " << t;
+      if (p == 0.0) continue;
+      ++penalised;
+      double e = 0.0;
+      for (int d = 0; d < D; ++d) {
+        const double diff = data.keys_pre_rope[(static_cast<size_t>(h) * S + t) * D + d] - plain.key_row(h, t)[d];
+        e += diff * diff;
+      }
+      groups[p].first += e;
+      groups[p].second += 1;
+    }
+    EXPECT_GE(groups.size(), 1u);
+    EXPECT_LE(groups.size(), 2u) << "head " << h << ": one penalty without and one with a key residual";
+    for (const auto &[p, sum] : groups)
+      EXPECT_NEAR(0.5 * sum.first / (static_cast<double>(sum.second) * D), p, 1e-4 * p) << "head " << h;
+  }
+  EXPECT_GT(penalised, S * H / 2) << "most prompt tokens are reconstructed";
+  // The appended tokens are exact.
+  Rng more(seed + 1);
+  const Tensor k = make_tensor(llm_like_keys(more, H, 3, D), AKV_DTYPE_F32);
+  const Tensor v = make_tensor(nonzero_normal(more, static_cast<size_t>(H) * 3 * D), AKV_DTYPE_F32);
+  ok(akv_append(half.get(), k.data(), v.data(), AKV_DTYPE_F32, 3, nullptr, nullptr), "akv_append");
+  const std::vector<double> appended = logit_penalties(half.get());
+  for (int h = 0; h < H; ++h)
+    for (int64_t t = 0; t < S + 3; ++t)
+      EXPECT_EQ(appended[h * (S + 3) + t], t < S ? p_half[h * S + t] : 0.0) << "head " << h << " token " << t;
+  // Serialization keeps the penalties, so the decode is bit for bit the same.
+  const CachePtr back = deserialize(context.get(), serialize(half.get()));
+  EXPECT_EQ(logit_penalties(back.get()), appended);
+  const Tensor q = make_tensor(nonzero_normal(more, static_cast<size_t>(H) * spec.group * D, 1.5), AKV_DTYPE_F32);
+  EXPECT_EQ(decode_raw(back.get(), q, 1), decode_raw(half.get(), q, 1));
+  EXPECT_NE(decode_raw(none.get(), q, 1), decode_raw(one.get(), q, 1));
+}
 
 // ---- incremental decoding like an engine, with a reservation --------------------------------
 

@@ -19,11 +19,14 @@ struct AttentionShape {
 
 // keys, values: [H][T][D] (keys post-RoPE); queries: [Hq][q_len][D]. Returns [Hq][q_len][D].
 // probabilities (optional): [Hq][q_len][T], zero for rows a query cannot see.
+// logit_penalty (optional): [H][T], token t's logit lowered by logit_penalty * |scale q|^2
+// (AnchorKV's logit_correction: akv_cache_logit_penalty).
 template <typename KT, typename QT>
 std::vector<double> reference_attention(const std::vector<KT> &keys, const std::vector<KT> &values,
                                         const std::vector<QT> &queries, const AttentionShape &shape,
                                         double softmax_scale,
-                                        std::vector<double> *probabilities = nullptr) {
+                                        std::vector<double> *probabilities = nullptr,
+                                        const std::vector<double> *logit_penalty = nullptr) {
   const int H = shape.kv_heads, Hq = shape.q_heads, D = shape.head_dim, q_len = shape.q_len;
   const int64_t T = shape.tokens;
   if (H <= 0 || Hq % H != 0 || q_len < 1 || q_len > T)
@@ -40,12 +43,16 @@ std::vector<double> reference_attention(const std::vector<KT> &keys, const std::
     for (int i = 0; i < q_len; ++i) {
       const int64_t visible = T - q_len + i + 1;
       const QT *q = &queries[(static_cast<size_t>(qh) * q_len + i) * D];
+      double q2 = 0.0;
+      for (int d = 0; d < D; ++d) q2 += static_cast<double>(q[d]) * static_cast<double>(q[d]);
+      q2 *= softmax_scale * softmax_scale;
       double max_logit = -INFINITY;
       for (int64_t t = 0; t < visible; ++t) {
         const KT *k = &keys[(static_cast<size_t>(h) * T + t) * D];
         double dot = 0.0;
         for (int d = 0; d < D; ++d) dot += static_cast<double>(q[d]) * static_cast<double>(k[d]);
         logits[t] = dot * softmax_scale;
+        if (logit_penalty) logits[t] -= (*logit_penalty)[static_cast<size_t>(h) * T + t] * q2;
         max_logit = std::max(max_logit, logits[t]);
       }
       double total = 0.0;

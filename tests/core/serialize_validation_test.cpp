@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -303,11 +304,30 @@ TEST_F(SerializeValidation, EveryDamagedFieldIsCorruptWithoutALargeAllocation) {
 
 namespace {
 
-// Format 1 still loads: the same cache without what formats 2 and 3 added (pool_heads and the
-// storage format after next_position, the compaction fields before the CRC), version 1. It
-// reads back as one pooling group of every head, storage format 2, and serializes to today's
-// bytes up to the compaction fields (those take the method's defaults, as format 1 did not
-// store the compression options). Caches in storage format 3 have no older form.
+// `current` without the named fields (each present), as an older format wrote it; each field
+// listed in `zeroed` instead keeps its place with zero bytes.
+Bytes without_fields(const Bytes &current, const std::vector<akv::SerializedField> &fields,
+                     const std::vector<std::string> &dropped, const std::vector<std::string> &zeroed = {}) {
+  Bytes out;
+  size_t at = 0;
+  for (const akv::SerializedField &f : fields) {
+    const bool drop = std::find(dropped.begin(), dropped.end(), f.name) != dropped.end();
+    const bool zero = std::find(zeroed.begin(), zeroed.end(), f.name) != zeroed.end();
+    if (!drop && !zero) continue;
+    out.insert(out.end(), current.begin() + at, current.begin() + f.offset);
+    if (zero) out.insert(out.end(), f.bytes, 0);
+    at = f.offset + f.bytes;
+  }
+  out.insert(out.end(), current.begin() + at, current.end());
+  return out;
+}
+
+// Format 1 still loads: the same cache without what formats 2 to 5 added (pool_heads, the
+// storage format and the logit penalties after next_position, the compaction fields before
+// the CRC), version 1. It reads back as one pooling group of every head, storage format 2,
+// and serializes to today's bytes up to the compaction fields (those take the method's
+// defaults, as format 1 did not store the compression options). Caches in storage format 3
+// have no older form.
 TEST(SerializeFormat, VersionOneDataStillLoads) {
   ContextOwner context;
   int checked = 0;
@@ -317,21 +337,16 @@ TEST(SerializeFormat, VersionOneDataStillLoads) {
     ++checked;
     const Bytes current = akv_test::serialized_bytes(small.cache.get());
     const std::vector<akv::SerializedField> fields = akv::serialized_fields(*small.cache);
-    const akv::SerializedField *pool = find_field(fields, "pool_heads");
-    const akv::SerializedField *format = find_field(fields, "storage format");
     const akv::SerializedField *compaction = find_field(fields, "compactions");
-    ASSERT_NE(pool, nullptr);
-    ASSERT_NE(format, nullptr);
     ASSERT_NE(compaction, nullptr);
-    ASSERT_EQ(format->offset, pool->offset + pool->bytes);
-    Bytes old(current.begin(), current.begin() + pool->offset);
-    old.insert(old.end(), current.begin() + format->offset + format->bytes, current.begin() + compaction->offset);
+    Bytes old(current.begin(), current.begin() + compaction->offset);
     old.resize(old.size() + 4);  // the CRC's place
-    old = as_version(old, 1);
+    old = as_version(without_fields(old, fields, {"pool_heads", "storage format", "logit penalty count", "logit penalties"}), 1);
     akv_cache *loaded = nullptr;
     ASSERT_EQ(akv_cache_deserialize(context.raw, old.data(), old.size(), &loaded, nullptr), AKV_OK)
         << akv_last_error_message();
     EXPECT_EQ(loaded->meta.pool_heads, small.cache->meta.pool_heads);
+    EXPECT_EQ(loaded->compress_options.logit_correction, 0.0);
     const Bytes again = akv_test::serialized_bytes(loaded);
     ASSERT_EQ(again.size(), current.size());
     EXPECT_TRUE(std::equal(current.begin(), current.begin() + compaction->offset, again.begin()));
@@ -340,12 +355,14 @@ TEST(SerializeFormat, VersionOneDataStillLoads) {
   EXPECT_GE(checked, 10);
 }
 
-// Formats 2 and 3 still load: without the storage format field (format 2; it reads as storage
-// format 2) and without scored_min and follow_tokens (formats 2 and 3; they read as 0, the
-// selection those caches were compressed with), they serialize back to today's bytes with both 0.
-TEST(SerializeFormat, VersionTwoAndThreeDataStillLoad) {
+// Formats 2 to 4 still load: without the storage format field (format 2; it reads as storage
+// format 2), without scored_min and follow_tokens (formats 2 and 3; they read as 0, the
+// selection those caches were compressed with), and without the logit penalties and
+// logit_correction (formats 2 to 4; no penalties, logit_correction 0: those caches decode over
+// their reconstruction as it is). They serialize back to today's bytes with those values.
+TEST(SerializeFormat, VersionTwoToFourDataStillLoad) {
   ContextOwner context;
-  for (const uint32_t version : {2u, 3u}) {
+  for (const uint32_t version : {2u, 3u, 4u}) {
     int checked = 0;
     for (const akv_test::SmallCache &small : akv_test::small_caches(context.raw, 20261201)) {
       if (version == 2 && small.cache->meta.storage_format == 3) continue;
@@ -353,25 +370,27 @@ TEST(SerializeFormat, VersionTwoAndThreeDataStillLoad) {
       ++checked;
       const Bytes current = akv_test::serialized_bytes(small.cache.get());
       const std::vector<akv::SerializedField> fields = akv::serialized_fields(*small.cache);
-      const akv::SerializedField *format = find_field(fields, "storage format");
-      const akv::SerializedField *scored = find_field(fields, "scored_min");
-      const akv::SerializedField *follow = find_field(fields, "follow_tokens");
-      ASSERT_NE(format, nullptr);
-      ASSERT_NE(scored, nullptr);
-      ASSERT_NE(follow, nullptr);
-      ASSERT_EQ(follow->offset, scored->offset + scored->bytes);
-      ASSERT_LT(format->offset, scored->offset);
-      Bytes old(current.begin(), current.begin() + (version == 2 ? format->offset : scored->offset));
-      if (version == 2) old.insert(old.end(), current.begin() + format->offset + format->bytes, current.begin() + scored->offset);
-      old.insert(old.end(), current.begin() + follow->offset + follow->bytes, current.end());
-      old = as_version(old, version);
+      std::vector<std::string> dropped = {"logit penalty count", "logit penalties", "logit_correction"};
+      if (version < 4) dropped.insert(dropped.end(), {"scored_min", "follow_tokens"});
+      if (version < 3) dropped.push_back("storage format");
+      const Bytes old = as_version(without_fields(current, fields, dropped), version);
       akv_cache *loaded = nullptr;
       ASSERT_EQ(akv_cache_deserialize(context.raw, old.data(), old.size(), &loaded, nullptr), AKV_OK)
           << akv_last_error_message();
-      EXPECT_EQ(loaded->compress_options.scored_min, 0);
-      EXPECT_EQ(loaded->compress_options.follow_tokens, 0);
-      Bytes expected = current;
-      std::memset(expected.data() + scored->offset, 0, scored->bytes + follow->bytes);
+      if (version < 4) {
+        EXPECT_EQ(loaded->compress_options.scored_min, 0);
+        EXPECT_EQ(loaded->compress_options.follow_tokens, 0);
+      } else {
+        EXPECT_EQ(loaded->compress_options.scored_min, small.cache->compress_options.scored_min);
+      }
+      EXPECT_TRUE(loaded->meta.logit_penalty.empty());
+      EXPECT_EQ(loaded->compress_options.logit_correction, 0.0);
+      // Today's bytes with no penalties (count 0) and the fields older data lacks as zeros.
+      std::vector<std::string> zeroed = {"logit penalty count", "logit_correction"};
+      if (version < 4) zeroed.insert(zeroed.end(), {"scored_min", "follow_tokens"});
+      Bytes expected = without_fields(current, fields, {"logit penalties"}, zeroed);
+      const uint64_t total = expected.size();
+      std::memcpy(expected.data() + 16, &total, 8);
       EXPECT_TRUE(akv_test::serialized_bytes(loaded) == with_crc(expected));
       akv_cache_destroy(loaded);
     }

@@ -73,8 +73,9 @@ TEST_P(PrefixLogitPaths, TableAndGatherEqualExactAttention) {
     const Dense rotated = reconstruct(cache.get(), 1);
     const Tensor queries = make_tensor(nonzero_normal(local, static_cast<size_t>(Hq) * c.q_len * D, 1.5), c.dtype);
     const AttentionShape shape{H, Hq, D, spec.seq_len + appended, c.q_len};
-    const std::vector<double> expected =
-        reference_attention(rotated.keys, rotated.values, queries.values, shape, effective_softmax_scale(options, D));
+    const std::vector<double> penalty = logit_penalties(cache.get());  // format 3: logit_correction
+    const std::vector<double> expected = reference_attention(rotated.keys, rotated.values, queries.values, shape,
+                                                             effective_softmax_scale(options, D), nullptr, &penalty);
     double value_rms = 0.0;
     for (float v : rotated.values) value_rms += static_cast<double>(v) * v;
     value_rms = std::sqrt(value_rms / static_cast<double>(rotated.values.size()));

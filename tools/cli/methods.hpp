@@ -51,6 +51,7 @@ inline const MethodEntry kMethods[] = {
        o->coverage_rounds = paper.coverage_rounds;
        o->scored_min = paper.scored_min;
        o->follow_tokens = paper.follow_tokens;
+       o->logit_correction = paper.logit_correction;
        o->storage_format = paper.storage_format;
      }},
     {"SnapKV",      AKV_METHOD_SNAPKV,      true,   true,    true,    nullptr},

@@ -155,6 +155,8 @@ pub struct akv_compress_options {
     // Scoring (appended in 0.3).
     pub scored_min: i32,
     pub follow_tokens: i32,
+    // Decode (appended in 0.3).
+    pub logit_correction: f64,
 }
 
 #[repr(C)]

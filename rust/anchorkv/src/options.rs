@@ -259,6 +259,14 @@ impl CompressOptions {
         self.raw.follow_tokens = tokens;
         self
     }
+    /// AnchorKV (storage format 3): the decode lowers each reconstructed token's logit by
+    /// `c` |q|^2 times its head's mean squared key error per dimension, which removes the
+    /// attention key errors add to those tokens on average (0: attention over the
+    /// reconstruction as it is; default 0.5).
+    pub fn logit_correction(mut self, c: f64) -> Self {
+        self.raw.logit_correction = c;
+        self
+    }
     /// theta in (0, 1]: the footprint stays at most theta * 4*S*H*D bytes. FullKV, the exact
     /// reference, keeps every token and ignores it (`budget_bytes` = `full_bytes`).
     pub fn retain_fraction(mut self, theta: f64) -> Self {
