@@ -140,11 +140,12 @@ static int akv_java_shape(const akv_cache *cache, akv_cache_stats *stats) {
 %rename(reserve) akv_cache::reserve_tokens;
 %rename(stats) akv_cache::get_stats;
 %rename(reconstruct) akv_cache::reconstruct_dense;
+%rename(logitPenalty) akv_cache::logit_penalty_into;
 %rename(serialize) akv_cache::serialize_into;
 
 /* The raw calls with out-parameters and void* tensors are wrapped as methods below. */
 %rename("$ignore", regextarget=1, %$isfunction)
-  "^akv_(context_options_init|context_create|compress_options_init|compress_options_init_method|compress_options_init_paper|prefill_init|compressed_size|compressed_size_model|compress|cache_reserve|append|decode|decode_batch|decode_lse|decode_batch_lse|cache_compact|cache_stats_get|cache_head_stats|cache_reconstruct|cache_serialized_size|cache_serialize|cache_deserialize)$";
+  "^akv_(context_options_init|context_create|compress_options_init|compress_options_init_method|compress_options_init_paper|prefill_init|compressed_size|compressed_size_model|compress|cache_reserve|append|decode|decode_batch|decode_lse|decode_batch_lse|cache_compact|cache_stats_get|cache_head_stats|cache_reconstruct|cache_logit_penalty|cache_serialized_size|cache_serialize|cache_deserialize)$";
 %ignore akv_allocator;
 %ignore akv_context_options;
 %ignore akv_prefill;
@@ -642,6 +643,16 @@ typedef struct akv_cache {} akv_cache;
                          (size_t)stats.shape.head_dim;
     if (akv_java_fits("keys", keys_bytes, count, dtype) && akv_java_fits("values", values_bytes, count, dtype))
       akv_java_ok(akv_cache_reconstruct($self, dtype, rotated ? 1 : 0, keys, values, NULL, NULL));
+  }
+
+  /** What decode subtracts from each token's logit per |s q|^2 (s the softmax scale), [H][T]
+   * floats (akv_cache_logit_penalty): with reconstruct()'s rotated keys, decode is
+   * softmax(s q.k_t - out[h][t] |s q|^2) over the values. */
+  void logit_penalty_into(void *out, size_t out_bytes) {
+    akv_cache_stats stats;
+    if (!akv_java_shape($self, &stats)) return;
+    const size_t count = (size_t)stats.shape.num_kv_heads * (size_t)(stats.shape.seq_len + stats.appended_tokens);
+    if (akv_java_fits("out", out_bytes, count, AKV_DTYPE_F32)) akv_java_ok(akv_cache_logit_penalty($self, out, NULL));
   }
 
   /** Bytes serialize() writes (akv_cache_serialized_size). */

@@ -62,20 +62,22 @@ public final class AnchorKVExample {
 
   /** Exact attention of queries [HQ][D] over rotated keys [H][T] rows and values [H][T][D]. */
   static double[] attention(float[] query, double[][] keys, float[] values, int tokens) {
-    return attention(query, keys, values, tokens, null);
+    return attention(query, keys, values, tokens, null, null);
   }
 
-  /** attention, and each row's log-sum-exp (natural log of its softmax denominator) in lse[HQ]. */
-  static double[] attention(float[] query, double[][] keys, float[] values, int tokens, double[] lse) {
+  /** attention, and each row's log-sum-exp (natural log of its softmax denominator) in lse[HQ];
+   * penalty (Cache.logitPenalty, [H][T], or null): each logit lowered by penalty * |q|^2 / D. */
+  static double[] attention(float[] query, double[][] keys, float[] values, int tokens, double[] lse, float[] penalty) {
     double[] out = new double[HQ * D];
     for (int j = 0; j < HQ; ++j) {
       int h = j / (HQ / H);
       double[] logits = new double[tokens];
-      double max = Double.NEGATIVE_INFINITY, total = 0;
+      double max = Double.NEGATIVE_INFINITY, total = 0, q2 = 0;
+      for (int d = 0; d < D; ++d) q2 += (double) query[j * D + d] * query[j * D + d] / D;
       for (int t = 0; t < tokens; ++t) {
         double dot = 0;
         for (int d = 0; d < D; ++d) dot += keys[h * tokens + t][d] * query[j * D + d];
-        logits[t] = dot / Math.sqrt(D);
+        logits[t] = dot / Math.sqrt(D) - (penalty == null ? 0 : penalty[h * tokens + t] * q2);
         max = Math.max(max, logits[t]);
       }
       for (int t = 0; t < tokens; ++t) total += (logits[t] = Math.exp(logits[t] - max));
@@ -159,15 +161,19 @@ public final class AnchorKVExample {
     check(stats.getMethod() == Method.ANCHORKV, "AnchorKV is the default method");
     check(cosine > 0.8, "close to exact attention (cosine " + cosine + ")");
 
-    // Decode is exact attention over the cache's own reconstruction.
-    ByteBuffer denseKeys = direct(H * S * D), denseValues = direct(H * S * D);
+    // Decode is exact attention over the cache's own reconstruction, each reconstructed token's
+    // logit lowered by its share of logit_correction (Cache.logitPenalty).
+    ByteBuffer denseKeys = direct(H * S * D), denseValues = direct(H * S * D), penaltyBuffer = direct(H * S);
     cache.reconstruct(DType.F32, true, denseKeys, denseValues);
+    cache.logitPenalty(penaltyBuffer);
+    float[] penalty = floats(penaltyBuffer, H * S);
     float[] reconstructedKeys = floats(denseKeys, H * S * D);
     double[][] reconstructedRows = new double[H * S][D];
     for (int row = 0; row < H * S; ++row)
       for (int d = 0; d < D; ++d) reconstructedRows[row][d] = reconstructedKeys[row * D + d];
     double[] expectedLse = new double[HQ];
-    double[] overReconstruction = attention(query, reconstructedRows, floats(denseValues, H * S * D), S, expectedLse);
+    double[] overReconstruction =
+        attention(query, reconstructedRows, floats(denseValues, H * S * D), S, expectedLse, penalty);
     double worst = 0;
     for (int i = 0; i < HQ * D; ++i) worst = Math.max(worst, Math.abs(decoded[i] - overReconstruction[i]));
     check(worst < 2e-5, "decode equals attention over the reconstruction (max diff " + worst + ")");

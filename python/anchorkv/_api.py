@@ -873,6 +873,21 @@ class Cache(_Owner):
                                               present_pointer, raw_stream))
         return tuple(results)
 
+    def logit_penalty(self, *, stream=None) -> np.ndarray:
+        """[H][T] float32 (host): what decode subtracts from each token's logit per |s q|^2.
+
+        With reconstruct()'s post-RoPE keys, decode is softmax(s q.k_t - penalty[h, t] |s q|^2)
+        over the values (s the softmax scale). Non-zero only for the reconstructed prompt
+        tokens of an AnchorKV cache in storage format 3 compressed with logit_correction > 0.
+        """
+        stats = self.stats
+        out = np.empty((self._shape.num_kv_heads, stats.shape.seq_len + stats.appended_tokens), np.float32)
+        raw_stream = self._context._stream(stream, [])
+        with self._lock:
+            check(_capi.akv_cache_logit_penalty(self._raw(), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                                raw_stream))
+        return out
+
     # -- serialization --
     def serialized_size(self) -> int:
         size = c_size_t()

@@ -350,6 +350,9 @@ akv_cache_head_stats = _declare("akv_cache_head_stats", akv_status,
 akv_cache_reconstruct = _declare("akv_cache_reconstruct", akv_status,
                                  [akv_cache_p, akv_dtype, c_int32, c_void_p, c_void_p,
                                   POINTER(c_uint8), c_void_p])
+# akv_status akv_cache_logit_penalty(const akv_cache *cache, float *out, void *stream);
+akv_cache_logit_penalty = _declare("akv_cache_logit_penalty", akv_status,
+                                   [akv_cache_p, POINTER(c_float), c_void_p])
 
 # akv_status akv_cache_serialized_size(const akv_cache *cache, size_t *out_bytes);
 akv_cache_serialized_size = _declare("akv_cache_serialized_size", akv_status,
@@ -386,7 +389,7 @@ FUNCTION_NAMES = (
     "akv_compress_options_init", "akv_compress_options_init_method",
     "akv_compress_options_init_paper", "akv_prefill_init", "akv_compressed_size", "akv_compressed_size_model", "akv_compress",
     "akv_cache_destroy", "akv_cache_reserve", "akv_append", "akv_decode", "akv_decode_batch",
-    "akv_cache_stats_get", "akv_cache_head_stats", "akv_cache_reconstruct",
+    "akv_cache_stats_get", "akv_cache_head_stats", "akv_cache_reconstruct", "akv_cache_logit_penalty",
     "akv_cache_serialized_size", "akv_cache_serialize", "akv_cache_deserialize",
     "akv_decode_lse", "akv_decode_batch_lse",
     "akv_cache_compact",

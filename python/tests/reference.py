@@ -46,11 +46,13 @@ def rope(x: np.ndarray, positions: np.ndarray, style: str = "neox", rotary_dim: 
 
 
 def attention(queries: np.ndarray, keys: np.ndarray, values: np.ndarray,
-              scale: float | None = None, present: np.ndarray | None = None) -> np.ndarray:
+              scale: float | None = None, present: np.ndarray | None = None,
+              penalty: np.ndarray | None = None) -> np.ndarray:
     """Exact attention: queries [Hq][q_len][D], keys (post-RoPE) and values [H][T][D].
 
     Query head j reads KV head j // (Hq/H); query i sees rows 0..T-q_len+i (causal among
     the new tokens, as akv_decode defines it). present [H][T]: rows an evicting method kept.
+    penalty [H][T] (Cache.logit_penalty): each logit lowered by penalty * |scale q|^2.
     """
     q = np.asarray(queries, dtype=np.float64)
     k = np.asarray(keys, dtype=np.float64)
@@ -62,6 +64,9 @@ def attention(queries: np.ndarray, keys: np.ndarray, values: np.ndarray,
     k_per_q = np.repeat(k, group, axis=0)
     v_per_q = np.repeat(v, group, axis=0)
     logits = np.einsum("hqd,htd->hqt", q, k_per_q) * scale
+    if penalty is not None:
+        q2 = (q ** 2).sum(axis=-1) * scale ** 2  # [Hq][q_len]
+        logits -= np.repeat(np.asarray(penalty, np.float64), group, axis=0)[:, None, :] * q2[..., None]
     visible = np.arange(tokens)[None, :] <= (tokens - q_len + np.arange(q_len))[:, None]
     logits = np.where(visible[None], logits, -np.inf)
     if present is not None:

@@ -12,12 +12,16 @@ def _fresh_rng():
     return np.random.default_rng(seed), f"seed {seed}"
 
 
-def _exact(keys, values, queries, scale):
-    """keys/values [H][T][D] (post-RoPE), queries [Hq][D] -> out [Hq][D], lse [Hq] (float64)."""
+def _exact(keys, values, queries, scale, penalty=None):
+    """keys/values [H][T][D] (post-RoPE), queries [Hq][D] -> out [Hq][D], lse [Hq] (float64).
+    penalty [H][T] (Cache.logit_penalty): each logit lowered by penalty * |scale q|^2."""
     group = queries.shape[0] // keys.shape[0]
     k = np.repeat(keys.astype(np.float64), group, axis=0)
     v = np.repeat(values.astype(np.float64), group, axis=0)
     logits = np.einsum("hd,htd->ht", queries.astype(np.float64), k) * scale
+    if penalty is not None:
+        q2 = (queries.astype(np.float64) ** 2).sum(axis=1, keepdims=True) * scale ** 2
+        logits -= np.repeat(penalty.astype(np.float64), group, axis=0) * q2
     mx = logits.max(axis=1, keepdims=True)
     p = np.exp(logits - mx)
     total = p.sum(axis=1, keepdims=True)
@@ -38,7 +42,9 @@ def test_lse_merges_with_other_tokens_into_attention_over_the_union(method):
     np.testing.assert_array_equal(out, cache.decode(query), err_msg=seed)
 
     cached_keys, cached_values, _ = cache.reconstruct(rotated=True)
-    _, expected_lse = _exact(cached_keys, cached_values, query, scale)
+    penalty = cache.logit_penalty()  # AnchorKV's logit_correction (zero for FullKV)
+    assert (penalty.max() > 0) == (method == "anchorkv")
+    _, expected_lse = _exact(cached_keys, cached_values, query, scale, penalty)
     np.testing.assert_allclose(lse, expected_lse, rtol=1e-5, atol=1e-4, err_msg=seed)
 
     # Other tokens (e.g. an engine's own cache of a suffix): merge by the two log-sum-exps.
@@ -49,7 +55,8 @@ def test_lse_merges_with_other_tokens_into_attention_over_the_union(method):
     wa, wb = np.exp(lse - m)[:, None], np.exp(other_lse - m)[:, None]
     merged = (wa * out + wb * other_out) / (wa + wb)
     union, union_lse = _exact(np.concatenate([cached_keys, other_keys], axis=1),
-                              np.concatenate([cached_values, other_values], axis=1), query, scale)
+                              np.concatenate([cached_values, other_values], axis=1), query, scale,
+                              np.concatenate([penalty, np.zeros((2, 40), np.float32)], axis=1))
     np.testing.assert_allclose(merged, union, atol=1e-4, err_msg=seed)
     np.testing.assert_allclose(m + np.log(wa + wb)[:, 0], union_lse, atol=1e-4, err_msg=seed)
     assert np.abs(out - union).max() > 1e-2, "the other tokens must matter for the test to mean anything"

@@ -130,7 +130,10 @@ def test_anchorkv_decode_equals_attention_over_reconstruction(layer, rng):
     rotated_keys, reconstructed_values, present = cache.reconstruct(rotated=True)
     assert rotated_keys.shape == keys.shape and present.shape == keys.shape[:2]
     assert present.all()  # AnchorKV drops no token
-    np.testing.assert_allclose(out, attention(query, rotated_keys, reconstructed_values), atol=ATOL)
+    penalty = cache.logit_penalty()  # logit_correction: the reconstructed tokens' share
+    assert penalty.max() > 0 and (penalty[:, -32:] == 0).all()  # the window is exact
+    np.testing.assert_allclose(out, attention(query, rotated_keys, reconstructed_values, penalty=penalty),
+                               atol=ATOL)
     # Pre-RoPE reconstruction rotated by the reference gives the same keys.
     plain_keys, _, _ = cache.reconstruct(rotated=False)
     np.testing.assert_allclose(rope(plain_keys, np.arange(keys.shape[1])), rotated_keys, atol=1e-4)
@@ -199,7 +202,8 @@ def test_append_then_decode_causal(layer, rng):
     np.testing.assert_array_equal(reconstructed_values[:, -4:-1], new_values)  # stored exactly
     queries = rng.standard_normal((4, 3, 64), dtype=np.float32)
     out = cache.decode(queries)  # q_len 3: causal among the last tokens
-    np.testing.assert_allclose(out, attention(queries, rotated_keys, reconstructed_values), atol=ATOL)
+    np.testing.assert_allclose(out, attention(queries, rotated_keys, reconstructed_values,
+                                              penalty=cache.logit_penalty()), atol=ATOL)
     # Appended keys are rotated at positions S, S+1, ... (continuing the prompt); the cache
     # may store them rotated, rounded to bf16: one bf16 ulp of slack.
     positions = np.arange(keys.shape[1], keys.shape[1] + 3)

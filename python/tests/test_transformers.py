@@ -45,7 +45,9 @@ def _reference_cache(cache: akv_hf.AnchorKVCache) -> DynamicCache:
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("method, options", [("anchorkv", {"retain_fraction": 0.4}),
+# logit_correction 0: SDPA over the reconstruction is then the decode exactly (the correction's
+# share is tested against Cache.logit_penalty in test_numpy.py and test_lse.py).
+@pytest.mark.parametrize("method, options", [("anchorkv", {"retain_fraction": 0.4, "logit_correction": 0.0}),
                                              ("snapkv", {"retain_fraction": 0.5})])
 def test_decode_equals_sdpa_over_the_reconstructed_caches(model, batch, method, options):
     akv_hf.enable(model)
@@ -126,6 +128,8 @@ def test_lse_with_torch_tensors(model):
     k, v, _ = cache.reconstruct(rotated=True)
     kk = torch.from_numpy(k).double().repeat_interleave(2, dim=0)
     logits = torch.einsum("hqd,htd->hqt", query.double(), kk) / 8.0
+    penalty = torch.from_numpy(cache.logit_penalty()).double().repeat_interleave(2, dim=0)  # [Hq][T]
+    logits -= penalty[:, None, :] * (query.double() ** 2).sum(-1, keepdim=True) / 64.0
     logits[:, 0, -1] = -float("inf")  # the first query does not see the second's token
     torch.testing.assert_close(lse.double(), torch.logsumexp(logits, dim=-1), rtol=1e-5, atol=1e-4,
                                msg=lambda m: f"seed {seed}: {m}")
@@ -185,7 +189,8 @@ def _left_padded(prompts: list[torch.Tensor]):
     return ids, mask, positions
 
 
-@pytest.mark.parametrize("method, options", [("fullkv", {}), ("anchorkv", {"retain_fraction": 0.4})])
+@pytest.mark.parametrize("method, options", [("fullkv", {}),
+                                             ("anchorkv", {"retain_fraction": 0.4, "logit_correction": 0.0})])
 def test_left_padded_batch_compresses_each_prompt_without_its_padding(model, method, options):
     """Prompts of 300, 170 and 60 tokens, left-padded into one batch: each row's cache holds
     its own prompt (the padding dropped; 60 <= 2 * window stays exact) at generate()'s

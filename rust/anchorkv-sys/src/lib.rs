@@ -299,6 +299,7 @@ extern "C" {
         present: *mut u8,
         stream: *mut c_void,
     ) -> akv_status;
+    pub fn akv_cache_logit_penalty(cache: *const akv_cache, out: *mut f32, stream: *mut c_void) -> akv_status;
 
     pub fn akv_cache_serialized_size(cache: *const akv_cache, out_bytes: *mut usize) -> akv_status;
     pub fn akv_cache_serialize(

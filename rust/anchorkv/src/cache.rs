@@ -286,6 +286,18 @@ impl Cache {
         Ok(Reconstruction { tokens, keys, values, present })
     }
 
+    /// What `decode` subtracts from each token's logit per |s q|^2, `[H][T]` (s the softmax
+    /// scale): with `reconstruct(true)`'s keys, decode is softmax(s q.k_t - penalty[h][t] |s q|^2)
+    /// over the values. Non-zero only for the reconstructed prompt tokens of an AnchorKV cache
+    /// in storage format 3 compressed with `logit_correction` > 0.
+    pub fn logit_penalty(&self) -> Result<Vec<f32>> {
+        let tokens = self.num_tokens()?;
+        let mut out = vec![0f32; self.shape.num_kv_heads * tokens];
+        // SAFETY: output sized [H][T] for the current T, host memory for every backend.
+        check(unsafe { sys::akv_cache_logit_penalty(self.as_raw(), out.as_mut_ptr(), ptr::null_mut()) })?;
+        Ok(out)
+    }
+
     /// Bytes `serialize` will write.
     pub fn serialized_size(&self) -> Result<usize> {
         let mut bytes = 0usize;

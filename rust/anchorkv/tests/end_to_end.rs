@@ -2,7 +2,7 @@
 mod common;
 
 use anchorkv::{Backend, Bf16, CompressOptions, Context, ContextOptions, Element, Method, Prefill, RopeStyle, Shape, Status, F16};
-use common::{attention, bf16_round, max_abs_diff, rope, to_f64, Dims, Rng};
+use common::{attention, attention_with_penalty, bf16_round, max_abs_diff, rope, to_f64, Dims, Rng};
 
 const H: usize = 2;
 const HQ: usize = 4;
@@ -73,7 +73,9 @@ fn anchorkv_compress_decode_stats() {
     let dense = cache.reconstruct::<f32>(true).unwrap();
     assert_eq!(dense.tokens, S);
     assert!(dense.present.iter().all(|&p| p == 1));
-    let expected = attention(&to_f64(&query), &to_f64(&dense.keys), &to_f64(&dense.values), &Dims { kv_heads: H, q_heads: HQ, tokens: S, d: D, q_len: 1 });
+    let penalty = cache.logit_penalty().unwrap(); // logit_correction: the reconstructed tokens' share
+    assert!(penalty.iter().any(|&p| p > 0.0));
+    let expected = attention_with_penalty(&to_f64(&query), &to_f64(&dense.keys), &to_f64(&dense.values), &Dims { kv_heads: H, q_heads: HQ, tokens: S, d: D, q_len: 1 }, &penalty);
     assert!(max_abs_diff(&out, &expected) < ATOL);
 
     // The window is stored exactly (pre-RoPE reconstruction of the last W positions).
@@ -103,7 +105,9 @@ fn append_then_causal_decode() {
     let queries = rng.bf16_exact(HQ * 3 * D); // q_len 3, causal among themselves
     let out = cache.decode_to_vec(&queries).unwrap();
     let dense = cache.reconstruct::<f32>(true).unwrap();
-    let expected = attention(&to_f64(&queries), &to_f64(&dense.keys), &to_f64(&dense.values), &Dims { kv_heads: H, q_heads: HQ, tokens: S + 3, d: D, q_len: 3 });
+    let penalty = cache.logit_penalty().unwrap();
+    assert!(penalty[H * (S + 3) - 3..].iter().all(|&p| p == 0.0)); // appended tokens are exact
+    let expected = attention_with_penalty(&to_f64(&queries), &to_f64(&dense.keys), &to_f64(&dense.values), &Dims { kv_heads: H, q_heads: HQ, tokens: S + 3, d: D, q_len: 3 }, &penalty);
     assert!(max_abs_diff(&out, &expected) < ATOL);
     // Appended values are stored exactly; keys rotated at positions S.. (one bf16 ulp).
     let rotated_new = rope(&new_keys, H, 3, D, &positions(S, 3));

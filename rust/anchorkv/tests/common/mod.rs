@@ -62,6 +62,12 @@ pub struct Dims {
 /// Exact attention: q [Hq][q_len][D], keys (post-RoPE) and values [H][T][D]; query i sees
 /// rows 0..T-q_len+i; query head j reads KV head j / (Hq/H).
 pub fn attention(q: &[f64], k: &[f64], v: &[f64], dims: &Dims) -> Vec<f64> {
+    attention_with_penalty(q, k, v, dims, &[])
+}
+
+/// `attention` with each logit lowered by `penalty[h][t]` |scale q|^2 (`Cache::logit_penalty`;
+/// empty: none).
+pub fn attention_with_penalty(q: &[f64], k: &[f64], v: &[f64], dims: &Dims, penalty: &[f32]) -> Vec<f64> {
     let Dims { kv_heads, q_heads, tokens, d, q_len } = *dims;
     let group = q_heads / kv_heads;
     let scale = 1.0 / (d as f64).sqrt();
@@ -71,8 +77,12 @@ pub fn attention(q: &[f64], k: &[f64], v: &[f64], dims: &Dims) -> Vec<f64> {
         for i in 0..q_len {
             let query = &q[(qh * q_len + i) * d..][..d];
             let visible = tokens - q_len + i + 1;
+            let q2 = scale * scale * query.iter().map(|x| x * x).sum::<f64>();
             let logits: Vec<f64> = (0..visible)
-                .map(|t| scale * query.iter().zip(&k[(h * tokens + t) * d..][..d]).map(|(a, b)| a * b).sum::<f64>())
+                .map(|t| {
+                    let dot = scale * query.iter().zip(&k[(h * tokens + t) * d..][..d]).map(|(a, b)| a * b).sum::<f64>();
+                    dot - penalty.get(h * tokens + t).map_or(0.0, |&p| p as f64 * q2)
+                })
                 .collect();
             let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
