@@ -326,7 +326,7 @@ typedef struct akv_compress_options {
                                      answer is written ("the pass key is"), but at answer time
                                      an induction head reads the tokens that follow that match
                                      (the digits). 0 = the paper's pooled score. 0..64; default 8 */
-  /* ---- Decode (appended in 0.3; docs/design.md section 4.3) ---- */
+  /* ---- Decode (appended in 0.3; docs/design.md section 4.5) ---- */
   double logit_correction;        /* ANCHORKV, storage format 3: the decode lowers the logit of
                                      every reconstructed prompt token (not an anchor) by
                                      logit_correction * |q|^2 * e, q the scaled query and e its

@@ -95,7 +95,7 @@ struct CacheMeta {
   int32_t storage_format = 0;  // AnchorKV: 2 or 3 (core/layout.hpp); 0 for other methods
   // AnchorKV format 3, logit_correction > 0: [H][2] the decode's logit penalty per |q|^2 of a
   // reconstructed prompt token without, then with, a key residual (logit_correction times the
-  // head's mean squared key error per dimension; docs/design.md §4.3). Empty: none.
+  // head's mean squared key error per dimension; docs/design.md §4.5). Empty: none.
   std::vector<float> logit_penalty;
   // Dense methods (FullKV, eviction, quantized): per-head kept token counts.
   std::vector<int64_t> dense_counts;

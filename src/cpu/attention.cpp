@@ -405,7 +405,7 @@ class AnchorHead {
   // window_trig: the window's cos | sin, [W][2*pairs] (shared by the heads of a walk).
   void finish(float *out, float *lse, const float *window_trig);
 
-  // Format 3 with logit penalties (docs/design.md §4.3): every reconstructed prefix token's
+  // Format 3 with logit penalties (docs/design.md §4.5): every reconstructed prefix token's
   // logit lowered by its head's penalty times |q|^2 (q scaled), the one of tokens with a key
   // residual for those; anchors are exact and keep theirs.
   void correct_logits() {

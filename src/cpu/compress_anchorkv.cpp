@@ -691,7 +691,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
       }
     });
   }
-  // 9. The decode's logit penalties (format 3; docs/design.md §4.3): per head, logit_correction
+  // 9. The decode's logit penalties (format 3; docs/design.md §4.5): per head, logit_correction
   // times the mean squared error per dimension of the reconstructed keys of the prefix tokens
   // that are not anchors, without and with a key residual.
   if (g.format == 3 && o.logit_correction > 0.0) {

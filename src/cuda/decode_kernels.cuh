@@ -222,7 +222,7 @@ struct SplitBlock {
       for (int e = 0; e < DPT; ++e) racc[i][e] = dacc[i][e] = 0.0f;
     }
     __syncthreads();
-    // Logit penalties (docs/design.md §4.3) in the base-2 logits: beta |q scale|^2 log2(e)
+    // Logit penalties (docs/design.md §4.5) in the base-2 logits: beta |q scale|^2 log2(e)
     // = beta |q_s|^2 / log2(e), per row, without and with a key residual; zero without.
     for (int i = warp; i < MAXROWS; i += NW) {
       float q2 = 0.0f;

@@ -242,7 +242,7 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{"FullKV_F32_D96_AnyHeadDim",              F, AKV_DTYPE_F32,  100, 2, 2, 96,  AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  1, false, 2}),
     [](const ::testing::TestParamInfo<DecodeCase> &info) { return std::string(info.param.name); });
 
-// ---- logit_correction (docs/design.md §4.3) ----------------------------------------------------
+// ---- logit_correction (docs/design.md §4.5) ----------------------------------------------------
 
 // The default preset's penalties: logit_correction times the mean squared pre-RoPE key error
 // per dimension of a head's reconstructed prompt tokens, one value without and one with a key

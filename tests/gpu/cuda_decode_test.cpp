@@ -562,6 +562,8 @@ TEST_F(Cuda, CompressReconstructAndSerializeMatchCpu) {
     EXPECT_EQ(decode_bytes(keys.download(), AKV_DTYPE_F32), expected.keys);
     EXPECT_EQ(decode_bytes(values.download(), AKV_DTYPE_F32), expected.values);
     EXPECT_EQ(present.download(), expected.present);
+    // The logit penalties (format 3's logit_correction) read from device memory.
+    EXPECT_EQ(logit_penalties(gpu_cache.get()), logit_penalties(cpu_cache.get()));
   }
 }
 
