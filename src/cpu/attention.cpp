@@ -418,8 +418,14 @@ class AnchorHead {
     for (int i = 0; i < rows_; ++i) {
       const float *qi = &q_[static_cast<size_t>(i) * D_];
       const float q2 = dot(qi, qi, D_);
-      const float penalty[3] = {beta[0] * q2, beta[1] * q2, 0.0f};
+      const float penalty[4] = {beta[0] * q2, beta[1] * q2, 0.0f, 0.0f};
       float *l = &L_[static_cast<size_t>(i) * total_];
+#ifdef AKV_HAVE_AVX512_KERNELS
+      if (wide_) {
+        subtract_by_class_avx512(l, kind.data(), P, penalty);
+        continue;
+      }
+#endif
       for (int64_t t = 0; t < P; ++t) l[t] -= penalty[kind[t]];
     }
   }

@@ -361,6 +361,17 @@ AKV_TARGET_AVX512 inline void decode_residual_avx512(const uint8_t *codes, float
   for (int i = 0; i < R; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(v[i], _mm512_loadu_ps(norm_signs + 16 * i)));
 }
 
+// l[t] -= table[cls[t]] for t < n (cls[t] < 4), sixteen lanes at a time.
+AKV_TARGET_AVX512 inline void subtract_by_class_avx512(float *l, const uint8_t *cls, int64_t n, const float (&table)[4]) {
+  const __m512 tab = _mm512_setr_ps(table[0], table[1], table[2], table[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(cls + t)));
+    _mm512_storeu_ps(l + t, _mm512_sub_ps(_mm512_loadu_ps(l + t), _mm512_permutexvar_ps(idx, tab)));
+  }
+  for (; t < n; ++t) l[t] -= table[cls[t]];
+}
+
 // accumulate_weighted_rows with sixteen lanes: a 4 x 32 block of acc in registers (D a
 // multiple of 32); other row counts and widths go to the AVX2 version.
 AKV_TARGET_AVX512 inline bool accumulate_weighted_rows_avx512(float *acc, int rows, const float *w, int64_t ldw,
