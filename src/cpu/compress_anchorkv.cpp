@@ -691,36 +691,83 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
       }
     });
   }
-  // 9. The decode's logit penalties (format 3; docs/design.md §4.5): per head, logit_correction
-  // times the mean squared error per dimension of the reconstructed keys of the prefix tokens
-  // that are not anchors, without and with a key residual.
+  // 9. The decode's logit penalties (format 3; docs/design.md §4.5): per head, the mean squared
+  // error per dimension of the reconstructed keys of the prefix tokens that are not anchors,
+  // without and with a key residual, times a factor c: the one of 0, c/2, c and 2c (c =
+  // logit_correction) whose attention of the last kRows window rows of each query head is
+  // closest to their exact attention (total variation; ties: the smaller).
   if (g.format == 3 && o.logit_correction > 0.0) {
+    constexpr int kRows = 4;
     std::vector<float> &penalty = cache->meta.logit_penalty;
     penalty.assign(static_cast<size_t>(2) * H, 0.0f);
     const uint64_t *key_mask = cache->section<uint64_t>(kKeyMask);
+    const int rows_per_q = std::min(kRows, W);
     pool.parallel_for(H, [&](int64_t hb, int64_t he) {
       std::vector<float> keys(static_cast<size_t>(S + cache->suffix_len) * D), values(keys.size()), x(D);
-      std::vector<char> anchor(P);
+      std::vector<float> exact(static_cast<size_t>(S) * D), approx(static_cast<size_t>(S) * D);
+      const int nr = G * rows_per_q;
+      std::vector<float> q(static_cast<size_t>(nr) * D), ze(static_cast<size_t>(nr) * S), za(ze.size());
+      std::vector<uint8_t> kind(S, 2);  // 0 reconstructed, 1 with a key residual, 2 exact
+      std::vector<double> pe(S), pa(S);
       for (int64_t h = hb; h < he; ++h) {
         reconstruct_head_cpu(*cache, static_cast<int>(h), false, keys.data(), values.data(), nullptr);
-        std::fill(anchor.begin(), anchor.end(), 0);
-        for (int64_t a = 0; a < free_anchors; ++a) anchor[anchor_tokens[h * free_anchors + a]] = 1;
+        std::fill(kind.begin(), kind.end(), 2);
+        for (int64_t t = 0; t < P; ++t) kind[t] = key_mask[h * g.words + (t >> 6)] >> (t & 63) & 1u;
+        for (int64_t a = 0; a < free_anchors; ++a) kind[anchor_tokens[h * free_anchors + a]] = 2;
         double sum[2] = {0.0, 0.0};
         int64_t count[2] = {0, 0};
-        for (int64_t t = 0; t < P; ++t) {
-          if (anchor[t]) continue;
-          in.key_row(static_cast<int>(h), t, x.data(), nullptr);
+        for (int64_t t = 0; t < S; ++t) {
+          in.key_row(static_cast<int>(h), t, x.data(), &exact[t * D]);
+          std::copy(&keys[t * D], &keys[t * D] + D, &approx[t * D]);
+          in.rotate(&approx[t * D], t);
+          if (kind[t] == 2) continue;
           double e = 0.0;
           for (int d = 0; d < D; ++d) {
             const double diff = static_cast<double>(x[d]) - keys[t * D + d];
             e += diff * diff;
           }
-          const int with_residual = key_mask[h * g.words + (t >> 6)] >> (t & 63) & 1u;
-          sum[with_residual] += e;
-          ++count[with_residual];
+          sum[kind[t]] += e;
+          ++count[kind[t]];
         }
-        for (int i = 0; i < 2; ++i)
-          penalty[2 * h + i] = count[i] ? static_cast<float>(o.logit_correction * sum[i] / (static_cast<double>(count[i]) * D)) : 0.0f;
+        const double mean[2] = {count[0] ? sum[0] / (static_cast<double>(count[0]) * D) : 0.0,
+                                count[1] ? sum[1] / (static_cast<double>(count[1]) * D) : 0.0};
+        // The last rows_per_q window rows of each of the group's query heads.
+        for (int gi = 0; gi < G; ++gi)
+          for (int r = 0; r < rows_per_q; ++r)
+            in.query_row(static_cast<int>(h) * G + gi, W - rows_per_q + r, &q[(gi * rows_per_q + r) * D]);
+        sgemm(true, nr, S, D, scale, q.data(), D, exact.data(), D, 0.0f, ze.data(), S);
+        sgemm(true, nr, S, D, scale, q.data(), D, approx.data(), D, 0.0f, za.data(), S);
+        const double factors[4] = {0.0, 0.5, 1.0, 2.0};
+        double best_tv = 0.0, best = 0.0;
+        for (int f = 0; f < 4; ++f) {
+          const double c = factors[f] * o.logit_correction;
+          double tv = 0.0;
+          for (int row = 0; row < nr; ++row) {
+            const int r = row % rows_per_q;
+            const int64_t visible = P + (W - rows_per_q + r) + 1;
+            const float *qr = &q[static_cast<size_t>(row) * D];
+            const double q2 = static_cast<double>(scale) * scale * dot(qr, qr, D);
+            const double pen[3] = {c * q2 * mean[0], c * q2 * mean[1], 0.0};
+            double me = -INFINITY, ma = -INFINITY;
+            for (int64_t t = 0; t < visible; ++t) {
+              pe[t] = ze[row * S + t];
+              pa[t] = za[row * S + t] - pen[kind[t]];
+              me = std::max(me, pe[t]);
+              ma = std::max(ma, pa[t]);
+            }
+            double se = 0.0, sa = 0.0;
+            for (int64_t t = 0; t < visible; ++t) {
+              se += (pe[t] = std::exp(pe[t] - me));
+              sa += (pa[t] = std::exp(pa[t] - ma));
+            }
+            for (int64_t t = 0; t < visible; ++t) tv += 0.5 * std::abs(pe[t] / se - pa[t] / sa);
+          }
+          if (f == 0 || tv < best_tv) {
+            best_tv = tv;
+            best = c;
+          }
+        }
+        for (int i = 0; i < 2; ++i) penalty[2 * h + i] = static_cast<float>(best * mean[i]);
       }
     });
   }
