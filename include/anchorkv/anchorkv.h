@@ -329,15 +329,18 @@ typedef struct akv_compress_options {
   /* ---- Decode (appended in 0.3; docs/design.md section 4.5) ---- */
   double logit_correction;        /* ANCHORKV, storage format 3: the decode lowers the logit of
                                      every reconstructed prompt token (not an anchor) by
-                                     logit_correction * |q|^2 * e, q the scaled query and e its
-                                     head's mean squared key error per dimension over such
-                                     tokens (with and without a key residual apart), measured
-                                     at compression. A key error e_t the query cannot see makes
-                                     exp(q.k^_t) overestimate exp(q.k_t) by exp(Var(q.e_t)/2)
-                                     on average, so without it the many reconstructed tokens
-                                     draw attention from the exact ones (at 20x on natural
-                                     text, the answer). 0.5 removes that bias for an isotropic
-                                     error; 0 = attention over akv_cache_reconstruct exactly.
+                                     f * |q|^2 * e, q the scaled query and e its head's mean
+                                     squared key error per dimension over such tokens (with and
+                                     without a key residual apart), measured at compression,
+                                     and f per head the one of 0, c/2, c and 2c (c this field)
+                                     that brings the attention of the last window rows closest
+                                     to their exact attention. A key error e_t the query cannot
+                                     see makes exp(q.k^_t) overestimate exp(q.k_t) by
+                                     exp(Var(q.e_t)/2) on average, so without it the many
+                                     reconstructed tokens draw attention from the exact ones
+                                     (at 20x on natural text, the answer). 0.5 removes that
+                                     bias for an isotropic error; 0 = attention over
+                                     akv_cache_reconstruct exactly (akv_cache_logit_penalty).
                                      [0, 4]; default 0.5; format 2 ignores it */
 } akv_compress_options;
 

@@ -131,7 +131,7 @@ def test_anchorkv_decode_equals_attention_over_reconstruction(layer, rng):
     assert rotated_keys.shape == keys.shape and present.shape == keys.shape[:2]
     assert present.all()  # AnchorKV drops no token
     penalty = cache.logit_penalty()  # logit_correction: the reconstructed tokens' share
-    assert penalty.max() > 0 and (penalty[:, -32:] == 0).all()  # the window is exact
+    assert penalty.min() >= 0 and (penalty[:, -32:] == 0).all()  # the window is exact
     np.testing.assert_allclose(out, attention(query, rotated_keys, reconstructed_values, penalty=penalty),
                                atol=ATOL)
     # Pre-RoPE reconstruction rotated by the reference gives the same keys.

@@ -17,7 +17,9 @@
 namespace akv_test {
 
 struct Compared {
-  int64_t tokens = 0, index_diff = 0, gamma_diff = 0, mask_diff = 0, anchor_diff = 0;
+  // anchor_diff: anchors one cache has and the other has not (per head, counted once per
+  // swap); index_diff: tokens whose anchor (as a token, not as an index into the list) differs.
+  int64_t tokens = 0, index_diff = 0, gamma_diff = 0, mask_diff = 0, anchor_diff = 0, free_anchors = 0;
   int64_t codes_compared = 0, codes_diff = 0;
   double worst_scale = 0.0;
 };
@@ -31,14 +33,26 @@ inline Compared compare_anchor_caches(const akv_cache &a, const akv_cache &b) {
   auto sec = [](const akv_cache &c, int i) { return c.data.data() + c.layout.sections[i].offset; };
   const int64_t *ta = reinterpret_cast<const int64_t *>(sec(a, akv::kAnchorTokens));
   const int64_t *tb = reinterpret_cast<const int64_t *>(sec(b, akv::kAnchorTokens));
-  for (int64_t i = 0; i < H * (k - W); ++i) r.anchor_diff += ta[i] != tb[i];
+  r.free_anchors = k - W;
+  for (int64_t h = 0; h < H; ++h) {  // the lists are increasing
+    std::vector<int64_t> only;
+    std::set_difference(ta + h * (k - W), ta + (h + 1) * (k - W), tb + h * (k - W), tb + (h + 1) * (k - W),
+                        std::back_inserter(only));
+    r.anchor_diff += static_cast<int64_t>(only.size());
+  }
+  // A token's anchor as a token: list entry idx < k-W, else window position P + idx - (k-W).
+  auto anchor_token = [&](const int64_t *list, int64_t h, int idx) {
+    return idx < k - W ? list[h * (k - W) + idx] : P + idx - (k - W);
+  };
   for (int side = 0; side < 2; ++side) {
     const int idx = side ? akv::kValueIndex : akv::kKeyIndex, gam = side ? akv::kValueGamma : akv::kKeyGamma;
     const uint16_t *ia = reinterpret_cast<const uint16_t *>(sec(a, idx)), *ib = reinterpret_cast<const uint16_t *>(sec(b, idx));
     const uint16_t *ga = reinterpret_cast<const uint16_t *>(sec(a, gam)), *gb = reinterpret_cast<const uint16_t *>(sec(b, gam));
+    std::vector<char> same(static_cast<size_t>(H * P));
     for (int64_t i = 0; i < H * P; ++i) {
-      r.index_diff += ia[i] != ib[i];
-      if (ia[i] == ib[i]) r.gamma_diff += std::abs(static_cast<int>(ga[i]) - static_cast<int>(gb[i])) > 1;
+      same[i] = anchor_token(ta, i / P, ia[i]) == anchor_token(tb, i / P, ib[i]);
+      r.index_diff += !same[i];
+      if (same[i]) r.gamma_diff += std::abs(static_cast<int>(ga[i]) - static_cast<int>(gb[i])) > 1;
     }
     const int msk = side ? akv::kValueMask : akv::kKeyMask;
     const uint64_t *ma = reinterpret_cast<const uint64_t *>(sec(a, msk)), *mb = reinterpret_cast<const uint64_t *>(sec(b, msk));
@@ -56,7 +70,7 @@ inline Compared compare_anchor_caches(const akv_cache &a, const akv_cache &b) {
           const uint64_t below = (bit ? (~0ull >> (64 - bit)) : 0ull);
           const int64_t t = w * 64 + bit;
           const int64_t i = h * P + t;
-          if (ia[i] != ib[i] || ga[i] != gb[i]) continue;  // a different residual altogether
+          if (!same[i] || ga[i] != gb[i]) continue;  // a different residual altogether
           const uint32_t sa = oa[h] + pa[h * g.words + w] + __builtin_popcountll(ma[h * g.words + w] & below);
           const uint32_t sb = ob[h] + pb[h * g.words + w] + __builtin_popcountll(mb[h * g.words + w] & below);
           const uint8_t *ca = sec(a, cod) + static_cast<int64_t>(sa) * (D / 4), *cb = sec(b, cod) + static_cast<int64_t>(sb) * (D / 4);
@@ -75,16 +89,22 @@ inline Compared compare_anchor_caches(const akv_cache &a, const akv_cache &b) {
   return r;
 }
 
-// The bounds the GPU compression is held to against the CPU: anchors and assignments agree
-// except near-ties (at most 1 token in 200 per side), coefficients within one bf16 step, the
-// residual choice within 1% of the tokens, codes of the same residual within 0.5%, scales
-// within 1e-3 relative.
+// The bounds the GPU compression is held to against the CPU: anchors agree except near-ties
+// (at most 2, or 2% of a head's free anchors: a near-tie in one coverage round changes that
+// round's pick and the ones after it), assignments except near-ties (1 token in 200) and the
+// dependents of swapped anchors (up to 8 x P / (k-W) each), coefficients within one bf16 step,
+// the residual choice within 1% of the tokens (plus the swapped anchors' dependents), codes of
+// the same residual within 0.5%, scales within 1e-3 relative.
 inline ::testing::AssertionResult anchor_caches_agree(const akv_cache &got, const akv_cache &expected) {
   const Compared r = compare_anchor_caches(got, expected);
   ::testing::Test::RecordProperty("assignments_differing", std::to_string(r.index_diff));
   ::testing::Test::RecordProperty("residual_bits_differing", std::to_string(r.mask_diff));
-  const bool ok = r.anchor_diff <= 2 && r.index_diff <= r.tokens / 200 + 2 && r.gamma_diff <= r.tokens / 200 + 2 &&
-                  r.mask_diff <= r.tokens / 100 + 4 && r.codes_diff <= r.codes_compared / 200 + 2 && r.worst_scale < 1e-3;
+  const int64_t heads = got.geometry.heads;
+  const int64_t swapped_dependents = r.anchor_diff * 8 * got.geometry.prefix / std::max<int64_t>(r.free_anchors, 1);
+  const bool ok = r.anchor_diff <= std::max<int64_t>(2, heads * r.free_anchors / 50) &&
+                  r.index_diff <= r.tokens / 200 + 2 + swapped_dependents && r.gamma_diff <= r.tokens / 200 + 2 &&
+                  r.mask_diff <= r.tokens / 100 + 4 + swapped_dependents && r.codes_diff <= r.codes_compared / 200 + 2 &&
+                  r.worst_scale < 1e-3;
   auto result = ok ? ::testing::AssertionSuccess() : ::testing::AssertionFailure();
   return result << "of " << r.tokens << " tokens per side: anchors differing " << r.anchor_diff << ", assignments "
                 << r.index_diff << ", coefficients (> 1 bf16 step) " << r.gamma_diff << ", residual bits " << r.mask_diff

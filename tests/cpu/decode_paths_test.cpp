@@ -59,6 +59,11 @@ TEST_P(PrefixLogitPaths, TableAndGatherEqualExactAttention) {
     options.anchors = format == 33 ? 300 : 0;  // > 256: segment tables
     const ContextPtr context = make_context(2);
     const CachePtr cache = compress(context.get(), data, options);
+    if (format != 2) {  // the logit_correction path, whatever factor compression chose per head
+      cache->meta.logit_penalty.resize(static_cast<size_t>(2) * spec.kv_heads);
+      Rng penalties(seed + 7);
+      for (float &p : cache->meta.logit_penalty) p = static_cast<float>(penalties.uniform(0.05, 0.25));
+    }
     ASSERT_GT(cache_stats(cache.get()).key_residuals, 0);
     if (format == 3) ASSERT_LE(cache_stats(cache.get()).anchors, 256) << "meant to run without segment tables";
     if (format == 33) ASSERT_GT(cache_stats(cache.get()).anchors, 256) << "meant to run with segment tables";

@@ -142,7 +142,11 @@ void check(const CompressCase &c) {
   const Tensor q = make_tensor(nonzero_normal(rng, static_cast<size_t>(rows) * c.head_dim, 1.5), AKV_DTYPE_F32);
   const std::vector<float> out_expected = decode(expected.get(), q, 1);
   const std::vector<float> out_got = decode(got.get(), q, 1);
-  EXPECT_TRUE(all_near(out_got, out_expected, 2e-2, 2e-2));
+  // A near-tie that swapped a few anchors (anchor_caches_agree allows it) moves the outputs
+  // more than the arithmetic alone does.
+  const bool same_anchors = compare_anchor_caches(*got, *expected).anchor_diff == 0;
+  const double tol = same_anchors ? 2e-2 : 5e-2;
+  EXPECT_TRUE(all_near(out_got, out_expected, tol, tol));
 }
 
 // The GEMM kernel the pipeline uses where cuBLAS is not available: both operand layouts,

@@ -133,6 +133,12 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
   if (c.method == AKV_METHOD_ANCHORKV) o.retain_fraction = workable_retain_fraction(data.shape, o.window, c.anchors, 0.12);
   if (c.method == AKV_METHOD_SNAPKV) o.retain_fraction = 0.3;
   CachePtr cache = compress(ctx, data, o);
+  // logit_correction's penalties take a factor per head that may be 0 on random data: set
+  // them here so that every format-3 case runs the penalty path on both decodes.
+  if (cache->meta.storage_format == 3 && c.method == AKV_METHOD_ANCHORKV) {
+    cache->meta.logit_penalty.resize(static_cast<size_t>(2) * kv_heads);
+    for (float &p : cache->meta.logit_penalty) p = static_cast<float>(rng.uniform(0.05, 0.25));
+  }
   if (c.appended) {
     const size_t n = static_cast<size_t>(kv_heads) * c.appended * c.head_dim;
     const std::vector<float> k = nonzero_normal(rng, n), v = nonzero_normal(rng, n);

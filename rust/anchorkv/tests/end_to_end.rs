@@ -74,7 +74,7 @@ fn anchorkv_compress_decode_stats() {
     assert_eq!(dense.tokens, S);
     assert!(dense.present.iter().all(|&p| p == 1));
     let penalty = cache.logit_penalty().unwrap(); // logit_correction: the reconstructed tokens' share
-    assert!(penalty.iter().any(|&p| p > 0.0));
+    assert!(penalty.iter().all(|&p| p >= 0.0) && penalty[S - W..S].iter().all(|&p| p == 0.0)); // the window is exact
     let expected = attention_with_penalty(&to_f64(&query), &to_f64(&dense.keys), &to_f64(&dense.values), &Dims { kv_heads: H, q_heads: HQ, tokens: S, d: D, q_len: 1 }, &penalty);
     assert!(max_abs_diff(&out, &expected) < ATOL);
 
