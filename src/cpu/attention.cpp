@@ -700,7 +700,7 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
     const float *scales[2] = {cache.section<float>(kKeyScales), cache.section<float>(kValueScales)};
     const AnchorAccess access(cache);
     std::vector<float> a(D), r(cache.codec.rotated_dim());
-    for (int side = 0; side < 2; ++side) {
+    for (int side = 0; side < (values ? 2 : 1); ++side) {  // null values: keys only
       float *dst = side == 0 ? keys : values;
       for (int64_t t = 0; t < P; ++t) {
         half_row(anchors[side] + static_cast<int64_t>(access.anchor(side, h, t)) * D, storage, D, a.data());
@@ -754,7 +754,7 @@ void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *ke
   const uint16_t *sv = reinterpret_cast<const uint16_t *>(cache.suffix_values.data());
   for (int64_t u = 0; u < cache.suffix_len; ++u) {
     half_row(sk + suffix_base + u * D, storage, D, keys + (S + u) * D);
-    half_row(sv + suffix_base + u * D, storage, D, values + (S + u) * D);
+    if (values) half_row(sv + suffix_base + u * D, storage, D, values + (S + u) * D);
     if (!rotated) rope.apply(keys + (S + u) * D, cache.suffix_positions[u], /*inverse=*/true);
   }
   if (present) {

@@ -22,7 +22,7 @@ enum class PrefixLogits : int { kAuto = 0, kTable, kGather, kGatherAvx2 /* the g
 void force_prefix_logits(PrefixLogits path);
 
 // Dense K^ (post-RoPE when rotated) and V^ of head h: [T][D] fp32 each, T = S + appended.
-// present: [T] (may be null).
+// present: [T] (may be null). values may be null for an AnchorKV cache (keys only).
 void reconstruct_head_cpu(const akv_cache &cache, int h, bool rotated, float *keys, float *values,
                           uint8_t *present);
 

@@ -703,14 +703,14 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
     const uint64_t *key_mask = cache->section<uint64_t>(kKeyMask);
     const int rows_per_q = std::min(kRows, W);
     pool.parallel_for(H, [&](int64_t hb, int64_t he) {
-      std::vector<float> keys(static_cast<size_t>(S + cache->suffix_len) * D), values(keys.size()), x(D);
+      std::vector<float> keys(static_cast<size_t>(S + cache->suffix_len) * D), x(D);
       std::vector<float> exact(static_cast<size_t>(S) * D), approx(static_cast<size_t>(S) * D);
       const int nr = G * rows_per_q;
       std::vector<float> q(static_cast<size_t>(nr) * D), ze(static_cast<size_t>(nr) * S), za(ze.size());
       std::vector<uint8_t> kind(S, 2);  // 0 reconstructed, 1 with a key residual, 2 exact
       std::vector<double> pe(S), pa(S);
       for (int64_t h = hb; h < he; ++h) {
-        reconstruct_head_cpu(*cache, static_cast<int>(h), false, keys.data(), values.data(), nullptr);
+        reconstruct_head_cpu(*cache, static_cast<int>(h), false, keys.data(), nullptr, nullptr);
         std::fill(kind.begin(), kind.end(), 2);
         for (int64_t t = 0; t < P; ++t) kind[t] = key_mask[h * g.words + (t >> 6)] >> (t & 63) & 1u;
         for (int64_t a = 0; a < free_anchors; ++a) kind[anchor_tokens[h * free_anchors + a]] = 2;
@@ -737,36 +737,39 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
             in.query_row(static_cast<int>(h) * G + gi, W - rows_per_q + r, &q[(gi * rows_per_q + r) * D]);
         sgemm(true, nr, S, D, scale, q.data(), D, exact.data(), D, 0.0f, ze.data(), S);
         sgemm(true, nr, S, D, scale, q.data(), D, approx.data(), D, 0.0f, za.data(), S);
+        // Per row: the exact and the reconstructed softmax weights once; a factor scales the
+        // weights of each token class by exp(-penalty), so no exponential per factor.
         const double factors[4] = {0.0, 0.5, 1.0, 2.0};
-        double best_tv = 0.0, best = 0.0;
-        for (int f = 0; f < 4; ++f) {
-          const double c = factors[f] * o.logit_correction;
-          double tv = 0.0;
-          for (int row = 0; row < nr; ++row) {
-            const int r = row % rows_per_q;
-            const int64_t visible = P + (W - rows_per_q + r) + 1;
-            const float *qr = &q[static_cast<size_t>(row) * D];
-            const double q2 = static_cast<double>(scale) * scale * dot(qr, qr, D);
-            const double pen[3] = {c * q2 * mean[0], c * q2 * mean[1], 0.0};
-            double me = -INFINITY, ma = -INFINITY;
-            for (int64_t t = 0; t < visible; ++t) {
-              pe[t] = ze[row * S + t];
-              pa[t] = za[row * S + t] - pen[kind[t]];
-              me = std::max(me, pe[t]);
-              ma = std::max(ma, pa[t]);
-            }
-            double se = 0.0, sa = 0.0;
-            for (int64_t t = 0; t < visible; ++t) {
-              se += (pe[t] = std::exp(pe[t] - me));
-              sa += (pa[t] = std::exp(pa[t] - ma));
-            }
-            for (int64_t t = 0; t < visible; ++t) tv += 0.5 * std::abs(pe[t] / se - pa[t] / sa);
+        double tv[4] = {0.0, 0.0, 0.0, 0.0};
+        for (int row = 0; row < nr; ++row) {
+          const int r = row % rows_per_q;
+          const int64_t visible = P + (W - rows_per_q + r) + 1;
+          const float *qr = &q[static_cast<size_t>(row) * D];
+          const double q2 = static_cast<double>(scale) * scale * dot(qr, qr, D);
+          double me = -INFINITY, ma = -INFINITY;
+          for (int64_t t = 0; t < visible; ++t) {
+            me = std::max(me, static_cast<double>(ze[row * S + t]));
+            ma = std::max(ma, static_cast<double>(za[row * S + t]));
           }
-          if (f == 0 || tv < best_tv) {
-            best_tv = tv;
-            best = c;
+          double se = 0.0, sa[3] = {0.0, 0.0, 0.0};  // sa per token class
+          for (int64_t t = 0; t < visible; ++t) {
+            se += (pe[t] = std::exp(ze[row * S + t] - me));
+            sa[kind[t]] += (pa[t] = std::exp(za[row * S + t] - ma));
+          }
+          for (int f = 0; f < 4; ++f) {
+            const double c = factors[f] * o.logit_correction;
+            const double w[3] = {std::exp(-c * q2 * mean[0]), std::exp(-c * q2 * mean[1]), 1.0};
+            const double total = w[0] * sa[0] + w[1] * sa[1] + sa[2];
+            const double scaled[3] = {w[0] / total, w[1] / total, 1.0 / total};
+            double d = 0.0;
+            for (int64_t t = 0; t < visible; ++t) d += std::abs(pe[t] / se - pa[t] * scaled[kind[t]]);
+            tv[f] += 0.5 * d;
           }
         }
+        int chosen = 0;
+        for (int f = 1; f < 4; ++f)
+          if (tv[f] < tv[chosen]) chosen = f;
+        const double best = factors[chosen] * o.logit_correction;
         for (int i = 0; i < 2; ++i) penalty[2 * h + i] = static_cast<float>(best * mean[i]);
       }
     });
