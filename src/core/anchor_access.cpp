@@ -54,6 +54,12 @@ float AnchorAccess::gamma(int side, int h, int64_t t) const {
   return gamma_value(gamma_[side][i], scales_[(static_cast<int64_t>(h) * g_.segments + g_.segment_of(t)) * 2 + side]);
 }
 
+void key_classes(const uint64_t *key_mask, const int64_t *anchor_tokens, int64_t free_anchors, int64_t prefix,
+                 uint8_t *out) {
+  for (int64_t t = 0; t < prefix; ++t) out[t] = (key_mask[t >> 6] >> (t & 63) & 1u) ? kKeyResidual : kReconstructed;
+  for (int64_t a = 0; a < free_anchors; ++a) out[anchor_tokens[a]] = kExact;
+}
+
 void logit_penalties(const akv_cache &cache, Backend &backend, float *out, void *stream) {
   const int64_t H = cache.meta.shape.num_kv_heads, T = cache.meta.shape.seq_len + cache.suffix_len;
   std::fill(out, out + H * T, 0.0f);
@@ -64,11 +70,12 @@ void logit_penalties(const akv_cache &cache, Backend &backend, float *out, void 
   std::vector<int64_t> anchors(static_cast<size_t>(H * free_anchors));
   backend.read(mask.data(), cache.section<uint64_t>(kKeyMask), mask.size() * sizeof(uint64_t), stream);
   backend.read(anchors.data(), cache.section<int64_t>(kAnchorTokens), anchors.size() * sizeof(int64_t), stream);
+  std::vector<uint8_t> cls(static_cast<size_t>(g.prefix));
   for (int64_t h = 0; h < H; ++h) {
+    key_classes(&mask[h * g.words], &anchors[h * free_anchors], free_anchors, g.prefix, cls.data());
+    const float penalty[3] = {cache.meta.logit_penalty[2 * h], cache.meta.logit_penalty[2 * h + 1], 0.0f};
     float *row = out + h * T;
-    for (int64_t t = 0; t < g.prefix; ++t)
-      row[t] = cache.meta.logit_penalty[2 * h + (mask[h * g.words + (t >> 6)] >> (t & 63) & 1u)];
-    for (int64_t a = 0; a < free_anchors; ++a) row[anchors[h * free_anchors + a]] = 0.0f;
+    for (int64_t t = 0; t < g.prefix; ++t) row[t] = penalty[cls[t]];
   }
 }
 

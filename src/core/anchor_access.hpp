@@ -38,6 +38,13 @@ class AnchorAccess {
 
 class Backend;
 
+// The logit-penalty class of each prefix token of one head (docs/design.md §4.5), from the
+// head's key residual mask and its increasing anchor token list: kReconstructed, kKeyResidual
+// (the token stores a key residual) or kExact (an anchor). out: [prefix].
+enum KeyClass : uint8_t { kReconstructed = 0, kKeyResidual = 1, kExact = 2 };
+void key_classes(const uint64_t *key_mask, const int64_t *anchor_tokens, int64_t free_anchors, int64_t prefix,
+                 uint8_t *out);
+
 // akv_cache_logit_penalty: [H][T] (T = prompt + appended tokens) into host memory, what the
 // decode subtracts from each token's logit per |scale q|^2 (CacheMeta::logit_penalty for the
 // reconstructed prefix tokens, 0 for anchors, the window, appended tokens and other caches).

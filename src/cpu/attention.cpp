@@ -411,10 +411,8 @@ class AnchorHead {
   void correct_logits() {
     const float *beta = &c_.meta.logit_penalty[static_cast<size_t>(h_) * 2];
     const int64_t P = g_.prefix;
-    std::vector<uint8_t> kind(P, 0);  // 0: reconstructed, 1: with a key residual, 2: anchor
-    for (int64_t wd = 0; wd < g_.words; ++wd)
-      for (uint64_t bits = kmask_[wd]; bits; bits &= bits - 1) kind[wd * 64 + __builtin_ctzll(bits)] = 1;
-    for (int64_t a = 0; a < free_anchors_; ++a) kind[anchor_tokens_[a]] = 2;
+    std::vector<uint8_t> kind(P);  // KeyClass
+    key_classes(kmask_, anchor_tokens_, free_anchors_, P, kind.data());
     for (int i = 0; i < rows_; ++i) {
       const float *qi = &q_[static_cast<size_t>(i) * D_];
       const float q2 = dot(qi, qi, D_);

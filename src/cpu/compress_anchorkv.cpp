@@ -707,20 +707,18 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
       std::vector<float> exact(static_cast<size_t>(S) * D), approx(static_cast<size_t>(S) * D);
       const int nr = G * rows_per_q;
       std::vector<float> q(static_cast<size_t>(nr) * D), ze(static_cast<size_t>(nr) * S), za(ze.size());
-      std::vector<uint8_t> kind(S, 2);  // 0 reconstructed, 1 with a key residual, 2 exact
+      std::vector<uint8_t> kind(S, kExact);  // KeyClass; the window is exact
       std::vector<double> pe(S), pa(S);
       for (int64_t h = hb; h < he; ++h) {
         reconstruct_head_cpu(*cache, static_cast<int>(h), false, keys.data(), nullptr, nullptr);
-        std::fill(kind.begin(), kind.end(), 2);
-        for (int64_t t = 0; t < P; ++t) kind[t] = key_mask[h * g.words + (t >> 6)] >> (t & 63) & 1u;
-        for (int64_t a = 0; a < free_anchors; ++a) kind[anchor_tokens[h * free_anchors + a]] = 2;
+        key_classes(&key_mask[h * g.words], &anchor_tokens[h * free_anchors], free_anchors, P, kind.data());
         double sum[2] = {0.0, 0.0};
         int64_t count[2] = {0, 0};
         for (int64_t t = 0; t < S; ++t) {
           in.key_row(static_cast<int>(h), t, x.data(), &exact[t * D]);
           std::copy(&keys[t * D], &keys[t * D] + D, &approx[t * D]);
           in.rotate(&approx[t * D], t);
-          if (kind[t] == 2) continue;
+          if (kind[t] == kExact) continue;
           double e = 0.0;
           for (int d = 0; d < D; ++d) {
             const double diff = static_cast<double>(x[d]) - keys[t * D + d];
