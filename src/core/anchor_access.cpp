@@ -72,7 +72,7 @@ void logit_penalties(const akv_cache &cache, Backend &backend, float *out, void 
   backend.read(anchors.data(), cache.section<int64_t>(kAnchorTokens), anchors.size() * sizeof(int64_t), stream);
   std::vector<uint8_t> cls(static_cast<size_t>(g.prefix));
   for (int64_t h = 0; h < H; ++h) {
-    key_classes(&mask[h * g.words], &anchors[h * free_anchors], free_anchors, g.prefix, cls.data());
+    key_classes(mask.data() + h * g.words, anchors.data() + h * free_anchors, free_anchors, g.prefix, cls.data());
     const float penalty[3] = {cache.meta.logit_penalty[2 * h], cache.meta.logit_penalty[2 * h + 1], 0.0f};
     float *row = out + h * T;
     for (int64_t t = 0; t < g.prefix; ++t) row[t] = penalty[cls[t]];

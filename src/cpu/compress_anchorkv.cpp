@@ -711,7 +711,7 @@ std::unique_ptr<akv_cache> compress_anchorkv_cpu(const CompressRequest &req) {
       std::vector<double> pe(S), pa(S);
       for (int64_t h = hb; h < he; ++h) {
         reconstruct_head_cpu(*cache, static_cast<int>(h), false, keys.data(), nullptr, nullptr);
-        key_classes(&key_mask[h * g.words], &anchor_tokens[h * free_anchors], free_anchors, P, kind.data());
+        key_classes(key_mask + h * g.words, anchor_tokens + h * free_anchors, free_anchors, P, kind.data());
         double sum[2] = {0.0, 0.0};
         int64_t count[2] = {0, 0};
         for (int64_t t = 0; t < S; ++t) {
