@@ -15,8 +15,9 @@
 //         4. RoPE applied in place: the angle of position p0 + d is the tile's first angle
 //            times a per-block table e^{i d omega_j}, d < T (one complex product; gapped
 //            positions fall back to the exact angle); dense keys are read as stored;
-//         5. the key tile contracted with all rows of the chunk (SIMT: four threads per
-//            token, float4 shared-memory loads, quad shuffles);
+//         5. the key tile contracted with all rows of the chunk on the tensor cores
+//            (mma.m16n8k16, bf16 operands, f32 accumulation; bf16 queries: one product,
+//            other dtypes: hi + lo splits and three products, fp32-level accuracy);
 //         6. online softmax (base 2; the scale and log2(e) are folded into the queries);
 //         7. values: per-anchor weights w_a += p_t gamma_t (shared-memory atomics; with more
 //            anchors than shared memory holds, global atomics into the block's own workspace
@@ -131,12 +132,15 @@ struct SplitBlock {
   // they are added; no separate RoPE pass.
   bool fused;
   bool format3;  // AnchorKV storage format 3: metadata read as stored (CacheView)
+  // Queries not in bf16: the contraction splits keys and queries into bf16 hi + lo (three
+  // mma products) so that it keeps fp32-level accuracy; bf16 queries: one product.
+  bool precise;
   int k, pairs;
   // Per-anchor weights [MAXROWS][wstride]: shared memory (wstride = k), or this block's rows
   // of ws_w (wstride = max_anchors) when DecodeLaunch::global_weights.
   float *w;
   int64_t wstride;
-  float *q_s, *qr_s, *w_s, *L_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s, *pen_s;
+  float *q_s, *qr_s, *w_s, *L_s, *Lp_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s, *pen_s;
   float2 *step_s;
   int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s, *kind_s;
   int64_t *pos_s;
@@ -158,6 +162,7 @@ struct SplitBlock {
     pairs = c.rope_pairs;
     fused = c.rope_fused != 0;  // decided on the host (build_view_block)
     format3 = c.format == 3;
+    precise = p.dtype != AKV_DTYPE_BF16;
 #ifdef AKV_SASS_PIN_BF16_FUSED
     // scripts/sass_count.py: the path of the default caches (bf16, NeoX over every pair, a
     // full row chunk, storage format 3) as constants, so that the count holds only the code
@@ -166,12 +171,14 @@ struct SplitBlock {
     fused = true;
     rows = MAXROWS;
     format3 = true;
+    precise = false;
 #endif
     constexpr SplitSmem lay(D, MAXROWS, 0);  // offsets are constants; the weights come last
     q_s = reinterpret_cast<float *>(smem + lay.q);
     qr_s = reinterpret_cast<float *>(smem + lay.qr);
     w_s = reinterpret_cast<float *>(smem + lay.w);
     L_s = reinterpret_cast<float *>(smem + lay.logits);
+    Lp_s = reinterpret_cast<float *>(smem + lay.logits_part);
     red_s = reinterpret_cast<float *>(smem + lay.red);
     inv_s = reinterpret_cast<float *>(smem + lay.inv);
     first_s = reinterpret_cast<int32_t *>(smem + lay.first);
@@ -557,45 +564,81 @@ struct SplitBlock {
     }
   }
 
-  // ---- 5. logits: the key tile against every row; causal for appended tokens -------------
+  // ---- 5. logits: the key tile against every row, on the tensor cores ---------------------
+
+  // mma.m16n8k16 (bf16 operands, f32 accumulation): A = the key tile (tokens x dims, from the
+  // f32 rows of K_s), B = the rows' queries (dims x rows, n8 tiles). Warp w takes the 16
+  // tokens 16 (w % 4).. and the dims of half w / 4; the second half's partial logits meet the
+  // first's through Lp_s. With `precise`, hi + lo splits of both and three products.
+  static constexpr int NR8 = (MAXROWS + 7) / 8;  // n8 tiles of rows
+  static constexpr int KSL = D / 32;              // k16 slabs of dims per warp
+  static_assert(NW == 8 && T == 64 && D % 32 == 0, "four m16 token tiles times two halves of the dims");
 
   // causal: these are appended tokens, and row i (query qi of its head) sees the first
-  // suffix_len - (q_len - 1 - qi) of them.
-  template <bool ALL>  // ALL: every row of the chunk is a query row (rows == MAXROWS)
-  __device__ __forceinline__ void contract_rows(const float *qs, int t, int part, float (&acc)[MAXROWS]) const {
-    const float4 *krow = reinterpret_cast<const float4 *>(K_s + t * KS);
-    for (int v = part; v < D / 4; v += 4) {
-      const float4 kv = krow[v];
-      for (int i = 0; i < MAXROWS; ++i) {
-        if (!ALL && i >= rows) break;
-        const float4 qv = reinterpret_cast<const float4 *>(qs + i * D)[v];
-        acc[i] = fmaf(qv.x, kv.x, fmaf(qv.y, kv.y, fmaf(qv.z, kv.z, fmaf(qv.w, kv.w, acc[i]))));
-      }
-    }
-  }
-
-  // anchor: the key tile holds R_off keys, contracted with the rotated queries.
+  // suffix_len - (q_len - 1 - qi) of them. anchor: the key tile holds R_off keys, contracted
+  // with the rotated queries.
   __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len, bool anchor) {
     const float *qs = anchor ? qr_s : q_s;
-    const int t = tid >> 2, part = tid & 3;
-    float acc[MAXROWS];
-    for (int i = 0; i < MAXROWS; ++i) acc[i] = 0.0f;
-    if (rows == MAXROWS) contract_rows<true>(qs, t, part, acc);
-    else contract_rows<false>(qs, t, part, acc);
-    for (int i = 0; i < MAXROWS; ++i) {
-      acc[i] += __shfl_xor_sync(kFullMask, acc[i], 1);
-      acc[i] += __shfl_xor_sync(kFullMask, acc[i], 2);
+    const int g = lane >> 2, tq = lane & 3, m0 = (warp & 3) * 16, half = warp >> 2;
+    float acc[NR8][4];
+    for (int n = 0; n < NR8; ++n)
+      for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+    const float *k0 = K_s + (m0 + g) * KS + 2 * tq, *k1 = k0 + 8 * KS;
+    for (int s = 0; s < KSL; ++s) {
+      const int d = (half * KSL + s) * 16;
+      const float2 x0 = *reinterpret_cast<const float2 *>(k0 + d), x1 = *reinterpret_cast<const float2 *>(k1 + d);
+      const float2 x2 = *reinterpret_cast<const float2 *>(k0 + d + 8), x3 = *reinterpret_cast<const float2 *>(k1 + d + 8);
+      uint32_t ah[4], al[4];
+      if (precise) {
+        split_bf16x2(x0.x, x0.y, ah[0], al[0]);
+        split_bf16x2(x1.x, x1.y, ah[1], al[1]);
+        split_bf16x2(x2.x, x2.y, ah[2], al[2]);
+        split_bf16x2(x3.x, x3.y, ah[3], al[3]);
+      } else {
+        ah[0] = pack_bf16x2(x0.x, x0.y);
+        ah[1] = pack_bf16x2(x1.x, x1.y);
+        ah[2] = pack_bf16x2(x2.x, x2.y);
+        ah[3] = pack_bf16x2(x3.x, x3.y);
+      }
+      for (int n = 0; n < NR8; ++n) {
+        const int r = n * 8 + g;  // this lane's B column: a row of the chunk (zero past MAXROWS)
+        float2 y0{0.0f, 0.0f}, y1{0.0f, 0.0f};
+        if (r < MAXROWS) {
+          y0 = *reinterpret_cast<const float2 *>(qs + r * D + d + 2 * tq);
+          y1 = *reinterpret_cast<const float2 *>(qs + r * D + d + 2 * tq + 8);
+        }
+        uint32_t bh[2], bl[2];
+        if (precise) {
+          split_bf16x2(y0.x, y0.y, bh[0], bl[0]);
+          split_bf16x2(y1.x, y1.y, bh[1], bl[1]);
+          mma_bf16_16816(acc[n], al, bh);
+          mma_bf16_16816(acc[n], ah, bl);
+        } else {
+          bh[0] = pack_bf16x2(y0.x, y0.y);
+          bh[1] = pack_bf16x2(y1.x, y1.y);
+        }
+        mma_bf16_16816(acc[n], ah, bh);
+      }
     }
-    // Thread `part` of the token writes rows part, part + 4, ... (selects, not a local array).
-    for (int r = 0; r < MAXROWS; r += 4) {
-      float v = acc[r];
-      for (int x = 1; x < 4; ++x) v = part == x ? acc[r + x] : v;
-      const int i = r + part;
-      bool visible = t0 + t < end;
-      if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
-      if (anchor && kind_s[t] < 2) v -= pen_s[kind_s[t] * MAXROWS + i];
-      L_s[i * T + t] = visible ? v : -INFINITY;
-    }
+    // acc[n][e]: token m0 + g + 8 (e / 2), row n * 8 + 2 tq + e % 2.
+    if (half == 1)
+      for (int n = 0; n < NR8; ++n)
+        for (int e = 0; e < 4; ++e) {
+          const int i = n * 8 + 2 * tq + e % 2;
+          if (i < MAXROWS) Lp_s[i * T + m0 + g + 8 * (e / 2)] = acc[n][e];
+        }
+    __syncthreads();
+    if (half == 0)
+      for (int n = 0; n < NR8; ++n)
+        for (int e = 0; e < 4; ++e) {
+          const int i = n * 8 + 2 * tq + e % 2, t = m0 + g + 8 * (e / 2);
+          if (i >= MAXROWS) continue;
+          float v = acc[n][e] + Lp_s[i * T + t];
+          bool visible = t0 + t < end;
+          if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
+          if (anchor && kind_s[t] < 2) v -= pen_s[kind_s[t] * MAXROWS + i];
+          L_s[i * T + t] = visible ? v : -INFINITY;
+        }
   }
 
   // ---- 6. online softmax over the tile; L_s becomes p = exp2(logit - max) -------------------

@@ -50,6 +50,41 @@ __device__ __forceinline__ void store_elem(void *base, int dtype, int64_t i, flo
     static_cast<uint16_t *>(base)[i] = float_to_bits(v, dtype == AKV_DTYPE_BF16);
 }
 
+// Two floats as bf16x2 (round to nearest even): `lo` in the low half, the element of lower
+// index in an mma fragment.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+#ifdef AKV_SIMT_EMULATION
+  return static_cast<uint32_t>(float_to_bf16(lo)) | static_cast<uint32_t>(float_to_bf16(hi)) << 16;
+#else
+  uint32_t r;  // cvt packs its first source into the upper half
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#endif
+}
+
+// x0, x1 as bf16x2 `hi` plus the bf16x2 `lo` of what rounding left: hi + lo holds about 16
+// significant bits, so three bf16 products (hi hi, hi lo, lo hi) give fp32-level accuracy.
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t &hi, uint32_t &lo) {
+  hi = pack_bf16x2(x0, x1);
+  lo = pack_bf16x2(x0 - bits_to_float(static_cast<uint16_t>(hi), true),
+                   x1 - bits_to_float(static_cast<uint16_t>(hi >> 16), true));
+}
+
+// d += A B on the tensor cores: mma.m16n8k16, bf16 operands, f32 accumulation, one warp
+// (fragment layouts: simt::mma_m16n8k16_bf16, which the emulation runs instead).
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#ifdef AKV_SIMT_EMULATION
+  ::simt::mma_m16n8k16_bf16(d, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "the decode kernels need sm_80 or newer (bf16 mma.m16n8k16)"
+#else
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
 // cos and sin of position * inv_freq, accurate for large positions: the product and the
 // reduction by 2*pi are done in double, the final sincos in float on |x| <= pi.
 __device__ __forceinline__ void rope_angle(int64_t position, float inv_freq, float *c, float *s) {

@@ -124,7 +124,7 @@ inline std::mt19937_64 &order_rng() {
 }
 
 struct Block {
-  Block(int threads, size_t smem) : fibers(threads), dynamic(smem + 16, kPoison), exchange(threads), warp_arrived((threads + 31) / 32, 0),
+  Block(int threads, size_t smem) : fibers(threads), dynamic(smem + 16, kPoison), exchange(threads), fragments(threads * 6), warp_arrived((threads + 31) / 32, 0),
         warp_generation((threads + 31) / 32, 0), serial(++g_blocks_started) {
     for (int t = 0; t < threads; ++t) fibers[t].stack = fiber_stack(t);
   }
@@ -136,6 +136,7 @@ struct Block {
 #endif
   std::vector<unsigned char> dynamic;
   std::vector<uint64_t> exchange;  // one slot per thread for shuffles
+  std::vector<uint32_t> fragments;  // six words per thread: a warp's mma operands (mma_m16n8k16_bf16)
   int block_arrived = 0;
   uint64_t block_generation = 0;
   std::vector<int> warp_arrived;
@@ -218,6 +219,44 @@ T shfl(T v, int src_lane) {
   T r;
   std::memcpy(&r, &got, sizeof(T));
   return r;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 by one warp: d += A B with the PTX
+// ISA's fragment layouts (group g = lane / 4, t = lane % 4; a register's low half holds the
+// element of lower index):
+//   A (16 x 16, row-major): a[0] row g, cols 2t, 2t+1; a[1] row g+8, same cols; a[2] row g,
+//     cols 2t+8, 2t+9; a[3] row g+8, cols 2t+8, 2t+9;
+//   B (16 x 8, K x N): b[0] rows 2t, 2t+1 of col g; b[1] rows 2t+8, 2t+9 of col g;
+//   C, D (16 x 8, f32): d[0], d[1] row g, cols 2t, 2t+1; d[2], d[3] row g+8, same cols.
+// Every lane posts its operands, the warp meets, each lane computes its four outputs (the
+// products are exact in double, one rounding to float at the end), the warp meets again.
+inline void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  Block *blk = tl_block;
+  const unsigned tid = tl_thread.x, base = tid / 32 * 32, lane = tid % 32;
+  uint32_t *mine = &blk->fragments[tid * 6];
+  for (int i = 0; i < 4; ++i) mine[i] = a[i];
+  mine[4] = b[0];
+  mine[5] = b[1];
+  syncwarp();
+  const uint32_t *f = &blk->fragments[base * 6];
+  const auto elem = [](uint32_t word, int high) {
+    const uint32_t bits = (high ? word >> 16 : word & 0xffffu) << 16;
+    float v;
+    std::memcpy(&v, &bits, sizeof v);
+    return static_cast<double>(v);
+  };
+  const auto A = [&](int r, int c) { return elem(f[((r % 8) * 4 + (c % 8) / 2) * 6 + r / 8 + 2 * (c / 8)], c & 1); };
+  const auto B = [&](int k, int n) { return elem(f[(n * 4 + (k % 8) / 2) * 6 + 4 + k / 8], k & 1); };
+  const int g = static_cast<int>(lane / 4), t = static_cast<int>(lane % 4);
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + 8 * (i / 2), n = 2 * t + i % 2;
+    double sum = 0.0;
+    for (int k = 0; k < 16; ++k) sum += A(r, k) * B(k, n);
+    out[i] = d[i] + static_cast<float>(sum);
+  }
+  syncwarp();  // every lane has read the operands before any posts the next ones
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
 
 struct Entry {

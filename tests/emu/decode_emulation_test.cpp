@@ -180,8 +180,11 @@ void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t
   // a 16-bit output may round the other way.
   const double tol = c.io == AKV_DTYPE_F32 ? 2e-4 : c.io == AKV_DTYPE_F16 ? 2e-3 : 1e-2;
   EXPECT_TRUE(all_near(got, expected, tol, tol));
-  // The merge kernel's log-sum-exp (base-2 running max and sum) against the CPU's.
-  EXPECT_TRUE(all_near(got_lse, expected_lse, 1e-4, 1e-5)) << "log-sum-exp";
+  // The merge kernel's log-sum-exp (base-2 running max and sum) against the CPU's. With bf16
+  // queries the contraction runs in bf16 (keys rounded to bf16 as a bf16 cache's post-RoPE
+  // keys are: logits off by ~2^-9 of their size); other dtypes keep fp32-level accuracy.
+  const double lse_tol = c.io == AKV_DTYPE_BF16 ? 5e-3 : 1e-4;
+  EXPECT_TRUE(all_near(got_lse, expected_lse, lse_tol, 1e-5)) << "log-sum-exp";
 }
 
 TEST(EmulatedDecode, AnchorKvMatchesCpuAcrossShapes) {

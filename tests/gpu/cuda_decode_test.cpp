@@ -658,7 +658,9 @@ TEST_F(Cuda, DecodeLseMatchesCpu) {
     std::vector<float> got(rows);
     std::memcpy(got.data(), lse_bytes.data(), lse_bytes.size());
     EXPECT_EQ(count_non_finite(got), 0u);
-    EXPECT_TRUE(all_near(got, cpu_lse, 1e-3, 1e-4)) << "log-sum-exp";
+    // bf16 queries: the contraction runs in bf16 (decode_kernels.cuh, step 5).
+    const double lse_tol = c.dtype == AKV_DTYPE_BF16 ? 5e-3 : 1e-3;
+    EXPECT_TRUE(all_near(got, cpu_lse, lse_tol, 1e-4)) << "log-sum-exp";
     note("lse_max_abs_error_" + std::to_string(&c - cases.data()), max_error(got, cpu_lse, 1.0));
     // The second request alone through akv_decode_lse: its rows of the batch.
     DeviceBuffer one(rows / batch * sizeof(float));
