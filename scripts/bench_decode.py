@@ -18,7 +18,7 @@ issue 14) instead of every --seq-lens x --batches pair.
 It also checks on the device that our dense decode equals SDPA (same data, bf16 tolerance),
 that the compact decode equals the CPU backend's decode of the same compressed cache (the
 first and last request of each batch, within the bf16 bound of tests/gpu/cuda_decode_test.cpp:
-|gpu - cpu| <= 1.6e-2 + 1.6e-2 |cpu|), and reports the compact decode's deviation from SDPA
+|gpu - cpu| <= 4e-2 + 4e-2 |cpu|), and reports the compact decode's deviation from SDPA
 (the compression's own error, not checked). A row that fails a check fails the run.
 
 Needs torch with CUDA and the anchorkv Python package (PYTHONPATH=python) over a library
@@ -39,7 +39,7 @@ H, HQ, D = 8, 32, 128
 WINDOW = 32
 # The bf16 tolerance of the GPU tests (tests/gpu/cuda_decode_test.cpp, tolerance()): absolute
 # and relative to the CPU backend's output.
-GPU_TEST_BF16_TOLERANCE = 1.6e-2
+GPU_TEST_BF16_TOLERANCE = 4e-2
 HBM_TB_S = 4.3  # H200 HBM3e peak, the bandwidth floor's denominator
 
 

@@ -46,10 +46,10 @@ T, NT, NW, ROWS, D, PAIRS = 64, 256, 8, 4, 128, 64
 PHASES = [
     ("metadata", ["anchor_meta", "code_gamma"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
-                                               "put8", "exact_angle"]),
+                                               "put8", "exact_angle", "rotate_queries", "rotate_pairs4"]),
     ("key residuals", ["key_residuals", "rotate_exact"]),
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
-    ("contraction", ["contract", "contract_rows"]),
+    ("contraction", ["contract", "contract_tile", "contract_gathered"]),
     ("softmax", ["softmax_tile"]),
     ("per-anchor weights", ["prefix_values:weights"]),
     ("value residuals", ["prefix_values:residuals"]),
@@ -71,6 +71,7 @@ def trips(src, fk, fv, k):
         ("u < T; u += 32", T / 32),
         ("j < pairs; j += NT", 1.0),
         ("e < MAXROWS * k; e += NT", 0.02 * ROWS * k / NT),   # weight rescale: ~2% of tiles
+        ("e < MAXROWS * D; e += NT", 0.0),                    # zero query rows: none in a full chunk
         ("v < D / 4; v += 4", D / 16),
         ("i < MAXROWS; ++i", ROWS),                           # rows loops that stay rolled
         ("atomicAdd(", 1.0),                                  # a CAS retry loop: no contention assumed
@@ -93,11 +94,20 @@ COLD = [
 ]
 
 
-def cold_lines(lines):
+# Blocks that only some of the 8 warps run: (substring of the line that opens the block,
+# warps); the block is the braces opened on that line, as for COLD.
+WARP_BLOCKS = [
+    ("if (half == 1) {", 4.0),                     # contraction: the second half of the dims' warps
+    ("if (half == 0) {", 4.0),                     # contraction: the first half's warps finish the logits
+    ("for (int j = tid; j < pairs; j += NT) {", PAIRS / 32),  # the query rotation: one thread a pair
+]
+
+
+def cold_lines(lines, table=None):
     """line number -> weight for the lines inside the COLD blocks (the braces opened on the
-    pattern's line, up to the line that closes them)."""
+    pattern's line, up to the line that closes them); `table` instead of COLD."""
     weight = {}
-    for pattern, w in COLD:
+    for pattern, w in (COLD if table is None else table):
         for n, ln in enumerate(lines, 1):
             at = ln.find(pattern)
             if at < 0:
@@ -317,6 +327,7 @@ def tile_loop(f, spans, lines, fk, fv, k):
         unroll = min(loads.values()) if loads else 1
         loop_trips[(a, b)] = n / unroll
     cold = cold_lines(lines)
+    warp_blocks = cold_lines(lines, WARP_BLOCKS)
     totals, static = collections.Counter(), collections.Counter()
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
@@ -329,7 +340,7 @@ def tile_loop(f, spans, lines, fk, fv, k):
                 mult *= loop_trips[(a, b)]
         # the enclosing condition: the six lines up to this one, inside its function
         cond = "\n".join(lines[max(start - 1, ln - 6):ln]) if start and ln else ""
-        w = warps(func.split(":")[0] if func else "", cond)
+        w = warp_blocks.get(ln) or warps(func.split(":")[0] if func else "", cond)
         # Cold where the line is, or where it was inlined (put8 called in a cold block).
         _, _, cfile, cline = ins[i]["loc"] if ins[i]["loc"][0] else (None, None, None, None)
         site = cold.get(cline, 1.0) if cfile and cfile.endswith("decode_kernels.cuh") and cline else 1.0

@@ -118,10 +118,11 @@ struct SplitBlock {
   static constexpr int DPT = D / TPD;                 // dims per thread
   static constexpr int EPL = D / 32;                  // dims per lane (warp paths)
   static_assert(T == 64, "a tile is one residual mask word");
-  static_assert(T * 4 == NT, "contraction: four threads per token");
   static_assert(D / 2 + T <= NT, "tile metadata and first angles in one pass");
   static_assert(MAXROWS <= 16, "more rows spill: split them into row chunks");
-  static_assert(MAXROWS % 4 == 0, "contraction: four threads per token share the rows");
+  static_assert(MAXROWS % 4 == 0, "value residuals read a residual's rows as float4");
+  static_assert(SplitSmem::fast_tables_bytes(D) + 4 * (MAXROWS + 4) * T <= 4 * T * KS,
+                "the fast path's tables and the value residuals' scratch share the key tile");
 
   const CacheView &c;
   const DecodeLaunch &p;
@@ -135,11 +136,18 @@ struct SplitBlock {
   // Queries not in bf16: the contraction splits keys and queries into bf16 hi + lo (three
   // mma products) so that it keeps fp32-level accuracy; bf16 queries: one product.
   bool precise;
+  // The register-gather path of anchor tiles (format 3 prefix and every window): bf16 storage,
+  // bf16 queries, NeoX over every dimension. Each warp gathers its tokens' anchor rows straight
+  // into mma fragments and rotates them there in packed bf16x2 arithmetic (no key tile in
+  // shared memory); gamma scales the logit, and the key residuals enter as logit terms.
+  bool fast;
   int k, pairs;
   // Per-anchor weights [MAXROWS][wstride]: shared memory (wstride = k), or this block's rows
   // of ws_w (wstride = max_anchors) when DecodeLaunch::global_weights.
   float *w;
   int64_t wstride;
+  float *rl_s;  // fast: the key residuals' logit terms [MAXROWS][T]
+  uint16_t *cb_s, *sb_s, *nsb_s, *qb_s;  // fast: bf16 cos, sin, -sin [T][pairs]; bf16 rotated queries
   float *q_s, *qr_s, *w_s, *L_s, *Lp_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s, *pen_s;
   float2 *step_s;
   int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s, *kind_s;
@@ -163,6 +171,7 @@ struct SplitBlock {
     fused = c.rope_fused != 0;  // decided on the host (build_view_block)
     format3 = c.format == 3;
     precise = p.dtype != AKV_DTYPE_BF16;
+    fast = fused && bf16 && !precise && 2 * pairs == D && format3 && k > 0;
 #ifdef AKV_SASS_PIN_BF16_FUSED
     // scripts/sass_count.py: the path of the default caches (bf16, NeoX over every pair, a
     // full row chunk, storage format 3) as constants, so that the count holds only the code
@@ -172,6 +181,7 @@ struct SplitBlock {
     rows = MAXROWS;
     format3 = true;
     precise = false;
+    fast = true;
 #endif
     constexpr SplitSmem lay(D, MAXROWS, 0);  // offsets are constants; the weights come last
     q_s = reinterpret_cast<float *>(smem + lay.q);
@@ -197,6 +207,11 @@ struct SplitBlock {
     K_s = reinterpret_cast<float *>(smem + lay.keys);
     kind_s = reinterpret_cast<int32_t *>(smem + lay.meta_kind);
     pen_s = reinterpret_cast<float *>(smem + lay.penalty);
+    cb_s = reinterpret_cast<uint16_t *>(smem + lay.keys);  // the key tile is free on the fast path
+    sb_s = cb_s + T * (D / 2);
+    nsb_s = sb_s + T * (D / 2);
+    qb_s = reinterpret_cast<uint16_t *>(smem + lay.qb);
+    rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
 
     // Queries of this row chunk, scaled so that exp2(logit) is the softmax weight.
     const int G = p.q_heads / p.heads;
@@ -222,7 +237,15 @@ struct SplitBlock {
     // e^{i d omega_j} for the offsets d < T inside a tile: the host's table (in double), copied
     // once per block.
     const float2 *step = reinterpret_cast<const float2 *>(c.rope_step);
-    for (int e = tid; e < T * pairs; e += NT) step_s[e] = step[e];
+    for (int e = tid; e < T * pairs; e += NT) {
+      const float2 cs = step[e];
+      step_s[e] = cs;
+      if (fast) {
+        cb_s[e] = float_to_bits(cs.x, true);
+        sb_s[e] = float_to_bits(cs.y, true);
+        nsb_s[e] = float_to_bits(-cs.y, true);
+      }
+    }
     for (int i = 0; i < MAXROWS; ++i) {
       m_run[i] = -INFINITY;
       l_part[i] = 0.0f;
@@ -407,17 +430,29 @@ struct SplitBlock {
     } else {
       gather_anchor_rows_as<false>();
     }
-    // q . R_{p0 + off} x = (R_{p0}^T q) . (R_off x): the queries take the tile's first angle.
+    rotate_queries();
+  }
+
+  // q . R_{p0 + off} x = (R_{p0}^T q) . (R_off x): the queries take the tile's first angle
+  // (and, on the fast path, are kept in bf16 too).
+  __device__ __forceinline__ void rotate_queries() {
     for (int j = tid; j < pairs; j += NT) {
       const float cs = basec_s[j], sn = bases_s[j];
       const int f = first_s[j], s = second_s[j];
       for (int i = 0; i < MAXROWS; ++i) {
         if (i >= rows) break;  // rows past `rows` stay zero
         const float q0 = q_s[i * D + f], q1 = q_s[i * D + s];
-        qr_s[i * D + f] = q0 * cs + q1 * sn;
-        qr_s[i * D + s] = q1 * cs - q0 * sn;
+        const float r0 = q0 * cs + q1 * sn, r1 = q1 * cs - q0 * sn;
+        qr_s[i * D + f] = r0;
+        qr_s[i * D + s] = r1;
+        if (fast) {
+          qb_s[i * D + f] = float_to_bits(r0, true);
+          qb_s[i * D + s] = float_to_bits(r1, true);
+        }
       }
     }
+    if (fast)  // rows past `rows`: zero queries
+      for (int e = rows * D + tid; e < MAXROWS * D; e += NT) qb_s[e] = 0;
   }
 
   // Dense rows keys[t0..end) as stored (post-RoPE).
@@ -521,7 +556,22 @@ struct SplitBlock {
           for (int e = 0; e < EPT; ++e) x[e] = buf[e];
         }
       }
-      if (live) {
+      if (fast) {  // its logit term q . R_off r~ with every row: the eight lanes' dims summed
+        float dot[MAXROWS];
+        for (int i = 0; i < MAXROWS; ++i) {
+          const float4 *qv = reinterpret_cast<const float4 *>(qr_s + i * D + d0);
+          float sum = 0.0f;
+          for (int e = 0; e < EPT; e += 4) {
+            const float4 qq = qv[e / 4];
+            sum = fmaf(qq.x, x[e], fmaf(qq.y, x[e + 1], fmaf(qq.z, x[e + 2], fmaf(qq.w, x[e + 3], sum))));
+          }
+          dot[i] = sum;
+        }
+        for (int lm = 1; lm < 8; lm <<= 1)
+          for (int i = 0; i < MAXROWS; ++i) dot[i] += __shfl_xor_sync(kFullMask, dot[i], lm);
+        if (live && sl == 0)
+          for (int i = 0; i < MAXROWS; ++i) rl_s[i * T + t] = dot[i];
+      } else if (live) {
         float4 *row = reinterpret_cast<float4 *>(K_s + t * KS + d0);
         for (int e = 0; e < EPT; e += 4) {
           float4 r = row[e / 4];
@@ -574,15 +624,10 @@ struct SplitBlock {
   static constexpr int KSL = D / 32;              // k16 slabs of dims per warp
   static_assert(NW == 8 && T == 64 && D % 32 == 0, "four m16 token tiles times two halves of the dims");
 
-  // causal: these are appended tokens, and row i (query qi of its head) sees the first
-  // suffix_len - (q_len - 1 - qi) of them. anchor: the key tile holds R_off keys, contracted
-  // with the rotated queries.
-  __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len, bool anchor) {
-    const float *qs = anchor ? qr_s : q_s;
+  // The key tile of K_s (f32 rows) against the rows' queries qs (f32): warp w's dims are
+  // slabs half * KSL .. of 16, in their natural order within the mma's k16.
+  __device__ __forceinline__ void contract_tile(const float *qs, float (&acc)[NR8][4]) const {
     const int g = lane >> 2, tq = lane & 3, m0 = (warp & 3) * 16, half = warp >> 2;
-    float acc[NR8][4];
-    for (int n = 0; n < NR8; ++n)
-      for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
     const float *k0 = K_s + (m0 + g) * KS + 2 * tq, *k1 = k0 + 8 * KS;
     for (int s = 0; s < KSL; ++s) {
       const int d = (half * KSL + s) * 16;
@@ -620,25 +665,97 @@ struct SplitBlock {
         mma_bf16_16816(acc[n], ah, bh);
       }
     }
+  }
+
+  // Pairs d..d+3 of token u's anchor row (zeros when it has none), rotated by R_u in bf16x2:
+  // x' = x cos - y sin (dims d..), y' = x sin + y cos (dims D/2 + d..), each a product and an fma.
+  __device__ __forceinline__ void rotate_pairs4(const uint16_t *row, bool live, int u, int d, uint32_t &x01, uint32_t &x23,
+                                                uint32_t &y01, uint32_t &y23) const {
+    constexpr int P = D / 2;
+    uint2 x{0, 0}, y{0, 0};
+    if (live) {
+      x = *reinterpret_cast<const uint2 *>(row + d);
+      y = *reinterpret_cast<const uint2 *>(row + P + d);
+    }
+    const uint2 cs = *reinterpret_cast<const uint2 *>(cb_s + u * P + d);
+    const uint2 sn = *reinterpret_cast<const uint2 *>(sb_s + u * P + d);
+    const uint2 ns = *reinterpret_cast<const uint2 *>(nsb_s + u * P + d);
+    x01 = bf16x2_fma(y.x, ns.x, bf16x2_fma(x.x, cs.x, kBf16x2NegZero));
+    x23 = bf16x2_fma(y.y, ns.y, bf16x2_fma(x.y, cs.y, kBf16x2NegZero));
+    y01 = bf16x2_fma(x.x, sn.x, bf16x2_fma(y.x, cs.x, kBf16x2NegZero));
+    y23 = bf16x2_fma(x.y, sn.y, bf16x2_fma(y.y, cs.y, kBf16x2NegZero));
+  }
+
+  // The fast path: warp w's tokens' anchor rows K_a(t) gathered (through L2) straight into A
+  // fragments and rotated there by R_off (off = the token's place in the tile: format 3 and
+  // the window have consecutive positions), against the bf16 rotated queries qb_s. A warp
+  // takes the first-half slabs half * D/64 .. and their RoPE partners D/32 slabs on, and a
+  // fragment's k16 holds a slab's dims in the order 0, 1, 4, 5, 8, 9, ... | 2, 3, 6, 7, ...
+  // (lane tq: dims 4tq .. 4tq + 3, one 8-byte load), the same for A and B. gamma is applied
+  // to the logit afterwards.
+  __device__ __forceinline__ void contract_gathered(float (&acc)[NR8][4]) const {
+    constexpr int P = D / 2, SP = P / 32;
+    static_assert(P % 32 == 0, "two halves of whole slabs of pairs");
+    const int g = lane >> 2, tq = lane & 3, half = warp >> 2;
+    const int u0 = (warp & 3) * 16 + g, u1 = u0 + 8;
+    const int a0 = a_s[u0], a1 = a_s[u1];
+    const uint16_t *ak = c.anchor_keys + static_cast<int64_t>(h) * k * D;
+    const uint16_t *row0 = ak + static_cast<int64_t>(a0 < 0 ? 0 : a0) * D, *row1 = ak + static_cast<int64_t>(a1 < 0 ? 0 : a1) * D;
+    for (int s = half * SP; s < (half + 1) * SP; ++s) {
+      const int d = s * 16 + 4 * tq;
+      uint32_t ax[4], ay[4];  // slab s (dims d..) and its partner slab (dims P + d..)
+      rotate_pairs4(row0, a0 >= 0, u0, d, ax[0], ax[2], ay[0], ay[2]);
+      rotate_pairs4(row1, a1 >= 0, u1, d, ax[1], ax[3], ay[1], ay[3]);
+      for (int n = 0; n < NR8; ++n) {
+        const int r = n * 8 + g;
+        uint2 bx{0, 0}, by{0, 0};
+        if (r < MAXROWS) {
+          bx = *reinterpret_cast<const uint2 *>(qb_s + r * D + d);
+          by = *reinterpret_cast<const uint2 *>(qb_s + r * D + P + d);
+        }
+        const uint32_t b0[2] = {bx.x, bx.y}, b1[2] = {by.x, by.y};
+        mma_bf16_16816(acc[n], ax, b0);
+        mma_bf16_16816(acc[n], ay, b1);
+      }
+    }
+  }
+
+  // causal: these are appended tokens, and row i (query qi of its head) sees the first
+  // suffix_len - (q_len - 1 - qi) of them. anchor: anchor tiles (R_off keys, rotated queries).
+  __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len, bool anchor) {
+    const int g = lane >> 2, tq = lane & 3, m0 = (warp & 3) * 16, half = warp >> 2;
+    const bool gathered = anchor && fast;
+    float acc[NR8][4];
+    for (int n = 0; n < NR8; ++n)
+      for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+    if (gathered) contract_gathered(acc);
+    else contract_tile(anchor ? qr_s : q_s, acc);
     // acc[n][e]: token m0 + g + 8 (e / 2), row n * 8 + 2 tq + e % 2.
-    if (half == 1)
+    if (half == 1) {
       for (int n = 0; n < NR8; ++n)
         for (int e = 0; e < 4; ++e) {
           const int i = n * 8 + 2 * tq + e % 2;
           if (i < MAXROWS) Lp_s[i * T + m0 + g + 8 * (e / 2)] = acc[n][e];
         }
+    }
     __syncthreads();
-    if (half == 0)
+    if (half == 0) {
       for (int n = 0; n < NR8; ++n)
         for (int e = 0; e < 4; ++e) {
           const int i = n * 8 + 2 * tq + e % 2, t = m0 + g + 8 * (e / 2);
           if (i >= MAXROWS) continue;
           float v = acc[n][e] + Lp_s[i * T + t];
+          const int kind = anchor ? kind_s[t] : 2;
+          if (gathered) {
+            v *= g_s[t];
+            if (kind == 1) v += rl_s[i * T + t];  // the key residual's term
+          }
           bool visible = t0 + t < end;
           if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
-          if (anchor && kind_s[t] < 2) v -= pen_s[kind_s[t] * MAXROWS + i];
+          if (kind < 2) v -= pen_s[kind * MAXROWS + i];
           L_s[i * T + t] = visible ? v : -INFINITY;
         }
+    }
   }
 
   // ---- 6. online softmax over the tile; L_s becomes p = exp2(logit - max) -------------------
@@ -708,13 +825,14 @@ struct SplitBlock {
     const int64_t wd = t0 / 64;
     const uint32_t base = c.value_offsets[h] + c.value_prefix[h * words + wd];
     const int count = __popcll(c.value_mask[h * words + wd]);
-    float *lr_s = K_s;  // [count][MAXROWS] <= T * MAXROWS floats
+    // [count][MAXROWS] <= T * MAXROWS floats, past the fast path's tables
+    float *lr_s = K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0);
     AKV_NO_UNROLL
     for (int e = tid; e < count * MAXROWS; e += NT) {
       const int n = e / MAXROWS, i = e % MAXROWS;
       lr_s[e] = L_s[i * T + c.value_chunk[base + n]];  // position inside the word, = inside the tile
     }
-    float *lv_s = K_s + T * MAXROWS;  // [count][4]: the four scaled levels of each residual
+    float *lv_s = lr_s + T * MAXROWS;  // [count][4]: the four scaled levels of each residual
     AKV_NO_UNROLL
     for (int e = tid; e < count * 4; e += NT) lv_s[e] = c.value_scales[base + e / 4] * lloyd_max_level(e & 3);
     __syncthreads();
@@ -819,7 +937,8 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
       const int64_t t0 = tile * T, end = t0 + T < P ? t0 + T : P;
       blk.anchor_meta(t0, end, false);
       __syncthreads();
-      blk.gather_anchor_rows();
+      if (blk.fast) blk.rotate_queries();
+      else blk.gather_anchor_rows();
       __syncthreads();
       blk.key_residuals(t0);
       __syncthreads();
@@ -836,7 +955,8 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
         const int64_t end = w0 + T < c.window ? w0 + T : c.window;
         blk.anchor_meta(w0, end, true);
         __syncthreads();
-        blk.gather_anchor_rows();
+        if (blk.fast) blk.rotate_queries();
+        else blk.gather_anchor_rows();
         __syncthreads();
         if (!blk.fused) {
           blk.rotate_keys();

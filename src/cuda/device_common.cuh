@@ -70,6 +70,24 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t &hi, u
                    x1 - bits_to_float(static_cast<uint16_t>(hi >> 16), true));
 }
 
+// a * b + c on two bf16 lanes at once, rounded once (fma.rn.bf16x2); bf16x2_fma(a, b,
+// kBf16x2NegZero) is the product a * b.
+constexpr uint32_t kBf16x2NegZero = 0x80008000u;
+__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+#ifdef AKV_SIMT_EMULATION
+  uint32_t r = 0;
+  for (int half = 0; half < 2; ++half) {
+    const auto lane = [half](uint32_t w) { return bf16_to_float(static_cast<uint16_t>(w >> (16 * half))); };
+    r |= static_cast<uint32_t>(float_to_bf16(std::fmaf(lane(a), lane(b), lane(c)))) << (16 * half);
+  }
+  return r;
+#else
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#endif
+}
+
 // d += A B on the tensor cores: mma.m16n8k16, bf16 operands, f32 accumulation, one warp
 // (fragment layouts: simt::mma_m16n8k16_bf16, which the emulation runs instead).
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {

@@ -121,7 +121,10 @@ std::string describe(const DecodeCase &c) {
 }
 
 // Tolerance of a GPU output against the CPU one in the output dtype.
-double tolerance(akv_dtype dtype) { return dtype == AKV_DTYPE_F32 ? 2e-3 : dtype == AKV_DTYPE_F16 ? 4e-3 : 1.6e-2; }
+// bf16: the split kernel runs the keys' side in bf16 for bf16 queries (decode_kernels.cuh,
+// steps 2 and 5): logits off by a few 2^-9 of their size, up to ~0.03 on a peaked output in
+// the emulation (tests/emu, the same bound).
+double tolerance(akv_dtype dtype) { return dtype == AKV_DTYPE_F32 ? 2e-3 : dtype == AKV_DTYPE_F16 ? 4e-3 : 4e-2; }
 
 // Tolerance of one request's akv_decode against its row of akv_decode_batch: one unit in the
 // last place of the output dtype (relative, and absolute near zero). The two are not bit-equal
@@ -658,8 +661,8 @@ TEST_F(Cuda, DecodeLseMatchesCpu) {
     std::vector<float> got(rows);
     std::memcpy(got.data(), lse_bytes.data(), lse_bytes.size());
     EXPECT_EQ(count_non_finite(got), 0u);
-    // bf16 queries: the contraction runs in bf16 (decode_kernels.cuh, step 5).
-    const double lse_tol = c.dtype == AKV_DTYPE_BF16 ? 5e-3 : 1e-3;
+    // bf16 queries: the keys' side runs in bf16 (decode_kernels.cuh, steps 2 and 5).
+    const double lse_tol = c.dtype == AKV_DTYPE_BF16 ? 3e-2 : 1e-3;
     EXPECT_TRUE(all_near(got, cpu_lse, lse_tol, 1e-4)) << "log-sum-exp";
     note("lse_max_abs_error_" + std::to_string(&c - cases.data()), max_error(got, cpu_lse, 1.0));
     // The second request alone through akv_decode_lse: its rows of the batch.
