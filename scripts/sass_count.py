@@ -100,6 +100,7 @@ WARP_BLOCKS = [
     ("if (half == 1) {", 4.0),                     # contraction: the second half of the dims' warps
     ("if (half == 0) {", 4.0),                     # contraction: the first half's warps finish the logits
     ("for (int j = tid; j < pairs; j += NT) {", PAIRS / 32),  # the query rotation: one thread a pair
+    ("if (i % NW == warp) {", 1.0),                # softmax: each unrolled row's copy runs in its one warp
 ]
 
 

@@ -80,11 +80,14 @@ __device__ AKV_NOINLINE void rotate_exact(float *x, int n, int64_t d, const floa
   }
 }
 
-// A loop kept rolled (register pressure); nothing in the emulation.
+// A loop kept rolled (register pressure), or unrolled (per-row registers indexed by its
+// counter); nothing in the emulation.
 #ifdef AKV_SIMT_EMULATION
 #define AKV_NO_UNROLL
+#define AKV_UNROLL
 #else
 #define AKV_NO_UNROLL _Pragma("unroll 1")
+#define AKV_UNROLL _Pragma("unroll")
 #endif
 
 // A float's bits and back.
@@ -219,6 +222,7 @@ struct SplitBlock {
     const float qscale = c.softmax_scale * kLog2e;
     for (int e = tid; e < MAXROWS * D; e += NT)
       q_s[e] = qr_s[e] = e / D < rows ? load_elem(p.queries, p.dtype, qbase + e) * qscale : 0.0f;
+    for (int e = rows * D + tid; e < MAXROWS * D; e += NT) qb_s[e] = 0;  // rows rotate_queries leaves
     if (p.global_weights) {
       w = p.ws_w + blk * MAXROWS * p.max_anchors;
       wstride = p.max_anchors;
@@ -451,8 +455,6 @@ struct SplitBlock {
         }
       }
     }
-    if (fast)  // rows past `rows`: zero queries
-      for (int e = rows * D + tid; e < MAXROWS * D; e += NT) qb_s[e] = 0;
   }
 
   // Dense rows keys[t0..end) as stored (post-RoPE).
@@ -762,42 +764,46 @@ struct SplitBlock {
 
   __device__ __forceinline__ void softmax_tile() {
     __syncthreads();
+    // Warp i % NW owns row i: the tile's max, the running max and sum, p = exp2(l - max) in
+    // place, and the factor of what is already accumulated (red_s[i]) for the other threads.
+    AKV_UNROLL
     for (int i = 0; i < MAXROWS; ++i)
       if (i % NW == warp) {
-        const float m = warp_max(fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32]));
-        if (lane == 0) red_s[i] = m;
+        const float m_new = fmaxf(m_run[i], warp_max(fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32])));
+        // Nothing is accumulated while the max is -inf: no rescale then (the first tile).
+        const float alpha = m_run[i] == -INFINITY || m_new == -INFINITY ? 1.0f : exp2f(m_run[i] - m_new);
+        m_run[i] = m_new;
+        l_part[i] *= alpha;
+        if (lane == 0) red_s[i] = alpha;
+        for (int u = lane; u < T; u += 32) {
+          float &l = L_s[i * T + u];
+          const float pv = m_new == -INFINITY ? 0.0f : exp2f(l - m_new);
+          l = pv;
+          l_part[i] += pv;
+        }
       }
     __syncthreads();
-    bool rescale = false;
     float alpha[MAXROWS];
-    for (int i = 0; i < MAXROWS; ++i) {
-      const float m_new = fmaxf(m_run[i], red_s[i]);
-      // Nothing is accumulated while the max is -inf: no rescale then (the first tile).
-      alpha[i] = m_run[i] == -INFINITY || m_new == -INFINITY ? 1.0f : exp2f(m_run[i] - m_new);
-      if (alpha[i] != 1.0f) rescale = true;
-      m_run[i] = m_new;
+    bool rescale = false;
+    for (int i = 0; i < MAXROWS; i += 4) {
+      const float4 a = *reinterpret_cast<const float4 *>(red_s + i);
+      alpha[i] = a.x;
+      alpha[i + 1] = a.y;
+      alpha[i + 2] = a.z;
+      alpha[i + 3] = a.w;
+      rescale = rescale || a.x != 1.0f || a.y != 1.0f || a.z != 1.0f || a.w != 1.0f;
     }
-    if (rescale) {  // uniform across the block: every thread holds the same alpha
-      for (int i = 0; i < MAXROWS; ++i) {
-        l_part[i] *= alpha[i];
+    if (rescale) {  // uniform across the block: a row's max rose (rare after the first tiles)
+      for (int i = 0; i < MAXROWS; ++i)
         for (int e = 0; e < DPT; ++e) {
           racc[i][e] *= alpha[i];
           dacc[i][e] *= alpha[i];
         }
-      }
       for (int i = 0; i < MAXROWS; ++i)  // static row indices: alpha stays in registers
         if (alpha[i] != 1.0f)
           for (int e = tid; e < k; e += NT) w[i * wstride + e] *= alpha[i];
+      __syncthreads();  // before the tile's weights are added
     }
-    for (int i = 0; i < MAXROWS; ++i)
-      if (i % NW == warp)
-        for (int u = lane; u < T; u += 32) {
-          float &l = L_s[i * T + u];
-          const float pv = m_run[i] == -INFINITY ? 0.0f : exp2f(l - m_run[i]);
-          l = pv;
-          l_part[i] += pv;
-        }
-    __syncthreads();
   }
 
   // ---- 7. values -------------------------------------------------------------------------
@@ -811,15 +817,21 @@ struct SplitBlock {
     // w_a += p_t gamma_t. Shared memory (a compare-and-swap loop per add), or with
     // global_weights the block's workspace rows (native float adds); the address space known
     // in each loop, so no generic atomics.
+    // Thread: token tid % T of rows tid / T, + NT / T, ... (a fixed count: MAXROWS T / NT).
+    static_assert(NT % T == 0 && MAXROWS % (NT / T) == 0, "whole rows per pass");
+    const int u = tid % T;
+    const bool live = t0 + u < end;
+    const int va = va_s[u];
+    const float vg = vg_s[u];
     if (p.global_weights) {
-      for (int e = tid; e < rows * T; e += NT) {
-        const int i = e / T, u = e % T;
-        if (t0 + u < end) atomicAdd(&w[i * wstride + va_s[u]], L_s[i * T + u] * vg_s[u]);
+      for (int i0 = 0; i0 < MAXROWS; i0 += NT / T) {
+        const int i = i0 + tid / T;
+        if (live && i < rows) atomicAdd(&w[i * wstride + va], L_s[i * T + u] * vg);
       }
     } else {
-      for (int e = tid; e < rows * T; e += NT) {
-        const int i = e / T, u = e % T;
-        if (t0 + u < end) atomicAdd(&w_s[i * k + va_s[u]], L_s[i * T + u] * vg_s[u]);
+      for (int i0 = 0; i0 < MAXROWS; i0 += NT / T) {
+        const int i = i0 + tid / T;
+        if (live && i < rows) atomicAdd(&w_s[i * k + va], L_s[i * T + u] * vg);
       }
     }
     const int64_t wd = t0 / 64;
@@ -859,9 +871,10 @@ struct SplitBlock {
   }
 
   __device__ __forceinline__ void window_values(int64_t w0, int64_t end) {
-    for (int e = tid; e < rows * T; e += NT) {  // one anchor per token: no two threads share an entry
-      const int i = e / T, u = e % T;
-      if (w0 + u < end) w[i * wstride + k - c.window + w0 + u] += L_s[i * T + u];
+    const int u = tid % T;  // one anchor per token: no two threads share an entry
+    for (int i0 = 0; i0 < MAXROWS; i0 += NT / T) {
+      const int i = i0 + tid / T;
+      if (w0 + u < end && i < rows) w[i * wstride + k - c.window + w0 + u] += L_s[i * T + u];
     }
     __syncthreads();
   }
@@ -902,8 +915,8 @@ struct SplitBlock {
       if (lane == 0) red_s[warp * MAXROWS + i] = l;
     }
     __syncthreads();
-    for (int i = 0; i < MAXROWS; ++i)  // static indices keep m_run in registers
-      if (tid == i) {
+    for (int i = 0; i < MAXROWS; ++i)  // the row's warp holds m_run; static indices keep it in registers
+      if (i % NW == warp && lane == 0) {
         float l = 0.0f;
         for (int wp = 0; wp < NW; ++wp) l += red_s[wp * MAXROWS + i];
         p.ws_ml[(blk * MAXROWS + i) * 2] = m_run[i];
