@@ -91,6 +91,7 @@ COLD = [
     ("if (q >= P4)", 0.0),                      # dims past the rotary pairs only
     ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)
     ("if (p.global_weights) {", 0.0),           # more anchors than shared memory holds (> ~9.5K)
+    ("} else {  // exact: the first tile", 1.0 / 16),  # the tile's first angle exactly: every 16th tile
 ]
 
 
@@ -310,10 +311,10 @@ def tile_loop(f, spans, lines, fk, fv, k):
     for name, members in PHASES:
         for m in members:
             phase_of[m] = name
-    weights_end = None  # prefix_values: the per-anchor weights end where the residual word starts
+    weights_end = None  # prefix_values: the per-anchor weights end where the value residuals start
     for name, a, b in spans:
         if name == "prefix_values":
-            weights_end = next(n for n in range(a, b + 1) if "const int64_t wd = t0 / 64;" in lines[n - 1])
+            weights_end = next(n for n in range(a, b + 1) if "const uint32_t base = res_s[2];" in lines[n - 1])
     # SASS trips of each inner loop: the source trips over nvcc's unroll factor, which is read
     # off the body: the fewest loads any one source line of the body issues (a line loads
     # once per source iteration).

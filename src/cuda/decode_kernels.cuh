@@ -157,6 +157,15 @@ struct SplitBlock {
   int64_t *pos_s;
 
   float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
+  // Threads T .. T + pairs - 1 (pair j = tid - T): the tile's first angle, carried from tile to
+  // tile by e^{i T omega_j} (tile_c, tile_s) while positions run on, recomputed exactly at
+  // the first tile, after a gap and every kExactTiles tiles.
+  static constexpr int kExactTiles = 16;
+  float run_c = 1.0f, run_s = 0.0f, tile_c = 1.0f, tile_s = 0.0f;
+  int64_t next_p0 = -1;
+  int run_left = 0;
+  const uint16_t *ak_h;  // this head's anchor keys
+  uint32_t *res_s;       // the tile's key residuals (first slot, count), then the value residuals'
 
   // blk: this block's index among the launch's split blocks (its workspace rows).
   __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc,
@@ -215,6 +224,9 @@ struct SplitBlock {
     nsb_s = sb_s + T * (D / 2);
     qb_s = reinterpret_cast<uint16_t *>(smem + lay.qb);
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
+    res_s = reinterpret_cast<uint32_t *>(smem + lay.residuals);
+    ak_h = c.anchor_keys + static_cast<int64_t>(h) * k * D;
+    if (tid >= T && tid - T < pairs) rope_angle(T, c.inv_freq[tid - T], &tile_c, &tile_s);
 
     // Queries of this row chunk, scaled so that exp2(logit) is the softmax weight.
     const int G = p.q_heads / p.heads;
@@ -287,7 +299,7 @@ struct SplitBlock {
       int kind = 2;                  // logit penalty: 0 reconstructed, 1 with a key residual, 2 none (exact)
       float g = 0.0f, vg = 0.0f;
       int64_t pos = 0;
-      if (t < end) {
+      if (tid < static_cast<int>(end - t0)) {
         if (window) {
           a = k - c.window + static_cast<int>(t);
           g = 1.0f;
@@ -339,7 +351,24 @@ struct SplitBlock {
       const int j = tid - T;
       const int64_t p0 = window ? c.window_first_position + t0
                                 : format3 ? c.first_position + t0 : static_cast<int64_t>(c.positions[t0]);
-      rope_angle(p0, inv_s[j], &basec_s[j], &bases_s[j]);
+      if (p0 == next_p0 && run_left > 0) {  // the previous tile's first angle times e^{i T omega_j}
+        const float cs = run_c * tile_c - run_s * tile_s;
+        run_s = run_s * tile_c + run_c * tile_s;
+        run_c = cs;
+        --run_left;
+      } else {  // exact: the first tile, after a gap, or every kExactTiles
+        rope_angle(p0, inv_s[j], &run_c, &run_s);
+        run_left = kExactTiles - 1;
+      }
+      next_p0 = p0 + T;
+      basec_s[j] = run_c;
+      bases_s[j] = run_s;
+    } else if (tid == NT - 1 && !window) {  // the tile's residuals: first slot and count per side
+      const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
+      res_s[0] = c.key_offsets[h] + c.key_prefix[wd];
+      res_s[1] = static_cast<uint32_t>(__popcll(c.key_mask[wd]));
+      res_s[2] = c.value_offsets[h] + c.value_prefix[wd];
+      res_s[3] = static_cast<uint32_t>(__popcll(c.value_mask[wd]));
     }
   }
 
@@ -483,9 +512,8 @@ struct SplitBlock {
   __device__ __forceinline__ void key_residuals(int64_t t0) {
     constexpr int EPT = D / 8;
     static_assert(EPT % 8 == 0, "whole 16-bit code words and float4 rows per lane");
-    const int64_t wd = t0 / 64;
-    const int count = __popcll(c.key_mask[static_cast<int64_t>(h) * c.words + wd]);
-    const uint32_t base = c.key_offsets[h] + c.key_prefix[static_cast<int64_t>(h) * c.words + wd];
+    const uint32_t base = res_s[0];
+    const int count = static_cast<int>(res_s[1]);
     const int sub = lane >> 3, sl = lane & 7, d0 = sl * EPT;
     // Fused rotation: pairs % EPT == 0, so the lane's dimensions d0.. lie wholly below pairs
     // (x c - x' s), in [pairs, 2 pairs) (x c + x' s, pair j0 = d0 - pairs ..) or past 2 pairs
@@ -701,8 +729,7 @@ struct SplitBlock {
     const int g = lane >> 2, tq = lane & 3, half = warp >> 2;
     const int u0 = (warp & 3) * 16 + g, u1 = u0 + 8;
     const int a0 = a_s[u0], a1 = a_s[u1];
-    const uint16_t *ak = c.anchor_keys + static_cast<int64_t>(h) * k * D;
-    const uint16_t *row0 = ak + static_cast<int64_t>(a0 < 0 ? 0 : a0) * D, *row1 = ak + static_cast<int64_t>(a1 < 0 ? 0 : a1) * D;
+    const uint16_t *row0 = ak_h + (a0 < 0 ? 0 : a0) * D, *row1 = ak_h + (a1 < 0 ? 0 : a1) * D;
     for (int s = half * SP; s < (half + 1) * SP; ++s) {
       const int d = s * 16 + 4 * tq;
       uint32_t ax[4], ay[4];  // slab s (dims d..) and its partner slab (dims P + d..)
@@ -727,6 +754,7 @@ struct SplitBlock {
   __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len, bool anchor) {
     const int g = lane >> 2, tq = lane & 3, m0 = (warp & 3) * 16, half = warp >> 2;
     const bool gathered = anchor && fast;
+    const int valid = static_cast<int>(end - t0);  // tokens of the tile (<= T)
     float acc[NR8][4];
     for (int n = 0; n < NR8; ++n)
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
@@ -752,7 +780,7 @@ struct SplitBlock {
             v *= g_s[t];
             if (kind == 1) v += rl_s[i * T + t];  // the key residual's term
           }
-          bool visible = t0 + t < end;
+          bool visible = t < valid;
           if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
           if (kind < 2) v -= pen_s[kind * MAXROWS + i];
           L_s[i * T + t] = visible ? v : -INFINITY;
@@ -813,14 +841,13 @@ struct SplitBlock {
   // tile, free after the contraction), so that a thread reads each residual's rows with
   // float4 loads and its level with one shared-memory load.
   __device__ __forceinline__ void prefix_values(int64_t t0, int64_t end) {
-    const int64_t words = c.words;
     // w_a += p_t gamma_t. Shared memory (a compare-and-swap loop per add), or with
     // global_weights the block's workspace rows (native float adds); the address space known
     // in each loop, so no generic atomics.
     // Thread: token tid % T of rows tid / T, + NT / T, ... (a fixed count: MAXROWS T / NT).
     static_assert(NT % T == 0 && MAXROWS % (NT / T) == 0, "whole rows per pass");
     const int u = tid % T;
-    const bool live = t0 + u < end;
+    const bool live = u < static_cast<int>(end - t0);
     const int va = va_s[u];
     const float vg = vg_s[u];
     if (p.global_weights) {
@@ -834,19 +861,17 @@ struct SplitBlock {
         if (live && i < rows) atomicAdd(&w_s[i * k + va], L_s[i * T + u] * vg);
       }
     }
-    const int64_t wd = t0 / 64;
-    const uint32_t base = c.value_offsets[h] + c.value_prefix[h * words + wd];
-    const int count = __popcll(c.value_mask[h * words + wd]);
-    // [count][MAXROWS] <= T * MAXROWS floats, past the fast path's tables
+    const uint32_t base = res_s[2];
+    const int count = static_cast<int>(res_s[3]);
+    // [count][MAXROWS] <= T * MAXROWS floats, past the fast path's tables; fixed passes.
     float *lr_s = K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0);
-    AKV_NO_UNROLL
-    for (int e = tid; e < count * MAXROWS; e += NT) {
-      const int n = e / MAXROWS, i = e % MAXROWS;
-      lr_s[e] = L_s[i * T + c.value_chunk[base + n]];  // position inside the word, = inside the tile
+    static_assert(T * MAXROWS % NT == 0 && 4 * T <= NT, "whole passes");
+    for (int e0 = 0; e0 < T * MAXROWS; e0 += NT) {
+      const int e = e0 + tid, n = e / MAXROWS, i = e % MAXROWS;
+      if (n < count) lr_s[e] = L_s[i * T + c.value_chunk[base + n]];  // position inside the word, = inside the tile
     }
     float *lv_s = lr_s + T * MAXROWS;  // [count][4]: the four scaled levels of each residual
-    AKV_NO_UNROLL
-    for (int e = tid; e < count * 4; e += NT) lv_s[e] = c.value_scales[base + e / 4] * lloyd_max_level(e & 3);
+    if (tid < count * 4) lv_s[tid] = c.value_scales[base + tid / 4] * lloyd_max_level(tid & 3);
     __syncthreads();
     const int group = tid / TPD, dim = tid % TPD;
     const int shift = (dim & 3) * 2;  // TPD % 4 == 0: the same for every e
@@ -946,7 +971,8 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
   if (c.kind == kKindAnchor) {
     const int64_t P = c.prefix;
     const int64_t tiles = (P + T - 1) / T;
-    for (int64_t tile = tiles * split / splits; tile < tiles * (split + 1) / splits; ++tile) {
+    const int64_t first_tile = tiles * split / splits, end_tile = tiles * (split + 1) / splits;
+    for (int64_t tile = first_tile; tile < end_tile; ++tile) {
       const int64_t t0 = tile * T, end = t0 + T < P ? t0 + T : P;
       blk.anchor_meta(t0, end, false);
       __syncthreads();
