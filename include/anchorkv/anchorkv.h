@@ -500,7 +500,12 @@ AKV_API akv_status akv_append(akv_cache *cache, const void *keys, const void *va
  * plus the appended suffix), with one softmax. queries, out: [Hq][q_len][D] in `dtype`.
  * Query i (0-based) is the token at cache position T - q_len + i, where T is the number of
  * cached tokens: it sees everything but the last q_len - 1 - i appended tokens (causal among
- * the new tokens). Needs q_len - 1 <= appended tokens. */
+ * the new tokens). Needs q_len - 1 <= appended tokens.
+ * Precision follows `dtype` on a CUDA context: with BF16 queries the key side (rotation of
+ * the anchor rows, the query-key products on the tensor cores) runs in bf16 with fp32
+ * accumulation, as a bf16 attention kernel does (logits within a few bf16 units of the
+ * reconstruction's); with F32 or F16 queries it keeps fp32-level accuracy. The CPU backend
+ * computes in fp32 either way. */
 AKV_API akv_status akv_decode(akv_cache *cache, const void *queries, akv_dtype dtype,
                               int32_t q_len, void *out, void *stream);
 
