@@ -331,6 +331,7 @@ def tile_loop(f, spans, lines, fk, fv, k):
     cold = cold_lines(lines)
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
     totals, static = collections.Counter(), collections.Counter()
+    prev = (8.0, 1.0)  # warps and cold weight of the last instruction with a line
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
         if func == "prefix_values":
@@ -346,7 +347,12 @@ def tile_loop(f, spans, lines, fk, fv, k):
         # Cold where the line is, or where it was inlined (put8 called in a cold block).
         _, _, cfile, cline = ins[i]["loc"] if ins[i]["loc"][0] else (None, None, None, None)
         site = cold.get(cline, 1.0) if cfile and cfile.endswith("decode_kernels.cuh") and cline else 1.0
-        totals[phase] += mult * w * min(cold.get(ln, 1.0), site)
+        weight = min(cold.get(ln, 1.0), site)
+        if func is None:  # library code inlined without a line: the block it sits in
+            w, weight = prev
+        else:
+            prev = (w, weight)
+        totals[phase] += mult * w * weight
         static[phase] += 1
     return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner),
             "unknown_loops": sorted(unknown, key=str)}

@@ -50,9 +50,10 @@ def test_gpu_matches_cpu(cuda_context, rng, dtype):
     else:
         expected = cpu_cache.decode(host_query.numpy())
     # The GPU compression pass may flip a floating-point near-tie (an assignment, a residual
-    # choice) against the CPU's, so the float32 bound is looser than the arithmetic's.
-    np.testing.assert_allclose(out.float().cpu().numpy(), np.asarray(expected, np.float32),
-                               atol=2e-2 if dtype != "float32" else 2e-3)
+    # choice) against the CPU's, so the float32 bound is looser than the arithmetic's. bf16
+    # queries run the key side in bf16 on the GPU (the tests/gpu bound, 4e-2).
+    atol = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 4e-2}[dtype]
+    np.testing.assert_allclose(out.float().cpu().numpy(), np.asarray(expected, np.float32), atol=atol)
     # One layout on both backends: same footprint, and GPU bytes decode on the CPU.
     assert gpu_cache.stats.compressed_bytes == cpu_cache.stats.compressed_bytes
     from_gpu = anchorkv.Cache.from_bytes(bytes(gpu_cache))
