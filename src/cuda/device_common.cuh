@@ -1,5 +1,6 @@
 // Scalar helpers shared by the CUDA kernels and their host emulation (AKV_SIMT_EMULATION):
-// half/bfloat16 bits to and from float, exact RoPE angles, warp reductions.
+// half/bfloat16 bits to and from float, bf16x2 packing and fma, the bf16 mma, exact RoPE
+// angles, warp reductions.
 #pragma once
 #include <cstdint>
 #include "anchorkv/anchorkv.h"

@@ -1,7 +1,8 @@
 // Host emulation of the small SIMT subset the CUDA kernels use, so that their logic is
 // tested on machines without a GPU (most CI machines): one-dimensional blocks run one at a
 // time, each CUDA thread a fiber on the calling thread; __syncthreads and warp shuffles are
-// barriers over the block or the warp where fibers switch; static shared variables
+// barriers over the block or the warp where fibers switch (so is mma.sync, computed from the
+// warp's posted fragments); static shared variables
 // (AKV_STATIC_SHARED) are function statics (one block lives at a time); atomics take a lock.
 // Slow and only for small test shapes; it checks indexing, synchronisation and arithmetic,
 // not performance. Included instead of the CUDA headers when AKV_SIMT_EMULATION is defined
