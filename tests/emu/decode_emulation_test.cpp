@@ -266,6 +266,8 @@ TEST(EmulatedDecode, AnchorWeightsInTheWorkspaceWhenSharedMemoryIsShort) {
   const size_t smem = kc::SplitSmem(64, 8, 0).total + 4096;
   ASSERT_GT(kc::SplitSmem(64, 4, 800).total, smem) << "the weights must not fit at 4 rows";
   check_case(c, 2, 4, 2, smem, /*global_weights=*/true);
+  c.io = AKV_DTYPE_BF16;  // the register-gather path with the weights in the workspace
+  check_case(c, 2, 4, 2, smem, /*global_weights=*/true);
   Case one_row{AKV_METHOD_ANCHORKV, 1300, 128, 1, 1, 0, AKV_ROPE_NEOX, true};  // a chunk of 4 with 1 row
   one_row.anchors = 700;
   check_case(one_row, 1, 8, 1, kc::SplitSmem(128, 4, 0).total, /*global_weights=*/true);
