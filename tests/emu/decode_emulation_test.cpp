@@ -184,10 +184,11 @@ void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t
   const double tol = c.io == AKV_DTYPE_F32 ? 2e-4 : c.io == AKV_DTYPE_F16 ? 2e-3 : 4e-2;
   EXPECT_TRUE(all_near(got, expected, tol, tol));
   // The merge kernel's log-sum-exp (base-2 running max and sum) against the CPU's. With bf16
-  // queries the keys' side runs in bf16 (logits off by a few 2^-9 of their size); other
-  // dtypes keep fp32-level accuracy.
-  const double lse_tol = c.io == AKV_DTYPE_BF16 ? 3e-2 : 1e-4;
-  EXPECT_TRUE(all_near(got_lse, expected_lse, lse_tol, 1e-5)) << "log-sum-exp";
+  // queries the keys' side runs in bf16: logits off by a few 2^-9 of their size, so the bound
+  // is relative (4e-3, about one bf16 unit: up to 0.2% seen, LSE 10-15); other dtypes keep
+  // fp32-level accuracy.
+  const bool bf16_io = c.io == AKV_DTYPE_BF16;
+  EXPECT_TRUE(all_near(got_lse, expected_lse, bf16_io ? 1e-2 : 1e-4, bf16_io ? 4e-3 : 1e-5)) << "log-sum-exp";
 }
 
 TEST(EmulatedDecode, AnchorKvMatchesCpuAcrossShapes) {

@@ -661,9 +661,10 @@ TEST_F(Cuda, DecodeLseMatchesCpu) {
     std::vector<float> got(rows);
     std::memcpy(got.data(), lse_bytes.data(), lse_bytes.size());
     EXPECT_EQ(count_non_finite(got), 0u);
-    // bf16 queries: the keys' side runs in bf16 (decode_kernels.cuh, steps 2 and 5).
-    const double lse_tol = c.dtype == AKV_DTYPE_BF16 ? 3e-2 : 1e-3;
-    EXPECT_TRUE(all_near(got, cpu_lse, lse_tol, 1e-4)) << "log-sum-exp";
+    // bf16 queries: the keys' side runs in bf16 (decode_kernels.cuh, steps 2 and 5), logits
+    // off by a few 2^-9 of their size: a relative bound of about one bf16 unit (tests/emu).
+    const bool bf16 = c.dtype == AKV_DTYPE_BF16;
+    EXPECT_TRUE(all_near(got, cpu_lse, bf16 ? 1e-2 : 1e-3, bf16 ? 4e-3 : 1e-4)) << "log-sum-exp";
     note("lse_max_abs_error_" + std::to_string(&c - cases.data()), max_error(got, cpu_lse, 1.0));
     // The second request alone through akv_decode_lse: its rows of the batch.
     DeviceBuffer one(rows / batch * sizeof(float));
