@@ -41,6 +41,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "src", "cuda", "decode_kernels.cuh")
 T, NT, NW, ROWS, D, PAIRS = 64, 256, 8, 4, 128, 64
+ROWS_WARPS = min(ROWS, NW)  # warps that own a row (softmax_tile, write_partial)
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
 PHASES = [
@@ -53,7 +54,7 @@ PHASES = [
     ("softmax", ["softmax_tile"]),
     ("per-anchor weights", ["prefix_values:weights"]),
     ("value residuals", ["prefix_values:residuals"]),
-    ("loop control and barriers", ["decode_split_kernel"]),
+    ("loop control and barriers", ["decode_split_kernel", "SplitBlock"]),  # SplitBlock: indices the loop recomputes
 ]
 
 # Trip counts per tile and warp of the inner loops that survive in SASS, by the source line of
@@ -101,7 +102,7 @@ WARP_BLOCKS = [
     ("if (half == 1) {", 4.0),                     # contraction: the second half of the dims' warps
     ("if (half == 0) {", 4.0),                     # contraction: the first half's warps finish the logits
     ("for (int j = tid; j < pairs; j += NT) {", PAIRS / 32),  # the query rotation: one thread a pair
-    ("if (i % NW == warp) {", 1.0),                # softmax: each unrolled row's copy runs in its one warp
+    ("if (const int i = warp + r * NW; i < MAXROWS) {", ROWS_WARPS),  # softmax: each owned row in its warp
 ]
 
 

@@ -70,16 +70,6 @@ __device__ AKV_NOINLINE float2 exact_angle(int64_t offset, float inv_freq) {
   return r;
 }
 
-// x[e] = x[e] cos - rs x'[e] sin ... with x' = x[n + e] and the exact angles of offset d and
-// pairs inv[e], e < n: the gapped-position path of the key residuals, out of line.
-__device__ AKV_NOINLINE void rotate_exact(float *x, int n, int64_t d, const float *inv, float rs) {
-  for (int e = 0; e < n; ++e) {
-    float cs, sn;
-    rope_angle(d, inv[e], &cs, &sn);
-    x[e] = fmaf(x[e], cs, x[n + e] * (rs * sn));
-  }
-}
-
 // A loop kept rolled (register pressure), or unrolled (per-row registers indexed by its
 // counter); nothing in the emulation.
 #ifdef AKV_SIMT_EMULATION
@@ -156,7 +146,10 @@ struct SplitBlock {
   int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s, *kind_s;
   int64_t *pos_s;
 
-  float m_run[MAXROWS], l_part[MAXROWS], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
+  // Rows owned by each warp: warp w holds row w + r NW's running max and its lanes' partial
+  // sums in m_run[r], l_part[r] (only the owner keeps them: fewer live registers).
+  static constexpr int RPW = (MAXROWS + NW - 1) / NW;
+  float m_run[RPW], l_part[RPW], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
   // Threads T .. T + pairs - 1 (pair j = tid - T): the tile's first angle, carried from tile to
   // tile by e^{i T omega_j} (tile_c, tile_s) while positions run on, recomputed exactly at
   // the first tile, after a gap and every kExactTiles tiles.
@@ -262,11 +255,12 @@ struct SplitBlock {
         nsb_s[e] = float_to_bits(-cs.y, true);
       }
     }
-    for (int i = 0; i < MAXROWS; ++i) {
-      m_run[i] = -INFINITY;
-      l_part[i] = 0.0f;
-      for (int e = 0; e < DPT; ++e) racc[i][e] = dacc[i][e] = 0.0f;
+    for (int r = 0; r < RPW; ++r) {
+      m_run[r] = -INFINITY;
+      l_part[r] = 0.0f;
     }
+    for (int i = 0; i < MAXROWS; ++i)
+      for (int e = 0; e < DPT; ++e) racc[i][e] = dacc[i][e] = 0.0f;
     __syncthreads();
     // Logit penalties (docs/design.md §4.5) in the base-2 logits: beta |q scale|^2 log2(e)
     // = beta |q_s|^2 / log2(e), per row, without and with a key residual; zero without.
@@ -576,14 +570,21 @@ struct SplitBlock {
             x[e] = fmaf(x[e], cs.x, other[e] * (rs * cs.y));
             x[e + 1] = fmaf(x[e + 1], cs.z, other[e + 1] * (rs * cs.w));
           }
-        } else {  // gapped positions: the exact angles, out of line (one call, through a buffer)
-          float buf[2 * EPT];
+        } else {  // gapped positions (storage format 2): the exact angles, one pair at a time
+          // in a rolled loop (registers: x and other shift down by one each pass, the rotated
+          // value enters at the top, so that no array is indexed by the loop counter)
+          const int64_t d = pos_s[t] - pos_s[0];
+          AKV_NO_UNROLL
           for (int e = 0; e < EPT; ++e) {
-            buf[e] = x[e];
-            buf[EPT + e] = other[e];
+            float cs, sn;
+            rope_angle(d, inv_s[j0 + e], &cs, &sn);
+            const float y = fmaf(x[0], cs, other[0] * (rs * sn));
+            for (int i = 0; i + 1 < EPT; ++i) {
+              x[i] = x[i + 1];
+              other[i] = other[i + 1];
+            }
+            x[EPT - 1] = y;
           }
-          rotate_exact(buf, EPT, pos_s[t] - pos_s[0], inv_s + j0, rs);
-          for (int e = 0; e < EPT; ++e) x[e] = buf[e];
         }
       }
       if (fast) {  // its logit term q . R_off r~ with every row: the eight lanes' dims summed
@@ -795,19 +796,19 @@ struct SplitBlock {
     // Warp i % NW owns row i: the tile's max, the running max and sum, p = exp2(l - max) in
     // place, and the factor of what is already accumulated (red_s[i]) for the other threads.
     AKV_UNROLL
-    for (int i = 0; i < MAXROWS; ++i)
-      if (i % NW == warp) {
-        const float m_new = fmaxf(m_run[i], warp_max(fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32])));
+    for (int r = 0; r < RPW; ++r)
+      if (const int i = warp + r * NW; i < MAXROWS) {
+        const float m_new = fmaxf(m_run[r], warp_max(fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32])));
         // Nothing is accumulated while the max is -inf: no rescale then (the first tile).
-        const float alpha = m_run[i] == -INFINITY || m_new == -INFINITY ? 1.0f : exp2f(m_run[i] - m_new);
-        m_run[i] = m_new;
-        l_part[i] *= alpha;
+        const float alpha = m_run[r] == -INFINITY || m_new == -INFINITY ? 1.0f : exp2f(m_run[r] - m_new);
+        m_run[r] = m_new;
+        l_part[r] *= alpha;
         if (lane == 0) red_s[i] = alpha;
         for (int u = lane; u < T; u += 32) {
           float &l = L_s[i * T + u];
           const float pv = m_new == -INFINITY ? 0.0f : exp2f(l - m_new);
           l = pv;
-          l_part[i] += pv;
+          l_part[r] += pv;
         }
       }
     __syncthreads();
@@ -935,17 +936,13 @@ struct SplitBlock {
     }
     if (!p.global_weights)  // else they are there already
       for (int e = tid; e < MAXROWS * k; e += NT) p.ws_w[(blk * MAXROWS + e / k) * p.max_anchors + e % k] = w_s[e];
-    for (int i = 0; i < MAXROWS; ++i) {
-      const float l = warp_sum(l_part[i]);
-      if (lane == 0) red_s[warp * MAXROWS + i] = l;
-    }
-    __syncthreads();
-    for (int i = 0; i < MAXROWS; ++i)  // the row's warp holds m_run; static indices keep it in registers
-      if (i % NW == warp && lane == 0) {
-        float l = 0.0f;
-        for (int wp = 0; wp < NW; ++wp) l += red_s[wp * MAXROWS + i];
-        p.ws_ml[(blk * MAXROWS + i) * 2] = m_run[i];
-        p.ws_ml[(blk * MAXROWS + i) * 2 + 1] = l;
+    for (int r = 0; r < RPW; ++r)  // the row's owner warp holds its running max and sum
+      if (const int i = warp + r * NW; i < MAXROWS) {
+        const float l = warp_sum(l_part[r]);
+        if (lane == 0) {
+          p.ws_ml[(blk * MAXROWS + i) * 2] = m_run[r];
+          p.ws_ml[(blk * MAXROWS + i) * 2 + 1] = l;
+        }
       }
   }
 };

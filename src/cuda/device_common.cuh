@@ -105,16 +105,20 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
 }
 
 // cos and sin of position * inv_freq, accurate for large positions: the product and the
-// reduction by 2*pi are done in double, the final sincos in float on |x| <= pi.
+// reduction to whole turns are done in double, the final sincos in float as sincospif of
+// x in [-1, 1] (angle pi x), whose reduction is exact, so that no call falls into sincosf's
+// slow path for large arguments and its local-memory table.
 __device__ __forceinline__ void rope_angle(int64_t position, float inv_freq, float *c, float *s) {
-  const double kTwoPi = 6.283185307179586;
-  double a = static_cast<double>(position) * static_cast<double>(inv_freq);
-  a -= rint(a * (1.0 / kTwoPi)) * kTwoPi;
+  const double kInvTwoPi = 0.15915494309189535;
+  double turns = static_cast<double>(position) * static_cast<double>(inv_freq) * kInvTwoPi;
+  turns -= rint(turns);
+  const float x = static_cast<float>(2.0 * turns);
 #ifdef AKV_SIMT_EMULATION
-  *c = std::cos(static_cast<float>(a));
-  *s = std::sin(static_cast<float>(a));
+  const double kPi = 3.141592653589793;
+  *c = static_cast<float>(std::cos(kPi * x));
+  *s = static_cast<float>(std::sin(kPi * x));
 #else
-  sincosf(static_cast<float>(a), s, c);
+  sincospif(x, s, c);
 #endif
 }
 
