@@ -88,7 +88,7 @@ def trips(src, fk, fv, k):
 # fraction of tiles that run it). The block is the braces opened on that line.
 COLD = [
     ("if (rescale)", 0.02),                     # the running max rises: ~ln(tiles)/tiles of tiles
-    ("} else {  // gapped positions", 0.0),     # gapped positions only
+    ("if (!blk.fused || blk.gapped) {", 0.0),   # the RoPE pass: gapped positions (format 2) only
     ("if (q >= P4)", 0.0),                      # dims past the rotary pairs only
     ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)
     ("if (p.global_weights) {", 0.0),           # more anchors than shared memory holds (> ~9.5K)
@@ -204,6 +204,27 @@ def compile_cubin(workdir, nvcc):
     cubin = os.path.join(workdir, "k.cubin")
     r = subprocess.run([nvcc, "-cubin", "-lineinfo", "-arch=sm_90", "-std=c++17", "-O3", "-DNDEBUG", "-Xptxas", "-v",
                         "-DAKV_SASS_PIN_BF16_FUSED",
+                        "-I", os.path.join(ROOT, "src"), "-I", os.path.join(ROOT, "include"), src, "-o", cubin],
+                       capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(r.stderr)
+    return cubin, r.stderr
+
+
+SHIPPED = [(d, r) for d in (64, 128, 256) for r in (4, 8, 16)]
+
+
+def compile_shipped(workdir, nvcc):
+    """The library's own decode_split_kernel instantiations (no pinning: every path in one
+    binary, as the CUDA build compiles them): ptxas's log and the cubin."""
+    src = os.path.join(workdir, "shipped.cu")
+    with open(src, "w") as f:
+        f.write('#include "cuda/decode_kernels.cuh"\n')
+        for d, r in SHIPPED:
+            f.write(f"template __global__ void akv::cuda::decode_split_kernel<{d}, {r}>"
+                    "(const __grid_constant__ akv::cuda::DecodeLaunch);\n")
+    cubin = os.path.join(workdir, "shipped.cubin")
+    r = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-std=c++17", "-O3", "-DNDEBUG", "-Xptxas", "-v",
                         "-I", os.path.join(ROOT, "src"), "-I", os.path.join(ROOT, "include"), src, "-o", cubin],
                        capture_output=True, text=True)
     if r.returncode:
@@ -412,6 +433,20 @@ def main():
     for u in loop["unknown_loops"]:
         print(f"note: inner loop at {u[0]} line {u[1]} ({u[2]}) has no trip-count model: counted once")
     result["tile_loop"]["per_token_head"] = total / T
+    # The shipped instantiations: local memory where ptxas runs out of registers (up to 8
+    # rows: 128 registers, two blocks per multiprocessor) on a path the pinned count leaves out.
+    cubin2, log2 = compile_shipped(workdir, nvcc)
+    info2, funcs2 = ptxas_info(log2), disassemble(nvdisasm, cubin2)
+    print("\nShipped decode_split_kernel instantiations (every path in one binary, as the library builds them)")
+    print("| D, rows | regs | stack B | spill st/ld B | LDL/STL |")
+    print("|---|---|---|---|---|")
+    result["shipped"] = {}
+    for d, r in SHIPPED:
+        m = next(x for x in funcs2 if f"decode_split_kernelILi{d}ELi{r}E" in x)
+        pi, local = info2.get(m, {}), kernel_summary(funcs2[m])["local_accesses"]
+        result["shipped"][f"{d},{r}"] = dict(pi, local_accesses=local)
+        print(f"| {d}, {r} | {pi.get('registers', '?')} | {pi.get('stack', '?')} | {pi.get('spill_stores', '?')}/"
+              f"{pi.get('spill_loads', '?')} | {local} |")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(result, fh, indent=1)

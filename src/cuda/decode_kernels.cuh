@@ -125,6 +125,10 @@ struct SplitBlock {
   // they are gathered, and key residuals rotated (partner dimension one shuffle away) before
   // they are added; no separate RoPE pass.
   bool fused;
+  // This tile's positions do not all lie within T of its first (storage format 2 with explicit
+  // positions): its rows are gathered unrotated, the key residuals added unrotated, and
+  // rotate_keys rotates the tile with exact angles where the table has none.
+  bool gapped = false;
   bool format3;  // AnchorKV storage format 3: metadata read as stored (CacheView)
   // Queries not in bf16: the contraction splits keys and queries into bf16 hi + lo (three
   // mma products) so that it keeps fp32-level accuracy; bf16 queries: one product.
@@ -286,7 +290,10 @@ struct SplitBlock {
 
   // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1): the
   // key and value anchor and coefficient of each token, its position and offset in the tile.
-  __device__ __forceinline__ void anchor_meta(int64_t t0, int64_t end, bool window) {
+  // Returns true in the threads of tokens whose offset is outside [0, T) (the kernel ORs it
+  // over the block into `gapped`).
+  __device__ __forceinline__ bool anchor_meta(int64_t t0, int64_t end, bool window) {
+    bool gap = false;
     if (tid < T) {
       const int64_t t = t0 + tid;
       int a = -1, va = -1, off = 0;  // off: position - the tile's first; -1 outside [0, T); 0 for no token (zero row)
@@ -337,6 +344,7 @@ struct SplitBlock {
       a_s[tid] = a;
       va_s[tid] = va;
       off_s[tid] = off;
+      gap = off < 0;
       kind_s[tid] = kind;
       g_s[tid] = g;
       vg_s[tid] = vg;
@@ -364,6 +372,7 @@ struct SplitBlock {
       res_s[2] = c.value_offsets[h] + c.value_prefix[wd];
       res_s[3] = static_cast<uint32_t>(__popcll(c.value_mask[wd]));
     }
+    return gap;
   }
 
   // ---- 2. unrotated key rows gamma_t K_a(t) (anchor rows through L2), or dense rows -------
@@ -400,7 +409,6 @@ struct SplitBlock {
     constexpr int V8 = D / 8, STEP = NT / V8;
     const int q = tid % V8, P4 = pairs / 4;
     const uint16_t *ak = c.anchor_keys + static_cast<int64_t>(h) * k * D;
-    const int64_t p0 = pos_s[0];
     if (q >= P4) {  // unrotated dimensions d.. d + 7
       const int d = 2 * pairs + 8 * (q - P4);
       for (int t = tid / V8; t < T; t += STEP) {
@@ -423,18 +431,10 @@ struct SplitBlock {
       const float g = g_s[t];
       const uint2 lo = *reinterpret_cast<const uint2 *>(ak + a * D + j0);
       const uint2 hi = *reinterpret_cast<const uint2 *>(ak + a * D + j0 + pairs);
-      float2 cs[4];
-      const int off = off_s[t];
-      if (off >= 0) {
-        const float4 c01 = *reinterpret_cast<const float4 *>(step_s + off * pairs + j0);
-        const float4 c23 = *reinterpret_cast<const float4 *>(step_s + off * pairs + j0 + 2);
-        cs[0] = float2{c01.x, c01.y};
-        cs[1] = float2{c01.z, c01.w};
-        cs[2] = float2{c23.x, c23.y};
-        cs[3] = float2{c23.z, c23.w};
-      } else {  // gapped positions
-        for (int x = 0; x < 4; ++x) cs[x] = exact_angle(pos_s[t] - p0, inv_s[j0 + x]);
-      }
+      const int off = off_s[t];  // >= 0: gapped tiles are not gathered here
+      const float4 c01 = *reinterpret_cast<const float4 *>(step_s + off * pairs + j0);
+      const float4 c23 = *reinterpret_cast<const float4 *>(step_s + off * pairs + j0 + 2);
+      const float2 cs[4] = {float2{c01.x, c01.y}, float2{c01.z, c01.w}, float2{c23.x, c23.y}, float2{c23.z, c23.w}};
       const uint32_t lw[4] = {lo.x, lo.x >> 16, lo.y, lo.y >> 16}, hw[4] = {hi.x, hi.x >> 16, hi.y, hi.y >> 16};
       float y0[4], y1[4];
       for (int x = 0; x < 4; ++x) {
@@ -449,7 +449,7 @@ struct SplitBlock {
   }
 
   __device__ __forceinline__ void gather_anchor_rows() {
-    if (fused) {
+    if (fused && !gapped) {
       if (bf16) gather_rotate_neox<true>();
       else gather_rotate_neox<false>();
     } else if (bf16) {
@@ -512,7 +512,7 @@ struct SplitBlock {
     // Fused rotation: pairs % EPT == 0, so the lane's dimensions d0.. lie wholly below pairs
     // (x c - x' s), in [pairs, 2 pairs) (x c + x' s, pair j0 = d0 - pairs ..) or past 2 pairs
     // (not rotated: the table's offset-0 row, (1, 0)). The partner x' is lane sl ^ pm.
-    const bool rope = fused && pairs > 0;
+    const bool rope = fused && !gapped && pairs > 0;
     const bool rot = rope && d0 < 2 * pairs;
     const int pm = rope ? pairs / EPT : 0, j0 = rot && d0 >= pairs ? d0 - pairs : rot ? d0 : 0;
     const float rs = d0 < pairs ? -1.0f : 1.0f;
@@ -560,31 +560,15 @@ struct SplitBlock {
       }
       const int t = live ? bit_s[n] : 0;
       if (rope) {  // uniform across the block
-        const int off = rot && live ? off_s[t] : 0;
-        float other[EPT];
-        for (int e = 0; e < EPT; ++e) other[e] = __shfl_xor_sync(kFullMask, x[e], pm);
-        if (off >= 0) {
-          const float4 *st = reinterpret_cast<const float4 *>(step_s + off * pairs + j0);
-          for (int e = 0; e < EPT; e += 2) {
-            const float4 cs = st[e / 2];
-            x[e] = fmaf(x[e], cs.x, other[e] * (rs * cs.y));
-            x[e + 1] = fmaf(x[e + 1], cs.z, other[e + 1] * (rs * cs.w));
-          }
-        } else {  // gapped positions (storage format 2): the exact angles, one pair at a time
-          // in a rolled loop (registers: x and other shift down by one each pass, the rotated
-          // value enters at the top, so that no array is indexed by the loop counter)
-          const int64_t d = pos_s[t] - pos_s[0];
-          AKV_NO_UNROLL
-          for (int e = 0; e < EPT; ++e) {
-            float cs, sn;
-            rope_angle(d, inv_s[j0 + e], &cs, &sn);
-            const float y = fmaf(x[0], cs, other[0] * (rs * sn));
-            for (int i = 0; i + 1 < EPT; ++i) {
-              x[i] = x[i + 1];
-              other[i] = other[i + 1];
-            }
-            x[EPT - 1] = y;
-          }
+        const int off = rot && live ? off_s[t] : 0;  // >= 0: a gapped tile is rotated by rotate_keys
+        // The partner x' one shuffle away, taken element by element (every lane reads its
+        // partner's value before either writes it back).
+        const float4 *st = reinterpret_cast<const float4 *>(step_s + off * pairs + j0);
+        for (int e = 0; e < EPT; e += 2) {
+          const float4 cs = st[e / 2];
+          const float o0 = __shfl_xor_sync(kFullMask, x[e], pm), o1 = __shfl_xor_sync(kFullMask, x[e + 1], pm);
+          x[e] = fmaf(x[e], cs.x, o0 * (rs * cs.y));
+          x[e + 1] = fmaf(x[e + 1], cs.z, o1 * (rs * cs.w));
         }
       }
       if (fast) {  // its logit term q . R_off r~ with every row: the eight lanes' dims summed
@@ -966,19 +950,24 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
   const int64_t suffix_len = c.suffix_len;
 
   if (c.kind == kKindAnchor) {
-    const int64_t P = c.prefix;
-    const int64_t tiles = (P + T - 1) / T;
-    const int64_t first_tile = tiles * split / splits, end_tile = tiles * (split + 1) / splits;
-    for (int64_t tile = first_tile; tile < end_tile; ++tile) {
-      const int64_t t0 = tile * T, end = t0 + T < P ? t0 + T : P;
-      blk.anchor_meta(t0, end, false);
-      __syncthreads();
+    const int P = c.prefix;  // 32-bit tile bounds: fewer registers live across the loop
+    const int tiles = (P + T - 1) / T;
+    const int first_tile = static_cast<int>(int64_t{tiles} * split / splits);
+    const int end_tile = static_cast<int>(int64_t{tiles} * (split + 1) / splits);
+    for (int tile = first_tile; tile < end_tile; ++tile) {
+      const int t0 = tile * T, end = t0 + T < P ? t0 + T : P;
+      if (blk.format3) {  // consecutive positions
+        blk.anchor_meta(t0, end, false);
+        __syncthreads();
+      } else {
+        blk.gapped = __syncthreads_or(blk.anchor_meta(t0, end, false)) != 0;
+      }
       if (blk.fast) blk.rotate_queries();
       else blk.gather_anchor_rows();
       __syncthreads();
       blk.key_residuals(t0);
       __syncthreads();
-      if (!blk.fused) {
+      if (!blk.fused || blk.gapped) {
         blk.rotate_keys();
         __syncthreads();
       }
@@ -989,6 +978,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
     if (split == 0)
       for (int64_t w0 = 0; w0 < c.window; w0 += T) {
         const int64_t end = w0 + T < c.window ? w0 + T : c.window;
+        blk.gapped = false;  // a window's positions are consecutive
         blk.anchor_meta(w0, end, true);
         __syncthreads();
         if (blk.fast) blk.rotate_queries();

@@ -222,6 +222,19 @@ T shfl(T v, int src_lane) {
   return r;
 }
 
+// __syncthreads_or: every thread posts its predicate, the block meets, each thread reads them
+// all, the block meets again.
+inline int syncthreads_or(bool pred) {
+  Block *b = tl_block;
+  const size_t n = b->fibers.size();
+  b->exchange[tl_thread.x] = pred ? 1 : 0;
+  syncthreads();
+  int any = 0;
+  for (size_t t = 0; t < n; ++t) any |= b->exchange[t] != 0;
+  syncthreads();
+  return any;
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 by one warp: d += A B with the PTX
 // ISA's fragment layouts (group g = lane / 4, t = lane % 4; a register's low half holds the
 // element of lower index):
@@ -369,6 +382,7 @@ using uint4 = ::simt::uint4_;
 #define __syncwarp(...) ::simt::syncwarp()
 #define __shfl_xor_sync(mask, v, m) ::simt::shfl((v), static_cast<int>(::simt::tl_thread.x % 32) ^ (m))
 #define __shfl_sync(mask, v, src) ::simt::shfl((v), (src))
+#define __syncthreads_or(pred) ::simt::syncthreads_or((pred))
 #define AKV_STATIC_SHARED(type, name, dims)                    \
   static type name dims;                                        \
   {                                                             \
