@@ -45,7 +45,7 @@ ROWS_WARPS = min(ROWS, NW)  # warps that own a row (softmax_tile, write_partial)
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
 PHASES = [
-    ("metadata", ["anchor_meta", "code_gamma"]),
+    ("metadata", ["anchor_meta", "code_gamma", "format3_meta"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle", "rotate_queries", "rotate_pairs4"]),
     ("key residuals", ["key_residuals", "rotate_exact"]),
@@ -103,6 +103,7 @@ WARP_BLOCKS = [
     ("if (half == 0) {", 4.0),                     # contraction: the first half's warps finish the logits
     ("for (int j = tid; j < pairs; j += NT) {", PAIRS / 32),  # the query rotation: one thread a pair
     ("if (const int i = warp + r * NW; i < MAXROWS) {", ROWS_WARPS),  # softmax: each owned row in its warp
+    ("} else if (tid == NT - 1 && !window) {", 1.0),  # the tile's residual slots: one thread
 ]
 
 
@@ -132,14 +133,12 @@ def cold_lines(lines, table=None):
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition
 # (the lines just above it); default 8.
 def warps(func, cond_text):
+    if func == "format3_meta" or (func == "code_gamma" and "format3_meta" in cond_text):
+        return 1.0  # warp 0: two tokens a lane
     if func in ("anchor_meta", "code_gamma"):
         return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each
     if func == "gather_anchor_rows" and "pairs" in cond_text:
         return PAIRS / 32  # the query rotation: one thread a pair
-    if func == "softmax_tile" and "i % NW == warp" in cond_text:
-        # One warp a row: the row loop is unrolled (MAXROWS copies in SASS, each counted once),
-        # and each copy runs in the one warp whose index is its row's.
-        return 1.0
     return 8.0
 
 

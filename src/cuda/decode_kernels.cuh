@@ -288,13 +288,59 @@ struct SplitBlock {
     return bits_to_float(float_to_bits(scale * c.gamma_units[code], true), true);
   }
 
+  // Storage format 3's prefix tokens t0..end on warp 0, lane l the tokens 2l and 2l + 1 (the
+  // tile's mask words, segment and code scales read once for both: a tile lies in one segment).
+  __device__ __forceinline__ void format3_meta(int64_t t0, int64_t end) {
+    const int u = 2 * lane, n = static_cast<int>(end - t0);
+    const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
+    const uint64_t anchors = c.anchor_mask[wd], kmask = c.key_mask[wd];
+    const int first = c.anchor_first[wd];
+    const int64_t seg = static_cast<int64_t>(h) * c.segments + (t0 >> c.segment_shift);
+    const float kscale = c.gamma_scales[2 * seg], vscale = c.gamma_scales[2 * seg + 1];
+    const uint16_t *table = c.segment_tables + seg * c.table_size;  // table_size 0: no tables
+    const int64_t at = static_cast<int64_t>(h) * c.prefix + t0 + u;
+    int a[2], va[2], kind[2];
+    float g[2], vg[2];
+    for (int e = 0; e < 2; ++e) {
+      const int v = u + e;
+      a[e] = va[e] = -1;
+      kind[e] = 2;
+      g[e] = vg[e] = 0.0f;
+      if (v >= n) continue;
+      if ((anchors >> v) & 1) {  // an anchor token is its own anchor (exact)
+        a[e] = va[e] = first + __popcll(anchors & ((1ull << v) - 1));
+        g[e] = vg[e] = 1.0f;
+      } else {
+        const uint8_t ke = c.key_entry[at + e], ve = c.value_entry[at + e];
+        a[e] = c.table_size ? table[ke] : ke;
+        va[e] = c.table_size ? table[ve] : ve;
+        g[e] = code_gamma(c.key_code[at + e], kscale);
+        vg[e] = code_gamma(c.value_code[at + e], vscale);
+        kind[e] = static_cast<int>((kmask >> v) & 1);
+      }
+      if ((kmask >> v) & 1) bit_s[__popcll(kmask & ((1ull << v) - 1))] = v;  // the key residuals in slot order
+    }
+    for (int e = 0; e < 2; ++e) {
+      const int v = u + e;
+      a_s[v] = a[e];
+      va_s[v] = va[e];
+      off_s[v] = v < n ? v : 0;
+      kind_s[v] = kind[e];
+      g_s[v] = g[e];
+      vg_s[v] = vg[e];
+      pos_s[v] = v < n ? c.first_position + t0 + v : 0;
+    }
+  }
+
   // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1): the
   // key and value anchor and coefficient of each token, its position and offset in the tile.
   // Returns true in the threads of tokens whose offset is outside [0, T) (the kernel ORs it
   // over the block into `gapped`).
   __device__ __forceinline__ bool anchor_meta(int64_t t0, int64_t end, bool window) {
     bool gap = false;
-    if (tid < T) {
+    if (tid < T && format3 && !window) {
+      if (warp == 0) format3_meta(t0, end);
+    } else if (tid < T) {
       const int64_t t = t0 + tid;
       int a = -1, va = -1, off = 0;  // off: position - the tile's first; -1 outside [0, T); 0 for no token (zero row)
       int kind = 2;                  // logit penalty: 0 reconstructed, 1 with a key residual, 2 none (exact)
