@@ -63,13 +63,14 @@ PHASES = [
 def trips(src, fk, fv, k):
     ck, cv = T * fk, T * fv
     table = [
-        ("n0 < count; n0 += NW * 4", ck / (NW * 4)),        # key residuals: warp w takes 4w.., 4w+32..
+        ("n0 < count; n0 += warps * 4", ck / (4 * 4)),      # key residuals: warps 4-7, 4 each, 16 a pass
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
         ("e < count * MAXROWS; e += NT", max(1.0, cv * ROWS / NT)),
         ("e < count * 4; e += NT", max(1.0, cv * 4 / NT)),
         ("n < count; n += SG", cv / (NT // D)),               # value residuals: SG = NT / D groups
         ("u < T; u += 32", T / 32),
+        ("s < 2 * SP; ++s", D / 32),                          # fast contraction: slab pairs of a token's row
         ("j < pairs; j += NT", 1.0),
         ("e < MAXROWS * k; e += NT", 0.02 * ROWS * k / NT),   # weight rescale: ~2% of tiles
         ("e < MAXROWS * D; e += NT", 0.0),                    # zero query rows: none in a full chunk
@@ -135,6 +136,8 @@ def cold_lines(lines, table=None):
 def warps(func, cond_text):
     if func == "format3_meta" or (func == "code_gamma" and "format3_meta" in cond_text):
         return 1.0  # warp 0: two tokens a lane
+    if func in ("contract_gathered", "rotate_pairs4", "key_residuals"):
+        return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func in ("anchor_meta", "code_gamma"):
         return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each
     if func == "gather_anchor_rows" and "pairs" in cond_text:

@@ -549,7 +549,9 @@ struct SplitBlock {
   // takes four residuals at a time, warp w the residuals 4w.., 4(w + NW).., ...
   // Codes are decoded from whole words: the scaled inner level where the code is 1 or 2 (its
   // two bits differ), else the outer one, negated where the code's high bit is clear.
-  __device__ __forceinline__ void key_residuals(int64_t t0) {
+  // Warps first_warp .. first_warp + warps - 1 take part (the fast path: the four warps that
+  // do not contract).
+  __device__ __forceinline__ void key_residuals(int first_warp = 0, int warps = NW) {
     constexpr int EPT = D / 8;
     static_assert(EPT % 8 == 0, "whole 16-bit code words and float4 rows per lane");
     const uint32_t base = res_s[0];
@@ -562,7 +564,7 @@ struct SplitBlock {
     const bool rot = rope && d0 < 2 * pairs;
     const int pm = rope ? pairs / EPT : 0, j0 = rot && d0 >= pairs ? d0 - pairs : rot ? d0 : 0;
     const float rs = d0 < pairs ? -1.0f : 1.0f;
-    for (int n0 = warp * 4; n0 < count; n0 += NW * 4) {  // uniform across the warp
+    for (int n0 = (warp - first_warp) * 4; n0 < count; n0 += warps * 4) {  // uniform across the warp
       const int n = n0 + sub;
       const bool live = n < count;
       float x[EPT];
@@ -728,16 +730,13 @@ struct SplitBlock {
     }
   }
 
-  // Pairs d..d+3 of token u's anchor row (zeros when it has none), rotated by R_u in bf16x2:
+  // Pairs d..d+3 of token u's anchor row, rotated by R_u in bf16x2:
   // x' = x cos - y sin (dims d..), y' = x sin + y cos (dims D/2 + d..), each a product and an fma.
-  __device__ __forceinline__ void rotate_pairs4(const uint16_t *row, bool live, int u, int d, uint32_t &x01, uint32_t &x23,
+  __device__ __forceinline__ void rotate_pairs4(const uint16_t *row, int u, int d, uint32_t &x01, uint32_t &x23,
                                                 uint32_t &y01, uint32_t &y23) const {
     constexpr int P = D / 2;
-    uint2 x{0, 0}, y{0, 0};
-    if (live) {
-      x = *reinterpret_cast<const uint2 *>(row + d);
-      y = *reinterpret_cast<const uint2 *>(row + P + d);
-    }
+    const uint2 x = *reinterpret_cast<const uint2 *>(row + d);
+    const uint2 y = *reinterpret_cast<const uint2 *>(row + P + d);
     const uint2 cs = *reinterpret_cast<const uint2 *>(cb_s + u * P + d);
     const uint2 sn = *reinterpret_cast<const uint2 *>(sb_s + u * P + d);
     const uint2 ns = *reinterpret_cast<const uint2 *>(nsb_s + u * P + d);
@@ -747,25 +746,27 @@ struct SplitBlock {
     y23 = bf16x2_fma(x.y, sn.y, bf16x2_fma(y.y, cs.y, kBf16x2NegZero));
   }
 
-  // The fast path: warp w's tokens' anchor rows K_a(t) gathered (through L2) straight into A
-  // fragments and rotated there by R_off (off = the token's place in the tile: format 3 and
-  // the window have consecutive positions), against the bf16 rotated queries qb_s. A warp
-  // takes the first-half slabs half * D/64 .. and their RoPE partners D/32 slabs on, and a
+  // The fast path: warp w's (w < 4) tokens' anchor rows K_a(t) gathered (through L2) straight
+  // into A fragments and rotated there by R_off (off = the token's place in the tile: format 3
+  // and the window have consecutive positions), against the bf16 rotated queries qb_s. A warp
+  // takes its 16 tokens' every slab of the first D/2 dims with its RoPE partner D/32 slabs on
+  // (no exchange of partial logits), and a
   // fragment's k16 holds a slab's dims in the order 0, 1, 4, 5, 8, 9, ... | 2, 3, 6, 7, ...
   // (lane tq: dims 4tq .. 4tq + 3, one 8-byte load), the same for A and B. gamma is applied
   // to the logit afterwards.
   __device__ __forceinline__ void contract_gathered(float (&acc)[NR8][4]) const {
     constexpr int P = D / 2, SP = P / 32;
     static_assert(P % 32 == 0, "two halves of whole slabs of pairs");
-    const int g = lane >> 2, tq = lane & 3, half = warp >> 2;
+    const int g = lane >> 2, tq = lane & 3;
     const int u0 = (warp & 3) * 16 + g, u1 = u0 + 8;
     const int a0 = a_s[u0], a1 = a_s[u1];
+    // A token past the tile's end (a < 0) reads anchor 0's row: its logit is masked anyway.
     const uint16_t *row0 = ak_h + (a0 < 0 ? 0 : a0) * D, *row1 = ak_h + (a1 < 0 ? 0 : a1) * D;
-    for (int s = half * SP; s < (half + 1) * SP; ++s) {
+    for (int s = 0; s < 2 * SP; ++s) {
       const int d = s * 16 + 4 * tq;
       uint32_t ax[4], ay[4];  // slab s (dims d..) and its partner slab (dims P + d..)
-      rotate_pairs4(row0, a0 >= 0, u0, d, ax[0], ax[2], ay[0], ay[2]);
-      rotate_pairs4(row1, a1 >= 0, u1, d, ax[1], ax[3], ay[1], ay[3]);
+      rotate_pairs4(row0, u0, d, ax[0], ax[2], ay[0], ay[2]);
+      rotate_pairs4(row1, u1, d, ax[1], ax[3], ay[1], ay[3]);
       for (int n = 0; n < NR8; ++n) {
         const int r = n * 8 + g;
         uint2 bx{0, 0}, by{0, 0};
@@ -782,17 +783,21 @@ struct SplitBlock {
 
   // causal: these are appended tokens, and row i (query qi of its head) sees the first
   // suffix_len - (q_len - 1 - qi) of them. anchor: anchor tiles (R_off keys, rotated queries).
-  __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len, bool anchor) {
+  // residuals: a prefix tile on the fast path, whose key residuals' logit terms warps 4-7
+  // compute while warps 0-3 contract.
+  __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len, bool anchor,
+                                           bool residuals = false) {
     const int g = lane >> 2, tq = lane & 3, m0 = (warp & 3) * 16, half = warp >> 2;
     const bool gathered = anchor && fast;
     const int valid = static_cast<int>(end - t0);  // tokens of the tile (<= T)
     float acc[NR8][4];
     for (int n = 0; n < NR8; ++n)
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-    if (gathered) contract_gathered(acc);
-    else contract_tile(anchor ? qr_s : q_s, acc);
+    if (!gathered) contract_tile(anchor ? qr_s : q_s, acc);
+    else if (half == 0) contract_gathered(acc);
+    else if (residuals) key_residuals(4, NW - 4);
     // acc[n][e]: token m0 + g + 8 (e / 2), row n * 8 + 2 tq + e % 2.
-    if (half == 1) {
+    if (half == 1 && !gathered) {
       for (int n = 0; n < NR8; ++n)
         for (int e = 0; e < 4; ++e) {
           const int i = n * 8 + 2 * tq + e % 2;
@@ -805,7 +810,7 @@ struct SplitBlock {
         for (int e = 0; e < 4; ++e) {
           const int i = n * 8 + 2 * tq + e % 2, t = m0 + g + 8 * (e / 2);
           if (i >= MAXROWS) continue;
-          float v = acc[n][e] + Lp_s[i * T + t];
+          float v = gathered ? acc[n][e] : acc[n][e] + Lp_s[i * T + t];
           const int kind = anchor ? kind_s[t] : 2;
           if (gathered) {
             v *= g_s[t];
@@ -1011,13 +1016,15 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
       if (blk.fast) blk.rotate_queries();
       else blk.gather_anchor_rows();
       __syncthreads();
-      blk.key_residuals(t0);
-      __syncthreads();
+      if (!blk.fast) {  // the fast path takes them inside the contraction
+        blk.key_residuals();
+        __syncthreads();
+      }
       if (!blk.fused || blk.gapped) {
         blk.rotate_keys();
         __syncthreads();
       }
-      blk.contract(t0, end, false, 0, true);
+      blk.contract(t0, end, false, 0, true, true);
       blk.softmax_tile();
       blk.prefix_values(t0, end);
     }
