@@ -684,6 +684,9 @@ struct SplitBlock {
   // tokens 16 (w % 4).. and the dims of half w / 4; the second half's partial logits meet the
   // first's through Lp_s. With `precise`, hi + lo splits of both and three products.
   static constexpr int NR8 = (MAXROWS + 7) / 8;  // n8 tiles of rows
+  // kB columns: with 4 rows, B columns 4-7 repeat rows 0-3 (no branch on the lane); their
+  // outputs are never read.
+  static_assert((MAXROWS & (MAXROWS - 1)) == 0, "B columns past MAXROWS repeat rows");
   static constexpr int KSL = D / 32;              // k16 slabs of dims per warp
   static_assert(NW == 8 && T == 64 && D % 32 == 0, "four m16 token tiles times two halves of the dims");
 
@@ -709,12 +712,9 @@ struct SplitBlock {
         ah[3] = pack_bf16x2(x3.x, x3.y);
       }
       for (int n = 0; n < NR8; ++n) {
-        const int r = n * 8 + g;  // this lane's B column: a row of the chunk (zero past MAXROWS)
-        float2 y0{0.0f, 0.0f}, y1{0.0f, 0.0f};
-        if (r < MAXROWS) {
-          y0 = *reinterpret_cast<const float2 *>(qs + r * D + d + 2 * tq);
-          y1 = *reinterpret_cast<const float2 *>(qs + r * D + d + 2 * tq + 8);
-        }
+        const int r = (n * 8 + g) & (MAXROWS - 1);  // this lane's B column's row (kB columns)
+        const float2 y0 = *reinterpret_cast<const float2 *>(qs + r * D + d + 2 * tq);
+        const float2 y1 = *reinterpret_cast<const float2 *>(qs + r * D + d + 2 * tq + 8);
         uint32_t bh[2], bl[2];
         if (precise) {
           split_bf16x2(y0.x, y0.y, bh[0], bl[0]);
@@ -768,12 +768,9 @@ struct SplitBlock {
       rotate_pairs4(row0, u0, d, ax[0], ax[2], ay[0], ay[2]);
       rotate_pairs4(row1, u1, d, ax[1], ax[3], ay[1], ay[3]);
       for (int n = 0; n < NR8; ++n) {
-        const int r = n * 8 + g;
-        uint2 bx{0, 0}, by{0, 0};
-        if (r < MAXROWS) {
-          bx = *reinterpret_cast<const uint2 *>(qb_s + r * D + d);
-          by = *reinterpret_cast<const uint2 *>(qb_s + r * D + P + d);
-        }
+        const int r = (n * 8 + g) & (MAXROWS - 1);  // kB columns
+        const uint2 bx = *reinterpret_cast<const uint2 *>(qb_s + r * D + d);
+        const uint2 by = *reinterpret_cast<const uint2 *>(qb_s + r * D + P + d);
         const uint32_t b0[2] = {bx.x, bx.y}, b1[2] = {by.x, by.y};
         mma_bf16_16816(acc[n], ax, b0);
         mma_bf16_16816(acc[n], ay, b1);
