@@ -66,8 +66,8 @@ def trips(src, fk, fv, k):
         ("n0 < count; n0 += warps * 4", ck / (4 * 4)),      # key residuals: warps 4-7, 4 each, 16 a pass
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
-        ("e < count * MAXROWS; e += NT", max(1.0, cv * ROWS / NT)),
-        ("e < count * 4; e += NT", max(1.0, cv * 4 / NT)),
+        ("e < count * MAXROWS; e += 32", max(1.0, cv * ROWS / 32)),
+        ("e < count * 4; e += 32", max(1.0, cv * 4 / 32)),
         ("n < count; n += SG", cv / (NT // D)),               # value residuals: SG = NT / D groups
         ("u < T; u += 32", T / 32),
         ("s < 2 * SP; ++s", D / 32),                          # fast contraction: slab pairs of a token's row
@@ -105,6 +105,7 @@ WARP_BLOCKS = [
     ("for (int j = tid; j < pairs; j += NT) {", PAIRS / 32),  # the query rotation: one thread a pair
     ("if (const int i = warp + r * NW; i < MAXROWS) {", ROWS_WARPS),  # softmax: each owned row in its warp
     ("} else if (tid == NT - 1 && !window) {", 1.0),  # the tile's residual slots: one thread
+    ("if (warp == 0) {  // the tile's value residuals", 1.0),
 ]
 
 

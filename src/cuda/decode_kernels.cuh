@@ -896,15 +896,17 @@ struct SplitBlock {
     }
     const uint32_t base = res_s[2];
     const int count = static_cast<int>(res_s[3]);
-    // [count][MAXROWS] <= T * MAXROWS floats, past the fast path's tables; fixed passes.
+    // [count][MAXROWS] <= T * MAXROWS floats, past the fast path's tables, and [count][4]: the
+    // four scaled levels of each residual; by warp 0 (a tile holds a few residuals).
     float *lr_s = K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0);
-    static_assert(T * MAXROWS % NT == 0 && 4 * T <= NT, "whole passes");
-    for (int e0 = 0; e0 < T * MAXROWS; e0 += NT) {
-      const int e = e0 + tid, n = e / MAXROWS, i = e % MAXROWS;
-      if (n < count) lr_s[e] = L_s[i * T + c.value_chunk[base + n]];  // position inside the word, = inside the tile
+    float *lv_s = lr_s + T * MAXROWS;
+    if (warp == 0) {  // the tile's value residuals: probabilities and levels
+      AKV_NO_UNROLL
+      for (int e = lane; e < count * MAXROWS; e += 32)  // value_chunk: the position inside the word (= tile)
+        lr_s[e] = L_s[(e % MAXROWS) * T + c.value_chunk[base + e / MAXROWS]];
+      AKV_NO_UNROLL
+      for (int e = lane; e < count * 4; e += 32) lv_s[e] = c.value_scales[base + e / 4] * lloyd_max_level(e & 3);
     }
-    float *lv_s = lr_s + T * MAXROWS;  // [count][4]: the four scaled levels of each residual
-    if (tid < count * 4) lv_s[tid] = c.value_scales[base + tid / 4] * lloyd_max_level(tid & 3);
     __syncthreads();
     const int group = tid / TPD, dim = tid % TPD;
     const int shift = (dim & 3) * 2;  // TPD % 4 == 0: the same for every e
