@@ -827,6 +827,7 @@ struct SplitBlock {
     __syncthreads();
     // Warp i % NW owns row i: the tile's max, the running max and sum, p = exp2(l - max) in
     // place, and the factor of what is already accumulated (red_s[i]) for the other threads.
+    bool rose = false;  // a row of this warp's: its max rose over what is accumulated
     AKV_UNROLL
     for (int r = 0; r < RPW; ++r)
       if (const int i = warp + r * NW; i < MAXROWS) {
@@ -836,6 +837,7 @@ struct SplitBlock {
         m_run[r] = m_new;
         l_part[r] *= alpha;
         if (lane == 0) red_s[i] = alpha;
+        rose = rose || alpha != 1.0f;
         for (int u = lane; u < T; u += 32) {
           float &l = L_s[i * T + u];
           const float pv = m_new == -INFINITY ? 0.0f : exp2f(l - m_new);
@@ -843,18 +845,16 @@ struct SplitBlock {
           l_part[r] += pv;
         }
       }
-    __syncthreads();
-    float alpha[MAXROWS];
-    bool rescale = false;
-    for (int i = 0; i < MAXROWS; i += 4) {
-      const float4 a = *reinterpret_cast<const float4 *>(red_s + i);
-      alpha[i] = a.x;
-      alpha[i + 1] = a.y;
-      alpha[i + 2] = a.z;
-      alpha[i + 3] = a.w;
-      rescale = rescale || a.x != 1.0f || a.y != 1.0f || a.z != 1.0f || a.w != 1.0f;
-    }
-    if (rescale) {  // uniform across the block: a row's max rose (rare after the first tiles)
+    // The barrier tells every thread whether any row's max rose (rare after the first tiles).
+    if (__syncthreads_or(rose)) {
+      float alpha[MAXROWS];
+      for (int i = 0; i < MAXROWS; i += 4) {
+        const float4 a = *reinterpret_cast<const float4 *>(red_s + i);
+        alpha[i] = a.x;
+        alpha[i + 1] = a.y;
+        alpha[i + 2] = a.z;
+        alpha[i + 3] = a.w;
+      }
       for (int i = 0; i < MAXROWS; ++i)
         for (int e = 0; e < DPT; ++e) {
           racc[i][e] *= alpha[i];
