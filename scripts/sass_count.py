@@ -88,7 +88,7 @@ def trips(src, fk, fv, k):
 # prompt) does not take, or takes rarely: (substring of the line that opens the block, the
 # fraction of tiles that run it). The block is the braces opened on that line.
 COLD = [
-    ("if (__syncthreads_or(rose)) {", 0.02),   # the running max rises: ~ln(tiles)/tiles of tiles
+    ("if (rescale)", 0.02),                     # the running max rises: ~ln(tiles)/tiles of tiles
     ("if (!blk.fused || blk.gapped) {", 0.0),   # the RoPE pass: gapped positions (format 2) only
     ("if (q >= P4)", 0.0),                      # dims past the rotary pairs only
     ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)

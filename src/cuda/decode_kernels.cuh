@@ -803,14 +803,20 @@ struct SplitBlock {
     }
     __syncthreads();
     if (half == 0) {
+      int kinds[2];  // the lane's two tokens m0 + g, m0 + g + 8: read once for all their rows
+      float gammas[2];
+      for (int x = 0; x < 2; ++x) {
+        kinds[x] = anchor ? kind_s[m0 + g + 8 * x] : 2;
+        gammas[x] = gathered ? g_s[m0 + g + 8 * x] : 1.0f;
+      }
       for (int n = 0; n < NR8; ++n)
         for (int e = 0; e < 4; ++e) {
           const int i = n * 8 + 2 * tq + e % 2, t = m0 + g + 8 * (e / 2);
           if (i >= MAXROWS) continue;
           float v = gathered ? acc[n][e] : acc[n][e] + Lp_s[i * T + t];
-          const int kind = anchor ? kind_s[t] : 2;
+          const int kind = kinds[e / 2];
           if (gathered) {
-            v *= g_s[t];
+            v *= gammas[e / 2];
             if (kind == 1) v += rl_s[i * T + t];  // the key residual's term
           }
           bool visible = t < valid;
@@ -827,7 +833,6 @@ struct SplitBlock {
     __syncthreads();
     // Warp i % NW owns row i: the tile's max, the running max and sum, p = exp2(l - max) in
     // place, and the factor of what is already accumulated (red_s[i]) for the other threads.
-    bool rose = false;  // a row of this warp's: its max rose over what is accumulated
     AKV_UNROLL
     for (int r = 0; r < RPW; ++r)
       if (const int i = warp + r * NW; i < MAXROWS) {
@@ -837,7 +842,6 @@ struct SplitBlock {
         m_run[r] = m_new;
         l_part[r] *= alpha;
         if (lane == 0) red_s[i] = alpha;
-        rose = rose || alpha != 1.0f;
         for (int u = lane; u < T; u += 32) {
           float &l = L_s[i * T + u];
           const float pv = m_new == -INFINITY ? 0.0f : exp2f(l - m_new);
@@ -845,16 +849,18 @@ struct SplitBlock {
           l_part[r] += pv;
         }
       }
-    // The barrier tells every thread whether any row's max rose (rare after the first tiles).
-    if (__syncthreads_or(rose)) {
-      float alpha[MAXROWS];
-      for (int i = 0; i < MAXROWS; i += 4) {
-        const float4 a = *reinterpret_cast<const float4 *>(red_s + i);
-        alpha[i] = a.x;
-        alpha[i + 1] = a.y;
-        alpha[i + 2] = a.z;
-        alpha[i + 3] = a.w;
-      }
+    __syncthreads();
+    float alpha[MAXROWS];
+    bool rescale = false;
+    for (int i = 0; i < MAXROWS; i += 4) {
+      const float4 a = *reinterpret_cast<const float4 *>(red_s + i);
+      alpha[i] = a.x;
+      alpha[i + 1] = a.y;
+      alpha[i + 2] = a.z;
+      alpha[i + 3] = a.w;
+      rescale = rescale || a.x != 1.0f || a.y != 1.0f || a.z != 1.0f || a.w != 1.0f;
+    }
+    if (rescale) {  // uniform across the block: a row's max rose (rare after the first tiles)
       for (int i = 0; i < MAXROWS; ++i)
         for (int e = 0; e < DPT; ++e) {
           racc[i][e] *= alpha[i];
@@ -1028,8 +1034,8 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
       blk.prefix_values(t0, end);
     }
     if (split == 0)
-      for (int64_t w0 = 0; w0 < c.window; w0 += T) {
-        const int64_t end = w0 + T < c.window ? w0 + T : c.window;
+      for (int w0 = 0; w0 < c.window; w0 += T) {
+        const int end = w0 + T < c.window ? w0 + T : c.window;
         blk.gapped = false;  // a window's positions are consecutive
         blk.anchor_meta(w0, end, true);
         __syncthreads();
