@@ -24,6 +24,10 @@ instructions per token and head. Predicated-off instructions count (they issue);
 divergence inside a warp is not modelled beyond WARPS. The counts are static SASS with a
 stated dynamic model, not a profile.
 
+Then it compiles the library's own decode_split_kernel instantiations (D 64/128/256 x 4/8/16
+rows, every path in one binary, no pinning) and prints their registers, stack, spills and
+local-memory accesses: what ships, where the pinned count leaves paths out.
+
   scripts/sass_count.py [--fk 0.052 --fv 0.052] [--json out.json] [--keep DIR]
 
 scripts/predict_decode.py reads the tile-loop phases from here (--json) instead of PTX.
