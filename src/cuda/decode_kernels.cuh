@@ -134,9 +134,10 @@ struct SplitBlock {
   // mma products) so that it keeps fp32-level accuracy; bf16 queries: one product.
   bool precise;
   // The register-gather path of anchor tiles (format 3 prefix and every window): bf16 storage,
-  // bf16 queries, NeoX over every dimension. Each warp gathers its tokens' anchor rows straight
-  // into mma fragments and rotates them there in packed bf16x2 arithmetic (no key tile in
-  // shared memory); gamma scales the logit, and the key residuals enter as logit terms.
+  // bf16 queries, NeoX over every dimension. Each of warps 0-3 gathers its 16 tokens' anchor
+  // rows straight into mma fragments and rotates them there in packed bf16x2 arithmetic (no
+  // key tile in shared memory); gamma scales the logit, and the key residuals (decoded by
+  // warps 4-7 meanwhile) enter as logit terms.
   bool fast;
   int k, pairs;
   // Per-anchor weights [MAXROWS][wstride]: shared memory (wstride = k), or this block's rows
@@ -546,11 +547,11 @@ struct SplitBlock {
 
   // Eight lanes per residual, EPT = D / 8 dimensions each (lane l of the eight holds
   // l * EPT ..): the in-register butterflies, then three stages across the eight lanes. A warp
-  // takes four residuals at a time, warp w the residuals 4w.., 4(w + NW).., ...
+  // takes four residuals at a time, warp first_warp + w the residuals 4w.., 4(w + warps).., ...
   // Codes are decoded from whole words: the scaled inner level where the code is 1 or 2 (its
   // two bits differ), else the outer one, negated where the code's high bit is clear.
-  // Warps first_warp .. first_warp + warps - 1 take part (the fast path: the four warps that
-  // do not contract).
+  // Warps first_warp .. first_warp + warps - 1 take part (all, or on the fast path the four
+  // that do not contract).
   __device__ __forceinline__ void key_residuals(int first_warp = 0, int warps = NW) {
     constexpr int EPT = D / 8;
     static_assert(EPT % 8 == 0, "whole 16-bit code words and float4 rows per lane");
