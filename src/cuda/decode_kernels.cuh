@@ -918,11 +918,12 @@ struct SplitBlock {
     const int group = tid / TPD, dim = tid % TPD;
     const int shift = (dim & 3) * 2;  // TPD % 4 == 0: the same for every e
     static_assert(TPD % 4 == 0, "one code shift per thread");
-    const uint8_t *codes = c.value_codes + static_cast<int64_t>(base + group) * (D / 4) + (dim >> 2);
-    const float *lv = lv_s + group * 4;
-    const float4 *lr = reinterpret_cast<const float4 *>(lr_s + group * MAXROWS);
+    const uint8_t *vcodes = c.value_codes + (dim >> 2);
     AKV_NO_UNROLL  // unrolled, ptxas spills more at 4 rows (32 bytes instead of 16)
-    for (int n = group; n < count; n += SG, codes += SG * (D / 4), lv += SG * 4, lr += SG * MAXROWS / 4) {
+    for (int n = group; n < count; n += SG) {  // everything indexed by n: one induction variable
+      const uint8_t *codes = vcodes + static_cast<uint64_t>(base + n) * (D / 4);
+      const float *lv = lv_s + n * 4;
+      const float4 *lr = reinterpret_cast<const float4 *>(lr_s + n * MAXROWS);
       for (int e = 0; e < DPT; ++e) {
         const float level = lv[(codes[e * (TPD / 4)] >> shift) & 3];
         for (int i = 0; i < MAXROWS; i += 4) {
