@@ -52,7 +52,7 @@ PHASES = [
     ("metadata", ["anchor_meta", "code_gamma", "format3_meta"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle", "rotate_queries", "rotate_pairs4"]),
-    ("key residuals", ["key_residuals", "rotate_exact"]),
+    ("key residuals", ["key_residuals"]),
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
     ("contraction", ["contract", "contract_tile", "contract_gathered"]),
     ("softmax", ["softmax_tile"]),
@@ -202,20 +202,24 @@ def owner(spans, line):
     return best
 
 
-def compile_cubin(workdir, nvcc):
-    src = os.path.join(workdir, "inst.cu")
+def nvcc_cubin(workdir, nvcc, name, source, flags=()):
+    """Compiles `source` (text) for sm_90 with ptxas -v: the cubin's path and ptxas's log."""
+    src, cubin = os.path.join(workdir, name + ".cu"), os.path.join(workdir, name + ".cubin")
     with open(src, "w") as f:
-        f.write('#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_kernels.cuh"\n')
-        for k in ("decode_split_kernel<128, 4>", "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
-            f.write(f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n")
-    cubin = os.path.join(workdir, "k.cubin")
-    r = subprocess.run([nvcc, "-cubin", "-lineinfo", "-arch=sm_90", "-std=c++17", "-O3", "-DNDEBUG", "-Xptxas", "-v",
-                        "-DAKV_SASS_PIN_BF16_FUSED",
+        f.write(source)
+    r = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-std=c++17", "-O3", "-DNDEBUG", "-Xptxas", "-v", *flags,
                         "-I", os.path.join(ROOT, "src"), "-I", os.path.join(ROOT, "include"), src, "-o", cubin],
                        capture_output=True, text=True)
     if r.returncode:
         sys.exit(r.stderr)
     return cubin, r.stderr
+
+
+def compile_cubin(workdir, nvcc):
+    source = '#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_kernels.cuh"\n'
+    for k in ("decode_split_kernel<128, 4>", "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
+        source += f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n"
+    return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo", "-DAKV_SASS_PIN_BF16_FUSED"))
 
 
 SHIPPED = [(d, r) for d in (64, 128, 256) for r in (4, 8, 16)]
@@ -223,20 +227,12 @@ SHIPPED = [(d, r) for d in (64, 128, 256) for r in (4, 8, 16)]
 
 def compile_shipped(workdir, nvcc):
     """The library's own decode_split_kernel instantiations (no pinning: every path in one
-    binary, as the CUDA build compiles them): ptxas's log and the cubin."""
-    src = os.path.join(workdir, "shipped.cu")
-    with open(src, "w") as f:
-        f.write('#include "cuda/decode_kernels.cuh"\n')
-        for d, r in SHIPPED:
-            f.write(f"template __global__ void akv::cuda::decode_split_kernel<{d}, {r}>"
-                    "(const __grid_constant__ akv::cuda::DecodeLaunch);\n")
-    cubin = os.path.join(workdir, "shipped.cubin")
-    r = subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-std=c++17", "-O3", "-DNDEBUG", "-Xptxas", "-v",
-                        "-I", os.path.join(ROOT, "src"), "-I", os.path.join(ROOT, "include"), src, "-o", cubin],
-                       capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(r.stderr)
-    return cubin, r.stderr
+    binary, as the CUDA build compiles them): the cubin and ptxas's log."""
+    source = '#include "cuda/decode_kernels.cuh"\n'
+    for d, r in SHIPPED:
+        source += (f"template __global__ void akv::cuda::decode_split_kernel<{d}, {r}>"
+                   "(const __grid_constant__ akv::cuda::DecodeLaunch);\n")
+    return nvcc_cubin(workdir, nvcc, "shipped", source)
 
 
 def ptxas_info(log):

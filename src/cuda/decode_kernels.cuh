@@ -356,25 +356,7 @@ struct SplitBlock {
         } else {
           const int64_t at = static_cast<int64_t>(h) * c.prefix + t;
           const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
-          if (format3) {
-            // An anchor token is its own anchor (exact); the others read the segment's table
-            // and code scales. A tile lies in one segment (segments hold >= 256 positions).
-            const uint64_t anchors = c.anchor_mask[wd];
-            if ((anchors >> tid) & 1) {
-              a = va = c.anchor_first[wd] + __popcll(anchors & ((1ull << tid) - 1));
-              g = vg = 1.0f;
-            } else {
-              const int64_t seg = static_cast<int64_t>(h) * c.segments + (t >> c.segment_shift);
-              const uint8_t ke = c.key_entry[at], ve = c.value_entry[at];
-              a = c.table_size ? c.segment_tables[seg * c.table_size + ke] : ke;
-              va = c.table_size ? c.segment_tables[seg * c.table_size + ve] : ve;
-              g = code_gamma(c.key_code[at], c.gamma_scales[2 * seg]);
-              vg = code_gamma(c.value_code[at], c.gamma_scales[2 * seg + 1]);
-              kind = static_cast<int>((c.key_mask[wd] >> tid) & 1);
-            }
-            pos = c.first_position + t;
-            off = tid;
-          } else {
+          // Storage format 2 (format 3's prefix tiles are format3_meta's).
             a = c.key_index[at];
             g = bits_to_float(c.key_gamma[at], true);
             va = c.value_index[at];
@@ -382,7 +364,6 @@ struct SplitBlock {
             pos = c.positions[t];
             const int64_t d = pos - c.positions[t0];
             off = d >= 0 && d < T ? static_cast<int>(d) : -1;
-          }
           // The key residuals of the tile (mask word t0 / 64) listed in slot order.
           const uint64_t mask = c.key_mask[wd];
           if ((mask >> tid) & 1) bit_s[__popcll(mask & ((1ull << tid) - 1))] = tid;
