@@ -1,6 +1,7 @@
 // Every codebook constant, for the CPU and the CUDA kernels (AKV_HD): what a stored code
 // means must be the same float on both sides, compared in the same order.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include "core/host_device.hpp"
 
@@ -24,6 +25,19 @@ AKV_HD inline int lloyd_max_code(float z) {
 // array at a run-time index).
 AKV_HD inline float lloyd_max_level(int code) {
   return code < 2 ? (code == 0 ? -kLloydMaxOuter : -kLloydMaxInner) : (code == 2 ? kLloydMaxInner : kLloydMaxOuter);
+}
+
+// Storage format 3's one-byte coefficient codes (core/layout.hpp, docs/design.md §3.7): 0 is
+// 0; otherwise bit 7 the sign and the low 7 bits m the magnitude scale * 2^((m - 127) /
+// kGammaStepsPerOctave), m the nearest step (ties to even) clamped to 0..127. The CPU
+// compression and the CUDA pass both code through this function.
+constexpr int kGammaStepsPerOctave = 12;
+AKV_HD inline uint8_t gamma_code(float gamma, float scale) {
+  if (!(scale > 0.0f) || gamma == 0.0f || !(fabsf(gamma) <= 3.402823466e38f)) return 0;
+  const double m = 127.0 + kGammaStepsPerOctave * log2(fabs(static_cast<double>(gamma)) / scale);
+  const int mag = static_cast<int>(fmin(fmax(rint(m), 0.0), 127.0));
+  if (gamma < 0.0f) return static_cast<uint8_t>(128 | mag);
+  return static_cast<uint8_t>(mag);
 }
 
 // The quantized cache (core/quantizer.hpp): Lloyd-Max quantizers for a unit Gaussian at 2, 3

@@ -31,6 +31,12 @@ ResidualSplit residual_split(const akv_compress_options &o, int64_t n) {
   return split;
 }
 
+int64_t AnchorGeometry::candidate_reach() const {
+  if (table_size == 0) return -1;
+  const int64_t free_anchors = int64_t{anchors} - window;
+  return (kReachAnchors * prefix + free_anchors - 1) / std::max<int64_t>(free_anchors, 1);
+}
+
 int64_t segment_length(int64_t prefix, int64_t anchors) {
   if (anchors <= kTableEntries) return 1024;
   int64_t len = 256;
@@ -56,13 +62,6 @@ const float *gamma_units() {
   return units.value;
 }
 
-uint8_t gamma_code(float gamma, float scale) {
-  if (!(scale > 0.0f) || gamma == 0.0f || !std::isfinite(gamma)) return 0;
-  const double m = 127.0 + kGammaStepsPerOctave * std::log2(std::fabs(static_cast<double>(gamma)) / scale);
-  const int mag = static_cast<int>(std::clamp<double>(std::nearbyint(m), 0.0, 127.0));
-  if (gamma < 0.0f) return static_cast<uint8_t>(128 | mag);
-  return static_cast<uint8_t>(mag == 0 ? 0 : mag);
-}
 
 double minimum_retain_fraction(uint64_t base_bytes, uint64_t full_bytes) {
   double theta = std::ceil(static_cast<double>(base_bytes) / full_bytes * 1e6) / 1e6;

@@ -46,6 +46,11 @@ struct Section {
 };
 
 // Derived sizes of one AnchorKV layer.
+// Format 3's candidate reach in anchors: with a segment's own (at most about 64,
+// segment_length()) and the window's, the candidates fit in one table. On synthetic data 64
+// and 112 gave the same fidelity (docs/design.md §2.2 step 5).
+constexpr int64_t kReachAnchors = 64;
+
 struct AnchorGeometry {
   int64_t seq_len = 0;      // S
   int64_t prefix = 0;       // P = S - W
@@ -74,6 +79,10 @@ struct AnchorGeometry {
   int64_t value_residual_bytes() const { return code_bytes() + 5; }   // c_V
   int32_t group() const { return q_heads / heads; }
   int64_t segment_of(int64_t t) const { return t >> segment_shift; }
+  // Format 3's local candidates (docs/design.md §2.2 step 5): a segment's tokens may use the
+  // anchors within this many positions of it (kReachAnchors anchors' worth at the layer's
+  // mean density), besides the window; -1 without tables (every anchor is a candidate).
+  int64_t candidate_reach() const;
   int32_t pool_groups() const { return heads / pool_heads; }
 };
 
@@ -95,11 +104,8 @@ constexpr int32_t kTableEntries = 256;  // one-byte indices
 // (segment_len * k / P <= 64), 256 to 4096 positions. With k <= 256 there are no tables and
 // segments only scope the coefficient scales (1024 positions).
 int64_t segment_length(int64_t prefix, int64_t anchors);
-// Coefficients as one byte: 0 is 0; otherwise bit 7 the sign and the low 7 bits m a magnitude
-// scale * 2^((m - 127) / kGammaStepsPerOctave), scale being the largest |gamma| of the
-// segment's side (m 0 of the positive sign is not used: code 0 means 0).
-constexpr int kGammaStepsPerOctave = 12;
-uint8_t gamma_code(float gamma, float scale);
+// Coefficients as one byte: gamma_code (core/codebook.hpp), scale being the largest |gamma| of
+// the segment's side (m 0 of the positive sign is not used: code 0 means 0).
 // The value of every code for scale 1. A code's coefficient is scale * unit rounded to bf16,
 // so that it widens exactly to format 2's bf16 coefficient (the CUDA decode computes it the
 // same way from CacheView::gamma_units).

@@ -60,12 +60,8 @@ float stored_unit_row(const float *x, akv_dtype storage, int D, float *out) {
 }  // namespace
 
 CandidateRange candidate_range(const AnchorGeometry &g, int64_t seg) {
-  const int64_t P = g.prefix;
-  if (g.table_size == 0) return {0, P};
-  const int64_t free_anchors = int64_t{g.anchors} - g.window;
-  // kReachAnchors anchors on each side at the layer's mean density: with the segment's own (at
-  // most about 64, segment_length()) and the window's 32, the candidates fit in one table.
-  const int64_t reach = (kReachAnchors * P + free_anchors - 1) / std::max<int64_t>(free_anchors, 1);
+  const int64_t P = g.prefix, reach = g.candidate_reach();
+  if (reach < 0) return {0, P};
   const int64_t t0 = seg * g.segment_len, t1 = std::min(P, t0 + g.segment_len);
   return {std::max<int64_t>(0, t0 - reach), std::min(P, t1 + reach)};
 }

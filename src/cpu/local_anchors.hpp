@@ -20,10 +20,8 @@ struct LocalNearest {
 };
 
 // The positions [first, last) whose anchors segment `seg`'s tokens may use, besides the window
-// (every table may hold the window): the segment widened on both sides by kReachAnchors
-// anchors' worth of tokens at the layer's anchor density; the whole prefix when k <= 256 (no
-// tables). On synthetic data 64 and 112 gave the same fidelity (docs/design.md §2.2 step 5).
-constexpr int64_t kReachAnchors = 64;
+// (every table may hold the window): the segment widened on both sides by
+// g.candidate_reach() positions; the whole prefix when k <= 256 (no tables).
 struct CandidateRange {
   int64_t first, last;
 };

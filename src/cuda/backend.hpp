@@ -40,7 +40,6 @@ class CudaBackend final : public Backend {
   void read(void *host_dst, const void *src, size_t bytes, void *stream) override;
   std::vector<uint8_t> serialize(const akv_cache &cache, void *stream) override;
   std::unique_ptr<akv_cache> place(ParsedCache parsed, void *stream) override;
-  std::unique_ptr<akv_cache> compress_on_host(const CompressRequest &request, void *stream);
 
   akv_context &context;
   // Device properties (read once) and scratch memory per (stream, use), grown on demand and

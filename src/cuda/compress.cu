@@ -269,7 +269,8 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   const int head_batch = anchor_head_batch(g, pairs, paged_blocks(p), kHeadBatchBudget);
   const size_t pipeline_bytes = measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window,
                                               g.anchors, pairs, paged_blocks(p), head_batch);
-  const int64_t most = std::max<int64_t>(static_cast<int64_t>(g.heads) * g.prefix, 2);
+  // The largest sort: a ranking of every head's prefix, or (format 3) every head's candidates.
+  const int64_t most = std::max<int64_t>(static_cast<int64_t>(g.heads) * std::max<int64_t>(g.prefix, g.anchors), 2);
   uint8_t *base = reserve_sort_scratch(ctx, dev, pipeline_bytes, most, stream);
   compress_anchorkv(dev, p, o, *cache, positions, cache->data.data(), base, head_batch);  // waits at the end (NaN check)
   dev.report("AnchorKV compress", g.seq_len);

@@ -13,6 +13,7 @@
 #include "core/rng.hpp"
 #include "cuda/compress_common.hpp"
 #include "cuda/compress_kernels.cuh"
+#include "cuda/compress_local_kernels.cuh"
 #include "cuda/head_dim.hpp"
 #include "methods/methods.hpp"
 
@@ -36,6 +37,12 @@ struct CompressScratch {
   uint32_t *cover_keys, *cover_ids, *cover_fresh;
   int32_t *cover_anchor;
   int32_t *block_table;
+  // Storage format 3: each token's nearest candidate per side (its x . unit row in cover_best),
+  // its anchor and coefficient, and (every head) the anchor index and coded coefficient in
+  // bf16 that encode_kernel reads; the code units (gamma_units).
+  int32_t *near_token[2], *assigned[2];
+  float *coef[2], *units;
+  uint16_t *index16[2], *gamma16[2];
 
   // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used. The
   // per-head staging holds `head_batch` heads (0: all H); the residual selection's keys, all H.
@@ -91,6 +98,14 @@ struct CompressScratch {
     take(cover_fresh, int64_t{H} * k);
     take(cover_anchor, H * P);
     take(block_table, table_blocks);  // paged prefill: the block table on the device
+    for (int side = 0; side < 2; ++side) {
+      take(near_token[side], H * P);
+      take(assigned[side], H * P);
+      take(coef[side], H * P);
+      take(index16[side], int64_t{H_all} * P);
+      take(gamma16[side], int64_t{H_all} * P);
+    }
+    take(units, 256);
     return take.bytes();
   }
 };
@@ -138,7 +153,7 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int6
   const int64_t unit_stride[2] = {P * D, S * D};
   for (int side = 0; side < 2; ++side) {
     dev.launch(unit_rows_kernel, grid_blocks(P, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(nullptr),
-               int64_t{0}, P, D, unit[side], static_cast<uint16_t *>(nullptr), unit_stride[side],
+               int64_t{0}, P, D, -1, unit[side], static_cast<uint16_t *>(nullptr), unit_stride[side],
                s.cover_norm_sq[side], P);
     dev.fill(s.cover_best[side], 0, H * P * sizeof(float));
   }
@@ -147,7 +162,7 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int6
   auto absorb = [&](const uint32_t *ids, int64_t ids_stride, int64_t n) {
     if (n == 0) return;
     for (int side = 0; side < 2; ++side) {
-      dev.launch(unit_rows_kernel, grid_blocks(n, 4), H, 128, X[side], S * D, ids, ids_stride, n, D, s.anchor_n,
+      dev.launch(unit_rows_kernel, grid_blocks(n, 4), H, 128, X[side], S * D, ids, ids_stride, n, D, -1, s.anchor_n,
                  s.anchor_b, int64_t{k} * D, static_cast<float *>(nullptr), int64_t{0});
       // best |cos|^2 with the new anchors (fused: tensor-core products, fp32 rescoring).
       nearest_anchors(dev, D, unit[side], P, static_cast<int>(n), s.anchor_n, s.anchor_b, nullptr, nullptr,
@@ -164,15 +179,78 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int6
     if (take <= 0) break;
     dev.launch(coverage_means_kernel, 2, H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
                static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
-               static_cast<const float *>(s.cover_best[1]), P, s.cover_means);
+               static_cast<const float *>(s.cover_best[1]), P, 0, s.cover_means);
     dev.launch(coverage_keys_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
                static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
                static_cast<const float *>(s.cover_best[1]), static_cast<const float *>(s.cover_means),
-               static_cast<const int32_t *>(s.cover_anchor), P, s.cover_keys, s.cover_ids);
+               static_cast<const int32_t *>(s.cover_anchor), P, 0, s.cover_keys, s.cover_ids);
     dev.sort_segments_u32(s.cover_keys, s.cover_ids, H, P);  // ties: the lower token
     dev.launch(coverage_take_kernel, grid_blocks(take, 128), H, 128, static_cast<const uint32_t *>(s.cover_ids), P,
                take, s.cover_anchor, P, s.picks + at, free_anchors, int64_t{0});
     absorb(s.cover_ids, P, take);
+    at += take;
+    left -= take;
+  }
+}
+
+// Storage format 3's anchor choice and nearest candidates (CPU: local_coverage), batched over
+// the H heads: head h's first n0 picks are at s.picks + h free_anchors. They and the window are
+// compared with every token whose candidates they are; then `count` more anchors are chosen in
+// `rounds` rounds (flagged in s.cover_anchor, zeroed before, and appended to the picks), each
+// the tokens their candidates represent worst, and compared in turn. Each token ends with its
+// nearest candidate in s.near_token and its x . unit row in s.cover_best. The candidates' rows
+// (rounded to the storage dtype: 0 f16, 1 bf16) go through s.anchor_n and s.norms.
+template <class Dev>
+void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_t P, int D, int W, int k,
+                    int64_t free_anchors, int64_t n0, int64_t count, int rounds, const LocalRange &range, int storage) {
+  const float *X[2] = {s.kpre, s.v};
+  for (int side = 0; side < 2; ++side) {
+    dev.fill(s.near_token[side], 0xFF, H * P * sizeof(int32_t));  // -1: none yet
+    dev.fill(s.cover_best[side], 0, H * P * sizeof(float));
+    if (rounds > 0 && count > 0)  // the norms only rank the rounds' picks
+      dev.launch(unit_rows_kernel, grid_blocks(P, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(nullptr),
+                 int64_t{0}, P, D, -1, static_cast<float *>(nullptr), static_cast<uint16_t *>(nullptr), int64_t{0},
+                 s.cover_norm_sq[side], P);
+  }
+  // Compares every token with the candidates s.cover_fresh ([H][n_sorted + n_tail]: increasing
+  // prefix tokens, then the window's).
+  auto absorb = [&](int64_t n_sorted, int64_t n_tail) {
+    const int64_t n = n_sorted + n_tail;
+    if (n == 0) return;
+    for (int side = 0; side < 2; ++side) {
+      dev.launch(unit_rows_kernel, grid_blocks(n, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(s.cover_fresh),
+                 n, n, D, storage, s.anchor_n, static_cast<uint16_t *>(nullptr), int64_t{k} * D, s.norms, int64_t{k});
+      with_head_dim(D, [&](auto d) {
+        constexpr int DD = decltype(d)::value;
+        dev.launch(local_nearest_kernel<DD>, grid_blocks(P, near_tokens(DD)), H, 128, X[side], S * D, range,
+                   static_cast<const uint32_t *>(s.cover_fresh), n, n_sorted, n_tail,
+                   static_cast<const float *>(s.anchor_n), static_cast<const float *>(s.norms), int64_t{k} * D,
+                   s.near_token[side], s.cover_best[side]);
+      });
+    }
+  };
+  dev.launch(coverage_take_kernel, grid_blocks(n0 + W, 128), H, 128, static_cast<const uint32_t *>(s.picks),
+             free_anchors, n0, s.cover_anchor, P, s.cover_fresh, n0 + W, int64_t{W});
+  dev.sort_segments_u32(s.cover_fresh, s.picks_dummy, H, n0 + W);  // the window's tokens stay last
+  absorb(n0, W);
+  int64_t left = count, at = n0;
+  for (int round = 0; round < rounds && left > 0; ++round) {
+    const int64_t take = std::min<int64_t>((left + (rounds - round) - 1) / (rounds - round), P - at);
+    if (take <= 0) break;
+    dev.launch(coverage_means_kernel, 2, H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
+               static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
+               static_cast<const float *>(s.cover_best[1]), P, 1, s.cover_means);
+    dev.launch(coverage_keys_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
+               static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
+               static_cast<const float *>(s.cover_best[1]), static_cast<const float *>(s.cover_means),
+               static_cast<const int32_t *>(s.cover_anchor), P, 1, s.cover_keys, s.cover_ids);
+    dev.sort_segments_u32(s.cover_keys, s.cover_ids, H, P);  // ties: the lower token
+    dev.launch(coverage_take_kernel, grid_blocks(take, 128), H, 128, static_cast<const uint32_t *>(s.cover_ids), P,
+               take, s.cover_anchor, P, s.picks + at, free_anchors, int64_t{0});
+    dev.launch(coverage_take_kernel, grid_blocks(take, 128), H, 128, static_cast<const uint32_t *>(s.cover_ids), P,
+               take, s.cover_anchor, P, s.cover_fresh, take, int64_t{0});
+    dev.sort_segments_u32(s.cover_fresh, s.picks_dummy, H, take);
+    absorb(take, 0);
     at += take;
     left -= take;
   }
@@ -186,7 +264,6 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                        const std::vector<int32_t> &positions, uint8_t *data, uint8_t *scratch_base,
                        int head_batch = 0) {
   const AnchorGeometry &g = cache.geometry;
-  require(g.format == 2, AKV_ERR_INTERNAL, "the device compression pass writes storage format 2");
   const int64_t S = g.seq_len, P = g.prefix, words = g.words;
   const int H = g.heads, G = g.group(), D = g.dim, W = g.window, k = g.anchors;
   const int m = G * W;
@@ -202,7 +279,9 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   dev.stage(kStageSetup);
   dev.fill(data, 0, cache.layout.total_bytes);
   dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
-  dev.copy(section(kPositions), positions.data(), P * sizeof(int32_t));
+  const bool local = g.format == 3;  // local candidates, tables and coefficient codes
+  if (local) dev.copy(s.units, gamma_units(), 256 * sizeof(float));
+  else dev.copy(section(kPositions), positions.data(), P * sizeof(int32_t));
   upload_rope(dev, rope, s.inv_freq, s.rope_first, s.rope_second);
   dev.copy(s.signs, cache.codec.signs().data(), D * sizeof(float));
   dev.fill(s.bad, 0, sizeof(int32_t));
@@ -218,6 +297,16 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   uint16_t *anchors_out[2] = {reinterpret_cast<uint16_t *>(section(kAnchorKeys)),
                               reinterpret_cast<uint16_t *>(section(kAnchorValues))};
   int64_t *anchor_tokens = reinterpret_cast<int64_t *>(section(kAnchorTokens));
+  // Format 3: one-byte entries and codes in the index and gamma sections; encode_kernel reads
+  // the anchor indices and coded coefficients from scratch instead.
+  uint8_t *entry_bytes[2] = {section(kKeyIndex), section(kValueIndex)};
+  uint8_t *code_bytes[2] = {section(kKeyGamma), section(kValueGamma)};
+  const uint16_t *encode_index[2] = {local ? s.index16[0] : index[0], local ? s.index16[1] : index[1]};
+  const uint16_t *encode_gamma[2] = {local ? s.gamma16[0] : gamma[0], local ? s.gamma16[1] : gamma[1]};
+  static_assert(kTableSlots == kTableEntries, "one-byte table entries");
+  const LocalRange range{P, g.candidate_reach(), g.segment_shift};
+  uint16_t *tables = local && g.table_size ? reinterpret_cast<uint16_t *>(section(kSegmentTables)) : nullptr;
+  float *code_scales = local ? reinterpret_cast<float *>(section(kGammaScales)) : nullptr;
 
   // 1-6 per batch of HB heads (all of them unless the scratch budget splits them): H below is
   // the batch's head count, h0 its first head.
@@ -244,13 +333,13 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     dev.stage(kStageAnchorSelection);
     dev.sort_segments_u32(s.rank_keys, s.rank_index, H, P);
 
+    if (o.coverage_rounds > 0 || local) dev.fill(s.cover_anchor, 0, H * P * sizeof(int32_t));
     if (o.coverage_rounds > 0) {
       // Every head's scored picks (flagged as anchors), then the coverage share.
-      dev.fill(s.cover_anchor, 0, H * P * sizeof(int32_t));
       if (n_top > 0)
         dev.launch(coverage_take_kernel, grid_blocks(n_top, 128), H, 128, static_cast<const uint32_t *>(s.rank_index), P,
                    n_top, s.cover_anchor, P, s.picks, free_anchors, int64_t{0});
-      if (n_rand > 0) coverage_anchors(dev, s, H, S, P, D, W, k, free_anchors, n_top, n_rand, o.coverage_rounds);
+      if (n_rand > 0 && !local) coverage_anchors(dev, s, H, S, P, D, W, k, free_anchors, n_top, n_rand, o.coverage_rounds);
     }
     for (int h = 0; h < H && o.coverage_rounds == 0; ++h) {
       const uint32_t *ranked = s.rank_index + h * P;  // head h's ranking and picks
@@ -265,6 +354,12 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
       dev.copy(picks, ranked, n_top * sizeof(uint32_t));
       dev.copy(picks + n_top, s.sample_index, n_rand * sizeof(uint32_t));
     }
+    // Format 3: the coverage share (if any) and every token's nearest candidate.
+    if (local) {
+      const bool cover = o.coverage_rounds > 0;
+      local_coverage(dev, s, H, S, P, D, W, k, free_anchors, cover ? n_top : free_anchors, cover ? n_rand : 0,
+                     o.coverage_rounds, range, bf16 ? 1 : 0);
+    }
     // Every head's picks by token; 5. per side: anchors into the cache, nearest anchor of every
     // prefix token (batched over heads).
     dev.sort_segments_u32(s.picks, s.picks_dummy, H, free_anchors);
@@ -276,6 +371,12 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                  bf16 ? 1 : 0, anchors_out[side] + static_cast<int64_t>(h0) * k * D, s.anchor_f, s.anchor_n, s.anchor_b,
                  s.norms, side == 0 ? anchor_tokens + h0 * free_anchors : static_cast<int64_t *>(nullptr),
                  s.anchor_of_token);
+      if (local) {  // the nearest candidates local_coverage found
+        dev.launch(local_assign_kernel, grid_blocks(P, 128), H, 128, static_cast<const int32_t *>(s.near_token[side]),
+                   static_cast<const float *>(s.cover_best[side]), static_cast<const int32_t *>(s.anchor_of_token),
+                   static_cast<const float *>(s.norms), P, k, free_anchors, s.assigned[side], s.coef[side]);
+        continue;
+      }
       // Nearest anchor by |cos| (tensor-core products, fp32 rescoring; no score matrix), then
       // coefficients and residual norms.
       nearest_anchors(dev, D, X, P, k, s.anchor_n, s.anchor_b, s.norms, s.nearest, nullptr, H, S * D, P, k);
@@ -285,6 +386,27 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                  gamma[side] + h0 * P, side, static_cast<const int32_t *>(s.positions), pairs,
                  static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
                  static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
+    }
+    if (local) {
+      // Format 3: each segment's table and code scales, then every token's code and residual.
+      dev.launch(segment_tables_kernel, static_cast<int>(g.segments), H, kTableThreads,
+                 static_cast<const float *>(s.kpre), static_cast<const float *>(s.v), S * D, D, P, g.segment_shift,
+                 g.segments, g.table_size, k, static_cast<const int32_t *>(s.anchor_of_token), s.assigned[0],
+                 s.assigned[1], s.coef[0], s.coef[1],
+                 static_cast<const uint16_t *>(anchors_out[0] + static_cast<int64_t>(h0) * k * D),
+                 static_cast<const uint16_t *>(anchors_out[1] + static_cast<int64_t>(h0) * k * D), bf16 ? 1 : 0,
+                 entry_bytes[0] + h0 * P, entry_bytes[1] + h0 * P,
+                 tables ? tables + h0 * g.segments * g.table_size : nullptr, code_scales + h0 * g.segments * 2);
+      for (int side = 0; side < 2; ++side)
+        dev.launch(code_coefficients_kernel, grid_blocks(P, 4), H, 128, static_cast<const int32_t *>(s.assigned[side]),
+                   static_cast<const float *>(s.coef[side]),
+                   static_cast<const float *>(code_scales + h0 * g.segments * 2), static_cast<const float *>(s.units),
+                   P, g.segment_shift, g.segments, side, k, D, side == 0 ? s.kpre : s.v, S * D,
+                   static_cast<const uint16_t *>(anchors_out[side] + static_cast<int64_t>(h0) * k * D), bf16 ? 1 : 0,
+                   static_cast<const int32_t *>(s.anchor_of_token), code_bytes[side] + h0 * P,
+                   s.index16[side] + h0 * P, s.gamma16[side] + h0 * P, static_cast<const int32_t *>(s.positions),
+                   pairs, static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
+                   static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
     }
     // 6. Utilities (Eq. 6) of every head: Z = Q (R r_K)^T, V.y, ||y||^2 (batched over heads).
     dev.stage(kStageUtilities);
@@ -342,8 +464,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
       dev.launch(kernel, static_cast<int>(words), H, 32, a, side, P, words, k, bf16 ? 1 : 0,
                  static_cast<int>(o.residual_scale), reinterpret_cast<const uint64_t *>(mask),
                  static_cast<const uint32_t *>(prefix), static_cast<const uint32_t *>(offsets),
-                 static_cast<const uint16_t *>(anchors_out[side]), static_cast<const uint16_t *>(index[side]),
-                 static_cast<const uint16_t *>(gamma[side]), static_cast<const float *>(s.signs),
+                 static_cast<const uint16_t *>(anchors_out[side]), encode_index[side], encode_gamma[side],
+                 static_cast<const float *>(s.signs),
                  section(codes_sec[side]), reinterpret_cast<float *>(section(scales_sec[side])), chunk);
     };
     if (words > 0) with_head_dim(D, [&](auto d) { encode(encode_kernel<decltype(d)::value>); });

@@ -485,6 +485,33 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
   }
 }
 
+// One warp's residual r = x - gq * anchor(d) over the D dims: ||r||^2 into *r_norm_sq (lane
+// 0) and, for keys (side 0), r rotated to position `pos` into out (the utilities' R_t r).
+template <class Anchor>
+__device__ __forceinline__ void store_residual(const float *x, float gq, Anchor anchor, int D, int side, int64_t pos,
+                                               int pairs, const float *inv_freq, const int32_t *rope_first,
+                                               const int32_t *rope_second, float *out, float *r_norm_sq) {
+  const int lane = threadIdx.x & 31;
+  float n2 = 0.0f;
+  for (int d = lane; d < D; d += 32) {
+    const float r = x[d] - gq * anchor(d);
+    n2 += r * r;
+  }
+  n2 = warp_sum(n2);
+  if (lane == 0) *r_norm_sq = n2;
+  if (side == 1) return;
+  for (int d = lane; d < D; d += 32) out[d] = x[d] - gq * anchor(d);
+  __syncwarp();
+  for (int j = lane; j < pairs; j += 32) {
+    const int f = rope_first[j], s = rope_second[j];
+    float c, sn;
+    rope_angle(pos, inv_freq[j], &c, &sn);
+    const float x0 = out[f], x1 = out[s];
+    out[f] = x0 * c - x1 * sn;
+    out[s] = x0 * sn + x1 * c;
+  }
+}
+
 // The bf16 coefficient of every prefix token t0..t0+n against its nearest anchor (nearest[t],
 // from nearest_anchor_kernel; anchors point to themselves with gamma 1), and the residual: its
 // squared norm into r_norm_sq, and keys rotated to the token's position into rk (for the
@@ -532,28 +559,8 @@ __global__ void assign_kernel(const int32_t *nearest, int64_t t0, int64_t n, int
     index_out[t] = static_cast<uint16_t>(best);
     gamma_out[t] = gbits;
   }
-  const float gq = bits_to_float(gbits, true);
-  const float *av = anchor_f + static_cast<int64_t>(best) * D;
-  float n2 = 0.0f;
-  for (int d = lane; d < D; d += 32) {
-    const float r = x[d] - gq * av[d];
-    n2 += r * r;
-  }
-  n2 = warp_sum(n2);
-  if (lane == 0) r_norm_sq[t] = n2;
-  if (side == 1) return;
-  float *out = rk + t * D;
-  for (int d = lane; d < D; d += 32) out[d] = x[d] - gq * av[d];
-  __syncwarp();
-  const int64_t pos = positions[t];
-  for (int j = lane; j < pairs; j += 32) {
-    const int f = rope_first[j], s = rope_second[j];
-    float c, sn;
-    rope_angle(pos, inv_freq[j], &c, &sn);
-    const float x0 = out[f], x1 = out[s];
-    out[f] = x0 * c - x1 * sn;
-    out[s] = x0 * sn + x1 * c;
-  }
+  store_residual(x, bits_to_float(gbits, true), [&](int d) { return anchor_f[static_cast<int64_t>(best) * D + d]; }, D,
+                 side, positions[t], pairs, inv_freq, rope_first, rope_second, rk + t * D, r_norm_sq + t);
 }
 
 // Utilities (Eq. 6) of the prefix tokens of head h = h0 + blockIdx.y (grid y over heads; the
@@ -863,11 +870,12 @@ __global__ void iota_kernel(uint32_t *ids, uint32_t first, int64_t n) {
 
 // rows[i] = X[r] / ||X[r]|| (zero rows stay zero) for r = ids[i], or r = i without ids, and
 // ||X[r]||^2 into norm_sq when given: the unit prefix rows, and the rows of the anchors being
-// absorbed. One warp per row.
+// absorbed. One warp per row. storage (0 f16, 1 bf16; -1 none): X[r] is first rounded to the
+// storage dtype (format 3's candidates are compared as stored). rows null: only the norms.
 // rows_b (when given): the unit rows in bf16 too. Grid y over heads: head y's X at
 // y x_stride, ids at y ids_stride, rows and rows_b at y rows_stride, norm_sq at y norm_stride.
 __global__ void unit_rows_kernel(const float *X, int64_t x_stride, const uint32_t *ids, int64_t ids_stride, int64_t n,
-                                 int D, float *rows, uint16_t *rows_b, int64_t rows_stride, float *norm_sq,
+                                 int D, int storage, float *rows, uint16_t *rows_b, int64_t rows_stride, float *norm_sq,
                                  int64_t norm_stride) {
   const int lane = threadIdx.x & 31;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
@@ -876,18 +884,19 @@ __global__ void unit_rows_kernel(const float *X, int64_t x_stride, const uint32_
     const int64_t y = blockIdx.y;
     X += y * x_stride;
     if (ids) ids += y * ids_stride;
-    rows += y * rows_stride;
+    if (rows) rows += y * rows_stride;
     if (rows_b) rows_b += y * rows_stride;
     if (norm_sq) norm_sq += y * norm_stride;
   }
   const float *x = X + (ids ? static_cast<int64_t>(ids[i]) : i) * D;
+  auto value = [&](int d) { return storage < 0 ? x[d] : bits_to_float(float_to_bits(x[d], storage == 1), storage == 1); };
   float n2 = 0.0f;
-  for (int d = lane; d < D; d += 32) n2 += x[d] * x[d];
+  for (int d = lane; d < D; d += 32) n2 += value(d) * value(d);
   n2 = warp_sum(n2);
   const float inv = n2 > 0.0f ? 1.0f / sqrtf(n2) : 0.0f;
-  for (int d = lane; d < D; d += 32) {
-    rows[i * D + d] = x[d] * inv;
-    if (rows_b) rows_b[i * D + d] = float_to_bits(x[d] * inv, true);
+  for (int d = lane; d < D && rows; d += 32) {
+    rows[i * D + d] = value(d) * inv;
+    if (rows_b) rows_b[i * D + d] = float_to_bits(value(d) * inv, true);
   }
   if (norm_sq && lane == 0) norm_sq[i] = n2;
 }
@@ -901,15 +910,18 @@ __global__ void coverage_update_kernel(const float *C, int64_t t0, int64_t count
   best[t0 + i] = b;
 }
 
-// A token's residual energy against its best anchor so far: ||x||^2 (1 - best |cos|^2).
-__device__ __forceinline__ float uncovered_energy(float norm_sq, float best) { return norm_sq * fmaxf(0.0f, 1.0f - best); }
+// A token's residual energy against its best anchor so far: ||x||^2 (1 - best |cos|^2), or
+// with local candidates (format 3, best = x . unit anchor) ||x||^2 - best^2.
+__device__ __forceinline__ float uncovered_energy(float norm_sq, float best, int local) {
+  return local ? fmaxf(0.0f, norm_sq - best * best) : norm_sq * fmaxf(0.0f, 1.0f - best);
+}
 
 // Mean residual energy ||x||^2 (1 - best) over the prefix, for side blockIdx.x (0 keys, 1
 // values); 1 when it is 0. One block of 128 per side; grid y over heads (arrays [y][P],
 // means [y][2]).
 __global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_norm_sq, const float *key_best,
                                                              const float *value_norm_sq, const float *value_best,
-                                                             int64_t P, float *means) {
+                                                             int64_t P, int local, float *means) {
   AKV_STATIC_SHARED(float, scratch, [4]);
   {
     const int64_t y = blockIdx.y;
@@ -922,7 +934,7 @@ __global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_no
   const float *norm_sq = blockIdx.x == 0 ? key_norm_sq : value_norm_sq;
   const float *best = blockIdx.x == 0 ? key_best : value_best;
   float acc = 0.0f;
-  for (int64_t t = threadIdx.x; t < P; t += 128) acc += uncovered_energy(norm_sq[t], best[t]);
+  for (int64_t t = threadIdx.x; t < P; t += 128) acc += uncovered_energy(norm_sq[t], best[t], local);
   const float sum = block_sum128(acc, scratch);
   if (threadIdx.x == 0) means[blockIdx.x] = sum > 0.0f ? sum / static_cast<float>(P) : 1.0f;
 }
@@ -931,7 +943,7 @@ __global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_no
 // Grid y over heads (arrays [y][P], means [y][2]).
 __global__ void coverage_keys_kernel(const float *key_norm_sq, const float *key_best, const float *value_norm_sq,
                                      const float *value_best, const float *means, const int32_t *is_anchor,
-                                     int64_t P, uint32_t *keys, uint32_t *ids) {
+                                     int64_t P, int local, uint32_t *keys, uint32_t *ids) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= P) return;
   {
@@ -945,8 +957,8 @@ __global__ void coverage_keys_kernel(const float *key_norm_sq, const float *key_
     keys += y * P;
     ids += y * P;
   }
-  const float e = uncovered_energy(key_norm_sq[t], key_best[t]) / means[0] +
-                  uncovered_energy(value_norm_sq[t], value_best[t]) / means[1];
+  const float e = uncovered_energy(key_norm_sq[t], key_best[t], local) / means[0] +
+                  uncovered_energy(value_norm_sq[t], value_best[t], local) / means[1];
   keys[t] = is_anchor[t] ? 0xFFFFFFFFu : descending_key(e);
   ids[t] = static_cast<uint32_t>(t);
 }

@@ -67,86 +67,8 @@ void CudaBackend::check_compress(const akv_compress_options &o, const akv_shape 
   check_supported(o.method, shape.head_dim);
 }
 
-namespace {
-
-// A host copy of a device prefill (keys, values and queries; positions and the block table are
-// host memory already). Paged keys and values keep their layout, with only this request's
-// blocks, renumbered in table order.
-struct HostPrefill {
-  akv_prefill prefill{};
-  std::vector<uint8_t> keys, values, queries;
-  std::vector<int32_t> block_table;
-};
-
-HostPrefill download_prefill(const akv_prefill &p, void *stream) {
-  const akv_shape &s = p.shape;
-  const int64_t H = s.num_kv_heads, D = s.head_dim, S = s.seq_len;
-  const size_t es = dtype_size(p.dtype);
-  HostPrefill host;
-  host.prefill = p;
-  akv_prefill &h = host.prefill;
-  if (p.block_table) {
-    const int64_t token = p.kv_token_stride ? p.kv_token_stride : H * D;
-    const int64_t head = p.kv_head_stride ? p.kv_head_stride : D;
-    const int64_t block = p.kv_block_stride ? p.kv_block_stride : p.block_size * token;
-    const int64_t span = (p.block_size - 1) * token + (H - 1) * head + D;  // elements one block touches
-    const int64_t blocks = (S + p.block_size - 1) / p.block_size;
-    host.keys.resize(static_cast<size_t>(blocks * block) * es);
-    host.values.resize(host.keys.size());
-    host.block_table.resize(blocks);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t id = p.block_table[b];
-      copy(host.keys.data() + b * block * es, static_cast<const uint8_t *>(p.keys) + id * block * es, span * es, stream, false);
-      copy(host.values.data() + b * block * es, static_cast<const uint8_t *>(p.values) + id * block * es, span * es, stream,
-           false);
-      host.block_table[b] = static_cast<int32_t>(b);
-    }
-    h.block_table = host.block_table.data();
-    h.num_blocks = static_cast<int32_t>(blocks);
-    h.kv_token_stride = token;
-    h.kv_head_stride = head;
-    h.kv_block_stride = block;
-  } else {
-    const int64_t head = p.kv_head_stride ? p.kv_head_stride : S * D;
-    const int64_t token = p.kv_token_stride ? p.kv_token_stride : D;
-    const size_t bytes = static_cast<size_t>((H - 1) * head + (S - 1) * token + D) * es;
-    host.keys.resize(bytes);
-    host.values.resize(bytes);
-    copy(host.keys.data(), p.keys, bytes, stream, false);
-    copy(host.values.data(), p.values, bytes, stream, false);
-  }
-  h.keys = host.keys.data();
-  h.values = host.values.data();
-  return host;
-}
-
-}  // namespace
-
-// Storage format 3 is compressed on the host in this version: the prefill is copied down,
-// compressed by the CPU backend and the cache placed back in device memory, byte for byte
-// what a CPU context writes. The device passes write format 2 (storage_format 2).
-std::unique_ptr<akv_cache> CudaBackend::compress_on_host(const CompressRequest &req, void *stream) {
-  HostPrefill host = download_prefill(*req.prefill, stream);
-  const akv_prefill &p = *req.prefill;
-  if (p.queries) {
-    const int64_t W = req.options->window, D = p.shape.head_dim, Hq = p.shape.num_q_heads;
-    const int64_t head = p.q_head_stride ? p.q_head_stride : W * D, token = p.q_token_stride ? p.q_token_stride : D;
-    host.queries.resize(static_cast<size_t>((Hq - 1) * head + (W - 1) * token + D) * dtype_size(p.dtype));
-    copy(host.queries.data(), p.queries, host.queries.size(), stream, false);
-    host.prefill.queries = host.queries.data();
-  }
-  synchronize(stream);
-  CompressRequest staged_req = req;
-  staged_req.context = &staging();
-  staged_req.prefill = &host.prefill;
-  Backend &cpu = *staging().impl;
-  std::unique_ptr<akv_cache> staged = cpu.compress(staged_req, stream);
-  return place(parse_bytes(cpu.serialize(*staged, stream)), stream);
-}
-
 std::unique_ptr<akv_cache> CudaBackend::compress(const CompressRequest &req, void *stream) {
   const MethodTraits &traits = method_traits(req.options->method);  // check_compress: not quantized
-  if (traits.storage == Storage::kAnchor && req.plan->anchor.format == 3) return compress_on_host(req, stream);
   std::unique_ptr<akv_cache> cache = traits.storage == Storage::kAnchor ? compress_anchorkv_cuda(req, stream)
                                      : traits.evicting                  ? compress_eviction_cuda(req, stream)
                                                                         : compress_fullkv_cuda(req, stream);

@@ -11,6 +11,7 @@
 #include <iterator>
 #include <vector>
 
+#include "core/anchor_access.hpp"
 #include "core/context.hpp"
 #include "core/dtype.hpp"
 
@@ -24,7 +25,9 @@ struct Compared {
   double worst_scale = 0.0;
 };
 
-// Section-by-section comparison of two AnchorKV caches of the same geometry.
+// Section-by-section comparison of two AnchorKV caches of the same geometry and storage format
+// (2 or 3: assignments are read through AnchorAccess; a coefficient is its bf16 bits or its
+// one-byte code).
 inline Compared compare_anchor_caches(const akv_cache &a, const akv_cache &b) {
   const akv::AnchorGeometry &g = a.geometry;
   const int64_t H = g.heads, P = g.prefix, D = g.dim, k = g.anchors, W = g.window;
@@ -44,15 +47,18 @@ inline Compared compare_anchor_caches(const akv_cache &a, const akv_cache &b) {
   auto anchor_token = [&](const int64_t *list, int64_t h, int idx) {
     return idx < k - W ? list[h * (k - W) + idx] : P + idx - (k - W);
   };
+  const akv::AnchorAccess xa(a), xb(b);
   for (int side = 0; side < 2; ++side) {
-    const int idx = side ? akv::kValueIndex : akv::kKeyIndex, gam = side ? akv::kValueGamma : akv::kKeyGamma;
-    const uint16_t *ia = reinterpret_cast<const uint16_t *>(sec(a, idx)), *ib = reinterpret_cast<const uint16_t *>(sec(b, idx));
-    const uint16_t *ga = reinterpret_cast<const uint16_t *>(sec(a, gam)), *gb = reinterpret_cast<const uint16_t *>(sec(b, gam));
+    const int gam = side ? akv::kValueGamma : akv::kKeyGamma;
+    auto coefficient = [&](const akv_cache &c, int64_t i) {  // its raw bits or code
+      return g.format == 3 ? static_cast<int>(sec(c, gam)[i]) : static_cast<int>(reinterpret_cast<const uint16_t *>(sec(c, gam))[i]);
+    };
     std::vector<char> same(static_cast<size_t>(H * P));
     for (int64_t i = 0; i < H * P; ++i) {
-      same[i] = anchor_token(ta, i / P, ia[i]) == anchor_token(tb, i / P, ib[i]);
+      const int h = static_cast<int>(i / P);
+      same[i] = anchor_token(ta, h, xa.anchor(side, h, i % P)) == anchor_token(tb, h, xb.anchor(side, h, i % P));
       r.index_diff += !same[i];
-      if (same[i]) r.gamma_diff += std::abs(static_cast<int>(ga[i]) - static_cast<int>(gb[i])) > 1;
+      if (same[i]) r.gamma_diff += std::abs(coefficient(a, i) - coefficient(b, i)) > 1;
     }
     const int msk = side ? akv::kValueMask : akv::kKeyMask;
     const uint64_t *ma = reinterpret_cast<const uint64_t *>(sec(a, msk)), *mb = reinterpret_cast<const uint64_t *>(sec(b, msk));
@@ -70,7 +76,7 @@ inline Compared compare_anchor_caches(const akv_cache &a, const akv_cache &b) {
           const uint64_t below = (bit ? (~0ull >> (64 - bit)) : 0ull);
           const int64_t t = w * 64 + bit;
           const int64_t i = h * P + t;
-          if (!same[i] || ga[i] != gb[i]) continue;  // a different residual altogether
+          if (!same[i] || coefficient(a, i) != coefficient(b, i)) continue;  // a different residual altogether
           const uint32_t sa = oa[h] + pa[h * g.words + w] + __builtin_popcountll(ma[h * g.words + w] & below);
           const uint32_t sb = ob[h] + pb[h * g.words + w] + __builtin_popcountll(mb[h * g.words + w] & below);
           const uint8_t *ca = sec(a, cod) + static_cast<int64_t>(sa) * (D / 4), *cb = sec(b, cod) + static_cast<int64_t>(sb) * (D / 4);

@@ -8,6 +8,8 @@
 #include "core/context.hpp"
 #include "cuda/plan.hpp"
 #include "methods/methods.hpp"
+#include <map>
+
 // Last: the emulation defines threadIdx, __shared__ and friends as macros.
 #include "cuda/compress_pipeline.hpp"
 
@@ -88,6 +90,8 @@ struct CompressCase {
   bool additions = false;  // akv_compress_options_init's defaults (sinks, anchor floor, coverage, guard)
   int kv_heads = 2;
   int head_batch = 0;  // heads per batch of the pipeline (0: all)
+  int format = 2;      // storage format (3: local candidates, tables, coefficient codes)
+  int anchors = 0;     // k (0: automatic)
 };
 
 void check(const CompressCase &c) {
@@ -96,7 +100,8 @@ void check(const CompressCase &c) {
   SCOPED_TRACE("S=" + std::to_string(c.seq_len) + " D=" + std::to_string(c.head_dim) + " G=" + std::to_string(c.group) +
                " rope " + std::to_string(c.rope) + (c.post_rope ? " post-rope keys" : "") + (c.gapped ? " gapped" : "") +
                (c.additions ? " with the additions" : " paper") + " H=" + std::to_string(c.kv_heads) +
-               " head batch " + std::to_string(c.head_batch));
+               " head batch " + std::to_string(c.head_batch) + " format " + std::to_string(c.format) + " k " +
+               std::to_string(c.anchors));
   Rng rng(seed);
   ContextPtr ctx = make_context(2);
   PrefillSpec spec;
@@ -108,12 +113,13 @@ void check(const CompressCase &c) {
   spec.explicit_positions = c.gapped;
   akv_compress_options o = anchorkv_options(0.1);
   if (c.additions) akv_compress_options_init(&o);
-  o.storage_format = 2;  // the device pass writes format 2 (format 3 compresses on the host)
+  o.storage_format = c.format;
+  o.anchors = c.anchors;
   o.rope.style = c.rope;
   o.keys_post_rope = c.post_rope ? 1 : 0;
   const RopeReference ref = rope_reference(o.rope);
   const PrefillData data = make_prefill(rng, spec, c.post_rope ? &ref : nullptr);
-  o.retain_fraction = workable_retain_fraction(data.shape, 32, 0, 0.1);
+  o.retain_fraction = workable_retain_fraction(data.shape, 32, c.anchors, 0.1);
   CachePtr expected = compress(ctx.get(), data, o);
 
   // The pipeline on host memory, into a cache shaped like the CPU one.
@@ -133,6 +139,7 @@ void check(const CompressCase &c) {
   EmulatedDevice dev;
   kc::compress_anchorkv(dev, prefill, o, *got, positions, got->data.data(), base, c.head_batch);
 
+  if (c.format == 3) EXPECT_EQ(g.table_size, c.anchors > 256 ? 256 : 0);  // both layouts are reached
   EXPECT_TRUE(anchor_caches_agree(*got, *expected));
   // The byte layout around the arrays matches exactly (offsets start at 0, padding is zero).
   EXPECT_EQ(got->meta.window_first_position, expected->meta.window_first_position);
@@ -291,6 +298,119 @@ TEST(EmulatedCompress, HeadBatchesMatchCpuCompression) {
   check({1500, 64, 2, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, false, true, 3, 2});
   check({1200, 64, 2, AKV_DTYPE_F32, AKV_ROPE_GPTJ, false, true, false, 3, 2});
   check({900, 64, 1, AKV_DTYPE_F16, AKV_ROPE_NEOX, false, false, true, 3, 1});
+}
+
+// Storage format 3 (the default): local candidates, segment tables (k > 256, with tokens whose
+// anchor misses the table at k 1500 for 3K tokens), one-byte coefficient codes; with the
+// coverage rounds and with the paper's sampled share, in head batches.
+TEST(EmulatedCompress, FormatThreeMatchesCpuCompression) {
+  check({2000, 128, 4, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, false, true, 2, 0, 3});
+  check({3000, 64, 2, AKV_DTYPE_F16, AKV_ROPE_GPTJ, false, false, true, 2, 0, 3, 1500});
+  check({2600, 64, 1, AKV_DTYPE_F32, AKV_ROPE_NEOX, true, false, false, 3, 2, 3, 600});
+  check({1200, 256, 2, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, false, true, 2, 1, 3, 400});
+}
+
+// segment_tables_kernel on its own, against a direct reading of the rule (CPU:
+// restrict_to_tables): segments whose tokens use more than 256 anchors (tokens outside the
+// table take its nearest entry; a zero-norm anchor is never chosen), one using 40 anchors with
+// many equal counts, and a short last segment. The pass's cases seldom leave a token out.
+TEST(EmulatedSegmentTables, FollowTheRule) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  constexpr int H = 2, D = 64, k = 700, T = 256;
+  constexpr int64_t P = 700, L = 256, segments = 3;
+  std::vector<int32_t> anchor_of_token(H * P), assigned[2];
+  std::vector<float> coef[2];
+  for (int64_t i = 0; i < H * P; ++i) anchor_of_token[i] = rng.uniform(0.0, 1.0) < 0.15 ? 1 : -1;
+  for (int side = 0; side < 2; ++side) {
+    assigned[side].resize(H * P);
+    coef[side].resize(H * P);
+    for (int64_t i = 0; i < H * P; ++i) {
+      const int64_t seg = (i % P) / L;
+      assigned[side][i] = static_cast<int32_t>(seg == 1 ? rng.uniform_int(0, 39) : rng.uniform_int(0, k - 1));
+      if (seg == 2 && side == 1) assigned[side][i] = 5;
+      if (i < 8 && side == 0) assigned[side][i] = 3;  // the zero-norm anchor leads head 0's first table
+      coef[side][i] = static_cast<float>(rng.normal());
+    }
+  }
+  const std::vector<float> X[2] = {nonzero_normal(rng, H * P * D), nonzero_normal(rng, H * P * D)};
+  std::vector<uint16_t> anchors[2];
+  for (int side = 0; side < 2; ++side) {
+    for (float v : nonzero_normal(rng, static_cast<size_t>(H) * k * D)) anchors[side].push_back(akv::float_to_bf16(v));
+    for (int64_t d = 0; d < D; ++d) anchors[side][3 * D + d] = 0;  // head 0's anchor 3: zero norm
+  }
+  // The rule, on copies.
+  std::vector<int32_t> want_assigned[2] = {assigned[0], assigned[1]};
+  std::vector<float> want_coef[2] = {coef[0], coef[1]};
+  std::vector<uint8_t> want_entry[2] = {std::vector<uint8_t>(H * P, 0xCD), std::vector<uint8_t>(H * P, 0xCD)};
+  std::vector<uint16_t> want_tables(H * segments * T);
+  std::vector<float> want_scales(H * segments * 2);
+  int64_t outside = 0;
+  for (int h = 0; h < H; ++h)
+    for (int64_t seg = 0; seg < segments; ++seg) {
+      const int64_t t0 = seg * L, t1 = std::min(P, t0 + L);
+      std::map<int32_t, int> count;
+      for (int side = 0; side < 2; ++side)
+        for (int64_t t = t0; t < t1; ++t)
+          if (anchor_of_token[h * P + t] < 0) ++count[assigned[side][h * P + t]];
+      std::vector<int32_t> used;
+      for (const auto &c : count) used.push_back(c.first);
+      std::stable_sort(used.begin(), used.end(), [&](int32_t a, int32_t b) { return count[a] > count[b]; });
+      const int64_t n = std::min<int64_t>(T, static_cast<int64_t>(used.size()));
+      uint16_t *table = &want_tables[(h * segments + seg) * T];
+      for (int64_t j = 0; j < T; ++j) table[j] = static_cast<uint16_t>(j < n ? used[j] : used[0]);
+      for (int side = 0; side < 2; ++side) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t i = h * P + t;
+          if (anchor_of_token[i] >= 0) continue;
+          const auto at = std::find(table, table + n, want_assigned[side][i]);
+          if (at != table + n) {
+            want_entry[side][i] = static_cast<uint8_t>(at - table);
+            continue;
+          }
+          ++outside;
+          int64_t best = 0;
+          float best_v = -1.0f, best_coef = 0.0f;
+          for (int64_t j = 0; j < n; ++j) {
+            double xa = 0.0, aa = 0.0;
+            for (int64_t d = 0; d < D; ++d) {
+              const double f = akv::bf16_to_float(anchors[side][(static_cast<int64_t>(h) * k + table[j]) * D + d]);
+              xa += X[side][i * D + d] * f;
+              aa += f * f;
+            }
+            const float v = aa > 0.0 ? static_cast<float>(std::fabs(xa) / std::sqrt(aa)) : -0.5f;
+            if (v > best_v) best_v = v, best = j, best_coef = aa > 0.0 ? static_cast<float>(xa / aa) : 0.0f;
+          }
+          want_assigned[side][i] = table[best];
+          want_coef[side][i] = best_coef;
+          want_entry[side][i] = static_cast<uint8_t>(best);
+        }
+        float mx = 0.0f;
+        for (int64_t t = t0; t < t1; ++t)
+          if (anchor_of_token[h * P + t] < 0) mx = std::max(mx, std::fabs(want_coef[side][h * P + t]));
+        want_scales[(h * segments + seg) * 2 + side] = mx;
+      }
+    }
+  ASSERT_GT(outside, 50);  // the restriction is reached
+  std::vector<uint8_t> entry[2] = {want_entry[0], want_entry[1]};
+  for (int side = 0; side < 2; ++side)  // poisoned where the kernel writes
+    for (int64_t i = 0; i < H * P; ++i) entry[side][i] = anchor_of_token[i] >= 0 ? 0xCD : 0xA5;
+  std::vector<uint16_t> tables(want_tables.size(), 0xA5A5);
+  std::vector<float> scales(want_scales.size(), -7.0f);
+  EmulatedDevice dev;
+  dev.launch(kc::segment_tables_kernel, static_cast<int>(segments), H, kc::kTableThreads, X[0].data(), X[1].data(),
+             P * D, D, P, 8, segments, T, k, static_cast<const int32_t *>(anchor_of_token.data()), assigned[0].data(),
+             assigned[1].data(), coef[0].data(), coef[1].data(), static_cast<const uint16_t *>(anchors[0].data()),
+             static_cast<const uint16_t *>(anchors[1].data()), 1, entry[0].data(), entry[1].data(), tables.data(),
+             scales.data());
+  EXPECT_EQ(tables, want_tables);
+  for (int side = 0; side < 2; ++side) {
+    EXPECT_EQ(entry[side], want_entry[side]) << "side " << side;
+    EXPECT_EQ(assigned[side], want_assigned[side]) << "side " << side;
+    for (int64_t i = 0; i < H * P; ++i) ASSERT_NEAR(coef[side][i], want_coef[side][i], 1e-5f * (1.0f + std::fabs(want_coef[side][i])));
+  }
+  for (size_t i = 0; i < scales.size(); ++i) EXPECT_NEAR(scales[i], want_scales[i], 1e-5f * want_scales[i]) << i;
 }
 
 TEST(EmulatedCompress, GptjAndPostRopeKeys) {
@@ -539,11 +659,12 @@ struct CountingDevice {
 TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
   ContextPtr ctx = make_context(2);
   for (int64_t S : {int64_t{32768}, int64_t{65536}, int64_t{131072}})
+   for (int format : {2, 3})
    for (bool paper : {false, true}) {
     akv_compress_options o;
     if (paper) akv_compress_options_init_paper(&o);
     else akv_compress_options_init(&o);  // the benchmark's options (scripts/bench_compress.py)
-    o.storage_format = 2;  // the device pass
+    o.storage_format = format;
     o.method = AKV_METHOD_ANCHORKV;
     o.retain_fraction = 0.05;
     akv_prefill p{};
@@ -567,11 +688,13 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
                                                  kc::kHeadBatchBudget);
     kc::compress_anchorkv(dev, p, o, *cache, positions, data.data(), nullptr, head_batch);
     const int64_t total = dev.launches + dev.gemms + dev.sorts + dev.copies + dev.fills;
-    std::printf("%s S=%lld k=%d, %d heads per batch: %lld kernels, %lld GEMMs, %lld radix sorts, %lld copies, %lld fills: %lld operations\n",
-                paper ? "paper" : "default", static_cast<long long>(S), g.anchors, head_batch, static_cast<long long>(dev.launches),
+    std::printf("%s format %d S=%lld k=%d, %d heads per batch: %lld kernels, %lld GEMMs, %lld radix sorts, %lld copies, %lld fills: %lld operations\n",
+                paper ? "paper" : "default", format, static_cast<long long>(S), g.anchors, head_batch, static_cast<long long>(dev.launches),
                 static_cast<long long>(dev.gemms), static_cast<long long>(dev.sorts), static_cast<long long>(dev.copies),
                 static_cast<long long>(dev.fills), static_cast<long long>(total));
-    RecordProperty(std::string(paper ? "paper" : "default") + "_operations_S" + std::to_string(S), std::to_string(total));
+    RecordProperty(std::string(paper ? "paper" : "default") + "_format" + std::to_string(format) + "_operations_S" +
+                       std::to_string(S),
+                   std::to_string(total));
     // Fused assignment and coverage: independent of S. Before the fused kernel (chunked GEMM +
     // argmax for the assignment and the coverage anchors): default 1198 / 1966 / 3502, paper
     // 304 / 432 / 688 at 32K / 64K / 128K; with it, per-head loops: 542 default, 208 paper.
@@ -581,11 +704,14 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
     // 128K. Those were at 4 coverage rounds; each round is 10 operations per batch of heads
     // (means, keys, sort, take, and per side the rows and the fused nearest-anchor kernel), so
     // the default's 16 rounds give 217 and 412.
+    // Storage format 3 (local candidates) takes 14 per round: its new anchors are also copied
+    // out and sorted by token (a segmented sort is 3 operations) for the candidate search, and
+    // the tables and codes add 3 launches per batch: 287 and 552 default, 86 and 124 paper.
     EXPECT_EQ(head_batch, S <= 65536 ? 8 : 4) << "S=" << S;
-    const int64_t per_round = 10 * (g.heads / head_batch);
-    EXPECT_LE(total, head_batch == 8 ? (paper ? 72 : 57 + per_round * o.coverage_rounds)
-                                     : (paper ? 96 : 92 + per_round * o.coverage_rounds))
-        << "S=" << S;
+    const int64_t per_round = (format == 3 ? 14 : 10) * (g.heads / head_batch);
+    const int64_t fixed = format == 3 ? (head_batch == 8 ? (paper ? 86 : 63) : (paper ? 124 : 104))
+                                      : (head_batch == 8 ? (paper ? 72 : 57) : (paper ? 96 : 92));
+    EXPECT_LE(total, fixed + (paper ? 0 : per_round * o.coverage_rounds)) << "S=" << S;
   }
 }
 

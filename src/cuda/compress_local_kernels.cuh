@@ -1,0 +1,416 @@
+// Kernels of storage format 3's part of the AnchorKV compression pass (docs/design.md §2.2 step
+// 5 and §3.7; the CPU reference is cpu/local_anchors.cpp and restrict_to_tables in
+// cpu/compress_anchorkv.cpp): every token compared with its local candidate anchors only, the
+// segment tables, and the one-byte coefficient codes. The orchestration is in
+// cuda/compress_anchorkv_pass.hpp.
+#pragma once
+#include "cuda/compress_kernels.cuh"
+
+namespace akv {
+namespace cuda {
+
+// The positions [first, last) whose anchors the tokens of segment `seg` may use besides the
+// window (CPU: candidate_range): the segment widened by `reach` positions on each side, the
+// whole prefix when reach < 0 (no tables).
+struct LocalRange {
+  int64_t prefix, reach;
+  int32_t segment_shift;
+};
+__device__ __forceinline__ void candidate_positions(const LocalRange &r, int64_t seg, int64_t *first, int64_t *last) {
+  if (r.reach < 0) {
+    *first = 0;
+    *last = r.prefix;
+    return;
+  }
+  const int64_t t0 = seg << r.segment_shift, end = t0 + (int64_t{1} << r.segment_shift);
+  const int64_t t1 = end < r.prefix ? end : r.prefix;
+  *first = t0 > r.reach ? t0 - r.reach : 0;
+  *last = t1 + r.reach < r.prefix ? t1 + r.reach : r.prefix;
+}
+
+// The first i in [0, n) with ids[i] >= value (n if none); ids increasing.
+__device__ __forceinline__ int64_t lower_bound_u32(const uint32_t *ids, int64_t n, int64_t value) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (static_cast<int64_t>(ids[mid]) < value) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// A candidate (|c|, token) beats the best so far: larger |c|, ties to the lower token; none
+// yet: token < 0.
+__device__ __forceinline__ bool local_better(float v, int32_t token, float best_v, int32_t best_token) {
+  return best_token < 0 || v > best_v || (v == best_v && token < best_token);
+}
+
+// Raises every prefix token's nearest candidate with the anchor tokens ids[0..n_sorted)
+// (increasing; only those inside the token's candidate positions count) and
+// ids[n_sorted..n_sorted + n_tail) (the window: every token's candidates). rows: the
+// candidates' rows as stored (rounded to the storage dtype), divided by their norms; row_norm_sq
+// their squared norms (0: never chosen). A token keeps the token of largest |x . row| (ties: the
+// lower token) in near_token (-1: none yet) and x . row in near_dot, x its pre-RoPE key or
+// value. One block of 128 threads per TOK tokens (a tile lies inside one segment: segments are
+// multiples of 256 positions); chunks of AC candidates go through shared memory, each token's
+// products split over 128 / TOK threads. Grid y over heads: head y's X at y x_stride, ids at y
+// ids_stride, rows at y rows_stride (row_norm_sq at y rows_stride / D), outputs at y P.
+template <int D>
+__global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int64_t x_stride, const LocalRange range,
+                                                            const uint32_t *ids, int64_t ids_stride, int64_t n_sorted,
+                                                            int64_t n_tail, const float *rows, const float *row_norm_sq,
+                                                            int64_t rows_stride, int32_t *near_token, float *near_dot) {
+  constexpr int TOK = near_tokens(D), AC = 2048 / D, PARTS = 128 / TOK, APT = AC / PARTS;
+  static_assert(APT >= 1 && AC % PARTS == 0, "candidate chunk");
+  AKV_STATIC_SHARED(float, xs, [TOK][D + 1]);
+  AKV_STATIC_SHARED(__align__(16) float, as, [D][AC]);
+  AKV_STATIC_SHARED(int32_t, cand, [AC]);
+  AKV_STATIC_SHARED(int64_t, bounds, [2]);
+  AKV_STATIC_SHARED(float, part_v, [PARTS][TOK]);
+  AKV_STATIC_SHARED(int32_t, part_token, [PARTS][TOK]);
+  const int64_t P = range.prefix, t0 = static_cast<int64_t>(blockIdx.x) * TOK;
+  {
+    const int64_t y = blockIdx.y;
+    X += y * x_stride;
+    ids += y * ids_stride;
+    rows += y * rows_stride;
+    row_norm_sq += y * (rows_stride / D);
+    near_token += y * P;
+    near_dot += y * P;
+  }
+  const int tid = threadIdx.x, tok = tid % TOK, part = tid / TOK;
+  if (tid == 0) {
+    int64_t first, last;
+    candidate_positions(range, t0 >> range.segment_shift, &first, &last);
+    bounds[0] = lower_bound_u32(ids, n_sorted, first);
+    bounds[1] = lower_bound_u32(ids, n_sorted, last);
+  }
+  for (int i = tid; i < TOK * D; i += 128) {
+    const int r = i / D, d = i % D;
+    xs[r][d] = t0 + r < P ? X[(t0 + r) * D + d] : 0.0f;
+  }
+  __syncthreads();
+  const int64_t lo = bounds[0], in_range = bounds[1] - bounds[0], count = in_range + n_tail;
+  float best_v = 0.0f, best_dot = 0.0f;
+  int32_t best_token = -1;
+  for (int64_t c0 = 0; c0 < count; c0 += AC) {
+    __syncthreads();  // the previous chunk is read
+    for (int i = tid; i < AC * D; i += 128) {
+      const int j = i / D, d = i % D;
+      const int64_t c = c0 + j;
+      const int64_t row = c < in_range ? lo + c : n_sorted + (c - in_range);
+      const bool real = c < count;
+      as[d][j] = real ? rows[row * D + d] : 0.0f;
+      if (d == 0) cand[j] = real && row_norm_sq[row] > 0.0f ? static_cast<int32_t>(ids[row]) : -1;
+    }
+    __syncthreads();
+    float acc[APT];
+    for (int j = 0; j < APT; ++j) acc[j] = 0.0f;
+    for (int d = 0; d < D; ++d) {
+      const float xv = xs[tok][d];
+      for (int j = 0; j < APT; ++j) acc[j] += xv * as[d][part * APT + j];
+    }
+    for (int j = 0; j < APT; ++j) {
+      const int32_t token = cand[part * APT + j];
+      const float v = fabsf(acc[j]);
+      if (token >= 0 && local_better(v, token, best_v, best_token)) {
+        best_v = v;
+        best_dot = acc[j];
+        best_token = token;
+      }
+    }
+  }
+  part_v[part][tok] = best_dot;
+  part_token[part][tok] = best_token;
+  __syncthreads();
+  const int64_t t = t0 + tok;
+  if (part != 0 || t >= P) return;
+  for (int q = 1; q < PARTS; ++q) {
+    const int32_t token = part_token[q][tok];
+    const float dot = part_v[q][tok];
+    if (token >= 0 && local_better(fabsf(dot), token, best_v, best_token)) {
+      best_v = fabsf(dot);
+      best_dot = dot;
+      best_token = token;
+    }
+  }
+  if (best_token < 0) return;
+  const int32_t had = near_token[t];
+  if (local_better(best_v, best_token, fabsf(near_dot[t]), had)) {
+    near_token[t] = best_token;
+    near_dot[t] = best_dot;
+  }
+}
+
+// Every prefix token's anchor and coefficient from its nearest candidate (CPU: the local branch
+// of step 5): anchors point at themselves with 1, a token whose candidates all have zero norm
+// takes anchor 0 with 0, else the candidate's anchor index (a prefix anchor through
+// anchor_of_token, a window token P + j as k - W + j) with near_dot / ||anchor||. Grid y over
+// heads: arrays at y P, norms at y k.
+__global__ void local_assign_kernel(const int32_t *near_token, const float *near_dot, const int32_t *anchor_of_token,
+                                    const float *norms, int64_t P, int k, int64_t free_anchors, int32_t *assigned,
+                                    float *coef) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= P) return;
+  const int64_t y = blockIdx.y;
+  near_token += y * P;
+  near_dot += y * P;
+  anchor_of_token += y * P;
+  norms += y * k;
+  assigned += y * P;
+  coef += y * P;
+  int32_t a = anchor_of_token[t];
+  float g = 1.0f;
+  if (a < 0) {
+    const int32_t near = near_token[t];
+    if (near < 0) {
+      a = 0;
+      g = 0.0f;
+    } else {
+      a = near < P ? anchor_of_token[near] : static_cast<int32_t>(free_anchors + (near - P));
+      g = norms[a] > 0.0f ? near_dot[t] / norms[a] : 0.0f;
+    }
+  }
+  assigned[t] = a;
+  coef[t] = g;
+}
+
+// Ascending sort of n (a power of two, at most the array's size) 32-bit keys in shared memory
+// by the block's threads (bitonic network). Ends with a barrier.
+__device__ __forceinline__ void block_bitonic_sort(uint32_t *a, int n) {
+  for (int size = 2; size <= n; size <<= 1)
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
+        const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
+        const uint32_t x = a[lo], y = a[hi];
+        if ((x > y) == ((lo & size) == 0)) {
+          a[lo] = y;
+          a[hi] = x;
+        }
+      }
+    }
+  __syncthreads();
+}
+
+constexpr int kTableThreads = 256;
+constexpr int kTableSlots = 256;  // core/layout.hpp's kTableEntries (one-byte entries)
+constexpr int kMaxSegment = 4096;  // segment_length()'s largest
+constexpr uint32_t kNoEntry = 0xFFFFFFFFu;
+
+// One segment of one head, both sides (CPU: restrict_to_tables and the code scales). With
+// tables (table_size 256): the table lists the anchors the segment's non-anchor tokens use
+// most, both sides counted (ties: the lower anchor; a short table repeats its first entry); a
+// token whose anchor is not in it takes the entry of largest |cos| (zero-norm anchors last, ties
+// the lower entry) with its coefficient, from the stored anchor rows. Without tables an entry
+// is the anchor index itself. Then each side's code scale, the largest |coefficient| of the
+// segment's non-anchor tokens. Anchor tokens keep entry 0. One block of 256 threads per
+// (segment, head): the (at most 8192) assignments are sorted in shared memory, the run lengths
+// become (count, anchor) keys and those are sorted again. Grid y over heads: token arrays at
+// y P, X at y x_stride, stored anchor rows at y k D, tables at y segments 256, scales at y
+// segments 2.
+__global__ void __launch_bounds__(kTableThreads) segment_tables_kernel(
+    const float *keys, const float *values, int64_t x_stride, int D, int64_t P, int32_t segment_shift,
+    int64_t segments, int table_size, int k, const int32_t *anchor_of_token, int32_t *assigned0, int32_t *assigned1,
+    float *coef0, float *coef1, const uint16_t *anchors0, const uint16_t *anchors1, int storage_bf16, uint8_t *entry0,
+    uint8_t *entry1, uint16_t *tables, float *scales) {
+  AKV_STATIC_SHARED(uint32_t, buf, [2 * kMaxSegment]);
+  AKV_STATIC_SHARED(uint32_t, lut, [kTableSlots]);
+  AKV_STATIC_SHARED(uint16_t, table, [kTableSlots]);
+  AKV_STATIC_SHARED(int32_t, distinct, [1]);
+  AKV_STATIC_SHARED(float, warp_max_v, [2][kTableThreads / 32]);
+  const int64_t seg = blockIdx.x, t0 = seg << segment_shift;
+  const int64_t end = t0 + (int64_t{1} << segment_shift), n = (end < P ? end : P) - t0;
+  {
+    const int64_t y = blockIdx.y;
+    keys += y * x_stride;
+    values += y * x_stride;
+    anchor_of_token += y * P;
+    assigned0 += y * P;
+    assigned1 += y * P;
+    coef0 += y * P;
+    coef1 += y * P;
+    anchors0 += y * k * D;
+    anchors1 += y * k * D;
+    entry0 += y * P;
+    entry1 += y * P;
+    tables += (y * segments + seg) * table_size;
+    scales += (y * segments + seg) * 2;
+  }
+  int32_t *assigned[2] = {assigned0, assigned1};
+  float *coef[2] = {coef0, coef1};
+  const float *X[2] = {keys, values};
+  const uint16_t *anchors[2] = {anchors0, anchors1};
+  uint8_t *entry[2] = {entry0, entry1};
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int nt = 0;  // table entries in use
+  if (table_size > 0) {
+    int np = 2;
+    while (np < 2 * n) np <<= 1;
+    for (int i = tid; i < np; i += kTableThreads) {
+      buf[i] = kNoEntry;
+      if (i >= 2 * n) continue;
+      const int side = i >= n ? 1 : 0;
+      const int64_t t = t0 + (i - side * n);
+      if (anchor_of_token[t] < 0) buf[i] = static_cast<uint32_t>(assigned[side][t]);
+    }
+    block_bitonic_sort(buf, np);
+    // Each run of one anchor becomes one key (count descending, then anchor ascending) at its
+    // first element; the rest become kNoEntry. A thread owns `per` consecutive elements.
+    const int per = np >= kTableThreads ? np / kTableThreads : 1;
+    uint32_t run_key[2 * kMaxSegment / kTableThreads];
+#pragma unroll
+    for (int j = 0; j < 2 * kMaxSegment / kTableThreads; ++j) {
+      const int i = tid * per + j;
+      run_key[j] = kNoEntry;
+      if (j >= per || i >= np) continue;
+      const uint32_t v = buf[i];
+      if (v == kNoEntry || (i > 0 && buf[i - 1] == v)) continue;
+      int c = 1;
+      while (i + c < np && buf[i + c] == v) ++c;
+      run_key[j] = (static_cast<uint32_t>(0x3FFF - c) << 16) | v;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < 2 * kMaxSegment / kTableThreads; ++j)
+      if (j < per && tid * per + j < np) buf[tid * per + j] = run_key[j];
+    if (tid == 0) distinct[0] = 0;
+    block_bitonic_sort(buf, np);
+    for (int i = tid; i < np; i += kTableThreads)
+      if (buf[i] != kNoEntry && (i + 1 == np || buf[i + 1] == kNoEntry)) distinct[0] = i + 1;
+    __syncthreads();
+    const int nd = distinct[0];
+    nt = nd < table_size ? nd : table_size;
+    for (int j = tid; j < table_size; j += kTableThreads) {
+      const uint16_t a = static_cast<uint16_t>(j < nd ? buf[j] & 0xFFFFu : (nd ? buf[0] & 0xFFFFu : 0u));
+      tables[j] = a;
+      table[j] = a;
+      lut[j] = j < nt ? (static_cast<uint32_t>(a) << 16 | static_cast<uint32_t>(j)) : kNoEntry;
+    }
+    block_bitonic_sort(lut, kTableSlots);
+  }
+  // Entries; a token whose anchor has no entry takes the nearest one that has (one warp each).
+  for (int64_t i = warp; i < 2 * n; i += kTableThreads / 32) {
+    const int side = i >= n ? 1 : 0;
+    const int64_t t = t0 + (i - side * n);
+    if (anchor_of_token[t] >= 0) continue;
+    const int32_t a = assigned[side][t];
+    if (table_size == 0) {
+      if (lane == 0) entry[side][t] = static_cast<uint8_t>(a);
+      continue;
+    }
+    int lo = 0, hi = nt;  // the first lut key >= a's
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if ((lut[mid] >> 16) < static_cast<uint32_t>(a)) lo = mid + 1;
+      else hi = mid;
+    }
+    if (lo < nt && static_cast<int32_t>(lut[lo] >> 16) == a) {
+      if (lane == 0) entry[side][t] = static_cast<uint8_t>(lut[lo] & 0xFFFFu);
+      continue;
+    }
+    const float *x = X[side] + t * D;
+    int best = 0;
+    float best_v = -1.0f, best_c = 0.0f, best_norm = 0.0f;
+    for (int j = 0; j < nt; ++j) {
+      const uint16_t *row = anchors[side] + static_cast<int64_t>(table[j]) * D;
+      float xa = 0.0f, aa = 0.0f;
+      for (int d = lane; d < D; d += 32) {
+        const float f = bits_to_float(row[d], storage_bf16 != 0);
+        xa += x[d] * f;
+        aa += f * f;
+      }
+      xa = warp_sum(xa);
+      aa = warp_sum(aa);
+      const float norm = sqrtf(aa);
+      const float c = norm > 0.0f ? xa / norm : 0.0f;
+      const float v = norm > 0.0f ? fabsf(c) : -0.5f;
+      if (v > best_v) {
+        best_v = v;
+        best = j;
+        best_c = c;
+        best_norm = norm;
+      }
+    }
+    if (lane == 0) {
+      assigned[side][t] = table[best];
+      coef[side][t] = best_norm > 0.0f ? best_c / best_norm : 0.0f;
+      entry[side][t] = static_cast<uint8_t>(best);
+    }
+  }
+  __syncthreads();  // the coefficients above are final
+  float mx[2] = {0.0f, 0.0f};
+  for (int64_t i = tid; i < n; i += kTableThreads)
+    if (anchor_of_token[t0 + i] < 0)
+      for (int side = 0; side < 2; ++side) mx[side] = fmaxf(mx[side], fabsf(coef[side][t0 + i]));
+  for (int side = 0; side < 2; ++side) {
+    const float m = warp_max(mx[side]);
+    if (lane == 0) warp_max_v[side][warp] = m;
+  }
+  __syncthreads();
+  if (tid < 2) {
+    float m = 0.0f;
+    for (int w = 0; w < kTableThreads / 32; ++w) m = fmaxf(m, warp_max_v[tid][w]);
+    scales[tid] = m;
+  }
+}
+
+// One side's coefficient codes and residuals (CPU: the format-3 branch of step 5): a
+// non-anchor token codes its coefficient against its segment's scale (gamma_code), stores the
+// code, and its residual x - gamma_value * anchor (the stored anchor row) gives r_norm_sq and,
+// for keys, the residual rotated to the token's position in rk (for the utilities). index_out
+// and gamma_out get the anchor index and the coded coefficient in bf16 (what encode_kernel
+// reads: format 2's arrays, in scratch). Anchor tokens: code 0, residual 0. One warp per
+// token; grid y over heads (token arrays at y P, X at y x_stride, anchors at y k D, scales at y
+// segments 2, rk at y P D).
+__global__ void code_coefficients_kernel(const int32_t *assigned, const float *coef, const float *scales,
+                                         const float *units, int64_t P, int32_t segment_shift, int64_t segments,
+                                         int side, int k, int D, const float *X, int64_t x_stride,
+                                         const uint16_t *anchors, int storage_bf16, const int32_t *anchor_of_token,
+                                         uint8_t *code_out, uint16_t *index_out, uint16_t *gamma_out,
+                                         const int32_t *positions, int pairs, const float *inv_freq,
+                                         const int32_t *rope_first, const int32_t *rope_second, float *rk,
+                                         float *r_norm_sq) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (t >= P) return;
+  {
+    const int64_t y = blockIdx.y;
+    assigned += y * P;
+    coef += y * P;
+    scales += y * segments * 2;
+    X += y * x_stride;
+    anchors += y * k * D;
+    anchor_of_token += y * P;
+    code_out += y * P;
+    index_out += y * P;
+    gamma_out += y * P;
+    rk += y * P * D;
+    r_norm_sq += y * P;
+  }
+  if (anchor_of_token[t] >= 0) {  // exact through the anchor list
+    if (lane == 0) {
+      index_out[t] = static_cast<uint16_t>(anchor_of_token[t]);
+      gamma_out[t] = float_to_bits(1.0f, true);
+      r_norm_sq[t] = 0.0f;
+    }
+    if (side == 0)
+      for (int d = lane; d < D; d += 32) rk[t * D + d] = 0.0f;
+    return;
+  }
+  const int32_t a = assigned[t];
+  const float scale = scales[(t >> segment_shift) * 2 + side];
+  const uint8_t code = gamma_code(coef[t], scale);
+  const uint16_t gbits = float_to_bits(scale * units[code], true);
+  if (lane == 0) {
+    code_out[t] = code;
+    index_out[t] = static_cast<uint16_t>(a);
+    gamma_out[t] = gbits;
+  }
+  store_residual(X + t * D, bits_to_float(gbits, true), [&](int d) {
+    return bits_to_float(anchors[static_cast<int64_t>(a) * D + d], storage_bf16 != 0);
+  }, D, side, positions[t], pairs, inv_freq, rope_first, rope_second, rk + t * D, r_norm_sq + t);
+}
+
+}  // namespace cuda
+}  // namespace akv
