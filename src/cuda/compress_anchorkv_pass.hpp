@@ -207,8 +207,8 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
   for (int side = 0; side < 2; ++side) {
     dev.fill(s.near_token[side], 0xFF, H * P * sizeof(int32_t));  // -1: none yet
     dev.fill(s.cover_best[side], 0, H * P * sizeof(float));
-    if (rounds > 0 && count > 0)  // the norms only rank the rounds' picks
-      dev.launch(unit_rows_kernel, grid_blocks(P, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(nullptr),
+    // ||x||^2: the margin of the candidate search and the rounds' ranking.
+    dev.launch(unit_rows_kernel, grid_blocks(P, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(nullptr),
                  int64_t{0}, P, D, -1, static_cast<float *>(nullptr), static_cast<uint16_t *>(nullptr), int64_t{0},
                  s.cover_norm_sq[side], P);
   }
@@ -219,13 +219,14 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
     if (n == 0) return;
     for (int side = 0; side < 2; ++side) {
       dev.launch(unit_rows_kernel, grid_blocks(n, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(s.cover_fresh),
-                 n, n, D, storage, s.anchor_n, static_cast<uint16_t *>(nullptr), int64_t{k} * D, s.norms, int64_t{k});
+                 n, n, D, storage, s.anchor_n, s.anchor_b, int64_t{k} * D, s.norms, int64_t{k});
       with_head_dim(D, [&](auto d) {
         constexpr int DD = decltype(d)::value;
-        dev.launch(local_nearest_kernel<DD>, grid_blocks(P, near_tokens(DD)), H, 128, X[side], S * D, range,
+        dev.launch(local_nearest_kernel<DD>, grid_blocks(P, near_tokens(DD)), H, 128, X[side], S * D,
+                   static_cast<const float *>(s.cover_norm_sq[side]), range,
                    static_cast<const uint32_t *>(s.cover_fresh), n, n_sorted, n_tail,
-                   static_cast<const float *>(s.anchor_n), static_cast<const float *>(s.norms), int64_t{k} * D,
-                   s.near_token[side], s.cover_best[side]);
+                   static_cast<const float *>(s.anchor_n), static_cast<const uint16_t *>(s.anchor_b),
+                   static_cast<const float *>(s.norms), int64_t{k} * D, s.near_token[side], s.cover_best[side]);
       });
     }
   };

@@ -365,6 +365,41 @@ __device__ __forceinline__ float nearest_value(const float *x, const float *anch
   return fabsf(dot);
 }
 
+// One thread's share of a token's approximate products: the kNearKeep largest values (in
+// order) with their indices, and the largest value it had to drop.
+struct NearKeep {
+  float v[kNearKeep];
+  int a[kNearKeep];
+  float dropped = -INFINITY;
+  __device__ NearKeep() {
+    for (int c = 0; c < kNearKeep; ++c) v[c] = -INFINITY, a[c] = -1;
+  }
+  __device__ __forceinline__ void offer(float value, int index) {
+    if (value <= v[kNearKeep - 1]) {
+      dropped = fmaxf(dropped, value);
+      return;
+    }
+    dropped = fmaxf(dropped, v[kNearKeep - 1]);
+    int c = kNearKeep - 1;
+    for (; c > 0 && value > v[c - 1]; --c) v[c] = v[c - 1], a[c] = a[c - 1];
+    v[c] = value;
+    a[c] = index;
+  }
+  // Over the PARTS consecutive lanes that share a token: the largest kept and dropped values.
+  template <int PARTS>
+  __device__ __forceinline__ float top() const {
+    float x = v[0];
+    for (int m = 1; m < PARTS; m <<= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, m));
+    return x;
+  }
+  template <int PARTS>
+  __device__ __forceinline__ float worst_drop() const {
+    float x = dropped;
+    for (int m = 1; m < PARTS; m <<= 1) x = fmaxf(x, __shfl_xor_sync(kFullMask, x, m));
+    return x;
+  }
+};
+
 // Better (value, index) under "largest value, then lower index".
 __device__ __forceinline__ bool nearest_better(float v, int a, float bv, int ba) {
   return v > bv || (v == bv && a < ba);
@@ -416,10 +451,7 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
     }
   }
   const int mine = tid / PARTS, part = tid % PARTS;  // token of the block, part of each tile
-  float keep_v[kNearKeep];
-  int keep_a[kNearKeep];
-  for (int c = 0; c < kNearKeep; ++c) keep_v[c] = -INFINITY, keep_a[c] = -1;
-  float dropped = -INFINITY;
+  NearKeep keep;
   for (int a0 = 0; a0 < k; a0 += kNearAnchors) {
     __syncthreads();  // the previous tile's products are consumed (and xs is written)
     // The anchor tile, 4 bf16 per 8-byte load (zeros past k).
@@ -436,24 +468,11 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
     for (int jj = 0; jj < PER; ++jj) {
       const int j = part * PER + jj, a = a0 + j;
       if (a >= k) break;
-      float v = norms && !(norms[a] > 0.0f) ? -0.5f : fabsf(cs[mine][j]);
-      if (v <= keep_v[kNearKeep - 1]) {
-        dropped = fmaxf(dropped, v);
-        continue;
-      }
-      dropped = fmaxf(dropped, keep_v[kNearKeep - 1]);
-      int c = kNearKeep - 1;
-      for (; c > 0 && v > keep_v[c - 1]; --c) keep_v[c] = keep_v[c - 1], keep_a[c] = keep_a[c - 1];
-      keep_v[c] = v;
-      keep_a[c] = a;
+      keep.offer(norms && !(norms[a] > 0.0f) ? -0.5f : fabsf(cs[mine][j]), a);
     }
   }
   // The token's approximate best and margin over its PARTS threads (consecutive lanes).
-  float top = keep_v[0], worst_drop = dropped;
-  for (int m = 1; m < PARTS; m <<= 1) {
-    top = fmaxf(top, __shfl_xor_sync(kFullMask, top, m));
-    worst_drop = fmaxf(worst_drop, __shfl_xor_sync(kFullMask, worst_drop, m));
-  }
+  const float top = keep.top<PARTS>(), worst_drop = keep.worst_drop<PARTS>();
   const int64_t t = t0 + mine;
   const float floor_v = top - kNearMargin * xnorm[mine];
   const bool full_scan = worst_drop >= floor_v;
@@ -468,9 +487,9 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
       }
     } else {
       for (int c = 0; c < kNearKeep; ++c) {
-        if (keep_a[c] < 0 || keep_v[c] < floor_v) continue;
-        const float v = nearest_value(x, anchor_n, norms, keep_a[c], D);
-        if (nearest_better(v, keep_a[c], best_v, best_a)) best_v = v, best_a = keep_a[c];
+        if (keep.a[c] < 0 || keep.v[c] < floor_v) continue;
+        const float v = nearest_value(x, anchor_n, norms, keep.a[c], D);
+        if (nearest_better(v, keep.a[c], best_v, best_a)) best_v = v, best_a = keep.a[c];
       }
     }
   }

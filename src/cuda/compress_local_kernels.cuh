@@ -48,96 +48,118 @@ __device__ __forceinline__ bool local_better(float v, int32_t token, float best_
 // Raises every prefix token's nearest candidate with the anchor tokens ids[0..n_sorted)
 // (increasing; only those inside the token's candidate positions count) and
 // ids[n_sorted..n_sorted + n_tail) (the window: every token's candidates). rows: the
-// candidates' rows as stored (rounded to the storage dtype), divided by their norms; row_norm_sq
-// their squared norms (0: never chosen). A token keeps the token of largest |x . row| (ties: the
-// lower token) in near_token (-1: none yet) and x . row in near_dot, x its pre-RoPE key or
-// value. One block of 128 threads per TOK tokens (a tile lies inside one segment: segments are
-// multiples of 256 positions); chunks of AC candidates go through shared memory, each token's
-// products split over 128 / TOK threads. Grid y over heads: head y's X at y x_stride, ids at y
-// ids_stride, rows at y rows_stride (row_norm_sq at y rows_stride / D), outputs at y P.
+// candidates' rows as stored (rounded to the storage dtype), divided by their norms, in fp32 and
+// (rows_b) bf16; row_norm_sq their squared norms (0: never chosen). A token keeps the token of
+// largest |x . row| (ties: the lower token) in near_token (-1: none yet) and x . row in
+// near_dot, x its pre-RoPE key or value (x_norm_sq: ||x||^2).
+// The search is nearest_anchor_kernel's: bf16 tensor-core products of a TOK-token x
+// 32-candidate tile (a tile of tokens lies inside one segment: segments are multiples of 256
+// positions), each token keeping its kNearKeep best approximate |c| per part; those within
+// kNearMargin ||x|| of the best (every candidate, when a part dropped one there) are rescored
+// in fp32. A token whose approximate best is below its best so far by more than the margin is
+// left as it is (the usual case in later coverage rounds). Grid (ceil(P / TOK), heads) blocks
+// of 128: head y's X at y x_stride, ids at y ids_stride, rows and rows_b at y rows_stride,
+// row_norm_sq at y rows_stride / D, x_norm_sq and the outputs at y P.
 template <int D>
-__global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int64_t x_stride, const LocalRange range,
-                                                            const uint32_t *ids, int64_t ids_stride, int64_t n_sorted,
-                                                            int64_t n_tail, const float *rows, const float *row_norm_sq,
-                                                            int64_t rows_stride, int32_t *near_token, float *near_dot) {
-  constexpr int TOK = near_tokens(D), AC = 2048 / D, PARTS = 128 / TOK, APT = AC / PARTS;
-  static_assert(APT >= 1 && AC % PARTS == 0, "candidate chunk");
-  AKV_STATIC_SHARED(float, xs, [TOK][D + 1]);
-  AKV_STATIC_SHARED(__align__(16) float, as, [D][AC]);
-  AKV_STATIC_SHARED(int32_t, cand, [AC]);
+__global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int64_t x_stride, const float *x_norm_sq,
+                                                            const LocalRange range, const uint32_t *ids,
+                                                            int64_t ids_stride, int64_t n_sorted, int64_t n_tail,
+                                                            const float *rows, const uint16_t *rows_b,
+                                                            const float *row_norm_sq, int64_t rows_stride,
+                                                            int32_t *near_token, float *near_dot) {
+  constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = kNearAnchors / PARTS;
+  AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
+  AKV_STATIC_SHARED(__align__(32) uint16_t, as, [kNearAnchors][D + 8]);
+  AKV_STATIC_SHARED(__align__(32) float, cs, [TOK][kNearAnchors + 4]);
+  AKV_STATIC_SHARED(int32_t, usable, [kNearAnchors]);
   AKV_STATIC_SHARED(int64_t, bounds, [2]);
-  AKV_STATIC_SHARED(float, part_v, [PARTS][TOK]);
-  AKV_STATIC_SHARED(int32_t, part_token, [PARTS][TOK]);
   const int64_t P = range.prefix, t0 = static_cast<int64_t>(blockIdx.x) * TOK;
   {
     const int64_t y = blockIdx.y;
     X += y * x_stride;
+    x_norm_sq += y * P;
     ids += y * ids_stride;
     rows += y * rows_stride;
+    rows_b += y * rows_stride;
     row_norm_sq += y * (rows_stride / D);
     near_token += y * P;
     near_dot += y * P;
   }
-  const int tid = threadIdx.x, tok = tid % TOK, part = tid / TOK;
+  const int tid = threadIdx.x;
   if (tid == 0) {
     int64_t first, last;
     candidate_positions(range, t0 >> range.segment_shift, &first, &last);
     bounds[0] = lower_bound_u32(ids, n_sorted, first);
     bounds[1] = lower_bound_u32(ids, n_sorted, last);
   }
-  for (int i = tid; i < TOK * D; i += 128) {
-    const int r = i / D, d = i % D;
-    xs[r][d] = t0 + r < P ? X[(t0 + r) * D + d] : 0.0f;
+  for (int e = tid; e < TOK * D; e += 128) {
+    const int i = e / D, d = e % D;
+    xs[i][d] = t0 + i < P ? float_to_bits(X[(t0 + i) * D + d], true) : uint16_t{0};
   }
   __syncthreads();
   const int64_t lo = bounds[0], in_range = bounds[1] - bounds[0], count = in_range + n_tail;
-  float best_v = 0.0f, best_dot = 0.0f;
-  int32_t best_token = -1;
-  for (int64_t c0 = 0; c0 < count; c0 += AC) {
-    __syncthreads();  // the previous chunk is read
-    for (int i = tid; i < AC * D; i += 128) {
-      const int j = i / D, d = i % D;
-      const int64_t c = c0 + j;
-      const int64_t row = c < in_range ? lo + c : n_sorted + (c - in_range);
-      const bool real = c < count;
-      as[d][j] = real ? rows[row * D + d] : 0.0f;
-      if (d == 0) cand[j] = real && row_norm_sq[row] > 0.0f ? static_cast<int32_t>(ids[row]) : -1;
+  // Candidate c (in token order: the range's, then the window's) is row row_of(c).
+  auto row_of = [&](int64_t c) { return c < in_range ? lo + c : n_sorted + (c - in_range); };
+  const int mine = tid / PARTS, part = tid % PARTS;  // token of the block, part of each tile
+  NearKeep keep;
+  for (int64_t c0 = 0; c0 < count; c0 += kNearAnchors) {
+    __syncthreads();  // the previous tile's products are consumed
+    constexpr int quads = D / 4;
+    for (int e = tid; e < kNearAnchors * quads; e += 128) {
+      const int j = e / quads, d = (e % quads) * 4;
+      uint64_t v = 0;
+      if (c0 + j < count) v = *reinterpret_cast<const uint64_t *>(rows_b + row_of(c0 + j) * D + d);
+      *reinterpret_cast<uint64_t *>(&as[j][d]) = v;
     }
+    if (tid < kNearAnchors) usable[tid] = c0 + tid < count && row_norm_sq[row_of(c0 + tid)] > 0.0f;
     __syncthreads();
-    float acc[APT];
-    for (int j = 0; j < APT; ++j) acc[j] = 0.0f;
-    for (int d = 0; d < D; ++d) {
-      const float xv = xs[tok][d];
-      for (int j = 0; j < APT; ++j) acc[j] += xv * as[d][part * APT + j];
-    }
-    for (int j = 0; j < APT; ++j) {
-      const int32_t token = cand[part * APT + j];
-      const float v = fabsf(acc[j]);
-      if (token >= 0 && local_better(v, token, best_v, best_token)) {
-        best_v = v;
-        best_dot = acc[j];
-        best_token = token;
-      }
+    nearest_tile_products<D, TOK>(xs, as, cs);
+    __syncthreads();
+    for (int jj = 0; jj < PER; ++jj) {
+      const int j = part * PER + jj;
+      if (usable[j]) keep.offer(fabsf(cs[mine][j]), static_cast<int>(c0 + j));
     }
   }
-  part_v[part][tok] = best_dot;
-  part_token[part][tok] = best_token;
-  __syncthreads();
-  const int64_t t = t0 + tok;
-  if (part != 0 || t >= P) return;
-  for (int q = 1; q < PARTS; ++q) {
-    const int32_t token = part_token[q][tok];
-    const float dot = part_v[q][tok];
-    if (token >= 0 && local_better(fabsf(dot), token, best_v, best_token)) {
+  const float top = keep.top<PARTS>(), worst_drop = keep.worst_drop<PARTS>();
+  const int64_t t = t0 + mine;
+  const float x_norm = t < P ? sqrtf(x_norm_sq[t]) : 0.0f;
+  const int32_t had = t < P ? near_token[t] : -1;
+  const float had_v = t < P ? fabsf(near_dot[t]) : 0.0f;
+  // Nothing to rescore: no usable candidate, or none can reach the best so far.
+  const bool skip = t >= P || top == -INFINITY || (had >= 0 && top + kNearMargin * x_norm < had_v);
+  const float floor_v = top - kNearMargin * x_norm;
+  const bool full_scan = worst_drop >= floor_v;
+  float best_v = -1.0f, best_dot = 0.0f;
+  int best_c = 0x7fffffff;
+  auto rescore = [&](int64_t c) {
+    const int64_t r = row_of(c);
+    if (!(row_norm_sq[r] > 0.0f)) return;
+    const float *x = X + t * D, *row = rows + r * D;
+    float dot = 0.0f;
+    for (int d = 0; d < D; ++d) dot += x[d] * row[d];
+    if (nearest_better(fabsf(dot), static_cast<int>(c), best_v, best_c)) {
       best_v = fabsf(dot);
       best_dot = dot;
-      best_token = token;
+      best_c = static_cast<int>(c);
+    }
+  };
+  if (!skip) {
+    if (full_scan) {
+      for (int64_t c = part; c < count; c += PARTS) rescore(c);
+    } else {
+      for (int q = 0; q < kNearKeep; ++q)
+        if (keep.a[q] >= 0 && keep.v[q] >= floor_v) rescore(keep.a[q]);
     }
   }
-  if (best_token < 0) return;
-  const int32_t had = near_token[t];
-  if (local_better(best_v, best_token, fabsf(near_dot[t]), had)) {
-    near_token[t] = best_token;
+  for (int m = 1; m < PARTS; m <<= 1) {
+    const float ov = __shfl_xor_sync(kFullMask, best_v, m), od = __shfl_xor_sync(kFullMask, best_dot, m);
+    const int oc = __shfl_xor_sync(kFullMask, best_c, m);
+    if (nearest_better(ov, oc, best_v, best_c)) best_v = ov, best_dot = od, best_c = oc;
+  }
+  if (part != 0 || skip || best_c == 0x7fffffff) return;
+  const int32_t token = static_cast<int32_t>(ids[row_of(best_c)]);
+  if (local_better(best_v, token, had_v, had)) {
+    near_token[t] = token;
     near_dot[t] = best_dot;
   }
 }
