@@ -204,7 +204,10 @@ template <class Dev>
 void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_t P, int D, int W, int k,
                     int64_t free_anchors, int64_t n0, int64_t count, int rounds, const LocalRange &range, int storage) {
   const float *X[2] = {s.kpre, s.v};
+  // The prefix rows in bf16, both sides in s.rk (free until the residuals).
+  uint16_t *x_b[2] = {reinterpret_cast<uint16_t *>(s.rk), reinterpret_cast<uint16_t *>(s.rk) + H * P * D};
   for (int side = 0; side < 2; ++side) {
+    dev.launch(bf16_rows_kernel, grid_blocks(P * D / 4, 128), H, 128, X[side], S * D, P * D, x_b[side]);
     dev.fill(s.near_token[side], 0xFF, H * P * sizeof(int32_t));  // -1: none yet
     dev.fill(s.cover_best[side], 0, H * P * sizeof(float));
     // ||x||^2: the margin of the candidate search and the rounds' ranking.
@@ -223,7 +226,7 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
       with_head_dim(D, [&](auto d) {
         constexpr int DD = decltype(d)::value;
         dev.launch(local_nearest_kernel<DD>, grid_blocks(P, near_tokens(DD)), H, 128, X[side], S * D,
-                   static_cast<const float *>(s.cover_norm_sq[side]), range,
+                   static_cast<const uint16_t *>(x_b[side]), static_cast<const float *>(s.cover_norm_sq[side]), range,
                    static_cast<const uint32_t *>(s.cover_fresh), n, n_sorted, n_tail,
                    static_cast<const float *>(s.anchor_n), static_cast<const uint16_t *>(s.anchor_b),
                    static_cast<const float *>(s.norms), int64_t{k} * D, s.near_token[side], s.cover_best[side]);

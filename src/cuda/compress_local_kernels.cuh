@@ -51,17 +51,18 @@ __device__ __forceinline__ bool local_better(float v, int32_t token, float best_
 // candidates' rows as stored (rounded to the storage dtype), divided by their norms, in fp32 and
 // (rows_b) bf16; row_norm_sq their squared norms (0: never chosen). A token keeps the token of
 // largest |x . row| (ties: the lower token) in near_token (-1: none yet) and x . row in
-// near_dot, x its pre-RoPE key or value (x_norm_sq: ||x||^2).
+// near_dot, x its pre-RoPE key or value (x_b: the rows in bf16, x_norm_sq: ||x||^2).
 // The search is nearest_anchor_kernel's: bf16 tensor-core products of a TOK-token x
 // 32-candidate tile (a tile of tokens lies inside one segment: segments are multiples of 256
 // positions), each token keeping its kNearKeep best approximate |c| per part; those within
 // kNearMargin ||x|| of the best (every candidate, when a part dropped one there) are rescored
 // in fp32. A token whose approximate best is below its best so far by more than the margin is
 // left as it is (the usual case in later coverage rounds). Grid (ceil(P / TOK), heads) blocks
-// of 128: head y's X at y x_stride, ids at y ids_stride, rows and rows_b at y rows_stride,
-// row_norm_sq at y rows_stride / D, x_norm_sq and the outputs at y P.
+// of 128: head y's X at y x_stride, x_b at y P D, ids at y ids_stride, rows and rows_b at y
+// rows_stride, row_norm_sq at y rows_stride / D, x_norm_sq and the outputs at y P.
 template <int D>
-__global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int64_t x_stride, const float *x_norm_sq,
+__global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int64_t x_stride, const uint16_t *x_b,
+                                                            const float *x_norm_sq,
                                                             const LocalRange range, const uint32_t *ids,
                                                             int64_t ids_stride, int64_t n_sorted, int64_t n_tail,
                                                             const float *rows, const uint16_t *rows_b,
@@ -77,6 +78,7 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
   {
     const int64_t y = blockIdx.y;
     X += y * x_stride;
+    x_b += y * P * D;
     x_norm_sq += y * P;
     ids += y * ids_stride;
     rows += y * rows_stride;
@@ -92,9 +94,11 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
     bounds[0] = lower_bound_u32(ids, n_sorted, first);
     bounds[1] = lower_bound_u32(ids, n_sorted, last);
   }
-  for (int e = tid; e < TOK * D; e += 128) {
-    const int i = e / D, d = e % D;
-    xs[i][d] = t0 + i < P ? float_to_bits(X[(t0 + i) * D + d], true) : uint16_t{0};
+  constexpr int quads = D / 4;
+  for (int e = tid; e < TOK * quads; e += 128) {
+    const int i = e / quads, d = (e % quads) * 4;
+    const uint64_t v = t0 + i < P ? *reinterpret_cast<const uint64_t *>(x_b + (t0 + i) * D + d) : 0;
+    *reinterpret_cast<uint64_t *>(&xs[i][d]) = v;
   }
   __syncthreads();
   const int64_t lo = bounds[0], in_range = bounds[1] - bounds[0], count = in_range + n_tail;
@@ -104,7 +108,6 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
   NearKeep keep;
   for (int64_t c0 = 0; c0 < count; c0 += kNearAnchors) {
     __syncthreads();  // the previous tile's products are consumed
-    constexpr int quads = D / 4;
     for (int e = tid; e < kNearAnchors * quads; e += 128) {
       const int j = e / quads, d = (e % quads) * 4;
       uint64_t v = 0;
@@ -162,6 +165,17 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
     near_token[t] = token;
     near_dot[t] = best_dot;
   }
+}
+
+// out[i] = bf16(X[i]) for i < n (n a multiple of 4), four a thread; grid y over heads (X at y
+// x_stride, out at y n): the prefix rows the candidate search reads every round, at half the
+// bytes.
+__global__ void bf16_rows_kernel(const float *X, int64_t x_stride, int64_t n, uint16_t *out) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i >= n) return;
+  X += blockIdx.y * x_stride;
+  out += blockIdx.y * n;
+  for (int e = 0; e < 4; ++e) out[i + e] = float_to_bits(X[i + e], true);
 }
 
 // Every prefix token's anchor and coefficient from its nearest candidate (CPU: the local branch
