@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Predicted cost of the CUDA AnchorKV compression pass, per profiler stage (issue 15).
+"""Predicted cost of the CUDA AnchorKV compression pass, per profiler stage (issues 15, 25).
 
 This is a MODEL, not a measurement. From the shape (H=8 KV heads, Hq=32, D=128, bf16, W=32,
 theta=0.05, akv_compress_options_init defaults) it re-derives the geometry of src/core/layout.cpp
@@ -13,10 +13,21 @@ Compare with a device run: `ANCHORKV_COMPRESS_PROFILE=1` makes the pass print on
 "anchorkv AnchorKV compress S=...: setup x ms; load x ms; ...; total x ms; N stream operations",
 with the stage names used here; scripts/bench_compress.py prints that line after its timed runs.
 The "ops" column is the library's own operation count (CudaDevice::operations) and is checked
-against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (97 per layer up to 64K, 172 at 128K).
-Usage: python3 scripts/predict_compress.py [--seq-lens 32768 65536 131072]
+against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 217 per layer up to 64K,
+412 at 128K; format 3: 289 and 556).
+
+Storage format 3 (the default) searches each token's local candidates (local_nearest_kernel in
+src/cuda/compress_local_kernels.cuh): its cost comes from the kernel's SASS, counted by
+scripts/sass_count.py (--sass JSON from `sass_count.py --json`; without it, the counts below,
+taken from it at the commit that added them): warp instructions per 32-candidate chunk and per
+64-token tile, and the fp32 rescoring loop, issued at IPC of 4 schedulers x SMS at CLOCK_HZ.
+The share of tokens that a coverage round's candidates cannot improve (their approximate best
+stays below the token's best by the margin: no rescoring, no fp32 row read) is ASSUMED
+(SKIP_SHARE); a device run would measure it.
+Usage: python3 scripts/predict_compress.py [--seq-lens 32768 65536 131072] [--format 2|3] [--sass JSON]
 """
 import argparse
+import json
 import math
 
 # ---- Hardware assumptions (NVIDIA H200 SXM) ---------------------------------------------------
@@ -39,7 +50,18 @@ PREFIX_CHUNK_S = 1.5e-6   # prefix_kernel: one 1024-word chunk of a head (a glob
 ENCODE_RESIDUAL_S = 1.0e-6  # one residual in encode_kernel: dependent loads, FWHT shuffles, 3 reductions
 RESIDENT_WARPS = SMS * 32   # encode_kernel blocks (one warp each) resident at once (32 blocks/SM)
 
-TARGET_MS = {32768: 0.5, 65536: 1.5, 131072: 8.9}  # issue 15
+CLOCK_HZ = 1.98e9        # boost clock
+IPC = 0.7                 # warp instructions issued per scheduler per cycle (scripts/predict_decode.py's)
+ISSUE_PER_S = SMS * 4 * CLOCK_HZ * IPC
+SKIP_SHARE = 0.5          # ASSUMED: share of a coverage round's tokens left alone (see the docstring)
+# local_nearest_kernel<128> from scripts/sass_count.py (used without --sass): warp instructions per
+# 32-candidate chunk and per tile (per warp, 4 warps a block), the rescoring loop's static SASS per
+# 16 dims (one pass per rescored candidate).
+LOCAL = {"warp_instr_per_chunk": 787, "warp_instr_per_tile": 1039, "rescore_loop_static": 56,
+              "rescore_dims_per_iteration": 16}
+RESCORED = 1.5            # ASSUMED: candidates rescored in fp32 per token that is not left alone
+
+TARGET_MS = {32768: 0.5, 65536: 1.5, 131072: 8.9}  # issue 15: 2% of SDPA's causal prefill attention
 STAGES = ["setup", "load", "window attention", "scores+pooling", "anchor selection", "assignment",
           "utilities", "residual selection", "encoding"]  # compress_anchorkv_pass.hpp stage_name()
 
@@ -51,12 +73,30 @@ PAIRS = D // 2            # NeoX RoPE over the whole head (rotary_dim 0 = D)
 HEAD_BATCH_BUDGET = 2 << 30
 
 
+FORMAT = 3  # set by --format
+
+
+def segment_length(P, k):
+    """layout.cpp segment_length()."""
+    if k <= 256:
+        return 1024
+    n = 256
+    while n < 4096 and 2 * n * k <= 64 * P:
+        n *= 2
+    return n
+
+
 def geometry_for(S, k):
     """layout.cpp geometry_for(): base bytes and residual counts for k anchors per head."""
     P, words = S - W, (S - W + 63) // 64
     full = 4 * S * H * D
     budget = THETA * full
-    base = H * (4 * k * D + 8 * (k - W) + 2 * P * 4) + 24 * H * words + 8 * (H + 1) + 4 * P
+    if FORMAT == 3:  # design.md 3.7: one-byte entries and codes, tables, code scales, no positions
+        L = segment_length(P, k)
+        segs, T = -(-P // L), (256 if k > 256 else 0)
+        base = H * (4 * k * D + 8 * (k - W) + 4 * P + segs * (2 * T + 8)) + 24 * H * words + 8 * (H + 1)
+    else:
+        base = H * (4 * k * D + 8 * (k - W) + 2 * P * 4) + 24 * H * words + 8 * (H + 1) + 4 * P
     g = dict(S=S, P=P, words=words, k=k, full=full, base=base, fits=base <= budget, nk=0, nv=0)
     if not g["fits"]:
         return g
@@ -106,6 +146,7 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
     arrays += [(i4, H * P)] * 8 + [(u8, P), (i4, hb * P), (i4, hb * P), (i4, S), (i4, PAIRS), (i4, PAIRS),
                (i4, 1)] + [(f, hb * P)] * 4 + [(f, 2 * hb), (i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P),
                (i4, 0)]
+    arrays += [(i4, hb * P), (i4, hb * P), (f, hb * P), (u2, H * P), (u2, H * P)] * 2 + [(f, 256)]  # format 3's
     at = 0
     for size, count in arrays:
         at = (at + 255) // 256 * 256 + size * max(count, 1)
@@ -160,6 +201,72 @@ class Pass:
     def unit_rows(self, hb, n, bf16_copy):  # unit_rows_kernel: read X rows, write unit rows (+bf16)
         self.op(simt=hb * n * 3 * D, hbm=hb * n * (D * 4 + D * 4 + (D * 2 if bf16_copy else 4)))
 
+    def local_search(self, hb, g, candidates, fresh):
+        """local_nearest_kernel<128> over every token of hb heads against `candidates` per token
+        (the absorbed rows in its reach, and the window's): per 64-token tile, the token rows in
+        bf16, ceil(candidates / 32) chunks, and fp32 rescoring of the tokens not left alone (a
+        warp's rescoring runs when any of its 16 tokens needs it: taken as that share)."""
+        P = g["P"]
+        tiles = hb * -(-P // 64)
+        chunks = max(1, -(-candidates // 32))
+        rescore = 0.0 if fresh else SKIP_SHARE
+        per_warp = (LOCAL["warp_instr_per_tile"] + chunks * LOCAL["warp_instr_per_chunk"]
+                    + (1 - rescore) * RESCORED * LOCAL["rescore_loop_static"] * D / LOCAL["rescore_dims_per_iteration"])
+        hbm = tiles * 64 * D * 2 + (1 - rescore) * hb * P * D * 4 + hb * P * 8  # bf16 rows, fp32 rescoring rows, outputs
+        self.op(hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
+
+
+def local_pass(x, g, hb):
+    """Format 3 from the coverage on (compress_anchorkv_pass.hpp local_coverage(), then the
+    assignment with tables and codes); the utilities, as format 2's."""
+    P, k, S = g["P"], g["k"], g["S"]
+    free, n_top, n_rand = k - W, g["n_top"], g["n_rand"]
+    m = (HQ // H) * W
+    L = segment_length(P, k)
+    reach = (64 * P + free - 1) // free if k > 256 else P
+    share = min(1.0, (L + 2 * reach) / P)  # of an absorb's prefix rows, those in a token's reach
+    for side in range(2):  # bf16 rows, near_token = -1, best = 0, ||x||^2
+        x.op(simt=hb * P * D, hbm=hb * P * D * 6)
+        x.copy(hb * P * 4)
+        x.copy(hb * P * 4)
+        x.unit_rows(hb, P, False)
+    x.op(hbm=hb * (n_top + W) * 12)                 # coverage_take_kernel (+ window)
+    x.sort_segments(hb, n_top + W)                  # the candidates by token
+    absorbs = [(n_top, True)]
+    left, at, R = n_rand, n_top, OPT["coverage_rounds"]
+    for rnd in range(R):
+        take = min(-(-left // (R - rnd)), P - at)
+        x.op(simt=hb * 2 * P * 3, hbm=hb * 2 * P * 8)        # coverage_means_kernel
+        x.op(simt=hb * P * 10, hbm=hb * P * (4 * 5 + 8))     # coverage_keys_kernel
+        x.sort_segments(hb, P)                               # worst-represented first
+        x.op(hbm=hb * take * 12)                             # coverage_take_kernel (picks)
+        x.op(hbm=hb * take * 12)                             # coverage_take_kernel (candidates)
+        x.sort_segments(hb, take)                            # by token
+        absorbs.append((take, False))
+        left, at = left - take, at + take
+    for i, (n, fresh) in enumerate(absorbs):        # absorb(): per side, candidate rows + the search
+        for side in range(2):
+            x.unit_rows(hb, n + (W if i == 0 else 0), True)
+            x.local_search(hb, g, n * share + (W if i == 0 else 0), fresh)
+    x.sort_segments(hb, free)                       # picks by token
+    x.copy(hb * P * 4)                              # anchor_of_token = -1
+    x.stage = "assignment"
+    for side in range(2):
+        x.op(simt=hb * k * 4 * D, hbm=hb * k * D * (4 + 2 + 4 + 4 + 2))  # anchors_kernel
+        x.op(simt=hb * P * 4, hbm=hb * P * 24)                          # local_assign_kernel
+    # segment_tables_kernel: two bitonic sorts of 2L keys per segment in shared memory
+    sort_steps = math.log2(2 * L) * (math.log2(2 * L) + 1) / 2
+    x.op(simt=hb * 2 * P * sort_steps * 2 * 6, hbm=hb * P * 2 * 12)
+    for side in range(2):                           # code_coefficients_kernel (keys: rotated residuals)
+        rk = side == 0
+        x.op(simt=hb * P * (6 * D + (2 * D + PAIRS * 26 if rk else 0)),
+             hbm=hb * P * (D * 4 + D * 2 + 16 + (D * 4 if rk else 0)))
+    x.stage = "utilities"  # Z = Q R_K^T, VY = Y V^T (fp32 cuBLAS), ||y||^2, utility_kernel
+    x.op(gemm=2 * hb * m * P * D, hbm=hb * (P * D + m * P) * 4)
+    x.op(gemm=2 * hb * m * P * D, hbm=hb * (P * D + m * P) * 4)
+    x.op(simt=hb * m * D * 2, hbm=hb * m * D * 4)
+    x.op(simt=hb * P * (2 * D + 8 * m), hbm=hb * P * (3 * m * 4 + D * 4 + 16 + 8 * 4))
+
 
 def predict(S):
     g = anchor_geometry(S)
@@ -189,6 +296,9 @@ def predict(S):
         x.sort_segments(hb, P)                      # rank by pooled score
         x.copy(hb * P * 4)                          # cover_anchor = 0
         x.op(hbm=hb * n_top * 12)                   # coverage_take_kernel (scored picks)
+        if FORMAT == 3:
+            local_pass(x, g, hb)
+            continue
         for side in range(2):                       # unit prefix rows, cover_best = 0
             x.unit_rows(hb, P, False)
             x.copy(hb * P * 4)
@@ -245,8 +355,15 @@ def predict(S):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072])
+    ap.add_argument("--format", type=int, choices=(2, 3), default=3, help="storage_format (3: the default)")
+    ap.add_argument("--sass", help="scripts/sass_count.py --json output (its local_search counts)")
     args = ap.parse_args()
-    print(f"Model of the CUDA AnchorKV pass (H={H}, Hq={HQ}, D={D}, bf16, W={W}, theta={THETA}, default options) "
+    global FORMAT
+    FORMAT = args.format
+    if args.sass:
+        with open(args.sass) as fh:
+            LOCAL.update(json.load(fh)["local_search"])
+    print(f"Model of the CUDA AnchorKV pass (storage format {FORMAT}, H={H}, Hq={HQ}, D={D}, bf16, W={W}, theta={THETA}, default options) "
           f"on an H200: SGEMM {SGEMM_FLOPS / 1e12:.0f} TF, wmma {TC_BF16_FLOPS / 1e12:.0f} TF, SIMT "
           f"{SIMT_FLOPS / 1e12:.1f} TF, HBM {HBM_BPS / 1e12:.1f} TB/s, {LAUNCH_S * 1e6:.0f} us/launch.")
     print("GFLOP columns: fp32 cuBLAS GEMM | bf16 wmma | SIMT fp32; sort MB = key bytes sorted; "
@@ -255,7 +372,7 @@ def main():
         g, HB, x = predict(S)
         total = {key: sum(r[key] for r in x.rows.values()) for key in Pass.KEYS}
         if S in (32768, 65536, 131072):  # tests/emu CompressLaunchCount.PerLayerAtBenchShapes
-            expected = 97 if HB == 8 else 172
+            expected = {(2, 8): 217, (2, 4): 412, (3, 8): 289, (3, 4): 556}[(FORMAT, HB)]
             assert HB == (8 if S <= 65536 else 4) and total["ops"] == expected, (HB, total["ops"])
         print(f"### S = {S}: k = {g['k']} anchors/head ({g['n_top']} scored, {g['n_rand']} coverage), "
               f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({H // HB} batches)\n")

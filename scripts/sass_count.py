@@ -216,9 +216,12 @@ def nvcc_cubin(workdir, nvcc, name, source, flags=()):
 
 
 def compile_cubin(workdir, nvcc):
-    source = '#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_kernels.cuh"\n'
+    source = '#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_local_kernels.cuh"\n'
     for k in ("decode_split_kernel<128, 4>", "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
         source += f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n"
+    source += ("template __global__ void akv::cuda::local_nearest_kernel<128>(const float *, int64_t, const uint16_t *, "
+               "const float *, const akv::cuda::LocalRange, const uint32_t *, int64_t, int64_t, int64_t, const float *, "
+               "const uint16_t *, const float *, int64_t, int32_t *, float *);\n")
     return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo", "-DAKV_SASS_PIN_BF16_FUSED"))
 
 
@@ -307,6 +310,45 @@ def kernel_summary(f):
         "shared_atomics": ops["ATOMS"],
         "global_atomics": ops["RED"] + ops["ATOMG"] + ops["ATOM"],
     }
+
+
+def loops(f):
+    """The loops of a kernel (each backward branch to a label before it): (first, last
+    instruction, static instructions, opcode counts), outermost first."""
+    out = []
+    for i, x in enumerate(f["ins"]):
+        if x["op"].startswith("BRA") and x["target"] in f["labels"] and f["labels"][x["target"]] <= i:
+            a = f["labels"][x["target"]]
+            ops = collections.Counter(y["op"].split(".")[0] for y in f["ins"][a:i + 1])
+            out.append((a, i, i + 1 - a, ops))
+    return sorted(out, key=lambda l: (l[0], -l[1]))
+
+
+def local_search_cost(f):
+    """local_nearest_kernel<128> (format 3's candidate search, 64 tokens x 32 candidates a chunk,
+    4 warps): warp instructions per chunk and per tile, from the static SASS of its loops and the
+    trip counts of the source (a chunk loads 32 candidate rows, 8 quads a thread, and offers 16
+    products a thread; a tile loads 64 token rows, 16 quads a thread; nvcc unrolls each by the
+    factor read off the body's loads or comparisons). The loop holding the HMMAs is the chunk
+    loop; the offer and row-load loops are the two inner loops of it."""
+    ls = loops(f)
+    chunk = next(l for l in ls if l[3]["HMMA"])
+    inner = [l for l in ls if chunk[0] < l[0] and l[1] < chunk[1]]
+    per_chunk = chunk[2] - sum(l[2] for l in inner)
+    for a, b, n, ops in inner:
+        if ops["FSETP"]:  # the offers: 16 a thread, unrolled by the comparisons against the 4th kept
+            per_chunk += n * 16 / max(1, ops["FSETP"] // 3)
+        else:  # the candidate rows: 8 quads a thread, unrolled by its loads
+            per_chunk += n * 8 / max(1, ops["LD"] + ops["LDG"])
+    before = [l for l in ls if l[1] < chunk[0]]
+    rows = max(before, key=lambda l: l[2])  # the token rows: 16 quads a thread
+    loads = rows[3]["LD"] + rows[3]["LDG"]
+    per_tile = (chunk[0] - sum(l[2] for l in before)) + rows[2] * 16 / max(1, loads) + 2 * 22 * 10
+    rescore = next((l for l in ls if l[0] > chunk[1] and l[3]["FFMA"]), None)
+    return {"chunk_loop_static": chunk[2], "warp_instr_per_chunk": per_chunk, "warp_instr_per_tile": per_tile,
+            "rescore_loop_static": rescore[2] if rescore else 0,
+            "rescore_dims_per_iteration": rescore[3]["FFMA"] if rescore else 0,
+            "loops": [(a, b, n) for a, b, n, _ in ls]}
 
 
 def tile_loop(f, spans, lines, fk, fv, k):
@@ -436,6 +478,13 @@ def main():
     for u in loop["unknown_loops"]:
         print(f"note: inner loop at {u[0]} line {u[1]} ({u[2]}) has no trip-count model: counted once")
     result["tile_loop"]["per_token_head"] = total / T
+    local = next(m for m in funcs if "local_nearest_kernelILi128E" in m)
+    cost = local_search_cost(funcs[local])
+    result["local_search"] = cost
+    print(f"\nlocal_nearest_kernel<128> (format 3's candidate search; per warp, 4 warps a block of 64 tokens): "
+          f"chunk loop {cost['chunk_loop_static']} static SASS, {cost['warp_instr_per_chunk']:.0f} warp instructions "
+          f"per 32-candidate chunk; {cost['warp_instr_per_tile']:.0f} per tile outside the chunks (token rows, bounds, "
+          f"end); fp32 rescoring {cost['rescore_loop_static']} static per {cost['rescore_dims_per_iteration']} dims")
     # The shipped instantiations: local memory where ptxas runs out of registers (up to 8
     # rows: 128 registers, two blocks per multiprocessor) on a path the pinned count leaves out.
     cubin2, log2 = compile_shipped(workdir, nvcc)

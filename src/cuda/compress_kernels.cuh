@@ -380,10 +380,21 @@ struct NearKeep {
       return;
     }
     dropped = fmaxf(dropped, v[kNearKeep - 1]);
-    int c = kNearKeep - 1;
-    for (; c > 0 && value > v[c - 1]; --c) v[c] = v[c - 1], a[c] = a[c - 1];
-    v[c] = value;
-    a[c] = index;
+    // Insertion with constant indices only (a run-time index would put the arrays in local
+    // memory): the entries below the new value move down one.
+    bool placed = false;
+#pragma unroll
+    for (int c = kNearKeep - 1; c >= 0; --c) {
+      if (placed) continue;
+      if (c > 0 && value > v[c - 1]) {
+        v[c] = v[c - 1];
+        a[c] = a[c - 1];
+      } else {
+        v[c] = value;
+        a[c] = index;
+        placed = true;
+      }
+    }
   }
   // Over the PARTS consecutive lanes that share a token: the largest kept and dropped values.
   template <int PARTS>
