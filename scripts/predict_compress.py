@@ -14,7 +14,7 @@ Compare with a device run: `ANCHORKV_COMPRESS_PROFILE=1` makes the pass print on
 with the stage names used here; scripts/bench_compress.py prints that line after its timed runs.
 The "ops" column is the library's own operation count (CudaDevice::operations) and is checked
 against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 217 per layer up to 64K,
-412 at 128K; format 3: 289 and 556).
+412 at 128K; format 3: 238 and 454).
 
 Storage format 3 (the default) searches each token's local candidates (local_nearest_kernel in
 src/cuda/compress_local_kernels.cuh): its cost comes from the kernel's SASS, counted by
@@ -216,6 +216,13 @@ class Pass:
         self.op(hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
 
 
+def bitonic_s(n):
+    """sort_fresh_kernel: one block's bitonic network, a barrier and a shared-memory
+    compare-exchange per step (0.3 us ASSUMED, 1 us past its 8192 keys in shared memory)."""
+    steps = math.ceil(math.log2(max(n, 2)))
+    return steps * (steps + 1) / 2 * (0.3e-6 if n <= 8192 else 1e-6)
+
+
 def local_pass(x, g, hb):
     """Format 3 from the coverage on (compress_anchorkv_pass.hpp local_coverage(), then the
     assignment with tables and codes); the utilities, as format 2's."""
@@ -230,8 +237,7 @@ def local_pass(x, g, hb):
         x.copy(hb * P * 4)
         x.copy(hb * P * 4)
         x.unit_rows(hb, P, False)
-    x.op(hbm=hb * (n_top + W) * 12)                 # coverage_take_kernel (+ window)
-    x.sort_segments(hb, n_top + W)                  # the candidates by token
+    x.op(hbm=hb * (n_top + W) * 8, latency=bitonic_s(n_top))  # sort_fresh_kernel: the candidates by token
     absorbs = [(n_top, True)]
     left, at, R = n_rand, n_top, OPT["coverage_rounds"]
     for rnd in range(R):
@@ -240,8 +246,7 @@ def local_pass(x, g, hb):
         x.op(simt=hb * P * 10, hbm=hb * P * (4 * 5 + 8))     # coverage_keys_kernel
         x.sort_segments(hb, P)                               # worst-represented first
         x.op(hbm=hb * take * 12)                             # coverage_take_kernel (picks)
-        x.op(hbm=hb * take * 12)                             # coverage_take_kernel (candidates)
-        x.sort_segments(hb, take)                            # by token
+        x.op(hbm=hb * take * 8, latency=bitonic_s(take))     # sort_fresh_kernel: by token
         absorbs.append((take, False))
         left, at = left - take, at + take
     for i, (n, fresh) in enumerate(absorbs):        # absorb(): per side, candidate rows + the search
@@ -372,7 +377,7 @@ def main():
         g, HB, x = predict(S)
         total = {key: sum(r[key] for r in x.rows.values()) for key in Pass.KEYS}
         if S in (32768, 65536, 131072):  # tests/emu CompressLaunchCount.PerLayerAtBenchShapes
-            expected = {(2, 8): 217, (2, 4): 412, (3, 8): 289, (3, 4): 556}[(FORMAT, HB)]
+            expected = {(2, 8): 217, (2, 4): 412, (3, 8): 238, (3, 4): 454}[(FORMAT, HB)]
             assert HB == (8 if S <= 65536 else 4) and total["ops"] == expected, (HB, total["ops"])
         print(f"### S = {S}: k = {g['k']} anchors/head ({g['n_top']} scored, {g['n_rand']} coverage), "
               f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({H // HB} batches)\n")

@@ -95,7 +95,7 @@ struct CompressScratch {
     take(cover_means, 2 * H);
     take(cover_keys, H * P);
     take(cover_ids, H * P);
-    take(cover_fresh, int64_t{H} * k);
+    take(cover_fresh, int64_t{H} * fresh_stride(k, 0));  // format 3: sort_fresh_kernel's padding
     take(cover_anchor, H * P);
     take(block_table, table_blocks);  // paged prefill: the block table on the device
     for (int side = 0; side < 2; ++side) {
@@ -215,28 +215,27 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
                  int64_t{0}, P, D, -1, static_cast<float *>(nullptr), static_cast<uint16_t *>(nullptr), int64_t{0},
                  s.cover_norm_sq[side], P);
   }
-  // Compares every token with the candidates s.cover_fresh ([H][n_sorted + n_tail]: increasing
-  // prefix tokens, then the window's).
-  auto absorb = [&](int64_t n_sorted, int64_t n_tail) {
+  // Compares every token with the candidates s.cover_fresh (sort_fresh_kernel's [H][stride]:
+  // n_sorted increasing prefix tokens, then n_tail of the window's).
+  auto absorb = [&](int64_t n_sorted, int64_t n_tail, int64_t stride) {
     const int64_t n = n_sorted + n_tail;
     if (n == 0) return;
     for (int side = 0; side < 2; ++side) {
       dev.launch(unit_rows_kernel, grid_blocks(n, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(s.cover_fresh),
-                 n, n, D, storage, s.anchor_n, s.anchor_b, int64_t{k} * D, s.norms, int64_t{k});
+                 stride, n, D, storage, s.anchor_n, s.anchor_b, int64_t{k} * D, s.norms, int64_t{k});
       with_head_dim(D, [&](auto d) {
         constexpr int DD = decltype(d)::value;
         dev.launch(local_nearest_kernel<DD>, grid_blocks(P, near_tokens(DD)), H, 128, X[side], S * D,
                    static_cast<const uint16_t *>(x_b[side]), static_cast<const float *>(s.cover_norm_sq[side]), range,
-                   static_cast<const uint32_t *>(s.cover_fresh), n, n_sorted, n_tail,
+                   static_cast<const uint32_t *>(s.cover_fresh), stride, n_sorted, n_tail,
                    static_cast<const float *>(s.anchor_n), static_cast<const uint16_t *>(s.anchor_b),
                    static_cast<const float *>(s.norms), int64_t{k} * D, s.near_token[side], s.cover_best[side]);
       });
     }
   };
-  dev.launch(coverage_take_kernel, grid_blocks(n0 + W, 128), H, 128, static_cast<const uint32_t *>(s.picks),
-             free_anchors, n0, s.cover_anchor, P, s.cover_fresh, n0 + W, int64_t{W});
-  dev.sort_segments_u32(s.cover_fresh, s.picks_dummy, H, n0 + W);  // the window's tokens stay last
-  absorb(n0, W);
+  dev.launch(sort_fresh_kernel, 1, H, kFreshThreads, static_cast<const uint32_t *>(s.picks), free_anchors, n0, P,
+             int64_t{W}, s.cover_fresh, fresh_stride(n0, W));
+  absorb(n0, W, fresh_stride(n0, W));
   int64_t left = count, at = n0;
   for (int round = 0; round < rounds && left > 0; ++round) {
     const int64_t take = std::min<int64_t>((left + (rounds - round) - 1) / (rounds - round), P - at);
@@ -251,10 +250,9 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
     dev.sort_segments_u32(s.cover_keys, s.cover_ids, H, P);  // ties: the lower token
     dev.launch(coverage_take_kernel, grid_blocks(take, 128), H, 128, static_cast<const uint32_t *>(s.cover_ids), P,
                take, s.cover_anchor, P, s.picks + at, free_anchors, int64_t{0});
-    dev.launch(coverage_take_kernel, grid_blocks(take, 128), H, 128, static_cast<const uint32_t *>(s.cover_ids), P,
-               take, s.cover_anchor, P, s.cover_fresh, take, int64_t{0});
-    dev.sort_segments_u32(s.cover_fresh, s.picks_dummy, H, take);
-    absorb(take, 0);
+    dev.launch(sort_fresh_kernel, 1, H, kFreshThreads, static_cast<const uint32_t *>(s.cover_ids), P, take, P,
+               int64_t{0}, s.cover_fresh, fresh_stride(take, 0));
+    absorb(take, 0, fresh_stride(take, 0));
     at += take;
     left -= take;
   }

@@ -229,6 +229,34 @@ __device__ __forceinline__ void block_bitonic_sort(uint32_t *a, int n) {
   __syncthreads();
 }
 
+// The candidates of one absorb in token order, for local_nearest_kernel: out[0..n) = ids[0..n)
+// sorted, then the window's tokens P..P + tail - 1. A bitonic sort by one block of
+// kFreshThreads per head (n is a coverage round's few hundred picks, or the scored share),
+// instead of a device-wide sort's half a dozen launches: in shared memory up to kFreshShared
+// keys, else in `out` itself. out_stride: at least n + tail and the power of two from n up (the
+// padding sorts last). Grid y over heads: ids at y ids_stride, out at y out_stride.
+constexpr int kFreshThreads = 1024, kFreshShared = 8192;
+__host__ __device__ constexpr int64_t fresh_stride(int64_t n, int64_t tail) {
+  int64_t np = 1;
+  while (np < n) np <<= 1;
+  return np > n + tail ? np : n + tail;
+}
+__global__ void __launch_bounds__(kFreshThreads) sort_fresh_kernel(const uint32_t *ids, int64_t ids_stride, int64_t n,
+                                                                   int64_t P, int64_t tail, uint32_t *out,
+                                                                   int64_t out_stride) {
+  AKV_STATIC_SHARED(uint32_t, keys, [kFreshShared]);
+  ids += blockIdx.y * ids_stride;
+  out += blockIdx.y * out_stride;
+  int np = 1;
+  while (np < n) np <<= 1;
+  uint32_t *a = np <= kFreshShared ? keys : out;
+  for (int i = threadIdx.x; i < np; i += kFreshThreads) a[i] = i < n ? ids[i] : 0xFFFFFFFFu;
+  block_bitonic_sort(a, np);
+  if (a == keys)
+    for (int i = threadIdx.x; i < n; i += kFreshThreads) out[i] = keys[i];
+  for (int j = threadIdx.x; j < tail; j += kFreshThreads) out[n + j] = static_cast<uint32_t>(P + j);
+}
+
 constexpr int kTableThreads = 256;
 constexpr int kTableSlots = 256;  // core/layout.hpp's kTableEntries (one-byte entries)
 constexpr int kMaxSegment = 4096;  // segment_length()'s largest

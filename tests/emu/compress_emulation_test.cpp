@@ -415,6 +415,31 @@ TEST(EmulatedLocalNearest, MatchesFp32Scan) {
   EXPECT_EQ(dot, want_dot);
 }
 
+// sort_fresh_kernel: in shared memory and (past 8192 keys) in its output, with and without the
+// window's tokens after the sorted ones, for two heads.
+TEST(EmulatedSortFresh, SortsThenAppendsTheWindow) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  for (int64_t n : {int64_t{1}, int64_t{300}, int64_t{9000}})
+    for (int64_t tail : {int64_t{0}, int64_t{32}}) {
+      SCOPED_TRACE("n " + std::to_string(n) + " tail " + std::to_string(tail));
+      constexpr int64_t P = 100000;
+      const int64_t stride = kc::fresh_stride(n, tail), ids_stride = n + 5;
+      std::vector<uint32_t> ids(2 * ids_stride), out(2 * stride, 0xA5A5A5A5u);
+      for (uint32_t &v : ids) v = static_cast<uint32_t>(rng.uniform_int(0, P - 1));
+      EmulatedDevice dev;
+      dev.launch(kc::sort_fresh_kernel, 1, 2, kc::kFreshThreads, static_cast<const uint32_t *>(ids.data()), ids_stride, n,
+                 P, tail, out.data(), stride);
+      for (int h = 0; h < 2; ++h) {
+        std::vector<uint32_t> want(ids.begin() + h * ids_stride, ids.begin() + h * ids_stride + n);
+        std::sort(want.begin(), want.end());
+        for (int64_t j = 0; j < tail; ++j) want.push_back(static_cast<uint32_t>(P + j));
+        EXPECT_EQ(std::vector<uint32_t>(out.begin() + h * stride, out.begin() + h * stride + n + tail), want);
+      }
+    }
+}
+
 // segment_tables_kernel on its own, against a direct reading of the rule (CPU:
 // restrict_to_tables): segments whose tokens use more than 256 anchors (tokens outside the
 // table take its nearest entry; a zero-norm anchor is never chosen), one using 40 anchors with
@@ -809,12 +834,12 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
     // 128K. Those were at 4 coverage rounds; each round is 10 operations per batch of heads
     // (means, keys, sort, take, and per side the rows and the fused nearest-anchor kernel), so
     // the default's 16 rounds give 217 and 412.
-    // Storage format 3 (local candidates) takes 14 per round: its new anchors are also copied
-    // out and sorted by token (a segmented sort is 3 operations) for the candidate search, and
-    // the bf16 rows, tables and codes add 5 launches per batch: 289 and 556 default, 90 and 132 paper.
+    // Storage format 3 (local candidates) takes 11 per round: its new anchors are also sorted
+    // by token for the candidate search (sort_fresh_kernel, one block per head), and the bf16
+    // rows, tables and codes add 5 launches per batch: 238 and 454 default, 87 and 126 paper.
     EXPECT_EQ(head_batch, S <= 65536 ? 8 : 4) << "S=" << S;
-    const int64_t per_round = (format == 3 ? 14 : 10) * (g.heads / head_batch);
-    const int64_t fixed = format == 3 ? (head_batch == 8 ? (paper ? 90 : 65) : (paper ? 132 : 108))
+    const int64_t per_round = (format == 3 ? 11 : 10) * (g.heads / head_batch);
+    const int64_t fixed = format == 3 ? (head_batch == 8 ? (paper ? 87 : 62) : (paper ? 126 : 102))
                                       : (head_batch == 8 ? (paper ? 72 : 57) : (paper ? 96 : 92));
     EXPECT_LE(total, fixed + (paper ? 0 : per_round * o.coverage_rounds)) << "S=" << S;
   }
