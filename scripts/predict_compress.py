@@ -198,6 +198,14 @@ class Pass:
         simt = hb * rows * (4 * anchors + 2 * 4 * D + 3 * D)
         self.op(tc=tc, simt=simt, hbm=hb * rows * (D * 4 + 8))  # X once (re-read from L1/L2), outputs
 
+    def coverage_round(self, hb, P, take):
+        """A coverage round's ranking: coverage_means_kernel, coverage_keys_kernel, the segmented
+        sort (worst represented first), coverage_take_kernel (the picks)."""
+        self.op(simt=hb * 2 * P * 3, hbm=hb * 2 * P * 8)
+        self.op(simt=hb * P * 10, hbm=hb * P * (4 * 5 + 8))
+        self.sort_segments(hb, P)
+        self.op(hbm=hb * take * 12)
+
     def unit_rows(self, hb, n, bf16_copy):  # unit_rows_kernel: read X rows, write unit rows (+bf16)
         self.op(simt=hb * n * 3 * D, hbm=hb * n * (D * 4 + D * 4 + (D * 2 if bf16_copy else 4)))
 
@@ -216,6 +224,37 @@ class Pass:
         self.op(hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
 
 
+def global_pass(x, g, hb):
+    """Format 2 from the coverage on: every token against every anchor (nearest_anchor_kernel)."""
+    P, k = g["P"], g["k"]
+    free, n_top, n_rand = k - W, g["n_top"], g["n_rand"]
+    for side in range(2):                       # unit prefix rows, cover_best = 0
+        x.unit_rows(hb, P, False)
+        x.copy(hb * P * 4)
+    x.op(hbm=hb * (n_top + W) * 12)             # coverage_take_kernel (+ window)
+    absorbed = [n_top + W]
+    left, at, R = n_rand, n_top, OPT["coverage_rounds"]
+    for rnd in range(R):
+        take = min(-(-left // (R - rnd)), P - at)
+        x.coverage_round(hb, P, take)
+        absorbed.append(take)
+        left, at = left - take, at + take
+    for n in absorbed:                          # absorb(): per side, anchor unit rows + nearest
+        for side in range(2):
+            x.unit_rows(hb, n, True)
+            x.nearest(hb, P, n)
+    # absorb() calls run in program order between the rounds; summing them here is the same.
+    x.sort_segments(hb, free)                   # picks by token
+    x.copy(hb * P * 4)                          # anchor_of_token = -1
+    x.stage = "assignment"
+    for side in range(2):
+        x.op(simt=hb * k * 4 * D, hbm=hb * k * D * (4 + 2 + 4 + 4 + 2))  # anchors_kernel
+        x.nearest(hb, P, k)
+        rk = side == 0  # keys: residual rows rotated to their positions (for the utilities)
+        x.op(simt=hb * P * (6 * D + (2 * D + PAIRS * 26 if rk else 0)),
+             hbm=hb * P * (D * 4 + 16 + (D * 4 if rk else 0)))     # assign_kernel
+
+
 def bitonic_s(n):
     """sort_fresh_kernel: one block's bitonic network, a barrier and a shared-memory
     compare-exchange per step (0.3 us ASSUMED, 1 us past its 8192 keys in shared memory)."""
@@ -225,10 +264,9 @@ def bitonic_s(n):
 
 def local_pass(x, g, hb):
     """Format 3 from the coverage on (compress_anchorkv_pass.hpp local_coverage(), then the
-    assignment with tables and codes); the utilities, as format 2's."""
+    assignment with tables and codes)."""
     P, k, S = g["P"], g["k"], g["S"]
     free, n_top, n_rand = k - W, g["n_top"], g["n_rand"]
-    m = (HQ // H) * W
     L = segment_length(P, k)
     reach = (64 * P + free - 1) // free if k > 256 else P
     share = min(1.0, (L + 2 * reach) / P)  # of an absorb's prefix rows, those in a token's reach
@@ -242,10 +280,7 @@ def local_pass(x, g, hb):
     left, at, R = n_rand, n_top, OPT["coverage_rounds"]
     for rnd in range(R):
         take = min(-(-left // (R - rnd)), P - at)
-        x.op(simt=hb * 2 * P * 3, hbm=hb * 2 * P * 8)        # coverage_means_kernel
-        x.op(simt=hb * P * 10, hbm=hb * P * (4 * 5 + 8))     # coverage_keys_kernel
-        x.sort_segments(hb, P)                               # worst-represented first
-        x.op(hbm=hb * take * 12)                             # coverage_take_kernel (picks)
+        x.coverage_round(hb, P, take)
         x.op(hbm=hb * take * 8, latency=bitonic_s(take))     # sort_fresh_kernel: by token
         absorbs.append((take, False))
         left, at = left - take, at + take
@@ -266,11 +301,7 @@ def local_pass(x, g, hb):
         rk = side == 0
         x.op(simt=hb * P * (6 * D + (2 * D + PAIRS * 26 if rk else 0)),
              hbm=hb * P * (D * 4 + D * 2 + 16 + (D * 4 if rk else 0)))
-    x.stage = "utilities"  # Z = Q R_K^T, VY = Y V^T (fp32 cuBLAS), ||y||^2, utility_kernel
-    x.op(gemm=2 * hb * m * P * D, hbm=hb * (P * D + m * P) * 4)
-    x.op(gemm=2 * hb * m * P * D, hbm=hb * (P * D + m * P) * 4)
-    x.op(simt=hb * m * D * 2, hbm=hb * m * D * 4)
-    x.op(simt=hb * P * (2 * D + 8 * m), hbm=hb * P * (3 * m * 4 + D * 4 + 16 + 8 * 4))
+
 
 
 def predict(S):
@@ -301,37 +332,7 @@ def predict(S):
         x.sort_segments(hb, P)                      # rank by pooled score
         x.copy(hb * P * 4)                          # cover_anchor = 0
         x.op(hbm=hb * n_top * 12)                   # coverage_take_kernel (scored picks)
-        if FORMAT == 3:
-            local_pass(x, g, hb)
-            continue
-        for side in range(2):                       # unit prefix rows, cover_best = 0
-            x.unit_rows(hb, P, False)
-            x.copy(hb * P * 4)
-        x.op(hbm=hb * (n_top + W) * 12)             # coverage_take_kernel (+ window)
-        absorbed = [n_top + W]
-        left, at, R = n_rand, n_top, OPT["coverage_rounds"]
-        for rnd in range(R):
-            take = min(-(-left // (R - rnd)), P - at)
-            x.op(simt=hb * 2 * P * 3, hbm=hb * 2 * P * 8)        # coverage_means_kernel
-            x.op(simt=hb * P * 10, hbm=hb * P * (4 * 5 + 8))     # coverage_keys_kernel
-            x.sort_segments(hb, P)                               # worst-represented first
-            x.op(hbm=hb * take * 12)                             # coverage_take_kernel
-            absorbed.append(take)
-            left, at = left - take, at + take
-        for n in absorbed:                          # absorb(): per side, anchor unit rows + nearest
-            for side in range(2):
-                x.unit_rows(hb, n, True)
-                x.nearest(hb, P, n)
-        # absorb() calls run in program order between the rounds; summing them here is the same.
-        x.sort_segments(hb, free)                   # picks by token
-        x.copy(hb * P * 4)                          # anchor_of_token = -1
-        x.stage = "assignment"
-        for side in range(2):
-            x.op(simt=hb * k * 4 * D, hbm=hb * k * D * (4 + 2 + 4 + 4 + 2))  # anchors_kernel
-            x.nearest(hb, P, k)
-            rk = side == 0  # keys: residual rows rotated to their positions (for the utilities)
-            x.op(simt=hb * P * (6 * D + (2 * D + PAIRS * 26 if rk else 0)),
-                 hbm=hb * P * (D * 4 + 16 + (D * 4 if rk else 0)))     # assign_kernel
+        (local_pass if FORMAT == 3 else global_pass)(x, g, hb)
         x.stage = "utilities"  # Z = Q R_K^T, VY = Y V^T (fp32 cuBLAS), ||y||^2, utility_kernel
         x.op(gemm=2 * hb * m * P * D, hbm=hb * (P * D + m * P) * 4)
         x.op(gemm=2 * hb * m * P * D, hbm=hb * (P * D + m * P) * 4)
