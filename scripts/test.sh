@@ -156,8 +156,14 @@ cuda_build() {
   "$cuda_dir/bundle/bin/anchorkv_gpu_tests"  # RUNPATH $ORIGIN/../lib finds the library
   "$cuda_dir/bundle/bin/anchorkv_api_tests" --gtest_filter='GpuContext.*'
   # The kernels' SASS for sm_90: registers, spills, local memory, tensor-core use, and the
-  # decode tile loop's instructions per token and head by phase (prints; skips without nvdisasm).
-  python3 "$root/scripts/sass_count.py"
+  # decode tile loop's instructions per token and head by phase (prints; skips without nvdisasm);
+  # then the compression pass's predicted stages from those counts.
+  python3 "$root/scripts/sass_count.py" --json "$cuda_dir/sass.json"
+  if [ -f "$cuda_dir/sass.json" ]; then
+    python3 "$root/scripts/predict_compress.py" --sass "$cuda_dir/sass.json"
+  else
+    python3 "$root/scripts/predict_compress.py"
+  fi
 }
 if command -v nvcc >/dev/null 2>&1; then
   step "cuda: bundle sm_80+sm_90" cuda_build
