@@ -211,8 +211,9 @@ __global__ void local_assign_kernel(const int32_t *near_token, const float *near
   coef[t] = g;
 }
 
-// Ascending sort of n (a power of two, at most the array's size) 32-bit keys in shared memory
-// by the block's threads (bitonic network). Ends with a barrier.
+// Ascending sort of n (a power of two, at most the array's size) 32-bit keys by the block's
+// threads (bitonic network), in shared memory or in global memory only this block touches.
+// Ends with a barrier.
 __device__ __forceinline__ void block_bitonic_sort(uint32_t *a, int n) {
   for (int size = 2; size <= n; size <<= 1)
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
