@@ -221,7 +221,7 @@ class Pass:
         per_warp = (LOCAL["warp_instr_per_tile"] + chunks * LOCAL["warp_instr_per_chunk"]
                     + (1 - rescore) * RESCORED * LOCAL["rescore_loop_static"] * D / LOCAL["rescore_dims_per_iteration"])
         hbm = tiles * 64 * D * 2 + (1 - rescore) * hb * P * D * 4 + hb * P * 8  # bf16 rows, fp32 rescoring rows, outputs
-        self.op(hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
+        self.op(tc=2 * tiles * 64 * chunks * 32 * D, hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
 
 
 def global_pass(x, g, hb):
