@@ -440,16 +440,16 @@ TEST(EmulatedSortFresh, SortsThenAppendsTheWindow) {
     }
 }
 
-// segment_tables_kernel on its own, against a direct reading of the rule (CPU:
-// restrict_to_tables): segments whose tokens use more than 256 anchors (tokens outside the
-// table take its nearest entry; a zero-norm anchor is never chosen), one using 40 anchors with
-// many equal counts, and a short last segment. The pass's cases seldom leave a token out.
-TEST(EmulatedSegmentTables, FollowTheRule) {
+// segment_tables_kernel against the rule (CPU: restrict_to_tables) for segments of 2^shift
+// positions: tokens outside the table take its nearest entry (a zero-norm anchor, leading head
+// 0's first table, is never chosen). The pass's cases seldom leave a token out.
+void check_segment_tables(int shift, int64_t P) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
+  SCOPED_TRACE("segments of " + std::to_string(1 << shift) + ", P " + std::to_string(P));
   Rng rng(seed);
   constexpr int H = 2, D = 64, k = 700, T = 256;
-  constexpr int64_t P = 700, L = 256, segments = 3;
+  const int64_t L = int64_t{1} << shift, segments = (P + L - 1) / L;
   std::vector<int32_t> anchor_of_token(H * P), assigned[2];
   std::vector<float> coef[2];
   for (int64_t i = 0; i < H * P; ++i) anchor_of_token[i] = rng.uniform(0.0, 1.0) < 0.15 ? 1 : -1;
@@ -458,8 +458,12 @@ TEST(EmulatedSegmentTables, FollowTheRule) {
     coef[side].resize(H * P);
     for (int64_t i = 0; i < H * P; ++i) {
       const int64_t seg = (i % P) / L;
-      assigned[side][i] = static_cast<int32_t>(seg == 1 ? rng.uniform_int(0, 39) : rng.uniform_int(0, k - 1));
-      if (seg == 2 && side == 1) assigned[side][i] = 5;
+      if (shift == 8) {  // uniform, 40 anchors (equal counts), and one anchor for a side
+        assigned[side][i] = static_cast<int32_t>(seg == 1 ? rng.uniform_int(0, 39) : rng.uniform_int(0, k - 1));
+        if (seg == 2 && side == 1) assigned[side][i] = 5;
+      } else {  // 200 common anchors and 3% of the tokens elsewhere: past 256 entries
+        assigned[side][i] = static_cast<int32_t>(rng.uniform(0.0, 1.0) < 0.03 ? rng.uniform_int(0, k - 1) : rng.uniform_int(0, 199));
+      }
       if (i < 8 && side == 0) assigned[side][i] = 3;  // the zero-norm anchor leads head 0's first table
       coef[side][i] = static_cast<float>(rng.normal());
     }
@@ -530,7 +534,7 @@ TEST(EmulatedSegmentTables, FollowTheRule) {
   std::vector<float> scales(want_scales.size(), -7.0f);
   EmulatedDevice dev;
   dev.launch(kc::segment_tables_kernel, static_cast<int>(segments), H, kc::kTableThreads, X[0].data(), X[1].data(),
-             P * D, D, P, 8, segments, T, k, static_cast<const int32_t *>(anchor_of_token.data()), assigned[0].data(),
+             P * D, D, P, shift, segments, T, k, static_cast<const int32_t *>(anchor_of_token.data()), assigned[0].data(),
              assigned[1].data(), coef[0].data(), coef[1].data(), static_cast<const uint16_t *>(anchors[0].data()),
              static_cast<const uint16_t *>(anchors[1].data()), 1, entry[0].data(), entry[1].data(), tables.data(),
              scales.data());
@@ -541,6 +545,14 @@ TEST(EmulatedSegmentTables, FollowTheRule) {
     for (int64_t i = 0; i < H * P; ++i) ASSERT_NEAR(coef[side][i], want_coef[side][i], 1e-5f * (1.0f + std::fabs(want_coef[side][i])));
   }
   for (size_t i = 0; i < scales.size(); ++i) EXPECT_NEAR(scales[i], want_scales[i], 1e-5f * want_scales[i]) << i;
+}
+
+// segment_tables_kernel on its own, against a direct reading of the rule: segments of 256
+// (whose tokens use more than 256 anchors, 40 with many equal counts, a short last one) and of
+// 4096 (8192 assignments: the shared-memory sort's full size).
+TEST(EmulatedSegmentTables, FollowTheRule) {
+  check_segment_tables(8, 700);
+  check_segment_tables(12, 6000);
 }
 
 TEST(EmulatedCompress, GptjAndPostRopeKeys) {
