@@ -240,30 +240,32 @@ void Cuda::check_decode(const DecodeCase &c, int batch, Rng &rng) {
   EXPECT_TRUE(all_near(single, row, batch_row_tolerance(c.dtype), batch_row_tolerance(c.dtype)));
 }
 
-// The GPU compression pass against the CPU compression of the same inputs (the caches agree
-// section by section up to counted near-ties), and the decode outputs of the two caches.
+// The GPU compression pass against the CPU compression of the same inputs, storage format 2
+// (the paper preset) and 3 (the defaults): the caches agree section by section up to counted
+// near-ties, and the decode outputs of the two caches.
 void Cuda::check_compression(int64_t S, int D, int G, akv_dtype dtype, Rng &rng) {
   SCOPED_TRACE("S=" + std::to_string(S) + " D=" + std::to_string(D) + " G=" + std::to_string(G) + " " + dtype_name(dtype));
   for (int format : {2, 3}) {
-  SCOPED_TRACE("storage format " + std::to_string(format));
-  PrefillSpec spec;
-  spec.seq_len = S;
-  spec.kv_heads = 2;
-  spec.group = G;
-  spec.head_dim = D;
-  spec.dtype = dtype;
-  const PrefillData data = make_prefill(rng, spec);
-  akv_compress_options o = anchorkv_options(std::max(0.05, workable_retain_fraction(data.shape, 32, 0, 0.02)));
-  if (format == 3) akv_compress_options_init(&o);  // the defaults: coverage rounds, format 3
-  o.retain_fraction = std::max(0.05, workable_retain_fraction(data.shape, 32, 0, 0.02));
-  CachePtr cpu_cache = compress(cpu_.get(), data, o);
-  CachePtr gpu_cache = compress_on_gpu(data, o);
-  CachePtr back = deserialize(cpu_.get(), serialize(gpu_cache.get()));
-  EXPECT_TRUE(anchor_caches_agree(*back, *cpu_cache));
-  const Tensor q = make_tensor(nonzero_normal(rng, static_cast<size_t>(2) * G * D, 1.5), AKV_DTYPE_F32);
-  const bool same_anchors = compare_anchor_caches(*back, *cpu_cache).anchor_diff == 0;
-  const double tol = same_anchors ? 2e-2 : 5e-2;  // as the emulation tests
-  EXPECT_TRUE(all_near(decode(back.get(), q, 1), decode(cpu_cache.get(), q, 1), tol, tol));
+    SCOPED_TRACE("storage format " + std::to_string(format));
+    PrefillSpec spec;
+    spec.seq_len = S;
+    spec.kv_heads = 2;
+    spec.group = G;
+    spec.head_dim = D;
+    spec.dtype = dtype;
+    const PrefillData data = make_prefill(rng, spec);
+    akv_compress_options o = anchorkv_options(std::max(0.05, workable_retain_fraction(data.shape, 32, 0, 0.02)));
+    if (format == 3) akv_compress_options_init(&o);  // the defaults: coverage rounds, format 3
+    o.retain_fraction = std::max(0.05, workable_retain_fraction(data.shape, 32, 0, 0.02));
+    o.storage_format = format;
+    CachePtr cpu_cache = compress(cpu_.get(), data, o);
+    CachePtr gpu_cache = compress_on_gpu(data, o);
+    CachePtr back = deserialize(cpu_.get(), serialize(gpu_cache.get()));
+    EXPECT_TRUE(anchor_caches_agree(*back, *cpu_cache));
+    const Tensor q = make_tensor(nonzero_normal(rng, static_cast<size_t>(2) * G * D, 1.5), AKV_DTYPE_F32);
+    const bool same_anchors = compare_anchor_caches(*back, *cpu_cache).anchor_diff == 0;
+    const double tol = same_anchors ? 2e-2 : 5e-2;  // as the emulation tests
+    EXPECT_TRUE(all_near(decode(back.get(), q, 1), decode(cpu_cache.get(), q, 1), tol, tol));
   }
 }
 
