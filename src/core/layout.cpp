@@ -62,7 +62,6 @@ const float *gamma_units() {
   return units.value;
 }
 
-
 double minimum_retain_fraction(uint64_t base_bytes, uint64_t full_bytes) {
   double theta = std::ceil(static_cast<double>(base_bytes) / full_bytes * 1e6) / 1e6;
   while (theta * static_cast<double>(full_bytes) < static_cast<double>(base_bytes)) theta += 1e-6;

@@ -45,12 +45,12 @@ struct Section {
   uint64_t bytes = 0;
 };
 
-// Derived sizes of one AnchorKV layer.
 // Format 3's candidate reach in anchors: with a segment's own (at most about 64,
 // segment_length()) and the window's, the candidates fit in one table. On synthetic data 64
 // and 112 gave the same fidelity (docs/design.md §2.2 step 5).
 constexpr int64_t kReachAnchors = 64;
 
+// Derived sizes of one AnchorKV layer.
 struct AnchorGeometry {
   int64_t seq_len = 0;      // S
   int64_t prefix = 0;       // P = S - W

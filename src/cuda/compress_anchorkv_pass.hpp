@@ -1,6 +1,7 @@
 // The AnchorKV compression pass on the GPU (cuda/compress_pipeline.hpp describes the device
 // policy): its profile stages, its scratch and the heads per batch, the nearest-anchor and
-// coverage steps, and compress_anchorkv itself.
+// coverage steps (storage format 2's global search, format 3's local candidates), and
+// compress_anchorkv itself.
 #pragma once
 #include <algorithm>
 #include <cmath>
