@@ -397,7 +397,7 @@ def tile_loop(f, spans, lines, fk, fv, k):
         loop_trips[(a, b)] = n / unroll
     cold = cold_lines(lines)
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
-    totals, static = collections.Counter(), collections.Counter()
+    totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
     prev = (8.0, 1.0)  # warps and cold weight of the last instruction with a line
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
@@ -421,7 +421,9 @@ def tile_loop(f, spans, lines, fk, fv, k):
             prev = (w, weight)
         totals[phase] += mult * w * weight
         static[phase] += 1
+        by_line[(phase, ln)] += mult * w * weight
     return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner),
+            "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()],
             "unknown_loops": sorted(unknown, key=str)}
 
 
@@ -431,6 +433,8 @@ def main():
     ap.add_argument("--fv", type=float, default=0.052, help="value residual fraction")
     ap.add_argument("--anchors", type=int, default=815, help="k per head (weight rescale cost; 32K default: 815)")
     ap.add_argument("--json", help="write the counts here")
+    ap.add_argument("--by-line", type=int, default=0, metavar="N",
+                    help="also print the tile loop's N costliest source lines (warp instructions per tile)")
     ap.add_argument("--keep", help="keep the cubin and the disassembly in this folder")
     a = ap.parse_args()
     nvcc = find_tool("nvcc")
@@ -475,6 +479,12 @@ def main():
     for name, v in sorted(loop["per_tile"].items(), key=lambda x: -x[1]):
         print(f"| {name} | {loop['static'][name]} | {v:.0f} | {v / T:.1f} |")
     print(f"| total | {sum(loop['static'].values())} | {total:.0f} | {total / T:.1f} |")
+    if a.by_line:
+        print(f"\nThe tile loop's {a.by_line} costliest lines of decode_kernels.cuh (warp instructions per tile)")
+        print("| phase | line | source | per tile |")
+        print("|---|---|---|---|")
+        for ph, ln, src, v in loop["by_line"][:a.by_line]:
+            print(f"| {ph} | {ln} | `{src[:70]}` | {v:.1f} |")
     for u in loop["unknown_loops"]:
         print(f"note: inner loop at {u[0]} line {u[1]} ({u[2]}) has no trip-count model: counted once")
     result["tile_loop"]["per_token_head"] = total / T

@@ -820,13 +820,13 @@ struct SplitBlock {
       if (const int i = warp + r * NW; i < MAXROWS) {
         const float m_new = fmaxf(m_run[r], warp_max(fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32])));
         // Nothing is accumulated while the max is -inf: no rescale then (the first tile).
-        const float alpha = m_run[r] == -INFINITY || m_new == -INFINITY ? 1.0f : exp2f(m_run[r] - m_new);
+        const float alpha = m_run[r] == -INFINITY || m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
         m_run[r] = m_new;
         l_part[r] *= alpha;
         if (lane == 0) red_s[i] = alpha;
         for (int u = lane; u < T; u += 32) {
           float &l = L_s[i * T + u];
-          const float pv = m_new == -INFINITY ? 0.0f : exp2f(l - m_new);
+          const float pv = m_new == -INFINITY ? 0.0f : fast_exp2(l - m_new);
           l = pv;
           l_part[r] += pv;
         }

@@ -122,6 +122,20 @@ __device__ __forceinline__ void rope_angle(int64_t position, float inv_freq, flo
 #endif
 }
 
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: about 2 ulp; results below 2^-126 flush to zero, and
+// -inf gives 0), for softmax weights in [0, 1]: exp2f's denormal handling around the MUFU
+// costs six more instructions an element and matters nowhere a probability is summed.
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef AKV_SIMT_EMULATION
+  const float r = std::exp2(x);
+  return r < 1.17549435e-38f ? 0.0f : r;
+#else
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(kFullMask, v, m);
   return v;
