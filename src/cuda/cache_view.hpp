@@ -112,7 +112,7 @@ AKV_HD constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 struct SplitSmem {
   size_t q = 0, qr = 0, logits = 0, logits_part = 0, red = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0, step = 0, signs = 0,
          meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
-         penalty = 0, qb = 0, res_logits = 0, residuals = 0, keys = 0, w = 0, total = 0;
+         penalty = 0, qb = 0, res_logits = 0, residuals = 0, value_codes = 0, keys = 0, w = 0, total = 0;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
   // The fast path's bf16 cos, sin and -sin of d * omega_j, d < T, every pair: at the start
   // of the key tile, followed by the value residuals' scratch ((MAXROWS + 4) T floats).
@@ -149,6 +149,7 @@ struct SplitSmem {
     qb = o; o = align16(o + 2 * maxrows * D);
     res_logits = o; o = align16(o + sizeof(float) * maxrows * T);
     residuals = o; o = align16(o + sizeof(uint32_t) * 4);  // the tile's key and value residuals: first slot, count
+    value_codes = o; o = align16(o + T * (D / 4));  // the tile's value residuals' codes, copied from the cache
     keys = o; o = align16(o + sizeof(float) * T * key_stride(D));  // also write_partial's scratch
     w = o; o = align16(o + sizeof(float) * maxrows * smem_anchors);
     total = o;

@@ -164,6 +164,7 @@ struct SplitBlock {
   int run_left = 0;
   const uint16_t *ak_h;  // this head's anchor keys
   uint32_t *res_s;       // the tile's key residuals (first slot, count), then the value residuals'
+  uint32_t *vc_s;        // the tile's value residuals' codes [count][D / 16] (32-bit words)
 
   // blk: this block's index among the launch's split blocks (its workspace rows).
   __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc,
@@ -223,6 +224,7 @@ struct SplitBlock {
     qb_s = reinterpret_cast<uint16_t *>(smem + lay.qb);
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
     res_s = reinterpret_cast<uint32_t *>(smem + lay.residuals);
+    vc_s = reinterpret_cast<uint32_t *>(smem + lay.value_codes);
     ak_h = c.anchor_keys + static_cast<int64_t>(h) * k * D;
     if (tid >= T && tid - T < pairs) rope_angle(T, c.inv_freq[tid - T], &tile_c, &tile_s);
 
@@ -888,21 +890,26 @@ struct SplitBlock {
     // four scaled levels of each residual; by warp 0 (a tile holds a few residuals).
     float *lr_s = K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0);
     float *lv_s = lr_s + T * MAXROWS;
-    if (warp == 0) {  // the tile's value residuals: probabilities and levels
+    if (warp == 0) {  // the tile's value residuals: probabilities, levels and codes
       AKV_NO_UNROLL
       for (int e = lane; e < count * MAXROWS; e += 32)  // value_chunk: the position inside the word (= tile)
         lr_s[e] = L_s[(e % MAXROWS) * T + c.value_chunk[base + e / MAXROWS]];
       AKV_NO_UNROLL
       for (int e = lane; e < count * 4; e += 32) lv_s[e] = c.value_scales[base + e / 4] * lloyd_max_level(e & 3);
+      // The codes as whole words (a residual's D / 4 bytes are consecutive and 4-byte aligned),
+      // so that every thread below reads its byte from shared memory with a 32-bit index.
+      const uint32_t *words = reinterpret_cast<const uint32_t *>(c.value_codes) + static_cast<int64_t>(base) * (D / 16);
+      AKV_NO_UNROLL
+      for (int e = lane; e < count * (D / 16); e += 32) vc_s[e] = words[e];
     }
     __syncthreads();
     const int group = tid / TPD, dim = tid % TPD;
     const int shift = (dim & 3) * 2;  // TPD % 4 == 0: the same for every e
-    static_assert(TPD % 4 == 0, "one code shift per thread");
-    const uint8_t *vcodes = c.value_codes + (dim >> 2);
+    static_assert(TPD % 4 == 0 && D % 16 == 0, "one code shift per thread; whole code words per residual");
+    const uint8_t *vcodes = reinterpret_cast<const uint8_t *>(vc_s) + (dim >> 2);
     AKV_NO_UNROLL  // unrolled, ptxas spills more at 4 rows (32 bytes instead of 16)
     for (int n = group; n < count; n += SG) {  // everything indexed by n: one induction variable
-      const uint8_t *codes = vcodes + static_cast<uint64_t>(base + n) * (D / 4);
+      const uint8_t *codes = vcodes + n * (D / 4);
       const float *lv = lv_s + n * 4;
       const float4 *lr = reinterpret_cast<const float4 *>(lr_s + n * MAXROWS);
       for (int e = 0; e < DPT; ++e) {
