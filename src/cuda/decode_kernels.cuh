@@ -323,16 +323,17 @@ struct SplitBlock {
       }
       if ((kmask >> v) & 1) bit_s[__popcll(kmask & ((1ull << v) - 1))] = v;  // the key residuals in slot order
     }
-    for (int e = 0; e < 2; ++e) {
-      const int v = u + e;
-      a_s[v] = a[e];
-      va_s[v] = va[e];
-      off_s[v] = v < n ? v : 0;
-      kind_s[v] = kind[e];
-      g_s[v] = g[e];
-      vg_s[v] = vg[e];
-      pos_s[v] = v < n ? c.first_position + t0 + v : 0;
-    }
+    // Both tokens' entries in one 8-byte store per array (u is even). pos_s is not written:
+    // format 3's positions are consecutive, so no reader needs more than the offset.
+    const auto put2 = [u](void *dst, uint32_t x0, uint32_t x1) {
+      *reinterpret_cast<uint2 *>(static_cast<uint32_t *>(dst) + u) = uint2{x0, x1};
+    };
+    put2(a_s, a[0], a[1]);
+    put2(va_s, va[0], va[1]);
+    put2(off_s, u < n ? u : 0, u + 1 < n ? u + 1 : 0);
+    put2(kind_s, kind[0], kind[1]);
+    put2(g_s, float_as_bits(g[0]), float_as_bits(g[1]));
+    put2(vg_s, float_as_bits(vg[0]), float_as_bits(vg[1]));
   }
 
   // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1): the
