@@ -53,7 +53,7 @@ PHASES = [
     ("metadata", ["anchor_meta", "code_gamma", "format3_meta"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle", "rotate_queries", "rotate_pairs4"]),
-    ("key residuals", ["key_residuals"]),
+    ("key residuals", ["key_residuals", "unit_hadamard"]),
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
     ("contraction", ["contract", "contract_tile", "contract_gathered"]),
     ("softmax", ["softmax_tile"]),
@@ -158,7 +158,7 @@ def cold_lines(lines, table=None):
 def warps(func, cond_text):
     if func == "format3_meta" or (func == "code_gamma" and "format3_meta" in cond_text):
         return 1.0  # warp 0: two tokens a lane
-    if func in ("contract_gathered", "rotate_pairs4", "key_residuals"):
+    if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "unit_hadamard"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func in ("anchor_meta", "code_gamma"):
         return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each

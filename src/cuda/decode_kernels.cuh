@@ -529,6 +529,59 @@ struct SplitBlock {
 
   // ---- 3. key residuals of the tile (mask word t0 / 64), added to the unrotated rows -------
 
+  // The fast path's key residuals take unit_hadamard below, except at D 256, where 32 values a
+  // lane as packed pairs cost the 4-row kernel a 40-byte stack (8 with fp32).
+  static constexpr bool kPackedHadamard = D <= 128;
+
+  // The fast path's H y for one key residual over eight lanes (lane sl of the eight: dims
+  // sl * EPT ..), y its codes' unit levels (scale 1; codes null: zeros), in packed fp16: pair m
+  // holds dims m and m + EPT / 2 of the lane, so the in-lane butterflies of distance < EPT / 2
+  // are one add per pair of registers, the distance-EPT / 2 one within each register, and each
+  // shuffle across the eight lanes carries two values: half the adds and shuffles of fp32.
+  // fp16 is ample for the unnormalised transform of unit levels (|H y| <= D * 1.51, rounding
+  // ~2^-11 a stage, against the two-bit code's own error of about a third). Out: x[e] in fp32,
+  // natural order.
+  __device__ __forceinline__ static void unit_hadamard(const uint8_t *codes, int sl, float (&x)[D / 8]) {
+    constexpr int EPT = D / 8, H2 = EPT / 2;
+    static_assert(EPT == 8 || EPT == 16, "one code word a lane");
+    constexpr uint32_t kOne = 0x3c003c00u, kOneNeg = 0xbc003c00u, kNegOne = 0xbc00bc00u;  // (1, 1), (1, -1), (-1, -1)
+    const uint32_t lo16 = float_to_bits(-lloyd_max_level(3), false), in16 = float_to_bits(-lloyd_max_level(2), false);
+    const uint32_t outer = lo16 | lo16 << 16, flip = outer ^ (in16 | in16 << 16);
+    uint32_t h[H2];
+    // The code word with pair m's codes at bits 2m (dim m) and 16 + 2m (dim m + H2).
+    uint32_t w = 0;
+    if (codes) {
+      if constexpr (EPT == 8) {
+        const uint32_t w16 = *reinterpret_cast<const uint16_t *>(codes);
+        w = (w16 & 0xffu) | (w16 & 0xff00u) << 8;
+      } else {
+        w = *reinterpret_cast<const uint32_t *>(codes);
+      }
+    }
+    for (int m = 0; m < H2; ++m) {
+      const uint32_t b = 2 * m;
+      const uint32_t inner = ((w ^ (w >> 1)) >> b & 0x00010001u) * 0xffffu;  // code 1 or 2, per half
+      const uint32_t sign = (w << (14 - b)) & 0x80008000u;                  // the code's high bit at bit 15 / 31
+      h[m] = codes ? outer ^ (inner & flip) ^ sign : 0u;
+    }
+    for (int len = 1; len < H2; len <<= 1)
+      for (int m = 0; m < H2; ++m)
+        if (!(m & len)) {
+          const uint32_t u = h[m], v = h[m + len];
+          h[m] = f16x2_fma(v, kOne, u);
+          h[m + len] = f16x2_fma(v, kNegOne, u);
+        }
+    for (int m = 0; m < H2; ++m) h[m] = f16x2_fma(h[m], kOneNeg, h[m] >> 16 | h[m] << 16);  // (a + b, a - b)
+    for (int lm = 1; lm < 8; lm <<= 1) {
+      const uint32_t sign = (sl & lm) ? kNegOne : kOne;  // upper half: other - x, lower: x + other
+      for (int m = 0; m < H2; ++m) h[m] = f16x2_fma(sign, h[m], __shfl_xor_sync(kFullMask, h[m], lm));
+    }
+    for (int m = 0; m < H2; ++m) {
+      x[m] = bits_to_float(static_cast<uint16_t>(h[m]), false);
+      x[m + H2] = bits_to_float(static_cast<uint16_t>(h[m] >> 16), false);
+    }
+  }
+
   // Eight lanes per residual, EPT = D / 8 dimensions each (lane l of the eight holds
   // l * EPT ..): the in-register butterflies, then three stages across the eight lanes. A warp
   // takes four residuals at a time, warp first_warp + w the residuals 4w.., 4(w + warps).., ...
@@ -553,7 +606,12 @@ struct SplitBlock {
       const int n = n0 + sub;
       const bool live = n < count;
       float x[EPT];
-      if (live) {
+      float scale = 1.0f;  // packed: applied to the logit terms
+      if (kPackedHadamard && fast) {
+        if constexpr (kPackedHadamard)
+          unit_hadamard(live ? c.key_codes + static_cast<int64_t>(base + n) * (D / 4) + sl * (EPT / 4) : nullptr, sl, x);
+        if (live) scale = c.key_scales[base + n];
+      } else if (live) {
         const uint8_t *codes = c.key_codes + static_cast<int64_t>(base + n) * (D / 4) + sl * (EPT / 4);
         const float scale = c.key_scales[base + n];
         // Negative levels: the sign bit is flipped back where the code's high bit is set.
@@ -571,17 +629,19 @@ struct SplitBlock {
       } else {
         for (int e = 0; e < EPT; ++e) x[e] = 0.0f;
       }
-      // Inverse rotation U^T y = diag(signs) H y / sqrt(D).
-      for (int len = 1; len < EPT; len <<= 1)
-        for (int e = 0; e < EPT; ++e)
-          if (!(e & len)) {
-            const float u = x[e], v = x[e + len];
-            x[e] = u + v;
-            x[e + len] = u - v;
-          }
-      for (int lm = 1; lm < 8; lm <<= 1) {
-        const float sign = (sl & lm) ? -1.0f : 1.0f;  // upper half: other - x, lower: x + other
-        for (int e = 0; e < EPT; ++e) x[e] = fmaf(sign, x[e], __shfl_xor_sync(kFullMask, x[e], lm));
+      // Inverse rotation U^T y = diag(signs) H y / sqrt(D) (packed: H y is unit_hadamard's).
+      if (!(kPackedHadamard && fast)) {
+        for (int len = 1; len < EPT; len <<= 1)
+          for (int e = 0; e < EPT; ++e)
+            if (!(e & len)) {
+              const float u = x[e], v = x[e + len];
+              x[e] = u + v;
+              x[e + len] = u - v;
+            }
+        for (int lm = 1; lm < 8; lm <<= 1) {
+          const float sign = (sl & lm) ? -1.0f : 1.0f;  // upper half: other - x, lower: x + other
+          for (int e = 0; e < EPT; ++e) x[e] = fmaf(sign, x[e], __shfl_xor_sync(kFullMask, x[e], lm));
+        }
       }
       const float4 *sg = reinterpret_cast<const float4 *>(sgn_s + d0);
       for (int e = 0; e < EPT; e += 4) {
@@ -618,7 +678,7 @@ struct SplitBlock {
         for (int lm = 1; lm < 8; lm <<= 1)
           for (int i = 0; i < MAXROWS; ++i) dot[i] += __shfl_xor_sync(kFullMask, dot[i], lm);
         if (live && sl == 0)
-          for (int i = 0; i < MAXROWS; ++i) rl_s[i * T + t] = dot[i];
+          for (int i = 0; i < MAXROWS; ++i) rl_s[i * T + t] = dot[i] * scale;
       } else if (live) {
         float4 *row = reinterpret_cast<float4 *>(K_s + t * KS + d0);
         for (int e = 0; e < EPT; e += 4) {

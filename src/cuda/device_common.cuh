@@ -89,6 +89,25 @@ __device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t 
 #endif
 }
 
+// a * b + c on two fp16 lanes at once, rounded once (fma.rn.f16x2). The emulation rounds the
+// double result to float, then to fp16 (a tie after the first rounding can differ by an ulp).
+__device__ __forceinline__ uint32_t f16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+#ifdef AKV_SIMT_EMULATION
+  uint32_t r = 0;
+  for (int half = 0; half < 2; ++half) {
+    const auto lane = [half](uint32_t w) {
+      return static_cast<double>(fp16_to_float(static_cast<uint16_t>(w >> (16 * half))));
+    };
+    r |= static_cast<uint32_t>(float_to_fp16(static_cast<float>(std::fma(lane(a), lane(b), lane(c))))) << (16 * half);
+  }
+  return r;
+#else
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#endif
+}
+
 // d += A B on the tensor cores: mma.m16n8k16, bf16 operands, f32 accumulation, one warp
 // (fragment layouts: simt::mma_m16n8k16_bf16, which the emulation runs instead).
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
