@@ -144,7 +144,12 @@ struct SplitBlock {
   // of ws_w (wstride = max_anchors) when DecodeLaunch::global_weights.
   float *w;
   int64_t wstride;
-  float *rl_s;  // fast: the key residuals' logit terms [MAXROWS][T]
+  // fast: each token's additive logit term [MAXROWS][T]: its key residual's term, and with
+  // kFoldedPenalty minus its logit penalty too (written with the tile's metadata; key_residuals
+  // adds the term), so that the contraction's epilogue is one fma a logit.
+  float *rl_s;
+  // Not at D 256, where it costs the shipped kernels 24-32 more bytes of stack.
+  static constexpr bool kFoldedPenalty = D <= 128;
   uint16_t *cb_s, *sb_s, *nsb_s, *qb_s;  // fast: bf16 cos, sin, -sin [T][pairs]; bf16 rotated queries
   float *q_s, *qr_s, *w_s, *L_s, *Lp_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s, *pen_s;
   float2 *step_s;
@@ -334,6 +339,10 @@ struct SplitBlock {
     put2(kind_s, kind[0], kind[1]);
     put2(g_s, float_as_bits(g[0]), float_as_bits(g[1]));
     put2(vg_s, float_as_bits(vg[0]), float_as_bits(vg[1]));
+    if (kFoldedPenalty && fast)
+      for (int i = 0; i < MAXROWS; ++i)
+        put2(rl_s + i * T, float_as_bits(kind[0] < 2 ? -pen_s[kind[0] * MAXROWS + i] : 0.0f),
+             float_as_bits(kind[1] < 2 ? -pen_s[kind[1] * MAXROWS + i] : 0.0f));
   }
 
   // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1): the
@@ -374,6 +383,8 @@ struct SplitBlock {
       }
       a_s[tid] = a;
       va_s[tid] = va;
+      if (kFoldedPenalty && fast)  // a window token: exact, no penalty (format 2 never takes the fast path)
+        for (int i = 0; i < MAXROWS; ++i) rl_s[i * T + tid] = 0.0f;
       off_s[tid] = off;
       gap = off < 0;
       kind_s[tid] = kind;
@@ -678,7 +689,7 @@ struct SplitBlock {
         for (int lm = 1; lm < 8; lm <<= 1)
           for (int i = 0; i < MAXROWS; ++i) dot[i] += __shfl_xor_sync(kFullMask, dot[i], lm);
         if (live && sl == 0)
-          for (int i = 0; i < MAXROWS; ++i) rl_s[i * T + t] = dot[i] * scale;
+          for (int i = 0; i < MAXROWS; ++i) rl_s[i * T + t] = (kFoldedPenalty ? rl_s[i * T + t] : 0.0f) + dot[i] * scale;
       } else if (live) {
         float4 *row = reinterpret_cast<float4 *>(K_s + t * KS + d0);
         for (int e = 0; e < EPT; e += 4) {
@@ -851,22 +862,24 @@ struct SplitBlock {
       int kinds[2];  // the lane's two tokens m0 + g, m0 + g + 8: read once for all their rows
       float gammas[2];
       for (int x = 0; x < 2; ++x) {
-        kinds[x] = anchor ? kind_s[m0 + g + 8 * x] : 2;
+        kinds[x] = anchor && !(gathered && kFoldedPenalty) ? kind_s[m0 + g + 8 * x] : 2;
         gammas[x] = gathered ? g_s[m0 + g + 8 * x] : 1.0f;
       }
       for (int n = 0; n < NR8; ++n)
         for (int e = 0; e < 4; ++e) {
           const int i = n * 8 + 2 * tq + e % 2, t = m0 + g + 8 * (e / 2);
           if (i >= MAXROWS) continue;
-          float v = gathered ? acc[n][e] : acc[n][e] + Lp_s[i * T + t];
+          float v;
           const int kind = kinds[e / 2];
-          if (gathered) {
-            v *= gammas[e / 2];
-            if (kind == 1) v += rl_s[i * T + t];  // the key residual's term
+          if (gathered && kFoldedPenalty) {  // gamma, then the key residual's term and the penalty at once
+            v = fmaf(acc[n][e], gammas[e / 2], rl_s[i * T + t]);
+          } else {
+            v = gathered ? acc[n][e] * gammas[e / 2] : acc[n][e] + Lp_s[i * T + t];
+            if (gathered && kind == 1) v += rl_s[i * T + t];  // the key residual's term
+            if (kind < 2) v -= pen_s[kind * MAXROWS + i];
           }
           bool visible = t < valid;
           if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
-          if (kind < 2) v -= pen_s[kind * MAXROWS + i];
           L_s[i * T + t] = visible ? v : -INFINITY;
         }
     }
