@@ -71,17 +71,26 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t &hi, u
                    x1 - bits_to_float(static_cast<uint16_t>(hi >> 16), true));
 }
 
+#ifdef AKV_SIMT_EMULATION
+// The emulation of fma.rn.bf16x2 / fma.rn.f16x2: each 16-bit lane in float (the product of
+// two 16-bit values is exact there), the sum rounded to float, then to the lane's format (a
+// tie after the first rounding can differ from the device by an ulp).
+inline uint32_t emulated_x2_fma(uint32_t a, uint32_t b, uint32_t c, bool bf16) {
+  uint32_t r = 0;
+  for (int half = 0; half < 2; ++half) {
+    const auto lane = [half, bf16](uint32_t w) { return bits_to_float(static_cast<uint16_t>(w >> (16 * half)), bf16); };
+    r |= static_cast<uint32_t>(float_to_bits(std::fmaf(lane(a), lane(b), lane(c)), bf16)) << (16 * half);
+  }
+  return r;
+}
+#endif
+
 // a * b + c on two bf16 lanes at once, rounded once (fma.rn.bf16x2); bf16x2_fma(a, b,
 // kBf16x2NegZero) is the product a * b.
 constexpr uint32_t kBf16x2NegZero = 0x80008000u;
 __device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
 #ifdef AKV_SIMT_EMULATION
-  uint32_t r = 0;
-  for (int half = 0; half < 2; ++half) {
-    const auto lane = [half](uint32_t w) { return bf16_to_float(static_cast<uint16_t>(w >> (16 * half))); };
-    r |= static_cast<uint32_t>(float_to_bf16(std::fmaf(lane(a), lane(b), lane(c)))) << (16 * half);
-  }
-  return r;
+  return emulated_x2_fma(a, b, c, true);
 #else
   uint32_t d;
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -89,18 +98,10 @@ __device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t 
 #endif
 }
 
-// a * b + c on two fp16 lanes at once, rounded once (fma.rn.f16x2). The emulation rounds the
-// double result to float, then to fp16 (a tie after the first rounding can differ by an ulp).
+// a * b + c on two fp16 lanes at once, rounded once (fma.rn.f16x2).
 __device__ __forceinline__ uint32_t f16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
 #ifdef AKV_SIMT_EMULATION
-  uint32_t r = 0;
-  for (int half = 0; half < 2; ++half) {
-    const auto lane = [half](uint32_t w) {
-      return static_cast<double>(fp16_to_float(static_cast<uint16_t>(w >> (16 * half))));
-    };
-    r |= static_cast<uint32_t>(float_to_fp16(static_cast<float>(std::fma(lane(a), lane(b), lane(c))))) << (16 * half);
-  }
-  return r;
+  return emulated_x2_fma(a, b, c, false);
 #else
   uint32_t d;
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
