@@ -13,8 +13,8 @@ Compare with a device run: `ANCHORKV_COMPRESS_PROFILE=1` makes the pass print on
 "anchorkv AnchorKV compress S=...: setup x ms; load x ms; ...; total x ms; N stream operations",
 with the stage names used here; scripts/bench_compress.py prints that line after its timed runs.
 The "ops" column is the library's own operation count (CudaDevice::operations) and is checked
-against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 217 per layer up to 64K,
-412 at 128K; format 3: 238 and 454).
+against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 169 per layer up to 64K,
+316 at 128K; format 3: 174 and 326).
 
 Storage format 3 (the default) searches each token's local candidates (local_nearest_kernel in
 src/cuda/compress_local_kernels.cuh): its cost comes from the kernel's SASS, counted by
@@ -23,7 +23,10 @@ taken from it at the commit that added them): warp instructions per 32-candidate
 64-token tile, and the fp32 rescoring loop, issued at IPC of 4 schedulers x SMS at CLOCK_HZ.
 The share of tokens that a coverage round's candidates cannot improve (their approximate best
 stays below the token's best by the margin: no rescoring, no fp32 row read) is ASSUMED
-(SKIP_SHARE); a device run would measure it.
+(SKIP_SHARE); a device run would measure it. A coverage round's ranking (the three kernels of
+src/cuda/coverage_select_kernels.cuh, blocks of 1024 threads) is issue-bound per block: 32 warps
+times the kernel's hot SASS (sass_count.py's select_cost: an upper bound, warp 0's lines counted
+for every warp) over a multiprocessor's 4 schedulers.
 Usage: python3 scripts/predict_compress.py [--seq-lens 32768 65536 131072] [--format 2|3] [--sass JSON]
 """
 import argparse
@@ -60,6 +63,12 @@ SKIP_SHARE = 0.5          # ASSUMED: share of a coverage round's tokens left alo
 LOCAL = {"warp_instr_per_chunk": 787, "warp_instr_per_tile": 1039, "rescore_loop_static": 56,
               "rescore_dims_per_iteration": 16}
 RESCORED = 1.5            # ASSUMED: candidates rescored in fp32 per token that is not left alone
+# coverage_select_kernels.cuh from scripts/sass_count.py (used without --sass): per kernel, the hot
+# SASS a warp runs in one pass, the merge's histogram loops (one a digit) and emit loop.
+SELECT = {"coverage_energy_kernel": {"hot_static": 171},
+          "coverage_chunk_kernel": {"hot_static": 1679},
+          "coverage_merge_kernel": {"hot_static": 1077, "hist_loops": [104, 99, 96], "emit_loop": 315}}
+SELECT_CHUNK = 4096       # kSelectChunk: tokens per chunk (and per pass of a block)
 
 SDPA_PREFILL_MS = {32768: 25.5, 65536: 102.5, 131072: 445.0}  # measured on the H200 (the layer's causal attention)
 TARGET_MS = {s: 0.02 * ms for s, ms in SDPA_PREFILL_MS.items()}  # issue 25: 2% of it
@@ -200,12 +209,21 @@ class Pass:
         self.op(tc=tc, simt=simt, hbm=hb * rows * (D * 4 + 8))  # X once (re-read from L1/L2), outputs
 
     def coverage_round(self, hb, P, take):
-        """A coverage round's ranking: coverage_means_kernel, coverage_keys_kernel, the segmented
-        sort (worst represented first), coverage_take_kernel (the picks)."""
-        self.op(simt=hb * 2 * P * 3, hbm=hb * 2 * P * 8)
-        self.op(simt=hb * P * 10, hbm=hb * P * (4 * 5 + 8))
-        self.sort_segments(hb, P)
-        self.op(hbm=hb * take * 12)
+        """A coverage round's ranking (coverage_round() in compress_anchorkv_pass.hpp): each chunk's
+        energy sums, each chunk's candidates (keys, a select in shared memory), the merge (one
+        block a head over chunks x slots candidates: extra digit and emit trips past one chunk).
+        A block: 32 warps of the kernel's SASS on one multiprocessor (one block a multiprocessor)."""
+        chunks = -(-P // SELECT_CHUNK)
+        n = chunks * min(take, SELECT_CHUNK)
+        block_s = lambda warp_instr: 32 * warp_instr / (4 * IPC * CLOCK_HZ)
+        waves = -(-(hb * chunks) // SMS)
+        self.op(hbm=hb * P * 16 + hb * chunks * 8,
+                latency=waves * block_s(SELECT["coverage_energy_kernel"]["hot_static"]))
+        self.op(hbm=hb * P * 20 + hb * n * 8, latency=waves * block_s(SELECT["coverage_chunk_kernel"]["hot_static"]))
+        m = SELECT["coverage_merge_kernel"]
+        steps = -(-n // SELECT_CHUNK)
+        warp = m["hot_static"] + (steps - 1) * (sum(m["hist_loops"]) + m["emit_loop"])
+        self.op(hbm=hb * n * 8 * 4 + hb * take * 12, latency=block_s(warp))
 
     def unit_rows(self, hb, n, bf16_copy):  # unit_rows_kernel: read X rows, write unit rows (+bf16)
         self.op(simt=hb * n * 3 * D, hbm=hb * n * (D * 4 + D * 4 + (D * 2 if bf16_copy else 4)))
@@ -281,8 +299,7 @@ def local_pass(x, g, hb):
     left, at, R = n_rand, n_top, OPT["coverage_rounds"]
     for rnd in range(R):
         take = min(-(-left // (R - rnd)), P - at)
-        x.coverage_round(hb, P, take)
-        x.op(hbm=hb * take * 8, latency=bitonic_s(take))     # sort_fresh_kernel: by token
+        x.coverage_round(hb, P, take)                  # the picks come out in token order
         absorbs.append((take, False))
         left, at = left - take, at + take
     for i, (n, fresh) in enumerate(absorbs):        # absorb(): per side, candidate rows + the search
@@ -363,13 +380,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072])
     ap.add_argument("--format", type=int, choices=(2, 3), default=3, help="storage_format (3: the default)")
-    ap.add_argument("--sass", help="scripts/sass_count.py --json output (its local_search counts)")
+    ap.add_argument("--sass", help="scripts/sass_count.py --json output (its local_search and coverage_select counts)")
     args = ap.parse_args()
     global FORMAT
     FORMAT = args.format
     if args.sass:
         with open(args.sass) as fh:
-            LOCAL.update(json.load(fh)["local_search"])
+            counts = json.load(fh)
+        LOCAL.update(counts["local_search"])
+        SELECT.update(counts["coverage_select"])
     print(f"Model of the CUDA AnchorKV pass (storage format {FORMAT}, H={H}, Hq={HQ}, D={D}, bf16, W={W}, theta={THETA}, default options) "
           f"on an H200: SGEMM {SGEMM_FLOPS / 1e12:.0f} TF, wmma {TC_BF16_FLOPS / 1e12:.0f} TF, SIMT "
           f"{SIMT_FLOPS / 1e12:.1f} TF, HBM {HBM_BPS / 1e12:.1f} TB/s, {LAUNCH_S * 1e6:.0f} us/launch.")
@@ -379,7 +398,7 @@ def main():
         g, HB, x = predict(S)
         total = {key: sum(r[key] for r in x.rows.values()) for key in Pass.KEYS}
         if S in (32768, 65536, 131072):  # tests/emu CompressLaunchCount.PerLayerAtBenchShapes
-            expected = {(2, 8): 217, (2, 4): 412, (3, 8): 238, (3, 4): 454}[(FORMAT, HB)]
+            expected = {(2, 8): 169, (2, 4): 316, (3, 8): 174, (3, 4): 326}[(FORMAT, HB)]
             assert HB == (8 if S <= 65536 else 4) and total["ops"] == expected, (HB, total["ops"])
         print(f"### S = {S}: k = {g['k']} anchors/head ({g['n_top']} scored, {g['n_rand']} coverage), "
               f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({H // HB} batches)\n")

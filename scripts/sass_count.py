@@ -233,7 +233,13 @@ def nvcc_cubin(workdir, nvcc, name, source, flags=()):
 
 
 def compile_cubin(workdir, nvcc):
-    source = '#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_local_kernels.cuh"\n'
+    source = ('#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_local_kernels.cuh"\n'
+              '#include "cuda/coverage_select_kernels.cuh"\n'
+              'template __global__ void akv::cuda::coverage_energy_kernel<1>(const float *, const float *, '
+              'const float *, const float *, int64_t, float *);\n'
+              'template __global__ void akv::cuda::coverage_chunk_kernel<1>(const float *, const float *, '
+              'const float *, const float *, int64_t, const float *, int64_t, const int32_t *, uint32_t *, '
+              'uint32_t *);\n')
     for k in ("decode_split_kernel<128, 4>", "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
         source += f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n"
     source += ("template __global__ void akv::cuda::local_nearest_kernel<128>(const float *, int64_t, const uint16_t *, "
@@ -366,6 +372,21 @@ def local_search_cost(f):
             "rescore_loop_static": rescore[2] if rescore else 0,
             "rescore_dims_per_iteration": rescore[3]["FFMA"] if rescore else 0,
             "loops": [(a, b, n) for a, b, n, _ in ls]}
+
+
+def select_cost(f):
+    """A kernel of coverage_select_kernels.cuh (a block of 1024 threads): its hot code (the
+    instructions before its last EXIT; the out-of-line fallbacks of the warp collectives after it
+    never run in converged code), taken once a warp as an upper bound of a pass (format 3's
+    instantiations; warp 0's lines, the means, count for every warp); its histogram
+    loops (one a digit: MATCH.ANY inside) and its emit loop (the global stores) for the extra
+    trips of a merge over more than one chunk of keys."""
+    ins = f["ins"]
+    end = max(i for i, x in enumerate(ins) if x["op"].startswith("EXIT"))
+    hot = [l for l in loops(f) if l[1] <= end]
+    hist = [l[2] for l in hot if l[3]["MATCH"]]
+    emit = [l[2] for l in hot if l[3]["STG"] and l[3]["BAR"]]
+    return {"hot_static": end + 1, "hist_loops": hist, "emit_loop": max(emit) if emit else 0}
 
 
 def tile_loop(f, spans, lines, fk, fv, k):
@@ -512,6 +533,16 @@ def main():
           f"chunk loop {cost['chunk_loop_static']} static SASS, {cost['warp_instr_per_chunk']:.0f} warp instructions "
           f"per 32-candidate chunk; {cost['warp_instr_per_tile']:.0f} per tile outside the chunks (token rows, bounds, "
           f"end); fp32 rescoring {cost['rescore_loop_static']} static per {cost['rescore_dims_per_iteration']} dims")
+    result["coverage_select"] = {}
+    print("\nA coverage round's ranking (coverage_select_kernels.cuh; a block of 1024 threads)")
+    print("| kernel | regs | stack B | hot SASS (a warp, one pass) | histogram loops | emit loop |")
+    print("|---|---|---|---|---|---|")
+    for name in ("coverage_energy_kernel", "coverage_chunk_kernel", "coverage_merge_kernel"):
+        m = next(x for x in funcs if name in x)
+        c = select_cost(funcs[m])
+        c.update(registers=pinfo.get(m, {}).get("registers"), stack=pinfo.get(m, {}).get("stack"))
+        result["coverage_select"][name] = c
+        print(f"| {name} | {c['registers']} | {c['stack']} | {c['hot_static']} | {c['hist_loops']} | {c['emit_loop']} |")
     # The shipped instantiations: local memory where ptxas runs out of registers (up to 8
     # rows: 128 registers, two blocks per multiprocessor) on a path the pinned count leaves out.
     cubin2, log2 = compile_shipped(workdir, nvcc)

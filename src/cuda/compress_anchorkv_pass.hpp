@@ -15,6 +15,7 @@
 #include "cuda/compress_common.hpp"
 #include "cuda/compress_kernels.cuh"
 #include "cuda/compress_local_kernels.cuh"
+#include "cuda/coverage_select_kernels.cuh"
 #include "cuda/head_dim.hpp"
 #include "methods/methods.hpp"
 
@@ -32,9 +33,10 @@ struct CompressScratch {
       *energy_ids[2];
   uint64_t *sample_keys;
   int32_t *anchor_of_token, *nearest, *positions, *rope_first, *rope_second, *bad;
-  // Coverage anchors: squared norms and best |cos|^2 per side, ranking, flags, the rows
-  // absorbed next (the unit prefix rows reuse rk and kpost, free at that point).
-  float *cover_norm_sq[2], *cover_best[2], *cover_means;
+  // Coverage anchors: squared norms and best |cos|^2 per side, a round's energy partials and
+  // candidates (coverage_select_kernels.cuh), flags, the rows absorbed next (the unit prefix
+  // rows reuse rk and kpost, free at that point).
+  float *cover_norm_sq[2], *cover_best[2], *select_partials;
   uint32_t *cover_keys, *cover_ids, *cover_fresh;
   int32_t *cover_anchor;
   int32_t *block_table;
@@ -93,9 +95,9 @@ struct CompressScratch {
       take(cover_norm_sq[side], H * P);
       take(cover_best[side], H * P);
     }
-    take(cover_means, 2 * H);
-    take(cover_keys, H * P);
-    take(cover_ids, H * P);
+    take(select_partials, H * select_chunks(P) * 2);
+    take(cover_keys, H * (P + kSelectChunk));  // select_chunks(P) x select_slots(take) a head
+    take(cover_ids, H * (P + kSelectChunk));
     take(cover_fresh, int64_t{H} * fresh_stride(k, 0));  // format 3: sort_fresh_kernel's padding
     take(cover_anchor, H * P);
     take(block_table, table_blocks);  // paged prefill: the block table on the device
@@ -140,6 +142,28 @@ void nearest_anchors(Dev &dev, int D, const float *X, int64_t n, int k, const fl
   with_head_dim(D, [&](auto d) { go(nearest_anchor_kernel<decltype(d)::value>, near_tokens(decltype(d)::value)); });
 }
 
+// One coverage round's ranking (coverage_select_kernels.cuh), batched over the H heads: the
+// `take` tokens of each head that its anchors so far represent worst, flagged in
+// s.cover_anchor, appended to its picks at `at` and written in token order to `fresh` (head h's
+// at h fresh_stride). local: format 3's energies (x . unit row) rather than format 2's |cos|^2.
+template <class Dev>
+void coverage_round(Dev &dev, const CompressScratch &s, int H, int64_t P, int local, int64_t take, int64_t at,
+                    int64_t free_anchors, uint32_t *fresh, int64_t fresh_stride) {
+  const int chunks = static_cast<int>(select_chunks(P));
+  const float *norm_sq[2] = {s.cover_norm_sq[0], s.cover_norm_sq[1]}, *best[2] = {s.cover_best[0], s.cover_best[1]};
+  auto rank = [&](auto energy, auto chunk) {
+    dev.launch(energy, chunks, H, kSelectThreads, norm_sq[0], best[0], norm_sq[1], best[1], P, s.select_partials);
+    dev.launch(chunk, chunks, H, kSelectThreads, norm_sq[0], best[0], norm_sq[1], best[1], P,
+               static_cast<const float *>(s.select_partials), take, static_cast<const int32_t *>(s.cover_anchor),
+               s.cover_keys, s.cover_ids);
+  };
+  if (local) rank(coverage_energy_kernel<1>, coverage_chunk_kernel<1>);
+  else rank(coverage_energy_kernel<0>, coverage_chunk_kernel<0>);
+  dev.launch(coverage_merge_kernel, 1, H, kSelectThreads, static_cast<const uint32_t *>(s.cover_keys),
+             static_cast<const uint32_t *>(s.cover_ids), chunks * select_slots(take), take, P, s.cover_anchor,
+             s.picks + at, free_anchors, fresh, fresh_stride);
+}
+
 // The coverage share of every head's anchors (CPU: add_coverage_anchors), batched over the H
 // heads: head h's n_top scored picks are at s.picks + h free_anchors and flagged in
 // s.cover_anchor (zeroed before); appends `count` more, chosen in `rounds` rounds as the tokens
@@ -178,17 +202,8 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int6
   for (int round = 0; round < rounds && left > 0; ++round) {
     const int64_t take = std::min<int64_t>((left + (rounds - round) - 1) / (rounds - round), P - at);
     if (take <= 0) break;
-    dev.launch(coverage_means_kernel, 2, H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
-               static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
-               static_cast<const float *>(s.cover_best[1]), P, 0, s.cover_means);
-    dev.launch(coverage_keys_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
-               static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
-               static_cast<const float *>(s.cover_best[1]), static_cast<const float *>(s.cover_means),
-               static_cast<const int32_t *>(s.cover_anchor), P, 0, s.cover_keys, s.cover_ids);
-    dev.sort_segments_u32(s.cover_keys, s.cover_ids, H, P);  // ties: the lower token
-    dev.launch(coverage_take_kernel, grid_blocks(take, 128), H, 128, static_cast<const uint32_t *>(s.cover_ids), P,
-               take, s.cover_anchor, P, s.picks + at, free_anchors, int64_t{0});
-    absorb(s.cover_ids, P, take);
+    coverage_round(dev, s, H, P, 0, take, at, free_anchors, s.cover_fresh, k);
+    absorb(s.cover_fresh, k, take);
     at += take;
     left -= take;
   }
@@ -241,18 +256,7 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
   for (int round = 0; round < rounds && left > 0; ++round) {
     const int64_t take = std::min<int64_t>((left + (rounds - round) - 1) / (rounds - round), P - at);
     if (take <= 0) break;
-    dev.launch(coverage_means_kernel, 2, H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
-               static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
-               static_cast<const float *>(s.cover_best[1]), P, 1, s.cover_means);
-    dev.launch(coverage_keys_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.cover_norm_sq[0]),
-               static_cast<const float *>(s.cover_best[0]), static_cast<const float *>(s.cover_norm_sq[1]),
-               static_cast<const float *>(s.cover_best[1]), static_cast<const float *>(s.cover_means),
-               static_cast<const int32_t *>(s.cover_anchor), P, 1, s.cover_keys, s.cover_ids);
-    dev.sort_segments_u32(s.cover_keys, s.cover_ids, H, P);  // ties: the lower token
-    dev.launch(coverage_take_kernel, grid_blocks(take, 128), H, 128, static_cast<const uint32_t *>(s.cover_ids), P,
-               take, s.cover_anchor, P, s.picks + at, free_anchors, int64_t{0});
-    dev.launch(sort_fresh_kernel, 1, H, kFreshThreads, static_cast<const uint32_t *>(s.cover_ids), P, take, P,
-               int64_t{0}, s.cover_fresh, fresh_stride(take, 0));
+    coverage_round(dev, s, H, P, 1, take, at, free_anchors, s.cover_fresh, fresh_stride(take, 0));
     absorb(take, 0, fresh_stride(take, 0));
     at += take;
     left -= take;

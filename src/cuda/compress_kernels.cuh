@@ -681,15 +681,46 @@ __global__ void mask_kernel(const uint32_t *sorted_ids, int64_t n, int64_t P, in
   atomicOr(&mask[h * words + t / 64], 1ull << (t % 64));
 }
 
+// Exclusive scan of one value per thread over a block of NT threads (a multiple of 32, at most
+// 1024), in thread order: returns the sum of the values of the threads before this one and
+// sets `total` to the block's sum. Warp scans, then a scan of the warp totals by warp 0;
+// warp_sums: NT / 32 + 1 words of shared memory, free again on return (every thread calls).
+template <int NT>
+__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t own, uint32_t *warp_sums, uint32_t &total) {
+  constexpr int NW = NT / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint32_t incl = own;  // inclusive scan within the warp
+  for (int d = 1; d < 32; d <<= 1) {
+    const uint32_t up = __shfl_sync(kFullMask, incl, lane >= d ? lane - d : lane);
+    if (lane >= d) incl += up;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {  // exclusive scan of the warp totals; their sum in warp_sums[NW]
+    const uint32_t v = lane < NW ? warp_sums[lane] : 0u;
+    uint32_t x = v;
+    for (int d = 1; d < 32; d <<= 1) {
+      const uint32_t up = __shfl_sync(kFullMask, x, lane >= d ? lane - d : lane);
+      if (lane >= d) x += up;
+    }
+    if (lane < NW) warp_sums[lane] = x - v;
+    if (lane == 31) warp_sums[NW] = x;
+  }
+  __syncthreads();
+  const uint32_t before = warp_sums[warp] + incl - own;
+  total = warp_sums[NW];
+  __syncthreads();  // warp_sums is rewritten by the next call
+  return before;
+}
+
 // Per-word prefix counts within each head and the per-head offsets (H+1): one block of
 // kPrefixThreads walks the heads in order, kPrefixThreads words at a time, with a block-wide
-// scan of the words' popcounts (warp scans, then a scan of the warp totals by warp 0).
+// scan of the words' popcounts.
 constexpr int kPrefixThreads = 1024;
 __global__ void __launch_bounds__(kPrefixThreads) prefix_kernel(const uint64_t *mask, int H, int64_t words,
                                                                 uint32_t *prefix, uint32_t *offsets) {
-  constexpr int NW = kPrefixThreads / 32;
-  AKV_STATIC_SHARED(uint32_t, warp_sums, [NW + 1]);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  AKV_STATIC_SHARED(uint32_t, warp_sums, [kPrefixThreads / 32 + 1]);
+  const int tid = threadIdx.x;
   uint32_t total = 0;  // residuals of the heads before h (uniform across the block)
   for (int h = 0; h < H; ++h) {
     offsets[h] = total;  // every thread writes the same value
@@ -697,27 +728,10 @@ __global__ void __launch_bounds__(kPrefixThreads) prefix_kernel(const uint64_t *
     for (int64_t w0 = 0; w0 < words; w0 += kPrefixThreads) {
       const int64_t wd = w0 + tid;
       const uint32_t own = wd < words ? static_cast<uint32_t>(__popcll(mask[h * words + wd])) : 0u;
-      uint32_t incl = own;  // inclusive scan within the warp
-      for (int d = 1; d < 32; d <<= 1) {
-        const uint32_t up = __shfl_sync(kFullMask, incl, lane >= d ? lane - d : lane);
-        if (lane >= d) incl += up;
-      }
-      if (lane == 31) warp_sums[warp] = incl;
-      __syncthreads();
-      if (warp == 0) {  // exclusive scan of the warp totals; their sum in warp_sums[NW]
-        const uint32_t v = warp_sums[lane];
-        uint32_t x = v;
-        for (int d = 1; d < 32; d <<= 1) {
-          const uint32_t up = __shfl_sync(kFullMask, x, lane >= d ? lane - d : lane);
-          if (lane >= d) x += up;
-        }
-        warp_sums[lane] = x - v;
-        if (lane == 31) warp_sums[NW] = x;
-      }
-      __syncthreads();
-      if (wd < words) prefix[h * words + wd] = carry + warp_sums[warp] + incl - own;
-      carry += warp_sums[NW];
-      __syncthreads();  // warp_sums is rewritten by the next chunk
+      uint32_t chunk = 0;
+      const uint32_t before = block_exclusive_scan<kPrefixThreads>(own, warp_sums, chunk);
+      if (wd < words) prefix[h * words + wd] = carry + before;
+      carry += chunk;
     }
     total += carry;
   }
@@ -944,53 +958,6 @@ __global__ void coverage_update_kernel(const float *C, int64_t t0, int64_t count
 // with local candidates (format 3, best = x . unit anchor) ||x||^2 - best^2.
 __device__ __forceinline__ float uncovered_energy(float norm_sq, float best, int local) {
   return local ? fmaxf(0.0f, norm_sq - best * best) : norm_sq * fmaxf(0.0f, 1.0f - best);
-}
-
-// Mean residual energy ||x||^2 (1 - best) over the prefix, for side blockIdx.x (0 keys, 1
-// values); 1 when it is 0. One block of 128 per side; grid y over heads (arrays [y][P],
-// means [y][2]).
-__global__ void __launch_bounds__(128) coverage_means_kernel(const float *key_norm_sq, const float *key_best,
-                                                             const float *value_norm_sq, const float *value_best,
-                                                             int64_t P, int local, float *means) {
-  AKV_STATIC_SHARED(float, scratch, [4]);
-  {
-    const int64_t y = blockIdx.y;
-    key_norm_sq += y * P;
-    key_best += y * P;
-    value_norm_sq += y * P;
-    value_best += y * P;
-    means += y * 2;
-  }
-  const float *norm_sq = blockIdx.x == 0 ? key_norm_sq : value_norm_sq;
-  const float *best = blockIdx.x == 0 ? key_best : value_best;
-  float acc = 0.0f;
-  for (int64_t t = threadIdx.x; t < P; t += 128) acc += uncovered_energy(norm_sq[t], best[t], local);
-  const float sum = block_sum128(acc, scratch);
-  if (threadIdx.x == 0) means[blockIdx.x] = sum > 0.0f ? sum / static_cast<float>(P) : 1.0f;
-}
-
-// Sort keys of one round: descending summed relative error; anchors last. Ids are tokens.
-// Grid y over heads (arrays [y][P], means [y][2]).
-__global__ void coverage_keys_kernel(const float *key_norm_sq, const float *key_best, const float *value_norm_sq,
-                                     const float *value_best, const float *means, const int32_t *is_anchor,
-                                     int64_t P, int local, uint32_t *keys, uint32_t *ids) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= P) return;
-  {
-    const int64_t y = blockIdx.y;
-    key_norm_sq += y * P;
-    key_best += y * P;
-    value_norm_sq += y * P;
-    value_best += y * P;
-    means += y * 2;
-    is_anchor += y * P;
-    keys += y * P;
-    ids += y * P;
-  }
-  const float e = uncovered_energy(key_norm_sq[t], key_best[t], local) / means[0] +
-                  uncovered_energy(value_norm_sq[t], value_best[t], local) / means[1];
-  keys[t] = is_anchor[t] ? 0xFFFFFFFFu : descending_key(e);
-  ids[t] = static_cast<uint32_t>(t);
 }
 
 // The n tokens ids[0..n) become anchors: flagged, and copied to out[0..n); then (tail > 0)

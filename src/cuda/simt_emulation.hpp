@@ -222,6 +222,19 @@ T shfl(T v, int src_lane) {
   return r;
 }
 
+// __match_any_sync over a whole warp: every lane posts its value, the warp meets, each lane
+// gathers the lanes whose value equals its own, the warp meets again.
+inline unsigned match_any(uint32_t v) {
+  const unsigned tid = tl_thread.x, base = tid / 32 * 32;
+  const unsigned size = std::min<unsigned>(32, static_cast<unsigned>(tl_block->fibers.size()) - base);
+  tl_block->exchange[tid] = v;
+  syncwarp();
+  unsigned peers = 0;
+  for (unsigned l = 0; l < size; ++l) peers |= (tl_block->exchange[base + l] == v ? 1u : 0u) << l;
+  syncwarp();
+  return peers;
+}
+
 // __syncthreads_or: every thread posts its predicate, the block meets, each thread reads them
 // all, the block meets again.
 inline int syncthreads_or(bool pred) {
@@ -383,6 +396,7 @@ using uint4 = ::simt::uint4_;
 #define __shfl_xor_sync(mask, v, m) ::simt::shfl((v), static_cast<int>(::simt::tl_thread.x % 32) ^ (m))
 #define __shfl_sync(mask, v, src) ::simt::shfl((v), (src))
 #define __syncthreads_or(pred) ::simt::syncthreads_or((pred))
+#define __match_any_sync(mask, v) ::simt::match_any(static_cast<uint32_t>(v))
 #define AKV_STATIC_SHARED(type, name, dims)                    \
   static type name dims;                                        \
   {                                                             \
@@ -406,8 +420,11 @@ T atomic_update(T *p, T v, Op op) {
 }  // namespace simt
 inline float atomicAdd(float *p, float v) { return ::simt::atomic_update(p, v, std::plus<float>()); }
 inline int atomicAdd(int *p, int v) { return ::simt::atomic_update(p, v, std::plus<int>()); }
+inline unsigned atomicAdd(unsigned *p, unsigned v) { return ::simt::atomic_update(p, v, std::plus<unsigned>()); }
 inline unsigned long long atomicOr(unsigned long long *p, unsigned long long v) {
   return ::simt::atomic_update(p, v, std::bit_or<unsigned long long>());
 }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __ffsll(long long x) { return __builtin_ffsll(x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }

@@ -1,0 +1,276 @@
+// One coverage round's ranking on the GPU (CPU: worst_represented in cpu/local_anchors.cpp):
+// the `take` tokens of a head that its anchors so far represent worst (largest summed relative
+// error, ties the lower token; anchors never), in token order. Three launches a round, each
+// over every head, instead of a means kernel, a keys kernel, a device-wide segmented sort and
+// its two copies, the take and (format 3) a sort by token:
+//   coverage_energy_kernel  each chunk of kSelectChunk tokens sums both sides' residual
+//                           energies (fixed order, so every run gives the same means);
+//   coverage_chunk_kernel   each chunk sums the partials into the means (all chunks alike),
+//                           makes its tokens' keys and selects its own `take` smallest (a
+//                           chunk's share of the round can be no larger), in token order;
+//   coverage_merge_kernel   one block per head selects the `take` smallest of the chunks'
+//                           candidates (which are in token order) and writes the picks.
+// A select is a radix select (digits of 11, 11 and 10 bits, most significant first: each a
+// histogram of the keys that share the digits so far, and the bin where the count reaches the
+// wanted rank) followed by a pass in order that takes the keys below the threshold T and the
+// first `need` keys equal to it.
+#pragma once
+#include "cuda/compress_kernels.cuh"
+
+namespace akv {
+namespace cuda {
+
+constexpr int kSelectThreads = 1024, kSelectBins = 2 * kSelectThreads;
+constexpr int kSelectChunk = 4 * kSelectThreads;  // tokens per chunk: 4 a thread
+constexpr uint32_t kNotRanked = 0xFFFFFFFFu;       // the key of an anchor (and of padding)
+
+// Chunks of the prefix, and the candidate slots each chunk gets (the round's take, at most
+// the chunk's tokens): the merge reads chunks x slots keys per head.
+__host__ __device__ constexpr int64_t select_chunks(int64_t P) { return (P + kSelectChunk - 1) / kSelectChunk; }
+__host__ __device__ constexpr int64_t select_slots(int64_t take) { return take < kSelectChunk ? take : kSelectChunk; }
+
+// Adds one to hist[bin] for every lane of the warp with `valid` (every lane calls): the lanes
+// with the same bin add together, through their lowest lane, so a warp whose keys share a
+// digit (a round's first digit mostly does) makes one atomic instead of 32.
+__device__ __forceinline__ void warp_histogram_add(uint32_t *hist, uint32_t bin, bool valid) {
+  const unsigned peers = __match_any_sync(kFullMask, valid ? bin : 0xFFFFFFFFu);
+  if (valid && (threadIdx.x & 31) == static_cast<unsigned>(__ffs(static_cast<int>(peers)) - 1))
+    atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
+}
+
+// The shared memory of a block select (every thread of a kSelectThreads block calls).
+struct SelectShared {
+  uint32_t *hist;       // kSelectBins, zero on entry to block_select_threshold and on return
+  uint32_t *warp_sums;  // kSelectThreads / 32 + 1
+  uint32_t *found;      // 2
+};
+
+// The threshold of the `take` smallest keys key_at(0..n) (kNotRanked never counted): returns T
+// and sets `need` (how many keys equal to T are taken) and `count` (take, or the keys counted if
+// fewer). Loads kSelectBatch keys a thread at a time, issued together.
+template <class KeyAt>
+__device__ uint32_t block_select_threshold(KeyAt key_at, int64_t n, uint32_t take, const SelectShared &sh,
+                                           uint32_t &need, uint32_t &count) {
+  constexpr int B = 4;
+  constexpr int64_t kStep = int64_t{kSelectThreads} * B;
+  const int tid = threadIdx.x;
+  uint32_t prefix = 0;
+  need = count = 0;
+#pragma unroll
+  for (int digit = 0; digit < 3; ++digit) {
+    const int shift = digit == 0 ? 21 : digit == 1 ? 10 : 0;
+    const int above = digit == 0 ? 32 : digit == 1 ? 21 : 10;  // the digits found so far
+    for (int64_t i0 = 0; i0 < n; i0 += kStep) {
+      uint32_t key[B];
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const int64_t i = i0 + b * kSelectThreads + tid;
+        key[b] = i < n ? key_at(i) : kNotRanked;
+      }
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const bool in_play = key[b] != kNotRanked && (digit == 0 || (key[b] >> above) == (prefix >> above));
+        warp_histogram_add(sh.hist, (key[b] >> shift) & ((1u << (above - shift)) - 1u), in_play);
+      }
+    }
+    __syncthreads();
+    // The bin where the count of smaller keys reaches `want`: two bins a thread, a block scan.
+    const uint32_t c0 = sh.hist[2 * tid], c1 = sh.hist[2 * tid + 1];
+    uint32_t counted = 0;
+    const uint32_t below = block_exclusive_scan<kSelectThreads>(c0 + c1, sh.warp_sums, counted);
+    // First digit: never more than the keys counted (the CPU's min); then the keys still
+    // wanted among those that share the digits so far.
+    const uint32_t want = digit == 0 ? (take < counted ? take : counted) : need;
+    if (digit == 0) count = want;
+    if (below < want && below + c0 + c1 >= want) {
+      const bool first = below + c0 >= want;
+      sh.found[0] = static_cast<uint32_t>(2 * tid + (first ? 0 : 1));
+      sh.found[1] = first ? below : below + c0;
+    }
+    sh.hist[2 * tid] = sh.hist[2 * tid + 1] = 0u;  // for the next digit (and the next select)
+    __syncthreads();
+    if (want > 0) {  // else nothing is taken: no key is below T = 0 and need stays 0
+      prefix |= sh.found[0] << shift;
+      need = want - sh.found[1];
+    }
+    __syncthreads();  // found is rewritten by the next digit
+  }
+  return prefix;
+}
+
+// The keys taken by the select (below T, and the first `need` equal to T), in index order:
+// emit(at, i) for the at-th of them. kSelectChunk keys at a time, 4 consecutive ones a
+// thread: a block scan of the equal keys (their ranks), then one of the keys taken.
+template <class KeyAt, class Emit>
+__device__ void block_select_emit(KeyAt key_at, int64_t n, uint32_t T, uint32_t need, const SelectShared &sh,
+                                  Emit emit) {
+  uint32_t equal_before = 0, taken_before = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += kSelectChunk) {
+    const int64_t first = i0 + 4 * static_cast<int64_t>(threadIdx.x);
+    uint32_t key[4], equal_own = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      key[j] = first + j < n ? key_at(first + j) : kNotRanked;
+      equal_own += key[j] == T && key[j] != kNotRanked ? 1u : 0u;
+    }
+    uint32_t equal_total = 0, taken_total = 0;
+    uint32_t rank = equal_before + block_exclusive_scan<kSelectThreads>(equal_own, sh.warp_sums, equal_total);
+    bool take[4];
+    uint32_t taken_own = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const bool equal = key[j] == T && key[j] != kNotRanked;
+      take[j] = key[j] < T || (equal && rank < need);
+      rank += equal ? 1u : 0u;
+      taken_own += take[j] ? 1u : 0u;
+    }
+    uint32_t at = taken_before + block_exclusive_scan<kSelectThreads>(taken_own, sh.warp_sums, taken_total);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (take[j]) emit(at++, first + j);
+    equal_before += equal_total;
+    taken_before += taken_total;
+  }
+}
+
+// Each chunk's sums of both sides' residual energies (||x||^2 - best^2 with local candidates,
+// LOCAL 1; ||x||^2 (1 - best) without): partials[y][chunk][2]. Grid (chunks, heads): arrays at
+// y P.
+template <int LOCAL>
+__global__ void __launch_bounds__(kSelectThreads) coverage_energy_kernel(const float *key_norm_sq,
+                                                                         const float *key_best,
+                                                                         const float *value_norm_sq,
+                                                                         const float *value_best, int64_t P,
+                                                                         float *partials) {
+  constexpr int NW = kSelectThreads / 32;
+  AKV_STATIC_SHARED(float, warp_part, [2][NW]);
+  const int64_t y = blockIdx.y, c0 = static_cast<int64_t>(blockIdx.x) * kSelectChunk;
+  const int tid = threadIdx.x;
+  float acc[2] = {0.0f, 0.0f};
+  float x[4][4];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {  // the loads first, together
+    const int64_t t = c0 + b * kSelectThreads + tid;
+    const bool in = t < P;
+    x[b][0] = in ? key_norm_sq[y * P + t] : 0.0f;
+    x[b][1] = in ? key_best[y * P + t] : 0.0f;
+    x[b][2] = in ? value_norm_sq[y * P + t] : 0.0f;
+    x[b][3] = in ? value_best[y * P + t] : 0.0f;
+  }
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    acc[0] += uncovered_energy(x[b][0], x[b][1], LOCAL);
+    acc[1] += uncovered_energy(x[b][2], x[b][3], LOCAL);
+  }
+  for (int side = 0; side < 2; ++side) {
+    const float w = warp_sum(acc[side]);
+    if ((tid & 31) == 0) warp_part[side][tid >> 5] = w;
+  }
+  __syncthreads();
+  if (tid < 2) {
+    float sum = 0.0f;
+    for (int w = 0; w < NW; ++w) sum += warp_part[tid][w];
+    partials[(y * gridDim.x + blockIdx.x) * 2 + tid] = sum;
+  }
+}
+
+// Each chunk's candidates for the round: the means from every chunk's partials (summed in
+// chunk order by warp 0: the same in every block), the keys of the chunk's tokens (anchors
+// kNotRanked), and the chunk's `take` smallest (ties the lower token) in token order into its
+// slots of cand_keys / cand_ids (slots: select_slots(take); the slots left over get
+// kNotRanked). Grid (chunks, heads): arrays at y P, partials at y chunks 2, candidates at
+// y chunks slots.
+template <int LOCAL>
+__global__ void __launch_bounds__(kSelectThreads) coverage_chunk_kernel(
+    const float *key_norm_sq, const float *key_best, const float *value_norm_sq, const float *value_best, int64_t P,
+    const float *partials, int64_t take, const int32_t *is_anchor, uint32_t *cand_keys,
+    uint32_t *cand_ids) {
+  AKV_STATIC_SHARED(uint32_t, keys, [kSelectChunk]);
+  AKV_STATIC_SHARED(uint32_t, hist, [kSelectBins]);
+  AKV_STATIC_SHARED(uint32_t, warp_sums, [kSelectThreads / 32 + 1]);
+  AKV_STATIC_SHARED(uint32_t, found, [2]);
+  AKV_STATIC_SHARED(float, mean, [2]);
+  const int64_t y = blockIdx.y, chunks = gridDim.x, c0 = static_cast<int64_t>(blockIdx.x) * kSelectChunk;
+  const int64_t slots = select_slots(take);
+  const int tid = threadIdx.x;
+  for (int i = tid; i < kSelectBins; i += kSelectThreads) hist[i] = 0u;
+  if (tid < 32) {  // the means: lane l sums chunks l, l + 32, ..., then the lanes in order
+    float sum[2] = {0.0f, 0.0f};
+    for (int64_t c = tid; c < chunks; c += 32)
+      for (int side = 0; side < 2; ++side) sum[side] += partials[(y * chunks + c) * 2 + side];
+    for (int side = 0; side < 2; ++side) {
+      float total = 0.0f;
+      for (int l = 0; l < 32; ++l) total += __shfl_sync(kFullMask, sum[side], l);
+      if (tid == 0) mean[side] = total > 0.0f ? total / static_cast<float>(P) : 1.0f;
+    }
+  }
+  float x[4][4];
+  int32_t anchor[4];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {  // the loads first, together
+    const int64_t t = c0 + b * kSelectThreads + tid;
+    const bool in = t < P;
+    anchor[b] = in ? is_anchor[y * P + t] : 1;
+    x[b][0] = in ? key_norm_sq[y * P + t] : 0.0f;
+    x[b][1] = in ? key_best[y * P + t] : 0.0f;
+    x[b][2] = in ? value_norm_sq[y * P + t] : 0.0f;
+    x[b][3] = in ? value_best[y * P + t] : 0.0f;
+  }
+  __syncthreads();
+  const float m0 = mean[0], m1 = mean[1];
+#pragma unroll
+  for (int b = 0; b < 4; ++b)
+    keys[b * kSelectThreads + tid] =
+        anchor[b] ? kNotRanked
+                  : descending_key(uncovered_energy(x[b][0], x[b][1], LOCAL) / m0 +
+                                   uncovered_energy(x[b][2], x[b][3], LOCAL) / m1);
+  __syncthreads();
+  const SelectShared sh{hist, warp_sums, found};
+  const int64_t n = P - c0 < kSelectChunk ? P - c0 : kSelectChunk;
+  auto key_at = [&](int64_t i) { return keys[i]; };
+  uint32_t need = 0, count = 0;
+  const uint32_t T = block_select_threshold(key_at, n, static_cast<uint32_t>(slots), sh, need, count);
+  uint32_t *out_keys = cand_keys + (y * chunks + blockIdx.x) * slots, *out_ids = cand_ids + (y * chunks + blockIdx.x) * slots;
+  block_select_emit(key_at, n, T, need, sh, [&](uint32_t at, int64_t i) {
+    out_keys[at] = keys[i];
+    out_ids[at] = static_cast<uint32_t>(c0 + i);
+  });
+  for (int64_t j = count + tid; j < slots; j += kSelectThreads) out_keys[j] = kNotRanked;
+}
+
+// The round's picks of each head: the `take` smallest of its chunks' candidates (chunks x
+// slots keys in token order, kNotRanked in the unused slots), flagged in is_anchor and written
+// in token order to picks and fresh (the next absorb's candidates). One block per head (grid
+// y): candidates at y chunks slots, flags at y P, picks at y picks_stride, fresh at y
+// fresh_stride. (Bounds with one block a multiprocessor: else ptxas keeps it to 32 registers
+// and spills one.)
+__global__ void __launch_bounds__(kSelectThreads, 1) coverage_merge_kernel(const uint32_t *cand_keys,
+                                                                        const uint32_t *cand_ids, int64_t n,
+                                                                        int64_t take, int64_t P, int32_t *is_anchor,
+                                                                        uint32_t *picks, int64_t picks_stride,
+                                                                        uint32_t *fresh, int64_t fresh_stride) {
+  AKV_STATIC_SHARED(uint32_t, hist, [kSelectBins]);
+  AKV_STATIC_SHARED(uint32_t, warp_sums, [kSelectThreads / 32 + 1]);
+  AKV_STATIC_SHARED(uint32_t, found, [2]);
+  const int64_t y = blockIdx.y;
+  cand_keys += y * n;
+  cand_ids += y * n;
+  is_anchor += y * P;
+  picks += y * picks_stride;
+  fresh += y * fresh_stride;
+  for (int i = threadIdx.x; i < kSelectBins; i += kSelectThreads) hist[i] = 0u;
+  __syncthreads();
+  const SelectShared sh{hist, warp_sums, found};
+  auto key_at = [&](int64_t i) { return cand_keys[i]; };
+  uint32_t need = 0, count = 0;
+  const uint32_t T = block_select_threshold(key_at, n, static_cast<uint32_t>(take), sh, need, count);
+  block_select_emit(key_at, n, T, need, sh, [&](uint32_t at, int64_t i) {
+    const uint32_t t = cand_ids[i];
+    picks[at] = t;
+    fresh[at] = t;
+    is_anchor[t] = 1;
+  });
+}
+
+}  // namespace cuda
+}  // namespace akv
