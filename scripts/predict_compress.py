@@ -58,10 +58,11 @@ IPC = 0.7                 # warp instructions issued per scheduler per cycle (sc
 ISSUE_PER_S = SMS * 4 * CLOCK_HZ * IPC
 SKIP_SHARE = 0.5          # ASSUMED: share of a coverage round's tokens left alone (see the docstring)
 # local_nearest_kernel<128> from scripts/sass_count.py (used without --sass): warp instructions per
-# 32-candidate chunk and per tile (per warp, 4 warps a block), the rescoring loop's static SASS per
-# 16 dims (one pass per rescored candidate).
-LOCAL = {"warp_instr_per_chunk": 787, "warp_instr_per_tile": 1039, "rescore_loop_static": 56,
-              "rescore_dims_per_iteration": 16}
+# 32-candidate chunk and per tile (per warp, 4 warps a block), the candidate range's two binary
+# searches (one thread; a step each), the rescoring loop's static SASS per 16 dims (one pass per
+# rescored candidate).
+LOCAL = {"warp_instr_per_chunk": 787, "warp_instr_per_tile": 599, "search_loops_static": 43,
+         "rescore_loop_static": 56, "rescore_dims_per_iteration": 16}
 RESCORED = 1.5            # ASSUMED: candidates rescored in fp32 per token that is not left alone
 # coverage_select_kernels.cuh from scripts/sass_count.py (used without --sass): per kernel, the hot
 # SASS a warp runs in one pass, the merge's histogram loops (one a digit) and emit loop.
@@ -228,16 +229,20 @@ class Pass:
     def unit_rows(self, hb, n, bf16_copy):  # unit_rows_kernel: read X rows, write unit rows (+bf16)
         self.op(simt=hb * n * 3 * D, hbm=hb * n * (D * 4 + D * 4 + (D * 2 if bf16_copy else 4)))
 
-    def local_search(self, hb, g, candidates, fresh):
+    def local_search(self, hb, g, candidates, fresh, n_sorted):
         """local_nearest_kernel<128> over every token of hb heads against `candidates` per token
-        (the absorbed rows in its reach, and the window's): per 64-token tile, the token rows in
-        bf16, ceil(candidates / 32) chunks, and fp32 rescoring of the tokens not left alone (a
-        warp's rescoring runs when any of its 16 tokens needs it: taken as that share)."""
+        (the absorbed rows in its reach, and the window's): per 64-token tile, the binary searches
+        of its range in the n_sorted candidates (one thread: a quarter of the tile's 4 warps), the
+        token rows in bf16, ceil(candidates / 32) chunks, and fp32 rescoring of the tokens not
+        left alone (a warp's rescoring runs when any of its 16 tokens needs it: taken as that
+        share)."""
         P = g["P"]
         tiles = hb * -(-P // 64)
         chunks = max(1, -(-candidates // 32))
         rescore = 0.0 if fresh else SKIP_SHARE
-        per_warp = (LOCAL["warp_instr_per_tile"] + chunks * LOCAL["warp_instr_per_chunk"]
+        steps = math.ceil(math.log2(n_sorted + 1))
+        per_warp = (LOCAL["warp_instr_per_tile"] + LOCAL["search_loops_static"] * steps / 4
+                    + chunks * LOCAL["warp_instr_per_chunk"]
                     + (1 - rescore) * RESCORED * LOCAL["rescore_loop_static"] * D / LOCAL["rescore_dims_per_iteration"])
         hbm = tiles * 64 * D * 2 + (1 - rescore) * hb * P * D * 4 + hb * P * 8  # bf16 rows, fp32 rescoring rows, outputs
         self.op(tc=2 * tiles * 64 * chunks * 32 * D, hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
@@ -305,7 +310,7 @@ def local_pass(x, g, hb):
     for i, (n, fresh) in enumerate(absorbs):        # absorb(): per side, candidate rows + the search
         for side in range(2):
             x.unit_rows(hb, n + (W if i == 0 else 0), True)
-            x.local_search(hb, g, n * share + (W if i == 0 else 0), fresh)
+            x.local_search(hb, g, n * share + (W if i == 0 else 0), fresh, n)
     x.sort_segments(hb, free)                       # picks by token
     x.copy(hb * P * 4)                              # anchor_of_token = -1
     x.stage = "assignment"

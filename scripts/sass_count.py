@@ -353,7 +353,8 @@ def local_search_cost(f):
     trip counts of the source (a chunk loads 32 candidate rows, 8 quads a thread, and offers 16
     products a thread; a tile loads 64 token rows, 16 quads a thread; nvcc unrolls each by the
     factor read off the body's loads or comparisons). The loop holding the HMMAs is the chunk
-    loop; the offer and row-load loops are the two inner loops of it."""
+    loop; the offer and row-load loops are the two inner loops of it. The two binary searches
+    of the candidate range (one thread, before the tile) are reported apart (a step each)."""
     ls = loops(f)
     chunk = next(l for l in ls if l[3]["HMMA"])
     inner = [l for l in ls if chunk[0] < l[0] and l[1] < chunk[1]]
@@ -366,9 +367,13 @@ def local_search_cost(f):
     before = [l for l in ls if l[1] < chunk[0]]
     rows = max(before, key=lambda l: l[2])  # the token rows: 16 quads a thread
     loads = rows[3]["LD"] + rows[3]["LDG"]
-    per_tile = (chunk[0] - sum(l[2] for l in before)) + rows[2] * 16 / max(1, loads) + 2 * 22 * 10
+    # The candidate range's two binary searches (thread 0: one load a step, no stores); the
+    # model gives them their steps, log2 of the sorted candidates.
+    searches = [l for l in before if l is not rows and l[3]["LDG"] + l[3]["LD"] == 1 and not l[3]["STS"]]
+    per_tile = (chunk[0] - sum(l[2] for l in before)) + rows[2] * 16 / max(1, loads)
     rescore = next((l for l in ls if l[0] > chunk[1] and l[3]["FFMA"]), None)
     return {"chunk_loop_static": chunk[2], "warp_instr_per_chunk": per_chunk, "warp_instr_per_tile": per_tile,
+            "search_loops_static": sum(l[2] for l in searches),
             "rescore_loop_static": rescore[2] if rescore else 0,
             "rescore_dims_per_iteration": rescore[3]["FFMA"] if rescore else 0,
             "loops": [(a, b, n) for a, b, n, _ in ls]}
