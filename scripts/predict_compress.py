@@ -22,8 +22,11 @@ scripts/sass_count.py (--sass JSON from `sass_count.py --json`; without it, the 
 taken from it at the commit that added them): warp instructions per 32-candidate chunk and per
 64-token tile, and the fp32 rescoring loop, issued at IPC of 4 schedulers x SMS at CLOCK_HZ.
 The share of tokens that a coverage round's candidates cannot improve (their approximate best
-stays below the token's best by the margin: no rescoring, no fp32 row read) is ASSUMED
-(SKIP_SHARE); a device run would measure it. A coverage round's ranking (the three kernels of
+stays below the token's best by the margin: no rescoring, no fp32 row read; SKIP_SHARE) and the
+candidates rescored per token searched (RESCORED) are MEASURED through the SIMT emulation on the
+eval's synthetic data at 32K (tests/emu_data, `anchorkv_emulation_data_tests`, which prints
+them; one head, bf16, the defaults at 20x); a device run with ANCHORKV_COMPRESS_PROFILE=1
+prints the same counts on real data. A coverage round's ranking (the three kernels of
 src/cuda/coverage_select_kernels.cuh, blocks of 1024 threads) is issue-bound per block: 32 warps
 times the kernel's hot SASS (sass_count.py's select_cost: an upper bound, warp 0's lines counted
 for every warp) over a multiprocessor's 4 schedulers.
@@ -56,14 +59,15 @@ RESIDENT_WARPS = SMS * 32   # encode_kernel blocks (one warp each) resident at o
 CLOCK_HZ = 1.98e9        # boost clock
 IPC = 0.7                 # warp instructions issued per scheduler per cycle (scripts/predict_decode.py's)
 ISSUE_PER_S = SMS * 4 * CLOCK_HZ * IPC
-SKIP_SHARE = 0.5          # ASSUMED: share of a coverage round's tokens left alone (see the docstring)
+SKIP_SHARE = 0.868        # MEASURED (emulation, synthetic data, 32K): a round's tokens left alone
 # local_nearest_kernel<128> from scripts/sass_count.py (used without --sass): warp instructions per
 # 32-candidate chunk and per tile (per warp, 4 warps a block), the candidate range's two binary
 # searches (one thread; a step each), the rescoring loop's static SASS per 16 dims (one pass per
 # rescored candidate).
 LOCAL = {"warp_instr_per_chunk": 787, "warp_instr_per_tile": 599, "search_loops_static": 43,
          "rescore_loop_static": 56, "rescore_dims_per_iteration": 16}
-RESCORED = 1.5            # ASSUMED: candidates rescored in fp32 per token that is not left alone
+RESCORED = 1.92           # MEASURED (same run): candidates rescored in fp32 per token searched
+WARP_TOKENS = 16          # tokens of a warp in local_nearest_kernel (64 a block of 4 warps, 2 lanes each)
 # coverage_select_kernels.cuh from scripts/sass_count.py (used without --sass): per kernel, the hot
 # SASS a warp runs in one pass, the merge's histogram loops (one a digit) and emit loop.
 SELECT = {"coverage_energy_kernel": {"hot_static": 171},
@@ -234,16 +238,18 @@ class Pass:
         (the absorbed rows in its reach, and the window's): per 64-token tile, the binary searches
         of its range in the n_sorted candidates (one thread: a quarter of the tile's 4 warps), the
         token rows in bf16, ceil(candidates / 32) chunks, and fp32 rescoring of the tokens not
-        left alone (a warp's rescoring runs when any of its 16 tokens needs it: taken as that
-        share)."""
+        left alone: a warp runs the rescoring loop when any of its 16 tokens needs it (taken as
+        independent tokens), as often as its busiest lane (taken as RESCORED); the fp32 rows are
+        read for the tokens searched only."""
         P = g["P"]
         tiles = hb * -(-P // 64)
         chunks = max(1, -(-candidates // 32))
         rescore = 0.0 if fresh else SKIP_SHARE
         steps = math.ceil(math.log2(n_sorted + 1))
+        warp_rescores = 1 - rescore ** WARP_TOKENS
         per_warp = (LOCAL["warp_instr_per_tile"] + LOCAL["search_loops_static"] * steps / 4
                     + chunks * LOCAL["warp_instr_per_chunk"]
-                    + (1 - rescore) * RESCORED * LOCAL["rescore_loop_static"] * D / LOCAL["rescore_dims_per_iteration"])
+                    + warp_rescores * RESCORED * LOCAL["rescore_loop_static"] * D / LOCAL["rescore_dims_per_iteration"])
         hbm = tiles * 64 * D * 2 + (1 - rescore) * hb * P * D * 4 + hb * P * 8  # bf16 rows, fp32 rescoring rows, outputs
         self.op(tc=2 * tiles * 64 * chunks * 32 * D, hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
 

@@ -244,7 +244,7 @@ def compile_cubin(workdir, nvcc):
         source += f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n"
     source += ("template __global__ void akv::cuda::local_nearest_kernel<128>(const float *, int64_t, const uint16_t *, "
                "const float *, const akv::cuda::LocalRange, const uint32_t *, int64_t, int64_t, int64_t, const float *, "
-               "const uint16_t *, const float *, int64_t, int32_t *, float *);\n")
+               "const uint16_t *, const float *, int64_t, int32_t *, float *, uint32_t *);\n")
     return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo", "-DAKV_SASS_PIN_BF16_FUSED"))
 
 

@@ -70,6 +70,9 @@ struct CudaDevice {
   // ANCHORKV_COMPRESS_PROFILE set, an event at every stage mark (stage()).
   int64_t operations = 0;
   bool profiling = false;
+  // With profiling, format 3's candidate searches over the coverage rounds (local_nearest_kernel's
+  // stats): tokens searched, left alone, candidates rescored, full scans.
+  uint32_t search_counts[4] = {};
   std::vector<std::pair<int, cudaEvent_t>> marks;
 
   ~CudaDevice() {
@@ -93,7 +96,17 @@ struct CudaDevice {
       check(cudaEventElapsedTime(&ms, marks[i].second, marks[i + 1].second), "cudaEventElapsedTime");
       if (marks[i].first >= 0 && marks[i].first < kStageCount) per_stage[marks[i].first] += ms;
     }
-    const std::string tail = "; " + std::to_string(operations) + " stream operations";
+    std::string tail = "; " + std::to_string(operations) + " stream operations";
+    if (search_counts[0] > 0) {
+      const double n = search_counts[0], searched = n - search_counts[1];
+      char line[200];
+      std::snprintf(line, sizeof line,
+                    "; rounds' searches: %.3f of %u tokens left alone, %.2f candidates rescored and %.3f full scans "
+                    "per token searched",
+                    search_counts[1] / n, search_counts[0], searched > 0 ? search_counts[2] / searched : 0.0,
+                    searched > 0 ? search_counts[3] / searched : 0.0);
+      tail += line;
+    }
     print_stage_profile(what, seq_len, per_stage, tail.c_str());
   }
 

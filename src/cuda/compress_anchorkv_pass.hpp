@@ -46,6 +46,7 @@ struct CompressScratch {
   int32_t *near_token[2], *assigned[2];
   float *coef[2], *units;
   uint16_t *index16[2], *gamma16[2];
+  uint32_t *search_stats;  // profiling: local_nearest_kernel's counts (Dev::search_counts)
 
   // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used. The
   // per-head staging holds `head_batch` heads (0: all H); the residual selection's keys, all H.
@@ -109,6 +110,7 @@ struct CompressScratch {
       take(gamma16[side], int64_t{H_all} * P);
     }
     take(units, 256);
+    take(search_stats, 4);
     return take.bytes();
   }
 };
@@ -245,7 +247,8 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
                    static_cast<const uint16_t *>(x_b[side]), static_cast<const float *>(s.cover_norm_sq[side]), range,
                    static_cast<const uint32_t *>(s.cover_fresh), stride, n_sorted, n_tail,
                    static_cast<const float *>(s.anchor_n), static_cast<const uint16_t *>(s.anchor_b),
-                   static_cast<const float *>(s.norms), int64_t{k} * D, s.near_token[side], s.cover_best[side]);
+                   static_cast<const float *>(s.norms), int64_t{k} * D, s.near_token[side], s.cover_best[side],
+                   dev.profiling ? s.search_stats : nullptr);
       });
     }
   };
@@ -292,6 +295,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   upload_rope(dev, rope, s.inv_freq, s.rope_first, s.rope_second);
   dev.copy(s.signs, cache.codec.signs().data(), D * sizeof(float));
   dev.fill(s.bad, 0, sizeof(int32_t));
+  if (dev.profiling && local) dev.fill(s.search_stats, 0, sizeof dev.search_counts);
 
   const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad,
                                      upload_block_table(dev, p, s.block_table));
@@ -478,6 +482,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     if (words > 0) with_head_dim(D, [&](auto d) { encode(encode_kernel<decltype(d)::value>); });
   }
   dev.stage(kStageCount);  // the end of the last stage
+  if (dev.profiling && local) dev.read(dev.search_counts, s.search_stats, sizeof dev.search_counts);
   if (dev.read_int(s.bad) != 0)
     fail(AKV_ERR_NON_FINITE, "the keys, values or queries contain NaN or Inf (CUDA compression)");
 }

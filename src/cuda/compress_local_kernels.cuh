@@ -59,7 +59,10 @@ __device__ __forceinline__ bool local_better(float v, int32_t token, float best_
 // in fp32. A token whose approximate best is below its best so far by more than the margin is
 // left as it is (the usual case in later coverage rounds). Grid (ceil(P / TOK), heads) blocks
 // of 128: head y's X at y x_stride, x_b at y P D, ids at y ids_stride, rows and rows_b at y
-// rows_stride, row_norm_sq at y rows_stride / D, x_norm_sq and the outputs at y P.
+// rows_stride, row_norm_sq at y rows_stride / D, x_norm_sq and the outputs at y P. With
+// `stats` (profiling: ANCHORKV_COMPRESS_PROFILE), over the tokens that had a best already:
+// stats[0] += such tokens, stats[1] += those left alone, stats[2] += candidates rescored for
+// them, stats[3] += those that needed the full scan.
 template <int D>
 __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int64_t x_stride, const uint16_t *x_b,
                                                             const float *x_norm_sq,
@@ -67,7 +70,8 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
                                                             int64_t ids_stride, int64_t n_sorted, int64_t n_tail,
                                                             const float *rows, const uint16_t *rows_b,
                                                             const float *row_norm_sq, int64_t rows_stride,
-                                                            int32_t *near_token, float *near_dot) {
+                                                            int32_t *near_token, float *near_dot,
+                                                            uint32_t *stats) {
   constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = kNearAnchors / PARTS;
   AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
   AKV_STATIC_SHARED(__align__(32) uint16_t, as, [kNearAnchors][D + 8]);
@@ -133,10 +137,11 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
   const float floor_v = top - kNearMargin * x_norm;
   const bool full_scan = worst_drop >= floor_v;
   float best_v = -1.0f, best_dot = 0.0f;
-  int best_c = 0x7fffffff;
+  int best_c = 0x7fffffff, rescored = 0;
   auto rescore = [&](int64_t c) {
     const int64_t r = row_of(c);
     if (!(row_norm_sq[r] > 0.0f)) return;
+    ++rescored;
     const float *x = X + t * D, *row = rows + r * D;
     float dot = 0.0f;
     for (int d = 0; d < D; ++d) dot += x[d] * row[d];
@@ -152,6 +157,15 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
     } else {
       for (int q = 0; q < kNearKeep; ++q)
         if (keep.a[q] >= 0 && keep.v[q] >= floor_v) rescore(keep.a[q]);
+    }
+  }
+  if (stats) {  // warp sums, then one atomic each from lane 0
+    const bool counted = t < P && had >= 0, mine_counted = counted && part == 0;
+    uint32_t c[4] = {mine_counted ? 1u : 0u, mine_counted && skip ? 1u : 0u,
+                     counted ? static_cast<uint32_t>(rescored) : 0u, mine_counted && !skip && full_scan ? 1u : 0u};
+    for (int i = 0; i < 4; ++i) {
+      for (int m = 16; m > 0; m >>= 1) c[i] += __shfl_xor_sync(kFullMask, c[i], m);
+      if ((tid & 31) == 0 && c[i]) atomicAdd(&stats[i], c[i]);
     }
   }
   for (int m = 1; m < PARTS; m <<= 1) {

@@ -14,74 +14,12 @@
 
 // Last: the emulation defines threadIdx, __shared__ and friends as macros.
 #include "cuda/compress_pipeline.hpp"
+#include "emu/emulated_device.hpp"
 
 namespace {
 
 using namespace akv_test;
 namespace kc = akv::cuda;
-
-// The device policy of the pipeline on host memory.
-struct EmulatedDevice {
-  template <typename... KArgs, typename... Args>
-  void launch(void (*kernel)(KArgs...), int gx, int gy, int block, Args &&...args) {
-    simt::launch(simt::dim3(gx, gy), simt::dim3(block), 0, kernel, static_cast<KArgs>(args)...);
-  }
-  // GEMMs on the host (gemm_kernel itself is checked by EmulatedGemm below): the emulated
-  // kernel would dominate the run time of these tests.
-  static void gemm(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t a_i, int64_t a_k,
-                   const float *B, int64_t b_k, int64_t b_j, float *C, int64_t ldc) {
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < K; ++k) acc += A[i * a_i + k * a_k] * B[k * b_k + j * b_j];
-        C[i * ldc + j] = alpha * acc;
-      }
-  }
-  void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
-               float *C, int64_t ldc) {
-    gemm(M, N, K, alpha, A, lda, 1, B, 1, ldb, C, ldc);
-  }
-  void gemm_nn(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, const float *B, int64_t ldb,
-               float *C, int64_t ldc) {
-    gemm(M, N, K, alpha, A, lda, 1, B, ldb, 1, C, ldc);
-  }
-  void gemm_nt_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
-                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
-    for (int i = 0; i < batch; ++i) gemm_nt(M, N, K, alpha, A + i * sa, lda, B + i * sb, ldb, C + i * sc, ldc);
-  }
-  void gemm_nn_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
-                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
-    for (int i = 0; i < batch; ++i) gemm_nn(M, N, K, alpha, A + i * sa, lda, B + i * sb, ldb, C + i * sc, ldc);
-  }
-  // The device's segmented sort composes 64-bit keys (segment << 32 | key) with the
-  // emulated segment_keys_kernel, sorts them stably, and splits them with
-  // split_segment_keys_kernel: the same here, with std::stable_sort for the radix sort.
-  void sort_segments_u32(uint32_t *keys, uint32_t *values, int segments, int64_t n) {
-    const int64_t total = segments * n;
-    if (total <= 1) return;
-    std::vector<uint64_t> wide(total);
-    std::vector<uint32_t> ids(values, values + total);
-    launch(kc::segment_keys_kernel, kc::grid_blocks(total, 128), 1, 128, static_cast<const uint32_t *>(keys), n, total,
-           wide.data());
-    sort(wide.data(), ids.data(), total);
-    launch(kc::split_segment_keys_kernel, kc::grid_blocks(total, 128), 1, 128, static_cast<const uint64_t *>(wide.data()),
-           static_cast<const uint32_t *>(ids.data()), total, keys, values);
-  }
-  template <typename K>
-  void sort(K *keys, uint32_t *values, int64_t n) {
-    std::vector<std::pair<K, uint32_t>> v(n);
-    for (int64_t i = 0; i < n; ++i) v[i] = {keys[i], values[i]};
-    std::stable_sort(v.begin(), v.end(), [](const auto &x, const auto &y) { return x.first < y.first; });
-    for (int64_t i = 0; i < n; ++i) keys[i] = v[i].first, values[i] = v[i].second;
-  }
-  void sort_u32(uint32_t *keys, uint32_t *values, int64_t n) { sort(keys, values, n); }
-  void sort_u64(uint64_t *keys, uint32_t *values, int64_t n) { sort(keys, values, n); }
-  void copy(void *dst, const void *src, size_t bytes) { std::memmove(dst, src, bytes); }
-  void fill(void *dst, int byte, size_t bytes) { std::memset(dst, byte, bytes); }
-  void read(void *host, const void *src, size_t bytes) { std::memcpy(host, src, bytes); }
-  int read_int(const int32_t *p) { return *p; }
-  void stage(int) {}
-};
 
 struct CompressCase {
   int64_t seq_len;
@@ -412,7 +350,7 @@ TEST(EmulatedLocalNearest, MatchesFp32Scan) {
              static_cast<const uint16_t *>(x_b.data()), static_cast<const float *>(x_norm_sq.data()), range, static_cast<const uint32_t *>(ids.data()),
              n_sorted + W, n_sorted, int64_t{W}, static_cast<const float *>(rows.data()),
              static_cast<const uint16_t *>(rows_b.data()), static_cast<const float *>(norm_sq.data()),
-             (n_sorted + W) * D, near.data(), dot.data());
+             (n_sorted + W) * D, near.data(), dot.data(), static_cast<uint32_t *>(nullptr));
   EXPECT_EQ(near, want_near);
   EXPECT_EQ(dot, want_dot);
 }
@@ -882,6 +820,8 @@ struct CountingDevice {
   void read(void *, const void *, size_t) {}
   int read_int(const int32_t *) { return 0; }
   void stage(int) {}
+  bool profiling = false;
+  uint32_t search_counts[4] = {};
 };
 
 TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
