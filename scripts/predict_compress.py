@@ -62,10 +62,11 @@ ISSUE_PER_S = SMS * 4 * CLOCK_HZ * IPC
 SKIP_SHARE = 0.868        # MEASURED (emulation, synthetic data, 32K): a round's tokens left alone
 # local_nearest_kernel<128> from scripts/sass_count.py (used without --sass): warp instructions per
 # 32-candidate chunk and per tile (per warp, 4 warps a block), the candidate range's two binary
-# searches (one thread; a step each), the rescoring loop's static SASS per 16 dims (one pass per
-# rescored candidate).
-LOCAL = {"warp_instr_per_chunk": 787, "warp_instr_per_tile": 599, "search_loops_static": 43,
-         "rescore_loop_static": 56, "rescore_dims_per_iteration": 16}
+# searches (one thread; a step each), the rescoring loops' static SASS (the warp's: a pass per
+# candidate; the lanes' own: a pass per candidate of the busiest lane).
+LOCAL = {"warp_instr_per_chunk": 825, "warp_instr_per_tile": 924, "search_loops_static": 43,
+         "rescore_loop_static": 68, "serial_rescore_static": 454}
+WARP_RESCORE_MOST = 8     # kWarpRescoreMost: past this many candidates a warp's lanes rescore their own
 RESCORED = 1.92           # MEASURED (same run): candidates rescored in fp32 per token searched
 WARP_TOKENS = 16          # tokens of a warp in local_nearest_kernel (64 a block of 4 warps, 2 lanes each)
 # coverage_select_kernels.cuh from scripts/sass_count.py (used without --sass): per kernel, the hot
@@ -238,18 +239,21 @@ class Pass:
         (the absorbed rows in its reach, and the window's): per 64-token tile, the binary searches
         of its range in the n_sorted candidates (one thread: a quarter of the tile's 4 warps), the
         token rows in bf16, ceil(candidates / 32) chunks, and fp32 rescoring of the tokens not
-        left alone: a warp runs the rescoring loop when any of its 16 tokens needs it (taken as
-        independent tokens), as often as its busiest lane (taken as RESCORED); the fp32 rows are
-        read for the tokens searched only."""
+        left alone (RESCORED candidates each, over a token's 2 lanes): with at most
+        WARP_RESCORE_MOST in the warp it rescores them together, a pass each; with more, each
+        lane its own (the busiest lane taken as the mean). The fp32 rows are read for those
+        tokens only."""
         P = g["P"]
         tiles = hb * -(-P // 64)
         chunks = max(1, -(-candidates // 32))
         rescore = 0.0 if fresh else SKIP_SHARE
         steps = math.ceil(math.log2(n_sorted + 1))
-        warp_rescores = 1 - rescore ** WARP_TOKENS
+        pairs = WARP_TOKENS * (1 - rescore) * RESCORED
+        rescoring = (pairs * LOCAL["rescore_loop_static"] if pairs <= WARP_RESCORE_MOST
+                     else RESCORED / 2 * LOCAL["serial_rescore_static"])
         per_warp = (LOCAL["warp_instr_per_tile"] + LOCAL["search_loops_static"] * steps / 4
                     + chunks * LOCAL["warp_instr_per_chunk"]
-                    + warp_rescores * RESCORED * LOCAL["rescore_loop_static"] * D / LOCAL["rescore_dims_per_iteration"])
+                    + rescoring)
         hbm = tiles * 64 * D * 2 + (1 - rescore) * hb * P * D * 4 + hb * P * 8  # bf16 rows, fp32 rescoring rows, outputs
         self.op(tc=2 * tiles * 64 * chunks * 32 * D, hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
 

@@ -354,7 +354,12 @@ def local_search_cost(f):
     products a thread; a tile loads 64 token rows, 16 quads a thread; nvcc unrolls each by the
     factor read off the body's loads or comparisons). The loop holding the HMMAs is the chunk
     loop; the offer and row-load loops are the two inner loops of it. The two binary searches
-    of the candidate range (one thread, before the tile) are reported apart (a step each)."""
+    of the candidate range (one thread, before the tile) are reported apart (a step each). After
+    the chunks, the tile's end (the token's decision, the parts' reduction, the writes; up to the
+    last EXIT, without its loops) counts once a tile; the warp's rescoring loop (the first one
+    there with FFMAs: the whole warp rescoring one lane's candidate) once a candidate rescored,
+    or with many candidates in a warp, the lanes' own (the loop with the most FFMAs: one lane's
+    fp32 product) once a candidate of the busiest lane."""
     ls = loops(f)
     chunk = next(l for l in ls if l[3]["HMMA"])
     inner = [l for l in ls if chunk[0] < l[0] and l[1] < chunk[1]]
@@ -370,12 +375,17 @@ def local_search_cost(f):
     # The candidate range's two binary searches (thread 0: one load a step, no stores); the
     # model gives them their steps, log2 of the sorted candidates.
     searches = [l for l in before if l is not rows and l[3]["LDG"] + l[3]["LD"] == 1 and not l[3]["STS"]]
-    per_tile = (chunk[0] - sum(l[2] for l in before)) + rows[2] * 16 / max(1, loads)
-    rescore = next((l for l in ls if l[0] > chunk[1] and l[3]["FFMA"]), None)
+    end = max(i for i, x in enumerate(f["ins"]) if x["op"].startswith("EXIT"))
+    after = [l for l in ls if l[0] > chunk[1] and l[1] <= end]
+    outer = [l for l in after if not any(o[0] < l[0] and l[1] <= o[1] for o in after)]
+    tail = end - chunk[1] - sum(l[2] for l in outer)
+    per_tile = (chunk[0] - sum(l[2] for l in before)) + rows[2] * 16 / max(1, loads) + tail
+    rescore = next((l for l in after if l[3]["FFMA"]), None)
+    serial = max(after, key=lambda l: l[3]["FFMA"], default=None)
     return {"chunk_loop_static": chunk[2], "warp_instr_per_chunk": per_chunk, "warp_instr_per_tile": per_tile,
-            "search_loops_static": sum(l[2] for l in searches),
+            "search_loops_static": sum(l[2] for l in searches), "tile_end_static": tail,
             "rescore_loop_static": rescore[2] if rescore else 0,
-            "rescore_dims_per_iteration": rescore[3]["FFMA"] if rescore else 0,
+            "serial_rescore_static": serial[2] if serial else 0,
             "loops": [(a, b, n) for a, b, n, _ in ls]}
 
 
@@ -536,8 +546,10 @@ def main():
     result["local_search"] = cost
     print(f"\nlocal_nearest_kernel<128> (format 3's candidate search; per warp, 4 warps a block of 64 tokens): "
           f"chunk loop {cost['chunk_loop_static']} static SASS, {cost['warp_instr_per_chunk']:.0f} warp instructions "
-          f"per 32-candidate chunk; {cost['warp_instr_per_tile']:.0f} per tile outside the chunks (token rows, bounds, "
-          f"end); fp32 rescoring {cost['rescore_loop_static']} static per {cost['rescore_dims_per_iteration']} dims")
+          f"per 32-candidate chunk; {cost['warp_instr_per_tile']:.0f} per tile outside the chunks (token rows, "
+          f"{cost['tile_end_static']} at the end); the candidate range's binary searches {cost['search_loops_static']} "
+          f"a step (one thread); fp32 rescoring {cost['rescore_loop_static']} a candidate (the warp), "
+          f"{cost['serial_rescore_static']} a candidate (each lane its own)")
     result["coverage_select"] = {}
     print("\nA coverage round's ranking (coverage_select_kernels.cuh; a block of 1024 threads)")
     print("| kernel | regs | stack B | hot SASS (a warp, one pass) | histogram loops | emit loop |")

@@ -1,8 +1,8 @@
 // One coverage round's ranking on the GPU (CPU: worst_represented in cpu/local_anchors.cpp):
 // the `take` tokens of a head that its anchors so far represent worst (largest summed relative
 // error, ties the lower token; anchors never), in token order. Three launches a round, each
-// over every head, instead of a means kernel, a keys kernel, a device-wide segmented sort and
-// its two copies, the take and (format 3) a sort by token:
+// over every head, instead of a means kernel, a keys kernel, a device-wide segmented sort (a
+// radix sort between a compose and a split kernel), the take and (format 3) a sort by token:
 //   coverage_energy_kernel  each chunk of kSelectChunk tokens sums both sides' residual
 //                           energies (fixed order, so every run gives the same means);
 //   coverage_chunk_kernel   each chunk sums the partials into the means (all chunks alike),
@@ -47,7 +47,7 @@ struct SelectShared {
 
 // The threshold of the `take` smallest keys key_at(0..n) (kNotRanked never counted): returns T
 // and sets `need` (how many keys equal to T are taken) and `count` (take, or the keys counted if
-// fewer). Loads kSelectBatch keys a thread at a time, issued together.
+// fewer). Each pass loads 4 keys a thread at a time, issued together.
 template <class KeyAt>
 __device__ uint32_t block_select_threshold(KeyAt key_at, int64_t n, uint32_t take, const SelectShared &sh,
                                            uint32_t &need, uint32_t &count) {

@@ -1,7 +1,7 @@
 // Host emulation of the small SIMT subset the CUDA kernels use, so that their logic is
 // tested on machines without a GPU (most CI machines): one-dimensional blocks run one at a
-// time, each CUDA thread a fiber on the calling thread; __syncthreads and warp shuffles are
-// barriers over the block or the warp where fibers switch (so is mma.sync, computed from the
+// time, each CUDA thread a fiber on the calling thread; __syncthreads and warp shuffles and votes
+// are barriers over the block or the warp where fibers switch (so is mma.sync, computed from the
 // warp's posted fragments); static shared variables
 // (AKV_STATIC_SHARED) are function statics (one block lives at a time); atomics take a lock.
 // Slow and only for small test shapes; it checks indexing, synchronisation and arithmetic,
@@ -235,6 +235,18 @@ inline unsigned match_any(uint32_t v) {
   return peers;
 }
 
+// __ballot_sync over a whole warp: bit l set where lane l's predicate holds.
+inline unsigned ballot(bool pred) {
+  const unsigned tid = tl_thread.x, base = tid / 32 * 32;
+  const unsigned size = std::min<unsigned>(32, static_cast<unsigned>(tl_block->fibers.size()) - base);
+  tl_block->exchange[tid] = pred ? 1 : 0;
+  syncwarp();
+  unsigned bits = 0;
+  for (unsigned l = 0; l < size; ++l) bits |= static_cast<unsigned>(tl_block->exchange[base + l] != 0) << l;
+  syncwarp();
+  return bits;
+}
+
 // __syncthreads_or: every thread posts its predicate, the block meets, each thread reads them
 // all, the block meets again.
 inline int syncthreads_or(bool pred) {
@@ -397,6 +409,7 @@ using uint4 = ::simt::uint4_;
 #define __shfl_sync(mask, v, src) ::simt::shfl((v), (src))
 #define __syncthreads_or(pred) ::simt::syncthreads_or((pred))
 #define __match_any_sync(mask, v) ::simt::match_any(static_cast<uint32_t>(v))
+#define __ballot_sync(mask, pred) ::simt::ballot((pred))
 #define AKV_STATIC_SHARED(type, name, dims)                    \
   static type name dims;                                        \
   {                                                             \
