@@ -99,7 +99,7 @@ struct CompressScratch {
     take(select_partials, H * select_chunks(P) * 2);
     take(cover_keys, H * (P + kSelectChunk));  // select_chunks(P) x select_slots(take) a head
     take(cover_ids, H * (P + kSelectChunk));
-    take(cover_fresh, int64_t{H} * fresh_stride(k, 0));  // format 3: sort_fresh_kernel's padding
+    take(cover_fresh, int64_t{H} * fresh_stride(k, 0));  // the next absorb's candidates (sort_fresh_kernel's padding)
     take(cover_anchor, H * P);
     take(block_table, table_blocks);  // paged prefill: the block table on the device
     for (int side = 0; side < 2; ++side) {
