@@ -72,7 +72,7 @@ WARP_TOKENS = 16          # tokens of a warp in local_nearest_kernel (64 a block
 # coverage_select_kernels.cuh from scripts/sass_count.py (used without --sass): per kernel, the hot
 # SASS a warp runs in one pass, the merge's histogram loops (one a digit) and emit loop.
 SELECT = {"coverage_energy_kernel": {"hot_static": 171},
-          "coverage_chunk_kernel": {"hot_static": 1679},
+          "coverage_chunk_kernel": {"hot_static": 1698},
           "coverage_merge_kernel": {"hot_static": 1077, "hist_loops": [104, 99, 96], "emit_loop": 315}}
 SELECT_CHUNK = 4096       # kSelectChunk: tokens per chunk (and per pass of a block)
 

@@ -39,17 +39,22 @@ __device__ __forceinline__ int64_t lower_bound_u32(const uint32_t *ids, int64_t 
   return lo;
 }
 
+// Lane l's share of the fp32 x . row of local_nearest_kernel's rescoring: dims l, l + 32, ...
+// in order.
+template <int D>
+__device__ __forceinline__ float strided_partial(const float *x, const float *row, int l) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int j = 0; j < D / 32; ++j) acc += x[l + 32 * j] * row[l + 32 * j];
+  return acc;
+}
+
 // The fp32 x . row of one lane, in the order of the warp's (local_nearest_kernel's rescoring):
-// partial sums p_l over dims l, l + 32, ..., combined as warp_sum's butterfly combines the
-// lanes' (p_l + p_{l+16}, then those 8 apart, 4, 2, 1), so both give the same bits.
+// the 32 strided partials p_l, combined as warp_sum's butterfly combines the lanes' (p_l +
+// p_{l+16}, then those 8 apart, 4, 2, 1), so both give the same bits.
 template <int D>
 __device__ __forceinline__ float lane_dot(const float *x, const float *row) {
-  auto p = [&](int l) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < D / 32; ++j) acc += x[l + 32 * j] * row[l + 32 * j];
-    return acc;
-  };
+  auto p = [&](int l) { return strided_partial<D>(x, row, l); };
   auto a = [&](int l) { return p(l) + p(l + 16); };
   auto b = [&](int l) { return a(l) + a(l + 8); };
   auto c = [&](int l) { return b(l) + b(l + 4); };
@@ -207,11 +212,7 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
     auto rescore = [&](int src, int64_t c) {  // every lane calls, with the same src and c
       const int64_t r = row_of(c);
       if (!(row_norm_sq[r] > 0.0f)) return;
-      const float *x = X + __shfl_sync(kFullMask, t, src) * D, *row = rows + r * D;
-      float acc = 0.0f;
-#pragma unroll
-      for (int j = 0; j < D / 32; ++j) acc += x[lane + 32 * j] * row[lane + 32 * j];
-      const float dot = warp_sum(acc);
+      const float dot = warp_sum(strided_partial<D>(X + __shfl_sync(kFullMask, t, src) * D, rows + r * D, lane));
       if (lane == src) keep_exact(dot, c);
     };
 #pragma unroll

@@ -133,6 +133,22 @@ __device__ void block_select_emit(KeyAt key_at, int64_t n, uint32_t T, uint32_t 
   }
 }
 
+// The norms and bests of both sides (key ||x||^2, key best, value ||x||^2, value best) of a
+// chunk's tokens c0 + b kSelectThreads + threadIdx.x, b < 4, 0 past the prefix (no residual
+// energy): the loads issued together. The arrays are one head's.
+__device__ __forceinline__ void load_chunk(const float *key_norm_sq, const float *key_best, const float *value_norm_sq,
+                                           const float *value_best, int64_t P, int64_t c0, float (&x)[4][4]) {
+#pragma unroll
+  for (int b = 0; b < 4; ++b) {
+    const int64_t t = c0 + b * kSelectThreads + threadIdx.x;
+    const bool in = t < P;
+    x[b][0] = in ? key_norm_sq[t] : 0.0f;
+    x[b][1] = in ? key_best[t] : 0.0f;
+    x[b][2] = in ? value_norm_sq[t] : 0.0f;
+    x[b][3] = in ? value_best[t] : 0.0f;
+  }
+}
+
 // Each chunk's sums of both sides' residual energies (||x||^2 - best^2 with local candidates,
 // LOCAL 1; ||x||^2 (1 - best) without): partials[y][chunk][2]. Grid (chunks, heads): arrays at
 // y P.
@@ -146,17 +162,9 @@ __global__ void __launch_bounds__(kSelectThreads) coverage_energy_kernel(const f
   AKV_STATIC_SHARED(float, warp_part, [2][NW]);
   const int64_t y = blockIdx.y, c0 = static_cast<int64_t>(blockIdx.x) * kSelectChunk;
   const int tid = threadIdx.x;
-  float acc[2] = {0.0f, 0.0f};
   float x[4][4];
-#pragma unroll
-  for (int b = 0; b < 4; ++b) {  // the loads first, together
-    const int64_t t = c0 + b * kSelectThreads + tid;
-    const bool in = t < P;
-    x[b][0] = in ? key_norm_sq[y * P + t] : 0.0f;
-    x[b][1] = in ? key_best[y * P + t] : 0.0f;
-    x[b][2] = in ? value_norm_sq[y * P + t] : 0.0f;
-    x[b][3] = in ? value_best[y * P + t] : 0.0f;
-  }
+  load_chunk(key_norm_sq + y * P, key_best + y * P, value_norm_sq + y * P, value_best + y * P, P, c0, x);
+  float acc[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int b = 0; b < 4; ++b) {
     acc[0] += uncovered_energy(x[b][0], x[b][1], LOCAL);
@@ -204,18 +212,14 @@ __global__ void __launch_bounds__(kSelectThreads) coverage_chunk_kernel(
       if (tid == 0) mean[side] = total > 0.0f ? total / static_cast<float>(P) : 1.0f;
     }
   }
-  float x[4][4];
   int32_t anchor[4];
 #pragma unroll
-  for (int b = 0; b < 4; ++b) {  // the loads first, together
+  for (int b = 0; b < 4; ++b) {
     const int64_t t = c0 + b * kSelectThreads + tid;
-    const bool in = t < P;
-    anchor[b] = in ? is_anchor[y * P + t] : 1;
-    x[b][0] = in ? key_norm_sq[y * P + t] : 0.0f;
-    x[b][1] = in ? key_best[y * P + t] : 0.0f;
-    x[b][2] = in ? value_norm_sq[y * P + t] : 0.0f;
-    x[b][3] = in ? value_best[y * P + t] : 0.0f;
+    anchor[b] = t < P ? is_anchor[y * P + t] : 1;
   }
+  float x[4][4];
+  load_chunk(key_norm_sq + y * P, key_best + y * P, value_norm_sq + y * P, value_best + y * P, P, c0, x);
   __syncthreads();
   const float m0 = mean[0], m1 = mean[1];
 #pragma unroll
