@@ -60,14 +60,16 @@ CLOCK_HZ = 1.98e9        # boost clock
 IPC = 0.7                 # warp instructions issued per scheduler per cycle (scripts/predict_decode.py's)
 ISSUE_PER_S = SMS * 4 * CLOCK_HZ * IPC
 SKIP_SHARE = 0.868        # MEASURED (emulation, synthetic data, 32K): a round's tokens left alone
-# local_nearest_kernel<128> from scripts/sass_count.py (used without --sass): warp instructions per
-# 32-candidate chunk and per tile (per warp, 4 warps a block), the candidate range's two binary
-# searches (one thread; a step each), the rescoring loops' static SASS (the warp's: a pass per
-# candidate; the lanes' own: a pass per candidate of the busiest lane).
-LOCAL = {"warp_instr_per_chunk": 825, "warp_instr_per_tile": 924, "search_loops_static": 43,
-         "rescore_loop_static": 68, "serial_rescore_static": 454}
+# local_nearest_kernel<128, CH> from scripts/sass_count.py (used without --sass), per candidate
+# chunk CH (16 or 32): warp instructions per chunk and per tile (per warp, 4 warps a block), the
+# candidate range's two binary searches (one thread; a step each), the rescoring loops' static
+# SASS (the warp's: a pass per candidate; the lanes' own: a pass per candidate of the busiest lane).
+LOCAL = {"32": {"warp_instr_per_chunk": 584, "warp_instr_per_tile": 455, "search_loops_static": 41,
+                "rescore_loop_static": 68, "serial_rescore_static": 454},
+         "16": {"warp_instr_per_chunk": 430, "warp_instr_per_tile": 457, "search_loops_static": 41,
+                "rescore_loop_static": 68, "serial_rescore_static": 454}}
 WARP_RESCORE_MOST = 8     # kWarpRescoreMost: past this many candidates a warp's lanes rescore their own
-RESCORED = 1.92           # MEASURED (same run): candidates rescored in fp32 per token searched
+RESCORED = 1.84           # MEASURED (same run, chunks of 16): candidates rescored in fp32 per token searched
 WARP_TOKENS = 16          # tokens of a warp in local_nearest_kernel (64 a block of 4 warps, 2 lanes each)
 # coverage_select_kernels.cuh from scripts/sass_count.py (used without --sass): per kernel, the hot
 # SASS a warp runs in one pass, the merge's histogram loops (one a digit) and emit loop.
@@ -163,6 +165,7 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
                (i4, 1)] + [(f, hb * P)] * 4 + [(f, 2 * hb), (i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P),
                (i4, 0)]
     arrays += [(i4, hb * P), (i4, hb * P), (f, hb * P), (u2, H * P), (u2, H * P)] * 2 + [(f, 256)]  # format 3's
+    arrays += [(i4, 4)]  # search_stats
     at = 0
     for size, count in arrays:
         at = (at + 255) // 256 * 256 + size * max(count, 1)
@@ -234,28 +237,41 @@ class Pass:
     def unit_rows(self, hb, n, bf16_copy):  # unit_rows_kernel: read X rows, write unit rows (+bf16)
         self.op(simt=hb * n * 3 * D, hbm=hb * n * (D * 4 + D * 4 + (D * 2 if bf16_copy else 4)))
 
-    def local_search(self, hb, g, candidates, fresh, n_sorted):
-        """local_nearest_kernel<128> over every token of hb heads against `candidates` per token
-        (the absorbed rows in its reach, and the window's): per 64-token tile, the binary searches
-        of its range in the n_sorted candidates (one thread: a quarter of the tile's 4 warps), the
-        token rows in bf16, ceil(candidates / 32) chunks, and fp32 rescoring of the tokens not
-        left alone (RESCORED candidates each, over a token's 2 lanes): with at most
-        WARP_RESCORE_MOST in the warp it rescores them together, a pass each; with more, each
-        lane its own (the busiest lane taken as the mean). The fp32 rows are read for those
-        tokens only."""
+    def local_search(self, hb, g, in_reach, tail, fresh, n_sorted):
+        """local_nearest_kernel<128, CH> over every token of hb heads against the absorbed rows in
+        its reach (in_reach on average: a segment's count taken as Poisson) and `tail` of the
+        window's; CH as local_chunk() picks it (16 when the mean is at most 16, else 32): per
+        64-token tile, the binary searches of its range in the n_sorted candidates (one thread: a
+        quarter of the tile's 4 warps), the token rows in bf16, E[ceil(candidates / CH)] chunks, and
+        fp32 rescoring of the tokens not left alone (RESCORED candidates each, over a token's 2
+        lanes): with at most WARP_RESCORE_MOST in the warp it rescores them together, a pass each;
+        with more, each lane its own (the busiest lane taken as the mean). The fp32 rows are read
+        for those tokens only."""
         P = g["P"]
         tiles = hb * -(-P // 64)
-        chunks = max(1, -(-candidates // 32))
+        ch = 16 if in_reach + tail <= 16 else 32
+        chunks = expected_chunks(in_reach, tail, ch)
+        local = LOCAL[str(ch)]
         rescore = 0.0 if fresh else SKIP_SHARE
         steps = math.ceil(math.log2(n_sorted + 1))
         pairs = WARP_TOKENS * (1 - rescore) * RESCORED
-        rescoring = (pairs * LOCAL["rescore_loop_static"] if pairs <= WARP_RESCORE_MOST
-                     else RESCORED / 2 * LOCAL["serial_rescore_static"])
-        per_warp = (LOCAL["warp_instr_per_tile"] + LOCAL["search_loops_static"] * steps / 4
-                    + chunks * LOCAL["warp_instr_per_chunk"]
+        rescoring = (pairs * local["rescore_loop_static"] if pairs <= WARP_RESCORE_MOST
+                     else RESCORED / 2 * local["serial_rescore_static"])
+        per_warp = (local["warp_instr_per_tile"] + local["search_loops_static"] * steps / 4
+                    + chunks * local["warp_instr_per_chunk"]
                     + rescoring)
         hbm = tiles * 64 * D * 2 + (1 - rescore) * hb * P * D * 4 + hb * P * 8  # bf16 rows, fp32 rescoring rows, outputs
-        self.op(tc=2 * tiles * 64 * chunks * 32 * D, hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
+        self.op(tc=2 * tiles * 64 * chunks * ch * D, hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
+
+
+def expected_chunks(mean, tail, ch):
+    """E[ceil((N + tail) / ch)] for N Poisson with the given mean (a segment's candidates)."""
+    n_max = int(mean + 12 * math.sqrt(mean) + 30)
+    p, e = math.exp(-mean), 0.0
+    for n in range(n_max + 1):
+        e += p * -(-(n + tail) // ch)
+        p *= mean / (n + 1)
+    return e
 
 
 def global_pass(x, g, hb):
@@ -320,7 +336,7 @@ def local_pass(x, g, hb):
     for i, (n, fresh) in enumerate(absorbs):        # absorb(): per side, candidate rows + the search
         for side in range(2):
             x.unit_rows(hb, n + (W if i == 0 else 0), True)
-            x.local_search(hb, g, n * share + (W if i == 0 else 0), fresh, n)
+            x.local_search(hb, g, n * share, W if i == 0 else 0, fresh, n)
     x.sort_segments(hb, free)                       # picks by token
     x.copy(hb * P * 4)                              # anchor_of_token = -1
     x.stage = "assignment"

@@ -232,6 +232,9 @@ def nvcc_cubin(workdir, nvcc, name, source, flags=()):
     return cubin, r.stderr
 
 
+LOCAL_CHUNKS = (32, 16)  # local_nearest_kernel's candidate chunks (local_chunk picks one per absorb)
+
+
 def compile_cubin(workdir, nvcc):
     source = ('#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_local_kernels.cuh"\n'
               '#include "cuda/coverage_select_kernels.cuh"\n'
@@ -242,9 +245,10 @@ def compile_cubin(workdir, nvcc):
               'uint32_t *);\n')
     for k in ("decode_split_kernel<128, 4>", "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
         source += f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n"
-    source += ("template __global__ void akv::cuda::local_nearest_kernel<128>(const float *, int64_t, const uint16_t *, "
-               "const float *, const akv::cuda::LocalRange, const uint32_t *, int64_t, int64_t, int64_t, const float *, "
-               "const uint16_t *, const float *, int64_t, int32_t *, float *, uint32_t *);\n")
+    for ch in LOCAL_CHUNKS:
+        source += (f"template __global__ void akv::cuda::local_nearest_kernel<128, {ch}>(const float *, int64_t, "
+                   "const uint16_t *, const float *, const akv::cuda::LocalRange, const uint32_t *, int64_t, int64_t, "
+                   "int64_t, const float *, const uint16_t *, const float *, int64_t, int32_t *, float *, uint32_t *);\n")
     return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo", "-DAKV_SASS_PIN_BF16_FUSED"))
 
 
@@ -347,42 +351,67 @@ def loops(f):
     return sorted(out, key=lambda l: (l[0], -l[1]))
 
 
-def local_search_cost(f):
-    """local_nearest_kernel<128> (format 3's candidate search, 64 tokens x 32 candidates a chunk,
-    4 warps): warp instructions per chunk and per tile, from the static SASS of its loops and the
-    trip counts of the source (a chunk loads 32 candidate rows, 8 quads a thread, and offers 16
-    products a thread; a tile loads 64 token rows, 16 quads a thread; nvcc unrolls each by the
-    factor read off the body's loads or comparisons). The loop holding the HMMAs is the chunk
-    loop; the offer and row-load loops are the two inner loops of it. The two binary searches
-    of the candidate range (one thread, before the tile) are reported apart (a step each). After
-    the chunks, the tile's end (the token's decision, the parts' reduction, the writes; up to the
-    last EXIT, without its loops) counts once a tile; the warp's rescoring loop (the first one
+def profiling_lines():
+    """First and last line (1-based) of local_nearest_kernel's `if (stats) {` block."""
+    lines = open(os.path.join(ROOT, "src", "cuda", "compress_local_kernels.cuh")).read().split("\n")
+    first = next(i for i, ln in enumerate(lines) if ln.strip().startswith("if (stats) {"))
+    indent = lines[first][:len(lines[first]) - len(lines[first].lstrip())]
+    last = next(i for i in range(first + 1, len(lines)) if lines[i] == indent + "}")
+    return first + 1, last + 1
+
+
+def local_search_cost(f, ch):
+    """local_nearest_kernel<128, ch> (format 3's candidate search, 64 tokens x ch candidates a
+    chunk, 4 warps): warp instructions per chunk and per tile, from the static SASS of its loops
+    and the trip counts of the source. The loop holding the HMMAs is the chunk loop: its
+    candidate rows (16-byte copies) and tile products are unrolled, its one inner loop is the
+    offers (ch / 2 a thread, unrolled by the factor read off the comparisons against the 4th
+    kept). Before it, the tile's token rows (unrolled) count once a tile, and the candidate
+    range's two binary searches (one thread) are reported apart (a step each). After the
+    chunks, the tile's end (the token's decision, the parts' reduction, the writes; up to the
+    last EXIT, without its loops and without the profiling block, which production skips)
+    counts once a tile; the warp's rescoring loop (the first one
     there with FFMAs: the whole warp rescoring one lane's candidate) once a candidate rescored,
     or with many candidates in a warp, the lanes' own (the loop with the most FFMAs: one lane's
     fp32 product) once a candidate of the busiest lane."""
     ls = loops(f)
     chunk = next(l for l in ls if l[3]["HMMA"])
     inner = [l for l in ls if chunk[0] < l[0] and l[1] < chunk[1]]
+    if any(l[3]["HMMA"] for l in inner):
+        sys.exit("local_search_cost: the tile products are a loop of their own (the model counts them unrolled)")
     per_chunk = chunk[2] - sum(l[2] for l in inner)
     for a, b, n, ops in inner:
-        if ops["FSETP"]:  # the offers: 16 a thread, unrolled by the comparisons against the 4th kept
-            per_chunk += n * 16 / max(1, ops["FSETP"] // 3)
-        else:  # the candidate rows: 8 quads a thread, unrolled by its loads
-            per_chunk += n * 8 / max(1, ops["LD"] + ops["LDG"])
+        if not ops["FSETP"]:
+            sys.exit("local_search_cost: an inner loop of the chunk other than the offers")
+        # the offers: ch / 2 a thread, unrolled by the comparisons against the 4th kept
+        per_chunk += n * (ch // 2) / max(1, ops["FSETP"] // 3)
     before = [l for l in ls if l[1] < chunk[0]]
-    rows = max(before, key=lambda l: l[2])  # the token rows: 16 quads a thread
-    loads = rows[3]["LD"] + rows[3]["LDG"]
     # The candidate range's two binary searches (thread 0: one load a step, no stores); the
     # model gives them their steps, log2 of the sorted candidates.
-    searches = [l for l in before if l is not rows and l[3]["LDG"] + l[3]["LD"] == 1 and not l[3]["STS"]]
+    searches = [l for l in before if l[3]["LDG"] + l[3]["LD"] == 1 and not l[3]["STS"]]
+    # The token rows (16-byte copies into shared memory) are unrolled; a loop of them would
+    # need its trip count.
+    if any(l[3]["STS"] for l in before):
+        sys.exit("local_search_cost: the token rows are a loop (the model counts them unrolled)")
     end = max(i for i, x in enumerate(f["ins"]) if x["op"].startswith("EXIT"))
     after = [l for l in ls if l[0] > chunk[1] and l[1] <= end]
     outer = [l for l in after if not any(o[0] < l[0] and l[1] <= o[1] for o in after)]
     tail = end - chunk[1] - sum(l[2] for l in outer)
-    per_tile = (chunk[0] - sum(l[2] for l in before)) + rows[2] * 16 / max(1, loads) + tail
+    # The profiling block (`if (stats)`: warp sums and atomics) is skipped in production.
+    first, last = profiling_lines()
+    in_block = lambda loc: any(fl and fl.endswith("compress_local_kernels.cuh") and ln and first <= ln <= last
+                               for fl, ln in ((loc[0], loc[1]), (loc[2], loc[3])))
+    inside = set(i for l in outer for i in range(l[0], l[1] + 1))
+    profiling = sum(1 for i in range(chunk[1] + 1, end + 1)
+                    if i not in inside and f["ins"][i]["loc"][0] and in_block(f["ins"][i]["loc"]))
+    if not profiling:
+        sys.exit("local_search_cost: no instruction of the profiling block found")
+    tail -= profiling
+    per_tile = (chunk[0] - sum(l[2] for l in before)) + tail
     rescore = next((l for l in after if l[3]["FFMA"]), None)
     serial = max(after, key=lambda l: l[3]["FFMA"], default=None)
     return {"chunk_loop_static": chunk[2], "warp_instr_per_chunk": per_chunk, "warp_instr_per_tile": per_tile,
+            "profiling_static": profiling,
             "search_loops_static": sum(l[2] for l in searches), "tile_end_static": tail,
             "rescore_loop_static": rescore[2] if rescore else 0,
             "serial_rescore_static": serial[2] if serial else 0,
@@ -541,15 +570,18 @@ def main():
     for u in loop["unknown_loops"]:
         print(f"note: inner loop at {u[0]} line {u[1]} ({u[2]}) has no trip-count model: counted once")
     result["tile_loop"]["per_token_head"] = total / T
-    local = next(m for m in funcs if "local_nearest_kernelILi128E" in m)
-    cost = local_search_cost(funcs[local])
-    result["local_search"] = cost
-    print(f"\nlocal_nearest_kernel<128> (format 3's candidate search; per warp, 4 warps a block of 64 tokens): "
-          f"chunk loop {cost['chunk_loop_static']} static SASS, {cost['warp_instr_per_chunk']:.0f} warp instructions "
-          f"per 32-candidate chunk; {cost['warp_instr_per_tile']:.0f} per tile outside the chunks (token rows, "
-          f"{cost['tile_end_static']} at the end); the candidate range's binary searches {cost['search_loops_static']} "
-          f"a step (one thread); fp32 rescoring {cost['rescore_loop_static']} a candidate (the warp), "
-          f"{cost['serial_rescore_static']} a candidate (each lane its own)")
+    result["local_search"] = {}
+    for ch in LOCAL_CHUNKS:
+        local = next(m for m in funcs if f"local_nearest_kernelILi128ELi{ch}E" in m)
+        cost = local_search_cost(funcs[local], ch)
+        result["local_search"][str(ch)] = cost
+        print(f"\nlocal_nearest_kernel<128, {ch}> (format 3's candidate search; per warp, 4 warps a block of 64 "
+              f"tokens): chunk loop {cost['chunk_loop_static']} static SASS, {cost['warp_instr_per_chunk']:.0f} warp "
+              f"instructions per {ch}-candidate chunk; {cost['warp_instr_per_tile']:.0f} per tile outside the chunks "
+              f"(token rows, {cost['tile_end_static']} at the end, without the profiling block's "
+              f"{cost['profiling_static']}); the candidate range's binary searches "
+              f"{cost['search_loops_static']} a step (one thread); fp32 rescoring {cost['rescore_loop_static']} a "
+              f"candidate (the warp), {cost['serial_rescore_static']} a candidate (each lane its own)")
     result["coverage_select"] = {}
     print("\nA coverage round's ranking (coverage_select_kernels.cuh; a block of 1024 threads)")
     print("| kernel | regs | stack B | hot SASS (a warp, one pass) | histogram loops | emit loop |")

@@ -243,12 +243,16 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
                  stride, n, D, storage, s.anchor_n, s.anchor_b, int64_t{k} * D, s.norms, int64_t{k});
       with_head_dim(D, [&](auto d) {
         constexpr int DD = decltype(d)::value;
-        dev.launch(local_nearest_kernel<DD>, grid_blocks(P, near_tokens(DD)), H, 128, X[side], S * D,
-                   static_cast<const uint16_t *>(x_b[side]), static_cast<const float *>(s.cover_norm_sq[side]), range,
-                   static_cast<const uint32_t *>(s.cover_fresh), stride, n_sorted, n_tail,
-                   static_cast<const float *>(s.anchor_n), static_cast<const uint16_t *>(s.anchor_b),
-                   static_cast<const float *>(s.norms), int64_t{k} * D, s.near_token[side], s.cover_best[side],
-                   dev.profiling ? s.search_stats : nullptr);
+        auto search = [&](auto kernel) {
+          dev.launch(kernel, grid_blocks(P, near_tokens(DD)), H, 128, X[side], S * D,
+                     static_cast<const uint16_t *>(x_b[side]), static_cast<const float *>(s.cover_norm_sq[side]),
+                     range, static_cast<const uint32_t *>(s.cover_fresh), stride, n_sorted, n_tail,
+                     static_cast<const float *>(s.anchor_n), static_cast<const uint16_t *>(s.anchor_b),
+                     static_cast<const float *>(s.norms), int64_t{k} * D, s.near_token[side], s.cover_best[side],
+                     dev.profiling ? s.search_stats : nullptr);
+        };
+        if (local_chunk(range, n_sorted, n_tail) == 16) search(local_nearest_kernel<DD, 16>);
+        else search(local_nearest_kernel<DD, 32>);
       });
     }
   };

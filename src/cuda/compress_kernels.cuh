@@ -321,16 +321,51 @@ __host__ __device__ constexpr int near_tokens(int D) { return D <= 128 ? 64 : 32
 #define __align__(n) __attribute__((aligned(n)))
 #endif
 
-// The approximate products of the tile: C[i][j] = bf16 row i . bf16 anchor j (fp32 sums).
-// Warp w computes TOK / 32 fragments of 16 x 16.
-template <int D, int TOK>
+// Rows 0 .. N - 1 of a bf16 tile in shared memory (rows of D + 8: 16-byte aligned) from
+// global memory, 16 bytes a load: thread t (of 128) copies octet t % (D / 8) of tile rows
+// t / (D / 8) + i 128 / (D / 8) (constant trips, unrolled). Rows i < valid come from row(i)
+// (a pointer to the row's first element), the others are zeros.
+template <int D, int N, class Row>
+__device__ __forceinline__ void gather_tile_rows(uint16_t (*dst)[D + 8], int64_t valid, Row row) {
+  constexpr int OCTS = D / 8, ROWS = 128 / OCTS;
+  static_assert(N % ROWS == 0, "whole passes");
+  const int row0 = threadIdx.x / OCTS, oct = threadIdx.x % OCTS;
+#pragma unroll
+  for (int it = 0; it < N / ROWS; ++it) {
+    const int i = row0 + it * ROWS;
+    reinterpret_cast<uint4 *>(&dst[i][0])[oct] =
+        i < valid ? reinterpret_cast<const uint4 *>(row(i))[oct] : uint4{0, 0, 0, 0};
+  }
+}
+
+// gather_tile_rows for consecutive rows: row i at src + i D.
+template <int D, int N>
+__device__ __forceinline__ void copy_tile_rows(uint16_t (*dst)[D + 8], int64_t valid, const uint16_t *src) {
+  constexpr int OCTS = D / 8, ROWS = 128 / OCTS;
+  static_assert(N % ROWS == 0, "whole passes");
+  const int row0 = threadIdx.x / OCTS, oct = threadIdx.x % OCTS;
+  const uint4 *from = reinterpret_cast<const uint4 *>(src + static_cast<int64_t>(row0) * D) + oct;
+#pragma unroll
+  for (int it = 0; it < N / ROWS; ++it)
+    reinterpret_cast<uint4 *>(&dst[row0 + it * ROWS][0])[oct] =
+        row0 + it * ROWS < valid ? from[it * ROWS * OCTS] : uint4{0, 0, 0, 0};
+}
+
+// The approximate products of the tile: C[i][j] = bf16 row i . bf16 anchor j (fp32 sums), for
+// the first CH (16 or 32) anchors of the tile. Warp w makes fragments (16 x 16) w x F .. w x F
+// + F - 1 of the (TOK / 16) x (CH / 16), F = their count / 4 rounded up (a fragment's sums do
+// not depend on the warp that makes it).
+template <int D, int TOK, int CH = kNearAnchors>
 __device__ __forceinline__ void nearest_tile_products(const uint16_t (*xs)[D + 8], const uint16_t (*as)[D + 8],
                                                       float (*cs)[kNearAnchors + 4]) {
-  constexpr int kFragments = TOK / 32;
+  static_assert(CH % 16 == 0 && CH <= kNearAnchors && TOK % 16 == 0, "whole fragments");
+  constexpr int kColumns = CH / 16, kFragments = TOK / 16 * kColumns, kPerWarp = (kFragments + 3) / 4;
   const int warp = threadIdx.x >> 5;
-  for (int f = 0; f < kFragments; ++f) {
-    const int q = warp * kFragments + f;
-    const int r0 = (q >> 1) * 16, c0 = (q & 1) * 16;
+#pragma unroll
+  for (int f = 0; f < kPerWarp; ++f) {
+    const int q = warp * kPerWarp + f;
+    if (kFragments % 4 != 0 && q >= kFragments) break;
+    const int r0 = q / kColumns * 16, c0 = q % kColumns * 16;
 #if !defined(AKV_SIMT_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     using namespace nvcuda;
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
@@ -465,14 +500,8 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
   NearKeep keep;
   for (int a0 = 0; a0 < k; a0 += kNearAnchors) {
     __syncthreads();  // the previous tile's products are consumed (and xs is written)
-    // The anchor tile, 4 bf16 per 8-byte load (zeros past k).
-    constexpr int quads = D / 4;
-    for (int e = tid; e < kNearAnchors * quads; e += 128) {
-      const int j = e / quads, d = (e % quads) * 4;
-      uint64_t v = 0;
-      if (a0 + j < k) v = *reinterpret_cast<const uint64_t *>(anchor_b + static_cast<int64_t>(a0 + j) * D + d);
-      *reinterpret_cast<uint64_t *>(&as[j][d]) = v;
-    }
+    // The anchor tile (zeros past k).
+    copy_tile_rows<D, kNearAnchors>(as, k - a0, anchor_b + static_cast<int64_t>(a0) * D);
     __syncthreads();
     nearest_tile_products<D, TOK>(xs, as, cs);
     __syncthreads();

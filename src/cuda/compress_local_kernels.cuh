@@ -28,6 +28,17 @@ __device__ __forceinline__ void candidate_positions(const LocalRange &r, int64_t
   *last = t1 + r.reach < r.prefix ? t1 + r.reach : r.prefix;
 }
 
+// local_nearest_kernel's candidate chunk for an absorb of n_sorted prefix candidates (spread
+// over the prefix) and n_tail of the window's: 16 when a segment's tokens expect at most 16 in
+// reach (a coverage round's: about 8 at the default anchor share; half the chunk's rows, products
+// and offers of 32), else 32. Either gives the same nearest candidates.
+inline int local_chunk(const LocalRange &r, int64_t n_sorted, int64_t n_tail) {
+  const int64_t span = (int64_t{1} << r.segment_shift) + 2 * r.reach;
+  const int64_t width = r.reach < 0 || span > r.prefix ? r.prefix : span;
+  const double expected = r.prefix > 0 ? static_cast<double>(n_sorted) * width / r.prefix + n_tail : 0.0;
+  return expected <= 16 ? 16 : 32;
+}
+
 // The first i in [0, n) with ids[i] >= value (n if none); ids increasing.
 __device__ __forceinline__ int64_t lower_bound_u32(const uint32_t *ids, int64_t n, int64_t value) {
   int64_t lo = 0, hi = n;
@@ -81,7 +92,8 @@ __device__ __forceinline__ bool local_better(float v, int32_t token, float best_
 // largest |x . row| (ties: the lower token) in near_token (-1: none yet) and x . row in
 // near_dot, x its pre-RoPE key or value (x_b: the rows in bf16, x_norm_sq: ||x||^2).
 // The search is nearest_anchor_kernel's: bf16 tensor-core products of a TOK-token x
-// 32-candidate tile (a tile of tokens lies inside one segment: segments are multiples of 256
+// CH-candidate tile (CH 16 or 32, local_chunk: a coverage round's few candidates in reach fill
+// a chunk of 16; a tile of tokens lies inside one segment: segments are multiples of 256
 // positions), each token keeping its kNearKeep best approximate |c| per part; those within
 // kNearMargin ||x|| of the best (every candidate, when a part dropped one there) are rescored
 // in fp32. A token whose approximate best is below its best so far by more than the margin is
@@ -91,7 +103,7 @@ __device__ __forceinline__ bool local_better(float v, int32_t token, float best_
 // `stats` (profiling: ANCHORKV_COMPRESS_PROFILE), over the tokens that had a best already:
 // stats[0] += such tokens, stats[1] += those left alone, stats[2] += candidates rescored for
 // them, stats[3] += those that needed the full scan.
-template <int D>
+template <int D, int CH>
 __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int64_t x_stride, const uint16_t *x_b,
                                                             const float *x_norm_sq,
                                                             const LocalRange range, const uint32_t *ids,
@@ -100,11 +112,11 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
                                                             const float *row_norm_sq, int64_t rows_stride,
                                                             int32_t *near_token, float *near_dot,
                                                             uint32_t *stats) {
-  constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = kNearAnchors / PARTS;
+  constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = CH / PARTS;
   AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
-  AKV_STATIC_SHARED(__align__(32) uint16_t, as, [kNearAnchors][D + 8]);
+  AKV_STATIC_SHARED(__align__(32) uint16_t, as, [CH][D + 8]);
   AKV_STATIC_SHARED(__align__(32) float, cs, [TOK][kNearAnchors + 4]);
-  AKV_STATIC_SHARED(int32_t, usable, [kNearAnchors]);
+  AKV_STATIC_SHARED(int32_t, usable, [CH]);
   AKV_STATIC_SHARED(int64_t, bounds, [2]);
   const int64_t P = range.prefix, t0 = static_cast<int64_t>(blockIdx.x) * TOK;
   {
@@ -126,29 +138,19 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
     bounds[0] = lower_bound_u32(ids, n_sorted, first);
     bounds[1] = lower_bound_u32(ids, n_sorted, last);
   }
-  constexpr int quads = D / 4;
-  for (int e = tid; e < TOK * quads; e += 128) {
-    const int i = e / quads, d = (e % quads) * 4;
-    const uint64_t v = t0 + i < P ? *reinterpret_cast<const uint64_t *>(x_b + (t0 + i) * D + d) : 0;
-    *reinterpret_cast<uint64_t *>(&xs[i][d]) = v;
-  }
+  copy_tile_rows<D, TOK>(xs, P - t0, x_b + t0 * D);  // zeros past the prefix
   __syncthreads();
   const int64_t lo = bounds[0], in_range = bounds[1] - bounds[0], count = in_range + n_tail;
   // Candidate c (in token order: the range's, then the window's) is row row_of(c).
   auto row_of = [&](int64_t c) { return c < in_range ? lo + c : n_sorted + (c - in_range); };
   const int mine = tid / PARTS, part = tid % PARTS;  // token of the block, part of each tile
   NearKeep keep;
-  for (int64_t c0 = 0; c0 < count; c0 += kNearAnchors) {
+  for (int64_t c0 = 0; c0 < count; c0 += CH) {
     __syncthreads();  // the previous tile's products are consumed
-    for (int e = tid; e < kNearAnchors * quads; e += 128) {
-      const int j = e / quads, d = (e % quads) * 4;
-      uint64_t v = 0;
-      if (c0 + j < count) v = *reinterpret_cast<const uint64_t *>(rows_b + row_of(c0 + j) * D + d);
-      *reinterpret_cast<uint64_t *>(&as[j][d]) = v;
-    }
-    if (tid < kNearAnchors) usable[tid] = c0 + tid < count && row_norm_sq[row_of(c0 + tid)] > 0.0f;
+    gather_tile_rows<D, CH>(as, count - c0, [&](int j) { return rows_b + row_of(c0 + j) * D; });
+    if (tid < CH) usable[tid] = c0 + tid < count && row_norm_sq[row_of(c0 + tid)] > 0.0f;
     __syncthreads();
-    nearest_tile_products<D, TOK>(xs, as, cs);
+    nearest_tile_products<D, TOK, CH>(xs, as, cs);
     __syncthreads();
     for (int jj = 0; jj < PER; ++jj) {
       const int j = part * PER + jj;

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <string>
 
 // Last: the emulation defines threadIdx, __shared__ and friends as macros.
 #include "cuda/compress_pipeline.hpp"
@@ -257,10 +258,12 @@ TEST(EmulatedCompress, FormatThreeMatchesCpuCompression) {
 // best from an earlier round (kept unless beaten; ties to the lower token). `settled`: as in a
 // later coverage round, most tokens hold a best no candidate reaches (left alone), so a warp
 // has few candidates to rescore and rescores them together (the other path: each lane its own).
-void check_local_nearest(bool settled) {
+// `chunk`: the candidates of a tensor-core tile (16 or 32; a tile's ~40 candidates take several
+// of either).
+void check_local_nearest(bool settled, int chunk) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
-  SCOPED_TRACE(settled ? "settled" : "fresh");
+  SCOPED_TRACE(std::string(settled ? "settled" : "fresh") + ", chunks of " + std::to_string(chunk));
   Rng rng(seed);
   constexpr int D = 64, W = 8, H = 2;
   constexpr int64_t P = 600, n_sorted = 70;
@@ -365,18 +368,38 @@ void check_local_nearest(bool settled) {
   EmulatedDevice dev;
   dev.launch(kc::bf16_rows_kernel, kc::grid_blocks(P * D / 4, 128), H, 128, static_cast<const float *>(X.data()), P * D,
              P * D, x_b.data());
-  dev.launch(kc::local_nearest_kernel<D>, kc::grid_blocks(P, kc::near_tokens(D)), H, 128, X.data(), P * D,
-             static_cast<const uint16_t *>(x_b.data()), static_cast<const float *>(x_norm_sq.data()), range, static_cast<const uint32_t *>(ids.data()),
-             n_sorted + W, n_sorted, int64_t{W}, static_cast<const float *>(rows.data()),
-             static_cast<const uint16_t *>(rows_b.data()), static_cast<const float *>(norm_sq.data()),
-             (n_sorted + W) * D, near.data(), dot.data(), static_cast<uint32_t *>(nullptr));
+  auto search = [&](auto kernel) {
+    dev.launch(kernel, kc::grid_blocks(P, kc::near_tokens(D)), H, 128, X.data(), P * D,
+               static_cast<const uint16_t *>(x_b.data()), static_cast<const float *>(x_norm_sq.data()), range,
+               static_cast<const uint32_t *>(ids.data()), n_sorted + W, n_sorted, int64_t{W},
+               static_cast<const float *>(rows.data()), static_cast<const uint16_t *>(rows_b.data()),
+               static_cast<const float *>(norm_sq.data()), (n_sorted + W) * D, near.data(), dot.data(),
+               static_cast<uint32_t *>(nullptr));
+  };
+  if (chunk == 16) search(kc::local_nearest_kernel<D, 16>);
+  else search(kc::local_nearest_kernel<D, 32>);
   EXPECT_EQ(near, want_near);
   EXPECT_EQ(dot, want_dot);
 }
 
 TEST(EmulatedLocalNearest, MatchesFp32Scan) {
-  check_local_nearest(false);
-  check_local_nearest(true);
+  for (int chunk : {32, 16}) {
+    check_local_nearest(false, chunk);
+    check_local_nearest(true, chunk);
+  }
+}
+
+// The chunk follows the candidates a segment's tokens expect: the window's first absorb (and
+// many candidates) 32, a coverage round's few 16 (at 32K tokens, 2048-position segments, 2136
+// of reach: ~8 of 43 new anchors in reach).
+TEST(EmulatedLocalNearest, ChunkFollowsTheExpectedCandidates) {
+  const kc::LocalRange bench{32736, 2136, 11}, unlimited{600, -1, 8};
+  EXPECT_EQ(kc::local_chunk(bench, 43, 0), 16);
+  EXPECT_EQ(kc::local_chunk(bench, 294, 32), 32);
+  EXPECT_EQ(kc::local_chunk(bench, 200, 0), 32);  // ~40 in reach
+  EXPECT_EQ(kc::local_chunk(unlimited, 16, 0), 16);
+  EXPECT_EQ(kc::local_chunk(unlimited, 17, 0), 32);
+  EXPECT_EQ(kc::local_chunk(unlimited, 8, 8), 16);
 }
 
 // sort_fresh_kernel: in shared memory and (past 8192 keys) in its output, with and without the
