@@ -48,6 +48,15 @@ struct CompressScratch {
   uint16_t *index16[2], *gamma16[2];
   uint32_t *search_stats;  // profiling: local_nearest_kernel's counts (Dev::search_counts)
 
+  // Format 3: the prefix rows in bf16 of a batch of H heads (side 0 keys, 1 values), in rk
+  // (free until the residuals); load_head_kernel writes them with their norms (cover_norm_sq).
+  uint16_t *prefix_rows_b(int side, int H, int64_t P, int D) const {
+    return reinterpret_cast<uint16_t *>(rk) + side * (int64_t{H} * P * D);
+  }
+  PrefixRows prefix_rows(int H, int64_t P, int D) const {
+    return PrefixRows{{cover_norm_sq[0], cover_norm_sq[1]}, {prefix_rows_b(0, H, P, D), prefix_rows_b(1, H, P, D)}, P};
+  }
+
   // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used. The
   // per-head staging holds `head_batch` heads (0: all H); the residual selection's keys, all H.
   size_t carve(uint8_t *base, int64_t S, int64_t P, int H_all, int D, int m, int k, int pairs, int64_t table_blocks = 0,
@@ -222,16 +231,12 @@ template <class Dev>
 void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_t P, int D, int W, int k,
                     int64_t free_anchors, int64_t n0, int64_t count, int rounds, const LocalRange &range, int storage) {
   const float *X[2] = {s.kpre, s.v};
-  // The prefix rows in bf16, both sides in s.rk (free until the residuals).
-  uint16_t *x_b[2] = {reinterpret_cast<uint16_t *>(s.rk), reinterpret_cast<uint16_t *>(s.rk) + H * P * D};
+  // The prefix rows in bf16 and their squared norms (the margin of the candidate search and the
+  // rounds' ranking), from load_head_kernel.
+  const uint16_t *x_b[2] = {s.prefix_rows_b(0, H, P, D), s.prefix_rows_b(1, H, P, D)};
   for (int side = 0; side < 2; ++side) {
-    dev.launch(bf16_rows_kernel, grid_blocks(P * D / 4, 128), H, 128, X[side], S * D, P * D, x_b[side]);
     dev.fill(s.near_token[side], 0xFF, H * P * sizeof(int32_t));  // -1: none yet
     dev.fill(s.cover_best[side], 0, H * P * sizeof(float));
-    // ||x||^2: the margin of the candidate search and the rounds' ranking.
-    dev.launch(unit_rows_kernel, grid_blocks(P, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(nullptr),
-                 int64_t{0}, P, D, -1, static_cast<float *>(nullptr), static_cast<uint16_t *>(nullptr), int64_t{0},
-                 s.cover_norm_sq[side], P);
   }
   // Compares every token with the candidates s.cover_fresh (sort_fresh_kernel's [H][stride]:
   // n_sorted increasing prefix tokens, then n_tail of the window's).
@@ -245,7 +250,7 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
         constexpr int DD = decltype(d)::value;
         auto search = [&](auto kernel) {
           dev.launch(kernel, grid_blocks(P, near_tokens(DD)), H, 128, X[side], S * D,
-                     static_cast<const uint16_t *>(x_b[side]), static_cast<const float *>(s.cover_norm_sq[side]),
+                     x_b[side], static_cast<const float *>(s.cover_norm_sq[side]),
                      range, static_cast<const uint32_t *>(s.cover_fresh), stride, n_sorted, n_tail,
                      static_cast<const float *>(s.anchor_n), static_cast<const uint16_t *>(s.anchor_b),
                      static_cast<const float *>(s.norms), int64_t{k} * D, s.near_token[side], s.cover_best[side],
@@ -329,7 +334,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     const int H = std::min(HB, g.heads - h0);
     // 1. Every head's keys (both forms), values and its group's window queries.
     dev.stage(kStageLoad);
-    dev.launch(load_head_kernel, grid_blocks(S, 4), H, 128, a, h0, s.kpre, s.kpost, s.v);
+    dev.launch(load_head_kernel, grid_blocks(S, 4), H, 128, a, h0, s.kpre, s.kpost, s.v,
+               local ? s.prefix_rows(H, P, D) : PrefixRows{});
     dev.launch(load_queries_kernel, m, H, 32, a, h0, s.q);
     // 2. Window attention with the causal window mask, and its outputs y (batched over heads;
     // the softmax rows of all heads are one [H m][S] array, m a multiple of W).

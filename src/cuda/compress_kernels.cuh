@@ -39,9 +39,21 @@ __device__ __forceinline__ int64_t kv_offset(const PrefillArgs &a, int h, int64_
 
 __device__ __forceinline__ bool finite(float x) { return (x - x) == 0.0f; }
 
+// What format 3's candidate search reads of every prefix token (t < prefix) besides its rows:
+// the squared norms of the pre-RoPE key and the value (side 0, 1; head y's at y prefix) and
+// both rows in bf16 (at y prefix D). norm_sq[0] nullptr: none.
+struct PrefixRows {
+  float *norm_sq[2];
+  uint16_t *rows_b[2];
+  int64_t prefix;
+};
+
 // One token per warp (4 per block): pre- and post-RoPE keys and values of head h + blockIdx.y,
-// in float (grid y over heads: head h + y's rows start at y * S * D).
-__global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, float *kpre, float *kpost, float *v) {
+// in float (grid y over heads: head h + y's rows start at y * S * D), and when asked the prefix
+// rows' squared norms (unit_rows_kernel's, summed in its order) and bf16 copies, made here
+// rather than by reading the rows back.
+__global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, float *kpre, float *kpost, float *v,
+                                 const PrefixRows prefix) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
   if (t >= a.seq_len) return;
@@ -74,6 +86,20 @@ __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, 
     other[s] = x0 * sn + x1 * c;
   }
   if (bad) atomicAdd(a.bad, 1);
+  if (!prefix.norm_sq[0] || t >= prefix.prefix) return;
+  __syncwarp();  // the warp's pre-RoPE key row is written
+  const int64_t at = static_cast<int64_t>(blockIdx.y) * prefix.prefix + t;
+  const float *row[2] = {kpre + t * D, v + t * D};
+  for (int side = 0; side < 2; ++side) {
+    float n2 = 0.0f;
+    for (int d = lane; d < D; d += 32) {
+      const float x = row[side][d];
+      n2 += x * x;
+      prefix.rows_b[side][at * D + d] = float_to_bits(x, true);
+    }
+    n2 = warp_sum(n2);
+    if (lane == 0) prefix.norm_sq[side][at] = n2;
+  }
 }
 
 // The window queries of KV head h's group: Q[g * W + w][D] (one row per block of 32); grid y
@@ -146,24 +172,30 @@ __device__ __forceinline__ float block_max128(float v, float *scratch) {
 }
 
 // Window attention rows in place: row r of A [m][S] sees tokens 0..P + r % W (causal window
-// mask), softmax over them, zeros after. One block of 128 per row.
+// mask), softmax over them, zeros after. One block of 128 per row, two passes over the row: an
+// online max and sum (a thread's sum rescaled when its max rises; the threads' pairs combined
+// at the block's max), then every entry exp(a - max) / sum. (Three passes before: max, then
+// the exponentials written and summed, then the scaling; the row crosses HBM three times now,
+// five then.)
 __global__ void __launch_bounds__(128) window_softmax_kernel(float *A, int64_t S, int64_t P, int W) {
   AKV_STATIC_SHARED(float, scratch, [4]);
   const int64_t r = blockIdx.x;
   float *row = A + r * S;
   const int64_t visible = P + r % W + 1;
-  float mx = -INFINITY;
-  for (int64_t t = threadIdx.x; t < visible; t += 128) mx = fmaxf(mx, row[t]);
-  mx = block_max128(mx, scratch);
-  float sum = 0.0f;
+  float mx = -INFINITY, sum = 0.0f;
   for (int64_t t = threadIdx.x; t < visible; t += 128) {
-    const float e = expf(row[t] - mx);
-    row[t] = e;
-    sum += e;
+    const float a = row[t];
+    if (a > mx) {
+      sum = sum * expf(mx - a) + 1.0f;  // expf(-inf) = 0 for the first
+      mx = a;
+    } else {
+      sum += expf(a - mx);
+    }
   }
-  sum = block_sum128(sum, scratch);
+  const float block_mx = block_max128(mx, scratch);
+  sum = block_sum128(mx == -INFINITY ? 0.0f : sum * expf(mx - block_mx), scratch);
   const float inv = 1.0f / sum;
-  for (int64_t t = threadIdx.x; t < S; t += 128) row[t] = t < visible ? row[t] * inv : 0.0f;
+  for (int64_t t = threadIdx.x; t < S; t += 128) row[t] = t < visible ? expf(row[t] - block_mx) * inv : 0.0f;
 }
 
 // Mean attention over the m rows (raw scores) and mean squared attention, per prefix token

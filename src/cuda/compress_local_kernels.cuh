@@ -250,17 +250,6 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
   }
 }
 
-// out[i] = bf16(X[i]) for i < n (n a multiple of 4), four a thread; grid y over heads (X at y
-// x_stride, out at y n): the prefix rows the candidate search reads every round, at half the
-// bytes.
-__global__ void bf16_rows_kernel(const float *X, int64_t x_stride, int64_t n, uint16_t *out) {
-  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
-  if (i >= n) return;
-  X += blockIdx.y * x_stride;
-  out += blockIdx.y * n;
-  for (int e = 0; e < 4; ++e) out[i + e] = float_to_bits(X[i + e], true);
-}
-
 // Every prefix token's anchor and coefficient from its nearest candidate (CPU: the local branch
 // of step 5): anchors point at themselves with 1, a token whose candidates all have zero norm
 // takes anchor 0 with 0, else the candidate's anchor index (a prefix anchor through
