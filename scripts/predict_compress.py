@@ -92,6 +92,10 @@ HEAD_BATCH_BUDGET = 2 << 30
 
 
 FORMAT = 3  # set by --format
+# The window scores' GEMM (Q K^T) on bf16 operands (cublasGemmStridedBatchedEx, fp32 sums): the
+# inputs are bf16 and the keys are given post-RoPE (an engine's usual case; --pre-rope-keys: the
+# fp32 SGEMM on the de-rotated keys).
+BF16_SCORES = True
 
 
 def segment_length(P, k):
@@ -165,7 +169,7 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
                (i4, 1)] + [(f, hb * P)] * 4 + [(f, 2 * hb), (i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P),
                (i4, 0)]
     arrays += [(i4, hb * P), (i4, hb * P), (f, hb * P), (u2, H * P), (u2, H * P)] * 2 + [(f, 256)]  # format 3's
-    arrays += [(i4, 4)]  # search_stats
+    arrays += [(i4, 4), (u2, hb * m * D), (u2, hb * S * D)]  # search_stats, q_b, kpost_b
     at = 0
     for size, count in arrays:
         at = (at + 255) // 256 * 256 + size * max(count, 1)
@@ -369,10 +373,13 @@ def predict(S):
         # format 3: also the prefix rows in bf16 and their squared norms, both sides
         prefix_rows = hb * P * 2 * (D * 2 + 4) if FORMAT == 3 else 0
         x.op(simt=hb * S * PAIRS * 26 + (hb * P * 2 * 3 * D if FORMAT == 3 else 0),
-             hbm=hb * S * D * (2 * 2 + 3 * 4) + prefix_rows)
-        x.op(hbm=hb * m * D * 6)  # load_queries_kernel
+             hbm=hb * S * D * (2 * 2 + 3 * 4 + (2 if BF16_SCORES else 0)) + prefix_rows)  # (+ bf16 keys)
+        x.op(hbm=hb * m * D * (8 if BF16_SCORES else 6))  # load_queries_kernel (+ bf16 rows)
         x.stage = "window attention"  # Q K^T [m][S], causal-window softmax in place, A V
-        x.op(gemm=2 * hb * m * S * D, hbm=hb * (S * D + m * S) * 4)
+        if BF16_SCORES:
+            x.op(tc=2 * hb * m * S * D, hbm=hb * (S * D * 2 + m * S * 4))
+        else:
+            x.op(gemm=2 * hb * m * S * D, hbm=hb * (S * D + m * S) * 4)
         x.op(simt=hb * m * S * 8, hbm=hb * m * S * 4 * 3)  # window_softmax_kernel: 2 reads, 1 write of each row
         x.op(gemm=2 * hb * m * S * D, hbm=hb * (m * S + S * D) * 4)
         x.stage = "scores+pooling"
@@ -412,19 +419,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 65536, 131072])
     ap.add_argument("--format", type=int, choices=(2, 3), default=3, help="storage_format (3: the default)")
+    ap.add_argument("--pre-rope-keys", action="store_true",
+                    help="keys given pre-RoPE: the window scores' GEMM in fp32 (SGEMM), as for f16 or f32 inputs")
     ap.add_argument("--sass", help="scripts/sass_count.py --json output (its local_search and coverage_select counts)")
     args = ap.parse_args()
-    global FORMAT
+    global FORMAT, BF16_SCORES
     FORMAT = args.format
+    BF16_SCORES = not args.pre_rope_keys
     if args.sass:
         with open(args.sass) as fh:
             counts = json.load(fh)
         LOCAL.update(counts["local_search"])
         SELECT.update(counts["coverage_select"])
-    print(f"Model of the CUDA AnchorKV pass (storage format {FORMAT}, H={H}, Hq={HQ}, D={D}, bf16, W={W}, theta={THETA}, default options) "
+    print(f"Model of the CUDA AnchorKV pass (storage format {FORMAT}, H={H}, Hq={HQ}, D={D}, bf16, {'post' if BF16_SCORES else 'pre'}-RoPE keys, W={W}, theta={THETA}, default options) "
           f"on an H200: SGEMM {SGEMM_FLOPS / 1e12:.0f} TF, wmma {TC_BF16_FLOPS / 1e12:.0f} TF, SIMT "
           f"{SIMT_FLOPS / 1e12:.1f} TF, HBM {HBM_BPS / 1e12:.1f} TB/s, {LAUNCH_S * 1e6:.0f} us/launch.")
-    print("GFLOP columns: fp32 cuBLAS GEMM | bf16 wmma | SIMT fp32; sort MB = key bytes sorted; "
+    print("GFLOP columns: fp32 cuBLAS GEMM | bf16 tensor cores (wmma; the scores' cuBLAS GEMM) | SIMT fp32; sort MB = key bytes sorted; "
           "ops = library count, kernels = GPU launches incl. CUB internals.\n")
     for S in args.seq_lens:
         g, HB, x = predict(S)
@@ -434,7 +444,7 @@ def main():
             assert HB == (8 if S <= 65536 else 4) and total["ops"] == expected, (HB, total["ops"])
         print(f"### S = {S}: k = {g['k']} anchors/head ({g['n_top']} scored, {g['n_rand']} coverage), "
               f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({H // HB} batches)\n")
-        print("| stage | GEMM GF | wmma GF | SIMT GF | sort MB | HBM MB | ops | kernels | predicted ms |")
+        print("| stage | GEMM GF | bf16 TC GF | SIMT GF | sort MB | HBM MB | ops | kernels | predicted ms |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name in STAGES + ["total"]:
             r = total if name == "total" else x.rows[name]

@@ -135,6 +135,18 @@ struct CudaDevice {
                        const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
     gemm(CUBLAS_OP_N, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch);
   }
+  // gemm_nt_batched with bf16 operands: the products exact, fp32 accumulation and output (the
+  // tensor cores; cuBLAS's own order of the sums, as for the SGEMM).
+  void gemm_nt_batched_bf16(int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A, int64_t lda, int64_t sa,
+                            const uint16_t *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
+    const float beta = 0.0f;
+    ++operations;
+    check(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
+                                     static_cast<int>(K), &alpha, B, CUDA_R_16BF, static_cast<int>(ldb), sb, A,
+                                     CUDA_R_16BF, static_cast<int>(lda), sa, &beta, C, CUDA_R_32F, static_cast<int>(ldc),
+                                     sc, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "cublasGemmStridedBatchedEx");
+  }
   // The one cuBLAS call of each form (batch 0: a plain SGEMM, else strided-batched).
   void gemm(cublasOperation_t op_b, int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda,
             int64_t sa, const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {

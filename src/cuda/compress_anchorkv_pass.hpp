@@ -27,6 +27,9 @@ namespace cuda {
 // hold every head (of a batch), head h's part at h times the per-head size.
 struct CompressScratch {
   uint16_t *anchor_b;  // anchor_n in bf16 (the tensor-core operand of nearest_anchor_kernel)
+  // The window queries and post-RoPE keys in bf16: the window attention scores on the tensor
+  // cores when both are exact in bf16 (bf16 inputs, keys given post-RoPE or without RoPE).
+  uint16_t *q_b, *kpost_b;
   float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *rk, *rk_norm_sq, *rv_norm_sq, *z,
       *vy, *y_norm_sq, *inv_freq, *signs;
   uint32_t *rank_keys, *rank_index, *sample_index, *picks, *picks_dummy, *util_keys[2], *util_ids[2], *energy_keys[2],
@@ -120,6 +123,8 @@ struct CompressScratch {
     }
     take(units, 256);
     take(search_stats, 4);
+    take(q_b, int64_t{H} * m * D);
+    take(kpost_b, H * S * D);
     return take.bytes();
   }
 };
@@ -308,6 +313,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
 
   const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad,
                                      upload_block_table(dev, p, s.block_table));
+  // The scores' GEMM on the tensor cores when its operands are exact in bf16.
+  const bool bf16_scores = p.dtype == AKV_DTYPE_BF16 && (a.keys_post_rope || a.rope_pairs == 0);
 
   const bool bf16 = cache.meta.storage == AKV_DTYPE_BF16;
   const int64_t n_sink = sink_anchor_count(o, g), n_top = scored_anchor_count(o, g);
@@ -335,13 +342,17 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     // 1. Every head's keys (both forms), values and its group's window queries.
     dev.stage(kStageLoad);
     dev.launch(load_head_kernel, grid_blocks(S, 4), H, 128, a, h0, s.kpre, s.kpost, s.v,
-               local ? s.prefix_rows(H, P, D) : PrefixRows{});
-    dev.launch(load_queries_kernel, m, H, 32, a, h0, s.q);
+               local ? s.prefix_rows(H, P, D) : PrefixRows{}, bf16_scores ? s.kpost_b : nullptr);
+    dev.launch(load_queries_kernel, m, H, 32, a, h0, s.q, bf16_scores ? s.q_b : nullptr);
     // 2. Window attention with the causal window mask, and its outputs y (batched over heads;
     // the softmax rows of all heads are one [H m][S] array, m a multiple of W).
     dev.stage(kStageWindowAttention);
-    dev.gemm_nt_batched(m, S, D, cache.meta.softmax_scale, s.q, D, int64_t{m} * D, s.kpost, D, S * D, s.attn, S,
-                        int64_t{m} * S, H);
+    if (bf16_scores)  // the same products (exact), fp32 sums, on the tensor cores
+      dev.gemm_nt_batched_bf16(m, S, D, cache.meta.softmax_scale, s.q_b, D, int64_t{m} * D, s.kpost_b, D, S * D,
+                               s.attn, S, int64_t{m} * S, H);
+    else
+      dev.gemm_nt_batched(m, S, D, cache.meta.softmax_scale, s.q, D, int64_t{m} * D, s.kpost, D, S * D, s.attn, S,
+                          int64_t{m} * S, H);
     dev.launch(window_softmax_kernel, H * m, 1, 128, s.attn, S, P, W);
     dev.gemm_nn_batched(m, D, S, 1.0f, s.attn, S, int64_t{m} * S, s.v, D, S * D, s.y, D, int64_t{m} * D, H);
     // 3. Scores, pooled; 4. anchors: the top share by pooled score (ties: lower index), then

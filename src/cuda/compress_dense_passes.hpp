@@ -127,9 +127,10 @@ void compress_eviction(Dev &dev, const akv_prefill &p, const akv_compress_option
   const bool tova = score_kind == EvictionScore::kLastQuery;  // one score for the layer (alpha_sq: its sum)
   if (tova) dev.fill(s.alpha_sq, 0, sizeof(float) * P);
   for (int h = 0; h < H; ++h) {
-    dev.launch(load_head_kernel, grid_blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v, PrefixRows{});
+    dev.launch(load_head_kernel, grid_blocks(S, 4), 1, 128, a, h, s.kpre, s.kpost, s.v, PrefixRows{},
+               static_cast<uint16_t *>(nullptr));
     if (attention) {
-      dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q);
+      dev.launch(load_queries_kernel, m, 1, 32, a, h, s.q, static_cast<uint16_t *>(nullptr));
       dev.gemm_nt(m, S, D, cache.meta.softmax_scale, s.q, D, s.kpost, D, s.attn, S);
       dev.launch(window_softmax_kernel, m, 1, 128, s.attn, S, P, W);
     }

@@ -51,9 +51,10 @@ struct PrefixRows {
 // One token per warp (4 per block): pre- and post-RoPE keys and values of head h + blockIdx.y,
 // in float (grid y over heads: head h + y's rows start at y * S * D), and when asked the prefix
 // rows' squared norms (unit_rows_kernel's, summed in its order) and bf16 copies, made here
-// rather than by reading the rows back.
+// rather than by reading the rows back. kpost_b (when given, at y S D): the post-RoPE keys in
+// bf16, for bf16 keys given post-RoPE or without RoPE (the given keys: exact).
 __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, float *kpre, float *kpost, float *v,
-                                 const PrefixRows prefix) {
+                                 const PrefixRows prefix, uint16_t *kpost_b) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * 4 + (threadIdx.x >> 5);
   if (t >= a.seq_len) return;
@@ -63,6 +64,7 @@ __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, 
   kpre += head_rows;
   kpost += head_rows;
   v += head_rows;
+  if (kpost_b) kpost_b += head_rows + t * D;
   const int64_t src = kv_offset(a, h, t);
   float *given = (a.keys_post_rope ? kpost : kpre) + t * D;
   float *other = (a.keys_post_rope ? kpre : kpost) + t * D;
@@ -72,6 +74,7 @@ __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, 
     bad = bad || !finite(k) || !finite(x);
     given[d] = k;
     v[t * D + d] = x;
+    if (kpost_b) kpost_b[d] = float_to_bits(k, true);
   }
   __syncwarp();
   for (int d = 2 * a.rope_pairs + lane; d < D; d += 32) other[d] = given[d];
@@ -103,12 +106,14 @@ __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, 
 }
 
 // The window queries of KV head h's group: Q[g * W + w][D] (one row per block of 32); grid y
-// over heads: head h0 + y's m = gridDim.x rows start at y * m * D.
-__global__ void load_queries_kernel(const __grid_constant__ PrefillArgs a, int h0, float *q) {
+// over heads: head h0 + y's m = gridDim.x rows start at y * m * D. q_b (when given): the rows
+// in bf16 too (bf16 queries: exact).
+__global__ void load_queries_kernel(const __grid_constant__ PrefillArgs a, int h0, float *q, uint16_t *q_b) {
   const int r = blockIdx.x, lane = threadIdx.x;
   const int G = a.q_heads / a.heads, W = a.window, D = a.head_dim;
   const int h = h0 + static_cast<int>(blockIdx.y);
   q += static_cast<int64_t>(blockIdx.y) * gridDim.x * D;
+  if (q_b) q_b += static_cast<int64_t>(blockIdx.y) * gridDim.x * D;
   const int hq = h * G + r / W, w = r % W;
   const int64_t src = hq * a.q_head_stride + static_cast<int64_t>(w) * a.q_token_stride;
   bool bad = false;
@@ -116,6 +121,7 @@ __global__ void load_queries_kernel(const __grid_constant__ PrefillArgs a, int h
     const float x = load_elem(a.queries, a.dtype, src + d);
     bad = bad || !finite(x);
     q[static_cast<int64_t>(r) * D + d] = x;
+    if (q_b) q_b[static_cast<int64_t>(r) * D + d] = float_to_bits(x, true);
   }
   if (bad) atomicAdd(a.bad, 1);
 }

@@ -277,9 +277,10 @@ TEST(EmulatedCompress, HeadBatchesMatchCpuCompression) {
 
 // Storage format 3 (the default): local candidates, segment tables (k > 256, with tokens whose
 // anchor misses the table at k 1500 for 3K tokens), one-byte coefficient codes; with the
-// coverage rounds and with the paper's sampled share, in head batches.
+// coverage rounds and with the paper's sampled share, in head batches; bf16 keys given
+// post-RoPE (an engine's usual case: the window scores' GEMM on bf16 operands) and pre-RoPE.
 TEST(EmulatedCompress, FormatThreeMatchesCpuCompression) {
-  check({2000, 128, 4, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, false, true, 2, 0, 3});
+  check({2000, 128, 4, AKV_DTYPE_BF16, AKV_ROPE_NEOX, true, false, true, 2, 0, 3});
   check({3000, 64, 2, AKV_DTYPE_F16, AKV_ROPE_GPTJ, false, false, true, 2, 0, 3, 1500});
   check({2600, 64, 1, AKV_DTYPE_F32, AKV_ROPE_NEOX, true, false, false, 3, 2, 3, 600});
   check({1200, 256, 2, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, false, true, 2, 1, 3, 400});
@@ -659,9 +660,12 @@ TEST(EmulatedSegmentTables, FollowTheRule) {
   check_segment_tables(12, 6000);
 }
 
+// bf16 keys given post-RoPE or without RoPE: the window scores' GEMM on bf16 operands.
 TEST(EmulatedCompress, GptjAndPostRopeKeys) {
   check({600, 64, 2, AKV_DTYPE_F16, AKV_ROPE_GPTJ, true, false});
   check({600, 64, 2, AKV_DTYPE_F32, AKV_ROPE_NONE, false, false});
+  check({600, 64, 2, AKV_DTYPE_BF16, AKV_ROPE_GPTJ, true, false});
+  check({600, 64, 2, AKV_DTYPE_BF16, AKV_ROPE_NONE, false, false});
 }
 
 }  // namespace
@@ -891,6 +895,8 @@ struct CountingDevice {
                        float *, int64_t, int64_t, int) { ++gemms; }
   void gemm_nn_batched(int64_t, int64_t, int64_t, float, const float *, int64_t, int64_t, const float *, int64_t, int64_t,
                        float *, int64_t, int64_t, int) { ++gemms; }
+  void gemm_nt_batched_bf16(int64_t, int64_t, int64_t, float, const uint16_t *, int64_t, int64_t, const uint16_t *,
+                            int64_t, int64_t, float *, int64_t, int64_t, int) { ++gemms; }
   // As CudaDevice: the key composition kernel, one radix sort, the split kernel.
   void sort_segments_u32(uint32_t *, uint32_t *, int, int64_t) { launches += 2, ++sorts; }
   void sort_u32(uint32_t *, uint32_t *, int64_t) { ++sorts; }

@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/dtype.hpp"
+
 namespace akv_test {
 
 // The device policy of the pipeline on host memory.
@@ -38,6 +40,19 @@ struct EmulatedDevice {
   void gemm_nt_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
                        const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
     for (int i = 0; i < batch; ++i) gemm_nt(M, N, K, alpha, A + i * sa, lda, B + i * sb, ldb, C + i * sc, ldc);
+  }
+  // bf16 operands (exact in float): the fp32 form on their values.
+  void gemm_nt_batched_bf16(int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A, int64_t lda, int64_t sa,
+                            const uint16_t *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
+    auto widen = [](const uint16_t *x, int64_t n) {
+      std::vector<float> out(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) out[i] = akv::bf16_to_float(x[i]);
+      return out;
+    };
+    for (int i = 0; i < batch; ++i) {
+      const std::vector<float> a = widen(A + i * sa, (M - 1) * lda + K), b = widen(B + i * sb, (N - 1) * ldb + K);
+      gemm_nt(M, N, K, alpha, a.data(), lda, b.data(), ldb, C + i * sc, ldc);
+    }
   }
   void gemm_nn_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
                        const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
