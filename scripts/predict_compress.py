@@ -13,8 +13,8 @@ Compare with a device run: `ANCHORKV_COMPRESS_PROFILE=1` makes the pass print on
 "anchorkv AnchorKV compress S=...: setup x ms; load x ms; ...; total x ms; N stream operations",
 with the stage names used here; scripts/bench_compress.py prints that line after its timed runs.
 The "ops" column is the library's own operation count (CudaDevice::operations) and is checked
-against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 169 per layer up to 64K,
-316 at 128K; format 3: 170 and 318).
+against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 152 per layer up to 64K,
+282 at 128K; format 3: 136 and 250).
 
 Storage format 3 (the default) searches each token's local candidates (local_nearest_kernel in
 src/cuda/compress_local_kernels.cuh): its cost comes from the kernel's SASS, counted by
@@ -64,10 +64,10 @@ SKIP_SHARE = 0.868        # MEASURED (emulation, synthetic data, 32K): a round's
 # chunk CH (16 or 32): warp instructions per chunk and per tile (per warp, 4 warps a block), the
 # candidate range's two binary searches (one thread; a step each), the rescoring loops' static
 # SASS (the warp's: a pass per candidate; the lanes' own: a pass per candidate of the busiest lane).
-LOCAL = {"32": {"warp_instr_per_chunk": 584, "warp_instr_per_tile": 455, "search_loops_static": 41,
-                "rescore_loop_static": 68, "serial_rescore_static": 454},
-         "16": {"warp_instr_per_chunk": 430, "warp_instr_per_tile": 457, "search_loops_static": 41,
-                "rescore_loop_static": 68, "serial_rescore_static": 454}}
+LOCAL = {"32": {"warp_instr_per_chunk": 587, "warp_instr_per_tile": 485, "search_loops_static": 42,
+                "rescore_loop_static": 70, "serial_rescore_static": 456},
+         "16": {"warp_instr_per_chunk": 433, "warp_instr_per_tile": 487, "search_loops_static": 42,
+                "rescore_loop_static": 70, "serial_rescore_static": 456}}
 WARP_RESCORE_MOST = 8     # kWarpRescoreMost: past this many candidates a warp's lanes rescore their own
 RESCORED = 1.84           # MEASURED (same run, chunks of 16): candidates rescored in fp32 per token searched
 WARP_TOKENS = 16          # tokens of a warp in local_nearest_kernel (64 a block of 4 warps, 2 lanes each)
@@ -170,6 +170,7 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
                (i4, 0)]
     arrays += [(i4, hb * P), (i4, hb * P), (f, hb * P), (u2, H * P), (u2, H * P)] * 2 + [(f, 256)]  # format 3's
     arrays += [(i4, 4), (u2, hb * m * D), (u2, hb * S * D)]  # search_stats, q_b, kpost_b
+    arrays += [(f, hb * k * D), (u2, hb * k * D), (f, hb * k)]  # side 1's candidate rows
     at = 0
     for size, count in arrays:
         at = (at + 255) // 256 * 256 + size * max(count, 1)
@@ -293,9 +294,9 @@ def global_pass(x, g, hb):
         x.coverage_round(hb, P, take)
         absorbed.append(take)
         left, at = left - take, at + take
-    for n in absorbed:                          # absorb(): per side, anchor unit rows + nearest
+    for n in absorbed:                          # absorb(): both sides' anchor unit rows, per side nearest
+        x.unit_rows(2 * hb, n, True)
         for side in range(2):
-            x.unit_rows(hb, n, True)
             x.nearest(hb, P, n)
     # absorb() calls run in program order between the rounds; summing them here is the same.
     x.sort_segments(hb, free)                   # picks by token
@@ -335,10 +336,9 @@ def local_pass(x, g, hb):
         x.coverage_round(hb, P, take)                  # the picks come out in token order
         absorbs.append((take, False))
         left, at = left - take, at + take
-    for i, (n, fresh) in enumerate(absorbs):        # absorb(): per side, candidate rows + the search
-        for side in range(2):
-            x.unit_rows(hb, n + (W if i == 0 else 0), True)
-            x.local_search(hb, g, n * share, W if i == 0 else 0, fresh, n)
+    for i, (n, fresh) in enumerate(absorbs):        # absorb(): both sides' candidate rows, both sides' search
+        x.unit_rows(2 * hb, n + (W if i == 0 else 0), True)
+        x.local_search(2 * hb, g, n * share, W if i == 0 else 0, fresh, n)
     x.sort_segments(hb, free)                       # picks by token
     x.copy(hb * P * 4)                              # anchor_of_token = -1
     x.stage = "assignment"
@@ -440,7 +440,7 @@ def main():
         g, HB, x = predict(S)
         total = {key: sum(r[key] for r in x.rows.values()) for key in Pass.KEYS}
         if S in (32768, 65536, 131072):  # tests/emu CompressLaunchCount.PerLayerAtBenchShapes
-            expected = {(2, 8): 169, (2, 4): 316, (3, 8): 170, (3, 4): 318}[(FORMAT, HB)]
+            expected = {(2, 8): 152, (2, 4): 282, (3, 8): 136, (3, 4): 250}[(FORMAT, HB)]
             assert HB == (8 if S <= 65536 else 4) and total["ops"] == expected, (HB, total["ops"])
         print(f"### S = {S}: k = {g['k']} anchors/head ({g['n_top']} scored, {g['n_rand']} coverage), "
               f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({H // HB} batches)\n")

@@ -50,6 +50,10 @@ struct CompressScratch {
   float *coef[2], *units;
   uint16_t *index16[2], *gamma16[2];
   uint32_t *search_stats;  // profiling: local_nearest_kernel's counts (Dev::search_counts)
+  // The candidate rows an absorb compares (unit rows, in bf16, squared norms), per side: side
+  // 0's in anchor_n, anchor_b and norms (free until the assignment), side 1's their own.
+  float *cand_n[2], *cand_norm_sq[2];
+  uint16_t *cand_b[2];
 
   // Format 3: the prefix rows in bf16 of a batch of H heads (side 0 keys, 1 values), in rk
   // (free until the residuals); load_head_kernel writes them with their norms (cover_norm_sq).
@@ -125,6 +129,12 @@ struct CompressScratch {
     take(search_stats, 4);
     take(q_b, int64_t{H} * m * D);
     take(kpost_b, H * S * D);
+    cand_n[0] = anchor_n;
+    cand_b[0] = anchor_b;
+    cand_norm_sq[0] = norms;
+    take(cand_n[1], int64_t{H} * k * D);
+    take(cand_b[1], int64_t{H} * k * D);
+    take(cand_norm_sq[1], int64_t{H} * k);
     return take.bytes();
   }
 };
@@ -184,8 +194,8 @@ void coverage_round(Dev &dev, const CompressScratch &s, int H, int64_t P, int lo
 // heads: head h's n_top scored picks are at s.picks + h free_anchors and flagged in
 // s.cover_anchor (zeroed before); appends `count` more, chosen in `rounds` rounds as the tokens
 // the anchors so far (and the window) represent worst. Uses s.rk and s.kpost (free before the
-// assignment) for the unit prefix rows of keys and values, and s.anchor_n for the rows being
-// absorbed.
+// assignment) for the unit prefix rows of keys and values, and s.cand_n / s.cand_b for the
+// rows being absorbed.
 template <class Dev>
 void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_t P, int D, int W, int k,
                       int64_t free_anchors, int64_t n_top, int64_t count, int rounds) {
@@ -199,16 +209,16 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int6
     dev.fill(s.cover_best[side], 0, H * P * sizeof(float));
   }
   // Raise every prefix token's best |cos|^2 with the n anchor tokens ids[0..n) of each head
-  // (head h's at ids + h ids_stride).
+  // (head h's at ids + h ids_stride): both sides' unit rows in one launch, then per side the
+  // fused search (tensor-core products, fp32 rescoring).
+  const SideRows rows{{X[0], X[1]}, {s.cand_n[0], s.cand_n[1]}, {s.cand_b[0], s.cand_b[1]}, {nullptr, nullptr}};
   auto absorb = [&](const uint32_t *ids, int64_t ids_stride, int64_t n) {
     if (n == 0) return;
-    for (int side = 0; side < 2; ++side) {
-      dev.launch(unit_rows_kernel, grid_blocks(n, 4), H, 128, X[side], S * D, ids, ids_stride, n, D, -1, s.anchor_n,
-                 s.anchor_b, int64_t{k} * D, static_cast<float *>(nullptr), int64_t{0});
-      // best |cos|^2 with the new anchors (fused: tensor-core products, fp32 rescoring).
-      nearest_anchors(dev, D, unit[side], P, static_cast<int>(n), s.anchor_n, s.anchor_b, nullptr, nullptr,
+    dev.launch(side_rows_kernel, grid_blocks(n, 4), 2 * H, 128, rows, S * D, ids, ids_stride, n, D, -1,
+               int64_t{k} * D, int64_t{0});
+    for (int side = 0; side < 2; ++side)
+      nearest_anchors(dev, D, unit[side], P, static_cast<int>(n), s.cand_n[side], s.cand_b[side], nullptr, nullptr,
                       s.cover_best[side], H, unit_stride[side], P, k);
-    }
   };
   // The scored picks and the window tokens first.
   dev.launch(coverage_take_kernel, grid_blocks(n_top + W, 128), H, 128, static_cast<const uint32_t *>(s.picks),
@@ -231,7 +241,7 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int6
 // `rounds` rounds (flagged in s.cover_anchor, zeroed before, and appended to the picks), each
 // the tokens their candidates represent worst, and compared in turn. Each token ends with its
 // nearest candidate in s.near_token and its x . unit row in s.cover_best. The candidates' rows
-// (rounded to the storage dtype: 0 f16, 1 bf16) go through s.anchor_n and s.norms.
+// (rounded to the storage dtype: 0 f16, 1 bf16) go through s.cand_n, s.cand_b, s.cand_norm_sq.
 template <class Dev>
 void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_t P, int D, int W, int k,
                     int64_t free_anchors, int64_t n0, int64_t count, int rounds, const LocalRange &range, int storage) {
@@ -244,27 +254,29 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
     dev.fill(s.cover_best[side], 0, H * P * sizeof(float));
   }
   // Compares every token with the candidates s.cover_fresh (sort_fresh_kernel's [H][stride]:
-  // n_sorted increasing prefix tokens, then n_tail of the window's).
+  // n_sorted increasing prefix tokens, then n_tail of the window's): both sides' candidate rows
+  // in one launch, both sides' search in another.
+  const SideRows rows{{X[0], X[1]}, {s.cand_n[0], s.cand_n[1]}, {s.cand_b[0], s.cand_b[1]},
+                      {s.cand_norm_sq[0], s.cand_norm_sq[1]}};
+  LocalSide sides[2];
+  for (int side = 0; side < 2; ++side)
+    sides[side] = LocalSide{X[side], x_b[side], s.cover_norm_sq[side], s.cand_n[side], s.cand_b[side],
+                            s.cand_norm_sq[side], s.near_token[side], s.cover_best[side]};
   auto absorb = [&](int64_t n_sorted, int64_t n_tail, int64_t stride) {
     const int64_t n = n_sorted + n_tail;
     if (n == 0) return;
-    for (int side = 0; side < 2; ++side) {
-      dev.launch(unit_rows_kernel, grid_blocks(n, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(s.cover_fresh),
-                 stride, n, D, storage, s.anchor_n, s.anchor_b, int64_t{k} * D, s.norms, int64_t{k});
-      with_head_dim(D, [&](auto d) {
-        constexpr int DD = decltype(d)::value;
-        auto search = [&](auto kernel) {
-          dev.launch(kernel, grid_blocks(P, near_tokens(DD)), H, 128, X[side], S * D,
-                     x_b[side], static_cast<const float *>(s.cover_norm_sq[side]),
-                     range, static_cast<const uint32_t *>(s.cover_fresh), stride, n_sorted, n_tail,
-                     static_cast<const float *>(s.anchor_n), static_cast<const uint16_t *>(s.anchor_b),
-                     static_cast<const float *>(s.norms), int64_t{k} * D, s.near_token[side], s.cover_best[side],
-                     dev.profiling ? s.search_stats : nullptr);
-        };
-        if (local_chunk(range, n_sorted, n_tail) == 16) search(local_nearest_kernel<DD, 16>);
-        else search(local_nearest_kernel<DD, 32>);
-      });
-    }
+    dev.launch(side_rows_kernel, grid_blocks(n, 4), 2 * H, 128, rows, S * D,
+               static_cast<const uint32_t *>(s.cover_fresh), stride, n, D, storage, int64_t{k} * D, int64_t{k});
+    with_head_dim(D, [&](auto d) {
+      constexpr int DD = decltype(d)::value;
+      auto search = [&](auto kernel) {
+        dev.launch(kernel, grid_blocks(P, near_tokens(DD)), 2 * H, 128, sides[0], sides[1], S * D, range,
+                   static_cast<const uint32_t *>(s.cover_fresh), stride, n_sorted, n_tail, int64_t{k} * D,
+                   dev.profiling ? s.search_stats : nullptr);
+      };
+      if (local_chunk(range, n_sorted, n_tail) == 16) search(local_nearest_kernel<DD, 16>);
+      else search(local_nearest_kernel<DD, 32>);
+    });
   };
   dev.launch(sort_fresh_kernel, 1, H, kFreshThreads, static_cast<const uint32_t *>(s.picks), free_anchors, n0, P,
              int64_t{W}, s.cover_fresh, fresh_stride(n0, W));

@@ -979,16 +979,32 @@ __global__ void iota_kernel(uint32_t *ids, uint32_t first, int64_t n) {
 
 // ---- Coverage anchors (coverage_rounds > 0; CPU: add_coverage_anchors) ----------------------
 
-// rows[i] = X[r] / ||X[r]|| (zero rows stay zero) for r = ids[i], or r = i without ids, and
-// ||X[r]||^2 into norm_sq when given: the unit prefix rows, and the rows of the anchors being
-// absorbed. One warp per row. storage (0 f16, 1 bf16; -1 none): X[r] is first rounded to the
-// storage dtype (format 3's candidates are compared as stored). rows null: only the norms.
-// rows_b (when given): the unit rows in bf16 too. Grid y over heads: head y's X at
-// y x_stride, ids at y ids_stride, rows and rows_b at y rows_stride, norm_sq at y norm_stride.
+// One warp's unit row (every lane calls): row = x / ||x|| (a zero x stays zero) and, when
+// given, row_b = row in bf16 and *norm_sq = ||x||^2. storage (0 f16, 1 bf16; -1 none): x is
+// first rounded to the storage dtype (format 3's candidates are compared as stored). row null:
+// only the norm.
+__device__ __forceinline__ void unit_row(const float *x, int D, int storage, float *row, uint16_t *row_b,
+                                         float *norm_sq) {
+  const int lane = threadIdx.x & 31;
+  auto value = [&](int d) { return storage < 0 ? x[d] : bits_to_float(float_to_bits(x[d], storage == 1), storage == 1); };
+  float n2 = 0.0f;
+  for (int d = lane; d < D; d += 32) n2 += value(d) * value(d);
+  n2 = warp_sum(n2);
+  const float inv = n2 > 0.0f ? 1.0f / sqrtf(n2) : 0.0f;
+  for (int d = lane; d < D && row; d += 32) {
+    row[d] = value(d) * inv;
+    if (row_b) row_b[d] = float_to_bits(value(d) * inv, true);
+  }
+  if (norm_sq && lane == 0) *norm_sq = n2;
+}
+
+// rows[i] = X[r] / ||X[r]|| (unit_row) for r = ids[i], or r = i without ids, and ||X[r]||^2
+// into norm_sq when given: the unit prefix rows. One warp per row. rows null: only the norms.
+// rows_b (when given): the unit rows in bf16 too. Grid y over heads: head y's X at y x_stride,
+// ids at y ids_stride, rows and rows_b at y rows_stride, norm_sq at y norm_stride.
 __global__ void unit_rows_kernel(const float *X, int64_t x_stride, const uint32_t *ids, int64_t ids_stride, int64_t n,
                                  int D, int storage, float *rows, uint16_t *rows_b, int64_t rows_stride, float *norm_sq,
                                  int64_t norm_stride) {
-  const int lane = threadIdx.x & 31;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
   {
@@ -999,17 +1015,34 @@ __global__ void unit_rows_kernel(const float *X, int64_t x_stride, const uint32_
     if (rows_b) rows_b += y * rows_stride;
     if (norm_sq) norm_sq += y * norm_stride;
   }
-  const float *x = X + (ids ? static_cast<int64_t>(ids[i]) : i) * D;
-  auto value = [&](int d) { return storage < 0 ? x[d] : bits_to_float(float_to_bits(x[d], storage == 1), storage == 1); };
-  float n2 = 0.0f;
-  for (int d = lane; d < D; d += 32) n2 += value(d) * value(d);
-  n2 = warp_sum(n2);
-  const float inv = n2 > 0.0f ? 1.0f / sqrtf(n2) : 0.0f;
-  for (int d = lane; d < D && rows; d += 32) {
-    rows[i * D + d] = value(d) * inv;
-    if (rows_b) rows_b[i * D + d] = float_to_bits(value(d) * inv, true);
-  }
-  if (norm_sq && lane == 0) norm_sq[i] = n2;
+  unit_row(X + (ids ? static_cast<int64_t>(ids[i]) : i) * D, D, storage, rows ? rows + i * D : nullptr,
+           rows_b ? rows_b + i * D : nullptr, norm_sq ? norm_sq + i : nullptr);
+}
+
+// The unit rows an absorb compares, both sides (keys 0, values 1) in one launch: side s's rows
+// of X[s] for the tokens ids[0..n) into rows[s], rows_b[s] and norm_sq[s] (nullptr: none).
+struct SideRows {
+  const float *X[2];
+  float *rows[2];
+  uint16_t *rows_b[2];
+  float *norm_sq[2];
+};
+
+// unit_rows_kernel over both sides: grid y over 2 x heads (side y / heads, head y % heads);
+// head h's X at h x_stride, ids at h ids_stride, rows at h rows_stride, norms at h norm_stride.
+__global__ void side_rows_kernel(const SideRows sides, int64_t x_stride, const uint32_t *ids, int64_t ids_stride,
+                                 int64_t n, int D, int storage, int64_t rows_stride, int64_t norm_stride) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (i >= n) return;
+  const int heads = static_cast<int>(gridDim.y / 2);
+  const bool second = static_cast<int>(blockIdx.y) >= heads;  // (selects: an indexed parameter array goes to the stack)
+  const int64_t y = static_cast<int64_t>(blockIdx.y) - (second ? heads : 0);
+  float *norm_sq = second ? sides.norm_sq[1] : sides.norm_sq[0];
+  uint16_t *rows_b = second ? sides.rows_b[1] : sides.rows_b[0];
+  const float *X = second ? sides.X[1] : sides.X[0];
+  float *rows = second ? sides.rows[1] : sides.rows[0];
+  unit_row(X + y * x_stride + static_cast<int64_t>(ids[y * ids_stride + i]) * D, D, storage, rows + y * rows_stride + i * D,
+           rows_b ? rows_b + y * rows_stride + i * D : nullptr, norm_sq ? norm_sq + y * norm_stride + i : nullptr);
 }
 
 // best[t0 + i] = max(best, C[i][j]^2 over the n new anchors): the best |cos| so far, squared.

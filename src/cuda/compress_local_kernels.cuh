@@ -97,21 +97,28 @@ __device__ __forceinline__ bool local_better(float v, int32_t token, float best_
 // positions), each token keeping its kNearKeep best approximate |c| per part; those within
 // kNearMargin ||x|| of the best (every candidate, when a part dropped one there) are rescored
 // in fp32. A token whose approximate best is below its best so far by more than the margin is
-// left as it is (the usual case in later coverage rounds). Grid (ceil(P / TOK), heads) blocks
-// of 128: head y's X at y x_stride, x_b at y P D, ids at y ids_stride, rows and rows_b at y
-// rows_stride, row_norm_sq at y rows_stride / D, x_norm_sq and the outputs at y P. With
-// `stats` (profiling: ANCHORKV_COMPRESS_PROFILE), over the tokens that had a best already:
-// stats[0] += such tokens, stats[1] += those left alone, stats[2] += candidates rescored for
-// them, stats[3] += those that needed the full scan.
+// left as it is (the usual case in later coverage rounds). Both sides (keys, values) in one
+// launch: grid (ceil(P / TOK), 2 x heads) blocks of 128, side y / heads, head y % heads: its X
+// at y x_stride, x_b at y P D, ids at y ids_stride, rows and rows_b at y rows_stride,
+// row_norm_sq at y rows_stride / D, x_norm_sq and the outputs at y P.
+// With `stats` (profiling: ANCHORKV_COMPRESS_PROFILE), over the tokens that had a best
+// already: stats[0] += such tokens, stats[1] += those left alone, stats[2] += candidates
+// rescored for them, stats[3] += those that needed the full scan.
+struct LocalSide {
+  const float *X;          // the prefix rows (pre-RoPE keys or values), fp32
+  const uint16_t *x_b;     // the same in bf16
+  const float *x_norm_sq;  // their squared norms
+  const float *rows;       // the candidates' unit rows, fp32 and bf16, and squared norms
+  const uint16_t *rows_b;
+  const float *row_norm_sq;
+  int32_t *near_token;  // each token's nearest candidate so far (-1: none) and x . its unit row
+  float *near_dot;
+};
 template <int D, int CH>
-__global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int64_t x_stride, const uint16_t *x_b,
-                                                            const float *x_norm_sq,
-                                                            const LocalRange range, const uint32_t *ids,
-                                                            int64_t ids_stride, int64_t n_sorted, int64_t n_tail,
-                                                            const float *rows, const uint16_t *rows_b,
-                                                            const float *row_norm_sq, int64_t rows_stride,
-                                                            int32_t *near_token, float *near_dot,
-                                                            uint32_t *stats) {
+__global__ void __launch_bounds__(128) local_nearest_kernel(const LocalSide side0, const LocalSide side1,
+                                                            int64_t x_stride, const LocalRange range,
+                                                            const uint32_t *ids, int64_t ids_stride, int64_t n_sorted,
+                                                            int64_t n_tail, int64_t rows_stride, uint32_t *stats) {
   constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = CH / PARTS;
   AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
   AKV_STATIC_SHARED(__align__(32) uint16_t, as, [CH][D + 8]);
@@ -119,18 +126,18 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const float *X, int6
   AKV_STATIC_SHARED(int32_t, usable, [CH]);
   AKV_STATIC_SHARED(int64_t, bounds, [2]);
   const int64_t P = range.prefix, t0 = static_cast<int64_t>(blockIdx.x) * TOK;
-  {
-    const int64_t y = blockIdx.y;
-    X += y * x_stride;
-    x_b += y * P * D;
-    x_norm_sq += y * P;
-    ids += y * ids_stride;
-    rows += y * rows_stride;
-    rows_b += y * rows_stride;
-    row_norm_sq += y * (rows_stride / D);
-    near_token += y * P;
-    near_dot += y * P;
-  }
+  const int heads = static_cast<int>(gridDim.y) / 2;
+  const bool second = static_cast<int>(blockIdx.y) >= heads;
+  const int64_t y = static_cast<int64_t>(blockIdx.y) - (second ? heads : 0);
+  const float *X = (second ? side1.X : side0.X) + y * x_stride;
+  const uint16_t *x_b = (second ? side1.x_b : side0.x_b) + y * P * D;
+  const float *x_norm_sq = (second ? side1.x_norm_sq : side0.x_norm_sq) + y * P;
+  const float *rows = (second ? side1.rows : side0.rows) + y * rows_stride;
+  const uint16_t *rows_b = (second ? side1.rows_b : side0.rows_b) + y * rows_stride;
+  const float *row_norm_sq = (second ? side1.row_norm_sq : side0.row_norm_sq) + y * (rows_stride / D);
+  int32_t *near_token = (second ? side1.near_token : side0.near_token) + y * P;
+  float *near_dot = (second ? side1.near_dot : side0.near_dot) + y * P;
+  ids += y * ids_stride;
   const int tid = threadIdx.x;
   if (tid == 0) {
     int64_t first, last;
