@@ -431,10 +431,13 @@ def main():
             counts = json.load(fh)
         LOCAL.update(counts["local_search"])
         SELECT.update(counts["coverage_select"])
-    print(f"Model of the CUDA AnchorKV pass (storage format {FORMAT}, H={H}, Hq={HQ}, D={D}, bf16, {'post' if BF16_SCORES else 'pre'}-RoPE keys, W={W}, theta={THETA}, default options) "
+    keys = "post" if BF16_SCORES else "pre"
+    print(f"Model of the CUDA AnchorKV pass (storage format {FORMAT}, H={H}, Hq={HQ}, D={D}, bf16, {keys}-RoPE keys, "
+          f"W={W}, theta={THETA}, default options) "
           f"on an H200: SGEMM {SGEMM_FLOPS / 1e12:.0f} TF, wmma {TC_BF16_FLOPS / 1e12:.0f} TF, SIMT "
           f"{SIMT_FLOPS / 1e12:.1f} TF, HBM {HBM_BPS / 1e12:.1f} TB/s, {LAUNCH_S * 1e6:.0f} us/launch.")
-    print("GFLOP columns: fp32 cuBLAS GEMM | bf16 tensor cores (wmma; the scores' cuBLAS GEMM) | SIMT fp32; sort MB = key bytes sorted; "
+    print("GFLOP columns: fp32 cuBLAS GEMM | bf16 tensor cores (wmma; the scores' cuBLAS GEMM) | SIMT fp32; "
+          "sort MB = key bytes sorted; "
           "ops = library count, kernels = GPU launches incl. CUB internals.\n")
     for S in args.seq_lens:
         g, HB, x = predict(S)

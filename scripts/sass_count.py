@@ -247,8 +247,8 @@ def compile_cubin(workdir, nvcc):
         source += f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n"
     for ch in LOCAL_CHUNKS:
         source += (f"template __global__ void akv::cuda::local_nearest_kernel<128, {ch}>(const akv::cuda::LocalSide, "
-                   "const akv::cuda::LocalSide, int64_t, const akv::cuda::LocalRange, const uint32_t *, int64_t, int64_t, "
-                   "int64_t, int64_t, uint32_t *);\n")
+                   "const akv::cuda::LocalSide, int64_t, const akv::cuda::LocalRange, const uint32_t *, int64_t, "
+                   "int64_t, int64_t, int64_t, uint32_t *);\n")
     return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo", "-DAKV_SASS_PIN_BF16_FUSED"))
 
 

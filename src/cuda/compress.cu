@@ -143,8 +143,8 @@ struct CudaDevice {
     ++operations;
     check(cublasGemmStridedBatchedEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), static_cast<int>(M),
                                      static_cast<int>(K), &alpha, B, CUDA_R_16BF, static_cast<int>(ldb), sb, A,
-                                     CUDA_R_16BF, static_cast<int>(lda), sa, &beta, C, CUDA_R_32F, static_cast<int>(ldc),
-                                     sc, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                                     CUDA_R_16BF, static_cast<int>(lda), sa, &beta, C, CUDA_R_32F,
+                                     static_cast<int>(ldc), sc, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
           "cublasGemmStridedBatchedEx");
   }
   // The one cuBLAS call of each form (batch 0: a plain SGEMM, else strided-batched).

@@ -203,9 +203,8 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int6
   float *unit[2] = {s.rk, s.kpost};
   const int64_t unit_stride[2] = {P * D, S * D};
   for (int side = 0; side < 2; ++side) {
-    dev.launch(unit_rows_kernel, grid_blocks(P, 4), H, 128, X[side], S * D, static_cast<const uint32_t *>(nullptr),
-               int64_t{0}, P, D, -1, unit[side], static_cast<uint16_t *>(nullptr), unit_stride[side],
-               s.cover_norm_sq[side], P);
+    dev.launch(unit_rows_kernel, grid_blocks(P, 4), H, 128, X[side], S * D, P, D, unit[side], unit_stride[side],
+               s.cover_norm_sq[side]);
     dev.fill(s.cover_best[side], 0, H * P * sizeof(float));
   }
   // Raise every prefix token's best |cos|^2 with the n anchor tokens ids[0..n) of each head

@@ -50,7 +50,7 @@ struct PrefixRows {
 
 // One token per warp (4 per block): pre- and post-RoPE keys and values of head h + blockIdx.y,
 // in float (grid y over heads: head h + y's rows start at y * S * D), and when asked the prefix
-// rows' squared norms (unit_rows_kernel's, summed in its order) and bf16 copies, made here
+// rows' squared norms (unit_row's, summed in its order) and bf16 copies, made here
 // rather than by reading the rows back. kpost_b (when given, at y S D): the post-RoPE keys in
 // bf16, for bf16 keys given post-RoPE or without RoPE (the given keys: exact).
 __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, float *kpre, float *kpost, float *v,
@@ -998,25 +998,15 @@ __device__ __forceinline__ void unit_row(const float *x, int D, int storage, flo
   if (norm_sq && lane == 0) *norm_sq = n2;
 }
 
-// rows[i] = X[r] / ||X[r]|| (unit_row) for r = ids[i], or r = i without ids, and ||X[r]||^2
-// into norm_sq when given: the unit prefix rows. One warp per row. rows null: only the norms.
-// rows_b (when given): the unit rows in bf16 too. Grid y over heads: head y's X at y x_stride,
-// ids at y ids_stride, rows and rows_b at y rows_stride, norm_sq at y norm_stride.
-__global__ void unit_rows_kernel(const float *X, int64_t x_stride, const uint32_t *ids, int64_t ids_stride, int64_t n,
-                                 int D, int storage, float *rows, uint16_t *rows_b, int64_t rows_stride, float *norm_sq,
-                                 int64_t norm_stride) {
+// rows[i] = X[i] / ||X[i]|| and norm_sq[i] = ||X[i]||^2 for i < n (unit_row): format 2's unit
+// prefix rows. One warp per row. Grid y over heads: head y's X at y x_stride, rows at
+// y rows_stride, norm_sq at y n.
+__global__ void unit_rows_kernel(const float *X, int64_t x_stride, int64_t n, int D, float *rows, int64_t rows_stride,
+                                 float *norm_sq) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
-  {
-    const int64_t y = blockIdx.y;
-    X += y * x_stride;
-    if (ids) ids += y * ids_stride;
-    if (rows) rows += y * rows_stride;
-    if (rows_b) rows_b += y * rows_stride;
-    if (norm_sq) norm_sq += y * norm_stride;
-  }
-  unit_row(X + (ids ? static_cast<int64_t>(ids[i]) : i) * D, D, storage, rows ? rows + i * D : nullptr,
-           rows_b ? rows_b + i * D : nullptr, norm_sq ? norm_sq + i : nullptr);
+  const int64_t y = blockIdx.y;
+  unit_row(X + y * x_stride + i * D, D, -1, rows + y * rows_stride + i * D, nullptr, norm_sq + y * n + i);
 }
 
 // The unit rows an absorb compares, both sides (keys 0, values 1) in one launch: side s's rows
@@ -1028,21 +1018,23 @@ struct SideRows {
   float *norm_sq[2];
 };
 
-// unit_rows_kernel over both sides: grid y over 2 x heads (side y / heads, head y % heads);
+// unit_row over both sides: grid y over 2 x heads (side y / heads, head y % heads);
 // head h's X at h x_stride, ids at h ids_stride, rows at h rows_stride, norms at h norm_stride.
 __global__ void side_rows_kernel(const SideRows sides, int64_t x_stride, const uint32_t *ids, int64_t ids_stride,
                                  int64_t n, int D, int storage, int64_t rows_stride, int64_t norm_stride) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
   if (i >= n) return;
+  // The side's pointers by selects (an indexed parameter array would go to the stack).
   const int heads = static_cast<int>(gridDim.y / 2);
-  const bool second = static_cast<int>(blockIdx.y) >= heads;  // (selects: an indexed parameter array goes to the stack)
+  const bool second = static_cast<int>(blockIdx.y) >= heads;
   const int64_t y = static_cast<int64_t>(blockIdx.y) - (second ? heads : 0);
   float *norm_sq = second ? sides.norm_sq[1] : sides.norm_sq[0];
   uint16_t *rows_b = second ? sides.rows_b[1] : sides.rows_b[0];
   const float *X = second ? sides.X[1] : sides.X[0];
   float *rows = second ? sides.rows[1] : sides.rows[0];
-  unit_row(X + y * x_stride + static_cast<int64_t>(ids[y * ids_stride + i]) * D, D, storage, rows + y * rows_stride + i * D,
-           rows_b ? rows_b + y * rows_stride + i * D : nullptr, norm_sq ? norm_sq + y * norm_stride + i : nullptr);
+  unit_row(X + y * x_stride + static_cast<int64_t>(ids[y * ids_stride + i]) * D, D, storage,
+           rows + y * rows_stride + i * D, rows_b ? rows_b + y * rows_stride + i * D : nullptr,
+           norm_sq ? norm_sq + y * norm_stride + i : nullptr);
 }
 
 // best[t0 + i] = max(best, C[i][j]^2 over the n new anchors): the best |cos| so far, squared.

@@ -246,7 +246,8 @@ void Cuda::check_decode(const DecodeCase &c, int batch, Rng &rng) {
 void Cuda::check_compression(int64_t S, int D, int G, akv_dtype dtype, Rng &rng) {
   SCOPED_TRACE("S=" + std::to_string(S) + " D=" + std::to_string(D) + " G=" + std::to_string(G) + " " + dtype_name(dtype));
   for (int format : {2, 3}) {
-    SCOPED_TRACE("storage format " + std::to_string(format) + (format == 3 && dtype == AKV_DTYPE_BF16 ? ", post-RoPE keys" : ""));
+    SCOPED_TRACE("storage format " + std::to_string(format) +
+                 (format == 3 && dtype == AKV_DTYPE_BF16 ? ", post-RoPE keys" : ""));
     PrefillSpec spec;
     spec.seq_len = S;
     spec.kv_heads = 2;
