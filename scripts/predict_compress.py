@@ -169,7 +169,7 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
                (i4, 1)] + [(f, hb * P)] * 4 + [(f, 2 * hb), (i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P),
                (i4, 0)]
     arrays += [(i4, hb * P), (i4, hb * P), (f, hb * P), (u2, H * P), (u2, H * P)] * 2 + [(f, 256)]  # format 3's
-    arrays += [(i4, 4), (u2, hb * m * D), (u2, hb * S * D)]  # search_stats, q_b, kpost_b
+    arrays += [(i4, 4), (u2, hb * m * D)]  # search_stats, q_b
     arrays += [(f, hb * k * D), (u2, hb * k * D), (f, hb * k)]  # side 1's candidate rows
     at = 0
     for size, count in arrays:
@@ -373,7 +373,7 @@ def predict(S):
         # format 3: also the prefix rows in bf16 and their squared norms, both sides
         prefix_rows = hb * P * 2 * (D * 2 + 4) if FORMAT == 3 else 0
         x.op(simt=hb * S * PAIRS * 26 + (hb * P * 2 * 3 * D if FORMAT == 3 else 0),
-             hbm=hb * S * D * (2 * 2 + 3 * 4 + (2 if BF16_SCORES else 0)) + prefix_rows)  # (+ bf16 keys)
+             hbm=hb * S * D * (2 * 2 + 3 * 4 - (2 if BF16_SCORES else 0)) + prefix_rows)  # (post-RoPE keys in bf16)
         x.op(hbm=hb * m * D * (8 if BF16_SCORES else 6))  # load_queries_kernel (+ bf16 rows)
         x.stage = "window attention"  # Q K^T [m][S], causal-window softmax in place, A V
         if BF16_SCORES:

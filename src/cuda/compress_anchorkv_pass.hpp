@@ -27,9 +27,9 @@ namespace cuda {
 // hold every head (of a batch), head h's part at h times the per-head size.
 struct CompressScratch {
   uint16_t *anchor_b;  // anchor_n in bf16 (the tensor-core operand of nearest_anchor_kernel)
-  // The window queries and post-RoPE keys in bf16: the window attention scores on the tensor
-  // cores when both are exact in bf16 (bf16 inputs, keys given post-RoPE or without RoPE).
-  uint16_t *q_b, *kpost_b;
+  // The window queries in bf16: the window attention scores on the tensor cores when the
+  // queries and keys are exact in bf16 (bf16 inputs, keys given post-RoPE or without RoPE).
+  uint16_t *q_b;
   float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *rk, *rk_norm_sq, *rv_norm_sq, *z,
       *vy, *y_norm_sq, *inv_freq, *signs;
   uint32_t *rank_keys, *rank_index, *sample_index, *picks, *picks_dummy, *util_keys[2], *util_ids[2], *energy_keys[2],
@@ -63,6 +63,8 @@ struct CompressScratch {
   PrefixRows prefix_rows(int H, int64_t P, int D) const {
     return PrefixRows{{cover_norm_sq[0], cover_norm_sq[1]}, {prefix_rows_b(0, H, P, D), prefix_rows_b(1, H, P, D)}, P};
   }
+  // On that bf16 path the post-RoPE keys in bf16, in kpost (no fp32 post-RoPE keys then).
+  uint16_t *kpost_b() const { return reinterpret_cast<uint16_t *>(kpost); }
 
   // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used. The
   // per-head staging holds `head_batch` heads (0: all H); the residual selection's keys, all H.
@@ -128,7 +130,6 @@ struct CompressScratch {
     take(units, 256);
     take(search_stats, 4);
     take(q_b, int64_t{H} * m * D);
-    take(kpost_b, H * S * D);
     cand_n[0] = anchor_n;
     cand_b[0] = anchor_b;
     cand_norm_sq[0] = norms;
@@ -353,13 +354,13 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     // 1. Every head's keys (both forms), values and its group's window queries.
     dev.stage(kStageLoad);
     dev.launch(load_head_kernel, grid_blocks(S, 4), H, 128, a, h0, s.kpre, s.kpost, s.v,
-               local ? s.prefix_rows(H, P, D) : PrefixRows{}, bf16_scores ? s.kpost_b : nullptr);
+               local ? s.prefix_rows(H, P, D) : PrefixRows{}, bf16_scores ? s.kpost_b() : nullptr);
     dev.launch(load_queries_kernel, m, H, 32, a, h0, s.q, bf16_scores ? s.q_b : nullptr);
     // 2. Window attention with the causal window mask, and its outputs y (batched over heads;
     // the softmax rows of all heads are one [H m][S] array, m a multiple of W).
     dev.stage(kStageWindowAttention);
     if (bf16_scores)  // the same products (exact), fp32 sums, on the tensor cores
-      dev.gemm_nt_batched_bf16(m, S, D, cache.meta.softmax_scale, s.q_b, D, int64_t{m} * D, s.kpost_b, D, S * D,
+      dev.gemm_nt_batched_bf16(m, S, D, cache.meta.softmax_scale, s.q_b, D, int64_t{m} * D, s.kpost_b(), D, S * D,
                                s.attn, S, int64_t{m} * S, H);
     else
       dev.gemm_nt_batched(m, S, D, cache.meta.softmax_scale, s.q, D, int64_t{m} * D, s.kpost, D, S * D, s.attn, S,

@@ -51,8 +51,9 @@ struct PrefixRows {
 // One token per warp (4 per block): pre- and post-RoPE keys and values of head h + blockIdx.y,
 // in float (grid y over heads: head h + y's rows start at y * S * D), and when asked the prefix
 // rows' squared norms (unit_row's, summed in its order) and bf16 copies, made here
-// rather than by reading the rows back. kpost_b (when given, at y S D): the post-RoPE keys in
-// bf16, for bf16 keys given post-RoPE or without RoPE (the given keys: exact).
+// rather than by reading the rows back. kpost_b (when given, at y S D; only for bf16 keys given
+// post-RoPE or without RoPE, so exact): the post-RoPE keys in bf16 instead of kpost, the keys
+// rotated back in place in kpre.
 __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, float *kpre, float *kpost, float *v,
                                  const PrefixRows prefix, uint16_t *kpost_b) {
   const int lane = threadIdx.x & 31;
@@ -66,8 +67,10 @@ __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, 
   v += head_rows;
   if (kpost_b) kpost_b += head_rows + t * D;
   const int64_t src = kv_offset(a, h, t);
-  float *given = (a.keys_post_rope ? kpost : kpre) + t * D;
-  float *other = (a.keys_post_rope ? kpre : kpost) + t * D;
+  // The keys as given, and their other form (the same row with kpost_b: each rotary pair is
+  // read and written by one lane).
+  float *given = (a.keys_post_rope && !kpost_b ? kpost : kpre) + t * D;
+  float *other = kpost_b ? given : (a.keys_post_rope ? kpre : kpost) + t * D;
   bool bad = false;
   for (int d = lane; d < D; d += 32) {
     const float k = load_elem(a.keys, a.dtype, src + d), x = load_elem(a.values, a.dtype, src + d);
@@ -77,7 +80,8 @@ __global__ void load_head_kernel(const __grid_constant__ PrefillArgs a, int h0, 
     if (kpost_b) kpost_b[d] = float_to_bits(k, true);
   }
   __syncwarp();
-  for (int d = 2 * a.rope_pairs + lane; d < D; d += 32) other[d] = given[d];
+  if (other != given)
+    for (int d = 2 * a.rope_pairs + lane; d < D; d += 32) other[d] = given[d];
   const int64_t pos = a.positions[t];
   for (int j = lane; j < a.rope_pairs; j += 32) {
     const int f = a.rope_first[j], s = a.rope_second[j];

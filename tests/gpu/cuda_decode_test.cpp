@@ -246,8 +246,9 @@ void Cuda::check_decode(const DecodeCase &c, int batch, Rng &rng) {
 void Cuda::check_compression(int64_t S, int D, int G, akv_dtype dtype, Rng &rng) {
   SCOPED_TRACE("S=" + std::to_string(S) + " D=" + std::to_string(D) + " G=" + std::to_string(G) + " " + dtype_name(dtype));
   for (int format : {2, 3}) {
-    SCOPED_TRACE("storage format " + std::to_string(format) +
-                 (format == 3 && dtype == AKV_DTYPE_BF16 ? ", post-RoPE keys" : ""));
+    // Format 3 with bf16 keys given post-RoPE: the window scores' GEMM on bf16 operands.
+    const bool post_rope = format == 3 && dtype == AKV_DTYPE_BF16;
+    SCOPED_TRACE("storage format " + std::to_string(format) + (post_rope ? ", post-RoPE keys" : ""));
     PrefillSpec spec;
     spec.seq_len = S;
     spec.kv_heads = 2;
@@ -256,8 +257,6 @@ void Cuda::check_compression(int64_t S, int D, int G, akv_dtype dtype, Rng &rng)
     spec.dtype = dtype;
     akv_compress_options o = anchorkv_options(0.05);
     if (format == 3) akv_compress_options_init(&o);  // the defaults: coverage rounds, format 3
-    // Format 3 with bf16 keys given post-RoPE: the window scores' GEMM on bf16 operands.
-    const bool post_rope = format == 3 && dtype == AKV_DTYPE_BF16;
     o.keys_post_rope = post_rope ? 1 : 0;
     const RopeReference ref = rope_reference(o.rope);
     const PrefillData data = make_prefill(rng, spec, post_rope ? &ref : nullptr);
