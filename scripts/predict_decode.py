@@ -40,7 +40,7 @@ SMS, SCHED, CLOCK_GHZ, HBM_TBS = 132, 4, 1.98, 4.3
 IPC = 0.7          # assumed fraction of one warp instruction / scheduler / cycle actually issued
 L2_TBS = 8.0       # assumed L2 -> SM bandwidth (anchor rows are gathered through L2 per token)
 LAUNCH_US = 6.0    # three back-to-back kernels (split, anchor values, merge): launch gaps and tails, assumed
-ANCHORS_PER_PART = 256  # kMergeAnchorsPerPart (cache_view.hpp)
+MERGE_CHUNK, MAX_PER_PART = 64, 256  # kMergeAnchorChunk, kMergeMaxAnchorsPerPart (cache_view.hpp)
 SDPA = {(32768, 1): 54.0, (131072, 1): 133.0, (131072, 8): 970.0, (32768, 32): 970.0}  # 32Kx32: not measured; same tokens as 128Kx8, SDPA is bandwidth-bound: its 970 us assumed
 TARGET = {(32768, 1): 2.5, (131072, 1): 5.0, (131072, 8): 8.0, (32768, 32): 6.0}
 GEOM = {32768: dict(k=815, nk=13672, nv=13673, bytes=6710869),
@@ -89,14 +89,23 @@ WINDOW_TILE = META + GATHER + QK + SOFTMAX + 8 * 40
 # sum_a w_a V_a, decode_anchor_values_kernel per thread (one block per 256 anchors of a head):
 #   ~150 + per 64-anchor chunk (w over splits ~8 a split, 32 anchors x ~10 (bf16 value, 4 row
 #   FMAs), ~30 loop) + group reduction and store ~100.
-def anchor_thread_instr(k, splits):
-    return 150 + math.ceil(min(k, ANCHORS_PER_PART) / 64) * (8 * splits + 320 + 30) + 100
+def anchor_thread_instr(k, splits, per_part):
+    return 150 + math.ceil(min(k, per_part) / MERGE_CHUNK) * (8 * splits + 320 + 30) + 100
+
+
+def anchors_per_part(k, merge_blocks):
+    """plan_decode's choice (plan.cpp): 256 anchors a part, less (down to 64) while the parts
+    would not give each multiprocessor a block."""
+    per = MAX_PER_PART
+    while per > MERGE_CHUNK and merge_blocks * math.ceil(k / per) < SMS:
+        per -= MERGE_CHUNK
+    return per
 
 
 # Merge kernel per thread: ~150 (split factors) + ~8 a split + ~8 an anchor part (half the parts
 # per thread group) + red/Hadamard/store ~600.
-def merge_thread_instr(k, splits):
-    return 150 + 8 * splits + 8 * math.ceil(math.ceil(k / ANCHORS_PER_PART) / 2) + 600
+def merge_thread_instr(k, splits, per_part):
+    return 150 + 8 * splits + 8 * math.ceil(math.ceil(k / per_part) / 2) + 600
 
 
 def poisson_ceil(lam, div):
@@ -169,12 +178,15 @@ def predict(S, batch, use_sass=False):
     l2 = batch * H * P * D * 2  # one anchor row (bf16) through L2 per prompt token
     l2_us = l2 / (L2_TBS * 1e6)
     mblocks = H * batch
-    ablocks = mblocks * math.ceil(g["k"] / ANCHORS_PER_PART)
-    ai = anchor_thread_instr(g["k"], pl["splits"]) * 8  # warp instructions of one anchor-values block
-    mi = merge_thread_instr(g["k"], pl["splits"]) * 8  # warp instructions of one merge block
-    merge_us = math.ceil(ablocks / SMS) * ai / rate + math.ceil(mblocks / SMS) * mi / rate
+    per_part = anchors_per_part(g["k"], mblocks)
+    ablocks = mblocks * math.ceil(g["k"] / per_part)
+    ai = anchor_thread_instr(g["k"], pl["splits"], per_part) * 8  # warp instructions of one anchor-values block
+    mi = merge_thread_instr(g["k"], pl["splits"], per_part) * 8  # warp instructions of one merge block
+    # Each kernel: one block's instructions at one multiprocessor's issue rate, or all blocks'
+    # spread over the multiprocessors (blocks of 256 threads share one), whichever is longer.
+    merge_us = max(ai / rate, ablocks * ai / (SMS * rate)) + max(mi / rate, mblocks * mi / (SMS * rate))
     t = max(issue_us, mem_us, l2_us) + merge_us + LAUNCH_US
-    return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,
+    return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total, per_part=per_part,
                 issue=issue_us, hbm=hbm, mem=mem_us, l2=l2, l2_us=l2_us, merge=merge_us, t=t)
 
 
@@ -254,10 +266,13 @@ def main():
     for name, v in sorted(ph.items(), key=lambda x: -x[1]):
         print(f"| {name} | {32 * v / T:.0f} | {v / T:.1f} | {100 * v / tot:.0f}% |")
     print(f"| total | {32 * tot / T:.0f} | {tot / T:.1f} | 100% |")
-    parts = math.ceil(r['g']['k'] / ANCHORS_PER_PART)
-    print(f"\nMerge (k={r['g']['k']}, {r['pl']['splits']} splits): {H * r['batch'] * parts} anchor-value blocks of "
-          f"{anchor_thread_instr(r['g']['k'], r['pl']['splits'])} instr a thread, then {H * r['batch']} merge blocks of "
-          f"{merge_thread_instr(r['g']['k'], r['pl']['splits'])}; L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
+    for r in rows:
+        per = r["per_part"]
+        parts = math.ceil(r['g']['k'] / per)
+        print(f"Merge {r['S']} x {r['batch']} (k={r['g']['k']}, {r['pl']['splits']} splits): {H * r['batch'] * parts} "
+              f"anchor-value blocks of {per} anchors, {anchor_thread_instr(r['g']['k'], r['pl']['splits'], per)} instr a "
+              f"thread, then {H * r['batch']} merge blocks of {merge_thread_instr(r['g']['k'], r['pl']['splits'], per)}; "
+              f"{r['merge']:.1f} us; L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ constexpr int kThreads = 128;         // merge-independent small kernels (append
 constexpr int kDecodeThreads = 256;   // the split, anchor-values and merge kernels of a decode
 constexpr int kDecodeTile = 64;       // tokens per tile: one residual mask word
 constexpr int kMaxSplits = 64;        // splits of one (request, head, row chunk)
-constexpr int kMergeAnchorsPerPart = 256;  // anchors per block of decode_anchor_values_kernel
+// Anchors per block of decode_anchor_values_kernel: a multiple of 64 (its chunk) up to 256,
+// the plan's choice (DecodePlan::anchors_per_part).
+constexpr int kMergeAnchorChunk = 64, kMergeMaxAnchorsPerPart = 256;
 constexpr int kMaxBatchPerLaunch = 128;
 
 enum CacheKind : int32_t { kKindAnchor = 0, kKindDense = 1 };
@@ -97,9 +99,9 @@ struct DecodeLaunch {
   // the per-anchor weights w_a = sum p_t gamma_t (reduced across splits, and sum_a w_a V_a
   // computed once per request, head and row, by decode_anchor_values_kernel).
   float *ws_o, *ws_r, *ws_ml, *ws_w;  // [blocks][MAXROWS][D], same, [blocks][MAXROWS][2], [blocks][MAXROWS][max_anchors]
-  // sum_a w_a V_a per part of kMergeAnchorsPerPart anchors, summed by the merge:
+  // sum_a w_a V_a per part of anchors_per_part anchors, summed by the merge:
   // [requests][heads * row_chunks][anchor_parts][MAXROWS][D].
-  int32_t anchor_parts;
+  int32_t anchor_parts, anchors_per_part;
   float *ws_av;
   float *lse;                  // optional [requests][Hq][q_len]: natural log-sum-exp per row
 };

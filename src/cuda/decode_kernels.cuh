@@ -1163,7 +1163,7 @@ __device__ __forceinline__ void split_factors(const DecodeLaunch &p, int64_t fir
   ml_s[i][1] = l;
 }
 
-// sum_a w_a V_a over the anchors [part * kMergeAnchorsPerPart, +kMergeAnchorsPerPart) of one
+// sum_a w_a V_a over the anchors [part * anchors_per_part, +anchors_per_part) of one
 // (request, head, row chunk), w_a reduced across the splits: grid (anchor_parts, heads *
 // row_chunks, requests), so that the anchors of a head spread over many blocks instead of
 // one merge block walking all of them. Writes ws_av (zeros past the cache's anchors and for
@@ -1172,7 +1172,7 @@ template <int D, int MAXROWS>
 __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(const __grid_constant__ DecodeLaunch p) {
   constexpr int NT = kDecodeThreads;
   constexpr int SG = NT / D;  // D <= 256
-  constexpr int CH = 64;      // anchors per chunk of combined weights
+  constexpr int CH = kMergeAnchorChunk;  // anchors per chunk of combined weights
   static_assert(D <= NT, "one thread per dimension");
   AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
   AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
@@ -1187,8 +1187,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
   const int64_t merge_blk = static_cast<int64_t>(b) * p.heads * p.row_chunks + x;
   const int64_t first_blk = merge_blk * p.splits;
   const int k = c.kind == kKindAnchor ? c.anchors : 0;
-  const int a_begin = part * kMergeAnchorsPerPart;
-  const int a_end = a_begin + kMergeAnchorsPerPart < k ? a_begin + kMergeAnchorsPerPart : k;
+  const int a_begin = part * p.anchors_per_part;
+  const int a_end = a_begin + p.anchors_per_part < k ? a_begin + p.anchors_per_part : k;
   float o[MAXROWS];
   for (int i = 0; i < MAXROWS; ++i) o[i] = 0.0f;
   if (a_begin < a_end) {  // uniform across the block

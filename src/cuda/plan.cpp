@@ -226,8 +226,17 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   const int64_t most = std::min<int64_t>(std::max<int64_t>(tiles, 1), kMaxSplits);
   plan.splits = static_cast<int>(std::clamp<int64_t>(target / (per_request * launch_batch), 1, most));
   plan.blocks = per_request * launch_batch * plan.splits;
-  plan.anchor_parts = (plan.max_anchors + kMergeAnchorsPerPart - 1) / kMergeAnchorsPerPart;
+  // sum_a w_a V_a: parts of 256 anchors, or smaller (down to one chunk of 64) while the
+  // parts of every (request, head, row chunk) would not give each multiprocessor a block: a
+  // block walks its part's chunks one after another, so that a short batch with few parts
+  // (batch 1: 8 heads x 4 parts at 815 anchors) waited on a few long blocks.
   const int64_t merge_blocks = per_request * launch_batch;
+  const auto parts_of = [&](int per_part) { return (plan.max_anchors + per_part - 1) / per_part; };
+  plan.anchors_per_part = kMergeMaxAnchorsPerPart;
+  while (plan.anchors_per_part > kMergeAnchorChunk &&
+         merge_blocks * parts_of(plan.anchors_per_part) < std::max(sm_count, 1))
+    plan.anchors_per_part -= kMergeAnchorChunk;
+  plan.anchor_parts = parts_of(plan.anchors_per_part);
   plan.workspace_bytes = (static_cast<size_t>(plan.blocks) * plan.maxrows * (2 * D + 2 + plan.max_anchors) +
                           static_cast<size_t>(merge_blocks) * plan.anchor_parts * plan.maxrows * D) *
                          sizeof(float);
@@ -254,6 +263,7 @@ DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32
   p.ws_ml = workspace + 2 * plan.blocks * per_block;
   p.ws_w = p.ws_ml + plan.blocks * plan.maxrows * 2;
   p.anchor_parts = plan.anchor_parts;
+  p.anchors_per_part = plan.anchors_per_part;
   p.ws_av = p.ws_w + plan.blocks * plan.maxrows * plan.max_anchors;
   return p;
 }

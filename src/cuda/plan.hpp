@@ -39,6 +39,7 @@ struct DecodePlan {
   int splits = 1;
   int max_anchors = 0;
   int anchor_parts = 0;  // blocks of decode_anchor_values_kernel per (request, head, row chunk)
+  int anchors_per_part = kMergeMaxAnchorsPerPart;  // anchors of one such block
   bool global_weights = false;  // per-anchor weights summed in the workspace (DecodeLaunch)
   int resident = 1;       // split blocks resident per multiprocessor
   size_t smem_bytes = 0;  // dynamic shared memory of decode_split_kernel
