@@ -116,9 +116,11 @@ struct SplitSmem {
          meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
          penalty = 0, qb = 0, res_logits = 0, residuals = 0, value_codes = 0, keys = 0, w = 0, total = 0;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
-  // The fast path's bf16 cos, sin and -sin of d * omega_j, d < T, every pair: at the start
-  // of the key tile, followed by the value residuals' scratch ((MAXROWS + 4) T floats).
-  AKV_HD static constexpr int fast_tables_bytes(int D) { return 2 * 3 * kDecodeTile * (D / 2); }
+  // The fast path's bf16 cos and sin of d * omega_j, d < T, every pair (SplitBlock::cs_s): rows
+  // of D / 8 16-byte entries padded by 4, at the start of the key tile, followed by the value
+  // residuals' scratch ((MAXROWS + 4) T floats).
+  AKV_HD static constexpr int trig_stride(int D) { return D / 8 + 4; }
+  AKV_HD static constexpr int fast_tables_bytes(int D) { return 16 * kDecodeTile * trig_stride(D); }
   // smem_anchors: anchors whose per-anchor weights live in shared memory (0 with
   // DecodeLaunch::global_weights).
   AKV_HD constexpr SplitSmem(int D, int maxrows, int smem_anchors) {

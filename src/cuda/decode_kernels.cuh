@@ -150,7 +150,12 @@ struct SplitBlock {
   float *rl_s;
   // Not at D 256, where it costs the shipped kernels 24-32 more bytes of stack.
   static constexpr bool kFoldedPenalty = D <= 128;
-  uint16_t *cb_s, *sb_s, *nsb_s, *qb_s;  // fast: bf16 cos, sin, -sin [T][pairs]; bf16 rotated queries
+  // fast: R_u's bf16x2 cos and sin of four pairs in one 16-byte entry, [T][kTrigStride] (the
+  // rows padded by 64 bytes, so that the two tokens of a quarter warp's loads in
+  // contract_gathered, u and u + 1, fall in the two halves of the banks); bf16 rotated queries.
+  static constexpr int kTrigStride = SplitSmem::trig_stride(D);
+  uint4 *cs_s;
+  uint16_t *qb_s;
   float *q_s, *qr_s, *w_s, *L_s, *Lp_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s, *pen_s;
   float2 *step_s;
   int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s, *kind_s;
@@ -223,9 +228,7 @@ struct SplitBlock {
     K_s = reinterpret_cast<float *>(smem + lay.keys);
     kind_s = reinterpret_cast<int32_t *>(smem + lay.meta_kind);
     pen_s = reinterpret_cast<float *>(smem + lay.penalty);
-    cb_s = reinterpret_cast<uint16_t *>(smem + lay.keys);  // the key tile is free on the fast path
-    sb_s = cb_s + T * (D / 2);
-    nsb_s = sb_s + T * (D / 2);
+    cs_s = reinterpret_cast<uint4 *>(smem + lay.keys);  // the key tile is free on the fast path
     qb_s = reinterpret_cast<uint16_t *>(smem + lay.qb);
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
     res_s = reinterpret_cast<uint32_t *>(smem + lay.residuals);
@@ -258,15 +261,14 @@ struct SplitBlock {
     // e^{i d omega_j} for the offsets d < T inside a tile: the host's table (in double), copied
     // once per block.
     const float2 *step = reinterpret_cast<const float2 *>(c.rope_step);
-    for (int e = tid; e < T * pairs; e += NT) {
-      const float2 cs = step[e];
-      step_s[e] = cs;
-      if (fast) {
-        cb_s[e] = float_to_bits(cs.x, true);
-        sb_s[e] = float_to_bits(cs.y, true);
-        nsb_s[e] = float_to_bits(-cs.y, true);
+    for (int e = tid; e < T * pairs; e += NT) step_s[e] = step[e];
+    if (fast)  // pairs == D / 2: entry (u, j4) holds pairs 4 j4 .. 4 j4 + 3 of offset u
+      for (int e = tid; e < T * (D / 8); e += NT) {
+        const int u = e / (D / 8), j4 = e % (D / 8);
+        const float2 *st = step + u * pairs + 4 * j4;
+        cs_s[u * kTrigStride + j4] = uint4{pack_bf16x2(st[0].x, st[1].x), pack_bf16x2(st[2].x, st[3].x),
+                                           pack_bf16x2(st[0].y, st[1].y), pack_bf16x2(st[2].y, st[3].y)};
       }
-    }
     for (int r = 0; r < RPW; ++r) {
       m_run[r] = -INFINITY;
       l_part[r] = 0.0f;
@@ -793,13 +795,11 @@ struct SplitBlock {
     constexpr int P = D / 2;
     const uint2 x = *reinterpret_cast<const uint2 *>(row + d);
     const uint2 y = *reinterpret_cast<const uint2 *>(row + P + d);
-    const uint2 cs = *reinterpret_cast<const uint2 *>(cb_s + u * P + d);
-    const uint2 sn = *reinterpret_cast<const uint2 *>(sb_s + u * P + d);
-    const uint2 ns = *reinterpret_cast<const uint2 *>(nsb_s + u * P + d);
-    x01 = bf16x2_fma(y.x, ns.x, bf16x2_fma(x.x, cs.x, kBf16x2NegZero));
-    x23 = bf16x2_fma(y.y, ns.y, bf16x2_fma(x.y, cs.y, kBf16x2NegZero));
-    y01 = bf16x2_fma(x.x, sn.x, bf16x2_fma(y.x, cs.x, kBf16x2NegZero));
-    y23 = bf16x2_fma(x.y, sn.y, bf16x2_fma(y.y, cs.y, kBf16x2NegZero));
+    const uint4 cs = cs_s[u * kTrigStride + d / 4];  // cos of the four pairs, then sin
+    x01 = bf16x2_fma(y.x, cs.z ^ kBf16x2NegZero, bf16x2_fma(x.x, cs.x, kBf16x2NegZero));
+    x23 = bf16x2_fma(y.y, cs.w ^ kBf16x2NegZero, bf16x2_fma(x.y, cs.y, kBf16x2NegZero));
+    y01 = bf16x2_fma(x.x, cs.z, bf16x2_fma(y.x, cs.x, kBf16x2NegZero));
+    y23 = bf16x2_fma(x.y, cs.w, bf16x2_fma(y.y, cs.y, kBf16x2NegZero));
   }
 
   // The fast path: warp w's (w < 4) tokens' anchor rows K_a(t) gathered (through L2) straight
