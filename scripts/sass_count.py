@@ -50,7 +50,7 @@ ROWS_WARPS = min(ROWS, NW)  # warps that own a row (softmax_tile, write_partial)
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
 PHASES = [
-    ("metadata", ["anchor_meta", "code_gamma", "format3_meta"]),
+    ("metadata", ["anchor_meta", "format3_meta"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle", "rotate_queries", "rotate_pairs4"]),
     ("key residuals", ["key_residuals", "unit_hadamard"]),
@@ -95,6 +95,7 @@ def trips(src, fk, fv, k):
         ("j < pairs; j += NT", 1.0),
         ("e < MAXROWS * k; e += NT", 0.02 * ROWS * k / NT),   # weight rescale: ~2% of tiles
         ("e < MAXROWS * D; e += NT", 0.0),                    # zero query rows: none in a full chunk
+        ("e < 256; e += 32", 256 / 32),                       # a new segment's tables: 8 entries a lane
         ("v < D / 4; v += 4", D / 16),
         ("i < MAXROWS; ++i", ROWS),                           # rows loops that stay rolled
         ("atomicAdd(", 1.0),                                  # a CAS retry loop: no contention assumed
@@ -115,6 +116,7 @@ COLD = [
     ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)
     ("if (p.global_weights) {", 0.0),           # more anchors than shared memory holds (> ~9.5K)
     ("} else {  // exact: the first tile", 1.0 / 16),  # the tile's first angle exactly: every 16th tile
+    ("if (seg_s[0] != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
 ]
 
 
@@ -156,11 +158,11 @@ def cold_lines(lines, table=None):
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition
 # (the lines just above it); default 8.
 def warps(func, cond_text):
-    if func == "format3_meta" or (func == "code_gamma" and "format3_meta" in cond_text):
+    if func == "format3_meta":
         return 1.0  # warp 0: two tokens a lane
     if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "unit_hadamard"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
-    if func in ("anchor_meta", "code_gamma"):
+    if func == "anchor_meta":
         return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each
     if func == "gather_anchor_rows" and "pairs" in cond_text:
         return PAIRS / 32  # the query rotation: one thread a pair

@@ -114,7 +114,7 @@ AKV_HD constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 struct SplitSmem {
   size_t q = 0, qr = 0, logits = 0, logits_part = 0, red = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0, step = 0, signs = 0,
          meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
-         penalty = 0, qb = 0, res_logits = 0, residuals = 0, value_codes = 0, keys = 0, w = 0, total = 0;
+         penalty = 0, segment = 0, qb = 0, res_logits = 0, residuals = 0, value_codes = 0, keys = 0, w = 0, total = 0;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
   // The fast path's bf16 cos and sin of d * omega_j, d < T, every pair (SplitBlock::cs_s): rows
   // of D / 8 16-byte entries padded by 4, at the start of the key tile, followed by the value
@@ -146,7 +146,11 @@ struct SplitSmem {
     meta_va = o; o = align16(o + sizeof(int32_t) * T);  // value anchor and coefficient of each token
     meta_vg = o; o = align16(o + sizeof(float) * T);
     meta_kind = o; o = align16(o + sizeof(int32_t) * T);  // logit penalty of each token: 0, 1 or none (2)
-    penalty = o; o = align16(o + sizeof(float) * 2 * maxrows);  // per row: without, with a key residual
+    // Minus the logit penalty per row: without, with a key residual, and none (zeros).
+    penalty = o; o = align16(o + sizeof(float) * 3 * maxrows);
+    // Storage format 3: the segment whose tables follow (an int), its table (256 u16) and its
+    // key and value coefficients by code (256 f32 each).
+    segment = o; o = align16(o + 16 + 2 * 256 + 2 * 4 * 256);
     // Register-gather path (SplitBlock::fast): the rotated queries in bf16, and each key
     // residual's logit term by row and token. Its bf16 cos, sin and -sin tables take the
     // start of the key tile, which that path leaves free (fast_tables_bytes).

@@ -130,6 +130,7 @@ struct SplitBlock {
   // rotate_keys rotates the tile with exact angles where the table has none.
   bool gapped = false;
   bool format3;  // AnchorKV storage format 3: metadata read as stored (CacheView)
+  bool tables;   // format 3 with segment tables (more than 256 anchors): entries index a table
   // Queries not in bf16: the contraction splits keys and queries into bf16 hi + lo (three
   // mma products) so that it keeps fp32-level accuracy; bf16 queries: one product.
   bool precise;
@@ -159,6 +160,11 @@ struct SplitBlock {
   float *q_s, *qr_s, *w_s, *L_s, *Lp_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s, *pen_s;
   float2 *step_s;
   int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s, *kind_s;
+  // Storage format 3 (format3_meta): the segment whose table (tab_s) and coefficients by code
+  // (kgam_s, vgam_s) shared memory holds; -1 before the first.
+  int32_t *seg_s;
+  uint16_t *tab_s;
+  float *kgam_s, *vgam_s;
   int64_t *pos_s;
 
   // Rows owned by each warp: warp w holds row w + r NW's running max and its lanes' partial
@@ -191,6 +197,7 @@ struct SplitBlock {
     pairs = c.rope_pairs;
     fused = c.rope_fused != 0;  // decided on the host (build_view_block)
     format3 = c.format == 3;
+    tables = c.table_size != 0;
     precise = p.dtype != AKV_DTYPE_BF16;
     fast = fused && bf16 && !precise && 2 * pairs == D && format3 && k > 0;
 #ifdef AKV_SASS_PIN_BF16_FUSED
@@ -201,6 +208,7 @@ struct SplitBlock {
     fused = true;
     rows = MAXROWS;
     format3 = true;
+    tables = true;  // the predicted geometries' (k > 256)
     precise = false;
     fast = true;
 #endif
@@ -228,6 +236,11 @@ struct SplitBlock {
     K_s = reinterpret_cast<float *>(smem + lay.keys);
     kind_s = reinterpret_cast<int32_t *>(smem + lay.meta_kind);
     pen_s = reinterpret_cast<float *>(smem + lay.penalty);
+    seg_s = reinterpret_cast<int32_t *>(smem + lay.segment);
+    tab_s = reinterpret_cast<uint16_t *>(smem + lay.segment + 16);
+    kgam_s = reinterpret_cast<float *>(smem + lay.segment + 16 + 2 * 256);
+    vgam_s = kgam_s + 256;
+    if (tid == 0) seg_s[0] = -1;
     cs_s = reinterpret_cast<uint4 *>(smem + lay.keys);  // the key tile is free on the fast path
     qb_s = reinterpret_cast<uint16_t *>(smem + lay.qb);
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
@@ -277,14 +290,15 @@ struct SplitBlock {
       for (int e = 0; e < DPT; ++e) racc[i][e] = dacc[i][e] = 0.0f;
     __syncthreads();
     // Logit penalties (docs/design.md §4.5) in the base-2 logits: beta |q scale|^2 log2(e)
-    // = beta |q_s|^2 / log2(e), per row, without and with a key residual; zero without.
+    // = beta |q_s|^2 / log2(e), per row, without and with a key residual; zero without. Kept
+    // negated, with a third kind (an exact token) of zeros: the logit adds pen_s[kind][row].
     for (int i = warp; i < MAXROWS; i += NW) {
       float q2 = 0.0f;
       for (int d = lane; d < D; d += 32) q2 += q_s[i * D + d] * q_s[i * D + d];
       q2 = warp_sum(q2);
-      if (lane < 2) {
-        const float beta = c.logit_penalty && format3 && k ? c.logit_penalty[2 * h + lane] : 0.0f;
-        pen_s[lane * MAXROWS + i] = beta * q2 / kLog2e;
+      if (lane < 3) {
+        const float beta = lane < 2 && c.logit_penalty && format3 && k ? c.logit_penalty[2 * h + lane] : 0.0f;
+        pen_s[lane * MAXROWS + i] = -beta * q2 / kLog2e;
       }
     }
     __syncthreads();
@@ -292,43 +306,57 @@ struct SplitBlock {
 
   // ---- 1. tile metadata: anchor, gamma and position of each token; the first angles ------
 
-  // A format-3 coefficient code's value in segment scale `scale`: bf16(scale * unit), as the
-  // host's gamma_value (core/layout.hpp).
-  __device__ __forceinline__ float code_gamma(uint8_t code, float scale) const {
-    return bits_to_float(float_to_bits(scale * c.gamma_units[code], true), true);
-  }
-
   // Storage format 3's prefix tokens t0..end on warp 0, lane l the tokens 2l and 2l + 1 (the
-  // tile's mask words, segment and code scales read once for both: a tile lies in one segment).
+  // tile's mask words read once for both). A tile lies in one segment: when it starts a new
+  // one, the warp copies the segment's table and its coefficients by code (bf16(scale *
+  // unit), both sides: the host's gamma_value, core/layout.hpp) into shared memory, so that each token's lookups are shared-memory
+  // loads with 32-bit indices. Branch-free: a token's entries are loaded unless it is an
+  // anchor or past the tile's end (entry and code 0 then: in range), and the results
+  // selected.
   __device__ __forceinline__ void format3_meta(int64_t t0, int64_t end) {
     const int u = 2 * lane, n = static_cast<int>(end - t0);
+    const int si = static_cast<int>(t0 >> c.segment_shift);
+    if (seg_s[0] != si) {  // uniform across warp 0
+      const int64_t seg = static_cast<int64_t>(h) * c.segments + si;
+      const float kscale = c.gamma_scales[2 * seg], vscale = c.gamma_scales[2 * seg + 1];
+      const uint16_t *table = c.segment_tables + seg * c.table_size;
+      const float *units = c.gamma_units;
+      for (int e = lane; e < 256; e += 32) {
+        if (tables) tab_s[e] = table[e];
+        const float unit = units[e];
+        kgam_s[e] = bits_to_float(float_to_bits(kscale * unit, true), true);
+        vgam_s[e] = bits_to_float(float_to_bits(vscale * unit, true), true);
+      }
+      __syncwarp();
+      if (lane == 0) seg_s[0] = si;  // every lane has read it
+    }
     const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
+    const int64_t at = static_cast<int64_t>(h) * c.prefix + t0 + u;
+    const uint8_t *kent = c.key_entry + at, *vent = c.value_entry + at, *kcode = c.key_code + at,
+                  *vcode = c.value_code + at;
     const uint64_t anchors = c.anchor_mask[wd], kmask = c.key_mask[wd];
     const int first = c.anchor_first[wd];
-    const int64_t seg = static_cast<int64_t>(h) * c.segments + (t0 >> c.segment_shift);
-    const float kscale = c.gamma_scales[2 * seg], vscale = c.gamma_scales[2 * seg + 1];
-    const uint16_t *table = c.segment_tables + seg * c.table_size;  // table_size 0: no tables
-    const int64_t at = static_cast<int64_t>(h) * c.prefix + t0 + u;
     int a[2], va[2], kind[2];
     float g[2], vg[2];
     for (int e = 0; e < 2; ++e) {
       const int v = u + e;
-      a[e] = va[e] = -1;
-      kind[e] = 2;
-      g[e] = vg[e] = 0.0f;
-      if (v >= n) continue;
-      if ((anchors >> v) & 1) {  // an anchor token is its own anchor (exact)
-        a[e] = va[e] = first + __popcll(anchors & ((1ull << v) - 1));
-        g[e] = vg[e] = 1.0f;
-      } else {
-        const uint8_t ke = c.key_entry[at + e], ve = c.value_entry[at + e];
-        a[e] = c.table_size ? table[ke] : ke;
-        va[e] = c.table_size ? table[ve] : ve;
-        g[e] = code_gamma(c.key_code[at + e], kscale);
-        vg[e] = code_gamma(c.value_code[at + e], vscale);
-        kind[e] = static_cast<int>((kmask >> v) & 1);
+      const uint64_t below = (1ull << v) - 1;
+      const bool live = v < n, anchor = (anchors >> v) & 1, residual = (kmask >> v) & 1;
+      uint32_t ke = 0, ve = 0, kc = 0, vc = 0;
+      if (live && !anchor) {
+        ke = kent[e];
+        ve = vent[e];
+        kc = kcode[e];
+        vc = vcode[e];
       }
-      if ((kmask >> v) & 1) bit_s[__popcll(kmask & ((1ull << v) - 1))] = v;  // the key residuals in slot order
+      const int self = first + __popcll(anchors & below);  // an anchor token is its own anchor (exact)
+      const int ka = tables ? tab_s[ke] : static_cast<int>(ke), vaa = tables ? tab_s[ve] : static_cast<int>(ve);
+      a[e] = !live ? -1 : anchor ? self : ka;
+      va[e] = !live ? -1 : anchor ? self : vaa;
+      g[e] = !live ? 0.0f : anchor ? 1.0f : kgam_s[kc];
+      vg[e] = !live ? 0.0f : anchor ? 1.0f : vgam_s[vc];
+      kind[e] = !live || anchor ? 2 : static_cast<int>(residual);
+      if (live && residual) bit_s[__popcll(kmask & below)] = v;  // the key residuals in slot order
     }
     // Both tokens' entries in one 8-byte store per array (u is even). pos_s is not written:
     // format 3's positions are consecutive, so no reader needs more than the offset.
@@ -343,8 +371,7 @@ struct SplitBlock {
     put2(vg_s, float_as_bits(vg[0]), float_as_bits(vg[1]));
     if (kFoldedPenalty && fast)
       for (int i = 0; i < MAXROWS; ++i)
-        put2(rl_s + i * T, float_as_bits(kind[0] < 2 ? -pen_s[kind[0] * MAXROWS + i] : 0.0f),
-             float_as_bits(kind[1] < 2 ? -pen_s[kind[1] * MAXROWS + i] : 0.0f));
+        put2(rl_s + i * T, float_as_bits(pen_s[kind[0] * MAXROWS + i]), float_as_bits(pen_s[kind[1] * MAXROWS + i]));
   }
 
   // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1): the
@@ -876,7 +903,7 @@ struct SplitBlock {
           } else {
             v = gathered ? acc[n][e] * gammas[e / 2] : acc[n][e] + Lp_s[i * T + t];
             if (gathered && kind == 1) v += rl_s[i * T + t];  // the key residual's term
-            if (kind < 2) v -= pen_s[kind * MAXROWS + i];
+            v += pen_s[kind * MAXROWS + i];  // kind 2: zero
           }
           bool visible = t < valid;
           if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
