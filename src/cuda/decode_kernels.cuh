@@ -170,15 +170,19 @@ struct SplitBlock {
   // Rows owned by each warp: warp w holds row w + r NW's running max and its lanes' partial
   // sums in m_run[r], l_part[r] (only the owner keeps them: fewer live registers).
   static constexpr int RPW = (MAXROWS + NW - 1) / NW;
+  // racc: the value residuals' sums (prefix tiles); dacc: the dense values' (dense and suffix
+  // tiles), zeroed where those start (start_dense), so that it holds no registers across the
+  // prefix tiles.
   float m_run[RPW], l_part[RPW], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
-  // Threads T .. T + pairs - 1 (pair j = tid - T): the tile's first angle, carried from tile to
-  // tile by e^{i T omega_j} (tile_c, tile_s) while positions run on, recomputed exactly at
-  // the first tile, after a gap and every kExactTiles tiles.
+  // Threads T .. T + pairs - 1 (pair j = tid - T): the tile's first angle (basec_s, bases_s),
+  // carried from tile to tile by e^{i T omega_j} (tstep_s) while positions run on
+  // (next_s), recomputed exactly at the first tile, after a gap and every kExactTiles tiles
+  // (left_s); in shared memory, not registers every thread would hold.
   static constexpr int kExactTiles = 16;
-  float run_c = 1.0f, run_s = 0.0f, tile_c = 1.0f, tile_s = 0.0f;
-  int64_t next_p0 = -1;
-  int run_left = 0;
-  const uint16_t *ak_h;  // this head's anchor keys
+  float2 *tstep_s;
+  int64_t *next_s;
+  int32_t *left_s;
+  const uint16_t **akh_s;
   uint32_t *res_s;       // the tile's key residuals (first slot, count), then the value residuals'
   uint32_t *vc_s;        // the tile's value residuals' codes [count][D / 16] (32-bit words)
 
@@ -246,8 +250,17 @@ struct SplitBlock {
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
     res_s = reinterpret_cast<uint32_t *>(smem + lay.residuals);
     vc_s = reinterpret_cast<uint32_t *>(smem + lay.value_codes);
-    ak_h = c.anchor_keys + static_cast<int64_t>(h) * k * D;
-    if (tid >= T && tid - T < pairs) rope_angle(T, c.inv_freq[tid - T], &tile_c, &tile_s);
+    akh_s = reinterpret_cast<const uint16_t **>(smem + lay.anchor_keys);
+    if (tid == 0) *akh_s = c.anchor_keys + static_cast<int64_t>(h) * k * D;
+    tstep_s = reinterpret_cast<float2 *>(smem + lay.carry);
+    next_s = reinterpret_cast<int64_t *>(smem + lay.carry + 8 * (D / 2));
+    left_s = reinterpret_cast<int32_t *>(smem + lay.carry + 16 * (D / 2));
+    if (tid >= T && tid - T < pairs) {
+      const int j = tid - T;
+      rope_angle(T, c.inv_freq[j], &tstep_s[j].x, &tstep_s[j].y);
+      next_s[j] = -1;
+      left_s[j] = 0;
+    }
 
     // Queries of this row chunk, scaled so that exp2(logit) is the softmax weight.
     const int G = p.q_heads / p.heads;
@@ -287,7 +300,7 @@ struct SplitBlock {
       l_part[r] = 0.0f;
     }
     for (int i = 0; i < MAXROWS; ++i)
-      for (int e = 0; e < DPT; ++e) racc[i][e] = dacc[i][e] = 0.0f;
+      for (int e = 0; e < DPT; ++e) racc[i][e] = 0.0f;
     __syncthreads();
     // Logit penalties (docs/design.md §4.5) in the base-2 logits: beta |q scale|^2 log2(e)
     // = beta |q_s|^2 / log2(e), per row, without and with a key residual; zero without. Kept
@@ -424,16 +437,19 @@ struct SplitBlock {
       const int j = tid - T;
       const int64_t p0 = window ? c.window_first_position + t0
                                 : format3 ? c.first_position + t0 : static_cast<int64_t>(c.positions[t0]);
-      if (p0 == next_p0 && run_left > 0) {  // the previous tile's first angle times e^{i T omega_j}
-        const float cs = run_c * tile_c - run_s * tile_s;
-        run_s = run_s * tile_c + run_c * tile_s;
-        run_c = cs;
-        --run_left;
+      const int left = left_s[j];
+      float run_c, run_s;
+      if (p0 == next_s[j] && left > 0) {  // the previous tile's first angle times e^{i T omega_j}
+        const float pc = basec_s[j], ps = bases_s[j];
+        const float2 ts = tstep_s[j];
+        run_c = pc * ts.x - ps * ts.y;
+        run_s = ps * ts.x + pc * ts.y;
+        left_s[j] = left - 1;
       } else {  // exact: the first tile, after a gap, or every kExactTiles
         rope_angle(p0, inv_s[j], &run_c, &run_s);
-        run_left = kExactTiles - 1;
+        left_s[j] = kExactTiles - 1;
       }
-      next_p0 = p0 + T;
+      next_s[j] = p0 + T;
       basec_s[j] = run_c;
       bases_s[j] = run_s;
     } else if (tid == NT - 1 && !window) {  // the tile's residuals: first slot and count per side
@@ -844,6 +860,9 @@ struct SplitBlock {
     const int u0 = (warp & 3) * 16 + g, u1 = u0 + 8;
     const int a0 = a_s[u0], a1 = a_s[u1];
     // A token past the tile's end (a < 0) reads anchor 0's row: its logit is masked anyway.
+    // This head's anchor keys: a pointer in shared memory, read once a tile, which the compiler
+    // would otherwise rebuild from the view every tile (a load and a 64-bit product).
+    const uint16_t *ak_h = *akh_s;
     const uint16_t *row0 = ak_h + (a0 < 0 ? 0 : a0) * D, *row1 = ak_h + (a1 < 0 ? 0 : a1) * D;
     for (int s = 0; s < 2 * SP; ++s) {
       const int d = s * 16 + 4 * tq;
@@ -914,6 +933,8 @@ struct SplitBlock {
 
   // ---- 6. online softmax over the tile; L_s becomes p = exp2(logit - max) -------------------
 
+  // kDense: dacc is live (dense and suffix tiles); else only racc is rescaled.
+  template <bool kDense>
   __device__ __forceinline__ void softmax_tile() {
     __syncthreads();
     // Warp i % NW owns row i: the tile's max, the running max and sum, p = exp2(l - max) in
@@ -949,7 +970,7 @@ struct SplitBlock {
       for (int i = 0; i < MAXROWS; ++i)
         for (int e = 0; e < DPT; ++e) {
           racc[i][e] *= alpha[i];
-          dacc[i][e] *= alpha[i];
+          if (kDense) dacc[i][e] *= alpha[i];
         }
       for (int i = 0; i < MAXROWS; ++i)  // static row indices: alpha stays in registers
         if (alpha[i] != 1.0f)
@@ -1034,6 +1055,11 @@ struct SplitBlock {
       if (w0 + u < end && i < rows) w[i * wstride + k - c.window + w0 + u] += L_s[i * T + u];
     }
     __syncthreads();
+  }
+
+  __device__ __forceinline__ void start_dense() {
+    for (int i = 0; i < MAXROWS; ++i)
+      for (int e = 0; e < DPT; ++e) dacc[i][e] = 0.0f;
   }
 
   __device__ __forceinline__ void dense_values(const uint16_t *values, int64_t t0, int64_t end) {
@@ -1121,7 +1147,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
         __syncthreads();
       }
       blk.contract(t0, end, false, 0, true, true);
-      blk.softmax_tile();
+      blk.template softmax_tile<false>();
       blk.prefix_values(t0, end);
     }
     if (split == 0)
@@ -1138,10 +1164,12 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
           __syncthreads();
         }
         blk.contract(w0, end, false, 0, true);
-        blk.softmax_tile();
+        blk.template softmax_tile<false>();
         blk.window_values(w0, end);
       }
+    blk.start_dense();  // the suffix's
   } else {
+    blk.start_dense();
     const int64_t first = c.dense_start[h], count = c.dense_start[h + 1] - first;
     const uint16_t *keys = c.dense_keys + first * D, *values = c.dense_values + first * D;
     const int64_t tiles = (count + T - 1) / T;
@@ -1150,7 +1178,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
       blk.gather_dense_rows(keys, t0, end);
       __syncthreads();
       blk.contract(t0, end, false, 0, false);
-      blk.softmax_tile();
+      blk.template softmax_tile<true>();
       blk.dense_values(values, t0, end);
     }
   }
@@ -1162,7 +1190,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_s
       blk.gather_dense_rows(keys, t0, end);
       __syncthreads();
       blk.contract(t0, end, true, suffix_len, false);
-      blk.softmax_tile();
+      blk.template softmax_tile<true>();
       blk.dense_values(values, t0, end);
     }
   }
