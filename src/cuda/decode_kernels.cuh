@@ -106,7 +106,12 @@ struct SplitBlock {
   static constexpr int NW = NT / 32;
   static constexpr int T = kDecodeTile;
   static constexpr int KS = SplitSmem::key_stride(D);  // floats per key row
-  static constexpr int TPD = D < NT ? D : NT;         // threads per row of D dims
+  // Threads per row of D dims: at D 128 half a row, so that a tile's few value residuals
+  // (about 3) take four slot groups, a residual a group and two dims a thread, rather than two
+  // groups of twice as many threads (write_partial's scratch, SG x MAXROWS x D floats, would
+  // not fit at D 64 with 16 rows; at D 256 two dims a thread spill the 4-row kernel).
+  static constexpr int TPD = D == 128 ? D / 2 : D < NT ? D : NT;
+  static_assert(TPD <= NT && NT % TPD == 0, "whole slot groups");
   static constexpr int SG = NT / TPD;                 // slot groups
   static constexpr int DPT = D / TPD;                 // dims per thread
   static constexpr int EPL = D / 32;                  // dims per lane (warp paths)
@@ -257,7 +262,9 @@ struct SplitBlock {
     left_s = reinterpret_cast<int32_t *>(smem + lay.carry + 16 * (D / 2));
     if (tid >= T && tid - T < pairs) {
       const int j = tid - T;
-      rope_angle(T, c.inv_freq[j], &tstep_s[j].x, &tstep_s[j].y);
+      float tc, ts;
+      rope_angle(T, c.inv_freq[j], &tc, &ts);
+      tstep_s[j] = float2{tc, ts};
       next_s[j] = -1;
       left_s[j] = 0;
     }
