@@ -106,11 +106,12 @@ struct SplitBlock {
   static constexpr int NW = NT / 32;
   static constexpr int T = kDecodeTile;
   static constexpr int KS = SplitSmem::key_stride(D);  // floats per key row
-  // Threads per row of D dims: at D 128 half a row, so that a tile's few value residuals
-  // (about 3) take four slot groups, a residual a group and two dims a thread, rather than two
-  // groups of twice as many threads (write_partial's scratch, SG x MAXROWS x D floats, would
-  // not fit at D 64 with 16 rows; at D 256 two dims a thread spill the 4-row kernel).
-  static constexpr int TPD = D == 128 ? D / 2 : D < NT ? D : NT;
+  // Threads per row of D dims: at D 128 with 4 rows half a row, so that a tile's few value
+  // residuals (about 3) take four slot groups, a residual a group and two dims a thread, rather
+  // than two groups of twice as many threads. Elsewhere the two dims' sums cost registers the
+  // kernels spill (8 rows at D 128, 4 at D 256), and at D 64 with 16 rows write_partial's
+  // scratch (SG x MAXROWS x D floats) would not fit.
+  static constexpr int TPD = D == 128 && MAXROWS <= 4 ? D / 2 : D < NT ? D : NT;
   static_assert(TPD <= NT && NT % TPD == 0, "whole slot groups");
   static constexpr int SG = NT / TPD;                 // slot groups
   static constexpr int DPT = D / TPD;                 // dims per thread
@@ -592,6 +593,15 @@ struct SplitBlock {
 
   // ---- 3. key residuals of the tile (mask word t0 / 64), added to the unrotated rows -------
 
+  // The fast path's key residuals' rows R_off r~ in bf16, four a warp of warps 4-7 ([16][D / 2 +
+  // 8] words: rows padded so that an mma fragment's four rows fall in distinct banks), in the
+  // value residuals' scratch after the trig tables, which prefix_values only fills later.
+  static constexpr int kResRowWords = D / 2 + 8;
+  static_assert(SplitSmem::fast_tables_bytes(D) + 16 * kResRowWords * 4 <= 4 * T * KS, "the rows fit the key tile");
+  __device__ __forceinline__ uint32_t *K_s_residual_rows() const {
+    return reinterpret_cast<uint32_t *>(K_s) + SplitSmem::fast_tables_bytes(D) / 4;
+  }
+
   // The fast path's key residuals take unit_hadamard below, except at D 256, where 32 values a
   // lane as packed pairs cost the 4-row kernel a 40-byte stack (8 with fp32).
   static constexpr bool kPackedHadamard = D <= 128;
@@ -669,11 +679,9 @@ struct SplitBlock {
       const int n = n0 + sub;
       const bool live = n < count;
       float x[EPT];
-      float scale = 1.0f;  // packed: applied to the logit terms
-      if (kPackedHadamard && fast) {
+      if (kPackedHadamard && fast) {  // unit levels: the scale is applied to the logit terms
         if constexpr (kPackedHadamard)
           unit_hadamard(live ? c.key_codes + static_cast<int64_t>(base + n) * (D / 4) + sl * (EPT / 4) : nullptr, sl, x);
-        if (live) scale = c.key_scales[base + n];
       } else if (live) {
         const uint8_t *codes = c.key_codes + static_cast<int64_t>(base + n) * (D / 4) + sl * (EPT / 4);
         const float scale = c.key_scales[base + n];
@@ -727,21 +735,42 @@ struct SplitBlock {
           x[e + 1] = fmaf(x[e + 1], cs.z, o1 * (rs * cs.w));
         }
       }
-      if (fast) {  // its logit term q . R_off r~ with every row: the eight lanes' dims summed
-        float dot[MAXROWS];
-        for (int i = 0; i < MAXROWS; ++i) {
-          const float4 *qv = reinterpret_cast<const float4 *>(qr_s + i * D + d0);
-          float sum = 0.0f;
-          for (int e = 0; e < EPT; e += 4) {
-            const float4 qq = qv[e / 4];
-            sum = fmaf(qq.x, x[e], fmaf(qq.y, x[e + 1], fmaf(qq.z, x[e + 2], fmaf(qq.w, x[e + 3], sum))));
+      if (fast) {  // the logit terms q . R_off r~ of the warp's four residuals with every row
+        // The rows R_off r~ in bf16 into the warp's scratch, then one mma per 16 dims: A = the
+        // residuals (rows 0-3 of 16), B = the bf16 rotated queries as in contract_gathered.
+        uint32_t *xs = K_s_residual_rows() + (warp - first_warp) * 4 * kResRowWords;
+        uint4 *mine = reinterpret_cast<uint4 *>(xs + sub * kResRowWords + d0 / 2);
+        for (int e = 0; e < EPT; e += 8)
+          mine[e / 8] = uint4{pack_bf16x2(x[e], x[e + 1]), pack_bf16x2(x[e + 2], x[e + 3]),
+                              pack_bf16x2(x[e + 4], x[e + 5]), pack_bf16x2(x[e + 6], x[e + 7])};
+        __syncwarp();
+        const int g = lane >> 2, tq = lane & 3;
+        float acc[NR8][4];
+        for (int m = 0; m < NR8; ++m)
+          for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+        // Rows g >= 4 are zero: every lane loads (row g & 3) and masks, so that the warp does
+        // not split into two paths.
+        const uint32_t *ra = xs + (g & 3) * kResRowWords + tq;
+        const uint32_t live_row = g < 4 ? 0xffffffffu : 0u;
+        for (int s16 = 0; s16 < D / 16; ++s16) {
+          const uint32_t a[4] = {ra[8 * s16] & live_row, 0u, ra[8 * s16 + 4] & live_row, 0u};
+          for (int m = 0; m < NR8; ++m) {
+            const int r = (m * 8 + g) & (MAXROWS - 1);  // this lane's B column's row (kB columns)
+            const uint32_t *qb = reinterpret_cast<const uint32_t *>(qb_s + r * D) + 8 * s16 + tq;
+            const uint32_t b[2] = {qb[0], qb[4]};
+            mma_bf16_16816(acc[m], a, b);
           }
-          dot[i] = sum;
         }
-        for (int lm = 1; lm < 8; lm <<= 1)
-          for (int i = 0; i < MAXROWS; ++i) dot[i] += __shfl_xor_sync(kFullMask, dot[i], lm);
-        if (live && sl == 0)
-          for (int i = 0; i < MAXROWS; ++i) rl_s[i * T + t] = (kFoldedPenalty ? rl_s[i * T + t] : 0.0f) + dot[i] * scale;
+        __syncwarp();  // every lane has read the rows before the next pass writes them
+        // acc[m][0..1]: residual n0 + g's terms with rows 8 m + 2 tq and + 1.
+        if (g < 4 && n0 + g < count) {
+          const int rn = n0 + g, rt = bit_s[rn];
+          const float rscale = kPackedHadamard ? c.key_scales[base + rn] : 1.0f;  // else in the levels
+          for (int m = 0; m < NR8; ++m)
+            for (int e = 0; e < 2; ++e)
+              if (const int i = 8 * m + 2 * tq + e; i < MAXROWS)
+                rl_s[i * T + rt] = (kFoldedPenalty ? rl_s[i * T + rt] : 0.0f) + acc[m][e] * rscale;
+        }
       } else if (live) {
         float4 *row = reinterpret_cast<float4 *>(K_s + t * KS + d0);
         for (int e = 0; e < EPT; e += 4) {
