@@ -126,6 +126,7 @@ WARP_BLOCKS = [
     ("if (half == 1) {", 4.0),                     # contraction: the second half of the dims' warps
     ("if (half == 0) {", 4.0),                     # contraction: the first half's warps finish the logits
     ("for (int j = tid; j < pairs; j += NT) {", PAIRS / 32),  # the query rotation: one thread a pair
+    ("for (int j2 = tid; j2 < D / 4; j2 += NT) {", D / 4 / 32),  # fast path's query rotation: two pairs a thread
     ("if (const int i = warp + r * NW; i < MAXROWS) {", ROWS_WARPS),  # softmax: each owned row in its warp
     ("} else if (tid == NT - 1 && !window) {", 1.0),  # the tile's residual slots: one thread
     ("if (warp == 0) {  // the tile's value residuals", 1.0),

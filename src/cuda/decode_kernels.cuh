@@ -556,8 +556,26 @@ struct SplitBlock {
   }
 
   // q . R_{p0 + off} x = (R_{p0}^T q) . (R_off x): the queries take the tile's first angle
-  // (and, on the fast path, are kept in bf16 too).
+  // (on the fast path in bf16 only, which its contraction and key-residual terms read: NeoX
+  // pairs j, j + D / 2 over every dim, two pairs a thread).
   __device__ __forceinline__ void rotate_queries() {
+    if (fast) {
+      constexpr int P = D / 2;
+      for (int j2 = tid; j2 < D / 4; j2 += NT) {
+        const int j = 2 * j2;
+        const float2 cs = *reinterpret_cast<const float2 *>(basec_s + j), sn = *reinterpret_cast<const float2 *>(bases_s + j);
+        for (int i = 0; i < MAXROWS; ++i) {
+          if (i >= rows) break;  // rows past `rows` stay zero
+          const float2 q0 = *reinterpret_cast<const float2 *>(q_s + i * D + j);
+          const float2 q1 = *reinterpret_cast<const float2 *>(q_s + i * D + P + j);
+          *reinterpret_cast<uint32_t *>(qb_s + i * D + j) =
+              pack_bf16x2(q0.x * cs.x + q1.x * sn.x, q0.y * cs.y + q1.y * sn.y);
+          *reinterpret_cast<uint32_t *>(qb_s + i * D + P + j) =
+              pack_bf16x2(q1.x * cs.x - q0.x * sn.x, q1.y * cs.y - q0.y * sn.y);
+        }
+      }
+      return;
+    }
     for (int j = tid; j < pairs; j += NT) {
       const float cs = basec_s[j], sn = bases_s[j];
       const int f = first_s[j], s = second_s[j];
@@ -567,10 +585,6 @@ struct SplitBlock {
         const float r0 = q0 * cs + q1 * sn, r1 = q1 * cs - q0 * sn;
         qr_s[i * D + f] = r0;
         qr_s[i * D + s] = r1;
-        if (fast) {
-          qb_s[i * D + f] = float_to_bits(r0, true);
-          qb_s[i * D + s] = float_to_bits(r1, true);
-        }
       }
     }
   }
