@@ -86,7 +86,7 @@ def write_partial(k):
 
 
 WINDOW_TILE = META + GATHER + QK + SOFTMAX + 8 * 40
-# sum_a w_a V_a, decode_anchor_values_kernel per thread (one block per 256 anchors of a head):
+# sum_a w_a V_a, decode_anchor_values_kernel per thread (one block per part of 64-256 anchors):
 #   ~150 + per 64-anchor chunk (w over splits ~8 a split, 32 anchors x ~10 (bf16 value, 4 row
 #   FMAs), ~30 loop) + group reduction and store ~100.
 def anchor_thread_instr(k, splits, per_part):
