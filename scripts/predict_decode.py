@@ -186,7 +186,8 @@ def predict(S, batch, use_sass=False):
     # spread over the multiprocessors (blocks of 256 threads share one), whichever is longer.
     merge_us = max(ai / rate, ablocks * ai / (SMS * rate)) + max(mi / rate, mblocks * mi / (SMS * rate))
     t = max(issue_us, mem_us, l2_us) + merge_us + LAUNCH_US
-    return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total, per_part=per_part,
+    return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,
+                per_part=per_part,
                 issue=issue_us, hbm=hbm, mem=mem_us, l2=l2, l2_us=l2_us, merge=merge_us, t=t)
 
 
@@ -269,9 +270,10 @@ def main():
     for r in rows:
         per = r["per_part"]
         parts = math.ceil(r['g']['k'] / per)
-        print(f"Merge {r['S']} x {r['batch']} (k={r['g']['k']}, {r['pl']['splits']} splits): {H * r['batch'] * parts} "
-              f"anchor-value blocks of {per} anchors, {anchor_thread_instr(r['g']['k'], r['pl']['splits'], per)} instr a "
-              f"thread, then {H * r['batch']} merge blocks of {merge_thread_instr(r['g']['k'], r['pl']['splits'], per)}; "
+        k, splits = r['g']['k'], r['pl']['splits']
+        print(f"Merge {r['S']} x {r['batch']} (k={k}, {splits} splits): {H * r['batch'] * parts} "
+              f"anchor-value blocks of {per} anchors, {anchor_thread_instr(k, splits, per)} instr a "
+              f"thread, then {H * r['batch']} merge blocks of {merge_thread_instr(k, splits, per)}; "
               f"{r['merge']:.1f} us; L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
 
 

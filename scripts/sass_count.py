@@ -89,7 +89,7 @@ def trips(src, fk, fv, k):
         ("e < count * MAXROWS; e += 32", max(1.0, cv * ROWS / 32)),
         ("e < count * 4; e += 32", max(1.0, cv * 4 / 32)),
         ("e < count * (D / 16); e += 32", max(1.0, cv * D / 16 / 32)),
-        ("n < count; n += SG) {", cv / (NT // (D // 2))),     # value residuals: SG = NT / TPD groups, TPD 64 (D 128, 4 rows)
+        ("n < count; n += SG) {", cv / (NT // (D // 2))),     # value residuals: SG = NT / TPD, TPD 64 (D 128, 4 rows)
         ("u < T; u += 32", T / 32),
         ("s < 2 * SP; ++s", D / 32),                          # fast contraction: slab pairs of a token's row
         ("j < pairs; j += NT", 1.0),

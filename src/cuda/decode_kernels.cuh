@@ -330,10 +330,10 @@ struct SplitBlock {
   // Storage format 3's prefix tokens t0..end on warp 0, lane l the tokens 2l and 2l + 1 (the
   // tile's mask words read once for both). A tile lies in one segment: when it starts a new
   // one, the warp copies the segment's table and its coefficients by code (bf16(scale *
-  // unit), both sides: the host's gamma_value, core/layout.hpp) into shared memory, so that each token's lookups are shared-memory
-  // loads with 32-bit indices. Branch-free: a token's entries are loaded unless it is an
-  // anchor or past the tile's end (entry and code 0 then: in range), and the results
-  // selected.
+  // unit), both sides: the host's gamma_value, core/layout.hpp) into shared memory, so that
+  // each token's lookups are shared-memory loads with 32-bit indices. Branch-free: a token's
+  // entries are loaded unless it is an anchor or past the tile's end (entry and code 0 then:
+  // in range), and the results selected.
   __device__ __forceinline__ void format3_meta(int64_t t0, int64_t end) {
     const int u = 2 * lane, n = static_cast<int>(end - t0);
     const int si = static_cast<int>(t0 >> c.segment_shift);
@@ -611,7 +611,8 @@ struct SplitBlock {
   // 8] words: rows padded so that an mma fragment's four rows fall in distinct banks), in the
   // value residuals' scratch after the trig tables, which prefix_values only fills later.
   static constexpr int kResRowWords = D / 2 + 8;
-  static_assert(SplitSmem::fast_tables_bytes(D) + 16 * kResRowWords * 4 <= 4 * T * KS, "the rows fit the key tile");
+  static_assert(SplitSmem::fast_tables_bytes(D) + 16 * kResRowWords * 4 <= 4 * T * KS,
+                "the rows fit the key tile");
   __device__ __forceinline__ uint32_t *K_s_residual_rows() const {
     return reinterpret_cast<uint32_t *>(K_s) + SplitSmem::fast_tables_bytes(D) / 4;
   }
