@@ -113,9 +113,9 @@ AKV_HD constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 // pairs; the per-anchor weights last), so that in the kernel they are constants.
 struct SplitSmem {
   size_t q = 0, qr = 0, logits = 0, logits_part = 0, red = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0,
-         carry = 0, anchor_keys = 0, step = 0, signs = 0,
+         carry_step = 0, carry_next = 0, carry_left = 0, anchor_keys = 0, step = 0, signs = 0,
          meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
-         penalty = 0, segment = 0, qb = 0, res_logits = 0, residuals = 0, value_codes = 0, keys = 0, w = 0, total = 0;
+         penalty = 0, segment = 0, segment_table = 0, segment_gammas = 0, qb = 0, res_logits = 0, residuals = 0, value_codes = 0, keys = 0, w = 0, total = 0;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
   // The fast path's bf16 cos and sin of d * omega_j, d < T, every pair (SplitBlock::cs_s): rows
   // of D / 8 16-byte entries padded by 4, at the start of the key tile, followed by the value
@@ -140,7 +140,9 @@ struct SplitSmem {
     // Per pair, how its tile's first angle is carried to the next tile: e^{i T omega_j}
     // (float2), the next tile's first position if consecutive (int64), tiles left before the
     // next exact angle (int32).
-    carry = o; o = align16(o + 20 * max_pairs);
+    carry_step = o; o = align16(o + 2 * sizeof(float) * max_pairs);
+    carry_next = o; o = align16(o + sizeof(int64_t) * max_pairs);
+    carry_left = o; o = align16(o + sizeof(int32_t) * max_pairs);
     anchor_keys = o; o = align16(o + sizeof(void *));  // the head's anchor keys (a pointer)
     step = o; o = align16(o + 2 * sizeof(float) * T * max_pairs);  // (cos, sin) of d * omega_j, d < T
     signs = o; o = align16(o + sizeof(float) * D);  // Hadamard signs / sqrt(D)
@@ -155,11 +157,13 @@ struct SplitSmem {
     // Minus the logit penalty per row: without, with a key residual, and none (zeros).
     penalty = o; o = align16(o + sizeof(float) * 3 * maxrows);
     // Storage format 3: the segment whose tables follow (an int), its table (256 u16) and its
-    // key and value coefficients by code (256 f32 each).
-    segment = o; o = align16(o + 16 + 2 * 256 + 2 * 4 * 256);
+    // key and value coefficients by code (256 f32 each, keys first).
+    segment = o; o = align16(o + sizeof(int32_t));
+    segment_table = o; o = align16(o + sizeof(uint16_t) * 256);
+    segment_gammas = o; o = align16(o + sizeof(float) * 2 * 256);
     // Register-gather path (SplitBlock::fast): the rotated queries in bf16, and each key
-    // residual's logit term by row and token. Its bf16 cos, sin and -sin tables take the
-    // start of the key tile, which that path leaves free (fast_tables_bytes).
+    // residual's logit term by row and token. Its bf16 cos and sin table takes the start of
+    // the key tile, which that path leaves free (fast_tables_bytes).
     qb = o; o = align16(o + 2 * maxrows * D);
     res_logits = o; o = align16(o + sizeof(float) * maxrows * T);
     residuals = o; o = align16(o + sizeof(uint32_t) * 4);  // the tile's key and value residuals: first slot, count

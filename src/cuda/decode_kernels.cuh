@@ -247,8 +247,8 @@ struct SplitBlock {
     kind_s = reinterpret_cast<int32_t *>(smem + lay.meta_kind);
     pen_s = reinterpret_cast<float *>(smem + lay.penalty);
     seg_s = reinterpret_cast<int32_t *>(smem + lay.segment);
-    tab_s = reinterpret_cast<uint16_t *>(smem + lay.segment + 16);
-    kgam_s = reinterpret_cast<float *>(smem + lay.segment + 16 + 2 * 256);
+    tab_s = reinterpret_cast<uint16_t *>(smem + lay.segment_table);
+    kgam_s = reinterpret_cast<float *>(smem + lay.segment_gammas);
     vgam_s = kgam_s + 256;
     if (tid == 0) seg_s[0] = -1;
     cs_s = reinterpret_cast<uint4 *>(smem + lay.keys);  // the key tile is free on the fast path
@@ -258,9 +258,9 @@ struct SplitBlock {
     vc_s = reinterpret_cast<uint32_t *>(smem + lay.value_codes);
     akh_s = reinterpret_cast<const uint16_t **>(smem + lay.anchor_keys);
     if (tid == 0) *akh_s = c.anchor_keys + static_cast<int64_t>(h) * k * D;
-    tstep_s = reinterpret_cast<float2 *>(smem + lay.carry);
-    next_s = reinterpret_cast<int64_t *>(smem + lay.carry + 8 * (D / 2));
-    left_s = reinterpret_cast<int32_t *>(smem + lay.carry + 16 * (D / 2));
+    tstep_s = reinterpret_cast<float2 *>(smem + lay.carry_step);
+    next_s = reinterpret_cast<int64_t *>(smem + lay.carry_next);
+    left_s = reinterpret_cast<int32_t *>(smem + lay.carry_left);
     if (tid >= T && tid - T < pairs) {
       const int j = tid - T;
       float tc, ts;
