@@ -13,8 +13,8 @@ Compare with a device run: `ANCHORKV_COMPRESS_PROFILE=1` makes the pass print on
 "anchorkv AnchorKV compress S=...: setup x ms; load x ms; ...; total x ms; N stream operations",
 with the stage names used here; scripts/bench_compress.py prints that line after its timed runs.
 The "ops" column is the library's own operation count (CudaDevice::operations) and is checked
-against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 152 per layer up to 64K,
-282 at 128K; format 3: 136 and 250).
+against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 150 per layer up to 64K,
+278 at 128K; format 3: 134 and 246).
 
 Storage format 3 (the default) searches each token's local candidates (local_nearest_kernel in
 src/cuda/compress_local_kernels.cuh): its cost comes from the kernel's SASS, counted by
@@ -76,6 +76,11 @@ WARP_TOKENS = 16          # tokens of a warp in local_nearest_kernel (64 a block
 SELECT = {"coverage_energy_kernel": {"hot_static": 171},
           "coverage_chunk_kernel": {"hot_static": 1698},
           "coverage_merge_kernel": {"hot_static": 1077, "hist_loops": [104, 99, 96], "emit_loop": 315}}
+# utility_tc_kernel<128, EXACT> from scripts/sass_count.py (used without --sass): a warp's chunk loop
+# (16 window rows against the 32-token tile), its staging loop (tokens a trip) and the rest.
+UTILITY = {"exact": {"chunk_static": 527, "staging_static": 118, "staging_tokens_per_trip": 2, "rest_static": 414},
+           "split": {"chunk_static": 701, "staging_static": 77, "staging_tokens_per_trip": 1, "rest_static": 335}}
+EXACT_UTILITY = True      # bf16 inputs: the queries and values are exact in bf16 (2 products a side)
 SELECT_CHUNK = 4096       # kSelectChunk: tokens per chunk (and per pass of a block)
 
 SDPA_PREFILL_MS = {32768: 25.5, 65536: 102.5, 131072: 445.0}  # measured on the H200 (the layer's causal attention)
@@ -158,18 +163,23 @@ def anchor_geometry(S):
     return g
 
 
+def utility_rows(m):
+    """utility_kernels.cuh utility_rows(): the window rows padded to whole tiles of 16."""
+    return -(-m // 16) * 16
+
+
 def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
     """CompressScratch::carve(): every array 256-byte aligned, element counts as in the code."""
     f, u2, i4, u8 = 4, 2, 4, 8
     arrays = [(f, hb * S * D)] * 3 + [(f, hb * m * D), (f, hb * m * S), (f, hb * m * D), (f, hb * P), (f, hb * P),
               (f, hb * k * D), (f, hb * k * D), (u2, hb * k * D), (f, hb * k),
-              (f, hb * P * D), (f, hb * P), (f, hb * P), (f, hb * m * P), (f, hb * m * P), (f, hb * m),
+              (f, hb * P * D), (f, hb * P), (f, hb * P), (f, hb * m), (i4, hb * utility_rows(m) * D * 2),
               (f, PAIRS), (f, D), (i4, hb * P), (i4, hb * P), (i4, P), (i4, hb * k), (i4, hb * k)]
     arrays += [(i4, H * P)] * 8 + [(u8, P), (i4, hb * P), (i4, hb * P), (i4, S), (i4, PAIRS), (i4, PAIRS),
                (i4, 1)] + [(f, hb * P)] * 4 + [(f, 2 * hb), (i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P),
                (i4, 0)]
     arrays += [(i4, hb * P), (i4, hb * P), (f, hb * P), (u2, H * P), (u2, H * P)] * 2 + [(f, 256)]  # format 3's
-    arrays += [(i4, 4), (u2, hb * m * D)]  # search_stats, q_b
+    arrays += [(i4, 4), (u2, hb * m * D)]  # search_stats (utility_split before it), q_b
     arrays += [(f, hb * k * D), (u2, hb * k * D), (f, hb * k)]  # side 1's candidate rows
     at = 0
     for size, count in arrays:
@@ -178,10 +188,10 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
 
 
 def head_batch(g):
-    for hb in range(H, 1, -1):
-        if scratch_bytes(g["S"], g["P"], g["k"], hb) <= HEAD_BATCH_BUDGET:
-            return hb
-    return 1
+    """anchor_head_batch(): as few batches as fit the budget, their heads spread evenly."""
+    most = next((hb for hb in range(H, 1, -1) if scratch_bytes(g["S"], g["P"], g["k"], hb) <= HEAD_BATCH_BUDGET), 1)
+    batches = -(-H // most)
+    return -(-H // batches)
 
 
 class Pass:
@@ -267,6 +277,27 @@ class Pass:
                     + rescoring)
         hbm = tiles * 64 * D * 2 + (1 - rescore) * hb * P * D * 4 + hb * P * 8  # bf16 rows, fp32 rescoring rows, outputs
         self.op(tc=2 * tiles * 64 * chunks * ch * D, hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
+
+
+def utilities_op(x, hb, P, m):
+    """utility_rows_kernel (||y||^2, the window rows' bf16 splits as A fragments), then
+    utility_tc_kernel<128, EXACT> over tiles of 32 tokens: per warp the staging of its tokens'
+    rows (TT / 4 tokens, the staging loop's tokens a trip), a 16-row chunk of the mp window rows
+    at a time against the tile (ceil(mp / 64) chunks a warp), the rest once; 2 (bf16 inputs: q and
+    v exact) or 3 bf16 products a side on the tensor cores; A, the key residuals and the values
+    read once, 8 words written a token."""
+    mp, tt = utility_rows(m), 4096 // D
+    x.op(simt=hb * mp * D * 4, hbm=hb * m * D * 8 + hb * mp * D * 8)
+    u = UTILITY["exact" if EXACT_UTILITY else "split"]
+    tiles = hb * -(-P // tt)
+    per_warp = (u["rest_static"] + tt / 4 / u["staging_tokens_per_trip"] * u["staging_static"]
+                + -(-mp // 64) * u["chunk_static"])
+    products = 2 if EXACT_UTILITY else 3
+    x.op(tc=2 * products * 2 * tiles * tt * mp * D, hbm=hb * (m * P * 4 + 2 * P * D * 4 + 4 * P * 4 + 8 * P * 4),
+         latency=tiles * 4 * per_warp / ISSUE_PER_S)
+
+
+Pass.utilities = utilities_op
 
 
 def expected_chunks(mean, tail, ch):
@@ -390,11 +421,8 @@ def predict(S):
         x.copy(hb * P * 4)                          # cover_anchor = 0
         x.op(hbm=hb * n_top * 12)                   # coverage_take_kernel (scored picks)
         (local_pass if FORMAT == 3 else global_pass)(x, g, hb)
-        x.stage = "utilities"  # Z = Q R_K^T, VY = Y V^T (fp32 cuBLAS), ||y||^2, utility_kernel
-        x.op(gemm=2 * hb * m * P * D, hbm=hb * (P * D + m * P) * 4)
-        x.op(gemm=2 * hb * m * P * D, hbm=hb * (P * D + m * P) * 4)
-        x.op(simt=hb * m * D * 2, hbm=hb * m * D * 4)
-        x.op(simt=hb * P * (2 * D + 8 * m), hbm=hb * P * (3 * m * 4 + D * 4 + 16 + 8 * 4))
+        x.stage = "utilities"
+        x.utilities(hb, P, m)
     by_energy = lambda n: min(n, round(OPT["guard_fraction"] * n))
     for side, wanted in enumerate((g["nk"], g["nv"])):
         n = min(wanted, H * (P - free))
@@ -431,6 +459,8 @@ def main():
             counts = json.load(fh)
         LOCAL.update(counts["local_search"])
         SELECT.update(counts["coverage_select"])
+        for kind in UTILITY:
+            UTILITY[kind].update(counts["utility"][kind])
     keys = "post" if BF16_SCORES else "pre"
     print(f"Model of the CUDA AnchorKV pass (storage format {FORMAT}, H={H}, Hq={HQ}, D={D}, bf16, {keys}-RoPE keys, "
           f"W={W}, theta={THETA}, default options) "
@@ -443,10 +473,10 @@ def main():
         g, HB, x = predict(S)
         total = {key: sum(r[key] for r in x.rows.values()) for key in Pass.KEYS}
         if S in (32768, 65536, 131072):  # tests/emu CompressLaunchCount.PerLayerAtBenchShapes
-            expected = {(2, 8): 152, (2, 4): 282, (3, 8): 136, (3, 4): 250}[(FORMAT, HB)]
+            expected = {(2, 8): 150, (2, 4): 278, (3, 8): 134, (3, 4): 246}[(FORMAT, HB)]
             assert HB == (8 if S <= 65536 else 4) and total["ops"] == expected, (HB, total["ops"])
         print(f"### S = {S}: k = {g['k']} anchors/head ({g['n_top']} scored, {g['n_rand']} coverage), "
-              f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({H // HB} batches)\n")
+              f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({-(-H // HB)} batches)\n")
         print("| stage | GEMM GF | bf16 TC GF | SIMT GF | sort MB | HBM MB | ops | kernels | predicted ms |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name in STAGES + ["total"]:

@@ -240,7 +240,7 @@ LOCAL_CHUNKS = (32, 16)  # local_nearest_kernel's candidate chunks (local_chunk 
 
 def compile_cubin(workdir, nvcc):
     source = ('#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_local_kernels.cuh"\n'
-              '#include "cuda/coverage_select_kernels.cuh"\n'
+              '#include "cuda/coverage_select_kernels.cuh"\n#include "cuda/utility_kernels.cuh"\n'
               'template __global__ void akv::cuda::coverage_energy_kernel<1>(const float *, const float *, '
               'const float *, const float *, int64_t, float *);\n'
               'template __global__ void akv::cuda::coverage_chunk_kernel<1>(const float *, const float *, '
@@ -252,6 +252,11 @@ def compile_cubin(workdir, nvcc):
         source += (f"template __global__ void akv::cuda::local_nearest_kernel<128, {ch}>(const akv::cuda::LocalSide, "
                    "const akv::cuda::LocalSide, int64_t, const akv::cuda::LocalRange, const uint32_t *, int64_t, "
                    "int64_t, int64_t, int64_t, uint32_t *);\n")
+    for exact in ("true", "false"):
+        source += (f"template __global__ void akv::cuda::utility_tc_kernel<128, {exact}>(const float *, int64_t, "
+                   "int64_t, int, const uint32_t *, const float *, const float *, const float *, "
+                   "const float *, const float *, const float *, const int32_t *, int, uint32_t *, uint32_t *, "
+                   "uint32_t *, uint32_t *, uint32_t *, uint32_t *, uint32_t *, uint32_t *);\n")
     return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo", "-DAKV_SASS_PIN_BF16_FUSED"))
 
 
@@ -436,6 +441,25 @@ def select_cost(f):
     return {"hot_static": end + 1, "hist_loops": hist, "emit_loop": max(emit) if emit else 0}
 
 
+def utility_cost(f):
+    """utility_tc_kernel<128, EXACT> (a block of 4 warps, one tile of tokens): its hot code (before
+    the last EXIT) split into the staging loop (a warp's token rows into shared memory: a
+    warp_sum, 5 SHFL, per token of a trip), the chunk loop (16 window rows against the tile: the
+    innermost loop with HMMA) and the rest, taken once a warp."""
+    ins = f["ins"]
+    end = max(i for i, x in enumerate(ins) if x["op"].startswith("EXIT"))
+    hot = [l for l in loops(f) if l[1] <= end]
+    chunk = min((l for l in hot if l[3]["HMMA"]), key=lambda l: l[2])
+    if chunk[3]["BAR"] or chunk[3]["SHFL"]:
+        sys.exit("utility_cost: the chunk loop holds a barrier or a shuffle (the model takes it as the mma loop)")
+    staging = [l for l in hot if l[1] < chunk[0] and l[3]["SHFL"] and l[3]["STS"] and not l[3]["HMMA"]]
+    if len(staging) != 1 or staging[0][3]["SHFL"] % 5:
+        sys.exit("utility_cost: expected one staging loop of whole warp sums before the chunk loop")
+    st = staging[0]
+    return {"chunk_static": chunk[2], "hmma_per_chunk": chunk[3]["HMMA"], "staging_static": st[2],
+            "staging_tokens_per_trip": st[3]["SHFL"] // 5, "rest_static": end + 1 - chunk[2] - st[2]}
+
+
 def tile_loop(f, spans, lines, fk, fv, k):
     """Per-phase warp instructions per tile of the AnchorKV prefix loop."""
     ins = f["ins"]
@@ -585,6 +609,21 @@ def main():
               f"{cost['profiling_static']}); the candidate range's binary searches "
               f"{cost['search_loops_static']} a step (one thread); fp32 rescoring {cost['rescore_loop_static']} a "
               f"candidate (the warp), {cost['serial_rescore_static']} a candidate (each lane its own)")
+    result["utility"] = {}
+    print("\nThe utilities (utility_kernels.cuh; a block of 4 warps, 32 tokens, 16-row chunks of the window rows)")
+    print("| kernel | regs | stack B | spill st/ld B | chunk loop (a warp) | HMMA a chunk | staging a trip (tokens) "
+          "| rest |")
+    print("|---|---|---|---|---|---|---|---|")
+    for exact in ("true", "false"):
+        m = next(x for x in funcs if f"utility_tc_kernelILi128ELb{1 if exact == 'true' else 0}E" in x)
+        c = utility_cost(funcs[m])
+        pi = pinfo.get(m, {})
+        c.update(registers=pi.get("registers"), stack=pi.get("stack"), spill_stores=pi.get("spill_stores"),
+                 spill_loads=pi.get("spill_loads"))
+        result["utility"]["exact" if exact == "true" else "split"] = c
+        print(f"| utility_tc_kernel<128, {exact}> | {c['registers']} | {c['stack']} | {c['spill_stores']}/"
+              f"{c['spill_loads']} | {c['chunk_static']} | {c['hmma_per_chunk']} | {c['staging_static']} "
+              f"({c['staging_tokens_per_trip']}) | {c['rest_static']} |")
     result["coverage_select"] = {}
     print("\nA coverage round's ranking (coverage_select_kernels.cuh; a block of 1024 threads)")
     print("| kernel | regs | stack B | hot SASS (a warp, one pass) | histogram loops | emit loop |")

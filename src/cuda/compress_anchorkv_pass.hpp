@@ -16,6 +16,7 @@
 #include "cuda/compress_kernels.cuh"
 #include "cuda/compress_local_kernels.cuh"
 #include "cuda/coverage_select_kernels.cuh"
+#include "cuda/utility_kernels.cuh"
 #include "cuda/head_dim.hpp"
 #include "methods/methods.hpp"
 
@@ -30,8 +31,8 @@ struct CompressScratch {
   // The window queries in bf16: the window attention scores on the tensor cores when the
   // queries and keys are exact in bf16 (bf16 inputs, keys given post-RoPE or without RoPE).
   uint16_t *q_b;
-  float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *rk, *rk_norm_sq, *rv_norm_sq, *z,
-      *vy, *y_norm_sq, *inv_freq, *signs;
+  float *kpre, *kpost, *v, *q, *attn, *y, *raw, *alpha_sq, *anchor_f, *anchor_n, *norms, *rk, *rk_norm_sq, *rv_norm_sq,
+      *y_norm_sq, *inv_freq, *signs;
   uint32_t *rank_keys, *rank_index, *sample_index, *picks, *picks_dummy, *util_keys[2], *util_ids[2], *energy_keys[2],
       *energy_ids[2];
   uint64_t *sample_keys;
@@ -49,6 +50,7 @@ struct CompressScratch {
   int32_t *near_token[2], *assigned[2];
   float *coef[2], *units;
   uint16_t *index16[2], *gamma16[2];
+  uint32_t *utility_split;  // utility_rows_kernel's bf16 splits of the window queries and outputs
   uint32_t *search_stats;  // profiling: local_nearest_kernel's counts (Dev::search_counts)
   // The candidate rows an absorb compares (unit rows, in bf16, squared norms), per side: side
   // 0's in anchor_n, anchor_b and norms (free until the assignment), side 1's their own.
@@ -87,9 +89,8 @@ struct CompressScratch {
     take(rk, H * P * D);
     take(rk_norm_sq, H * P);
     take(rv_norm_sq, H * P);
-    take(z, int64_t{H} * m * P);
-    take(vy, int64_t{H} * m * P);
     take(y_norm_sq, int64_t{H} * m);
+    take(utility_split, int64_t{H} * utility_rows(m) * D * 2);  // q hi, q lo, y hi, y lo (D / 2 words a row)
     take(inv_freq, pairs);
     take(signs, D);
     take(rank_keys, H * P);
@@ -145,15 +146,19 @@ struct CompressScratch {
 constexpr size_t kHeadBatchBudget = size_t{2} << 30;
 
 // Heads per batch of the AnchorKV pass: all of them when the scratch fits in budget_bytes,
-// else the most that do (at least 1). The stages before the residual selection run once per
-// batch (each kernel over the batch's heads), so fewer heads per batch means more launches.
+// else as few batches as fit, with their heads spread evenly (8 heads in two batches: 4 and 4,
+// not 5 and 3, whose larger batch would take more waves of blocks). The stages before the
+// residual selection run once per batch (each kernel over the batch's heads), so fewer heads
+// per batch means more launches.
 inline int anchor_head_batch(const AnchorGeometry &g, int pairs, int64_t table_blocks, size_t budget_bytes) {
   CompressScratch measure;
-  for (int hb = g.heads; hb > 1; --hb)
+  int most = 1;
+  for (int hb = g.heads; hb > 1 && most == 1; --hb)
     if (measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window, g.anchors, pairs, table_blocks,
                       hb) <= budget_bytes)
-      return hb;
-  return 1;
+      most = hb;
+  const int batches = (g.heads + most - 1) / most;
+  return (g.heads + batches - 1) / batches;
 }
 
 // nearest_anchor_kernel for head dim D (64, 128 or 256) over the rows X[0..n); with heads > 1,
@@ -452,18 +457,29 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                    pairs, static_cast<const float *>(s.inv_freq), static_cast<const int32_t *>(s.rope_first),
                    static_cast<const int32_t *>(s.rope_second), s.rk, side == 0 ? s.rk_norm_sq : s.rv_norm_sq);
     }
-    // 6. Utilities (Eq. 6) of every head: Z = Q (R r_K)^T, V.y, ||y||^2 (batched over heads).
+    // 6. Utilities (Eq. 6) of every head: ||y||^2 and the window rows' bf16 splits, then
+    // Z = Q (R r_K)^T and V.y per tile of tokens on the tensor cores, folded into the sums in
+    // the same kernel (utility_kernels.cuh).
     dev.stage(kStageUtilities);
-    dev.gemm_nt_batched(m, P, D, 1.0f, s.q, D, int64_t{m} * D, s.rk, D, P * D, s.z, P, int64_t{m} * P, H);
-    dev.gemm_nt_batched(m, P, D, 1.0f, s.y, D, int64_t{m} * D, s.v, D, S * D, s.vy, P, int64_t{m} * P, H);
-    dev.launch(row_norms_kernel, grid_blocks(int64_t{H} * m, 128), 1, 128, static_cast<const float *>(s.y), H * m, D,
-               s.y_norm_sq);
-    dev.launch(utility_kernel, grid_blocks(P, 128), H, 128, static_cast<const float *>(s.attn), S, P, m, D,
-               static_cast<const float *>(s.z), static_cast<const float *>(s.vy), static_cast<const float *>(s.y_norm_sq),
-               static_cast<const float *>(s.v), static_cast<const float *>(s.alpha_sq),
-               static_cast<const float *>(s.rk_norm_sq), static_cast<const float *>(s.rv_norm_sq),
-               static_cast<const int32_t *>(s.anchor_of_token), h0, s.util_keys[0], s.util_keys[1], s.util_ids[0],
-               s.util_ids[1], s.energy_keys[0], s.energy_keys[1], s.energy_ids[0], s.energy_ids[1]);
+    dev.launch(utility_rows_kernel, grid_blocks(int64_t{H} * utility_rows(m), 4), 1, 128,
+               static_cast<const float *>(s.q), static_cast<const float *>(s.y), H, m, D, s.y_norm_sq,
+               s.utility_split);
+    with_head_dim(D, [&](auto d) {
+      constexpr int DD = decltype(d)::value;
+      auto utilities = [&](auto kernel) {
+        dev.launch(kernel, grid_blocks(P, utility_tokens(DD)), H, 128, static_cast<const float *>(s.attn), S, P, m,
+                   static_cast<const uint32_t *>(s.utility_split), static_cast<const float *>(s.y_norm_sq),
+                   static_cast<const float *>(s.rk),
+                   static_cast<const float *>(s.v), static_cast<const float *>(s.alpha_sq),
+                   static_cast<const float *>(s.rk_norm_sq), static_cast<const float *>(s.rv_norm_sq),
+                   static_cast<const int32_t *>(s.anchor_of_token), h0, s.util_keys[0], s.util_keys[1],
+                   s.util_ids[0], s.util_ids[1], s.energy_keys[0], s.energy_keys[1], s.energy_ids[0],
+                   s.energy_ids[1]);
+      };
+      // bf16 inputs: the queries and values as loaded hold bf16 values (neither is rotated here).
+      if (p.dtype == AKV_DTYPE_BF16) utilities(utility_tc_kernel<DD, true>);
+      else utilities(utility_tc_kernel<DD, false>);
+    });
   }
 
   // 7-8. Per side and pooling group (every head unless pool_heads splits them): the best

@@ -664,55 +664,6 @@ __global__ void assign_kernel(const int32_t *nearest, int64_t t0, int64_t n, int
                  side, positions[t], pairs, inv_freq, rope_first, rope_second, rk + t * D, r_norm_sq + t);
 }
 
-// Utilities (Eq. 6) of the prefix tokens of head h = h0 + blockIdx.y (grid y over heads; the
-// per-head inputs are [y][...] arrays: A [m][S], Z and VY [m][P], y_norm_sq [m], V [S][D],
-// alpha_sq, the residual norms and anchor_of_token [P]); anchors get -1 (never candidates).
-// Also the sort keys of the residual selection (descending utility as an ascending key), the
-// guard's keys (descending residual energy; anchors last) and the candidate ids h * P + t.
-__global__ void utility_kernel(const float *A, int64_t S, int64_t P, int m, int D, const float *Z, const float *VY,
-                               const float *y_norm_sq, const float *V, const float *alpha_sq,
-                               const float *rk_norm_sq, const float *rv_norm_sq, const int32_t *anchor_of_token,
-                               int h0, uint32_t *key_keys, uint32_t *value_keys, uint32_t *key_ids,
-                               uint32_t *value_ids, uint32_t *key_energy, uint32_t *value_energy,
-                               uint32_t *key_energy_ids, uint32_t *value_energy_ids) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= P) return;
-  const int64_t y = blockIdx.y;
-  const int h = h0 + static_cast<int>(y);
-  A += y * m * S;
-  Z += y * m * P;
-  VY += y * m * P;
-  y_norm_sq += y * m;
-  V += y * S * D;
-  alpha_sq += y * P;
-  rk_norm_sq += y * P;
-  rv_norm_sq += y * P;
-  anchor_of_token += y * P;
-  float uk = -1.0f, uv = -1.0f;
-  if (anchor_of_token[t] < 0) {
-    float vn = 0.0f;
-    for (int d = 0; d < D; ++d) vn += V[t * D + d] * V[t * D + d];
-    float acc = 0.0f;
-    for (int r = 0; r < m; ++r) {
-      const float a = A[r * S + t], z = Z[r * P + t];
-      const float dist = fmaxf(0.0f, vn - 2.0f * VY[r * P + t] + y_norm_sq[r]);
-      acc += a * a * z * z * dist;
-    }
-    uk = acc / (static_cast<float>(m) * D);
-    uv = alpha_sq[t] * rv_norm_sq[t];
-  }
-  const float u[2] = {uk, uv};
-  const float e[2] = {rk_norm_sq[t], rv_norm_sq[t]};
-  uint32_t *keys[2] = {key_keys, value_keys}, *energy[2] = {key_energy, value_energy};
-  const bool anchor = anchor_of_token[t] >= 0;
-  for (int side = 0; side < 2; ++side) {
-    keys[side][h * P + t] = descending_key(u[side]);
-    energy[side][h * P + t] = anchor ? 0xFFFFFFFFu : descending_key(e[side]);
-  }
-  const uint32_t id = static_cast<uint32_t>(h * P + t);
-  key_ids[h * P + t] = value_ids[h * P + t] = key_energy_ids[h * P + t] = value_energy_ids[h * P + t] = id;
-}
-
 // Segmented sort through one device-wide radix sort: keys of segment i (n each) become
 // (i << 32) | key, so that a stable sort of the 64-bit keys orders every segment by key, ties
 // in their given order; split_segment_keys_kernel writes the 32-bit keys back.
@@ -732,15 +683,6 @@ __global__ void split_segment_keys_kernel(const uint64_t *wide, const uint32_t *
 __global__ void exclude_chosen_kernel(const uint32_t *sorted_ids, int64_t n, uint32_t *energy_keys) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) energy_keys[sorted_ids[i]] = 0xFFFFFFFFu;
-}
-
-// ||y_r||^2 of the window outputs (one thread per row).
-__global__ void row_norms_kernel(const float *Y, int m, int D, float *out) {
-  const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= m) return;
-  float s = 0.0f;
-  for (int d = 0; d < D; ++d) s += Y[static_cast<int64_t>(r) * D + d] * Y[static_cast<int64_t>(r) * D + d];
-  out[r] = s;
 }
 
 // Bits of the n best candidates (sorted ids h * P + t) into the per-head masks.

@@ -45,18 +45,6 @@
 namespace akv {
 namespace cuda {
 
-#ifdef AKV_SIMT_EMULATION
-struct alignas(16) float4 {
-  float x, y, z, w;
-};
-struct alignas(8) float2 {
-  float x, y;
-};
-struct alignas(8) uint2 {
-  unsigned x, y;
-};
-#endif
-
 // The exact angle of a gapped position offset, out of line: a rare path whose double
 // arithmetic would otherwise take registers from the unrolled loops around it.
 #ifdef AKV_SIMT_EMULATION

@@ -20,6 +20,19 @@
 namespace akv {
 namespace cuda {
 
+#ifdef AKV_SIMT_EMULATION
+// CUDA's vector types, for the emulation's host compiler.
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(8) float2 {
+  float x, y;
+};
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+#endif
+
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 
