@@ -13,8 +13,8 @@ Compare with a device run: `ANCHORKV_COMPRESS_PROFILE=1` makes the pass print on
 "anchorkv AnchorKV compress S=...: setup x ms; load x ms; ...; total x ms; N stream operations",
 with the stage names used here; scripts/bench_compress.py prints that line after its timed runs.
 The "ops" column is the library's own operation count (CudaDevice::operations) and is checked
-against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 150 per layer up to 64K,
-278 at 128K; format 3: 134 and 246).
+against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 151 per layer up to 64K,
+280 at 128K; format 3: 135 and 248).
 
 Storage format 3 (the default) searches each token's local candidates (local_nearest_kernel in
 src/cuda/compress_local_kernels.cuh): its cost comes from the kernel's SASS, counted by
@@ -80,6 +80,12 @@ SELECT = {"coverage_energy_kernel": {"hot_static": 171},
 # (16 window rows against the 32-token tile), its staging loop (tokens a trip) and the rest.
 UTILITY = {"exact": {"chunk_static": 527, "staging_static": 118, "staging_tokens_per_trip": 2, "rest_static": 414},
            "split": {"chunk_static": 701, "staging_static": 77, "staging_tokens_per_trip": 1, "rest_static": 335}}
+# window_outputs_kernel<128, EXACT> from scripts/sass_count.py (used without --sass): a warp's stage loop
+# (64 tokens), its staging loop (float2 pairs a trip), the rest.
+WINDOW = {"exact": {"stage_static": 628, "staging_static": 86, "staging_per_trip": 2, "rest_static": 550},
+          "split": {"stage_static": 864, "staging_static": 110, "staging_per_trip": 2, "rest_static": 545}}
+WINDOW_CHUNK = 2048       # kWindowChunk: tokens a block
+STAGING_ITERS = 32 * 64 // 256  # a stage's token pairs x dim pairs over 256 threads (D 128)
 EXACT_UTILITY = True      # bf16 inputs: the queries and values are exact in bf16 (2 products a side)
 SELECT_CHUNK = 4096       # kSelectChunk: tokens per chunk (and per pass of a block)
 
@@ -300,6 +306,27 @@ def utilities_op(x, hb, P, m):
 Pass.utilities = utilities_op
 
 
+def window_outputs_op(x, hb, S, m):
+    """window_outputs_kernel<128, EXACT>: blocks of 8 warps (16 rows each, all 128 dims) over a
+    chunk of WINDOW_CHUNK tokens in stages of 64 (a stage: the values' staging, STAGING_ITERS
+    float2 pairs a thread in trips of the loop's unrolling, then 4 mma slabs); 2 (V exact in bf16)
+    or 3 bf16 products; A and V read once, the chunks' partials written and read back by
+    window_outputs_reduce_kernel."""
+    mp, chunks = utility_rows(m), -(-S // WINDOW_CHUNK)
+    blocks = hb * chunks * -(-m // 128)
+    w = WINDOW["exact" if EXACT_UTILITY else "split"]
+    trips = STAGING_ITERS / w["staging_per_trip"]
+    per_warp = w["rest_static"] + WINDOW_CHUNK / 64 * (w["stage_static"] + (trips - 1) * w["staging_static"])
+    products = 2 if EXACT_UTILITY else 3
+    parts = hb * chunks * m * D * 4
+    x.op(tc=2 * products * hb * mp * S * D, hbm=hb * (m * S + S * D) * 4 + parts,
+         latency=blocks * 8 * per_warp / ISSUE_PER_S)
+    x.op(hbm=parts + hb * m * D * 4)
+
+
+Pass.window_outputs = window_outputs_op
+
+
 def expected_chunks(mean, tail, ch):
     """E[ceil((N + tail) / ch)] for N Poisson with the given mean (a segment's candidates)."""
     n_max = int(mean + 12 * math.sqrt(mean) + 30)
@@ -412,7 +439,7 @@ def predict(S):
         else:
             x.op(gemm=2 * hb * m * S * D, hbm=hb * (S * D + m * S) * 4)
         x.op(simt=hb * m * S * 8, hbm=hb * m * S * 4 * 3)  # window_softmax_kernel: 2 reads, 1 write of each row
-        x.op(gemm=2 * hb * m * S * D, hbm=hb * (m * S + S * D) * 4)
+        x.window_outputs(hb, S, m)
         x.stage = "scores+pooling"
         x.op(simt=hb * m * P * 3, hbm=hb * (m * P + 2 * P) * 4)  # scores_kernel: column means of A, A^2
         x.op(simt=hb * P * OPT["pool_kernel"], hbm=hb * P * 12)  # pool_kernel: keys + token index
@@ -461,6 +488,7 @@ def main():
         SELECT.update(counts["coverage_select"])
         for kind in UTILITY:
             UTILITY[kind].update(counts["utility"][kind])
+            WINDOW[kind].update(counts["window"][kind])
     keys = "post" if BF16_SCORES else "pre"
     print(f"Model of the CUDA AnchorKV pass (storage format {FORMAT}, H={H}, Hq={HQ}, D={D}, bf16, {keys}-RoPE keys, "
           f"W={W}, theta={THETA}, default options) "
@@ -473,7 +501,7 @@ def main():
         g, HB, x = predict(S)
         total = {key: sum(r[key] for r in x.rows.values()) for key in Pass.KEYS}
         if S in (32768, 65536, 131072):  # tests/emu CompressLaunchCount.PerLayerAtBenchShapes
-            expected = {(2, 8): 150, (2, 4): 278, (3, 8): 134, (3, 4): 246}[(FORMAT, HB)]
+            expected = {(2, 8): 151, (2, 4): 280, (3, 8): 135, (3, 4): 248}[(FORMAT, HB)]
             assert HB == (8 if S <= 65536 else 4) and total["ops"] == expected, (HB, total["ops"])
         print(f"### S = {S}: k = {g['k']} anchors/head ({g['n_top']} scored, {g['n_rand']} coverage), "
               f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({-(-H // HB)} batches)\n")

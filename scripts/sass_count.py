@@ -241,6 +241,7 @@ LOCAL_CHUNKS = (32, 16)  # local_nearest_kernel's candidate chunks (local_chunk 
 def compile_cubin(workdir, nvcc):
     source = ('#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_local_kernels.cuh"\n'
               '#include "cuda/coverage_select_kernels.cuh"\n#include "cuda/utility_kernels.cuh"\n'
+              '#include "cuda/window_outputs_kernels.cuh"\n'
               'template __global__ void akv::cuda::coverage_energy_kernel<1>(const float *, const float *, '
               'const float *, const float *, int64_t, float *);\n'
               'template __global__ void akv::cuda::coverage_chunk_kernel<1>(const float *, const float *, '
@@ -257,6 +258,8 @@ def compile_cubin(workdir, nvcc):
                    "int64_t, int, const uint32_t *, const float *, const float *, const float *, "
                    "const float *, const float *, const float *, const int32_t *, int, uint32_t *, uint32_t *, "
                    "uint32_t *, uint32_t *, uint32_t *, uint32_t *, uint32_t *, uint32_t *);\n")
+        source += (f"template __global__ void akv::cuda::window_outputs_kernel<128, {exact}>(const float *, "
+                   "const float *, int64_t, int, float *);\n")
     return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo", "-DAKV_SASS_PIN_BF16_FUSED"))
 
 
@@ -460,6 +463,25 @@ def utility_cost(f):
             "staging_tokens_per_trip": st[3]["SHFL"] // 5, "rest_static": end + 1 - chunk[2] - st[2]}
 
 
+def window_cost(f):
+    """window_outputs_kernel<128, EXACT> (8 warps, a chunk of tokens): its hot code split into the
+    stage loop (64 tokens: the values' staging, then the mma slabs; the loop with HMMA and BAR),
+    the staging loop inside it (2 float2 loads a pair of tokens and dims: LDG / 2 iterations a
+    trip) and the rest, taken once a warp."""
+    ins = f["ins"]
+    end = max(i for i, x in enumerate(ins) if x["op"].startswith("EXIT"))
+    hot = [l for l in loops(f) if l[1] <= end]
+    stage = [l for l in hot if l[3]["HMMA"] and l[3]["BAR"]]
+    if len(stage) != 1:
+        sys.exit("window_cost: expected one stage loop (HMMA and barriers)")
+    stage = stage[0]
+    inner = [l for l in hot if stage[0] < l[0] and l[1] < stage[1]]
+    if len(inner) != 1 or inner[0][3]["HMMA"] or inner[0][3]["LDG"] % 2:
+        sys.exit("window_cost: expected one staging loop of float2 pairs inside the stage loop")
+    return {"stage_static": stage[2], "hmma_per_stage": stage[3]["HMMA"], "staging_static": inner[0][2],
+            "staging_per_trip": inner[0][3]["LDG"] // 2, "rest_static": end + 1 - stage[2]}
+
+
 def tile_loop(f, spans, lines, fk, fv, k):
     """Per-phase warp instructions per tile of the AnchorKV prefix loop."""
     ins = f["ins"]
@@ -624,6 +646,21 @@ def main():
         print(f"| utility_tc_kernel<128, {exact}> | {c['registers']} | {c['stack']} | {c['spill_stores']}/"
               f"{c['spill_loads']} | {c['chunk_static']} | {c['hmma_per_chunk']} | {c['staging_static']} "
               f"({c['staging_tokens_per_trip']}) | {c['rest_static']} |")
+    result["window"] = {}
+    print("\nThe window outputs y = A V (window_outputs_kernels.cuh; 8 warps, 2048 tokens a block, stages of 64)")
+    print("| kernel | regs | stack B | spill st/ld B | stage loop (a warp) | HMMA a stage | staging loop a trip "
+          "(iterations) | rest |")
+    print("|---|---|---|---|---|---|---|---|")
+    for exact in ("true", "false"):
+        m = next(x for x in funcs if f"window_outputs_kernelILi128ELb{1 if exact == 'true' else 0}E" in x)
+        c = window_cost(funcs[m])
+        pi = pinfo.get(m, {})
+        c.update(registers=pi.get("registers"), stack=pi.get("stack"), spill_stores=pi.get("spill_stores"),
+                 spill_loads=pi.get("spill_loads"))
+        result["window"]["exact" if exact == "true" else "split"] = c
+        print(f"| window_outputs_kernel<128, {exact}> | {c['registers']} | {c['stack']} | {c['spill_stores']}/"
+              f"{c['spill_loads']} | {c['stage_static']} | {c['hmma_per_stage']} | {c['staging_static']} "
+              f"({c['staging_per_trip']}) | {c['rest_static']} |")
     result["coverage_select"] = {}
     print("\nA coverage round's ranking (coverage_select_kernels.cuh; a block of 1024 threads)")
     print("| kernel | regs | stack B | hot SASS (a warp, one pass) | histogram loops | emit loop |")

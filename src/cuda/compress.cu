@@ -131,10 +131,6 @@ struct CudaDevice {
                        const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
     gemm(CUBLAS_OP_T, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch);
   }
-  void gemm_nn_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
-                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
-    gemm(CUBLAS_OP_N, M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch);
-  }
   // gemm_nt_batched with bf16 operands: the products exact, fp32 accumulation and output (the
   // tensor cores; cuBLAS's own order of the sums, as for the SGEMM).
   void gemm_nt_batched_bf16(int64_t M, int64_t N, int64_t K, float alpha, const uint16_t *A, int64_t lda, int64_t sa,

@@ -17,6 +17,7 @@
 #include "cuda/compress_local_kernels.cuh"
 #include "cuda/coverage_select_kernels.cuh"
 #include "cuda/utility_kernels.cuh"
+#include "cuda/window_outputs_kernels.cuh"
 #include "cuda/head_dim.hpp"
 #include "methods/methods.hpp"
 
@@ -50,6 +51,7 @@ struct CompressScratch {
   int32_t *near_token[2], *assigned[2];
   float *coef[2], *units;
   uint16_t *index16[2], *gamma16[2];
+  float *y_parts;
   uint32_t *utility_split;  // utility_rows_kernel's bf16 splits of the window queries and outputs
   uint32_t *search_stats;  // profiling: local_nearest_kernel's counts (Dev::search_counts)
   // The candidate rows an absorb compares (unit rows, in bf16, squared norms), per side: side
@@ -80,6 +82,7 @@ struct CompressScratch {
     take(q, int64_t{H} * m * D);
     take(attn, int64_t{H} * m * S);
     take(y, int64_t{H} * m * D);
+    take(y_parts, int64_t{H} * window_chunks(S) * m * D);  // window_outputs_kernel's partial sums
     take(raw, H * P);
     take(alpha_sq, H * P);
     take(anchor_f, int64_t{H} * k * D);
@@ -371,7 +374,19 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
       dev.gemm_nt_batched(m, S, D, cache.meta.softmax_scale, s.q, D, int64_t{m} * D, s.kpost, D, S * D, s.attn, S,
                           int64_t{m} * S, H);
     dev.launch(window_softmax_kernel, H * m, 1, 128, s.attn, S, P, W);
-    dev.gemm_nn_batched(m, D, S, 1.0f, s.attn, S, int64_t{m} * S, s.v, D, S * D, s.y, D, int64_t{m} * D, H);
+    // y = A V on the tensor cores: the chunks' partial sums, then their sum in chunk order.
+    const int chunks = window_chunks(S);
+    with_head_dim(D, [&](auto d) {
+      constexpr int DD = decltype(d)::value;
+      auto outputs = [&](auto kernel) {
+        dev.launch(kernel, chunks, H * grid_blocks(m, window_block_rows(DD)), 256, static_cast<const float *>(s.attn), static_cast<const float *>(s.v), S, m,
+                   s.y_parts);
+      };
+      if (p.dtype == AKV_DTYPE_BF16) outputs(window_outputs_kernel<DD, true>);  // V holds bf16 values
+      else outputs(window_outputs_kernel<DD, false>);
+    });
+    dev.launch(window_outputs_reduce_kernel, grid_blocks(int64_t{H} * m * D, 256), 1, 256,
+               static_cast<const float *>(s.y_parts), chunks, int64_t{m} * D, int64_t{H} * m * D, s.y);
     // 3. Scores, pooled; 4. anchors: the top share by pooled score (ties: lower index), then
     // the smallest counter hashes among the rest, sorted by token.
     dev.stage(kStageScores);

@@ -9,7 +9,7 @@
 //   gemm_nt(M, N, K, alpha, A, lda, B, ldb, C, ldc)  C = alpha A B^T  (row-major)
 //   gemm_nn(M, N, K, alpha, A, lda, B, ldb, C, ldc)  C = alpha A B
 //   gemm_nt_batched(M, N, K, alpha, A, lda, sa, B, ldb, sb, C, ldc, sc, batch)
-//   gemm_nn_batched(...)                             the same for `batch` problems, operand i at
+//                                                    gemm_nt for `batch` problems, operand i at
 //                                                    A + i sa, B + i sb, C + i sc (strided batch)
 //   gemm_nt_batched_bf16(...)                        gemm_nt_batched on bf16 operands (fp32 C)
 //   sort_u32(keys, values, n), sort_u64(keys, values, n)  stable ascending, in place

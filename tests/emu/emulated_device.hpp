@@ -54,10 +54,6 @@ struct EmulatedDevice {
       gemm_nt(M, N, K, alpha, a.data(), lda, b.data(), ldb, C + i * sc, ldc);
     }
   }
-  void gemm_nn_batched(int64_t M, int64_t N, int64_t K, float alpha, const float *A, int64_t lda, int64_t sa,
-                       const float *B, int64_t ldb, int64_t sb, float *C, int64_t ldc, int64_t sc, int batch) {
-    for (int i = 0; i < batch; ++i) gemm_nn(M, N, K, alpha, A + i * sa, lda, B + i * sb, ldb, C + i * sc, ldc);
-  }
   // The device's segmented sort composes 64-bit keys (segment << 32 | key) with the
   // emulated segment_keys_kernel, sorts them stably, and splits them with
   // split_segment_keys_kernel: the same here, with std::stable_sort for the radix sort.
