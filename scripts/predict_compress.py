@@ -29,7 +29,9 @@ them; one head, bf16, the defaults at 20x); a device run with ANCHORKV_COMPRESS_
 prints the same counts on real data. A coverage round's ranking (the three kernels of
 src/cuda/coverage_select_kernels.cuh, blocks of 1024 threads) is issue-bound per block: 32 warps
 times the kernel's hot SASS (sass_count.py's select_cost: an upper bound, warp 0's lines counted
-for every warp) over a multiprocessor's 4 schedulers.
+for every warp) over a multiprocessor's 4 schedulers. The window outputs and the utilities
+(window_outputs_kernels.cuh, utility_kernels.cuh: bf16 splits on the tensor cores) take the
+longest of their tensor-core time, their HBM bytes and their SASS count's issue time.
 Usage: python3 scripts/predict_compress.py [--seq-lens 32768 65536 131072] [--format 2|3] [--sass JSON]
 """
 import argparse
@@ -284,47 +286,40 @@ class Pass:
         hbm = tiles * 64 * D * 2 + (1 - rescore) * hb * P * D * 4 + hb * P * 8  # bf16 rows, fp32 rescoring rows, outputs
         self.op(tc=2 * tiles * 64 * chunks * ch * D, hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
 
+    def utilities(self, hb, P, m):
+        """utility_rows_kernel (||y||^2, the window rows' bf16 splits as A fragments), then
+        utility_tc_kernel<128, EXACT> over tiles of 32 tokens: per warp the staging of its tokens'
+        rows (TT / 4 tokens, the staging loop's tokens a trip), a 16-row chunk of the mp window
+        rows at a time against the tile (ceil(mp / 64) chunks a warp), the rest once; 2 (bf16
+        inputs: q and v exact) or 3 bf16 products a side on the tensor cores; A, the key residuals
+        and the values read once, 8 words written a token."""
+        mp, tt = utility_rows(m), 4096 // D
+        self.op(simt=hb * mp * D * 4, hbm=hb * m * D * 8 + hb * mp * D * 8)
+        u = UTILITY["exact" if EXACT_UTILITY else "split"]
+        tiles = hb * -(-P // tt)
+        per_warp = (u["rest_static"] + tt / 4 / u["staging_tokens_per_trip"] * u["staging_static"]
+                    + -(-mp // 64) * u["chunk_static"])
+        products = 2 if EXACT_UTILITY else 3
+        self.op(tc=2 * products * 2 * tiles * tt * mp * D,
+                hbm=hb * (m * P * 4 + 2 * P * D * 4 + 4 * P * 4 + 8 * P * 4),
+                latency=tiles * 4 * per_warp / ISSUE_PER_S)
 
-def utilities_op(x, hb, P, m):
-    """utility_rows_kernel (||y||^2, the window rows' bf16 splits as A fragments), then
-    utility_tc_kernel<128, EXACT> over tiles of 32 tokens: per warp the staging of its tokens'
-    rows (TT / 4 tokens, the staging loop's tokens a trip), a 16-row chunk of the mp window rows
-    at a time against the tile (ceil(mp / 64) chunks a warp), the rest once; 2 (bf16 inputs: q and
-    v exact) or 3 bf16 products a side on the tensor cores; A, the key residuals and the values
-    read once, 8 words written a token."""
-    mp, tt = utility_rows(m), 4096 // D
-    x.op(simt=hb * mp * D * 4, hbm=hb * m * D * 8 + hb * mp * D * 8)
-    u = UTILITY["exact" if EXACT_UTILITY else "split"]
-    tiles = hb * -(-P // tt)
-    per_warp = (u["rest_static"] + tt / 4 / u["staging_tokens_per_trip"] * u["staging_static"]
-                + -(-mp // 64) * u["chunk_static"])
-    products = 2 if EXACT_UTILITY else 3
-    x.op(tc=2 * products * 2 * tiles * tt * mp * D, hbm=hb * (m * P * 4 + 2 * P * D * 4 + 4 * P * 4 + 8 * P * 4),
-         latency=tiles * 4 * per_warp / ISSUE_PER_S)
-
-
-Pass.utilities = utilities_op
-
-
-def window_outputs_op(x, hb, S, m):
-    """window_outputs_kernel<128, EXACT>: blocks of 8 warps (16 rows each, all 128 dims) over a
-    chunk of WINDOW_CHUNK tokens in stages of 64 (a stage: the values' staging, STAGING_ITERS
-    float2 pairs a thread in trips of the loop's unrolling, then 4 mma slabs); 2 (V exact in bf16)
-    or 3 bf16 products; A and V read once, the chunks' partials written and read back by
-    window_outputs_reduce_kernel."""
-    mp, chunks = utility_rows(m), -(-S // WINDOW_CHUNK)
-    blocks = hb * chunks * -(-m // 128)
-    w = WINDOW["exact" if EXACT_UTILITY else "split"]
-    trips = STAGING_ITERS / w["staging_per_trip"]
-    per_warp = w["rest_static"] + WINDOW_CHUNK / 64 * (w["stage_static"] + (trips - 1) * w["staging_static"])
-    products = 2 if EXACT_UTILITY else 3
-    parts = hb * chunks * m * D * 4
-    x.op(tc=2 * products * hb * mp * S * D, hbm=hb * (m * S + S * D) * 4 + parts,
-         latency=blocks * 8 * per_warp / ISSUE_PER_S)
-    x.op(hbm=parts + hb * m * D * 4)
-
-
-Pass.window_outputs = window_outputs_op
+    def window_outputs(self, hb, S, m):
+        """window_outputs_kernel<128, EXACT>: blocks of 8 warps (16 rows each, all 128 dims) over a
+        chunk of WINDOW_CHUNK tokens in stages of 64 (a stage: the values' staging, STAGING_ITERS
+        float2 pairs a thread in trips of the loop's unrolling, then 4 mma slabs); 2 (V exact in
+        bf16) or 3 bf16 products; A and V read once, the chunks' partials written and read back by
+        window_outputs_reduce_kernel."""
+        mp, chunks = utility_rows(m), -(-S // WINDOW_CHUNK)
+        blocks = hb * chunks * -(-m // 128)
+        w = WINDOW["exact" if EXACT_UTILITY else "split"]
+        trips = STAGING_ITERS / w["staging_per_trip"]
+        per_warp = w["rest_static"] + WINDOW_CHUNK / 64 * (w["stage_static"] + (trips - 1) * w["staging_static"])
+        products = 2 if EXACT_UTILITY else 3
+        parts = hb * chunks * m * D * 4
+        self.op(tc=2 * products * hb * mp * S * D, hbm=hb * (m * S + S * D) * 4 + parts,
+                latency=blocks * 8 * per_warp / ISSUE_PER_S)
+        self.op(hbm=parts + hb * m * D * 4)
 
 
 def expected_chunks(mean, tail, ch):

@@ -16,9 +16,9 @@
 #include "cuda/compress_kernels.cuh"
 #include "cuda/compress_local_kernels.cuh"
 #include "cuda/coverage_select_kernels.cuh"
+#include "cuda/head_dim.hpp"
 #include "cuda/utility_kernels.cuh"
 #include "cuda/window_outputs_kernels.cuh"
-#include "cuda/head_dim.hpp"
 #include "methods/methods.hpp"
 
 namespace akv {
@@ -51,7 +51,7 @@ struct CompressScratch {
   int32_t *near_token[2], *assigned[2];
   float *coef[2], *units;
   uint16_t *index16[2], *gamma16[2];
-  float *y_parts;
+  float *y_parts;           // window_outputs_kernel's partial sums, a chunk of tokens each
   uint32_t *utility_split;  // utility_rows_kernel's bf16 splits of the window queries and outputs
   uint32_t *search_stats;  // profiling: local_nearest_kernel's counts (Dev::search_counts)
   // The candidate rows an absorb compares (unit rows, in bf16, squared norms), per side: side
@@ -379,8 +379,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     with_head_dim(D, [&](auto d) {
       constexpr int DD = decltype(d)::value;
       auto outputs = [&](auto kernel) {
-        dev.launch(kernel, chunks, H * grid_blocks(m, window_block_rows(DD)), 256, static_cast<const float *>(s.attn), static_cast<const float *>(s.v), S, m,
-                   s.y_parts);
+        dev.launch(kernel, chunks, H * grid_blocks(m, window_block_rows(DD)), 256, static_cast<const float *>(s.attn),
+                   static_cast<const float *>(s.v), S, m, s.y_parts);
       };
       if (p.dtype == AKV_DTYPE_BF16) outputs(window_outputs_kernel<DD, true>);  // V holds bf16 values
       else outputs(window_outputs_kernel<DD, false>);
@@ -484,8 +484,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
       auto utilities = [&](auto kernel) {
         dev.launch(kernel, grid_blocks(P, utility_tokens(DD)), H, 128, static_cast<const float *>(s.attn), S, P, m,
                    static_cast<const uint32_t *>(s.utility_split), static_cast<const float *>(s.y_norm_sq),
-                   static_cast<const float *>(s.rk),
-                   static_cast<const float *>(s.v), static_cast<const float *>(s.alpha_sq),
+                   static_cast<const float *>(s.rk), static_cast<const float *>(s.v),
+                   static_cast<const float *>(s.alpha_sq),
                    static_cast<const float *>(s.rk_norm_sq), static_cast<const float *>(s.rv_norm_sq),
                    static_cast<const int32_t *>(s.anchor_of_token), h0, s.util_keys[0], s.util_keys[1],
                    s.util_ids[0], s.util_ids[1], s.energy_keys[0], s.energy_keys[1], s.energy_ids[0],

@@ -1,7 +1,8 @@
 // Kernels of the AnchorKV compression pass on the GPU (docs/design.md §2.2, the CPU reference is
 // cpu/compress_anchorkv.cpp): loading the prefill tensors, a plain GEMM (used where cuBLAS is
 // not, e.g. by the SIMT emulation tests), the window softmax, scores and pooling, anchors,
-// nearest-anchor assignment, utilities, residual bitmasks and the residual encoding. The
+// nearest-anchor assignment, residual bitmasks and the residual encoding (the window outputs and
+// the utilities on the tensor cores: window_outputs_kernels.cuh, utility_kernels.cuh). The
 // orchestration is in cuda/compress_pipeline.hpp.
 #pragma once
 #include "core/codebook.hpp"

@@ -1,5 +1,5 @@
 // The utilities (Eq. 6) of the AnchorKV pass's prefix tokens in one kernel on the tensor cores
-// (docs/gpu.md, "Utilities"; the CPU reference is the utilities stage of
+// (docs/gpu.md, the compression pass; the CPU reference is the utilities stage of
 // cpu/compress_anchorkv.cpp):
 //   u_K(t) = sum_r A[r][t]^2 (q_r . rk_t)^2 max(0, ||v_t||^2 - 2 v_t . y_r + ||y_r||^2) / (m D)
 //   u_V(t) = alpha_t^2 ||r_V(t)||^2
@@ -15,8 +15,8 @@
 namespace akv {
 namespace cuda {
 
-// Tokens per block of utility_tc_kernel: the tile's four bf16 arrays (D + 8 a row) stay under
-// 48 KB of static shared memory.
+// Tokens per block of utility_tc_kernel: the tile's four bf16 arrays (D + 16 values a row) stay
+// under 48 KB of static shared memory.
 __host__ __device__ constexpr int utility_tokens(int D) { return 4096 / D; }
 
 // Where word c (the dim pair 2c, 2c + 1) of a row is in utility_tc_kernel's shared memory.
@@ -62,19 +62,19 @@ __global__ void utility_rows_kernel(const float *Q, const float *Y, int heads, i
 
 // Utilities of the prefix tokens of head h = h0 + blockIdx.y (grid: (ceil(P / TT), heads of the
 // batch), 128 threads). Per-head inputs are [y][...] arrays: A [m][S], the splits of Q and Y
-// (utility_rows_kernel's), y_norm_sq [m], RK [P][D] (the key residuals rotated to their positions), V [S][D], alpha_sq,
-// the residual norms and anchor_of_token [P]. Writes what utility keys the residual selection
-// sorts (descending utility; anchors -1, never candidates), the guard's keys (descending
-// residual energy; anchors last) and the ids h * P + t. EXACT: Q and V hold bf16 values (q lo,
-// v lo are zero).
-// Warp w takes the 16-row chunks w, w + 4, ... of the m rows against the whole token tile
-// (rows are the mma's M, tokens its N); each lane sums its tokens' terms over its rows, the
-// lanes of a column and then the warps meet in a fixed order.
+// (utility_rows_kernel's), y_norm_sq [m], RK [P][D] (the key residuals rotated to their
+// positions), V [S][D], alpha_sq, the residual norms and anchor_of_token [P]. Writes the keys the
+// residual selection sorts (descending utility; anchors -1, never candidates), the guard's keys
+// (descending residual energy; anchors last) and the ids h * P + t. EXACT: Q and V hold bf16
+// values (their lo parts are zero and skipped). Warp w takes the 16-row chunks w, w + 4, ... of
+// the m rows against the whole token tile (rows are the mma's M, tokens its N); each lane sums
+// its tokens' terms over its rows, then the lanes of a column and the warps meet in a fixed
+// order.
 template <int D, bool EXACT>
 __global__ void __launch_bounds__(128)
     utility_tc_kernel(const float *A, int64_t S, int64_t P, int m, const uint32_t *split, const float *y_norm_sq,
-                      const float *RK, const float *V, const float *alpha_sq,
-                      const float *rk_norm_sq, const float *rv_norm_sq, const int32_t *anchor_of_token, int h0,
+                      const float *RK, const float *V, const float *alpha_sq, const float *rk_norm_sq,
+                      const float *rv_norm_sq, const int32_t *anchor_of_token, int h0,
                       uint32_t *key_keys, uint32_t *value_keys, uint32_t *key_ids, uint32_t *value_ids,
                       uint32_t *key_energy, uint32_t *value_energy, uint32_t *key_energy_ids,
                       uint32_t *value_energy_ids) {
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(128)
       fragment(yh_g, chunk, ks, yh);
       fragment(yl_g, chunk, ks, yl);
       for (int nt = 0; nt < NT; ++nt) {
-        const int w = (nt * 8 + g) * RW + ks * 8 + 2 * tq;  // B: token nt * 8 + g, dims 2 tq and 2 tq + 8
+        const int w = (nt * 8 + g) * RW + ks * 8 + 2 * tq;  // B: token nt * 8 + g, dims 2 tq, 2 tq + 8
         uint32_t kh[2], kl[2], vh[2];
         load_pair(kh, &rows_s[0][w]);
         load_pair(kl, &rows_s[1][w]);

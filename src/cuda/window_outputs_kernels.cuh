@@ -1,10 +1,10 @@
 // The window attention's outputs y = A V of the AnchorKV pass on the tensor cores (docs/gpu.md,
-// "Utilities"): A is the causal-window softmax [m][S] of a head, V its values [S][D]. Each block
-// takes a chunk of the tokens for up to 128 rows (mma.m16n8k16: rows are M, tokens K, dims N),
-// A split into bf16 hi + lo, V as bf16 (hi + lo unless its values are bf16 already): two or three
-// products, about 16 significant bits. The chunks' partial sums go to scratch and
-// window_outputs_reduce_kernel adds them in chunk order, so the result does not depend on
-// scheduling.
+// the compression pass): A is the causal-window softmax [m][S] of a head, V its values [S][D].
+// Each block takes a chunk of the tokens for up to 128 rows (mma.m16n8k16: rows are M, tokens
+// K, dims N), A split into bf16 hi + lo, V as bf16 (hi + lo unless its values are bf16
+// already): two or three products, about 16 significant bits. The chunks' partial sums go to
+// scratch and window_outputs_reduce_kernel adds them in chunk order, so the result does not
+// depend on scheduling.
 #pragma once
 #include "cuda/compress_kernels.cuh"
 
@@ -13,7 +13,9 @@ namespace cuda {
 
 // Tokens a block of window_outputs_kernel sums (its chunk), and per shared-memory stage.
 constexpr int kWindowChunk = 2048;
-__host__ __device__ constexpr int window_chunks(int64_t S) { return static_cast<int>((S + kWindowChunk - 1) / kWindowChunk); }
+__host__ __device__ constexpr int window_chunks(int64_t S) {
+  return static_cast<int>((S + kWindowChunk - 1) / kWindowChunk);
+}
 __host__ __device__ constexpr int window_stage_tokens(int D) { return D <= 128 ? 64 : 32; }
 // Rows of the window a block takes: 8 warps of 16 rows, each warp 128 dims (D 256: two warps a
 // tile of rows).
