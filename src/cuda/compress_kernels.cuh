@@ -1,9 +1,8 @@
 // Kernels of the AnchorKV compression pass on the GPU (docs/design.md §2.2, the CPU reference is
-// cpu/compress_anchorkv.cpp): loading the prefill tensors, a plain GEMM (used where cuBLAS is
-// not, e.g. by the SIMT emulation tests), the window softmax, scores and pooling, anchors,
-// nearest-anchor assignment, residual bitmasks and the residual encoding (the window outputs and
-// the utilities on the tensor cores: window_outputs_kernels.cuh, utility_kernels.cuh). The
-// orchestration is in cuda/compress_pipeline.hpp.
+// cpu/compress_anchorkv.cpp): loading the prefill tensors, the window softmax, scores and
+// pooling, anchors, nearest-anchor assignment, residual bitmasks and the residual encoding (the
+// window outputs and the utilities on the tensor cores: window_outputs_kernels.cuh,
+// utility_kernels.cuh). The orchestration is in cuda/compress_pipeline.hpp.
 #pragma once
 #include "core/codebook.hpp"
 #include "core/rng.hpp"
@@ -129,41 +128,6 @@ __global__ void load_queries_kernel(const __grid_constant__ PrefillArgs a, int h
     if (q_b) q_b[static_cast<int64_t>(r) * D + d] = float_to_bits(x, true);
   }
   if (bad) atomicAdd(a.bad, 1);
-}
-
-// C[i][j] = alpha * sum_k A(i,k) B(k,j), A(i,k) = A[i*a_i + k*a_k], B(k,j) = B[k*b_k + j*b_j],
-// C row-major with ldc. 32x32 tiles, 256 threads (2x2 outputs each).
-constexpr int kGemmTile = 32, kGemmK = 16;
-__global__ void __launch_bounds__(256) gemm_kernel(int64_t M, int64_t N, int64_t K, float alpha, const float *A,
-                                                   int64_t a_i, int64_t a_k, const float *B, int64_t b_k,
-                                                   int64_t b_j, float *C, int64_t ldc) {
-  AKV_STATIC_SHARED(float, As, [kGemmK][kGemmTile + 1]);
-  AKV_STATIC_SHARED(float, Bs, [kGemmK][kGemmTile + 1]);
-  const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kGemmTile, j0 = static_cast<int64_t>(blockIdx.x) * kGemmTile;
-  float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
-  for (int64_t k0 = 0; k0 < K; k0 += kGemmK) {
-    for (int e = tid; e < kGemmK * kGemmTile; e += 256) {
-      const int kk = e / kGemmTile, ii = e % kGemmTile;
-      const int64_t k = k0 + kk;
-      As[kk][ii] = (i0 + ii < M && k < K) ? A[(i0 + ii) * a_i + k * a_k] : 0.0f;
-      Bs[kk][ii] = (j0 + ii < N && k < K) ? B[k * b_k + (j0 + ii) * b_j] : 0.0f;
-    }
-    __syncthreads();
-    for (int kk = 0; kk < kGemmK; ++kk) {
-      const float a0 = As[kk][ty * 2], a1 = As[kk][ty * 2 + 1], b0 = Bs[kk][tx * 2], b1 = Bs[kk][tx * 2 + 1];
-      acc[0][0] += a0 * b0;
-      acc[0][1] += a0 * b1;
-      acc[1][0] += a1 * b0;
-      acc[1][1] += a1 * b1;
-    }
-    __syncthreads();
-  }
-  for (int r = 0; r < 2; ++r)
-    for (int c = 0; c < 2; ++c) {
-      const int64_t i = i0 + ty * 2 + r, j = j0 + tx * 2 + c;
-      if (i < M && j < N) C[i * ldc + j] = alpha * acc[r][c];
-    }
 }
 
 // Block-wide reductions over 128 threads (scratch: 4 floats of shared memory).

@@ -2,7 +2,7 @@
 // cpu/compress_anchorkv.cpp), written once over a small device policy so that the same
 // orchestration runs on a CUDA device (cuda/compress.cu: launches on a stream, cuBLAS GEMMs,
 // CUB radix sorts) and on the CPU through the SIMT emulation (tests/emu: the kernels run as
-// fibers, sorts are std::stable_sort, GEMMs the plain kernel).
+// fibers, sorts are std::stable_sort, GEMMs host loops).
 //
 // The policy provides:
 //   launch(kernel, gx, gy, block, args...)          a kernel over a (gx, gy) grid

@@ -275,25 +275,6 @@ TEST(EmulatedWindowOutputs, MatchTheProductInDouble) {
   check_window_outputs<256, true>(seed);
 }
 
-// The GEMM kernel the pipeline uses where cuBLAS is not available: both operand layouts,
-// sizes that are not multiples of the tile.
-TEST(EmulatedGemm, MatchesHostProduct) {
-  const uint64_t seed = fresh_seed();
-  AKV_TRACE_SEED(seed);
-  Rng rng(seed);
-  const int64_t M = 37, N = 45, K = 70;
-  const std::vector<float> A = nonzero_normal(rng, M * K), B = nonzero_normal(rng, K * N);
-  for (bool transposed : {false, true}) {
-    std::vector<float> got(M * N, std::nanf("")), want(M * N);
-    // transposed: B read as [N][K] (ld K); else [K][N] (ld N).
-    const int64_t b_k = transposed ? 1 : N, b_j = transposed ? K : 1;
-    EmulatedDevice::gemm(M, N, K, 0.5f, A.data(), K, 1, B.data(), b_k, b_j, want.data(), N);
-    simt::launch(simt::dim3((N + 31) / 32, (M + 31) / 32), simt::dim3(256), 0, kc::gemm_kernel, M, N, K, 0.5f, A.data(),
-                 K, int64_t{1}, B.data(), b_k, b_j, got.data(), N);
-    EXPECT_TRUE(all_near(got, want, 1e-4, 1e-4)) << (transposed ? "A B^T" : "A B");
-  }
-}
-
 // The residual prefix counts (one block scanning every head's words): per-word counts and
 // per-head offsets equal the serial sums, for word counts below, at and across the block's
 // chunk, empty and full words.
