@@ -64,11 +64,11 @@ ISSUE_PER_S = SMS * 4 * CLOCK_HZ * IPC
 SKIP_SHARE = 0.868        # MEASURED (emulation, synthetic data, 32K): a round's tokens left alone
 # local_nearest_kernel<128, CH> from scripts/sass_count.py (used without --sass), per candidate
 # chunk CH (16 or 32): warp instructions per chunk and per tile (per warp, 4 warps a block), the
-# candidate range's two binary searches (one thread; a step each), the rescoring loops' static
+# candidate range's two searches (warp 0, 32 probes a round; a round each), the rescoring loops' static
 # SASS (the warp's: a pass per candidate; the lanes' own: a pass per candidate of the busiest lane).
-LOCAL = {"32": {"warp_instr_per_chunk": 587, "warp_instr_per_tile": 485, "search_loops_static": 42,
+LOCAL = {"32": {"warp_instr_per_chunk": 584, "warp_instr_per_tile": 485, "search_loops_static": 104,
                 "rescore_loop_static": 70, "serial_rescore_static": 456},
-         "16": {"warp_instr_per_chunk": 433, "warp_instr_per_tile": 487, "search_loops_static": 42,
+         "16": {"warp_instr_per_chunk": 433, "warp_instr_per_tile": 483, "search_loops_static": 104,
                 "rescore_loop_static": 70, "serial_rescore_static": 456}}
 WARP_RESCORE_MOST = 8     # kWarpRescoreMost: past this many candidates a warp's lanes rescore their own
 RESCORED = 1.84           # MEASURED (same run, chunks of 16): candidates rescored in fp32 per token searched
@@ -264,8 +264,8 @@ class Pass:
         """local_nearest_kernel<128, CH> over every token of hb heads against the absorbed rows in
         its reach (in_reach on average: a segment's count taken as Poisson) and `tail` of the
         window's; CH as local_chunk() picks it (16 when the mean is at most 16, else 32): per
-        64-token tile, the binary searches of its range in the n_sorted candidates (one thread: a
-        quarter of the tile's 4 warps), the token rows in bf16, E[ceil(candidates / CH)] chunks, and
+        64-token tile, the two searches of its range in the n_sorted candidates (warp 0, 32 probes a
+        round: a quarter of the tile's 4 warps), the token rows in bf16, E[ceil(candidates / CH)] chunks, and
         fp32 rescoring of the tokens not left alone (RESCORED candidates each, over a token's 2
         lanes): with at most WARP_RESCORE_MOST in the warp it rescores them together, a pass each;
         with more, each lane its own (the busiest lane taken as the mean). The fp32 rows are read
@@ -276,7 +276,7 @@ class Pass:
         chunks = expected_chunks(in_reach, tail, ch)
         local = LOCAL[str(ch)]
         rescore = 0.0 if fresh else SKIP_SHARE
-        steps = math.ceil(math.log2(n_sorted + 1))
+        steps = warp_search_rounds(n_sorted)
         pairs = WARP_TOKENS * (1 - rescore) * RESCORED
         rescoring = (pairs * local["rescore_loop_static"] if pairs <= WARP_RESCORE_MOST
                      else RESCORED / 2 * local["serial_rescore_static"])
@@ -320,6 +320,15 @@ class Pass:
         self.op(tc=2 * products * hb * mp * S * D, hbm=hb * (m * S + S * D) * 4 + parts,
                 latency=blocks * 8 * per_warp / ISSUE_PER_S)
         self.op(hbm=parts + hb * m * D * 4)
+
+
+def warp_search_rounds(n):
+    """warp_lower_bound_u32's rounds over n ids at most: each narrows the range to a probe's
+    step, ceil(length / 32), less one."""
+    rounds = 0
+    while n > 0:
+        n, rounds = -(-n // 32) - 1, rounds + 1
+    return rounds
 
 
 def expected_chunks(mean, tail, ch):

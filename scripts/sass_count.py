@@ -378,14 +378,17 @@ def local_search_cost(f, ch):
     candidate rows (16-byte copies) and tile products are unrolled, its one inner loop is the
     offers (ch / 2 a thread, unrolled by the factor read off the comparisons against the 4th
     kept). Before it, the tile's token rows (unrolled) count once a tile, and the candidate
-    range's two binary searches (one thread) are reported apart (a step each). After the
+    range's two searches (warp 0, 32 probes a round) are reported apart (a round each). After the
     chunks, the tile's end (the token's decision, the parts' reduction, the writes; up to the
     last EXIT, without its loops and without the profiling block, which production skips)
     counts once a tile; the warp's rescoring loop (the first one
     there with FFMAs: the whole warp rescoring one lane's candidate) once a candidate rescored,
     or with many candidates in a warp, the lanes' own (the loop with the most FFMAs: one lane's
     fp32 product) once a candidate of the busiest lane."""
-    ls = loops(f)
+    end = max(i for i, x in enumerate(f["ins"]) if x["op"].startswith("EXIT"))
+    # Hot loops only: the out-of-line fallbacks of the warp collectives after the last EXIT
+    # branch back into the code before them, which would read as loops around everything.
+    ls = [l for l in loops(f) if l[1] <= end]
     chunk = next(l for l in ls if l[3]["HMMA"])
     inner = [l for l in ls if chunk[0] < l[0] and l[1] < chunk[1]]
     if any(l[3]["HMMA"] for l in inner):
@@ -397,15 +400,16 @@ def local_search_cost(f, ch):
         # the offers: ch / 2 a thread, unrolled by the comparisons against the 4th kept
         per_chunk += n * (ch // 2) / max(1, ops["FSETP"] // 3)
     before = [l for l in ls if l[1] < chunk[0]]
-    # The candidate range's two binary searches (thread 0: one load a step, no stores); the
-    # model gives them their steps, log2 of the sorted candidates.
-    searches = [l for l in before if l[3]["LDG"] + l[3]["LD"] == 1 and not l[3]["STS"]]
+    # The candidate range's two searches (warp 0: one load a lane and a ballot a round, no
+    # stores); the model gives them their rounds, about log32 of the sorted candidates.
+    searches = [l for l in before if l[3]["LDG"] + l[3]["LD"] == 1 and l[3]["VOTE"] and not l[3]["STS"]]
+    if len(searches) != 2:
+        sys.exit("local_search_cost: expected the candidate range's two warp searches before the chunks")
     # The token rows (16-byte copies into shared memory) are unrolled; a loop of them would
     # need its trip count.
     if any(l[3]["STS"] for l in before):
         sys.exit("local_search_cost: the token rows are a loop (the model counts them unrolled)")
-    end = max(i for i, x in enumerate(f["ins"]) if x["op"].startswith("EXIT"))
-    after = [l for l in ls if l[0] > chunk[1] and l[1] <= end]
+    after = [l for l in ls if l[0] > chunk[1]]
     outer = [l for l in after if not any(o[0] < l[0] and l[1] <= o[1] for o in after)]
     tail = end - chunk[1] - sum(l[2] for l in outer)
     # The profiling block (`if (stats)`: warp sums and atomics) is skipped in production.
@@ -628,8 +632,8 @@ def main():
               f"tokens): chunk loop {cost['chunk_loop_static']} static SASS, {cost['warp_instr_per_chunk']:.0f} warp "
               f"instructions per {ch}-candidate chunk; {cost['warp_instr_per_tile']:.0f} per tile outside the chunks "
               f"(token rows, {cost['tile_end_static']} at the end, without the profiling block's "
-              f"{cost['profiling_static']}); the candidate range's binary searches "
-              f"{cost['search_loops_static']} a step (one thread); fp32 rescoring {cost['rescore_loop_static']} a "
+              f"{cost['profiling_static']}); the candidate range's two searches "
+              f"{cost['search_loops_static']} a round (warp 0); fp32 rescoring {cost['rescore_loop_static']} a "
               f"candidate (the warp), {cost['serial_rescore_static']} a candidate (each lane its own)")
     result["utility"] = {}
     print("\nThe utilities (utility_kernels.cuh; a block of 4 warps, 32 tokens, 16-row chunks of the window rows)")

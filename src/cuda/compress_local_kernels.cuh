@@ -39,13 +39,19 @@ inline int local_chunk(const LocalRange &r, int64_t n_sorted, int64_t n_tail) {
   return expected <= 16 ? 16 : 32;
 }
 
-// The first i in [0, n) with ids[i] >= value (n if none); ids increasing.
-__device__ __forceinline__ int64_t lower_bound_u32(const uint32_t *ids, int64_t n, int64_t value) {
-  int64_t lo = 0, hi = n;
+// The first i in [0, n) with ids[i] >= value (n if none); ids increasing. One warp, every lane
+// calling with the same arguments (the same result in every lane): 32 probes a round, whose
+// ballot is a prefix of the lanes, narrow the range to one probe's step, so a search takes
+// about log32(n) rounds of one load each instead of log2(n) dependent loads of one thread.
+__device__ __forceinline__ int64_t warp_lower_bound_u32(const uint32_t *ids, int64_t n, int64_t value, int lane) {
+  int64_t lo = 0, hi = n;  // the answer is in [lo, hi]
   while (lo < hi) {
-    const int64_t mid = (lo + hi) >> 1;
-    if (static_cast<int64_t>(ids[mid]) < value) lo = mid + 1;
-    else hi = mid;
+    const int64_t step = (hi - lo + 31) / 32, probe = lo + lane * step;
+    const int below = __popc(__ballot_sync(kFullMask, probe < hi && static_cast<int64_t>(ids[probe]) < value));
+    if (below == 0) return lo;
+    const int64_t at = lo + (below - 1) * step;  // ids[at] < value <= ids[at + step] (if below hi)
+    lo = at + 1;
+    hi = at + step < hi ? at + step : hi;
   }
   return lo;
 }
@@ -139,11 +145,15 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const LocalSide side
   float *near_dot = (second ? side1.near_dot : side0.near_dot) + y * P;
   ids += y * ids_stride;
   const int tid = threadIdx.x;
-  if (tid == 0) {
+  if (tid < 32) {  // warp 0: the candidate range, while the others start on the token rows
     int64_t first, last;
     candidate_positions(range, t0 >> range.segment_shift, &first, &last);
-    bounds[0] = lower_bound_u32(ids, n_sorted, first);
-    bounds[1] = lower_bound_u32(ids, n_sorted, last);
+    const int64_t b0 = warp_lower_bound_u32(ids, n_sorted, first, tid);
+    const int64_t b1 = warp_lower_bound_u32(ids, n_sorted, last, tid);
+    if (tid == 0) {
+      bounds[0] = b0;
+      bounds[1] = b1;
+    }
   }
   copy_tile_rows<D, TOK>(xs, P - t0, x_b + t0 * D);  // zeros past the prefix
   __syncthreads();

@@ -555,6 +555,36 @@ TEST(EmulatedLocalNearest, MatchesFp32Scan) {
   }
 }
 
+// warp_lower_bound_u32 (local_nearest_kernel's candidate range, one warp) against
+// std::lower_bound: lengths 0 to past 32^2 (one, two and three rounds), values below, between,
+// on and past the ids, repeated ids; every lane returns the same index.
+void lower_bound_kernel(const uint32_t *ids, int64_t n, const int64_t *values, int count, int64_t *out) {
+  for (int i = 0; i < count; ++i) out[i * 32 + threadIdx.x] = kc::warp_lower_bound_u32(ids, n, values[i], threadIdx.x);
+}
+
+TEST(EmulatedLocalNearest, WarpLowerBoundMatchesTheSerialOne) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  for (int64_t n : {0, 1, 2, 31, 32, 33, 100, 1023, 1024, 1025, 3000}) {
+    std::vector<uint32_t> ids(static_cast<size_t>(n));
+    uint32_t at = 0;
+    for (uint32_t &id : ids) id = at += static_cast<uint32_t>(rng.uniform(0.0, 3.0));  // steps of 0, 1, 2
+    std::vector<int64_t> values = {0, 1, static_cast<int64_t>(at), static_cast<int64_t>(at) + 1, int64_t{1} << 40};
+    for (int i = 0; i < 40; ++i) values.push_back(static_cast<int64_t>(rng.uniform(0.0, at + 2.0)));
+    std::vector<int64_t> out(values.size() * 32, -7);
+    simt::launch(simt::dim3(1), simt::dim3(32), 0, lower_bound_kernel, static_cast<const uint32_t *>(ids.data()), n,
+                 static_cast<const int64_t *>(values.data()), static_cast<int>(values.size()), out.data());
+    for (size_t i = 0; i < values.size(); ++i) {
+      const int64_t want = std::lower_bound(ids.begin(), ids.end(), values[i],
+                                            [](uint32_t id, int64_t v) { return static_cast<int64_t>(id) < v; }) -
+                           ids.begin();
+      for (int lane = 0; lane < 32; ++lane)
+        ASSERT_EQ(out[i * 32 + lane], want) << "n " << n << " value " << values[i] << " lane " << lane;
+    }
+  }
+}
+
 // The chunk follows the candidates a segment's tokens expect: the window's first absorb (and
 // many candidates) 32, a coverage round's few 16 (at 32K tokens, 2048-position segments, 2136
 // of reach: ~8 of 43 new anchors in reach).
