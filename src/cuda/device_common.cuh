@@ -122,6 +122,16 @@ __device__ __forceinline__ uint32_t f16x2_fma(uint32_t a, uint32_t b, uint32_t c
 #endif
 }
 
+// Where pair c (bf16x2 word c of a row, c / 8 its k16 slab) is stored so that an mma B
+// fragment's two words, pairs tq and tq + 4 of a slab, are adjacent: a slab's pairs in the
+// order 0, 4, 1, 5, 2, 6, 3, 7. load_b_pair then reads both with one 8-byte load.
+__device__ __forceinline__ int slab_word(int c) { return (c & ~7) | (c & 3) << 1 | (c >> 2 & 1); }
+__device__ __forceinline__ void load_b_pair(uint32_t (&b)[2], const uint32_t *at) {
+  const uint2 x = *reinterpret_cast<const uint2 *>(at);
+  b[0] = x.x;
+  b[1] = x.y;
+}
+
 // d += A B on the tensor cores: mma.m16n8k16, bf16 operands, f32 accumulation, one warp
 // (fragment layouts: simt::mma_m16n8k16_bf16, which the emulation runs instead).
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {

@@ -19,14 +19,6 @@ namespace cuda {
 // under 48 KB of static shared memory.
 __host__ __device__ constexpr int utility_tokens(int D) { return 4096 / D; }
 
-// Where word c (the dim pair 2c, 2c + 1) of a row is in utility_tc_kernel's shared memory.
-__device__ __forceinline__ int slab_word(int c) { return (c & ~7) | (c & 3) << 1 | (c >> 2 & 1); }
-__device__ __forceinline__ void load_pair(uint32_t (&b)[2], const uint32_t *at) {
-  const uint2 x = *reinterpret_cast<const uint2 *>(at);
-  b[0] = x.x;
-  b[1] = x.y;
-}
-
 // Rows of the window padded to whole mma tiles of 16 (the padding's splits are zeros).
 __host__ __device__ constexpr int utility_rows(int m) { return (m + 15) / 16 * 16; }
 
@@ -99,8 +91,8 @@ __global__ void __launch_bounds__(128)
   V += y * S * D;
 
   // The tile's rows into shared memory as bf16 splits (zeros past the prefix), ||v_t||^2 in fp32.
-  // Within each k16 slab the words (dim pairs) are stored in the order 0, 4, 1, 5, 2, 6, 3, 7:
-  // a lane's two B words (dims 2 tq and 2 tq + 8) are then one 8-byte load.
+  // Within each k16 slab the words (dim pairs) are in slab_word order: a lane's two B words
+  // (dims 2 tq and 2 tq + 8) are then one 8-byte load.
   for (int i = warp; i < TT; i += 4) {
     const int64_t t = t0 + i;
     float vn = 0.0f;
@@ -156,16 +148,16 @@ __global__ void __launch_bounds__(128)
       for (int nt = 0; nt < NT; ++nt) {
         const int w = (nt * 8 + g) * RW + ks * 8 + 2 * tq;  // B: token nt * 8 + g, dims 2 tq, 2 tq + 8
         uint32_t kh[2], kl[2], vh[2];
-        load_pair(kh, &rows_s[0][w]);
-        load_pair(kl, &rows_s[1][w]);
-        load_pair(vh, &rows_s[2][w]);
+        load_b_pair(kh, &rows_s[0][w]);
+        load_b_pair(kl, &rows_s[1][w]);
+        load_b_pair(vh, &rows_s[2][w]);
         mma_bf16_16816(z[nt], qh, kl);
         if (!EXACT) mma_bf16_16816(z[nt], ql, kh);
         mma_bf16_16816(z[nt], qh, kh);
         mma_bf16_16816(vy[nt], yl, vh);
         if (!EXACT) {
           uint32_t vl[2];
-          load_pair(vl, &rows_s[3][w]);
+          load_b_pair(vl, &rows_s[3][w]);
           mma_bf16_16816(vy[nt], yh, vl);
         }
         mma_bf16_16816(vy[nt], yh, vh);

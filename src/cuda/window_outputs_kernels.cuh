@@ -32,8 +32,8 @@ __global__ void __launch_bounds__(256)
   constexpr int ND = D < 128 ? D : 128, NT = ND / 8, SPLITS = D / ND;  // a warp's dims, n8 tiles
   static_assert(TW % 32 == 8 || TW % 32 == 24, "a half warp's 8-byte B loads in distinct banks");
   // V^T of the stage as bf16x2 words (token pairs): hi, then lo (unused when EXACT); a 16-token
-  // slab's pairs in slab order (0, 4, 1, 5, 2, 6, 3, 7), so that a lane's two B words (tokens
-  // 2 tq.., 2 tq + 8..) are one 8-byte load, then XOR-swizzled by an even amount per pair of dims
+  // slab's pairs in slab_word order, so that a lane's two B words (tokens 2 tq.., 2 tq + 8..)
+  // are one 8-byte load, then XOR-swizzled by an even amount per pair of dims
   // (swizzle()), so that the stores of a warp (32 dim pairs, one token pair) meet at most 2-way
   // bank conflicts (4-way at D 256) while the loads stay conflict-free.
   auto swizzle = [](int dim) { return 2 * ((dim >> 1) % (KS / 4)); };
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(256)
       float2 x0{0.0f, 0.0f}, x1 = x0;
       if (t < last) x0 = *reinterpret_cast<const float2 *>(V + t * D + 2 * dp);
       if (t + 1 < last) x1 = *reinterpret_cast<const float2 *>(V + (t + 1) * D + 2 * dp);
-      const int w = ((p & ~7) | (p & 3) << 1 | (p >> 2 & 1)) ^ swizzle(2 * dp);
+      const int w = slab_word(p) ^ swizzle(2 * dp);
       uint32_t *at0 = &vt_s[0][(2 * dp) * TW + w], *at1 = &vt_s[0][(2 * dp + 1) * TW + w];
       if (EXACT) {
         *at0 = pack_bf16x2(x0.x, x1.x);
@@ -88,15 +88,15 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int dim = d0 + nt * 8 + g, w = dim * TW + ((ks * 8 + 2 * tq) ^ swizzle(dim));
-        const uint2 bh = *reinterpret_cast<const uint2 *>(&vt_s[0][w]);
-        const uint32_t b[2] = {bh.x, bh.y};
-        mma_bf16_16816(acc[nt], al, b);
+        uint32_t bh[2];
+        load_b_pair(bh, &vt_s[0][w]);
+        mma_bf16_16816(acc[nt], al, bh);
         if (!EXACT) {
-          const uint2 bl = *reinterpret_cast<const uint2 *>(&vt_s[EXACT ? 0 : 1][w]);
-          const uint32_t c[2] = {bl.x, bl.y};
-          mma_bf16_16816(acc[nt], ah, c);
+          uint32_t bl[2];
+          load_b_pair(bl, &vt_s[EXACT ? 0 : 1][w]);
+          mma_bf16_16816(acc[nt], ah, bl);
         }
-        mma_bf16_16816(acc[nt], ah, b);
+        mma_bf16_16816(acc[nt], ah, bh);
       }
     }
   }
