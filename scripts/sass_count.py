@@ -371,6 +371,14 @@ def profiling_lines():
     return first + 1, last + 1
 
 
+def hot_loops(f):
+    """The index of a kernel's last EXIT and its loops before it: the out-of-line fallbacks of
+    the warp collectives after that EXIT never run in converged code, and their branches back
+    into the code before them would read as loops around everything."""
+    end = max(i for i, x in enumerate(f["ins"]) if x["op"].startswith("EXIT"))
+    return end, [l for l in loops(f) if l[1] <= end]
+
+
 def local_search_cost(f, ch):
     """local_nearest_kernel<128, ch> (format 3's candidate search, 64 tokens x ch candidates a
     chunk, 4 warps): warp instructions per chunk and per tile, from the static SASS of its loops
@@ -385,10 +393,7 @@ def local_search_cost(f, ch):
     there with FFMAs: the whole warp rescoring one lane's candidate) once a candidate rescored,
     or with many candidates in a warp, the lanes' own (the loop with the most FFMAs: one lane's
     fp32 product) once a candidate of the busiest lane."""
-    end = max(i for i, x in enumerate(f["ins"]) if x["op"].startswith("EXIT"))
-    # Hot loops only: the out-of-line fallbacks of the warp collectives after the last EXIT
-    # branch back into the code before them, which would read as loops around everything.
-    ls = [l for l in loops(f) if l[1] <= end]
+    end, ls = hot_loops(f)
     chunk = next(l for l in ls if l[3]["HMMA"])
     inner = [l for l in ls if chunk[0] < l[0] and l[1] < chunk[1]]
     if any(l[3]["HMMA"] for l in inner):
@@ -440,9 +445,7 @@ def select_cost(f):
     instantiations; warp 0's lines, the means, count for every warp); its histogram
     loops (one a digit: MATCH.ANY inside) and its emit loop (the global stores) for the extra
     trips of a merge over more than one chunk of keys."""
-    ins = f["ins"]
-    end = max(i for i, x in enumerate(ins) if x["op"].startswith("EXIT"))
-    hot = [l for l in loops(f) if l[1] <= end]
+    end, hot = hot_loops(f)
     hist = [l[2] for l in hot if l[3]["MATCH"]]
     emit = [l[2] for l in hot if l[3]["STG"] and l[3]["BAR"]]
     return {"hot_static": end + 1, "hist_loops": hist, "emit_loop": max(emit) if emit else 0}
@@ -453,9 +456,7 @@ def utility_cost(f):
     the last EXIT) split into the staging loop (a warp's token rows into shared memory: a
     warp_sum, 5 SHFL, per token of a trip), the chunk loop (16 window rows against the tile: the
     innermost loop with HMMA) and the rest, taken once a warp."""
-    ins = f["ins"]
-    end = max(i for i, x in enumerate(ins) if x["op"].startswith("EXIT"))
-    hot = [l for l in loops(f) if l[1] <= end]
+    end, hot = hot_loops(f)
     chunk = min((l for l in hot if l[3]["HMMA"]), key=lambda l: l[2])
     if chunk[3]["BAR"] or chunk[3]["SHFL"]:
         sys.exit("utility_cost: the chunk loop holds a barrier or a shuffle (the model takes it as the mma loop)")
@@ -472,9 +473,7 @@ def window_cost(f):
     stage loop (64 tokens: the values' staging, then the mma slabs; the loop with HMMA and BAR),
     the staging loop inside it (2 float2 loads a pair of tokens and dims: LDG / 2 iterations a
     trip) and the rest, taken once a warp."""
-    ins = f["ins"]
-    end = max(i for i, x in enumerate(ins) if x["op"].startswith("EXIT"))
-    hot = [l for l in loops(f) if l[1] <= end]
+    end, hot = hot_loops(f)
     stage = [l for l in hot if l[3]["HMMA"] and l[3]["BAR"]]
     if len(stage) != 1:
         sys.exit("window_cost: expected one stage loop (HMMA and barriers)")
@@ -484,6 +483,26 @@ def window_cost(f):
         sys.exit("window_cost: expected one staging loop of float2 pairs inside the stage loop")
     return {"stage_static": stage[2], "hmma_per_stage": stage[3]["HMMA"], "staging_static": inner[0][2],
             "staging_per_trip": inner[0][3]["LDG"] // 2, "rest_static": end + 1 - stage[2]}
+
+
+def exact_split_table(result, funcs, pinfo, key, kernel, cost, title, columns):
+    """Prints and stores (result[key]["exact" / "split"]) a kernel<128, EXACT>'s cost for both
+    variants: ptxas's registers, stack and spills, then `columns` (header, field[, field shown in
+    parentheses]) of cost(f)."""
+    result[key] = {}
+    print(f"\n{title}")
+    print("| kernel | regs | stack B | spill st/ld B | " + " | ".join(c[0] for c in columns) + " |")
+    print("|---" * (4 + len(columns)) + "|")
+    for exact in ("true", "false"):
+        m = next(x for x in funcs if f"{kernel}ILi128ELb{1 if exact == 'true' else 0}E" in x)
+        c = cost(funcs[m])
+        pi = pinfo.get(m, {})
+        c.update(registers=pi.get("registers"), stack=pi.get("stack"), spill_stores=pi.get("spill_stores"),
+                 spill_loads=pi.get("spill_loads"))
+        result[key]["exact" if exact == "true" else "split"] = c
+        cells = [f"{c[col[1]]}" + (f" ({c[col[2]]})" if len(col) > 2 else "") for col in columns]
+        print(f"| {kernel}<128, {exact}> | {c['registers']} | {c['stack']} | {c['spill_stores']}/{c['spill_loads']} | "
+              + " | ".join(cells) + " |")
 
 
 def tile_loop(f, spans, lines, fk, fv, k):
@@ -635,36 +654,18 @@ def main():
               f"{cost['profiling_static']}); the candidate range's two searches "
               f"{cost['search_loops_static']} a round (warp 0); fp32 rescoring {cost['rescore_loop_static']} a "
               f"candidate (the warp), {cost['serial_rescore_static']} a candidate (each lane its own)")
-    result["utility"] = {}
-    print("\nThe utilities (utility_kernels.cuh; a block of 4 warps, 32 tokens, 16-row chunks of the window rows)")
-    print("| kernel | regs | stack B | spill st/ld B | chunk loop (a warp) | HMMA a chunk | staging a trip (tokens) "
-          "| rest |")
-    print("|---|---|---|---|---|---|---|---|")
-    for exact in ("true", "false"):
-        m = next(x for x in funcs if f"utility_tc_kernelILi128ELb{1 if exact == 'true' else 0}E" in x)
-        c = utility_cost(funcs[m])
-        pi = pinfo.get(m, {})
-        c.update(registers=pi.get("registers"), stack=pi.get("stack"), spill_stores=pi.get("spill_stores"),
-                 spill_loads=pi.get("spill_loads"))
-        result["utility"]["exact" if exact == "true" else "split"] = c
-        print(f"| utility_tc_kernel<128, {exact}> | {c['registers']} | {c['stack']} | {c['spill_stores']}/"
-              f"{c['spill_loads']} | {c['chunk_static']} | {c['hmma_per_chunk']} | {c['staging_static']} "
-              f"({c['staging_tokens_per_trip']}) | {c['rest_static']} |")
-    result["window"] = {}
-    print("\nThe window outputs y = A V (window_outputs_kernels.cuh; 8 warps, 2048 tokens a block, stages of 64)")
-    print("| kernel | regs | stack B | spill st/ld B | stage loop (a warp) | HMMA a stage | staging loop a trip "
-          "(iterations) | rest |")
-    print("|---|---|---|---|---|---|---|---|")
-    for exact in ("true", "false"):
-        m = next(x for x in funcs if f"window_outputs_kernelILi128ELb{1 if exact == 'true' else 0}E" in x)
-        c = window_cost(funcs[m])
-        pi = pinfo.get(m, {})
-        c.update(registers=pi.get("registers"), stack=pi.get("stack"), spill_stores=pi.get("spill_stores"),
-                 spill_loads=pi.get("spill_loads"))
-        result["window"]["exact" if exact == "true" else "split"] = c
-        print(f"| window_outputs_kernel<128, {exact}> | {c['registers']} | {c['stack']} | {c['spill_stores']}/"
-              f"{c['spill_loads']} | {c['stage_static']} | {c['hmma_per_stage']} | {c['staging_static']} "
-              f"({c['staging_per_trip']}) | {c['rest_static']} |")
+    exact_split_table(result, funcs, pinfo, "utility", "utility_tc_kernel", utility_cost,
+                      "The utilities (utility_kernels.cuh; a block of 4 warps, 32 tokens, 16-row chunks of the "
+                      "window rows)",
+                      [("chunk loop (a warp)", "chunk_static"), ("HMMA a chunk", "hmma_per_chunk"),
+                       ("staging a trip (tokens)", "staging_static", "staging_tokens_per_trip"),
+                       ("rest", "rest_static")])
+    exact_split_table(result, funcs, pinfo, "window", "window_outputs_kernel", window_cost,
+                      "The window outputs y = A V (window_outputs_kernels.cuh; 8 warps, 2048 tokens a block, "
+                      "stages of 64)",
+                      [("stage loop (a warp)", "stage_static"), ("HMMA a stage", "hmma_per_stage"),
+                       ("staging loop a trip (iterations)", "staging_static", "staging_per_trip"),
+                       ("rest", "rest_static")])
     result["coverage_select"] = {}
     print("\nA coverage round's ranking (coverage_select_kernels.cuh; a block of 1024 threads)")
     print("| kernel | regs | stack B | hot SASS (a warp, one pass) | histogram loops | emit loop |")
