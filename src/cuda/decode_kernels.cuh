@@ -973,47 +973,53 @@ struct SplitBlock {
   // ---- 6. online softmax over the tile; L_s becomes p = exp2(logit - max) -------------------
 
   // kDense: dacc is live (dense and suffix tiles); else only racc is rescaled.
+  //
+  // The reference max of a row (m_run) is raised only when a tile's max passes it by more than
+  // kRescaleSlack (base-2 logits): p = exp2(logit - m_run) then stays below 2^kRescaleSlack,
+  // far from fp32's range, and what is accumulated is rescaled only when a row's max jumps
+  // (the first tile, or a new sink of attention), not at every small rise. Whether any row's
+  // reference moved is the block's vote at the barrier (__syncthreads_or), so a thread reads
+  // the rows' factors only in the rare tile that rescales.
+  static constexpr float kRescaleSlack = 8.0f;
+
   template <bool kDense>
   __device__ __forceinline__ void softmax_tile() {
     __syncthreads();
-    // Warp i % NW owns row i: the tile's max, the running max and sum, p = exp2(l - max) in
-    // place, and the factor of what is already accumulated (red_s[i]) for the other threads.
+    // Warp i % NW owns row i: the tile's max, the reference max and running sum, p in place,
+    // and the factor of what is already accumulated (red_s[i]) for the other threads.
+    bool rose = false;
     AKV_UNROLL
     for (int r = 0; r < RPW; ++r)
       if (const int i = warp + r * NW; i < MAXROWS) {
-        const float m_new = fmaxf(m_run[r], warp_max(fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32])));
-        // Nothing is accumulated while the max is -inf: no rescale then (the first tile).
-        const float alpha = m_run[r] == -INFINITY || m_new == -INFINITY ? 1.0f : fast_exp2(m_run[r] - m_new);
-        m_run[r] = m_new;
+        const float m_tile = warp_max(fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32]));
+        const float m_old = m_run[r];
+        // -inf + slack is -inf: a row raises its reference at its first visible logit, and
+        // nothing is accumulated before it (no rescale then).
+        const bool keep = m_tile <= m_old + kRescaleSlack;
+        const float m_ref = keep ? m_old : m_tile;
+        const bool raise = !keep && m_old != -INFINITY;
+        const float alpha = raise ? fast_exp2(m_old - m_ref) : 1.0f;
+        rose = rose || raise;
+        m_run[r] = m_ref;
         l_part[r] *= alpha;
         if (lane == 0) red_s[i] = alpha;
         for (int u = lane; u < T; u += 32) {
           float &l = L_s[i * T + u];
-          const float pv = m_new == -INFINITY ? 0.0f : fast_exp2(l - m_new);
+          const float pv = m_ref == -INFINITY ? 0.0f : fast_exp2(l - m_ref);
           l = pv;
           l_part[r] += pv;
         }
       }
-    __syncthreads();
-    float alpha[MAXROWS];
-    bool rescale = false;
-    for (int i = 0; i < MAXROWS; i += 4) {
-      const float4 a = *reinterpret_cast<const float4 *>(red_s + i);
-      alpha[i] = a.x;
-      alpha[i + 1] = a.y;
-      alpha[i + 2] = a.z;
-      alpha[i + 3] = a.w;
-      rescale = rescale || a.x != 1.0f || a.y != 1.0f || a.z != 1.0f || a.w != 1.0f;
-    }
-    if (rescale) {  // uniform across the block: a row's max rose (rare after the first tiles)
-      for (int i = 0; i < MAXROWS; ++i)
+    if (__syncthreads_or(rose)) {  // uniform across the block: a row's reference max rose
+      for (int i = 0; i < MAXROWS; ++i) {  // static row indices: racc stays in registers
+        const float alpha = red_s[i];
         for (int e = 0; e < DPT; ++e) {
-          racc[i][e] *= alpha[i];
-          if (kDense) dacc[i][e] *= alpha[i];
+          racc[i][e] *= alpha;
+          if (kDense) dacc[i][e] *= alpha;
         }
-      for (int i = 0; i < MAXROWS; ++i)  // static row indices: alpha stays in registers
-        if (alpha[i] != 1.0f)
-          for (int e = tid; e < k; e += NT) w[i * wstride + e] *= alpha[i];
+        if (alpha != 1.0f)
+          for (int e = tid; e < k; e += NT) w[i * wstride + e] *= alpha;
+      }
       __syncthreads();  // before the tile's weights are added
     }
   }
