@@ -72,12 +72,14 @@ struct CompressScratch {
 
   // Lays the arrays out from `base` (nullptr: only measures); returns the bytes used. The
   // per-head staging holds `head_batch` heads (0: all H); the residual selection's keys, all H.
+  // kpost_bf16: kpost holds only the bf16 post-RoPE keys (kpost_b; storage format 3 with
+  // bf16_window_scores: format 2's coverage reuses kpost for fp32 rows), half its fp32 size.
   size_t carve(uint8_t *base, int64_t S, int64_t P, int H_all, int D, int m, int k, int pairs, int64_t table_blocks = 0,
-               int head_batch = 0) {
+               int head_batch = 0, bool kpost_bf16 = false) {
     const int H = head_batch > 0 ? std::min(head_batch, H_all) : H_all;
     Carver take(base);
     take(kpre, H * S * D);
-    take(kpost, H * S * D);
+    take(kpost, kpost_bf16 ? H * S * D / 2 : H * S * D);
     take(v, H * S * D);
     take(q, int64_t{H} * m * D);
     take(attn, int64_t{H} * m * S);
@@ -144,6 +146,13 @@ struct CompressScratch {
   }
 };
 
+// Whether the window scores' GEMM takes bf16 operands (the products exact, fp32 sums): bf16
+// inputs whose keys the GEMM takes as given (post-RoPE, or no RoPE: `pairs` 0), the queries
+// then written in bf16 too (load_queries_kernel) and the keys in bf16 only (load_head_kernel).
+inline bool bf16_window_scores(const akv_prefill &p, const akv_compress_options &o, int pairs) {
+  return p.dtype == AKV_DTYPE_BF16 && (o.keys_post_rope || pairs == 0);
+}
+
 // The CUDA pass's scratch budget for choosing the heads per batch (2 GiB: H = 8, Hq = 32,
 // D = 128 batches all 8 heads up to 64K, fewer at 128K).
 constexpr size_t kHeadBatchBudget = size_t{2} << 30;
@@ -153,12 +162,13 @@ constexpr size_t kHeadBatchBudget = size_t{2} << 30;
 // not 5 and 3, whose larger batch would take more waves of blocks). The stages before the
 // residual selection run once per batch (each kernel over the batch's heads), so fewer heads
 // per batch means more launches.
-inline int anchor_head_batch(const AnchorGeometry &g, int pairs, int64_t table_blocks, size_t budget_bytes) {
+inline int anchor_head_batch(const AnchorGeometry &g, int pairs, int64_t table_blocks, size_t budget_bytes,
+                             bool kpost_bf16) {
   CompressScratch measure;
   int most = 1;
   for (int hb = g.heads; hb > 1 && most == 1; --hb)
     if (measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window, g.anchors, pairs, table_blocks,
-                      hb) <= budget_bytes)
+                      hb, kpost_bf16) <= budget_bytes)
       most = hb;
   const int batches = (g.heads + most - 1) / most;
   return (g.heads + batches - 1) / batches;
@@ -315,15 +325,17 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   const Rope &rope = cache.rope;
   const int pairs = rope.enabled() ? rope.pairs() : 0;
   const int HB = head_batch > 0 ? std::min(head_batch, H) : H;  // heads per batch
+  const bool local = g.format == 3;  // local candidates, tables and coefficient codes
+  // The scores' GEMM on the tensor cores when its operands are exact in bf16.
+  const bool bf16_scores = bf16_window_scores(p, o, pairs);
   CompressScratch s;
-  s.carve(scratch_base, S, P, H, D, m, k, pairs, paged_blocks(p), HB);
+  s.carve(scratch_base, S, P, H, D, m, k, pairs, paged_blocks(p), HB, local && bf16_scores);
   auto section = [&](int index) { return data + cache.layout.sections[index].offset; };
 
   // Constants: positions, RoPE tables, Hadamard signs; the cache starts zeroed.
   dev.stage(kStageSetup);
   dev.fill(data, 0, cache.layout.total_bytes);
   dev.copy(s.positions, positions.data(), S * sizeof(int32_t));
-  const bool local = g.format == 3;  // local candidates, tables and coefficient codes
   if (local) dev.copy(s.units, gamma_units(), 256 * sizeof(float));
   else dev.copy(section(kPositions), positions.data(), P * sizeof(int32_t));
   upload_rope(dev, rope, s.inv_freq, s.rope_first, s.rope_second);
@@ -333,8 +345,6 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
 
   const PrefillArgs a = prefill_args(p, o, cache, s.positions, s.inv_freq, s.rope_first, s.rope_second, s.bad,
                                      upload_block_table(dev, p, s.block_table));
-  // The scores' GEMM on the tensor cores when its operands are exact in bf16.
-  const bool bf16_scores = p.dtype == AKV_DTYPE_BF16 && (a.keys_post_rope || a.rope_pairs == 0);
 
   const bool bf16 = cache.meta.storage == AKV_DTYPE_BF16;
   const int64_t n_sink = sink_anchor_count(o, g), n_top = scored_anchor_count(o, g);

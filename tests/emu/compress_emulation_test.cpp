@@ -386,9 +386,12 @@ TEST(EmulatedCompress, MatchesCpuCompression) {
 
 // The additions beyond the paper: sink anchors, the anchor floor, coverage anchors, the guard
 // share of the residuals (and, at 0.5, budget filling).
+// bf16 keys given post-RoPE: format 2's coverage rounds keep the values' unit rows in the
+// post-RoPE keys' fp32 scratch (format 3 carves it at half).
 TEST(EmulatedCompress, AdditionsMatchCpuCompression) {
   check({1500, 64, 3, AKV_DTYPE_F32, AKV_ROPE_GPTJ, false, false, true});
   check({3000, 128, 2, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, true, true});
+  check({1400, 64, 2, AKV_DTYPE_BF16, AKV_ROPE_GPTJ, true, false, true});
 }
 
 // The pipeline in batches of heads (the device's scratch budget splits the heads at long
@@ -403,9 +406,11 @@ TEST(EmulatedCompress, HeadBatchesMatchCpuCompression) {
 // Storage format 3 (the default): local candidates, segment tables (k > 256, with tokens whose
 // anchor misses the table at k 1500 for 3K tokens), one-byte coefficient codes; with the
 // coverage rounds and with the paper's sampled share, in head batches; bf16 keys given
-// post-RoPE (an engine's usual case: the window scores' GEMM on bf16 operands) and pre-RoPE.
+// post-RoPE (an engine's usual case: the window scores' GEMM on bf16 operands, the keys'
+// scratch then half its fp32 size) and pre-RoPE, in one batch and in batches of 2 of 3 heads.
 TEST(EmulatedCompress, FormatThreeMatchesCpuCompression) {
   check({2000, 128, 4, AKV_DTYPE_BF16, AKV_ROPE_NEOX, true, false, true, 2, 0, 3});
+  check({1700, 64, 2, AKV_DTYPE_BF16, AKV_ROPE_GPTJ, true, false, true, 3, 2, 3});
   check({3000, 64, 2, AKV_DTYPE_F16, AKV_ROPE_GPTJ, false, false, true, 2, 0, 3, 1500});
   check({2600, 64, 1, AKV_DTYPE_F32, AKV_ROPE_NEOX, true, false, false, 3, 2, 3, 600});
   check({1200, 256, 2, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, false, true, 2, 1, 3, 400});
@@ -1098,8 +1103,9 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
     CountingDevice dev;
     const akv::AnchorGeometry &g = cache->geometry;
     // The heads per batch the CUDA pass picks (compress.cu).
-    const int head_batch = kc::anchor_head_batch(g, cache->rope.enabled() ? cache->rope.pairs() : 0, 0,
-                                                 kc::kHeadBatchBudget);
+    const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
+    const int head_batch = kc::anchor_head_batch(g, pairs, 0, kc::kHeadBatchBudget,
+                                                 g.format == 3 && kc::bf16_window_scores(p, o, pairs));
     kc::compress_anchorkv(dev, p, o, *cache, positions, data.data(), nullptr, head_batch);
     const int64_t total = dev.launches + dev.gemms + dev.sorts + dev.copies + dev.fills;
     std::printf("%s format %d S=%lld k=%d, %d heads per batch: %lld kernels, %lld GEMMs, %lld radix sorts, %lld copies, %lld fills: %lld operations\n",
