@@ -180,8 +180,8 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
     """CompressScratch::carve(): every array 256-byte aligned, element counts as in the code."""
     f, u2, i4, u8 = 4, 2, 4, 8
     kpost = hb * S * D // 2 if FORMAT == 3 and BF16_SCORES else hb * S * D  # bf16 keys only (kpost_bf16)
-    arrays = [(f, hb * S * D), (f, kpost), (f, hb * S * D)] + [(f, hb * m * D), (f, hb * m * S), (f, hb * m * D), (f, hb * P), (f, hb * P),
-              (f, hb * k * D), (f, hb * k * D), (u2, hb * k * D), (f, hb * k),
+    arrays = [(f, hb * S * D), (f, kpost), (f, hb * S * D), (f, hb * m * D), (f, hb * m * S), (f, hb * m * D),
+              (f, hb * P), (f, hb * P), (f, hb * k * D), (f, hb * k * D), (u2, hb * k * D), (f, hb * k),
               (f, hb * P * D), (f, hb * P), (f, hb * P), (f, hb * m), (i4, hb * utility_rows(m) * D * 2),
               (f, PAIRS), (f, D), (i4, hb * P), (i4, hb * P), (i4, P), (i4, hb * k), (i4, hb * k)]
     arrays += [(i4, H * P)] * 8 + [(u8, P), (i4, hb * P), (i4, hb * P), (i4, S), (i4, PAIRS), (i4, PAIRS),

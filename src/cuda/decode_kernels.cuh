@@ -977,7 +977,7 @@ struct SplitBlock {
   // The reference max of a row (m_run) is raised only when a tile's max passes it by more than
   // kRescaleSlack (base-2 logits): p = exp2(logit - m_run) then stays below 2^kRescaleSlack,
   // far from fp32's range, and what is accumulated is rescaled only when a row's max jumps
-  // (the first tile, or a new sink of attention), not at every small rise. Whether any row's
+  // (a new sink of attention), not at every small rise. Whether any row's
   // reference moved is the block's vote at the barrier (__syncthreads_or), so a thread reads
   // the rows' factors only in the rare tile that rescales.
   static constexpr float kRescaleSlack = 8.0f;

@@ -385,9 +385,9 @@ TEST(EmulatedCompress, MatchesCpuCompression) {
 }
 
 // The additions beyond the paper: sink anchors, the anchor floor, coverage anchors, the guard
-// share of the residuals (and, at 0.5, budget filling).
-// bf16 keys given post-RoPE: format 2's coverage rounds keep the values' unit rows in the
-// post-RoPE keys' fp32 scratch (format 3 carves it at half).
+// share of the residuals (and, at 0.5, budget filling). With bf16 keys given post-RoPE,
+// format 2's coverage rounds keep the values' unit rows in the post-RoPE keys' fp32 scratch
+// (format 3 carves it at half).
 TEST(EmulatedCompress, AdditionsMatchCpuCompression) {
   check({1500, 64, 3, AKV_DTYPE_F32, AKV_ROPE_GPTJ, false, false, true});
   check({3000, 128, 2, AKV_DTYPE_BF16, AKV_ROPE_NEOX, false, true, true});

@@ -21,8 +21,13 @@ A block's first tile only sets the reference. Blocks of 16 and 128 tiles are the
 import argparse
 import json
 import struct
+import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import smollm2  # noqa: E402
 
 T = 64  # tokens a tile
 LOG2E = 1.4426950408889634
@@ -45,22 +50,6 @@ def read_safetensors(path):
             arr = np.frombuffer(data[lo:hi], kinds[h["dtype"]]).astype(np.float32)
         out[name] = arr.reshape(h["shape"])
     return out, meta
-
-
-def rope(k, base, style):
-    """Post-RoPE keys at positions 0..S-1 (gptj: interleaved pairs; neox: halves)."""
-    S, D = k.shape[-2], k.shape[-1]
-    inv = base ** (-np.arange(0, D, 2, dtype=np.float64) / D)
-    ang = np.arange(S, dtype=np.float64)[:, None] * inv[None, :]
-    c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    if style == "gptj":
-        x, y = k[..., 0::2], k[..., 1::2]
-        out = np.empty_like(k)
-        out[..., 0::2], out[..., 1::2] = x * c - y * s, x * s + y * c
-    else:
-        x, y = k[..., : D // 2], k[..., D // 2:]
-        out = np.concatenate([x * c - y * s, x * s + y * c], axis=-1)
-    return out
 
 
 def rescales(tile_max, block, slack):
@@ -87,13 +76,14 @@ def main(argv=None):
     k, q = t["k"], t["q_future"][:, :, 0, :]  # [L, H, S, D], [L, Hq, D] (the first held-out query)
     L, H, S, D = k.shape
     G = q.shape[1] // H
-    style, base = meta.get("rope_style", "gptj"), float(meta.get("rope_base", 10000.0))
+    assert meta.get("rope_style") == "gptj", "dump.py's files (SmolLM2: GPT-J RoPE)"
+    rope, positions = smollm2.Rope(D, float(meta["rope_base"])), np.arange(S)
     scale = LOG2E / np.sqrt(D)
     tiles = (S + T - 1) // T
     counts = {(b, rule): 0 for b in args.blocks for rule in ("every rise", "rise > slack")}
     walked = {b: 0 for b in args.blocks}
     for layer in range(L):
-        kp = rope(k[layer], base, style)
+        kp = rope.apply(k[layer], positions)
         for h in range(H):
             logits = (q[layer, h * G:(h + 1) * G] @ kp[h].T) * scale  # [G][S]
             pad = np.full((G, tiles * T - S), -np.inf, np.float32)

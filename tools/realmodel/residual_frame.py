@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rescale_rate import read_safetensors, rope  # noqa: E402
+import smollm2  # noqa: E402
+from rescale_rate import read_safetensors  # noqa: E402
 
 LEVELS = np.array([-1.5104, -0.4528, 0.4528, 1.5104], np.float32)  # Lloyd-Max, N(0, 1), 4 levels
 EDGES = np.array([-0.9816, 0.0, 0.9816], np.float32)
@@ -54,7 +55,8 @@ def main(argv=None):
     k, qf = t["k"], t["q_future"]  # [L, H, S, D], [L, Hq, F, D]
     L, H, S, D = k.shape
     G = qf.shape[1] // H
-    style, base = meta.get("rope_style", "gptj"), float(meta.get("rope_base", 10000.0))
+    assert meta.get("rope_style") == "gptj", "dump.py's files (SmolLM2: GPT-J RoPE)"
+    rope, positions = smollm2.Rope(D, float(meta["rope_base"])), np.arange(64, S)
     rng = np.random.default_rng(args.seed)
     U = hadamard(D) * rng.choice([-1.0, 1.0], D).astype(np.float32)[None, :] / np.sqrt(D)
     rec_err = {"pre-RoPE (format 3)": [], "post-RoPE": []}
@@ -63,16 +65,14 @@ def main(argv=None):
         for h in range(H):
             gamma = rng.uniform(0.5, 1.5, (S - 64, 1)).astype(np.float32)
             r = k[layer, h, 64:] - gamma * k[layer, h, :-64]          # pre-RoPE residual-like rows
-            pos_r = rope(np.concatenate([np.zeros((64, D), np.float32), r]), base, style)[64:]  # R_p r
-            recs = {"pre-RoPE (format 3)": rope(np.concatenate([np.zeros((64, D), np.float32), code(r, U)]),
-                                               base, style)[64:],
-                    "post-RoPE": code(pos_r, U)}
+            pos_r = rope.apply(r, positions)  # R_p r
+            recs = {"pre-RoPE (format 3)": rope.apply(code(r, U), positions), "post-RoPE": code(pos_r, U)}
             q = qf[layer, h * G:(h + 1) * G, 0, :] / np.sqrt(D)        # [G][D]
             exact = pos_r @ q.T
             for name, rec in recs.items():
                 rec_err[name].append(np.linalg.norm(pos_r - rec, axis=1) / (np.linalg.norm(pos_r, axis=1) + 1e-30))
                 logit_err[name].append(np.abs(exact - rec @ q.T).ravel() / (np.abs(exact).mean() + 1e-30))
-    print(f"{args.dump}: {L} layers x {H} heads x {S - 64} residual-like rows, D {D}, RoPE {style} base {base:g}")
+    print(f"{args.dump}: {L} layers x {H} heads x {S - 64} residual-like rows, D {D}")
     print("| frame coded | relative reconstruction error (mean) | logit error / mean |logit| (mean, p99) |")
     print("|---|---|---|")
     for name in rec_err:
