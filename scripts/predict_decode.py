@@ -146,13 +146,15 @@ def tile_phases(fk, fv):
     }
 
 
-def sass_phases(fk, fv, k):
-    """Per-tile warp instructions by phase from scripts/sass_count.py (SASS), or None."""
+def sass_phases(fk, fv, k, block_tiles):
+    """Per-tile warp instructions by phase from scripts/sass_count.py (SASS), or None; blocks of
+    block_tiles tiles (the share of tiles that rescale)."""
     root = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "counts.json")
         r = subprocess.run([sys.executable, os.path.join(root, "sass_count.py"), "--fk", str(fk), "--fv", str(fv),
-                            "--anchors", str(k), "--json", out], capture_output=True, text=True)
+                            "--anchors", str(k), "--block-tiles", str(block_tiles), "--json", out],
+                           capture_output=True, text=True)
         if r.returncode or not os.path.exists(out):
             return None
         import json
@@ -164,7 +166,7 @@ def predict(S, batch, use_sass=False):
     P = S - W
     fk, fv = g["nk"] / (H * P), g["nv"] / (H * P)
     pl = plan(S, batch, g["k"])
-    ph = (use_sass and sass_phases(fk, fv, g["k"])) or tile_phases(fk, fv)
+    ph = (use_sass and sass_phases(fk, fv, g["k"], math.ceil(pl["tiles"] / pl["splits"]))) or tile_phases(fk, fv)
     tile = sum(ph.values())
     fixed = prologue(g["k"]) + write_partial(g["k"])
     per_block = math.ceil(pl["tiles"] / pl["splits"]) * tile + fixed + WINDOW_TILE  # split 0 block
@@ -233,7 +235,7 @@ def main():
         return measure()
     if a.from_ptx:
         from_ptx()
-    use_sass = not a.ptx_model and sass_phases(0.052, 0.052, 815) is not None
+    use_sass = not a.ptx_model and sass_phases(0.052, 0.052, 815, 16) is not None
     source = ("tile loop: SASS counts (scripts/sass_count.py, its trip-count and warp model); prologue, merge and "
               "window: PTX constants" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
               "--ptx-model)")

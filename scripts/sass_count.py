@@ -75,7 +75,7 @@ def poisson_mean(lam, f):
 # Trip counts per tile and warp of the inner loops that survive in SASS, by the source line of
 # the loop's backward branch (a substring of it). fk, fv: residual fractions; a tile holds
 # T * f residuals on average. rescale: tiles whose running max rises (rare after the first).
-def trips(src, fk, fv, k):
+def trips(src, fk, fv, k, rescale):
     ck, cv = T * fk, T * fv
     # Key residuals: warp 4 + w (w < 4) takes residuals 4w.., 4w + 16.., a pass of up to four
     # whatever the count, so the passes of a tile are the sum over the warps of
@@ -93,7 +93,8 @@ def trips(src, fk, fv, k):
         ("u < T; u += 32", T / 32),
         ("s < 2 * SP; ++s", D / 32),                          # fast contraction: slab pairs of a token's row
         ("j < pairs; j += NT", 1.0),
-        ("e < MAXROWS * k; e += NT", RESCALE * ROWS * k / NT),  # weight rescale (global weights)
+        ("e < MAXROWS * k; e += NT", rescale * ROWS * k / NT),  # weight rescale (global weights)
+        ("e < k; e += NT", k / NT),                           # weight rescale: a row's k weights (a cold block)
         ("e < MAXROWS * D; e += NT", 0.0),                    # zero query rows: none in a full chunk
         ("e < 256; e += 32", 256 / 32),                       # a new segment's tables: 8 entries a lane
         ("v < D / 4; v += 4", D / 16),
@@ -108,30 +109,37 @@ def trips(src, fk, fv, k):
 
 # Tiles that rescale what is accumulated (softmax_tile's rare block: the accumulators and the
 # k per-anchor weights of each row): a row's max passing its reference by more than
-# kRescaleSlack (a factor of 256; a block's first tile only sets it). MEASURED on a real prompt
-# (tools/realmodel/rescale_rate.py: SmolLM2-135M, 8K tokens of the paper's text, exact
-# logits): 0.0435 of the tiles in blocks of 16 tiles (32K x 1), 0.0053 in blocks of 128 (128K
-# x 1, where k is 4x larger: rate x k is half of 32K's). Before the slack every rise rescaled:
-# 0.316 and 0.059 on the same prompt (this table assumed 0.02 then).
-RESCALE = 0.0435
+# kRescaleSlack (a factor of 256; a block's first tile only sets it). MEASURED on real prompts
+# (tools/realmodel/rescale_rate.py: SmolLM2-135M, exact logits; 8K tokens of the paper's text):
+# 0.0435 of the tiles after a block's first in blocks of 16 tiles (32K x 1), 0.0053 in blocks
+# of 128 (128K x 1): about 0.66 raises a block whatever its length (0.65 and 0.67; 6K tokens of
+# the rebuttal: 0.42 and 0.78). Before the slack every rise rescaled: 0.316 and 0.059 of the
+# tiles (this table assumed 0.02 then).
+RAISES_PER_BLOCK = 0.66
+
+
+def rescale_rate(block_tiles):
+    """The share of a block's tiles that rescale, for blocks of block_tiles tiles."""
+    return min(1.0, RAISES_PER_BLOCK / max(1, block_tiles))
 
 
 # Blocks that the default path (consecutive positions, every dim rotary, tokens inside the
 # prompt) does not take, or takes rarely: (substring of the line that opens the block, the
 # fraction of tiles that run it). The block is the braces opened on that line.
-COLD = [
-    ("if (__syncthreads_or(rose)) {", RESCALE),  # a row's reference max rose (softmax_tile)
-    ("if (!blk.fused || blk.gapped) {", 0.0),   # the RoPE pass: gapped positions (format 2) only
-    ("if (q >= P4)", 0.0),                      # dims past the rotary pairs only
-    ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)
-    ("if (p.global_weights) {", 0.0),           # more anchors than shared memory holds (> ~9.5K)
-    ("} else {  // exact: the first tile", 1.0 / 16),  # the tile's first angle exactly: every 16th tile
-    ("if (seg_s[0] != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
-]
+def cold_blocks(rescale):
+    return [
+        ("if (__syncthreads_or(rose)) {", rescale),  # a row's reference max rose (softmax_tile)
+        ("if (!blk.fused || blk.gapped) {", 0.0),   # the RoPE pass: gapped positions (format 2) only
+        ("if (q >= P4)", 0.0),                      # dims past the rotary pairs only
+        ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)
+        ("if (p.global_weights) {", 0.0),           # more anchors than shared memory holds (> ~9.5K)
+        ("} else {  // exact: the first tile", 1.0 / 16),  # the tile's first angle exactly: every 16th tile
+        ("if (seg_s[0] != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
+    ]
 
 
 # Blocks that only some of the 8 warps run: (substring of the line that opens the block,
-# warps); the block is the braces opened on that line, as for COLD.
+# warps); the block is the braces opened on that line, as for cold_blocks().
 WARP_BLOCKS = [
     ("if (half == 1) {", 4.0),                     # contraction: the second half of the dims' warps
     ("if (half == 0) {", 4.0),                     # contraction: the first half's warps finish the logits
@@ -143,11 +151,11 @@ WARP_BLOCKS = [
 ]
 
 
-def cold_lines(lines, table=None):
-    """line number -> weight for the lines inside the COLD blocks (the braces opened on the
-    pattern's line, up to the line that closes them); `table` instead of COLD."""
+def cold_lines(lines, table):
+    """line number -> weight for the lines inside the blocks of `table` (cold_blocks(),
+    WARP_BLOCKS: the braces opened on the pattern's line, up to the line that closes them)."""
     weight = {}
-    for pattern, w in (COLD if table is None else table):
+    for pattern, w in table:
         for n, ln in enumerate(lines, 1):
             at = ln.find(pattern)
             if at < 0:
@@ -515,8 +523,10 @@ def exact_split_table(result, funcs, pinfo, key, kernel, cost, title, columns):
               + " | ".join(cells) + " |")
 
 
-def tile_loop(f, spans, lines, fk, fv, k):
-    """Per-phase warp instructions per tile of the AnchorKV prefix loop."""
+def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
+    """Per-phase warp instructions per tile of the AnchorKV prefix loop, in blocks of
+    block_tiles tiles (the share that rescales)."""
+    rescale = rescale_rate(block_tiles)
     ins = f["ins"]
 
     def where(i):  # (function, line in decode_kernels.cuh) of instruction i
@@ -552,14 +562,14 @@ def tile_loop(f, spans, lines, fk, fv, k):
     loop_trips, unknown = {}, set()
     for a, b in inner:
         bf, bl, _ = where(b)
-        n, pattern = trips(lines[bl - 1] if bl else "", fk, fv, k)
+        n, pattern = trips(lines[bl - 1] if bl else "", fk, fv, k, rescale)
         if pattern is None:
             unknown.add((bf, bl, lines[bl - 1].strip() if bl else "?"))
         loads = collections.Counter(where(i)[1] for i in range(a, b + 1)
                                     if ins[i]["op"].startswith(("LDS", "LDG", "LD.")) and where(i)[1] != bl)
         unroll = min(loads.values()) if loads else 1
         loop_trips[(a, b)] = n / unroll
-    cold = cold_lines(lines)
+    cold = cold_lines(lines, cold_blocks(rescale))
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
     totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
     prev = (8.0, 1.0)  # warps and cold weight of the last instruction with a line
@@ -596,6 +606,8 @@ def main():
     ap.add_argument("--fk", type=float, default=0.052, help="key residual fraction (32K default geometry: 0.052)")
     ap.add_argument("--fv", type=float, default=0.052, help="value residual fraction")
     ap.add_argument("--anchors", type=int, default=815, help="k per head (weight rescale cost; 32K default: 815)")
+    ap.add_argument("--block-tiles", type=int, default=16,
+                    help="tiles a split block walks (the share that rescales; 32K x 1: 16)")
     ap.add_argument("--json", help="write the counts here")
     ap.add_argument("--by-line", type=int, default=0, metavar="N",
                     help="also print the tile loop's N costliest source lines (warp instructions per tile)")
@@ -614,7 +626,8 @@ def main():
     funcs = disassemble(nvdisasm, cubin)
     names = dict(zip(funcs, demangle(list(funcs))))
     spans, lines = function_spans(KERNELS)
-    result = {"assumptions": {"fk": a.fk, "fv": a.fv, "anchors": a.anchors, "tile": T, "threads": NT, "rows": ROWS,
+    result = {"assumptions": {"fk": a.fk, "fv": a.fv, "anchors": a.anchors, "block_tiles": a.block_tiles,
+                              "rescale": rescale_rate(a.block_tiles), "tile": T, "threads": NT, "rows": ROWS,
                               "head_dim": D, "pairs": PAIRS}, "kernels": {}}
     print(f"SASS of {os.path.relpath(cubin, workdir) if a.keep else 'the decode and compression kernels'} for sm_90 "
           f"({os.path.basename(nvdisasm)} {nvdisasm})\n")
@@ -632,12 +645,13 @@ def main():
               f"{s['shared_atomics']} | {s['global_atomics']} | {'yes' if s['hmma'] else 'no'} | "
               f"{'yes' if s['packed_half2'] else 'no'} |")
     split = next(m for m in funcs if "decode_split_kernelILi128ELi4E" in m)
-    loop = tile_loop(funcs[split], spans, lines, a.fk, a.fv, a.anchors)
+    loop = tile_loop(funcs[split], spans, lines, a.fk, a.fv, a.anchors, a.block_tiles)
     result["tile_loop"] = loop
     total = sum(loop["per_tile"].values())
     print(f"\ndecode_split_kernel<128,4>, AnchorKV prefix tile loop ({T} tokens, {NW} warps, {ROWS} rows, "
-          f"f_K {a.fk}, f_V {a.fv}, k {a.anchors}): {sum(loop['static'].values())} static SASS instructions, "
-          f"{loop['inner_loops']} inner loops")
+          f"f_K {a.fk}, f_V {a.fv}, k {a.anchors}, {a.block_tiles} tiles a block, "
+          f"{rescale_rate(a.block_tiles):.4f} of them rescaling): {sum(loop['static'].values())} static SASS "
+          f"instructions, {loop['inner_loops']} inner loops")
     print("| phase | static SASS | warp instr per tile | per token and head |")
     print("|---|---|---|---|")
     for name, v in sorted(loop["per_tile"].items(), key=lambda x: -x[1]):
