@@ -74,7 +74,7 @@ def poisson_mean(lam, f):
 
 # Trip counts per tile and warp of the inner loops that survive in SASS, by the source line of
 # the loop's backward branch (a substring of it). fk, fv: residual fractions; a tile holds
-# T * f residuals on average. rescale: tiles whose running max rises (rare after the first).
+# T * f residuals on average. rescale: the share of tiles that rescale (rescale_rate()).
 def trips(src, fk, fv, k, rescale):
     ck, cv = T * fk, T * fv
     # Key residuals: warp 4 + w (w < 4) takes residuals 4w.., 4w + 16.., a pass of up to four

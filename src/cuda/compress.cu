@@ -286,11 +286,11 @@ std::unique_ptr<akv_cache> compress_anchorkv_cuda(const CompressRequest &req, vo
   // Scratch: the pipeline's arrays, then the sorts' second buffers and temporary storage.
   CompressScratch measure;
   const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
-  const bool kpost_bf16 = g.format == 3 && bf16_window_scores(p, o, pairs);
+  const bool half_kpost = kpost_bf16_for(g, p, o, pairs);
   // Heads per batch: all of them while the pipeline's scratch stays within kHeadBatchBudget.
-  const int head_batch = anchor_head_batch(g, pairs, paged_blocks(p), kHeadBatchBudget, kpost_bf16);
+  const int head_batch = anchor_head_batch(g, pairs, paged_blocks(p), kHeadBatchBudget, half_kpost);
   const size_t pipeline_bytes = measure.carve(nullptr, g.seq_len, g.prefix, g.heads, g.dim, g.group() * g.window,
-                                              g.anchors, pairs, paged_blocks(p), head_batch, kpost_bf16);
+                                              g.anchors, pairs, paged_blocks(p), head_batch, half_kpost);
   // The largest sort: a ranking of every head's prefix, or (format 3) every head's candidates.
   const int64_t most = std::max<int64_t>(static_cast<int64_t>(g.heads) * std::max<int64_t>(g.prefix, g.anchors), 2);
   uint8_t *base = reserve_sort_scratch(ctx, dev, pipeline_bytes, most, stream);

@@ -153,6 +153,12 @@ inline bool bf16_window_scores(const akv_prefill &p, const akv_compress_options 
   return p.dtype == AKV_DTYPE_BF16 && (o.keys_post_rope || pairs == 0);
 }
 
+// CompressScratch::carve's kpost_bf16 for a pass: storage format 3 on that bf16 path (format 2's
+// coverage rounds reuse kpost for fp32 rows).
+inline bool kpost_bf16_for(const AnchorGeometry &g, const akv_prefill &p, const akv_compress_options &o, int pairs) {
+  return g.format == 3 && bf16_window_scores(p, o, pairs);
+}
+
 // The CUDA pass's scratch budget for choosing the heads per batch (2 GiB: H = 8, Hq = 32,
 // D = 128 batches all 8 heads up to 64K, fewer at 128K).
 constexpr size_t kHeadBatchBudget = size_t{2} << 30;
@@ -329,7 +335,7 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
   // The scores' GEMM on the tensor cores when its operands are exact in bf16.
   const bool bf16_scores = bf16_window_scores(p, o, pairs);
   CompressScratch s;
-  s.carve(scratch_base, S, P, H, D, m, k, pairs, paged_blocks(p), HB, local && bf16_scores);
+  s.carve(scratch_base, S, P, H, D, m, k, pairs, paged_blocks(p), HB, kpost_bf16_for(g, p, o, pairs));
   auto section = [&](int index) { return data + cache.layout.sections[index].offset; };
 
   // Constants: positions, RoPE tables, Hadamard signs; the cache starts zeroed.

@@ -1104,8 +1104,7 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
     const akv::AnchorGeometry &g = cache->geometry;
     // The heads per batch the CUDA pass picks (compress.cu).
     const int pairs = cache->rope.enabled() ? cache->rope.pairs() : 0;
-    const int head_batch = kc::anchor_head_batch(g, pairs, 0, kc::kHeadBatchBudget,
-                                                 g.format == 3 && kc::bf16_window_scores(p, o, pairs));
+    const int head_batch = kc::anchor_head_batch(g, pairs, 0, kc::kHeadBatchBudget, kc::kpost_bf16_for(g, p, o, pairs));
     kc::compress_anchorkv(dev, p, o, *cache, positions, data.data(), nullptr, head_batch);
     const int64_t total = dev.launches + dev.gemms + dev.sorts + dev.copies + dev.fills;
     std::printf("%s format %d S=%lld k=%d, %d heads per batch: %lld kernels, %lld GEMMs, %lld radix sorts, %lld copies, %lld fills: %lld operations\n",
