@@ -123,6 +123,10 @@ struct SplitSmem {
   // residuals' scratch ((MAXROWS + 4) T floats).
   AKV_HD static constexpr int trig_stride(int D) { return D / 8 + 4; }
   AKV_HD static constexpr int fast_tables_bytes(int D) { return 16 * kDecodeTile * trig_stride(D); }
+  // The fast path's bf16 rotated queries (SplitBlock::qb_s): rows of D padded by 16 (32 bytes),
+  // so that the four rows a warp's mma B fragments read at once start 8 banks apart (unpadded
+  // they share the banks: a 4-way conflict on every load).
+  AKV_HD static constexpr int qb_stride(int D) { return D + 16; }
   // smem_anchors: anchors whose per-anchor weights live in shared memory (0 with
   // DecodeLaunch::global_weights).
   AKV_HD constexpr SplitSmem(int D, int maxrows, int smem_anchors) {
@@ -165,7 +169,7 @@ struct SplitSmem {
     // Register-gather path (SplitBlock::fast): the rotated queries in bf16, and each key
     // residual's logit term by row and token. Its bf16 cos and sin table takes the start of
     // the key tile, which that path leaves free (fast_tables_bytes).
-    qb = o; o = align16(o + 2 * maxrows * D);
+    qb = o; o = align16(o + 2 * maxrows * qb_stride(D));
     res_logits = o; o = align16(o + sizeof(float) * maxrows * T);
     residuals = o; o = align16(o + sizeof(uint32_t) * 4);  // the tile's key and value residuals: first slot, count
     value_codes = o; o = align16(o + T * (D / 4));  // the tile's value residuals' codes, copied from the cache

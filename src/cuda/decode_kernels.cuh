@@ -149,6 +149,7 @@ struct SplitBlock {
   // rows padded by 64 bytes, so that the two tokens of a quarter warp's loads in
   // contract_gathered, u and u + 1, fall in the two halves of the banks); bf16 rotated queries.
   static constexpr int kTrigStride = SplitSmem::trig_stride(D);
+  static constexpr int QS = SplitSmem::qb_stride(D);  // qb_s's row stride
   uint4 *cs_s;
   uint16_t *qb_s;
   float *q_s, *qr_s, *w_s, *L_s, *Lp_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s, *pen_s;
@@ -264,7 +265,7 @@ struct SplitBlock {
     const float qscale = c.softmax_scale * kLog2e;
     for (int e = tid; e < MAXROWS * D; e += NT)
       q_s[e] = qr_s[e] = e / D < rows ? load_elem(p.queries, p.dtype, qbase + e) * qscale : 0.0f;
-    for (int e = rows * D + tid; e < MAXROWS * D; e += NT) qb_s[e] = 0;  // rows rotate_queries leaves
+    for (int e = rows * QS + tid; e < MAXROWS * QS; e += NT) qb_s[e] = 0;  // rows rotate_queries leaves
     if (p.global_weights) {
       w = p.ws_w + blk * MAXROWS * p.max_anchors;
       wstride = p.max_anchors;
@@ -556,9 +557,9 @@ struct SplitBlock {
           if (i >= rows) break;  // rows past `rows` stay zero
           const float2 q0 = *reinterpret_cast<const float2 *>(q_s + i * D + j);
           const float2 q1 = *reinterpret_cast<const float2 *>(q_s + i * D + P + j);
-          *reinterpret_cast<uint32_t *>(qb_s + i * D + j) =
+          *reinterpret_cast<uint32_t *>(qb_s + i * QS + j) =
               pack_bf16x2(q0.x * cs.x + q1.x * sn.x, q0.y * cs.y + q1.y * sn.y);
-          *reinterpret_cast<uint32_t *>(qb_s + i * D + P + j) =
+          *reinterpret_cast<uint32_t *>(qb_s + i * QS + P + j) =
               pack_bf16x2(q1.x * cs.x - q0.x * sn.x, q1.y * cs.y - q0.y * sn.y);
         }
       }
@@ -759,7 +760,7 @@ struct SplitBlock {
           const uint32_t a[4] = {ra[8 * s16] & live_row, 0u, ra[8 * s16 + 4] & live_row, 0u};
           for (int m = 0; m < NR8; ++m) {
             const int r = (m * 8 + g) & (MAXROWS - 1);  // this lane's B column's row (kB columns)
-            const uint32_t *qb = reinterpret_cast<const uint32_t *>(qb_s + r * D) + 8 * s16 + tq;
+            const uint32_t *qb = reinterpret_cast<const uint32_t *>(qb_s + r * QS) + 8 * s16 + tq;
             const uint32_t b[2] = {qb[0], qb[4]};
             mma_bf16_16816(acc[m], a, b);
           }
@@ -910,8 +911,8 @@ struct SplitBlock {
       rotate_pairs4(row1, u1, d, ax[1], ax[3], ay[1], ay[3]);
       for (int n = 0; n < NR8; ++n) {
         const int r = (n * 8 + g) & (MAXROWS - 1);  // kB columns
-        const uint2 bx = *reinterpret_cast<const uint2 *>(qb_s + r * D + d);
-        const uint2 by = *reinterpret_cast<const uint2 *>(qb_s + r * D + P + d);
+        const uint2 bx = *reinterpret_cast<const uint2 *>(qb_s + r * QS + d);
+        const uint2 by = *reinterpret_cast<const uint2 *>(qb_s + r * QS + P + d);
         const uint32_t b0[2] = {bx.x, bx.y}, b1[2] = {by.x, by.y};
         mma_bf16_16816(acc[n], ax, b0);
         mma_bf16_16816(acc[n], ay, b1);

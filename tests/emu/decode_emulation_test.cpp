@@ -3,6 +3,9 @@
 // how the kernels' indexing, synchronisation and arithmetic are tested on machines without
 // a GPU; tests/gpu runs the same comparisons on a device. Shapes stay small: every emulated
 // CUDA thread is an OS thread.
+#include <map>
+#include <set>
+
 #include "api/api_test_util.hpp"
 #include "core/context.hpp"
 #include "core/method_traits.hpp"
@@ -318,6 +321,50 @@ TEST(EmulatedDecode, FormatThreeViewStaysSmall) {
     const int64_t token_heads = cache->geometry.prefix * cache->geometry.heads;
     const int64_t rope_table = 8 * kc::kDecodeTile * (c.head_dim / 2);  // the tile's (cos, sin) table
     EXPECT_LT(view.block.size(), 4096 + rope_table + token_heads / 4) << "anchors " << anchors;
+  }
+}
+
+// Shared-memory wavefronts of one warp's access: lanes in groups that move 128 bytes (32 lanes
+// of 4-byte words, 16 of 8, 8 of 16), each group costing the most distinct words that any bank
+// serves (the same word is a broadcast). bytes(lane) is the lane's first byte.
+template <class F>
+int wavefronts(int width, F bytes) {
+  const int group = 128 / width;
+  int total = 0;
+  for (int g0 = 0; g0 < 32; g0 += group) {
+    std::map<int, std::set<int64_t>> words;  // bank -> distinct words
+    for (int lane = g0; lane < g0 + group; ++lane)
+      for (int w = 0; w < width / 4; ++w) {
+        const int64_t word = bytes(lane) / 4 + w;
+        words[static_cast<int>(word % 32)].insert(word);
+      }
+    size_t most = 0;
+    for (const auto &[bank, set] : words) most = std::max(most, set.size());
+    total += static_cast<int>(most);
+  }
+  return total;
+}
+
+// The fast path's per-token shared-memory reads at their minimum wavefronts (their index
+// expressions as in decode_kernels.cuh): the mma B fragments of the bf16 rotated queries
+// (contract_gathered's 8-byte loads, the key residuals' 4-byte ones; lane g reads row g % 4,
+// which unpadded rows put in the same banks) and the RoPE table's 16-byte entries (tokens u and
+// u + 1 in each quarter warp).
+TEST(EmulatedDecode, FastPathTablesReadWithoutBankConflicts) {
+  for (const int D : {64, 128, 256}) {
+    SCOPED_TRACE(D);
+    const int QS = kc::SplitSmem::qb_stride(D), TS = kc::SplitSmem::trig_stride(D), P = D / 2;
+    for (int d0 = 0; d0 < P; d0 += 16) {  // contract_gathered's slab s: d = 16 s + 4 tq
+      const auto qb = [&](int lane) { return 2 * (int64_t{lane >> 2 & 3} * QS + d0 + 4 * (lane & 3)); };
+      EXPECT_EQ(wavefronts(8, qb), 2) << "slab at " << d0;
+      const auto cs = [&](int lane) { return 16 * (int64_t{lane >> 2} * TS + (d0 + 4 * (lane & 3)) / 4); };
+      EXPECT_EQ(wavefronts(16, cs), 4) << "slab at " << d0;
+    }
+    for (int s16 = 0; s16 < D / 16; ++s16)  // key_residuals: word 8 s16 + tq (and + 4) of row g % 4
+      for (const int plus : {0, 4}) {
+        const auto qb = [&](int lane) { return 2 * (int64_t{lane >> 2 & 3} * QS) + 4 * (8 * s16 + (lane & 3) + plus); };
+        EXPECT_EQ(wavefronts(4, qb), 1) << "slab " << s16;
+      }
   }
 }
 
