@@ -147,8 +147,9 @@ def tile_phases(fk, fv):
 
 
 def sass_phases(fk, fv, k, block_tiles):
-    """Per-tile warp instructions by phase from scripts/sass_count.py (SASS), or None; blocks of
-    block_tiles tiles (the share of tiles that rescale)."""
+    """Per-tile warp instructions by phase from scripts/sass_count.py (SASS) and the tile's
+    conflict-free shared-memory wavefronts, or None; blocks of block_tiles tiles (the share of
+    tiles that rescale)."""
     root = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "counts.json")
@@ -158,7 +159,8 @@ def sass_phases(fk, fv, k, block_tiles):
         if r.returncode or not os.path.exists(out):
             return None
         import json
-        return json.load(open(out))["tile_loop"]["per_tile"]
+        loop = json.load(open(out))["tile_loop"]
+        return loop["per_tile"], loop["smem_wavefronts"]
 
 
 def predict(S, batch, use_sass=False):
@@ -166,7 +168,7 @@ def predict(S, batch, use_sass=False):
     P = S - W
     fk, fv = g["nk"] / (H * P), g["nv"] / (H * P)
     pl = plan(S, batch, g["k"])
-    ph = (use_sass and sass_phases(fk, fv, g["k"], math.ceil(pl["tiles"] / pl["splits"]))) or tile_phases(fk, fv)
+    ph, wf = (use_sass and sass_phases(fk, fv, g["k"], math.ceil(pl["tiles"] / pl["splits"]))) or (tile_phases(fk, fv), None)
     tile = sum(ph.values())
     fixed = prologue(g["k"]) + write_partial(g["k"])
     per_block = math.ceil(pl["tiles"] / pl["splits"]) * tile + fixed + WINDOW_TILE  # split 0 block
@@ -179,6 +181,8 @@ def predict(S, batch, use_sass=False):
     mem_us = hbm / (HBM_TBS * 1e6)
     l2 = batch * H * P * D * 2  # one anchor row (bf16) through L2 per prompt token
     l2_us = l2 / (L2_TBS * 1e6)
+    # a wavefront a clock per SM; the PTX model has no count (None)
+    smem_us = None if wf is None else pl["blocks"] * pl["tiles"] / pl["splits"] * wf / (SMS * CLOCK_GHZ * 1e3)
     mblocks = H * batch
     per_part = anchors_per_part(g["k"], mblocks)
     ablocks = mblocks * math.ceil(g["k"] / per_part)
@@ -187,10 +191,10 @@ def predict(S, batch, use_sass=False):
     # Each kernel: one block's instructions at one multiprocessor's issue rate, or all blocks'
     # spread over the multiprocessors (blocks of 256 threads share one), whichever is longer.
     merge_us = max(ai / rate, ablocks * ai / (SMS * rate)) + max(mi / rate, mblocks * mi / (SMS * rate))
-    t = max(issue_us, mem_us, l2_us) + merge_us + LAUNCH_US
+    t = max(issue_us, mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,
                 per_part=per_part,
-                issue=issue_us, hbm=hbm, mem=mem_us, l2=l2, l2_us=l2_us, merge=merge_us, t=t)
+                issue=issue_us, hbm=hbm, mem=mem_us, l2=l2, l2_us=l2_us, smem_us=smem_us, merge=merge_us, t=t)
 
 
 def measure():
@@ -240,12 +244,13 @@ def main():
               "window: PTX constants" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
               "--ptx-model)")
     print(f"Assumptions: {SMS} SMs x {SCHED} schedulers x {CLOCK_GHZ} GHz x IPC {IPC}; HBM {HBM_TBS} TB/s; "
-          f"L2 {L2_TBS} TB/s; launch {LAUNCH_US} us; {source}.\n")
+          f"L2 {L2_TBS} TB/s; shared memory a 128-byte wavefront a clock per SM (the tile loop's, conflict-free, "
+          f"from sass_count.py); launch {LAUNCH_US} us; {source}.\n")
     rows = [predict(S, b, use_sass) for S, b in ((32768, 1), (131072, 1), (131072, 8), (32768, 32))]
     print("| S | batch | k | f_K/f_V | splits x blocks (res/SM) | thr instr /tok/head (tiles) | warp instr /tok/head (tiles) "
-          "| total warp instr | issue us | HBM MB | HBM us | L2 us | merge us | pred us | SDPA us | speedup "
+          "| total warp instr | issue us | HBM MB | HBM us | L2 us | smem us | merge us | pred us | SDPA us | speedup "
           "| target | met |")
-    print("|" + "---|" * 18)
+    print("|" + "---|" * 19)
     for r in rows:
         tok = r["tile"] / T
         sd = SDPA[(r["S"], r["batch"])]
@@ -255,7 +260,8 @@ def main():
         pl = r["pl"]
         print(f"| {r['S']} | {r['batch']} | {r['g']['k']} | {r['fk']:.4f}/{r['fv']:.4f} | {pl['splits']} x "
               f"{pl['blocks']} ({pl['resident']}) | {32 * tok:.0f} | {tok:.1f} | {r['total'] / 1e6:.1f}M | "
-              f"{r['issue']:.1f} | {r['hbm'] / 1e6:.1f} | {r['mem']:.1f} | {r['l2_us']:.1f} | {r['merge']:.1f} | "
+              f"{r['issue']:.1f} | {r['hbm'] / 1e6:.1f} | {r['mem']:.1f} | {r['l2_us']:.1f} | "
+              f"{'-' if r['smem_us'] is None else format(r['smem_us'], '.1f')} | {r['merge']:.1f} | "
               f"{r['t']:.1f} | {sd or '-'} | {sp} | {tg}x | {met} |")
     r = rows[1]
     print(f"\nPhase breakdown, {r['S']} x {r['batch']} (4 rows), per token and head "

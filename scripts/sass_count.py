@@ -524,6 +524,18 @@ def exact_split_table(result, funcs, pinfo, key, kernel, cost, title, columns):
               + " | ".join(cells) + " |")
 
 
+# The fewest shared-memory wavefronts (128 bytes each; a multiprocessor serves one a clock) of
+# one warp instruction: 32 lanes of 4, 8 or 16 bytes. Bank conflicts add more; the fast path's
+# hot reads are checked free of them (EmulatedDecode.FastPathTablesReadWithoutBankConflicts),
+# the per-anchor weights' atomics (ATOMS.CAST, random anchors) are not.
+def shared_wavefronts(op):
+    if op.startswith("LDSM"):  # ldmatrix: one wavefront an 8 x 8 matrix (.x4: four)
+        return 4 if op.endswith(".4") else 2 if op.endswith(".2") else 1
+    if not op.startswith(("LDS", "STS", "ATOMS")):
+        return 0
+    return 4 if ".128" in op else 2 if ".64" in op else 1
+
+
 def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     """Per-phase warp instructions per tile of the AnchorKV prefix loop, in blocks of
     block_tiles tiles (the share that rescales)."""
@@ -573,6 +585,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     cold = cold_lines(lines, cold_blocks(rescale))
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
     totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
+    smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
     prev = (8.0, 1.0)  # warps and cold weight of the last instruction with a line
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
@@ -595,9 +608,10 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         else:
             prev = (w, weight)
         totals[phase] += mult * w * weight
+        smem += mult * w * weight * shared_wavefronts(ins[i]["op"])
         static[phase] += 1
         by_line[(phase, ln)] += mult * w * weight
-    return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner),
+    return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner), "smem_wavefronts": smem,
             "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()],
             "unknown_loops": sorted(unknown, key=str)}
 
@@ -658,6 +672,10 @@ def main():
     for name, v in sorted(loop["per_tile"].items(), key=lambda x: -x[1]):
         print(f"| {name} | {loop['static'][name]} | {v:.0f} | {v / T:.1f} |")
     print(f"| total | {sum(loop['static'].values())} | {total:.0f} | {total / T:.1f} |")
+    wf = loop["smem_wavefronts"]
+    print(f"shared memory: at least {wf:.0f} wavefronts a tile ({wf / T:.1f} per token and head); at one a "
+          f"clock per multiprocessor that is {wf / (total / (4 * 0.7)):.0%} of the cycles the tile's issue takes "
+          f"at 4 schedulers x IPC 0.7 (bank conflicts add to it)")
     if a.by_line:
         print(f"\nThe tile loop's {a.by_line} costliest lines of decode_kernels.cuh (warp instructions per tile)")
         print("| phase | line | source | per tile |")
