@@ -75,6 +75,16 @@ def poisson_mean(lam, f):
 # Trip counts per tile and warp of the inner loops that survive in SASS, by the source line of
 # the loop's backward branch (a substring of it). fk, fv: residual fractions; a tile holds
 # T * f residuals on average. rescale: the share of tiles that rescale (rescale_rate()).
+# Rounds of the per-anchor weights' compare-and-swap loop (a shared-memory float add): one
+# success per address a round, so as many as the warp's tokens have on their most shared
+# anchor (a warp takes 8 tokens 8 apart, for four rows). MEASURED
+# (tools/realmodel/anchor_sharing.cpp, SmolLM2-135M, 6 of 30 layers, default options at
+# 5x / 10x / 20x): 1.57 / 1.64 / 1.62 on 8K tokens of the paper, 1.56 / 1.58 / 1.55 on 6K of the
+# rebuttal; 32 consecutive tokens of one row (the warp's tokens before) had 4.0-4.6. Counted
+# once before.
+CAS_ROUNDS = 1.6
+
+
 def trips(src, fk, fv, k, rescale):
     ck, cv = T * fk, T * fv
     # Key residuals: warp 4 + w (w < 4) takes residuals 4w.., 4w + 16.., a pass of up to four
@@ -99,7 +109,7 @@ def trips(src, fk, fv, k, rescale):
         ("e < 256; e += 32", 256 / 32),                       # a new segment's tables: 8 entries a lane
         ("v < D / 4; v += 4", D / 16),
         ("i < MAXROWS; ++i", ROWS),                           # rows loops that stay rolled
-        ("atomicAdd(", 1.0),                                  # a CAS retry loop: no contention assumed
+        ("atomicAdd(", CAS_ROUNDS),                           # the CAS retry loop: a round a token on one address
     ]
     for pattern, n in table:
         if pattern in src:

@@ -1,0 +1,122 @@
+// How many of a warp's tokens share a value anchor, on a real prompt: the rounds that the CUDA
+// decode's per-anchor-weight atomics take (prefix_values in src/cuda/decode_kernels.cuh: a
+// shared-memory float add is a compare-and-swap loop, one success per address a round, so a
+// round per token of the warp's most shared anchor). A warp adds the weights of 8 tokens 8
+// apart in a 64-token tile, for four rows (different addresses); it used to take 32
+// consecutive tokens of one row. scripts/sass_count.py charges the measured mean (CAS_ROUNDS).
+//
+// Compresses layers of a tools/realmodel/dump.py file (f32; keys pre-RoPE, GPT-J RoPE as its
+// metadata says) with the default options at 5x, 10x and 20x on the CPU backend, and reads the
+// assignments through the library's internal AnchorAccess. Built against a build tree:
+//
+//   g++ -O2 -std=c++17 -Iinclude -Isrc tools/realmodel/anchor_sharing.cpp build/src/libanchorkv_internal.a
+//       -lopenblas -L/usr/local/cuda/lib64 -lcudart_static -lcublas -lcublasLt -ldl -lrt -lpthread
+//       -o /tmp/anchor_sharing    (one command)
+//   /tmp/anchor_sharing /tmp/realmodel/paper_8k.safetensors
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include <anchorkv/anchorkv.h>
+#include "core/anchor_access.hpp"
+#include "core/context.hpp"
+
+namespace {
+
+struct Dump {
+  std::ifstream file;
+  uint64_t data_start = 0;
+  nlohmann::json header;
+
+  explicit Dump(const std::string &path) : file(path, std::ios::binary) {
+    uint64_t n = 0;
+    file.read(reinterpret_cast<char *>(&n), 8);
+    std::string text(n, '\0');
+    file.read(text.data(), static_cast<std::streamsize>(n));
+    if (!file) throw std::runtime_error("cannot read the header of " + path);
+    header = nlohmann::json::parse(text);
+    data_start = 8 + n;
+  }
+  std::vector<int64_t> shape(const std::string &name) const { return header.at(name).at("shape"); }
+  // Elements [first, first + count) of an F32 tensor.
+  std::vector<float> read(const std::string &name, int64_t first, int64_t count) {
+    if (header.at(name).at("dtype") != "F32") throw std::runtime_error(name + ": dump.py --dtype f32 files only");
+    std::vector<float> out(static_cast<size_t>(count));
+    file.seekg(static_cast<std::streamoff>(data_start + header.at(name).at("data_offsets")[0].get<uint64_t>() + 4 * first));
+    file.read(reinterpret_cast<char *>(out.data()), static_cast<std::streamsize>(4 * count));
+    if (!file) throw std::runtime_error("cannot read " + name);
+    return out;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char **argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s DUMP.safetensors\n", argv[0]);
+    return 2;
+  }
+  Dump dump(argv[1]);
+  const auto ks = dump.shape("k"), qs = dump.shape("q_window");  // [L][H][S][D], [L][Hq][W][D]
+  const int L = static_cast<int>(ks[0]), H = static_cast<int>(ks[1]), D = static_cast<int>(ks[3]);
+  const int64_t S = ks[2];
+  const int Hq = static_cast<int>(qs[1]), WQ = static_cast<int>(qs[2]);
+  const auto &meta = dump.header.at("__metadata__");
+  if (meta.value("keys_post_rope", "0") != "0") throw std::runtime_error("keys pre-RoPE only");
+  akv_context *ctx = nullptr;
+  if (akv_context_create(nullptr, &ctx) != AKV_OK) return 1;
+  std::printf("%s: %d layers x %d KV heads, S %lld; the most prefix tokens of a warp on one value anchor (mean)\n",
+              argv[1], L, H, static_cast<long long>(S));
+  std::printf("| ratio | tiles | 8 tokens 8 apart (the kernel's) | 32 consecutive (before) |\n|---|---|---|---|\n");
+  for (const double ratio : {5.0, 10.0, 20.0}) {
+    double strided = 0, consecutive = 0;
+    int64_t tiles = 0;
+    for (int l = 0; l < L; l += std::max(1, L / 6)) {
+      const int64_t kv = static_cast<int64_t>(H) * S * D;
+      const auto k = dump.read("k", l * kv, kv), v = dump.read("v", l * kv, kv);
+      const auto q = dump.read("q_window", static_cast<int64_t>(l) * Hq * WQ * D, static_cast<int64_t>(Hq) * WQ * D);
+      akv_compress_options o;
+      akv_compress_options_init(&o);
+      o.retain_fraction = 1.0 / ratio;
+      o.rope.style = meta.value("rope_style", "neox") == "gptj" ? AKV_ROPE_GPTJ : AKV_ROPE_NEOX;
+      o.rope.base = std::stod(meta.value("rope_base", "10000"));
+      akv_prefill p{};
+      p.struct_size = sizeof p;
+      p.shape = {S, H, Hq, D};
+      p.dtype = AKV_DTYPE_F32;
+      p.keys = k.data();
+      p.values = v.data();
+      p.queries = q.data() + static_cast<size_t>(WQ - o.window) * D;  // the last `window` rows
+      p.q_head_stride = static_cast<int64_t>(WQ) * D;
+      akv_cache *cache = nullptr;
+      if (akv_compress(ctx, &p, &o, &cache, nullptr) != AKV_OK) {
+        std::fprintf(stderr, "compress: %s\n", akv_last_error_message());
+        return 1;
+      }
+      const akv::AnchorAccess access(*cache);
+      const int64_t P = cache->geometry.prefix;
+      // The most tokens of the group on one anchor: tokens t0 + first + step * j, j < n.
+      const auto most = [&](int h, int64_t first, int step, int n) {
+        std::map<int32_t, int> count;
+        int m = 0;
+        for (int j = 0; j < n; ++j) m = std::max(m, ++count[access.anchor(1, h, first + step * j)]);
+        return m;
+      };
+      for (int h = 0; h < H; ++h)
+        for (int64_t t0 = 0; t0 + 64 <= P; t0 += 64, ++tiles) {
+          for (int w = 0; w < 8; ++w) strided += most(h, t0 + w, 8, 8) / 8.0;
+          consecutive += (most(h, t0, 1, 32) + most(h, t0 + 32, 1, 32)) / 2.0;
+        }
+      akv_cache_destroy(cache);
+    }
+    std::printf("| %gx | %lld | %.2f | %.2f |\n", ratio, static_cast<long long>(tiles), strided / tiles,
+                consecutive / tiles);
+  }
+  akv_context_destroy(ctx);
+  return 0;
+}
