@@ -7,12 +7,10 @@
 //
 // Compresses layers of a tools/realmodel/dump.py file (f32; keys pre-RoPE, GPT-J RoPE as its
 // metadata says) with the default options at 5x, 10x and 20x on the CPU backend, and reads the
-// assignments through the library's internal AnchorAccess. Built against a build tree:
+// assignments through the library's internal AnchorAccess. Built with the tests
+// (tests/CMakeLists.txt):
 //
-//   g++ -O2 -std=c++17 -Iinclude -Isrc tools/realmodel/anchor_sharing.cpp build/src/libanchorkv_internal.a
-//       -lopenblas -L/usr/local/cuda/lib64 -lcudart_static -lcublas -lcublasLt -ldl -lrt -lpthread
-//       -o /tmp/anchor_sharing    (one command)
-//   /tmp/anchor_sharing /tmp/realmodel/paper_8k.safetensors
+//   build/tests/anchorkv_anchor_sharing /tmp/realmodel/paper_8k.safetensors
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
