@@ -72,9 +72,6 @@ def poisson_mean(lam, f):
     return e
 
 
-# Trip counts per tile and warp of the inner loops that survive in SASS, by the source line of
-# the loop's backward branch (a substring of it). fk, fv: residual fractions; a tile holds
-# T * f residuals on average. rescale: the share of tiles that rescale (rescale_rate()).
 # Rounds of the per-anchor weights' compare-and-swap loop (a shared-memory float add): one
 # success per address a round, so as many as the warp's tokens have on their most shared
 # anchor (a warp takes 8 tokens 8 apart, for four rows). MEASURED
@@ -85,6 +82,9 @@ def poisson_mean(lam, f):
 CAS_ROUNDS = 1.6
 
 
+# Trip counts per tile and warp of the inner loops that survive in SASS, by the source line of
+# the loop's backward branch (a substring of it). fk, fv: residual fractions; a tile holds
+# T * f residuals on average. rescale: the share of tiles that rescale (rescale_rate()).
 def trips(src, fk, fv, k, rescale):
     ck, cv = T * fk, T * fv
     # Key residuals: warp 4 + w (w < 4) takes residuals 4w.., 4w + 16.., a pass of up to four

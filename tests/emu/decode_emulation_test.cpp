@@ -355,14 +355,14 @@ TEST(EmulatedDecode, FastPathTablesReadWithoutBankConflicts) {
     SCOPED_TRACE(D);
     const int QS = kc::SplitSmem::qb_stride(D), TS = kc::SplitSmem::trig_stride(D), P = D / 2;
     for (int d0 = 0; d0 < P; d0 += 16) {  // contract_gathered's slab s: d = 16 s + 4 tq
-      const auto qb = [&](int lane) { return 2 * (int64_t{lane >> 2 & 3} * QS + d0 + 4 * (lane & 3)); };
+      const auto qb = [&](int lane) { return 2 * (int64_t{(lane >> 2) & 3} * QS + d0 + 4 * (lane & 3)); };
       EXPECT_EQ(wavefronts(8, qb), 2) << "slab at " << d0;
       const auto cs = [&](int lane) { return 16 * (int64_t{lane >> 2} * TS + (d0 + 4 * (lane & 3)) / 4); };
       EXPECT_EQ(wavefronts(16, cs), 4) << "slab at " << d0;
     }
     for (int s16 = 0; s16 < D / 16; ++s16)  // key_residuals: word 8 s16 + tq (and + 4) of row g % 4
       for (const int plus : {0, 4}) {
-        const auto qb = [&](int lane) { return 2 * (int64_t{lane >> 2 & 3} * QS) + 4 * (8 * s16 + (lane & 3) + plus); };
+        const auto qb = [&](int lane) { return 2 * (int64_t{(lane >> 2) & 3} * QS) + 4 * (8 * s16 + (lane & 3) + plus); };
         EXPECT_EQ(wavefronts(4, qb), 1) << "slab " << s16;
       }
   }

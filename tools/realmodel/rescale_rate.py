@@ -13,7 +13,7 @@ keys, base-2 logits as the kernel has them) and prints the share of tiles that r
     slack (kRescaleSlack, 32: the kernel's rule now; it was 8).
 
 and the largest rise of a tile's max over its block's running max, which a slack above it
-never rescales. Every held-out query of the file (dump.py --future) is walked.
+never rescales.
 
 A block's first tile only sets the reference. Blocks of 16 and 128 tiles are the kernel's at
 32K x 1 and 128K x 1 (predict_decode.py's plans); at 8K a 128-tile block is the whole prompt.
