@@ -683,9 +683,8 @@ def main():
         print(f"| {name} | {loop['static'][name]} | {v:.0f} | {v / T:.1f} |")
     print(f"| total | {sum(loop['static'].values())} | {total:.0f} | {total / T:.1f} |")
     wf = loop["smem_wavefronts"]
-    print(f"shared memory: at least {wf:.0f} wavefronts a tile ({wf / T:.1f} per token and head); at one a "
-          f"clock per multiprocessor that is {wf / (total / (4 * 0.7)):.0%} of the cycles the tile's issue takes "
-          f"at 4 schedulers x IPC 0.7 (bank conflicts add to it)")
+    print(f"shared memory: at least {wf:.0f} wavefronts a tile ({wf / T:.1f} per token and head; bank conflicts "
+          f"add to it), which predict_decode.py prices beside the issue time")
     if a.by_line:
         print(f"\nThe tile loop's {a.by_line} costliest lines of decode_kernels.cuh (warp instructions per tile)")
         print("| phase | line | source | per tile |")
