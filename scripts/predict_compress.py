@@ -43,7 +43,7 @@ SMS = 132                 # streaming multiprocessors
 HBM_BPS = 3.6e12          # streaming kernels: ~3.6 TB/s achievable (4.3 TB/s measured copy, 4.8 peak)
 SGEMM_FLOPS = 50e12       # fp32 SIMT peak 67 TFLOP/s; cuBLAS SGEMM reaches ~50 on large tiles
 SIMT_FLOPS = 67e12 * 0.5  # hand-written elementwise/reduction code: ~half of FMA peak (no FMA pairing)
-TC_BF16_FLOPS = 989e12 * 0.25  # dense bf16 peak 989 TFLOP/s; nearest_anchor_kernel's wmma reaches ~25%:
+TC_BF16_FLOPS = 989e12 * 0.25  # dense bf16 peak 989 TFLOP/s; nearest_anchor_kernel's mma reaches ~25%:
                           # 16x16x16 mma.sync (not Hopper wgmma, which alone gets near peak),
                           # single-buffered smem tiles, 3 __syncthreads per 32-anchor tile, and the
                           # SIMT top-4 selection of each tile serialised with the MMAs
@@ -63,13 +63,14 @@ IPC = 0.7                 # warp instructions issued per scheduler per cycle (sc
 ISSUE_PER_S = SMS * 4 * CLOCK_HZ * IPC
 SKIP_SHARE = 0.868        # MEASURED (emulation, synthetic data, 32K): a round's tokens left alone
 # local_nearest_kernel<128, CH> from scripts/sass_count.py (used without --sass), per candidate
-# chunk CH (16 or 32): warp instructions per chunk and per tile (per warp, 4 warps a block), the
+# chunk CH (16 or 32): warp instructions per chunk, the one-chunk path's (a tile whose candidates
+# fit one chunk, as a coverage round's do) and per tile (per warp, 4 warps a block), the
 # candidate range's two searches (warp 0, 32 probes a round; a round each), the rescoring loops' static
 # SASS (the warp's: a pass per candidate; the lanes' own: a pass per candidate of the busiest lane).
-LOCAL = {"32": {"warp_instr_per_chunk": 584, "warp_instr_per_tile": 485, "search_loops_static": 104,
-                "rescore_loop_static": 70, "serial_rescore_static": 456},
-         "16": {"warp_instr_per_chunk": 433, "warp_instr_per_tile": 483, "search_loops_static": 104,
-                "rescore_loop_static": 70, "serial_rescore_static": 456}}
+LOCAL = {"32": {"warp_instr_per_chunk": 471, "one_chunk_static": 412, "warp_instr_per_tile": 500,
+                "search_loops_static": 104, "rescore_loop_static": 70, "serial_rescore_static": 456},
+         "16": {"warp_instr_per_chunk": 358, "one_chunk_static": 260, "warp_instr_per_tile": 497,
+                "search_loops_static": 104, "rescore_loop_static": 70, "serial_rescore_static": 456}}
 WARP_RESCORE_MOST = 8     # kWarpRescoreMost: past this many candidates a warp's lanes rescore their own
 RESCORED = 1.84           # MEASURED (same run, chunks of 16): candidates rescored in fp32 per token searched
 WARP_TOKENS = 16          # tokens of a warp in local_nearest_kernel (64 a block of 4 warps, 2 lanes each)
@@ -235,7 +236,7 @@ class Pass:
         self.op(hbm=20 * total)
 
     def nearest(self, hb, rows, anchors):
-        """nearest_anchor_kernel: bf16 wmma products of 64-token x 32-anchor tiles, top-4 per part,
+        """nearest_anchor_kernel: bf16 mma products of 64-token x 32-anchor tiles, top-4 per part,
         fp32 rescoring of <= 4 candidates (the full-scan fallback is assumed rare)."""
         tc = 2 * hb * (-(-rows // 64) * 64) * (-(-anchors // 32) * 32) * D
         simt = hb * rows * (4 * anchors + 2 * 4 * D + 3 * D)
@@ -266,7 +267,8 @@ class Pass:
         its reach (in_reach on average: a segment's count taken as Poisson) and `tail` of the
         window's; CH as local_chunk() picks it (16 when the mean is at most 16, else 32): per
         64-token tile, the two searches of its range in the n_sorted candidates (warp 0, 32 probes a
-        round: a quarter of the tile's 4 warps), the token rows in bf16, E[ceil(candidates / CH)] chunks, and
+        round: a quarter of the tile's 4 warps), the token rows in bf16, the one-chunk path where a
+        tile's candidates fit one chunk and E[ceil(candidates / CH)] chunks of the loop elsewhere, and
         fp32 rescoring of the tokens not left alone (RESCORED candidates each, over a token's 2
         lanes): with at most WARP_RESCORE_MOST in the warp it rescores them together, a pass each;
         with more, each lane its own (the busiest lane taken as the mean). The fp32 rows are read
@@ -274,18 +276,19 @@ class Pass:
         P = g["P"]
         tiles = hb * -(-P // 64)
         ch = 16 if in_reach + tail <= 16 else 32
-        chunks = expected_chunks(in_reach, tail, ch)
         local = LOCAL[str(ch)]
+        one, chunks = expected_chunks(in_reach, tail, ch)
         rescore = 0.0 if fresh else SKIP_SHARE
         steps = warp_search_rounds(n_sorted)
         pairs = WARP_TOKENS * (1 - rescore) * RESCORED
         rescoring = (pairs * local["rescore_loop_static"] if pairs <= WARP_RESCORE_MOST
                      else RESCORED / 2 * local["serial_rescore_static"])
         per_warp = (local["warp_instr_per_tile"] + local["search_loops_static"] * steps / 4
-                    + chunks * local["warp_instr_per_chunk"]
+                    + one * local["one_chunk_static"] + chunks * local["warp_instr_per_chunk"]
                     + rescoring)
-        hbm = tiles * 64 * D * 2 + (1 - rescore) * hb * P * D * 4 + hb * P * 8  # bf16 rows, fp32 rescoring rows, outputs
-        self.op(tc=2 * tiles * 64 * chunks * ch * D, hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
+        # bf16 rows, fp32 rescoring rows; every token's norm and best so far read, the searched ones' written
+        hbm = tiles * 64 * D * 2 + (1 - rescore) * hb * P * D * 4 + hb * P * 12 + (1 - rescore) * hb * P * 8
+        self.op(tc=2 * tiles * 64 * (one + chunks) * ch * D, hbm=hbm, latency=tiles * 4 * per_warp / ISSUE_PER_S)
 
     def utilities(self, hb, P, m):
         """utility_rows_kernel (||y||^2, the window rows' bf16 splits as A fragments), then
@@ -333,13 +336,18 @@ def warp_search_rounds(n):
 
 
 def expected_chunks(mean, tail, ch):
-    """E[ceil((N + tail) / ch)] for N Poisson with the given mean (a segment's candidates)."""
+    """For N Poisson with the given mean (a segment's candidates) and c = N + tail: the share of
+    tiles on the one-chunk path (0 < c <= ch) and E[ceil(c / ch)] over the rest (the loop)."""
     n_max = int(mean + 12 * math.sqrt(mean) + 30)
-    p, e = math.exp(-mean), 0.0
+    p, one, loop = math.exp(-mean), 0.0, 0.0
     for n in range(n_max + 1):
-        e += p * -(-(n + tail) // ch)
+        c = n + tail
+        if 0 < c <= ch:
+            one += p
+        else:
+            loop += p * -(-c // ch)
         p *= mean / (n + 1)
-    return e
+    return one, loop
 
 
 def global_pass(x, g, hb):
@@ -497,9 +505,9 @@ def main():
     keys = "post" if BF16_SCORES else "pre"
     print(f"Model of the CUDA AnchorKV pass (storage format {FORMAT}, H={H}, Hq={HQ}, D={D}, bf16, {keys}-RoPE keys, "
           f"W={W}, theta={THETA}, default options) "
-          f"on an H200: SGEMM {SGEMM_FLOPS / 1e12:.0f} TF, wmma {TC_BF16_FLOPS / 1e12:.0f} TF, SIMT "
+          f"on an H200: SGEMM {SGEMM_FLOPS / 1e12:.0f} TF, mma {TC_BF16_FLOPS / 1e12:.0f} TF, SIMT "
           f"{SIMT_FLOPS / 1e12:.1f} TF, HBM {HBM_BPS / 1e12:.1f} TB/s, {LAUNCH_S * 1e6:.0f} us/launch.")
-    print("GFLOP columns: fp32 cuBLAS GEMM | bf16 tensor cores (wmma; the scores' cuBLAS GEMM) | SIMT fp32; "
+    print("GFLOP columns: fp32 cuBLAS GEMM | bf16 tensor cores (mma; the scores' cuBLAS GEMM) | SIMT fp32; "
           "sort MB = key bytes sorted; "
           "ops = library count, kernels = GPU launches incl. CUB internals.\n")
     for S in args.seq_lens:

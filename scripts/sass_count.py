@@ -324,7 +324,7 @@ def ptxas_info(log):
 def disassemble(nvdisasm, cubin):
     out = subprocess.run([nvdisasm, "-gi", "-c", cubin], capture_output=True, text=True, check=True).stdout
     funcs = collections.OrderedDict()
-    cur, loc, fresh = None, (None, None, None, None), True
+    cur, loc, outer, fresh = None, (None, None, None, None), (None, None), True
     ins_re = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
     for ln in out.splitlines():
         m = re.match(r"\s*\.text\.(\S+):", ln)
@@ -338,10 +338,12 @@ def disassemble(nvdisasm, cubin):
         m = re.match(r'\s*//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?', ln)
         if m:
             # -gi lists the innermost location first, then the frames it was inlined into:
-            # keep the first of a run (with the line it was inlined at)
+            # keep the first of a run (with the line it was inlined at), and the last (the
+            # kernel's own line)
             if fresh:
                 loc = (m.group(1), int(m.group(2)), m.group(3), int(m.group(4)) if m.group(4) else None)
                 fresh = False
+            outer = (m.group(1), int(m.group(2)))
             continue
         m = re.match(r"(\.L_x_\d+):", ln.strip())
         if m:
@@ -352,7 +354,8 @@ def disassemble(nvdisasm, cubin):
             text = m.group(2)
             op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
             tgt = re.search(r"`\((\.L_x_\d+)\)", text)
-            funcs[cur]["ins"].append({"op": op, "text": text, "loc": loc, "target": tgt.group(1) if tgt else None})
+            funcs[cur]["ins"].append({"op": op, "text": text, "loc": loc, "outer": outer,
+                                      "target": tgt.group(1) if tgt else None})
             fresh = True
     return funcs
 
@@ -391,13 +394,19 @@ def loops(f):
     return sorted(out, key=lambda l: (l[0], -l[1]))
 
 
-def profiling_lines():
-    """First and last line (1-based) of local_nearest_kernel's `if (stats) {` block."""
+def block_lines(opening):
+    """First and last line (1-based) of the block of compress_local_kernels.cuh that opens with
+    the line starting `opening` (its closing brace at the same indent, or `} else {`)."""
     lines = open(os.path.join(ROOT, "src", "cuda", "compress_local_kernels.cuh")).read().split("\n")
-    first = next(i for i, ln in enumerate(lines) if ln.strip().startswith("if (stats) {"))
+    first = next(i for i, ln in enumerate(lines) if ln.strip().startswith(opening))
     indent = lines[first][:len(lines[first]) - len(lines[first].lstrip())]
-    last = next(i for i in range(first + 1, len(lines)) if lines[i] == indent + "}")
+    last = next(i for i in range(first + 1, len(lines)) if lines[i] in (indent + "}", indent + "} else {"))
     return first + 1, last + 1
+
+
+def profiling_lines():
+    """local_nearest_kernel's `if (stats) {` block."""
+    return block_lines("if (stats) {")
 
 
 def hot_loops(f):
@@ -418,7 +427,9 @@ def local_search_cost(f, ch):
     range's two searches (warp 0, 32 probes a round) are reported apart (a round each). After the
     chunks, the tile's end (the token's decision, the parts' reduction, the writes; up to the
     last EXIT, without its loops and without the profiling block, which production skips)
-    counts once a tile; the warp's rescoring loop (the first one
+    counts once a tile. A tile whose candidates fit one chunk (a coverage round's) runs the
+    one-chunk path instead of the loop (its static SASS, found by the kernel lines it was
+    inlined at). The warp's rescoring loop (the first one
     there with FFMAs: the whole warp rescoring one lane's candidate) once a candidate rescored,
     or with many candidates in a warp, the lanes' own (the loop with the most FFMAs: one lane's
     fp32 product) once a candidate of the busiest lane."""
@@ -456,10 +467,21 @@ def local_search_cost(f, ch):
     if not profiling:
         sys.exit("local_search_cost: no instruction of the profiling block found")
     tail -= profiling
-    per_tile = (chunk[0] - sum(l[2] for l in before)) + tail
+    # The one-chunk path (`if (count > 0 && count <= CH) {`: a coverage round's tiles) runs
+    # instead of the chunk loop: its instructions (by the kernel line they were inlined at,
+    # outside every loop) come out of the tile's count.
+    first, last = block_lines("if (count > 0 && count <= CH) {")
+    in_loop = set(i for l in ls for i in range(l[0], l[1] + 1))
+    one = [i for i in range(end + 1) if i not in in_loop and f["ins"][i]["outer"][0]
+           and f["ins"][i]["outer"][0].endswith("compress_local_kernels.cuh") and first <= f["ins"][i]["outer"][1] <= last]
+    if not any(f["ins"][i]["op"].startswith("HMMA") for i in one):
+        sys.exit("local_search_cost: no tile products found in the one-chunk path")
+    tail -= sum(1 for i in one if i > chunk[1])
+    per_tile = (chunk[0] - sum(l[2] for l in before)) + tail - sum(1 for i in one if i < chunk[0])
     rescore = next((l for l in after if l[3]["FFMA"]), None)
     serial = max(after, key=lambda l: l[3]["FFMA"], default=None)
     return {"chunk_loop_static": chunk[2], "warp_instr_per_chunk": per_chunk, "warp_instr_per_tile": per_tile,
+            "one_chunk_static": len(one),
             "profiling_static": profiling,
             "search_loops_static": sum(l[2] for l in searches), "tile_end_static": tail,
             "rescore_loop_static": rescore[2] if rescore else 0,
@@ -701,7 +723,8 @@ def main():
         result["local_search"][str(ch)] = cost
         print(f"\nlocal_nearest_kernel<128, {ch}> (format 3's candidate search; per warp, 4 warps a block of 64 "
               f"tokens): chunk loop {cost['chunk_loop_static']} static SASS, {cost['warp_instr_per_chunk']:.0f} warp "
-              f"instructions per {ch}-candidate chunk; {cost['warp_instr_per_tile']:.0f} per tile outside the chunks "
+              f"instructions per {ch}-candidate chunk, or {cost['one_chunk_static']} for the one-chunk path; "
+              f"{cost['warp_instr_per_tile']:.0f} per tile outside the chunks "
               f"(token rows, {cost['tile_end_static']} at the end, without the profiling block's "
               f"{cost['profiling_static']}); the candidate range's two searches "
               f"{cost['search_loops_static']} a round (warp 0); fp32 rescoring {cost['rescore_loop_static']} a "

@@ -7,9 +7,6 @@
 #include "core/codebook.hpp"
 #include "core/rng.hpp"
 #include "cuda/device_common.cuh"
-#if !defined(AKV_SIMT_EMULATION)
-#include <mma.h>
-#endif
 
 namespace akv {
 namespace cuda {
@@ -312,9 +309,9 @@ __global__ void __launch_bounds__(128) anchors_kernel(const float *X, int64_t x_
 //
 // One block of 128 threads per TOK tokens (64 for D <= 128, else 32: the tiles stay in 48 KB
 // of static shared memory). Anchor tiles of 32 unit anchors go through shared memory in bf16
-// with the block's token rows (bf16); the TOK x 32 products come from the tensor cores (wmma,
-// fp32 accumulation; in the emulation the same bf16 products with float sums) and each token
-// keeps, per part of a tile (128 / TOK threads per token), its 4 best approximate |c| and the
+// with the block's token rows (bf16); the TOK x 32 products come from the tensor cores
+// (ldmatrix and mma.m16n8k16, fp32 accumulation; the emulation runs the same fragments) and
+// each token keeps, per part of a tile (128 / TOK threads per token), its 4 best approximate |c| and the
 // best one it had to drop. The approximation is within (2u + u^2) sum |x_d a_d| <= 0.0079 ||x||
 // of the fp32 dot (bf16 unit roundoff u = 2^-8, ||a|| <= 1), so the fp32 argmax is among the
 // anchors whose approximate |c| is at least max - 2 * 0.0079 ||x||; those candidates are
@@ -367,33 +364,29 @@ __device__ __forceinline__ void nearest_tile_products(const uint16_t (*xs)[D + 8
                                                       float (*cs)[kNearAnchors + 4]) {
   static_assert(CH % 16 == 0 && CH <= kNearAnchors && TOK % 16 == 0, "whole fragments");
   constexpr int kColumns = CH / 16, kFragments = TOK / 16 * kColumns, kPerWarp = (kFragments + 3) / 4;
-  const int warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  // The rows this lane addresses for ldmatrix: A's four matrices are (rows 0-7, dims 0-7),
+  // (rows 8-15, dims 0-7), (rows 0-7, dims 8-15), (rows 8-15, dims 8-15) of the slab; B's are
+  // (anchors 0-7, dims 0-7), (anchors 0-7, dims 8-15), then anchors 8-15 likewise: the two
+  // n8 halves' fragments. Rows are D + 8 bf16 apart: 8 rows meet 32 distinct banks.
+  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_dim = (lane >> 4) * 8;
+  const int b_row = (lane & 7) + (lane >> 4) * 8, b_dim = ((lane >> 3) & 1) * 8;
 #pragma unroll
   for (int f = 0; f < kPerWarp; ++f) {
     const int q = warp * kPerWarp + f;
     if (kFragments % 4 != 0 && q >= kFragments) break;
     const int r0 = q / kColumns * 16, c0 = q % kColumns * 16;
-#if !defined(AKV_SIMT_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    using namespace nvcuda;
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-    wmma::fill_fragment(acc, 0.0f);
+    float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
     for (int d0 = 0; d0 < D; d0 += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
-      wmma::load_matrix_sync(fa, reinterpret_cast<const __nv_bfloat16 *>(&xs[r0][d0]), D + 8);
-      wmma::load_matrix_sync(fb, reinterpret_cast<const __nv_bfloat16 *>(&as[c0][d0]), D + 8);
-      wmma::mma_sync(acc, fa, fb, acc);
+      uint32_t a[4], b[4];
+      ldmatrix_x4(a, &xs[r0 + a_row][d0 + a_dim]);
+      ldmatrix_x4(b, &as[c0 + b_row][d0 + b_dim]);
+      mma_bf16_16816(acc[0], a, {b[0], b[1]});
+      mma_bf16_16816(acc[1], a, {b[2], b[3]});
     }
-    wmma::store_matrix_sync(&cs[r0][c0], acc, kNearAnchors + 4, wmma::mem_row_major);
-#else
-    for (int e = threadIdx.x & 31; e < 256; e += 32) {
-      const int i = r0 + e / 16, j = c0 + e % 16;
-      float acc = 0.0f;
-      for (int d = 0; d < D; ++d) acc += bits_to_float(xs[i][d], true) * bits_to_float(as[j][d], true);
-      cs[i][j] = acc;
-    }
-#endif
+#pragma unroll
+    for (int i = 0; i < 8; ++i) cs[r0 + g + 8 * (i / 2 % 2)][c0 + 8 * (i / 4) + 2 * t + i % 2] = acc[i / 4][i % 4];
   }
 }
 
@@ -472,7 +465,7 @@ __global__ void __launch_bounds__(128) nearest_anchor_kernel(const float *X, int
                                                              const float *norms, int32_t *nearest, float *best_sq,
                                                              int64_t out_stride, int64_t anchor_stride) {
   constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = kNearAnchors / PARTS;
-  // 32-byte aligned: wmma loads and stores need 256-bit aligned tile pointers.
+  // ldmatrix reads 16-byte-aligned rows.
   AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
   AKV_STATIC_SHARED(__align__(32) uint16_t, as, [kNearAnchors][D + 8]);
   AKV_STATIC_SHARED(__align__(32) float, cs, [TOK][kNearAnchors + 4]);

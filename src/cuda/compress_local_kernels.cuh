@@ -161,22 +161,56 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const LocalSide side
   // Candidate c (in token order: the range's, then the window's) is row row_of(c).
   auto row_of = [&](int64_t c) { return c < in_range ? lo + c : n_sorted + (c - in_range); };
   const int mine = tid / PARTS, part = tid % PARTS;  // token of the block, part of each tile
-  NearKeep keep;
-  for (int64_t c0 = 0; c0 < count; c0 += CH) {
-    __syncthreads();  // the previous tile's products are consumed
+  const int64_t t = t0 + mine;
+  const float x_norm = t < P ? sqrtf(x_norm_sq[t]) : 0.0f;
+  auto chunk_products = [&](int64_t c0) {
     gather_tile_rows<D, CH>(as, count - c0, [&](int j) { return rows_b + row_of(c0 + j) * D; });
     if (tid < CH) usable[tid] = c0 + tid < count && row_norm_sq[row_of(c0 + tid)] > 0.0f;
     __syncthreads();
     nearest_tile_products<D, TOK, CH>(xs, as, cs);
     __syncthreads();
+  };
+  NearKeep keep;
+  float top, worst_drop;
+  if (count > 0 && count <= CH) {
+    // One chunk (a coverage round's usual case: about 8 candidates in reach): the part's
+    // values, the token's largest, then the candidates within the margin of it taken as they
+    // come, no running top kNearKeep (its insertions were half the chunk's instructions). More
+    // than kNearKeep of a part within the margin: the full scan, as a drop there would give.
+    chunk_products(0);
+    float v[PER];
+    top = -INFINITY;
+#pragma unroll
     for (int jj = 0; jj < PER; ++jj) {
       const int j = part * PER + jj;
-      if (usable[j]) keep.offer(fabsf(cs[mine][j]), static_cast<int>(c0 + j));
+      v[jj] = usable[j] ? fabsf(cs[mine][j]) : -INFINITY;
+      top = fmaxf(top, v[jj]);
     }
+    for (int m = 1; m < PARTS; m <<= 1) top = fmaxf(top, __shfl_xor_sync(kFullMask, top, m));
+    const float floor_v = top - kNearMargin * x_norm;
+    unsigned near = 0;
+#pragma unroll
+    for (int jj = 0; jj < PER; ++jj) near |= (v[jj] != -INFINITY && v[jj] >= floor_v ? 1u : 0u) << jj;
+    worst_drop = __popc(near) > kNearKeep ? top : -INFINITY;
+    for (int m = 1; m < PARTS; m <<= 1) worst_drop = fmaxf(worst_drop, __shfl_xor_sync(kFullMask, worst_drop, m));
+#pragma unroll
+    for (int q = 0; q < kNearKeep; ++q) {
+      keep.a[q] = near ? part * PER + __ffs(static_cast<int>(near)) - 1 : -1;
+      keep.v[q] = near ? top : -INFINITY;  // at least floor_v: rescored
+      near &= near - 1;
+    }
+  } else {
+    for (int64_t c0 = 0; c0 < count; c0 += CH) {
+      __syncthreads();  // the previous tile's products are consumed
+      chunk_products(c0);
+      for (int jj = 0; jj < PER; ++jj) {
+        const int j = part * PER + jj;
+        if (usable[j]) keep.offer(fabsf(cs[mine][j]), static_cast<int>(c0 + j));
+      }
+    }
+    top = keep.top<PARTS>();
+    worst_drop = keep.worst_drop<PARTS>();
   }
-  const float top = keep.top<PARTS>(), worst_drop = keep.worst_drop<PARTS>();
-  const int64_t t = t0 + mine;
-  const float x_norm = t < P ? sqrtf(x_norm_sq[t]) : 0.0f;
   const int32_t had = t < P ? near_token[t] : -1;
   const float had_v = t < P ? fabsf(near_dot[t]) : 0.0f;
   // Nothing to rescore: no usable candidate, or none can reach the best so far.

@@ -147,6 +147,23 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
 #endif
 }
 
+// Four 8 x 8 b16 matrices from shared memory as mma fragments (ldmatrix.x4): lane l gives the
+// 16-byte-aligned address of row l % 8 of matrix l / 8, and receives in r[j] the elements
+// 2 (l % 4) and 2 (l % 4) + 1 of row l / 4 of matrix j. The emulation gathers the same words
+// through shuffles of the row addresses.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void *row) {
+#ifdef AKV_SIMT_EMULATION
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  for (int j = 0; j < 4; ++j)
+    r[j] = static_cast<const uint32_t *>(__shfl_sync(kFullMask, row, 8 * j + lane / 4))[lane % 4];
+#else
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(at));
+#endif
+}
+
 // cos and sin of position * inv_freq, accurate for large positions: the product and the
 // reduction to whole turns are done in double, the final sincos in float as sincospif of
 // x in [-1, 1] (angle pi x), whose reduction is exact, so that no call falls into sincosf's

@@ -424,14 +424,24 @@ TEST(EmulatedCompress, FormatThreeMatchesCpuCompression) {
 // later coverage round, most tokens hold a best no candidate reaches (left alone), so a warp
 // has few candidates to rescore and rescores them together (the other path: each lane its own).
 // `chunk`: the candidates of a tensor-core tile (16 or 32; a tile's ~40 candidates take several
-// of either).
-void check_local_nearest(bool settled, int chunk) {
+// of either). `few`: 8 sorted candidates, so that a tile's (at most 16) fit one chunk, as a
+// coverage round's do (the kernel's one-chunk path); the window's rows are then the near-tie
+// cluster, more than kNearKeep of them in one part of a tile (the full scan).
+void check_local_nearest(bool settled, int chunk, bool few = false) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
-  SCOPED_TRACE(std::string(settled ? "settled" : "fresh") + ", chunks of " + std::to_string(chunk));
+  SCOPED_TRACE(std::string(settled ? "settled" : "fresh") + ", chunks of " + std::to_string(chunk) +
+               (few ? ", few candidates" : ""));
   Rng rng(seed);
   constexpr int D = 64, W = 8, H = 2;
-  constexpr int64_t P = 600, n_sorted = 70;
+  constexpr int64_t P = 600;
+  const int64_t n_sorted = few ? 8 : 70;
+  const int64_t cluster0 = few ? n_sorted : 20, cluster1 = few ? n_sorted + W : 40;  // near-equal rows
+  // Duplicated rows (row, of row): ties go to the lower token.
+  const std::vector<std::pair<int64_t, int64_t>> copies =
+      few ? std::vector<std::pair<int64_t, int64_t>>{{7, 5}, {6, n_sorted}}
+          : std::vector<std::pair<int64_t, int64_t>>{{9, 5}, {40, 30}, {60, n_sorted}};
+  const int64_t kind2_row = few ? 2 : 30;
   const kc::LocalRange range{P, 90, 8};  // segments of 256 positions, 90 positions of reach
   const std::vector<float> base = nonzero_normal(rng, D);
   std::vector<uint32_t> ids(H * (n_sorted + W));
@@ -451,23 +461,22 @@ void check_local_nearest(bool settled, int chunk) {
       const int64_t r = h * (n_sorted + W) + i;
       ids[r] = i < n_sorted ? pick[i] : static_cast<uint32_t>(P + i - n_sorted);
       std::vector<float> v = nonzero_normal(rng, D);
-      if (i >= 20 && i < 40) for (int d = 0; d < D; ++d) v[d] = base[d] * (1.0f + 1e-4f * v[d]);  // a near-tie cluster
+      if (i >= cluster0 && i < cluster1) for (int d = 0; d < D; ++d) v[d] = base[d] * (1.0f + 1e-4f * v[d]);
       if (i == 3) std::fill(v.begin(), v.end(), 0.0f);  // zero norm
       double n2 = 0.0;
       for (float f : v) n2 += static_cast<double>(f) * f;
       norm_sq[r] = static_cast<float>(n2);
       for (int d = 0; d < D; ++d) rows[r * D + d] = n2 > 0.0 ? static_cast<float>(v[d] / std::sqrt(n2)) : 0.0f;
     }
-    for (int64_t i : {9, 40, 60})  // duplicates of rows 5, 30 and the window's first
+    for (const auto &[i, from] : copies)
       for (int d = 0; d < D; ++d) {
-        const int64_t from = i == 9 ? 5 : i == 40 ? 30 : n_sorted;
         rows[(h * (n_sorted + W) + i) * D + d] = rows[(h * (n_sorted + W) + from) * D + d];
         norm_sq[h * (n_sorted + W) + i] = norm_sq[h * (n_sorted + W) + from];
       }
     for (int64_t t = 0; t < P; ++t) {
       float *x = &X[(h * P + t) * D];
       const int kind = settled ? 0 : static_cast<int>(t % 6);
-      const int64_t from = kind == 1 ? 5 : kind == 2 ? 30 : kind == 3 ? n_sorted : -1;
+      const int64_t from = kind == 1 ? 5 : kind == 2 ? kind2_row : kind == 3 ? n_sorted : -1;
       if (from >= 0) for (int d = 0; d < D; ++d) x[d] = 2.0f * rows[(h * (n_sorted + W) + from) * D + d];
       if (kind == 4) for (int d = 0; d < D; ++d) x[d] = base[d] + 0.01f * x[d];
       float n2 = 0.0f;
@@ -540,13 +549,15 @@ void check_local_nearest(bool settled, int chunk) {
     return kc::LocalSide{X.data(), x_b.data(), x_norm_sq.data(), rows.data(), rows_b.data(), norm_sq.data(), near_out,
                          dot_out};
   };
+  uint32_t stats[4] = {0, 0, 0, 0};  // tokens with a best, left alone, rescored, full scans
   auto search = [&](auto kernel) {
     dev.launch(kernel, kc::grid_blocks(P, kc::near_tokens(D)), 2 * H, 128, side(near.data(), dot.data()),
                side(near1.data(), dot1.data()), P * D, range, static_cast<const uint32_t *>(ids.data()), n_sorted + W,
-               n_sorted, int64_t{W}, (n_sorted + W) * D, static_cast<uint32_t *>(nullptr));
+               n_sorted, int64_t{W}, (n_sorted + W) * D, stats);
   };
   if (chunk == 16) search(kc::local_nearest_kernel<D, 16>);
   else search(kc::local_nearest_kernel<D, 32>);
+  if (few && !settled) EXPECT_GT(stats[3], 0u) << "the near-tie window never took the full scan";
   EXPECT_EQ(near, want_near);
   EXPECT_EQ(dot, want_dot);
   EXPECT_EQ(near1, want_near);
@@ -554,10 +565,11 @@ void check_local_nearest(bool settled, int chunk) {
 }
 
 TEST(EmulatedLocalNearest, MatchesFp32Scan) {
-  for (int chunk : {32, 16}) {
-    check_local_nearest(false, chunk);
-    check_local_nearest(true, chunk);
-  }
+  for (int chunk : {32, 16})
+    for (bool few : {false, true}) {
+      check_local_nearest(false, chunk, few);
+      check_local_nearest(true, chunk, few);
+    }
 }
 
 // warp_lower_bound_u32 (local_nearest_kernel's candidate range, one warp) against
