@@ -271,17 +271,17 @@ def compile_cubin(workdir, nvcc):
     source = ('#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_local_kernels.cuh"\n'
               '#include "cuda/coverage_select_kernels.cuh"\n#include "cuda/utility_kernels.cuh"\n'
               '#include "cuda/window_outputs_kernels.cuh"\n'
-              'template __global__ void akv::cuda::coverage_energy_kernel<1>(const float *, const float *, '
+              'template __global__ void akv::cuda::coverage_energy_kernel<0>(const float *, const float *, '
               'const float *, const float *, int64_t, float *);\n'
               'template __global__ void akv::cuda::coverage_chunk_kernel<1>(const float *, const float *, '
-              'const float *, const float *, int64_t, const float *, int64_t, const int32_t *, uint32_t *, '
-              'uint32_t *);\n')
+              'const float *, const float *, int64_t, const float *, int64_t, int64_t, const int32_t *, '
+              'uint32_t *, uint32_t *);\n')
     for k in ("decode_split_kernel<128, 4>", "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
         source += f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n"
     for ch in LOCAL_CHUNKS:
         source += (f"template __global__ void akv::cuda::local_nearest_kernel<128, {ch}>(const akv::cuda::LocalSide, "
                    "const akv::cuda::LocalSide, int64_t, const akv::cuda::LocalRange, const uint32_t *, int64_t, "
-                   "int64_t, int64_t, int64_t, uint32_t *);\n")
+                   "int64_t, int64_t, int64_t, float *, uint32_t *);\n")
     for exact in ("true", "false"):
         source += (f"template __global__ void akv::cuda::utility_tc_kernel<128, {exact}>(const float *, int64_t, "
                    "int64_t, int, const uint32_t *, const float *, const float *, const float *, "

@@ -120,7 +120,8 @@ struct CompressScratch {
       take(cover_norm_sq[side], H * P);
       take(cover_best[side], H * P);
     }
-    take(select_partials, H * select_chunks(P) * 2);
+    // coverage_energy_kernel's partials (format 2), or the candidate search's (a tile of 32 or 64)
+    take(select_partials, H * std::max(select_chunks(P), (P + 31) / 32) * 2);
     take(cover_keys, H * (P + kSelectChunk));  // select_chunks(P) x select_slots(take) a head
     take(cover_ids, H * (P + kSelectChunk));
     take(cover_fresh, int64_t{H} * fresh_stride(k, 0));  // the next absorb's candidates (sort_fresh_kernel's padding)
@@ -196,20 +197,26 @@ void nearest_anchors(Dev &dev, int D, const float *X, int64_t n, int k, const fl
 // One coverage round's ranking (coverage_select_kernels.cuh), batched over the H heads: the
 // `take` tokens of each head that its anchors so far represent worst, flagged in
 // s.cover_anchor, appended to its picks at `at` and written in token order to `fresh` (head h's
-// at h fresh_stride). local: format 3's energies (x . unit row) rather than format 2's |cos|^2.
+// at h fresh_stride). local_tiles > 0: format 3's energies (x . unit row), whose partials the
+// last candidate search left in s.select_partials, local_tiles of them a head; 0: format 2's
+// (|cos|^2), summed by coverage_energy_kernel first.
 template <class Dev>
-void coverage_round(Dev &dev, const CompressScratch &s, int H, int64_t P, int local, int64_t take, int64_t at,
-                    int64_t free_anchors, uint32_t *fresh, int64_t fresh_stride) {
+void coverage_round(Dev &dev, const CompressScratch &s, int H, int64_t P, int64_t local_tiles, int64_t take,
+                    int64_t at, int64_t free_anchors, uint32_t *fresh, int64_t fresh_stride) {
   const int chunks = static_cast<int>(select_chunks(P));
   const float *norm_sq[2] = {s.cover_norm_sq[0], s.cover_norm_sq[1]}, *best[2] = {s.cover_best[0], s.cover_best[1]};
-  auto rank = [&](auto energy, auto chunk) {
-    dev.launch(energy, chunks, H, kSelectThreads, norm_sq[0], best[0], norm_sq[1], best[1], P, s.select_partials);
+  auto rank = [&](auto chunk, int64_t parts) {
     dev.launch(chunk, chunks, H, kSelectThreads, norm_sq[0], best[0], norm_sq[1], best[1], P,
-               static_cast<const float *>(s.select_partials), take, static_cast<const int32_t *>(s.cover_anchor),
-               s.cover_keys, s.cover_ids);
+               static_cast<const float *>(s.select_partials), parts, take,
+               static_cast<const int32_t *>(s.cover_anchor), s.cover_keys, s.cover_ids);
   };
-  if (local) rank(coverage_energy_kernel<1>, coverage_chunk_kernel<1>);
-  else rank(coverage_energy_kernel<0>, coverage_chunk_kernel<0>);
+  if (local_tiles > 0) {
+    rank(coverage_chunk_kernel<1>, local_tiles);
+  } else {
+    dev.launch(coverage_energy_kernel<0>, chunks, H, kSelectThreads, norm_sq[0], best[0], norm_sq[1], best[1], P,
+               s.select_partials);
+    rank(coverage_chunk_kernel<0>, chunks);
+  }
   dev.launch(coverage_merge_kernel, 1, H, kSelectThreads, static_cast<const uint32_t *>(s.cover_keys),
              static_cast<const uint32_t *>(s.cover_ids), chunks * select_slots(take), take, P, s.cover_anchor,
              s.picks + at, free_anchors, fresh, fresh_stride);
@@ -296,7 +303,7 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
       auto search = [&](auto kernel) {
         dev.launch(kernel, grid_blocks(P, near_tokens(DD)), 2 * H, 128, sides[0], sides[1], S * D, range,
                    static_cast<const uint32_t *>(s.cover_fresh), stride, n_sorted, n_tail, int64_t{k} * D,
-                   dev.profiling ? s.search_stats : nullptr);
+                   s.select_partials, dev.profiling ? s.search_stats : nullptr);
       };
       if (local_chunk(range, n_sorted, n_tail) == 16) search(local_nearest_kernel<DD, 16>);
       else search(local_nearest_kernel<DD, 32>);
@@ -309,7 +316,8 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
   for (int round = 0; round < rounds && left > 0; ++round) {
     const int64_t take = std::min<int64_t>((left + (rounds - round) - 1) / (rounds - round), P - at);
     if (take <= 0) break;
-    coverage_round(dev, s, H, P, 1, take, at, free_anchors, s.cover_fresh, fresh_stride(take, 0));
+    coverage_round(dev, s, H, P, grid_blocks(P, near_tokens(D)), take, at, free_anchors, s.cover_fresh,
+                   fresh_stride(take, 0));
     absorb(take, 0, fresh_stride(take, 0));
     at += take;
     left -= take;

@@ -107,6 +107,10 @@ __device__ __forceinline__ bool local_better(float v, int32_t token, float best_
 // launch: grid (ceil(P / TOK), 2 x heads) blocks of 128, side y / heads, head y % heads: its X
 // at y x_stride, x_b at y P D, ids at y ids_stride, rows and rows_b at y rows_stride,
 // row_norm_sq at y rows_stride / D, x_norm_sq and the outputs at y P.
+// With `energy_parts` (a coverage round's ranking follows: coverage_chunk_kernel's means), each
+// block also sums its tokens' residual energies after the search (||x||^2 - best^2, 0 past the
+// prefix; a lane pair's sums in order, then the warps' in order: the same on every run) into
+// energy_parts[(head y x ceil(P / TOK) + tile) x 2 + side].
 // With `stats` (profiling: ANCHORKV_COMPRESS_PROFILE), over the tokens that had a best
 // already: stats[0] += such tokens, stats[1] += those left alone, stats[2] += candidates
 // rescored for them, stats[3] += those that needed the full scan.
@@ -124,13 +128,15 @@ template <int D, int CH>
 __global__ void __launch_bounds__(128) local_nearest_kernel(const LocalSide side0, const LocalSide side1,
                                                             int64_t x_stride, const LocalRange range,
                                                             const uint32_t *ids, int64_t ids_stride, int64_t n_sorted,
-                                                            int64_t n_tail, int64_t rows_stride, uint32_t *stats) {
+                                                            int64_t n_tail, int64_t rows_stride, float *energy_parts,
+                                                            uint32_t *stats) {
   constexpr int TOK = near_tokens(D), PARTS = 128 / TOK, PER = CH / PARTS;
   AKV_STATIC_SHARED(__align__(32) uint16_t, xs, [TOK][D + 8]);
   AKV_STATIC_SHARED(__align__(32) uint16_t, as, [CH][D + 8]);
   AKV_STATIC_SHARED(__align__(32) float, cs, [TOK][kNearAnchors + 4]);
   AKV_STATIC_SHARED(int32_t, usable, [CH]);
   AKV_STATIC_SHARED(int64_t, bounds, [2]);
+  AKV_STATIC_SHARED(float, warp_energy, [4]);
   const int64_t P = range.prefix, t0 = static_cast<int64_t>(blockIdx.x) * TOK;
   const int heads = static_cast<int>(gridDim.y) / 2;
   const bool second = static_cast<int>(blockIdx.y) >= heads;
@@ -162,7 +168,7 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const LocalSide side
   auto row_of = [&](int64_t c) { return c < in_range ? lo + c : n_sorted + (c - in_range); };
   const int mine = tid / PARTS, part = tid % PARTS;  // token of the block, part of each tile
   const int64_t t = t0 + mine;
-  const float x_norm = t < P ? sqrtf(x_norm_sq[t]) : 0.0f;
+  const float norm_sq = t < P ? x_norm_sq[t] : 0.0f, x_norm = sqrtf(norm_sq);
   auto chunk_products = [&](int64_t c0) {
     gather_tile_rows<D, CH>(as, count - c0, [&](int j) { return rows_b + row_of(c0 + j) * D; });
     if (tid < CH) usable[tid] = c0 + tid < count && row_norm_sq[row_of(c0 + tid)] > 0.0f;
@@ -212,7 +218,7 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const LocalSide side
     worst_drop = keep.worst_drop<PARTS>();
   }
   const int32_t had = t < P ? near_token[t] : -1;
-  const float had_v = t < P ? fabsf(near_dot[t]) : 0.0f;
+  const float had_dot = t < P ? near_dot[t] : 0.0f, had_v = fabsf(had_dot);
   // Nothing to rescore: no usable candidate, or none can reach the best so far.
   const bool skip = t >= P || top == -INFINITY || (had >= 0 && top + kNearMargin * x_norm < had_v);
   const float floor_v = top - kNearMargin * x_norm;
@@ -293,11 +299,22 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const LocalSide side
     const int oc = __shfl_xor_sync(kFullMask, best_c, m);
     if (nearest_better(ov, oc, best_v, best_c)) best_v = ov, best_dot = od, best_c = oc;
   }
-  if (part != 0 || skip || best_c == 0x7fffffff) return;
-  const int32_t token = static_cast<int32_t>(ids[row_of(best_c)]);
-  if (local_better(best_v, token, had_v, had)) {
-    near_token[t] = token;
-    near_dot[t] = best_dot;
+  float dot = had_dot;  // the token's best after the search
+  if (part == 0 && !skip && best_c != 0x7fffffff) {
+    const int32_t token = static_cast<int32_t>(ids[row_of(best_c)]);
+    if (local_better(best_v, token, had_v, had)) {
+      near_token[t] = token;
+      near_dot[t] = best_dot;
+      dot = best_dot;
+    }
+  }
+  if (energy_parts) {
+    const float e = warp_sum(part == 0 && t < P ? uncovered_energy(norm_sq, dot, 1) : 0.0f);
+    if (lane == 0) warp_energy[tid >> 5] = e;
+    __syncthreads();
+    if (tid == 0)
+      energy_parts[(y * ((P + TOK - 1) / TOK) + blockIdx.x) * 2 + (second ? 1 : 0)] =
+          ((warp_energy[0] + warp_energy[1]) + warp_energy[2]) + warp_energy[3];
   }
 }
 

@@ -4,7 +4,9 @@
 // over every head, instead of a means kernel, a keys kernel, a device-wide segmented sort (a
 // radix sort between a compose and a split kernel), the take and (format 3) a sort by token:
 //   coverage_energy_kernel  each chunk of kSelectChunk tokens sums both sides' residual
-//                           energies (fixed order, so every run gives the same means);
+//                           energies (fixed order, so every run gives the same means; storage
+//                           format 3's candidate search sums its tiles' as it ends instead,
+//                           local_nearest_kernel's energy_parts, and this launch goes);
 //   coverage_chunk_kernel   each chunk sums the partials into the means (all chunks alike),
 //                           makes its tokens' keys and selects its own `take` smallest (a
 //                           chunk's share of the round can be no larger), in token order;
@@ -182,16 +184,16 @@ __global__ void __launch_bounds__(kSelectThreads) coverage_energy_kernel(const f
   }
 }
 
-// Each chunk's candidates for the round: the means from every chunk's partials (summed in
-// chunk order by warp 0: the same in every block), the keys of the chunk's tokens (anchors
-// kNotRanked), and the chunk's `take` smallest (ties the lower token) in token order into its
-// slots of cand_keys / cand_ids (slots: select_slots(take); the slots left over get
-// kNotRanked). Grid (chunks, heads): arrays at y P, partials at y chunks 2, candidates at
-// y chunks slots.
+// Each chunk's candidates for the round: the means from a head's `parts` energy partials (the
+// energy kernel's chunks or the search's tiles; summed in order by warp 0: the same in every
+// block), the keys of the chunk's tokens (anchors kNotRanked), and the chunk's `take` smallest
+// (ties the lower token) in token order into its slots of cand_keys / cand_ids (slots:
+// select_slots(take); the slots left over get kNotRanked). Grid (chunks, heads): arrays at
+// y P, partials at y parts 2, candidates at y chunks slots.
 template <int LOCAL>
 __global__ void __launch_bounds__(kSelectThreads) coverage_chunk_kernel(
     const float *key_norm_sq, const float *key_best, const float *value_norm_sq, const float *value_best, int64_t P,
-    const float *partials, int64_t take, const int32_t *is_anchor, uint32_t *cand_keys,
+    const float *partials, int64_t parts, int64_t take, const int32_t *is_anchor, uint32_t *cand_keys,
     uint32_t *cand_ids) {
   AKV_STATIC_SHARED(uint32_t, keys, [kSelectChunk]);
   AKV_STATIC_SHARED(uint32_t, hist, [kSelectBins]);
@@ -202,10 +204,10 @@ __global__ void __launch_bounds__(kSelectThreads) coverage_chunk_kernel(
   const int64_t slots = select_slots(take);
   const int tid = threadIdx.x;
   for (int i = tid; i < kSelectBins; i += kSelectThreads) hist[i] = 0u;
-  if (tid < 32) {  // the means: lane l sums chunks l, l + 32, ..., then the lanes in order
+  if (tid < 32) {  // the means: lane l sums partials l, l + 32, ..., then the lanes in order
     float sum[2] = {0.0f, 0.0f};
-    for (int64_t c = tid; c < chunks; c += 32)
-      for (int side = 0; side < 2; ++side) sum[side] += partials[(y * chunks + c) * 2 + side];
+    for (int64_t c = tid; c < parts; c += 32)
+      for (int side = 0; side < 2; ++side) sum[side] += partials[(y * parts + c) * 2 + side];
     for (int side = 0; side < 2; ++side) {
       float total = 0.0f;
       for (int l = 0; l < 32; ++l) total += __shfl_sync(kFullMask, sum[side], l);

@@ -550,10 +550,12 @@ void check_local_nearest(bool settled, int chunk, bool few = false) {
                          dot_out};
   };
   uint32_t stats[4] = {0, 0, 0, 0};  // tokens with a best, left alone, rescored, full scans
+  const int tiles = kc::grid_blocks(P, kc::near_tokens(D));
+  std::vector<float> parts(H * tiles * 2, std::nanf(""));  // each tile's residual energy, per side
   auto search = [&](auto kernel) {
-    dev.launch(kernel, kc::grid_blocks(P, kc::near_tokens(D)), 2 * H, 128, side(near.data(), dot.data()),
-               side(near1.data(), dot1.data()), P * D, range, static_cast<const uint32_t *>(ids.data()), n_sorted + W,
-               n_sorted, int64_t{W}, (n_sorted + W) * D, stats);
+    dev.launch(kernel, tiles, 2 * H, 128, side(near.data(), dot.data()), side(near1.data(), dot1.data()), P * D,
+               range, static_cast<const uint32_t *>(ids.data()), n_sorted + W, n_sorted, int64_t{W},
+               (n_sorted + W) * D, parts.data(), stats);
   };
   if (chunk == 16) search(kc::local_nearest_kernel<D, 16>);
   else search(kc::local_nearest_kernel<D, 32>);
@@ -562,6 +564,20 @@ void check_local_nearest(bool settled, int chunk, bool few = false) {
   EXPECT_EQ(dot, want_dot);
   EXPECT_EQ(near1, want_near);
   EXPECT_EQ(dot1, want_dot);
+  // The energy partials (the next ranking's means): ||x||^2 - best^2 of each tile's tokens
+  // after the search, against double sums.
+  for (int h = 0; h < H; ++h)
+    for (int tile = 0; tile < tiles; ++tile) {
+      double sum = 0.0, scale = 0.0;
+      for (int64_t t = int64_t{tile} * kc::near_tokens(D); t < std::min<int64_t>(P, (tile + 1) * int64_t{kc::near_tokens(D)}); ++t) {
+        const double e = std::max(0.0, static_cast<double>(x_norm_sq[h * P + t]) -
+                                           static_cast<double>(want_dot[h * P + t]) * want_dot[h * P + t]);
+        sum += e;
+        scale += x_norm_sq[h * P + t];
+      }
+      for (int side = 0; side < 2; ++side)
+        EXPECT_NEAR(parts[(h * tiles + tile) * 2 + side], sum, 1e-5 * scale) << "head " << h << " tile " << tile;
+    }
 }
 
 TEST(EmulatedLocalNearest, MatchesFp32Scan) {
@@ -645,7 +661,8 @@ TEST(EmulatedSortFresh, SortsThenAppendsTheWindow) {
 // the tokens that are not anchors, ties to the lower token, in token order. Dyadic norms and
 // bests keep every sum exact (the kernels sum in their own order), and so few distinct values
 // give long runs of equal keys, within a chunk and across chunks (P past kSelectChunk; a take
-// past a chunk's slots).
+// past a chunk's slots). With local candidates the energy partials are the last search's, a
+// tile of 64 tokens each (local_nearest_kernel's energy_parts, summed here).
 TEST(EmulatedCoverageSelect, PicksTheWorstRepresentedTiesToTheLowerToken) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
@@ -678,7 +695,15 @@ TEST(EmulatedCoverageSelect, PicksTheWorstRepresentedTiesToTheLowerToken) {
       const int64_t at = 3, stride = at + c.take + 3;
       std::vector<uint32_t> picks(H * stride, 0xA5A5A5A5u), fresh(H * stride, 0xA5A5A5A5u);
       std::vector<uint32_t> cand_keys(H * (P + kc::kSelectChunk)), cand_ids(cand_keys.size());
-      std::vector<float> partials(H * kc::select_chunks(P) * 2);
+      const int64_t tiles = (P + 63) / 64;
+      std::vector<float> partials(H * std::max(kc::select_chunks(P), tiles) * 2);
+      if (local)
+        for (int h = 0; h < H; ++h)
+          for (int64_t t = 0; t < P; ++t)
+            for (int side = 0; side < 2; ++side) {
+              const float n = norm_sq[side][h * P + t], b = best[side][h * P + t];
+              partials[(h * tiles + t / 64) * 2 + side] += std::max(0.0f, n - b * b);
+            }
       std::vector<int32_t> flags = is_anchor;
       kc::CompressScratch s{};
       for (int side = 0; side < 2; ++side) {
@@ -691,7 +716,7 @@ TEST(EmulatedCoverageSelect, PicksTheWorstRepresentedTiesToTheLowerToken) {
       s.cover_anchor = flags.data();
       s.picks = picks.data();
       EmulatedDevice dev;
-      kc::coverage_round(dev, s, H, P, local, c.take, at, stride, fresh.data(), stride);
+      kc::coverage_round(dev, s, H, P, local ? tiles : 0, c.take, at, stride, fresh.data(), stride);
       for (int h = 0; h < H; ++h) {
         auto energy = [&](int side, int64_t t) {
           const float n = norm_sq[side][h * P + t], b = best[side][h * P + t];
@@ -1152,9 +1177,10 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
     // Without the two m x P products' scratch 5 (paper: 6) heads would fit a batch at 128K: still
     // two batches, spread evenly, 4 and 4. The window outputs in two kernels (the chunks' partial
     // sums on the tensor cores, their sum) instead of one SGEMM: 151 / 280 and 135 / 248 default
-    // (80 / 112 paper in format 3).
+    // (80 / 112 paper in format 3). Format 3's energy partials summed by the candidate search as
+    // it ends, not by a launch of their own: 4 a round, 119 / 216 default.
     EXPECT_EQ(head_batch, S <= 65536 ? 8 : 4) << "S=" << S;
-    const int64_t per_round = (format == 3 ? 5 : 6) * (g.heads / head_batch);
+    const int64_t per_round = (format == 3 ? 4 : 6) * (g.heads / head_batch);
     const int64_t fixed = format == 3 ? (head_batch == 8 ? (paper ? 80 : 55) : (paper ? 112 : 88))
                                       : (head_batch == 8 ? (paper ? 71 : 55) : (paper ? 94 : 88));
     EXPECT_EQ(total, fixed + (paper ? 0 : per_round * o.coverage_rounds)) << "S=" << S;
