@@ -67,17 +67,17 @@ SKIP_SHARE = 0.868        # MEASURED (emulation, synthetic data, 32K): a round's
 # fit one chunk, as a coverage round's do) and per tile (per warp, 4 warps a block), the
 # candidate range's two searches (warp 0, 32 probes a round; a round each), the rescoring loops' static
 # SASS (the warp's: a pass per candidate; the lanes' own: a pass per candidate of the busiest lane).
-LOCAL = {"32": {"warp_instr_per_chunk": 471, "one_chunk_static": 412, "warp_instr_per_tile": 500,
+LOCAL = {"32": {"warp_instr_per_chunk": 474, "one_chunk_static": 414, "warp_instr_per_tile": 552,
                 "search_loops_static": 104, "rescore_loop_static": 70, "serial_rescore_static": 456},
-         "16": {"warp_instr_per_chunk": 358, "one_chunk_static": 260, "warp_instr_per_tile": 497,
+         "16": {"warp_instr_per_chunk": 358, "one_chunk_static": 261, "warp_instr_per_tile": 565,
                 "search_loops_static": 104, "rescore_loop_static": 70, "serial_rescore_static": 456}}
 WARP_RESCORE_MOST = 8     # kWarpRescoreMost: past this many candidates a warp's lanes rescore their own
 RESCORED = 1.84           # MEASURED (same run, chunks of 16): candidates rescored in fp32 per token searched
 WARP_TOKENS = 16          # tokens of a warp in local_nearest_kernel (64 a block of 4 warps, 2 lanes each)
 # coverage_select_kernels.cuh from scripts/sass_count.py (used without --sass): per kernel, the hot
 # SASS a warp runs in one pass, the merge's histogram loops (one a digit) and emit loop.
-SELECT = {"coverage_energy_kernel": {"hot_static": 171},
-          "coverage_chunk_kernel": {"hot_static": 1698},
+SELECT = {"coverage_energy_kernel": {"hot_static": 170},
+          "coverage_chunk_kernel": {"hot_static": 1697},
           "coverage_merge_kernel": {"hot_static": 1077, "hist_loops": [104, 99, 96], "emit_loop": 315}}
 # utility_tc_kernel<128, EXACT> from scripts/sass_count.py (used without --sass): a warp's chunk loop
 # (16 window rows against the 32-token tile), its staging loop (tokens a trip) and the rest.
