@@ -186,8 +186,9 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
               (f, hb * P * D), (f, hb * P), (f, hb * P), (f, hb * m), (i4, hb * utility_rows(m) * D * 2),
               (f, PAIRS), (f, D), (i4, hb * P), (i4, hb * P), (i4, P), (i4, hb * k), (i4, hb * k)]
     arrays += [(i4, H * P)] * 8 + [(u8, P), (i4, hb * P), (i4, hb * P), (i4, S), (i4, PAIRS), (i4, PAIRS),
-               (i4, 1)] + [(f, hb * P)] * 4 + [(f, hb * max(-(-P // SELECT_CHUNK), -(-P // 32)) * 2), (i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P),
-               (i4, 0)]
+               (i4, 1)] + [(f, hb * P)] * 4
+    arrays += [(f, hb * max(-(-P // SELECT_CHUNK), -(-P // 32)) * 2)]  # select_partials (chunks, or tiles of 32+)
+    arrays += [(i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P), (i4, 0)]
     arrays += [(i4, hb * P), (i4, hb * P), (f, hb * P), (u2, H * P), (u2, H * P)] * 2 + [(f, 256)]  # format 3's
     arrays += [(i4, 4), (u2, hb * m * D)]  # search_stats (utility_split before it), q_b
     arrays += [(f, hb * k * D), (u2, hb * k * D), (f, hb * k)]  # side 1's candidate rows

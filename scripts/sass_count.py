@@ -472,8 +472,8 @@ def local_search_cost(f, ch):
     # outside every loop) come out of the tile's count.
     first, last = block_lines("if (count > 0 && count <= CH) {")
     in_loop = set(i for l in ls for i in range(l[0], l[1] + 1))
-    one = [i for i in range(end + 1) if i not in in_loop and f["ins"][i]["outer"][0]
-           and f["ins"][i]["outer"][0].endswith("compress_local_kernels.cuh") and first <= f["ins"][i]["outer"][1] <= last]
+    in_path = lambda o: o[0] and o[0].endswith("compress_local_kernels.cuh") and first <= o[1] <= last
+    one = [i for i in range(end + 1) if i not in in_loop and in_path(f["ins"][i]["outer"])]
     if not any(f["ins"][i]["op"].startswith("HMMA") for i in one):
         sys.exit("local_search_cost: no tile products found in the one-chunk path")
     tail -= sum(1 for i in one if i > chunk[1])

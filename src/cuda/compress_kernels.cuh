@@ -311,8 +311,8 @@ __global__ void __launch_bounds__(128) anchors_kernel(const float *X, int64_t x_
 // of static shared memory). Anchor tiles of 32 unit anchors go through shared memory in bf16
 // with the block's token rows (bf16); the TOK x 32 products come from the tensor cores
 // (ldmatrix and mma.m16n8k16, fp32 accumulation; the emulation runs the same fragments) and
-// each token keeps, per part of a tile (128 / TOK threads per token), its 4 best approximate |c| and the
-// best one it had to drop. The approximation is within (2u + u^2) sum |x_d a_d| <= 0.0079 ||x||
+// each token keeps, per part of a tile (128 / TOK threads per token), its 4 best approximate
+// |c| and the best one it had to drop. The approximation is within (2u + u^2) sum |x_d a_d| <= 0.0079 ||x||
 // of the fp32 dot (bf16 unit roundoff u = 2^-8, ||a|| <= 1), so the fp32 argmax is among the
 // anchors whose approximate |c| is at least max - 2 * 0.0079 ||x||; those candidates are
 // rescored with fp32 dots (first index of the largest, zero-norm anchors below every other, as
@@ -385,6 +385,7 @@ __device__ __forceinline__ void nearest_tile_products(const uint16_t (*xs)[D + 8
       mma_bf16_16816(acc[0], a, {b[0], b[1]});
       mma_bf16_16816(acc[1], a, {b[2], b[3]});
     }
+    // acc[h]: rows g, g, g + 8, g + 8 and columns 2t, 2t + 1 (twice) of the n8 half h.
 #pragma unroll
     for (int i = 0; i < 8; ++i) cs[r0 + g + 8 * (i / 2 % 2)][c0 + 8 * (i / 4) + 2 * t + i % 2] = acc[i / 4][i % 4];
   }

@@ -109,7 +109,7 @@ __device__ __forceinline__ bool local_better(float v, int32_t token, float best_
 // row_norm_sq at y rows_stride / D, x_norm_sq and the outputs at y P.
 // With `energy_parts` (a coverage round's ranking follows: coverage_chunk_kernel's means), each
 // block also sums its tokens' residual energies after the search (||x||^2 - best^2, 0 past the
-// prefix; a lane pair's sums in order, then the warps' in order: the same on every run) into
+// prefix; a butterfly sum a warp, then the warps' in order: the same on every run) into
 // energy_parts[(head y x ceil(P / TOK) + tile) x 2 + side].
 // With `stats` (profiling: ANCHORKV_COMPRESS_PROFILE), over the tokens that had a best
 // already: stats[0] += such tokens, stats[1] += those left alone, stats[2] += candidates

@@ -569,7 +569,8 @@ void check_local_nearest(bool settled, int chunk, bool few = false) {
   for (int h = 0; h < H; ++h)
     for (int tile = 0; tile < tiles; ++tile) {
       double sum = 0.0, scale = 0.0;
-      for (int64_t t = int64_t{tile} * kc::near_tokens(D); t < std::min<int64_t>(P, (tile + 1) * int64_t{kc::near_tokens(D)}); ++t) {
+      const int64_t first = int64_t{tile} * kc::near_tokens(D), last = std::min<int64_t>(P, first + kc::near_tokens(D));
+      for (int64_t t = first; t < last; ++t) {
         const double e = std::max(0.0, static_cast<double>(x_norm_sq[h * P + t]) -
                                            static_cast<double>(want_dot[h * P + t]) * want_dot[h * P + t]);
         sum += e;
