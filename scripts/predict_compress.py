@@ -67,9 +67,9 @@ SKIP_SHARE = 0.868        # MEASURED (emulation, synthetic data, 32K): a round's
 # fit one chunk, as a coverage round's do) and per tile (per warp, 4 warps a block), the
 # candidate range's two searches (warp 0, 32 probes a round; a round each), the rescoring loops' static
 # SASS (the warp's: a pass per candidate; the lanes' own: a pass per candidate of the busiest lane).
-LOCAL = {"32": {"warp_instr_per_chunk": 474, "one_chunk_static": 414, "warp_instr_per_tile": 552,
+LOCAL = {"32": {"warp_instr_per_chunk": 474, "one_chunk_static": 414, "warp_instr_per_tile": 547,
                 "search_loops_static": 104, "rescore_loop_static": 70, "serial_rescore_static": 456},
-         "16": {"warp_instr_per_chunk": 358, "one_chunk_static": 261, "warp_instr_per_tile": 565,
+         "16": {"warp_instr_per_chunk": 358, "one_chunk_static": 261, "warp_instr_per_tile": 551,
                 "search_loops_static": 104, "rescore_loop_static": 70, "serial_rescore_static": 456}}
 WARP_RESCORE_MOST = 8     # kWarpRescoreMost: past this many candidates a warp's lanes rescore their own
 RESCORED = 1.84           # MEASURED (same run, chunks of 16): candidates rescored in fp32 per token searched

@@ -109,8 +109,8 @@ __device__ __forceinline__ bool local_better(float v, int32_t token, float best_
 // row_norm_sq at y rows_stride / D, x_norm_sq and the outputs at y P.
 // With `energy_parts` (a coverage round's ranking follows: coverage_chunk_kernel's means), each
 // block also sums its tokens' residual energies after the search (||x||^2 - best^2, 0 past the
-// prefix; a butterfly sum a warp, then the warps' in order: the same on every run) into
-// energy_parts[(head y x ceil(P / TOK) + tile) x 2 + side].
+// prefix; a butterfly over the warp's tokens, then the warps in order: the same on every run)
+// into energy_parts[(head y x ceil(P / TOK) + tile) x 2 + side].
 // With `stats` (profiling: ANCHORKV_COMPRESS_PROFILE), over the tokens that had a best
 // already: stats[0] += such tokens, stats[1] += those left alone, stats[2] += candidates
 // rescored for them, stats[3] += those that needed the full scan.
@@ -308,12 +308,13 @@ __global__ void __launch_bounds__(128) local_nearest_kernel(const LocalSide side
       dot = best_dot;
     }
   }
-  if (energy_parts) {
-    const float e = warp_sum(part == 0 && t < P ? uncovered_energy(norm_sq, dot, 1) : 0.0f);
+  if (energy_parts) {  // a tile of each (head, side) a block: gridDim.x tiles a head
+    float e = part == 0 && t < P ? uncovered_energy(norm_sq, dot, 1) : 0.0f;
+    for (int m = 16; m >= PARTS; m >>= 1) e += __shfl_xor_sync(kFullMask, e, m);  // the warp's tokens
     if (lane == 0) warp_energy[tid >> 5] = e;
     __syncthreads();
-    if (tid == 0)
-      energy_parts[(y * ((P + TOK - 1) / TOK) + blockIdx.x) * 2 + (second ? 1 : 0)] =
+    if (tid == 0)  // 32-bit offsets: the partials are far fewer than 2^32 floats of scratch
+      energy_parts[(static_cast<unsigned>(y) * gridDim.x + blockIdx.x) * 2u + (second ? 1u : 0u)] =
           ((warp_energy[0] + warp_energy[1]) + warp_energy[2]) + warp_energy[3];
   }
 }
