@@ -157,7 +157,7 @@ WARP_BLOCKS = [
     ("for (int j = tid; j < pairs; j += NT) {", PAIRS / 32),  # the query rotation: one thread a pair
     ("for (int j2 = tid; j2 < D / 4; j2 += NT) {", D / 4 / 32),  # fast path's query rotation: two pairs a thread
     ("if (const int i = warp + r * NW; i < MAXROWS) {", ROWS_WARPS),  # softmax: each owned row in its warp
-    ("} else if (tid == NT - 1 && !window) {", 1.0),  # the tile's residual slots: one thread
+    ("} else if (tid == NT - 1 && !window && !format3) {", 1.0),  # format 2's residual slots: one thread
     ("if (warp == 0) {  // the tile's value residuals", 1.0),
 ]
 
@@ -756,15 +756,21 @@ def main():
     cubin2, log2 = compile_shipped(workdir, nvcc)
     info2, funcs2 = ptxas_info(log2), disassemble(nvdisasm, cubin2)
     print("\nShipped decode_split_kernel instantiations (every path in one binary, as the library builds them)")
-    print("| D, rows | regs | stack B | spill st/ld B | LDL/STL |")
-    print("|---|---|---|---|---|")
+    print("| D, rows | regs | stack B | spill st/ld B | LDL/STL | LDL/STL in the prefix tile loop |")
+    print("|---|---|---|---|---|---|")
     result["shipped"] = {}
     for d, r in SHIPPED:
         m = next(x for x in funcs2 if f"decode_split_kernelILi{d}ELi{r}E" in x)
         pi, local = info2.get(m, {}), kernel_summary(funcs2[m])["local_accesses"]
-        result["shipped"][f"{d},{r}"] = dict(pi, local_accesses=local)
+        # The AnchorKV prefix tile loop of every path: the innermost loop that holds both the
+        # contraction (HMMA) and the per-anchor weights' shared-memory atomics (the window and
+        # dense loops have no atomics, the CAS retry loop no HMMA).
+        hot = [(n, ops) for _, _, n, ops in loops(funcs2[m]) if ops["HMMA"] and ops["ATOMS"]]
+        in_loop = min(hot, key=lambda x: x[0])[1] if hot else None
+        in_loop = in_loop["LDL"] + in_loop["STL"] if in_loop is not None else "?"
+        result["shipped"][f"{d},{r}"] = dict(pi, local_accesses=local, local_in_tile_loop=in_loop)
         print(f"| {d}, {r} | {pi.get('registers', '?')} | {pi.get('stack', '?')} | {pi.get('spill_stores', '?')}/"
-              f"{pi.get('spill_loads', '?')} | {local} |")
+              f"{pi.get('spill_loads', '?')} | {local} | {in_loop} |")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -382,6 +382,13 @@ struct SplitBlock {
     if (kFoldedPenalty && fast)
       for (int i = 0; i < MAXROWS; ++i)
         put2(rl_s + i * T, float_as_bits(pen_s[kind[0] * MAXROWS + i]), float_as_bits(pen_s[kind[1] * MAXROWS + i]));
+    // The tile's residual slots (first and count of each side: key_residuals, prefix_values),
+    // lanes 0-3 at once (one thread of warp 7 used to load them in turn, a warp instruction each).
+    if (lane < 4) {
+      const bool value = lane >= 2;
+      const uint32_t slot = (value ? c.value_offsets : c.key_offsets)[h] + (value ? c.value_prefix : c.key_prefix)[wd];
+      res_s[lane] = lane & 1 ? static_cast<uint32_t>(__popcll((value ? c.value_mask : c.key_mask)[wd])) : slot;
+    }
   }
 
   // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1): the
@@ -449,7 +456,7 @@ struct SplitBlock {
       next_s[j] = p0 + T;
       basec_s[j] = run_c;
       bases_s[j] = run_s;
-    } else if (tid == NT - 1 && !window) {  // the tile's residuals: first slot and count per side
+    } else if (tid == NT - 1 && !window && !format3) {  // format 2's residual slots (format 3: format3_meta)
       const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
       res_s[0] = c.key_offsets[h] + c.key_prefix[wd];
       res_s[1] = static_cast<uint32_t>(__popcll(c.key_mask[wd]));
@@ -872,15 +879,16 @@ struct SplitBlock {
   }
 
   // Pairs d..d+3 of token u's anchor row, rotated by R_u in bf16x2:
-  // x' = x cos - y sin (dims d..), y' = x sin + y cos (dims D/2 + d..), each a product and an fma.
+  // x' = x cos - y sin (dims d..), y' = x sin + y cos (dims D/2 + d..), each a product and one
+  // fused multiply-add (x': x cos less the rounded y sin, no sign flip of the table's sines).
   __device__ __forceinline__ void rotate_pairs4(const uint16_t *row, int u, int d, uint32_t &x01, uint32_t &x23,
                                                 uint32_t &y01, uint32_t &y23) const {
     constexpr int P = D / 2;
     const uint2 x = *reinterpret_cast<const uint2 *>(row + d);
     const uint2 y = *reinterpret_cast<const uint2 *>(row + P + d);
     const uint4 cs = cs_s[u * kTrigStride + d / 4];  // cos of the four pairs, then sin
-    x01 = bf16x2_fma(y.x, cs.z ^ kBf16x2NegZero, bf16x2_fma(x.x, cs.x, kBf16x2NegZero));
-    x23 = bf16x2_fma(y.y, cs.w ^ kBf16x2NegZero, bf16x2_fma(x.y, cs.y, kBf16x2NegZero));
+    x01 = bf16x2_fms(x.x, cs.x, bf16x2_fma(y.x, cs.z, kBf16x2NegZero));
+    x23 = bf16x2_fms(x.y, cs.y, bf16x2_fma(y.y, cs.w, kBf16x2NegZero));
     y01 = bf16x2_fma(x.x, cs.z, bf16x2_fma(y.x, cs.x, kBf16x2NegZero));
     y23 = bf16x2_fma(x.y, cs.w, bf16x2_fma(y.y, cs.y, kBf16x2NegZero));
   }

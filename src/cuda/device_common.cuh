@@ -111,6 +111,22 @@ __device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t 
 #endif
 }
 
+// a * b - c on two bf16 lanes at once, rounded once. From sm_90: mul.bf16x2 and sub.bf16x2
+// without a rounding modifier, which ptxas contracts into one HFMA2 with its addend negated
+// (PTX's fma takes no negated operand, and a neg.bf16x2 or a sign XOR before it costs an
+// instruction more, which is what older targets, without those two, pay).
+__device__ __forceinline__ uint32_t bf16x2_fms(uint32_t a, uint32_t b, uint32_t c) {
+#ifdef AKV_SIMT_EMULATION
+  return emulated_x2_fma(a, b, c ^ kBf16x2NegZero, true);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t d;
+  asm("{.reg .b32 t; mul.bf16x2 t, %1, %2; sub.bf16x2 %0, t, %3;}" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  return bf16x2_fma(a, b, c ^ kBf16x2NegZero);
+#endif
+}
+
 // a * b + c on two fp16 lanes at once, rounded once (fma.rn.f16x2).
 __device__ __forceinline__ uint32_t f16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
 #ifdef AKV_SIMT_EMULATION
