@@ -1164,9 +1164,13 @@ struct SplitBlock {
   }
 };
 
-// Up to 8 rows: at most 128 registers, so that two blocks (16 warps) fit a multiprocessor.
+// Up to 8 rows and D 128: at most 128 registers, so that two blocks (16 warps) fit a
+// multiprocessor. At D 256 a block's shared memory (SplitSmem: 157 KiB at 4 rows, 170 KiB at
+// 8) leaves room for one, so the registers are not capped: capped, ptxas spilled inside the
+// tile loop (10 and 3 local accesses at 4 and 8 rows).
 template <int D, int MAXROWS>
-__global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 ? 2 : 1) decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
+__global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 : 1)
+    decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
 #ifdef AKV_SIMT_EMULATION
   unsigned char *smem = ::simt::tl_block->dynamic.data();
 #else
