@@ -1085,17 +1085,19 @@ struct SplitBlock {
       for (int e = lane; e < count * (D / 16); e += 32) vc_s[e] = words[e];
     }
     __syncthreads();
+    // racc's dims: the thread's DPT consecutive dims dim * DPT.. (write_partial), whose codes
+    // are one byte of the residual's (DPT divides 4), read once for all of them.
     const int group = tid / TPD, dim = tid % TPD;
-    const int shift = (dim & 3) * 2;  // TPD % 4 == 0: the same for every e
-    static_assert(TPD % 4 == 0 && D % 16 == 0, "one code shift per thread; whole code words per residual");
-    const uint8_t *vcodes = reinterpret_cast<const uint8_t *>(vc_s) + (dim >> 2);
+    const int shift = (dim * DPT & 3) * 2;
+    static_assert(4 % DPT == 0 && D % 16 == 0, "a thread's codes in one byte; whole code words per residual");
+    const uint8_t *vcodes = reinterpret_cast<const uint8_t *>(vc_s) + (dim * DPT >> 2);
     AKV_NO_UNROLL  // unrolled, ptxas spills more at 4 rows (32 bytes instead of 16)
     for (int n = group; n < count; n += SG) {  // everything indexed by n: one induction variable
-      const uint8_t *codes = vcodes + n * (D / 4);
+      const uint32_t codes = vcodes[n * (D / 4)] >> shift;
       const float *lv = lv_s + n * 4;
       const float4 *lr = reinterpret_cast<const float4 *>(lr_s + n * MAXROWS);
       for (int e = 0; e < DPT; ++e) {
-        const float level = lv[(codes[e * (TPD / 4)] >> shift) & 3];
+        const float level = lv[(codes >> (2 * e)) & 3];
         for (int i = 0; i < MAXROWS; i += 4) {
           const float4 pr = lr[i / 4];
           racc[i][e] = fmaf(pr.x, level, racc[i][e]);
@@ -1140,8 +1142,12 @@ struct SplitBlock {
     // floats), then write.
     float *scratch = K_s;
     for (int part = 0; part < 2; ++part) {
+      // dacc's dims are dim + e TPD (coalesced value loads), racc's dim DPT + e (prefix_values).
       for (int i = 0; i < MAXROWS; ++i)
-        for (int e = 0; e < DPT; ++e) scratch[(group * MAXROWS + i) * D + dim + e * TPD] = part == 0 ? dacc[i][e] : racc[i][e];
+        for (int e = 0; e < DPT; ++e) {
+          if (part == 0) scratch[(group * MAXROWS + i) * D + dim + e * TPD] = dacc[i][e];
+          else scratch[(group * MAXROWS + i) * D + dim * DPT + e] = racc[i][e];
+        }
       __syncthreads();
       float *dst = part == 0 ? p.ws_o : p.ws_r;
       for (int e = tid; e < MAXROWS * D; e += NT) {
@@ -1169,8 +1175,7 @@ struct SplitBlock {
 // 8) leaves room for one, so the registers are not capped: capped, ptxas spilled inside the
 // tile loop (10 and 3 local accesses at 4 and 8 rows).
 template <int D, int MAXROWS>
-__global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 : 1)
-    decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
+__global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 : 1) decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
 #ifdef AKV_SIMT_EMULATION
   unsigned char *smem = ::simt::tl_block->dynamic.data();
 #else
