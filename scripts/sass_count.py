@@ -50,7 +50,7 @@ ROWS_WARPS = min(ROWS, NW)  # warps that own a row (softmax_tile, write_partial)
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
 PHASES = [
-    ("metadata", ["anchor_meta", "format3_meta"]),
+    ("metadata", ["anchor_meta", "format3_meta", "residual_slots"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle", "rotate_queries", "rotate_pairs4"]),
     ("key residuals", ["key_residuals", "unit_hadamard"]),
@@ -157,7 +157,7 @@ WARP_BLOCKS = [
     ("for (int j = tid; j < pairs; j += NT) {", PAIRS / 32),  # the query rotation: one thread a pair
     ("for (int j2 = tid; j2 < D / 4; j2 += NT) {", D / 4 / 32),  # fast path's query rotation: two pairs a thread
     ("if (const int i = warp + r * NW; i < MAXROWS) {", ROWS_WARPS),  # softmax: each owned row in its warp
-    ("} else if (tid == NT - 1 && !window && !format3) {", 1.0),  # format 2's residual slots: one thread
+    ("} else if (warp == NW - 1 && !window && !format3) {", 1.0),  # format 2's residual slots: one warp
     ("if (warp == 0) {  // the tile's value residuals", 1.0),
 ]
 
@@ -188,8 +188,8 @@ def cold_lines(lines, table):
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition
 # (the lines just above it); default 8.
 def warps(func, cond_text):
-    if func == "format3_meta":
-        return 1.0  # warp 0: two tokens a lane
+    if func in ("format3_meta", "residual_slots"):
+        return 1.0  # warp 0: two tokens a lane (format 2's residual slots: warp 7)
     if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "unit_hadamard"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func == "anchor_meta":
@@ -765,9 +765,8 @@ def main():
         # The AnchorKV prefix tile loop of every path: the innermost loop that holds both the
         # contraction (HMMA) and the per-anchor weights' shared-memory atomics (the window and
         # dense loops have no atomics, the CAS retry loop no HMMA).
-        hot = [(n, ops) for _, _, n, ops in loops(funcs2[m]) if ops["HMMA"] and ops["ATOMS"]]
-        in_loop = min(hot, key=lambda x: x[0])[1] if hot else None
-        in_loop = in_loop["LDL"] + in_loop["STL"] if in_loop is not None else "?"
+        hot = min((l for l in loops(funcs2[m]) if l[3]["HMMA"] and l[3]["ATOMS"]), key=lambda l: l[2], default=None)
+        in_loop = hot[3]["LDL"] + hot[3]["STL"] if hot else "?"
         result["shipped"][f"{d},{r}"] = dict(pi, local_accesses=local, local_in_tile_loop=in_loop)
         print(f"| {d}, {r} | {pi.get('registers', '?')} | {pi.get('stack', '?')} | {pi.get('spill_stores', '?')}/"
               f"{pi.get('spill_loads', '?')} | {local} | {in_loop} |")

@@ -382,8 +382,12 @@ struct SplitBlock {
     if (kFoldedPenalty && fast)
       for (int i = 0; i < MAXROWS; ++i)
         put2(rl_s + i * T, float_as_bits(pen_s[kind[0] * MAXROWS + i]), float_as_bits(pen_s[kind[1] * MAXROWS + i]));
-    // The tile's residual slots (first and count of each side: key_residuals, prefix_values),
-    // lanes 0-3 at once (one thread of warp 7 used to load them in turn, a warp instruction each).
+    residual_slots(wd);
+  }
+
+  // The tile's residual slots (mask word wd): the first slot and the count of each side
+  // (key_residuals, prefix_values), by lanes 0-3 of the calling warp at once.
+  __device__ __forceinline__ void residual_slots(int64_t wd) {
     if (lane < 4) {
       const bool value = lane >= 2;
       const uint32_t slot = (value ? c.value_offsets : c.key_offsets)[h] + (value ? c.value_prefix : c.key_prefix)[wd];
@@ -456,12 +460,8 @@ struct SplitBlock {
       next_s[j] = p0 + T;
       basec_s[j] = run_c;
       bases_s[j] = run_s;
-    } else if (tid == NT - 1 && !window && !format3) {  // format 2's residual slots (format 3: format3_meta)
-      const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
-      res_s[0] = c.key_offsets[h] + c.key_prefix[wd];
-      res_s[1] = static_cast<uint32_t>(__popcll(c.key_mask[wd]));
-      res_s[2] = c.value_offsets[h] + c.value_prefix[wd];
-      res_s[3] = static_cast<uint32_t>(__popcll(c.value_mask[wd]));
+    } else if (warp == NW - 1 && !window && !format3) {  // format 2's residual slots (format 3: format3_meta)
+      residual_slots(static_cast<int64_t>(h) * c.words + t0 / 64);
     }
     return gap;
   }
@@ -1144,10 +1144,8 @@ struct SplitBlock {
     for (int part = 0; part < 2; ++part) {
       // dacc's dims are dim + e TPD (coalesced value loads), racc's dim DPT + e (prefix_values).
       for (int i = 0; i < MAXROWS; ++i)
-        for (int e = 0; e < DPT; ++e) {
-          if (part == 0) scratch[(group * MAXROWS + i) * D + dim + e * TPD] = dacc[i][e];
-          else scratch[(group * MAXROWS + i) * D + dim * DPT + e] = racc[i][e];
-        }
+        for (int e = 0; e < DPT; ++e)
+          scratch[(group * MAXROWS + i) * D + (part == 0 ? dim + e * TPD : dim * DPT + e)] = part == 0 ? dacc[i][e] : racc[i][e];
       __syncthreads();
       float *dst = part == 0 ? p.ws_o : p.ws_r;
       for (int e = tid; e < MAXROWS * D; e += NT) {
