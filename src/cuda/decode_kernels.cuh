@@ -666,6 +666,108 @@ struct SplitBlock {
     }
   }
 
+  // The fast path's logit terms q . R_off r~ of residuals n0 .. n0 + 3 (those below count)
+  // with every row, from their rows R_off r~ in bf16 in the warp's scratch xs (row n - n0): one
+  // mma per 16 dims, A = the residuals (rows 0-3 of 16), B = the bf16 rotated queries as in
+  // contract_gathered; added to rl_s.
+  __device__ __forceinline__ void residual_logit_terms(const uint32_t *xs, int n0, int count, uint32_t base) {
+    const int g = lane >> 2, tq = lane & 3;
+    float acc[NR8][4];
+    for (int m = 0; m < NR8; ++m)
+      for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
+    // Rows g >= 4 are zero: every lane loads (row g & 3) and masks, so that the warp does
+    // not split into two paths.
+    const uint32_t *ra = xs + (g & 3) * kResRowWords + tq;
+    const uint32_t live_row = g < 4 ? 0xffffffffu : 0u;
+    for (int s16 = 0; s16 < D / 16; ++s16) {
+      const uint32_t a[4] = {ra[8 * s16] & live_row, 0u, ra[8 * s16 + 4] & live_row, 0u};
+      for (int m = 0; m < NR8; ++m) {
+        const int r = (m * 8 + g) & (MAXROWS - 1);  // this lane's B column's row (kB columns)
+        const uint32_t *qb = reinterpret_cast<const uint32_t *>(qb_s + r * QS) + 8 * s16 + tq;
+        const uint32_t b[2] = {qb[0], qb[4]};
+        mma_bf16_16816(acc[m], a, b);
+      }
+    }
+    __syncwarp();  // every lane has read the rows before the next pass writes them
+    // acc[m][0..1]: residual n0 + g's terms with rows 8 m + 2 tq and + 1.
+    if (g < 4 && n0 + g < count) {
+      const int rn = n0 + g, rt = bit_s[rn];
+      const float rscale = kPackedHadamard ? c.key_scales[base + rn] : 1.0f;  // else in the levels
+      for (int m = 0; m < NR8; ++m)
+        for (int e = 0; e < 2; ++e)
+          if (const int i = 8 * m + 2 * tq + e; i < MAXROWS)
+            rl_s[i * T + rt] = (kFoldedPenalty ? rl_s[i * T + rt] : 0.0f) + acc[m][e] * rscale;
+    }
+  }
+
+  // The fast path's key residuals at D 128 with H y (the unnormalised inverse transform of a
+  // residual's unit levels y) on the tensor cores. Sylvester's H_128 = H_16 (x) H_8, since
+  // (-1)^popc(d & d') splits over d = 8 r + c: with Y[r][c] = y[8 r + c], H y is H_16 Y H_8, two
+  // f16 mma a residual (the second with k 8 of 16: its A is the first's accumulators, which
+  // hold rows g, g + 8 and columns 2 tq, 2 tq + 1 as an A fragment's first half does). Lane
+  // (g, tq) is then left with dims j, j + 1, P + j, P + j + 1 (j = 8 g + 2 tq): NeoX pairs j
+  // and j + 1 whole, rotated without a shuffle. The unit levels are exact in f16 (the packed
+  // path's), H_16 Y's sums (at most 16 x 1.51) rounded to f16 once, the rest in f32. A warp
+  // takes four residuals a pass as key_residuals does, one after the other into its scratch
+  // rows (the codes of the pass one coalesced word a lane), then residual_logit_terms. The
+  // butterflies took about 100 warp instructions a pass, the RoPE's shuffles 16 more.
+  static constexpr bool kTensorHadamard = D == 128;
+  static constexpr uint32_t h8_signs(int high) {  // bit ln: H_8[ln / 4][2 (ln % 4) + high] < 0
+    uint32_t m = 0;
+    for (int ln = 0; ln < 32; ++ln) {
+      int x = (ln >> 2) & (2 * (ln & 3) + high), parity = 0;
+      for (; x; x >>= 1) parity ^= x & 1;
+      m |= static_cast<uint32_t>(parity) << ln;
+    }
+    return m;
+  }
+  static constexpr uint32_t kH8Low = h8_signs(0), kH8High = h8_signs(1);
+  __device__ __forceinline__ void key_residuals_tc(int first_warp, int warps) {
+    constexpr int P = D / 2;
+    const uint32_t base = res_s[0];
+    const int count = static_cast<int>(res_s[1]);
+    const int j = 2 * lane;  // 8 g + 2 tq
+    // H_8[g][2 tq, 2 tq + 1] in f16: +-1, the signs bits ln of kH8Low and kH8High. The lane
+    // index read where it is used: computed from `lane`, these words would be kept in registers
+    // across the tile loop (128 at most), and ptxas spilled then.
+    const int ln = lane_id();
+    const uint32_t hg = 0x3c003c00u | (kH8Low >> ln & 1u) << 15 | (kH8High >> ln & 1u) << 31;
+    // H_16's A fragment: rows g + 8 and columns 2 tq + 8.. repeat H_8's, negated where both do;
+    // H_8 as B (symmetric: rows 2 tq, 2 tq + 1 of column g), rows 8.. zero.
+    const uint32_t a16[4] = {hg, hg, hg, hg ^ 0x80008000u}, b8[2] = {hg, 0u};
+    const uint32_t lo16 = float_to_bits(-lloyd_max_level(3), false), in16 = float_to_bits(-lloyd_max_level(2), false);
+    const uint32_t outer = lo16 | lo16 << 16, flip = outer ^ (in16 | in16 << 16);
+    const float2 sg0 = *reinterpret_cast<const float2 *>(sgn_s + j), sg1 = *reinterpret_cast<const float2 *>(sgn_s + P + j);
+    uint32_t *xs = K_s_residual_rows() + (warp - first_warp) * 4 * kResRowWords;
+    const uint32_t *words = reinterpret_cast<const uint32_t *>(c.key_codes);  // D / 16 = 8 a residual
+    for (int n0 = (warp - first_warp) * 4; n0 < count; n0 += warps * 4) {  // uniform across the warp
+      const uint32_t word = n0 * 8 + lane < count * 8 ? words[static_cast<int64_t>(base + n0) * 8 + lane] : 0u;
+      AKV_NO_UNROLL
+      for (int s = 0; s < 4 && n0 + s < count; ++s) {  // residual n0 + s into row s
+        // Y's B fragment: rows 2 tq, 2 tq + 1 (then + 8) of column g, the codes of dims
+        // 16 tq + g and + 8 (then + 64): bits 2 g and 2 g + 16 of the residual's words tq
+        // (then tq + 4), decoded as in unit_hadamard.
+        uint32_t yb[2];
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t x = __shfl_sync(kFullMask, word, 8 * s + (ln & 3) + 4 * e) >> (2 * (ln >> 2));
+          const uint32_t inner = ((x ^ (x >> 1)) & 0x00010001u) * 0xffffu;
+          yb[e] = outer ^ (inner & flip) ^ ((x << 14) & 0x80008000u);
+        }
+        float c1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hy[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_f16_16816(c1, a16, yb);
+        const uint32_t a2[4] = {pack_f16x2(c1[0], c1[1]), pack_f16x2(c1[2], c1[3]), 0u, 0u};
+        mma_f16_16816(hy, a2, b8);  // dims j, j + 1, P + j, P + j + 1
+        // U^T y = diag(signs) H y / sqrt(D), then R_off (pairs j, j + 1: one 16-byte entry).
+        const float x0 = hy[0] * sg0.x, x1 = hy[1] * sg0.y, y0 = hy[2] * sg1.x, y1 = hy[3] * sg1.y;
+        const float4 cs = *reinterpret_cast<const float4 *>(step_s + off_s[bit_s[n0 + s]] * P + j);
+        xs[s * kResRowWords + j / 2] = pack_bf16x2(x0 * cs.x - y0 * cs.y, x1 * cs.z - y1 * cs.w);
+        xs[s * kResRowWords + (P + j) / 2] = pack_bf16x2(x0 * cs.y + y0 * cs.x, x1 * cs.w + y1 * cs.z);
+      }
+      __syncwarp();
+      residual_logit_terms(xs, n0, count, base);
+    }
+  }
+
   // Eight lanes per residual, EPT = D / 8 dimensions each (lane l of the eight holds
   // l * EPT ..): the in-register butterflies, then three stages across the eight lanes. A warp
   // takes four residuals at a time, warp first_warp + w the residuals 4w.., 4(w + warps).., ...
@@ -747,41 +849,13 @@ struct SplitBlock {
         }
       }
       if (fast) {  // the logit terms q . R_off r~ of the warp's four residuals with every row
-        // The rows R_off r~ in bf16 into the warp's scratch, then one mma per 16 dims: A = the
-        // residuals (rows 0-3 of 16), B = the bf16 rotated queries as in contract_gathered.
         uint32_t *xs = K_s_residual_rows() + (warp - first_warp) * 4 * kResRowWords;
         uint4 *mine = reinterpret_cast<uint4 *>(xs + sub * kResRowWords + d0 / 2);
         for (int e = 0; e < EPT; e += 8)
           mine[e / 8] = uint4{pack_bf16x2(x[e], x[e + 1]), pack_bf16x2(x[e + 2], x[e + 3]),
                               pack_bf16x2(x[e + 4], x[e + 5]), pack_bf16x2(x[e + 6], x[e + 7])};
         __syncwarp();
-        const int g = lane >> 2, tq = lane & 3;
-        float acc[NR8][4];
-        for (int m = 0; m < NR8; ++m)
-          for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
-        // Rows g >= 4 are zero: every lane loads (row g & 3) and masks, so that the warp does
-        // not split into two paths.
-        const uint32_t *ra = xs + (g & 3) * kResRowWords + tq;
-        const uint32_t live_row = g < 4 ? 0xffffffffu : 0u;
-        for (int s16 = 0; s16 < D / 16; ++s16) {
-          const uint32_t a[4] = {ra[8 * s16] & live_row, 0u, ra[8 * s16 + 4] & live_row, 0u};
-          for (int m = 0; m < NR8; ++m) {
-            const int r = (m * 8 + g) & (MAXROWS - 1);  // this lane's B column's row (kB columns)
-            const uint32_t *qb = reinterpret_cast<const uint32_t *>(qb_s + r * QS) + 8 * s16 + tq;
-            const uint32_t b[2] = {qb[0], qb[4]};
-            mma_bf16_16816(acc[m], a, b);
-          }
-        }
-        __syncwarp();  // every lane has read the rows before the next pass writes them
-        // acc[m][0..1]: residual n0 + g's terms with rows 8 m + 2 tq and + 1.
-        if (g < 4 && n0 + g < count) {
-          const int rn = n0 + g, rt = bit_s[rn];
-          const float rscale = kPackedHadamard ? c.key_scales[base + rn] : 1.0f;  // else in the levels
-          for (int m = 0; m < NR8; ++m)
-            for (int e = 0; e < 2; ++e)
-              if (const int i = 8 * m + 2 * tq + e; i < MAXROWS)
-                rl_s[i * T + rt] = (kFoldedPenalty ? rl_s[i * T + rt] : 0.0f) + acc[m][e] * rscale;
-        }
+        residual_logit_terms(xs, n0, count, base);
       } else if (live) {
         float4 *row = reinterpret_cast<float4 *>(K_s + t * KS + d0);
         for (int e = 0; e < EPT; e += 4) {
@@ -942,6 +1016,7 @@ struct SplitBlock {
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
     if (!gathered) contract_tile(anchor ? qr_s : q_s, acc);
     else if (half == 0) contract_gathered(acc);
+    else if (residuals && kTensorHadamard) key_residuals_tc(4, NW - 4);
     else if (residuals) key_residuals(4, NW - 4);
     // acc[n][e]: token m0 + g + 8 (e / 2), row n * 8 + 2 tq + e % 2.
     if (half == 1 && !gathered) {

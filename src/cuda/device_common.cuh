@@ -76,6 +76,29 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 #endif
 }
 
+// The calling thread's lane, read anew at each use (volatile: the compiler neither keeps it
+// nor what is computed from it in a register across a loop).
+__device__ __forceinline__ int lane_id() {
+#ifdef AKV_SIMT_EMULATION
+  return static_cast<int>(threadIdx.x % 32);
+#else
+  int l;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(l));
+  return l;
+#endif
+}
+
+// Two floats as f16x2 (round to nearest even), `lo` in the low half.
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+#ifdef AKV_SIMT_EMULATION
+  return static_cast<uint32_t>(float_to_fp16(lo)) | static_cast<uint32_t>(float_to_fp16(hi)) << 16;
+#else
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#endif
+}
+
 // x0, x1 as bf16x2 `hi` plus the bf16x2 `lo` of what rounding left: hi + lo holds about 16
 // significant bits, so three bf16 products (hi hi, hi lo, lo hi) give fp32-level accuracy.
 __device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t &hi, uint32_t &lo) {
@@ -157,6 +180,18 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
 #error "the decode kernels need sm_80 or newer (bf16 mma.m16n8k16)"
 #else
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// The same with f16 operands (mma.m16n8k16 .f32.f16.f16.f32).
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+#ifdef AKV_SIMT_EMULATION
+  ::simt::mma_m16n8k16_f16(d, a, b);
+#else
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));

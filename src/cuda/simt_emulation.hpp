@@ -269,7 +269,13 @@ inline int syncthreads_or(bool pred) {
 //   C, D (16 x 8, f32): d[0], d[1] row g, cols 2t, 2t+1; d[2], d[3] row g+8, same cols.
 // Every lane posts its operands, the warp meets, each lane computes its four outputs (the
 // products are exact in double, one rounding to float at the end), the warp meets again.
-inline void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+// mma_m16n8k16_f16: the same with f16 operands (.f32.f16.f16.f32).
+inline double half_bits_value(uint32_t h) {  // an IEEE binary16 as a double (exact)
+  const int e = static_cast<int>(h >> 10 & 0x1f), m = static_cast<int>(h & 0x3ff);
+  const double v = e == 0 ? std::ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : std::ldexp(m + 1024, e - 25);
+  return h & 0x8000 ? -v : v;
+}
+inline void mma_m16n8k16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], bool f16) {
   Block *blk = tl_block;
   const unsigned tid = tl_thread.x, base = tid / 32 * 32, lane = tid % 32;
   uint32_t *mine = &blk->fragments[tid * 6];
@@ -278,7 +284,8 @@ inline void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint3
   mine[5] = b[1];
   syncwarp();
   const uint32_t *f = &blk->fragments[base * 6];
-  const auto elem = [](uint32_t word, int high) {
+  const auto elem = [f16](uint32_t word, int high) {
+    if (f16) return half_bits_value(high ? word >> 16 : word & 0xffffu);
     const uint32_t bits = (high ? word >> 16 : word & 0xffffu) << 16;
     float v;
     std::memcpy(&v, &bits, sizeof v);
@@ -297,6 +304,8 @@ inline void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint3
   syncwarp();  // every lane has read the operands before any posts the next ones
   for (int i = 0; i < 4; ++i) d[i] = out[i];
 }
+inline void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { mma_m16n8k16(d, a, b, false); }
+inline void mma_m16n8k16_f16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) { mma_m16n8k16(d, a, b, true); }
 
 struct Entry {
   std::function<void()> body;
