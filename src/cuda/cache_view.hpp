@@ -13,6 +13,8 @@ namespace cuda {
 constexpr int kThreads = 128;         // merge-independent small kernels (append)
 constexpr int kDecodeThreads = 256;   // the split, anchor-values and merge kernels of a decode
 constexpr int kDecodeTile = 64;       // tokens per tile: one residual mask word
+// The split kernel's softmax slack (DecodeLaunch::rescale_slack; SplitBlock::softmax_tile).
+constexpr float kRescaleSlack = 32.0f;
 constexpr int kMaxSplits = 64;        // splits of one (request, head, row chunk)
 // Anchors per block of decode_anchor_values_kernel: a multiple of 64 (its chunk) up to 256,
 // the plan's choice (DecodePlan::anchors_per_part).
@@ -104,6 +106,10 @@ struct DecodeLaunch {
   int32_t anchor_parts, anchors_per_part;
   float *ws_av;
   float *lse;                  // optional [requests][Hq][q_len]: natural log-sum-exp per row
+  // How far (base-2 logits) a tile's max may pass a row's reference max before the reference
+  // is raised and what is accumulated rescaled: kRescaleSlack (decode_launch); the emulation
+  // tests lower it to take the rescale path on every rise.
+  float rescale_slack;
 };
 
 AKV_HD constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }

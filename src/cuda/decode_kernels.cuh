@@ -1059,14 +1059,13 @@ struct SplitBlock {
   // kDense: dacc is live (dense and suffix tiles); else only racc is rescaled.
   //
   // The reference max of a row (m_run) is raised only when a tile's max passes it by more than
-  // kRescaleSlack (base-2 logits): p = exp2(logit - m_run) then stays below 2^32, and every sum
+  // kRescaleSlack (base-2 logits; DecodeLaunch::rescale_slack, which tests lower): p = exp2(logit - m_run) then stays below 2^32, and every sum
   // of p (times a coefficient or a value) below 2^52 |gamma V| at a million tokens, far inside
   // fp32's 2^128 (p is never narrowed to fp16). What is accumulated is rescaled only when a
   // row's max jumps by more than that: never on SmolLM2's real prompts, whose largest rise of a
   // tile over its block's running max was 27 (tools/realmodel/rescale_rate.py). Whether any
   // row's reference moved is the block's vote at the barrier (__syncthreads_or), so a thread
   // reads the rows' factors only in the rare tile that rescales.
-  static constexpr float kRescaleSlack = 32.0f;
 
   template <bool kDense>
   __device__ __forceinline__ void softmax_tile() {
@@ -1081,7 +1080,7 @@ struct SplitBlock {
         const float m_old = m_run[r];
         // -inf + slack is -inf: a row raises its reference at its first visible logit, and
         // nothing is accumulated before it (no rescale then).
-        const bool keep = m_tile <= m_old + kRescaleSlack;
+        const bool keep = m_tile <= m_old + p.rescale_slack;
         const float m_ref = keep ? m_old : m_tile;
         const bool raise = !keep && m_old != -INFINITY;
         const float alpha = raise ? fast_exp2(m_old - m_ref) : 1.0f;

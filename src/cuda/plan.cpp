@@ -257,6 +257,7 @@ DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32
   p.splits = plan.splits;
   p.max_anchors = plan.max_anchors;
   p.global_weights = plan.global_weights ? 1 : 0;
+  p.rescale_slack = kRescaleSlack;
   const size_t per_block = static_cast<size_t>(plan.maxrows) * shape.head_dim;
   p.ws_o = workspace;
   p.ws_r = workspace + plan.blocks * per_block;

@@ -72,7 +72,8 @@ void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, i
 // lse (optional): receives [batch][Hq][q_len], each row's log-sum-exp.
 std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, const std::vector<uint8_t> &queries,
                                      akv_dtype io, int q_len, int sm_count, int resident, size_t smem,
-                                     std::vector<float> *lse = nullptr, const bool *global_weights = nullptr) {
+                                     std::vector<float> *lse = nullptr, const bool *global_weights = nullptr,
+                                     float rescale_slack = kc::kRescaleSlack) {
   const int32_t batch = static_cast<int32_t>(caches.size());
   const akv_shape &s = caches[0]->meta.shape;
   const kc::DecodePlan plan = kc::plan_decode(caches.data(), batch, q_len, sm_count, smem,
@@ -86,6 +87,7 @@ std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, con
   std::vector<float> ws(plan.workspace_bytes / sizeof(float), std::numeric_limits<float>::quiet_NaN());
   kc::DecodeLaunch p = kc::decode_launch(plan, s, q_len, io, queries.data(), out.data(), ws.data());
   for (int32_t b = 0; b < batch; ++b) p.views[b] = views[b].view();
+  p.rescale_slack = rescale_slack;
   if (lse) {
     lse->assign(static_cast<size_t>(batch) * s.num_q_heads * q_len, std::numeric_limits<float>::quiet_NaN());
     p.lse = lse->data();
@@ -109,6 +111,7 @@ struct Case {
   akv_dtype io = AKV_DTYPE_F32;
   int anchors = 0;     // 0: automatic
   double q_std = 1.5;  // the queries' spread (large: logits hundreds apart in base 2)
+  float rescale_slack = kc::kRescaleSlack;  // 0: the reference max is raised at every rise
 };
 
 std::string describe(const Case &c) {
@@ -177,7 +180,9 @@ void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t
                           expected_lse.data(), nullptr),
      "akv_decode_batch_lse");
   const std::vector<float> got =
-      decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, resident, smem, &got_lse, &global_weights), c.io);
+      decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, resident, smem, &got_lse, &global_weights,
+                                   c.rescale_slack),
+                    c.io);
   const std::vector<float> expected = decode_bytes(expected_bytes, c.io);
   ASSERT_EQ(count_non_finite(got), 0u);
   // Same arithmetic up to summation order and the angle method (both accurate to ~1e-6);
@@ -260,6 +265,16 @@ TEST(EmulatedDecode, PeakedLogitsRescaleAcrossTiles) {
   Case peaked128{AKV_METHOD_ANCHORKV, 1300, 128, 2, 2, 3, AKV_ROPE_GPTJ, false};
   peaked128.q_std = 60.0;
   check_case(peaked128, 2, 6, 1);
+  // The register-gather path (bf16 queries, NeoX): peaked, and with no slack, so that every
+  // rise of a row's max rescales what its earlier tiles summed, and those sums are not about
+  // zero when it comes (with 32 and peaked logits they are, and a missed rescale goes unseen).
+  Case fast{AKV_METHOD_ANCHORKV, 1400, 128, 4, 1, 0, AKV_ROPE_NEOX, false};
+  fast.io = AKV_DTYPE_BF16;
+  fast.rescale_slack = 0.0f;
+  check_case(fast, 1, 4, 2);
+  fast.q_std = 60.0;
+  fast.rescale_slack = kc::kRescaleSlack;
+  check_case(fast, 1, 4, 2);
 }
 
 // Many anchors per head (the old kernel split these into slices of shared memory; the tile
