@@ -53,7 +53,7 @@ PHASES = [
     ("metadata", ["anchor_meta", "format3_meta", "residual_slots"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle", "rotate_queries", "rotate_pairs4"]),
-    ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms", "unit_hadamard"]),
+    ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms"]),
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
     ("contraction", ["contract", "contract_tile", "contract_gathered"]),
     ("softmax", ["softmax_tile"]),
@@ -94,7 +94,7 @@ def trips(src, fk, fv, k, rescale):
     key_passes = poisson_mean(ck, lambda c: sum(max(0, -(-(c - 4 * w) // 16)) for w in range(4)) / 4)
     table = [
         ("n0 < count; n0 += warps * 4", key_passes),        # key residuals: warps 4-7, 4 each, 16 a pass
-        ("n0 + s < count; ++s", ck / 4 / key_passes),         # key_residuals_tc: a pass's residuals in turn
+        ("n0 + s * R < count; ++s", ck / 4 / key_passes),     # key_residuals_tc: a pass's residuals in turn (D 128)
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
         ("e < count * MAXROWS; e += 32", max(1.0, cv * ROWS / 32)),
@@ -191,8 +191,7 @@ def cold_lines(lines, table):
 def warps(func, cond_text):
     if func in ("format3_meta", "residual_slots"):
         return 1.0  # warp 0: two tokens a lane (format 2's residual slots: warp 7)
-    if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "key_residuals_tc", "residual_logit_terms",
-                "unit_hadamard"):
+    if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func == "anchor_meta":
         return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each

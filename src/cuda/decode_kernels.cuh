@@ -613,59 +613,6 @@ struct SplitBlock {
     return reinterpret_cast<uint32_t *>(K_s) + SplitSmem::fast_tables_bytes(D) / 4;
   }
 
-  // The fast path's key residuals take unit_hadamard below, except at D 256, where 32 values a
-  // lane as packed pairs cost the 4-row kernel a 40-byte stack (8 with fp32).
-  static constexpr bool kPackedHadamard = D <= 128;
-
-  // The fast path's H y for one key residual over eight lanes (lane sl of the eight: dims
-  // sl * EPT ..), y its codes' unit levels (scale 1; codes null: zeros), in packed fp16: pair m
-  // holds dims m and m + EPT / 2 of the lane, so the in-lane butterflies of distance < EPT / 2
-  // are one add per pair of registers, the distance-EPT / 2 one within each register, and each
-  // shuffle across the eight lanes carries two values: half the adds and shuffles of fp32.
-  // fp16 is ample for the unnormalised transform of unit levels (|H y| <= D * 1.51, rounding
-  // ~2^-11 a stage, against the two-bit code's own error of about a third). Out: x[e] in fp32,
-  // natural order.
-  __device__ __forceinline__ static void unit_hadamard(const uint8_t *codes, int sl, float (&x)[D / 8]) {
-    constexpr int EPT = D / 8, H2 = EPT / 2;
-    static_assert(EPT == 8 || EPT == 16, "one code word a lane");
-    constexpr uint32_t kOne = 0x3c003c00u, kOneNeg = 0xbc003c00u, kNegOne = 0xbc00bc00u;  // (1, 1), (1, -1), (-1, -1)
-    const uint32_t lo16 = float_to_bits(-lloyd_max_level(3), false), in16 = float_to_bits(-lloyd_max_level(2), false);
-    const uint32_t outer = lo16 | lo16 << 16, flip = outer ^ (in16 | in16 << 16);
-    uint32_t h[H2];
-    // The code word with pair m's codes at bits 2m (dim m) and 16 + 2m (dim m + H2).
-    uint32_t w = 0;
-    if (codes) {
-      if constexpr (EPT == 8) {
-        const uint32_t w16 = *reinterpret_cast<const uint16_t *>(codes);
-        w = (w16 & 0xffu) | (w16 & 0xff00u) << 8;
-      } else {
-        w = *reinterpret_cast<const uint32_t *>(codes);
-      }
-    }
-    for (int m = 0; m < H2; ++m) {
-      const uint32_t b = 2 * m;
-      const uint32_t inner = ((w ^ (w >> 1)) >> b & 0x00010001u) * 0xffffu;  // code 1 or 2, per half
-      const uint32_t sign = (w << (14 - b)) & 0x80008000u;                  // the code's high bit at bit 15 / 31
-      h[m] = codes ? outer ^ (inner & flip) ^ sign : 0u;
-    }
-    for (int len = 1; len < H2; len <<= 1)
-      for (int m = 0; m < H2; ++m)
-        if (!(m & len)) {
-          const uint32_t u = h[m], v = h[m + len];
-          h[m] = f16x2_fma(v, kOne, u);
-          h[m + len] = f16x2_fma(v, kNegOne, u);
-        }
-    for (int m = 0; m < H2; ++m) h[m] = f16x2_fma(h[m], kOneNeg, h[m] >> 16 | h[m] << 16);  // (a + b, a - b)
-    for (int lm = 1; lm < 8; lm <<= 1) {
-      const uint32_t sign = (sl & lm) ? kNegOne : kOne;  // upper half: other - x, lower: x + other
-      for (int m = 0; m < H2; ++m) h[m] = f16x2_fma(sign, h[m], __shfl_xor_sync(kFullMask, h[m], lm));
-    }
-    for (int m = 0; m < H2; ++m) {
-      x[m] = bits_to_float(static_cast<uint16_t>(h[m]), false);
-      x[m + H2] = bits_to_float(static_cast<uint16_t>(h[m] >> 16), false);
-    }
-  }
-
   // The fast path's logit terms q . R_off r~ of residuals n0 .. n0 + 3 (those below count)
   // with every row, from their rows R_off r~ in bf16 in the warp's scratch xs (row n - n0): one
   // mma per 16 dims, A = the residuals (rows 0-3 of 16), B = the bf16 rotated queries as in
@@ -692,7 +639,7 @@ struct SplitBlock {
     // acc[m][0..1]: residual n0 + g's terms with rows 8 m + 2 tq and + 1.
     if (g < 4 && n0 + g < count) {
       const int rn = n0 + g, rt = bit_s[rn];
-      const float rscale = kPackedHadamard ? c.key_scales[base + rn] : 1.0f;  // else in the levels
+      const float rscale = kTensorHadamard ? c.key_scales[base + rn] : 1.0f;  // else in the levels
       for (int m = 0; m < NR8; ++m)
         for (int e = 0; e < 2; ++e)
           if (const int i = 8 * m + 2 * tq + e; i < MAXROWS)
@@ -700,18 +647,20 @@ struct SplitBlock {
     }
   }
 
-  // The fast path's key residuals at D 128 with H y (the unnormalised inverse transform of a
-  // residual's unit levels y) on the tensor cores. Sylvester's H_128 = H_16 (x) H_8, since
-  // (-1)^popc(d & d') splits over d = 8 r + c: with Y[r][c] = y[8 r + c], H y is H_16 Y H_8, two
-  // f16 mma a residual (the second with k 8 of 16: its A is the first's accumulators, which
-  // hold rows g, g + 8 and columns 2 tq, 2 tq + 1 as an A fragment's first half does). Lane
-  // (g, tq) is then left with dims j, j + 1, P + j, P + j + 1 (j = 8 g + 2 tq): NeoX pairs j
-  // and j + 1 whole, rotated without a shuffle. The unit levels are exact in f16 (the packed
-  // path's), H_16 Y's sums (at most 16 x 1.51) rounded to f16 once, the rest in f32. A warp
-  // takes four residuals a pass as key_residuals does, one after the other into its scratch
+  // The fast path's key residuals at D 64 and 128 with H y (the unnormalised inverse transform
+  // of a residual's unit levels y) on the tensor cores. Sylvester's H is a Kronecker product,
+  // since (-1)^popc(d & d') splits over d = 8 r + c: with Y[r][c] = y[8 r + c], H y is
+  // H_R Y H_8 (R = D / 8), two f16 mma (the second with k 8 of 16: its A is the first's
+  // accumulators, which hold rows g, g + 8 and columns 2 tq, 2 tq + 1 as an A fragment's first
+  // half does). At D 128 one residual takes them, H_16 as A; at D 64 two, Y and Y' as B's rows
+  // 0-7 and 8-15 and an A that puts H_8's rows r and r + 4 of Y in rows g and g + 8 of lanes
+  // g < 4, those of Y' in lanes g >= 4. Either way each lane is left with whole NeoX pairs
+  // (dims j, j + 1 and their partners P on), rotated without a shuffle. The unit levels are
+  // exact in f16, the first product's sums (at most 16 x 1.51) rounded to f16 once, the rest
+  // in f32. A warp takes four residuals a pass as key_residuals does, in turn into its scratch
   // rows (the codes of the pass one coalesced word a lane), then residual_logit_terms. The
-  // butterflies took about 100 warp instructions a pass, the RoPE's shuffles 16 more.
-  static constexpr bool kTensorHadamard = D == 128;
+  // butterflies and the RoPE's shuffles in packed fp16 took about 120 warp instructions a pass.
+  static constexpr bool kTensorHadamard = D <= 128;
   static constexpr uint32_t h8_signs(int high) {  // bit ln: H_8[ln / 4][2 (ln % 4) + high] < 0
     uint32_t m = 0;
     for (int ln = 0; ln < 32; ++ln) {
@@ -723,45 +672,64 @@ struct SplitBlock {
   }
   static constexpr uint32_t kH8Low = h8_signs(0), kH8High = h8_signs(1);
   __device__ __forceinline__ void key_residuals_tc(int first_warp, int warps) {
-    constexpr int P = D / 2;
+    constexpr int P = D / 2, W = D / 16;  // W: code words a residual
+    constexpr int R = D == 64 ? 2 : 1;    // residuals an mma pair takes
+    static_assert(D == 64 || D == 128, "H_8 (x) H_8 or H_16 (x) H_8");
+    constexpr uint32_t kNeg = 0x80008000u;
     const uint32_t base = res_s[0];
     const int count = static_cast<int>(res_s[1]);
-    const int j = 2 * lane;  // 8 g + 2 tq
-    // H_8[g][2 tq, 2 tq + 1] in f16: +-1, the signs bits ln of kH8Low and kH8High. The lane
+    // H_8[g][2 tq, 2 tq + 1] in f16: +-1, the sign bits ln of kH8Low and kH8High. The lane
     // index read where it is used: computed from `lane`, these words would be kept in registers
     // across the tile loop (128 at most), and ptxas spilled then.
     const int ln = lane_id();
     const uint32_t hg = 0x3c003c00u | (kH8Low >> ln & 1u) << 15 | (kH8High >> ln & 1u) << 31;
-    // H_16's A fragment: rows g + 8 and columns 2 tq + 8.. repeat H_8's, negated where both do;
-    // H_8 as B (symmetric: rows 2 tq, 2 tq + 1 of column g), rows 8.. zero.
-    const uint32_t a16[4] = {hg, hg, hg, hg ^ 0x80008000u}, b8[2] = {hg, 0u};
+    const int mine = D == 64 ? lane >> 4 : 0;         // which of the pair's residuals the lane ends with
+    const int j = D == 64 ? 2 * (lane & 15) : 2 * lane;  // its pairs j, j + 1
+    // A: D 128, H_16 (rows g + 8 and columns 2 tq + 8.. repeat H_8's, negated where both do).
+    // D 64: lanes g < 4 H_8's rows g and g + 4 on k 0-7 (Y), lanes g >= 4 rows g - 4 and g on
+    // k 8-15 (Y'); H_8[g ^ 4][c] is H_8[g][c] negated for c >= 4 (tq >= 2). B of the second:
+    // H_8 (symmetric: rows 2 tq, 2 tq + 1 of column g), rows 8.. zero.
+    const uint32_t hs = (ln & 2) ? hg ^ kNeg : hg;
+    uint32_t a1[4] = {hg, hg, hg, hg ^ kNeg};
+    if (D == 64) {
+      a1[0] = mine ? 0u : hg;
+      a1[1] = mine ? 0u : hs;
+      a1[2] = mine ? hs : 0u;
+      a1[3] = mine ? hg : 0u;
+    }
+    const uint32_t b8[2] = {hg, 0u};
     const uint32_t lo16 = float_to_bits(-lloyd_max_level(3), false), in16 = float_to_bits(-lloyd_max_level(2), false);
     const uint32_t outer = lo16 | lo16 << 16, flip = outer ^ (in16 | in16 << 16);
     const float2 sg0 = *reinterpret_cast<const float2 *>(sgn_s + j), sg1 = *reinterpret_cast<const float2 *>(sgn_s + P + j);
     uint32_t *xs = K_s_residual_rows() + (warp - first_warp) * 4 * kResRowWords;
-    const uint32_t *words = reinterpret_cast<const uint32_t *>(c.key_codes);  // D / 16 = 8 a residual
+    const uint32_t *words = reinterpret_cast<const uint32_t *>(c.key_codes);
     for (int n0 = (warp - first_warp) * 4; n0 < count; n0 += warps * 4) {  // uniform across the warp
-      const uint32_t word = n0 * 8 + lane < count * 8 ? words[static_cast<int64_t>(base + n0) * 8 + lane] : 0u;
+      const uint32_t word = (4 * W == 32 || lane < 4 * W) && n0 * W + lane < count * W ? words[static_cast<int64_t>(base + n0) * W + lane] : 0u;
       AKV_NO_UNROLL
-      for (int s = 0; s < 4 && n0 + s < count; ++s) {  // residual n0 + s into row s
-        // Y's B fragment: rows 2 tq, 2 tq + 1 (then + 8) of column g, the codes of dims
-        // 16 tq + g and + 8 (then + 64): bits 2 g and 2 g + 16 of the residual's words tq
-        // (then tq + 4), decoded as in unit_hadamard.
+      for (int s = 0; s < 4 / R && n0 + s * R < count; ++s) {  // residuals n0 + s R .. into rows s R ..
+        // Y's B fragment: rows 2 tq, 2 tq + 1 of column g, the codes of dims 16 tq + g and + 8:
+        // bits 2 g and 2 g + 16 of a residual's word tq. Rows 8 + ..: D 128 the same residual's
+        // dims + 64 (word tq + 4), D 64 the second residual's.
         uint32_t yb[2];
         for (int e = 0; e < 2; ++e) {
-          const uint32_t x = __shfl_sync(kFullMask, word, 8 * s + (ln & 3) + 4 * e) >> (2 * (ln >> 2));
+          const int at = (s * R + (D == 64 ? e : 0)) * W + (ln & 3) + (D == 64 ? 0 : 4 * e);
+          const uint32_t x = __shfl_sync(kFullMask, word, at) >> (2 * (ln >> 2));
           const uint32_t inner = ((x ^ (x >> 1)) & 0x00010001u) * 0xffffu;
-          yb[e] = outer ^ (inner & flip) ^ ((x << 14) & 0x80008000u);
+          yb[e] = outer ^ (inner & flip) ^ ((x << 14) & kNeg);
         }
         float c1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hy[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_f16_16816(c1, a16, yb);
+        mma_f16_16816(c1, a1, yb);
         const uint32_t a2[4] = {pack_f16x2(c1[0], c1[1]), pack_f16x2(c1[2], c1[3]), 0u, 0u};
-        mma_f16_16816(hy, a2, b8);  // dims j, j + 1, P + j, P + j + 1
-        // U^T y = diag(signs) H y / sqrt(D), then R_off (pairs j, j + 1: one 16-byte entry).
-        const float x0 = hy[0] * sg0.x, x1 = hy[1] * sg0.y, y0 = hy[2] * sg1.x, y1 = hy[3] * sg1.y;
-        const float4 cs = *reinterpret_cast<const float4 *>(step_s + off_s[bit_s[n0 + s]] * P + j);
-        xs[s * kResRowWords + j / 2] = pack_bf16x2(x0 * cs.x - y0 * cs.y, x1 * cs.z - y1 * cs.w);
-        xs[s * kResRowWords + (P + j) / 2] = pack_bf16x2(x0 * cs.y + y0 * cs.x, x1 * cs.w + y1 * cs.z);
+        mma_f16_16816(hy, a2, b8);  // dims j, j + 1, P + j, P + j + 1 of residual n
+        const int n = n0 + s * R + mine;
+        if (n < count) {  // D 64: the pair's second may be past the tile's
+          // U^T y = diag(signs) H y / sqrt(D), then R_off (pairs j, j + 1: one 16-byte entry).
+          const float x0 = hy[0] * sg0.x, x1 = hy[1] * sg0.y, y0 = hy[2] * sg1.x, y1 = hy[3] * sg1.y;
+          const float4 cs = *reinterpret_cast<const float4 *>(step_s + off_s[bit_s[n]] * P + j);
+          uint32_t *row = xs + (n - n0) * kResRowWords;
+          row[j / 2] = pack_bf16x2(x0 * cs.x - y0 * cs.y, x1 * cs.z - y1 * cs.w);
+          row[(P + j) / 2] = pack_bf16x2(x0 * cs.y + y0 * cs.x, x1 * cs.w + y1 * cs.z);
+        }
       }
       __syncwarp();
       residual_logit_terms(xs, n0, count, base);
@@ -792,10 +760,7 @@ struct SplitBlock {
       const int n = n0 + sub;
       const bool live = n < count;
       float x[EPT];
-      if (kPackedHadamard && fast) {  // unit levels: the scale is applied to the logit terms
-        if constexpr (kPackedHadamard)
-          unit_hadamard(live ? c.key_codes + static_cast<int64_t>(base + n) * (D / 4) + sl * (EPT / 4) : nullptr, sl, x);
-      } else if (live) {
+      if (live) {
         const uint8_t *codes = c.key_codes + static_cast<int64_t>(base + n) * (D / 4) + sl * (EPT / 4);
         const float scale = c.key_scales[base + n];
         // Negative levels: the sign bit is flipped back where the code's high bit is set.
@@ -813,19 +778,17 @@ struct SplitBlock {
       } else {
         for (int e = 0; e < EPT; ++e) x[e] = 0.0f;
       }
-      // Inverse rotation U^T y = diag(signs) H y / sqrt(D) (packed: H y is unit_hadamard's).
-      if (!(kPackedHadamard && fast)) {
-        for (int len = 1; len < EPT; len <<= 1)
-          for (int e = 0; e < EPT; ++e)
-            if (!(e & len)) {
-              const float u = x[e], v = x[e + len];
-              x[e] = u + v;
-              x[e + len] = u - v;
-            }
-        for (int lm = 1; lm < 8; lm <<= 1) {
-          const float sign = (sl & lm) ? -1.0f : 1.0f;  // upper half: other - x, lower: x + other
-          for (int e = 0; e < EPT; ++e) x[e] = fmaf(sign, x[e], __shfl_xor_sync(kFullMask, x[e], lm));
-        }
+      // Inverse rotation U^T y = diag(signs) H y / sqrt(D).
+      for (int len = 1; len < EPT; len <<= 1)
+        for (int e = 0; e < EPT; ++e)
+          if (!(e & len)) {
+            const float u = x[e], v = x[e + len];
+            x[e] = u + v;
+            x[e + len] = u - v;
+          }
+      for (int lm = 1; lm < 8; lm <<= 1) {
+        const float sign = (sl & lm) ? -1.0f : 1.0f;  // upper half: other - x, lower: x + other
+        for (int e = 0; e < EPT; ++e) x[e] = fmaf(sign, x[e], __shfl_xor_sync(kFullMask, x[e], lm));
       }
       const float4 *sg = reinterpret_cast<const float4 *>(sgn_s + d0);
       for (int e = 0; e < EPT; e += 4) {
@@ -1016,8 +979,10 @@ struct SplitBlock {
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
     if (!gathered) contract_tile(anchor ? qr_s : q_s, acc);
     else if (half == 0) contract_gathered(acc);
-    else if (residuals && kTensorHadamard) key_residuals_tc(4, NW - 4);
-    else if (residuals) key_residuals(4, NW - 4);
+    else if (residuals) {
+      if constexpr (kTensorHadamard) key_residuals_tc(4, NW - 4);
+      else key_residuals(4, NW - 4);
+    }
     // acc[n][e]: token m0 + g + 8 (e / 2), row n * 8 + 2 tq + e % 2.
     if (half == 1 && !gathered) {
       for (int n = 0; n < NR8; ++n)
