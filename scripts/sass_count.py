@@ -94,7 +94,7 @@ def trips(src, fk, fv, k, rescale):
     key_passes = poisson_mean(ck, lambda c: sum(max(0, -(-(c - 4 * w) // 16)) for w in range(4)) / 4)
     table = [
         ("n0 < count; n0 += warps * 4", key_passes),        # key residuals: warps 4-7, 4 each, 16 a pass
-        ("n0 + s * R < count; ++s", ck / 4 / key_passes),     # key_residuals_tc: a pass's residuals in turn (D 128)
+        ("n0 + s * R < count; ++s", ck / 4 / key_passes),     # key_residuals_tc: a pass's residuals in turn
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
         ("e < count * MAXROWS; e += 32", max(1.0, cv * ROWS / 32)),
@@ -614,7 +614,10 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
             unknown.add((bf, bl, lines[bl - 1].strip() if bl else "?"))
         loads = collections.Counter(where(i)[1] for i in range(a, b + 1)
                                     if ins[i]["op"].startswith(("LDS", "LDG", "LD.")) and where(i)[1] != bl)
-        unroll = min(loads.values()) if loads else 1
+        # A loop marked AKV_NO_UNROLL is not unrolled, whatever its lines load (a line that
+        # loads twice an iteration read as a loop unrolled twice: key_residuals_tc's passes
+        # were counted at a third of their trips, 4.7 warp instructions instead of 6.8).
+        unroll = 1 if bl and "AKV_NO_UNROLL" in lines[bl - 2] else min(loads.values()) if loads else 1
         loop_trips[(a, b)] = n / unroll
     cold = cold_lines(lines, cold_blocks(rescale))
     warp_blocks = cold_lines(lines, WARP_BLOCKS)

@@ -639,7 +639,7 @@ struct SplitBlock {
     // acc[m][0..1]: residual n0 + g's terms with rows 8 m + 2 tq and + 1.
     if (g < 4 && n0 + g < count) {
       const int rn = n0 + g, rt = bit_s[rn];
-      const float rscale = kTensorHadamard ? c.key_scales[base + rn] : 1.0f;  // else in the levels
+      const float rscale = c.key_scales[base + rn];  // unit levels
       for (int m = 0; m < NR8; ++m)
         for (int e = 0; e < 2; ++e)
           if (const int i = 8 * m + 2 * tq + e; i < MAXROWS)
@@ -647,20 +647,20 @@ struct SplitBlock {
     }
   }
 
-  // The fast path's key residuals at D 64 and 128 with H y (the unnormalised inverse transform
-  // of a residual's unit levels y) on the tensor cores. Sylvester's H is a Kronecker product,
-  // since (-1)^popc(d & d') splits over d = 8 r + c: with Y[r][c] = y[8 r + c], H y is
-  // H_R Y H_8 (R = D / 8), two f16 mma (the second with k 8 of 16: its A is the first's
-  // accumulators, which hold rows g, g + 8 and columns 2 tq, 2 tq + 1 as an A fragment's first
-  // half does). At D 128 one residual takes them, H_16 as A; at D 64 two, Y and Y' as B's rows
-  // 0-7 and 8-15 and an A that puts H_8's rows r and r + 4 of Y in rows g and g + 8 of lanes
-  // g < 4, those of Y' in lanes g >= 4. Either way each lane is left with whole NeoX pairs
-  // (dims j, j + 1 and their partners P on), rotated without a shuffle. The unit levels are
+  // The fast path's key residuals with H y (the unnormalised inverse transform of a residual's
+  // unit levels y) on the tensor cores. Sylvester's H is a Kronecker product, since
+  // (-1)^popc(d & d') splits over d = C r + c: with Y[r][c] = y[C r + c] (C = 8, or 16 at D 256),
+  // H y is H_(D/C) Y H_C, two f16 mma (the second's A is the first's accumulators, which hold
+  // rows g, g + 8 and columns 2 tq, 2 tq + 1 of each n8 tile as an A fragment does; k 8 of 16
+  // where C is 8). At D 128 one residual takes them, H_16 as A; at D 256 one, four mma (Y's
+  // two n8 tiles of columns); at D 64 two, Y and Y' as B's rows 0-7 and 8-15 and an A that
+  // puts H_8's rows r and r + 4 of Y in rows g and g + 8 of lanes g < 4, those of Y' in lanes
+  // g >= 4. Each lane is left with whole NeoX pairs (dims j, j + 1 and their partners P on),
+  // rotated without a shuffle. The unit levels are
   // exact in f16, the first product's sums (at most 16 x 1.51) rounded to f16 once, the rest
   // in f32. A warp takes four residuals a pass as key_residuals does, in turn into its scratch
   // rows (the codes of the pass one coalesced word a lane), then residual_logit_terms. The
   // butterflies and the RoPE's shuffles in packed fp16 took about 120 warp instructions a pass.
-  static constexpr bool kTensorHadamard = D <= 128;
   static constexpr uint32_t h8_signs(int high) {  // bit ln: H_8[ln / 4][2 (ln % 4) + high] < 0
     uint32_t m = 0;
     for (int ln = 0; ln < 32; ++ln) {
@@ -674,7 +674,8 @@ struct SplitBlock {
   __device__ __forceinline__ void key_residuals_tc(int first_warp, int warps) {
     constexpr int P = D / 2, W = D / 16;  // W: code words a residual
     constexpr int R = D == 64 ? 2 : 1;    // residuals an mma pair takes
-    static_assert(D == 64 || D == 128, "H_8 (x) H_8 or H_16 (x) H_8");
+    constexpr int C8 = D == 256 ? 2 : 1;  // n8 tiles of Y's columns
+    static_assert(D == 64 || D == 128 || D == 256, "H_8 (x) H_8, H_16 (x) H_8 or H_16 (x) H_16");
     constexpr uint32_t kNeg = 0x80008000u;
     const uint32_t base = res_s[0];
     const int count = static_cast<int>(res_s[1]);
@@ -683,12 +684,12 @@ struct SplitBlock {
     // across the tile loop (128 at most), and ptxas spilled then.
     const int ln = lane_id();
     const uint32_t hg = 0x3c003c00u | (kH8Low >> ln & 1u) << 15 | (kH8High >> ln & 1u) << 31;
-    const int mine = D == 64 ? lane >> 4 : 0;         // which of the pair's residuals the lane ends with
-    const int j = D == 64 ? 2 * (lane & 15) : 2 * lane;  // its pairs j, j + 1
-    // A: D 128, H_16 (rows g + 8 and columns 2 tq + 8.. repeat H_8's, negated where both do).
-    // D 64: lanes g < 4 H_8's rows g and g + 4 on k 0-7 (Y), lanes g >= 4 rows g - 4 and g on
-    // k 8-15 (Y'); H_8[g ^ 4][c] is H_8[g][c] negated for c >= 4 (tq >= 2). B of the second:
-    // H_8 (symmetric: rows 2 tq, 2 tq + 1 of column g), rows 8.. zero.
+    const int mine = D == 64 ? lane >> 4 : 0;  // which of the pair's residuals the lane ends with
+    // A of the first product: H_16 (rows g + 8 and columns 2 tq + 8.. repeat H_8's, negated
+    // where both do). D 64: lanes g < 4 H_8's rows g and g + 4 on k 0-7 (Y), lanes g >= 4 rows
+    // g - 4 and g on k 8-15 (Y'); H_8[g ^ 4][c] is H_8[g][c] negated for c >= 4 (tq >= 2).
+    // B of the second: H_8 (symmetric: rows 2 tq, 2 tq + 1 of column g), rows 8.. zero; D 256
+    // H_16's two n8 tiles (the second's rows 8.. negated).
     const uint32_t hs = (ln & 2) ? hg ^ kNeg : hg;
     uint32_t a1[4] = {hg, hg, hg, hg ^ kNeg};
     if (D == 64) {
@@ -697,38 +698,76 @@ struct SplitBlock {
       a1[2] = mine ? hs : 0u;
       a1[3] = mine ? hg : 0u;
     }
-    const uint32_t b8[2] = {hg, 0u};
+    uint32_t b2[C8][2];
+    for (int m = 0; m < C8; ++m) {
+      b2[m][0] = hg;
+      b2[m][1] = D == 256 ? (m ? hg ^ kNeg : hg) : 0u;
+    }
     const uint32_t lo16 = float_to_bits(-lloyd_max_level(3), false), in16 = float_to_bits(-lloyd_max_level(2), false);
     const uint32_t outer = lo16 | lo16 << 16, flip = outer ^ (in16 | in16 << 16);
-    const float2 sg0 = *reinterpret_cast<const float2 *>(sgn_s + j), sg1 = *reinterpret_cast<const float2 *>(sgn_s + P + j);
+    const auto level2 = [outer, flip](uint32_t x) {  // the codes at bits 0-1 and 16-17 as unit levels in f16x2
+      const uint32_t inner = ((x ^ (x >> 1)) & 0x00010001u) * 0xffffu;
+      return outer ^ (inner & flip) ^ ((x << 14) & kNeg);
+    };
+    // The lane's pairs j, j + 1 of each column tile m (dims 8 g + 2 tq of the output matrix).
+    int j[C8];
+    float2 sg0[C8], sg1[C8];
+    for (int m = 0; m < C8; ++m) {
+      j[m] = D == 64 ? 2 * (lane & 15) : D == 128 ? 2 * lane : 16 * (lane >> 2) + 8 * m + 2 * (lane & 3);
+      sg0[m] = *reinterpret_cast<const float2 *>(sgn_s + j[m]);
+      sg1[m] = *reinterpret_cast<const float2 *>(sgn_s + P + j[m]);
+    }
     uint32_t *xs = K_s_residual_rows() + (warp - first_warp) * 4 * kResRowWords;
     const uint32_t *words = reinterpret_cast<const uint32_t *>(c.key_codes);
     for (int n0 = (warp - first_warp) * 4; n0 < count; n0 += warps * 4) {  // uniform across the warp
-      const uint32_t word = (4 * W == 32 || lane < 4 * W) && n0 * W + lane < count * W ? words[static_cast<int64_t>(base + n0) * W + lane] : 0u;
+      // The pass's codes, a coalesced word a lane (two at D 256).
+      uint32_t word[W / 8 > 0 ? W / 8 : 1];
+      for (int h2 = 0; h2 < (4 * W + 31) / 32; ++h2) {
+        const int at = 32 * h2 + lane;
+        word[h2] = at < 4 * W && n0 * W + at < count * W ? words[static_cast<int64_t>(base + n0) * W + at] : 0u;
+      }
       AKV_NO_UNROLL
       for (int s = 0; s < 4 / R && n0 + s * R < count; ++s) {  // residuals n0 + s R .. into rows s R ..
-        // Y's B fragment: rows 2 tq, 2 tq + 1 of column g, the codes of dims 16 tq + g and + 8:
-        // bits 2 g and 2 g + 16 of a residual's word tq. Rows 8 + ..: D 128 the same residual's
-        // dims + 64 (word tq + 4), D 64 the second residual's.
-        uint32_t yb[2];
-        for (int e = 0; e < 2; ++e) {
-          const int at = (s * R + (D == 64 ? e : 0)) * W + (ln & 3) + (D == 64 ? 0 : 4 * e);
-          const uint32_t x = __shfl_sync(kFullMask, word, at) >> (2 * (ln >> 2));
-          const uint32_t inner = ((x ^ (x >> 1)) & 0x00010001u) * 0xffffu;
-          yb[e] = outer ^ (inner & flip) ^ ((x << 14) & kNeg);
+        // Y's B fragments: rows 2 tq, 2 tq + 1 (then + 8) of column g of each n8 tile. D 64 and
+        // 128: the codes of dims 16 tq + g and + 8, bits 2 g and 2 g + 16 of a residual's word
+        // tq; rows 8 + ..: D 128 the same residual's dims + 64 (word tq + 4), D 64 the second
+        // residual's. D 256 (Y[r][c] = y[16 r + c]): words 2 tq and 2 tq + 1 (then + 8), bits
+        // 2 g (then 2 g + 16 for columns 8..) of each.
+        uint32_t yb[C8][2];
+        if constexpr (D == 256) {
+          const uint32_t wr = s < 2 ? word[0] : word[W / 8 - 1];
+          for (int e = 0; e < 2; ++e) {
+            const int at = (16 * s & 31) + 2 * (ln & 3) + 8 * e;
+            const uint32_t wa = __shfl_sync(kFullMask, wr, at), wb = __shfl_sync(kFullMask, wr, at + 1);
+            for (int m = 0; m < C8; ++m) {
+              const int sh = 2 * (ln >> 2) + 16 * m;
+              yb[m][e] = level2((wa >> sh & 3u) | (wb >> sh & 3u) << 16);
+            }
+          }
+        } else {
+          for (int e = 0; e < 2; ++e) {
+            const int at = (s * R + (D == 64 ? e : 0)) * W + (ln & 3) + (D == 64 ? 0 : 4 * e);
+            yb[0][e] = level2(__shfl_sync(kFullMask, word[0], at) >> (2 * (ln >> 2)));
+          }
         }
-        float c1[4] = {0.0f, 0.0f, 0.0f, 0.0f}, hy[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma_f16_16816(c1, a1, yb);
-        const uint32_t a2[4] = {pack_f16x2(c1[0], c1[1]), pack_f16x2(c1[2], c1[3]), 0u, 0u};
-        mma_f16_16816(hy, a2, b8);  // dims j, j + 1, P + j, P + j + 1 of residual n
+        float c1[C8][4] = {}, hy[C8][4] = {};
+        for (int m = 0; m < C8; ++m) mma_f16_16816(c1[m], a1, yb[m]);
+        const uint32_t a2[4] = {pack_f16x2(c1[0][0], c1[0][1]), pack_f16x2(c1[0][2], c1[0][3]),
+                                C8 > 1 ? pack_f16x2(c1[C8 - 1][0], c1[C8 - 1][1]) : 0u,
+                                C8 > 1 ? pack_f16x2(c1[C8 - 1][2], c1[C8 - 1][3]) : 0u};
+        for (int m = 0; m < C8; ++m) mma_f16_16816(hy[m], a2, b2[m]);  // dims j, j + 1, P + j, P + j + 1
         const int n = n0 + s * R + mine;
         if (n < count) {  // D 64: the pair's second may be past the tile's
-          // U^T y = diag(signs) H y / sqrt(D), then R_off (pairs j, j + 1: one 16-byte entry).
-          const float x0 = hy[0] * sg0.x, x1 = hy[1] * sg0.y, y0 = hy[2] * sg1.x, y1 = hy[3] * sg1.y;
-          const float4 cs = *reinterpret_cast<const float4 *>(step_s + off_s[bit_s[n]] * P + j);
+          const int off = off_s[bit_s[n]];
           uint32_t *row = xs + (n - n0) * kResRowWords;
-          row[j / 2] = pack_bf16x2(x0 * cs.x - y0 * cs.y, x1 * cs.z - y1 * cs.w);
-          row[(P + j) / 2] = pack_bf16x2(x0 * cs.y + y0 * cs.x, x1 * cs.w + y1 * cs.z);
+          for (int m = 0; m < C8; ++m) {
+            // U^T y = diag(signs) H y / sqrt(D), then R_off (pairs j, j + 1: one 16-byte entry).
+            const float x0 = hy[m][0] * sg0[m].x, x1 = hy[m][1] * sg0[m].y, y0 = hy[m][2] * sg1[m].x,
+                        y1 = hy[m][3] * sg1[m].y;
+            const float4 cs = *reinterpret_cast<const float4 *>(step_s + off * P + j[m]);
+            row[j[m] / 2] = pack_bf16x2(x0 * cs.x - y0 * cs.y, x1 * cs.z - y1 * cs.w);
+            row[(P + j[m]) / 2] = pack_bf16x2(x0 * cs.y + y0 * cs.x, x1 * cs.w + y1 * cs.z);
+          }
         }
       }
       __syncwarp();
@@ -736,14 +775,13 @@ struct SplitBlock {
     }
   }
 
-  // Eight lanes per residual, EPT = D / 8 dimensions each (lane l of the eight holds
-  // l * EPT ..): the in-register butterflies, then three stages across the eight lanes. A warp
-  // takes four residuals at a time, warp first_warp + w the residuals 4w.., 4(w + warps).., ...
-  // Codes are decoded from whole words: the scaled inner level where the code is 1 or 2 (its
-  // two bits differ), else the outer one, negated where the code's high bit is clear.
-  // Warps first_warp .. first_warp + warps - 1 take part (all, or on the fast path the four
-  // that do not contract).
-  __device__ __forceinline__ void key_residuals(int first_warp = 0, int warps = NW) {
+  // The other paths' key residuals, added to the f32 key tile: eight lanes per residual,
+  // EPT = D / 8 dimensions each (lane l of the eight holds l * EPT ..), the in-register
+  // butterflies, then three stages across the eight lanes. A warp takes four residuals at a
+  // time, warp w the residuals 4w.., 4(w + NW).., ... Codes are decoded from whole words: the
+  // scaled inner level where the code is 1 or 2 (its two bits differ), else the outer one,
+  // negated where the code's high bit is clear.
+  __device__ __forceinline__ void key_residuals() {
     constexpr int EPT = D / 8;
     static_assert(EPT % 8 == 0, "whole 16-bit code words and float4 rows per lane");
     const uint32_t base = res_s[0];
@@ -756,7 +794,7 @@ struct SplitBlock {
     const bool rot = rope && d0 < 2 * pairs;
     const int pm = rope ? pairs / EPT : 0, j0 = rot && d0 >= pairs ? d0 - pairs : rot ? d0 : 0;
     const float rs = d0 < pairs ? -1.0f : 1.0f;
-    for (int n0 = (warp - first_warp) * 4; n0 < count; n0 += warps * 4) {  // uniform across the warp
+    for (int n0 = warp * 4; n0 < count; n0 += NW * 4) {  // uniform across the warp
       const int n = n0 + sub;
       const bool live = n < count;
       float x[EPT];
@@ -811,15 +849,7 @@ struct SplitBlock {
           x[e + 1] = fmaf(x[e + 1], cs.z, o1 * (rs * cs.w));
         }
       }
-      if (fast) {  // the logit terms q . R_off r~ of the warp's four residuals with every row
-        uint32_t *xs = K_s_residual_rows() + (warp - first_warp) * 4 * kResRowWords;
-        uint4 *mine = reinterpret_cast<uint4 *>(xs + sub * kResRowWords + d0 / 2);
-        for (int e = 0; e < EPT; e += 8)
-          mine[e / 8] = uint4{pack_bf16x2(x[e], x[e + 1]), pack_bf16x2(x[e + 2], x[e + 3]),
-                              pack_bf16x2(x[e + 4], x[e + 5]), pack_bf16x2(x[e + 6], x[e + 7])};
-        __syncwarp();
-        residual_logit_terms(xs, n0, count, base);
-      } else if (live) {
+      if (live) {
         float4 *row = reinterpret_cast<float4 *>(K_s + t * KS + d0);
         for (int e = 0; e < EPT; e += 4) {
           float4 r = row[e / 4];
@@ -979,10 +1009,7 @@ struct SplitBlock {
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
     if (!gathered) contract_tile(anchor ? qr_s : q_s, acc);
     else if (half == 0) contract_gathered(acc);
-    else if (residuals) {
-      if constexpr (kTensorHadamard) key_residuals_tc(4, NW - 4);
-      else key_residuals(4, NW - 4);
-    }
+    else if (residuals) key_residuals_tc(4, NW - 4);
     // acc[n][e]: token m0 + g + 8 (e / 2), row n * 8 + 2 tq + e % 2.
     if (half == 1 && !gathered) {
       for (int n = 0; n < NR8; ++n)
