@@ -656,11 +656,10 @@ struct SplitBlock {
   // two n8 tiles of columns); at D 64 two, Y and Y' as B's rows 0-7 and 8-15 and an A that
   // puts H_8's rows r and r + 4 of Y in rows g and g + 8 of lanes g < 4, those of Y' in lanes
   // g >= 4. Each lane is left with whole NeoX pairs (dims j, j + 1 and their partners P on),
-  // rotated without a shuffle. The unit levels are
-  // exact in f16, the first product's sums (at most 16 x 1.51) rounded to f16 once, the rest
-  // in f32. A warp takes four residuals a pass as key_residuals does, in turn into its scratch
-  // rows (the codes of the pass one coalesced word a lane), then residual_logit_terms. The
-  // butterflies and the RoPE's shuffles in packed fp16 took about 120 warp instructions a pass.
+  // rotated without a shuffle. The unit levels are exact in f16, the first product's sums (at
+  // most 16 x 1.51) rounded to f16 once, the rest in f32. A warp takes four residuals a pass,
+  // in turn into its scratch rows (the pass's codes a coalesced word a lane), then
+  // residual_logit_terms.
   static constexpr uint32_t h8_signs(int high) {  // bit ln: H_8[ln / 4][2 (ln % 4) + high] < 0
     uint32_t m = 0;
     for (int ln = 0; ln < 32; ++ln) {
@@ -709,7 +708,7 @@ struct SplitBlock {
       const uint32_t inner = ((x ^ (x >> 1)) & 0x00010001u) * 0xffffu;
       return outer ^ (inner & flip) ^ ((x << 14) & kNeg);
     };
-    // The lane's pairs j, j + 1 of each column tile m (dims 8 g + 2 tq of the output matrix).
+    // The lane's pairs j, j + 1 from each n8 tile m of H y's columns (and their partners P on).
     int j[C8];
     float2 sg0[C8], sg1[C8];
     for (int m = 0; m < C8; ++m) {
@@ -817,13 +816,7 @@ struct SplitBlock {
         for (int e = 0; e < EPT; ++e) x[e] = 0.0f;
       }
       // Inverse rotation U^T y = diag(signs) H y / sqrt(D).
-      for (int len = 1; len < EPT; len <<= 1)
-        for (int e = 0; e < EPT; ++e)
-          if (!(e & len)) {
-            const float u = x[e], v = x[e + len];
-            x[e] = u + v;
-            x[e + len] = u - v;
-          }
+      lane_fwht(x);
       for (int lm = 1; lm < 8; lm <<= 1) {
         const float sign = (sl & lm) ? -1.0f : 1.0f;  // upper half: other - x, lower: x + other
         for (int e = 0; e < EPT; ++e) x[e] = fmaf(sign, x[e], __shfl_xor_sync(kFullMask, x[e], lm));
@@ -1051,8 +1044,9 @@ struct SplitBlock {
   // kDense: dacc is live (dense and suffix tiles); else only racc is rescaled.
   //
   // The reference max of a row (m_run) is raised only when a tile's max passes it by more than
-  // kRescaleSlack (base-2 logits; DecodeLaunch::rescale_slack, which tests lower): p = exp2(logit - m_run) then stays below 2^32, and every sum
-  // of p (times a coefficient or a value) below 2^52 |gamma V| at a million tokens, far inside
+  // kRescaleSlack (base-2 logits; DecodeLaunch::rescale_slack, which tests lower): p =
+  // exp2(logit - m_run) then stays below 2^32, and every sum of p (times a coefficient or a
+  // value) below 2^52 |gamma V| at a million tokens, far inside
   // fp32's 2^128 (p is never narrowed to fp16). What is accumulated is rescaled only when a
   // row's max jumps by more than that: never on SmolLM2's real prompts, whose largest rise of a
   // tile over its block's running max was 27 (tools/realmodel/rescale_rate.py). Whether any

@@ -256,18 +256,24 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// Unnormalised Walsh-Hadamard transform of D = 32 * EPL values spread over a warp, lane l
-// holding values l*EPL .. l*EPL+EPL-1: the in-lane stages, then the stages across lanes
-// (partner lane = lane ^ lm), the butterflies of core/codec.cpp's fwht in the same order.
-template <int EPL>
-__device__ __forceinline__ void warp_fwht(float (&x)[EPL], int lane) {
-  for (int len = 1; len < EPL; len <<= 1)
-    for (int e = 0; e < EPL; ++e)
+// An unnormalised Walsh-Hadamard transform of a lane's N values (in-lane stages).
+template <int N>
+__device__ __forceinline__ void lane_fwht(float (&x)[N]) {
+  for (int len = 1; len < N; len <<= 1)
+    for (int e = 0; e < N; ++e)
       if (!(e & len)) {
         const float u = x[e], v = x[e + len];
         x[e] = u + v;
         x[e + len] = u - v;
       }
+}
+
+// Unnormalised Walsh-Hadamard transform of D = 32 * EPL values spread over a warp, lane l
+// holding values l*EPL .. l*EPL+EPL-1: the in-lane stages, then the stages across lanes
+// (partner lane = lane ^ lm), the butterflies of core/codec.cpp's fwht in the same order.
+template <int EPL>
+__device__ __forceinline__ void warp_fwht(float (&x)[EPL], int lane) {
+  lane_fwht(x);
   for (int lm = 1; lm < 32; lm <<= 1)
     for (int e = 0; e < EPL; ++e) {
       const float other = __shfl_xor_sync(kFullMask, x[e], lm);
