@@ -93,7 +93,7 @@ def trips(src, fk, fv, k, rescale):
     # full passes: with ~3.3 residuals a tile warp 4 runs one pass ~96% of the time.)
     key_passes = poisson_mean(ck, lambda c: sum(max(0, -(-(c - 4 * w) // 16)) for w in range(4)) / 4)
     table = [
-        ("n0 < count; n0 += warps * 4", key_passes),        # key residuals: warps 4-7, 4 each, 16 a pass
+        ("n0 < count; n0 += 4 * RW", key_passes),           # key residuals: warps 4-7, 4 each, 16 a pass
         ("n0 + s * R < count; ++s", ck / 4 / key_passes),     # key_residuals_tc: a pass's residuals in turn
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread

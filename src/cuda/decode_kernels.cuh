@@ -670,8 +670,10 @@ struct SplitBlock {
     return m;
   }
   static constexpr uint32_t kH8Low = h8_signs(0), kH8High = h8_signs(1);
-  __device__ __forceinline__ void key_residuals_tc(int first_warp, int warps) {
+  __device__ __forceinline__ void key_residuals_tc() {
+    constexpr int RW = NW / 2;            // warps RW.. (the contraction has the others)
     constexpr int P = D / 2, W = D / 16;  // W: code words a residual
+    constexpr int NCW = (4 * W + 31) / 32;  // a pass's code words a lane
     constexpr int R = D == 64 ? 2 : 1;    // residuals an mma pair takes
     constexpr int C8 = D == 256 ? 2 : 1;  // n8 tiles of Y's columns
     static_assert(D == 64 || D == 128 || D == 256, "H_8 (x) H_8, H_16 (x) H_8 or H_16 (x) H_16");
@@ -716,12 +718,12 @@ struct SplitBlock {
       sg0[m] = *reinterpret_cast<const float2 *>(sgn_s + j[m]);
       sg1[m] = *reinterpret_cast<const float2 *>(sgn_s + P + j[m]);
     }
-    uint32_t *xs = K_s_residual_rows() + (warp - first_warp) * 4 * kResRowWords;
+    uint32_t *xs = K_s_residual_rows() + (warp - RW) * 4 * kResRowWords;
     const uint32_t *words = reinterpret_cast<const uint32_t *>(c.key_codes);
-    for (int n0 = (warp - first_warp) * 4; n0 < count; n0 += warps * 4) {  // uniform across the warp
+    for (int n0 = (warp - RW) * 4; n0 < count; n0 += 4 * RW) {  // uniform across the warp
       // The pass's codes, a coalesced word a lane (two at D 256).
-      uint32_t word[W / 8 > 0 ? W / 8 : 1];
-      for (int h2 = 0; h2 < (4 * W + 31) / 32; ++h2) {
+      uint32_t word[NCW];
+      for (int h2 = 0; h2 < NCW; ++h2) {
         const int at = 32 * h2 + lane;
         word[h2] = at < 4 * W && n0 * W + at < count * W ? words[static_cast<int64_t>(base + n0) * W + at] : 0u;
       }
@@ -734,7 +736,7 @@ struct SplitBlock {
         // 2 g (then 2 g + 16 for columns 8..) of each.
         uint32_t yb[C8][2];
         if constexpr (D == 256) {
-          const uint32_t wr = s < 2 ? word[0] : word[W / 8 - 1];
+          const uint32_t wr = s < 2 ? word[0] : word[NCW - 1];  // a select: word[s / 2] would index registers
           for (int e = 0; e < 2; ++e) {
             const int at = (16 * s & 31) + 2 * (ln & 3) + 8 * e;
             const uint32_t wa = __shfl_sync(kFullMask, wr, at), wb = __shfl_sync(kFullMask, wr, at + 1);
@@ -1002,7 +1004,7 @@ struct SplitBlock {
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
     if (!gathered) contract_tile(anchor ? qr_s : q_s, acc);
     else if (half == 0) contract_gathered(acc);
-    else if (residuals) key_residuals_tc(4, NW - 4);
+    else if (residuals) key_residuals_tc();
     // acc[n][e]: token m0 + g + 8 (e / 2), row n * 8 + 2 tq + e % 2.
     if (half == 1 && !gathered) {
       for (int n = 0; n < NR8; ++n)
@@ -1046,8 +1048,8 @@ struct SplitBlock {
   // The reference max of a row (m_run) is raised only when a tile's max passes it by more than
   // kRescaleSlack (base-2 logits; DecodeLaunch::rescale_slack, which tests lower): p =
   // exp2(logit - m_run) then stays below 2^32, and every sum of p (times a coefficient or a
-  // value) below 2^52 |gamma V| at a million tokens, far inside
-  // fp32's 2^128 (p is never narrowed to fp16). What is accumulated is rescaled only when a
+  // value) below 2^52 |gamma V| at a million tokens, far inside fp32's 2^128 (p is never
+  // narrowed to fp16). What is accumulated is rescaled only when a
   // row's max jumps by more than that: never on SmolLM2's real prompts, whose largest rise of a
   // tile over its block's running max was 27 (tools/realmodel/rescale_rate.py). Whether any
   // row's reference moved is the block's vote at the barrier (__syncthreads_or), so a thread

@@ -269,7 +269,7 @@ inline int syncthreads_or(bool pred) {
 //   C, D (16 x 8, f32): d[0], d[1] row g, cols 2t, 2t+1; d[2], d[3] row g+8, same cols.
 // Every lane posts its operands, the warp meets, each lane computes its four outputs (the
 // products are exact in double, one rounding to float at the end), the warp meets again.
-// mma_m16n8k16_f16: the same with f16 operands (.f32.f16.f16.f32).
+// mma_m16n8k16_f16: the same with f16 operands (.f32.f16.f16.f32), through mma_m16n8k16.
 inline double half_bits_value(uint32_t h) {  // an IEEE binary16 as a double (exact)
   const int e = static_cast<int>(h >> 10 & 0x1f), m = static_cast<int>(h & 0x3ff);
   const double v = e == 0 ? std::ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : std::ldexp(m + 1024, e - 25);

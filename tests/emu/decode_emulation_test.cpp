@@ -265,9 +265,9 @@ TEST(EmulatedDecode, PeakedLogitsRescaleAcrossTiles) {
   Case peaked128{AKV_METHOD_ANCHORKV, 1300, 128, 2, 2, 3, AKV_ROPE_GPTJ, false};
   peaked128.q_std = 60.0;
   check_case(peaked128, 2, 6, 1);
-  // The register-gather path (bf16 queries, NeoX): peaked, and with no slack, so that every
-  // rise of a row's max rescales what its earlier tiles summed, and those sums are not about
-  // zero when it comes (with 32 and peaked logits they are, and a missed rescale goes unseen).
+  // The register-gather path (bf16 queries, NeoX): first with no slack, so that every rise of
+  // a row's max rescales what its earlier tiles summed while those sums are not about zero
+  // (with 32 and peaked logits they are, and a missed rescale goes unseen); then peaked.
   Case fast{AKV_METHOD_ANCHORKV, 1400, 128, 4, 1, 0, AKV_ROPE_NEOX, false};
   fast.io = AKV_DTYPE_BF16;
   fast.rescale_slack = 0.0f;
