@@ -86,6 +86,16 @@ struct CacheView {
   const float *logit_penalty = nullptr;
 };
 
+// A split block's pointers to its head's arrays, offset once and kept in shared memory: the
+// view lives in global memory, whose fields the kernel would otherwise reload (and offset
+// with 64-bit products) every tile.
+struct HeadArrays {
+  const uint16_t *anchor_keys;                          // [k][D]
+  const uint64_t *anchor_mask, *key_mask, *value_mask;  // format 3: [words]
+  const int32_t *anchor_first;                          // format 3: [words]
+  const uint8_t *key_entry, *value_entry, *key_code, *value_code;  // format 3: [prefix]
+};
+
 struct DecodeLaunch {
   const CacheView *views[kMaxBatchPerLaunch];
   const void *queries;  // [requests][Hq][q_len][D], this launch's first request
@@ -119,7 +129,7 @@ AKV_HD constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 // pairs; the per-anchor weights last), so that in the kernel they are constants.
 struct SplitSmem {
   size_t q = 0, qr = 0, logits = 0, logits_part = 0, red = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0,
-         carry_step = 0, carry_next = 0, carry_left = 0, anchor_keys = 0, step = 0, signs = 0,
+         carry_step = 0, carry_next = 0, carry_left = 0, head_arrays = 0, step = 0, signs = 0,
          meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
          penalty = 0, segment = 0, segment_table = 0, segment_gammas = 0, qb = 0, res_logits = 0, residuals = 0,
          value_codes = 0, keys = 0, w = 0, total = 0;
@@ -154,7 +164,7 @@ struct SplitSmem {
     carry_step = o; o = align16(o + 2 * sizeof(float) * max_pairs);
     carry_next = o; o = align16(o + sizeof(int64_t) * max_pairs);
     carry_left = o; o = align16(o + sizeof(int32_t) * max_pairs);
-    anchor_keys = o; o = align16(o + sizeof(void *));  // the head's anchor keys (a pointer)
+    head_arrays = o; o = align16(o + sizeof(HeadArrays));  // the head's array pointers
     step = o; o = align16(o + 2 * sizeof(float) * T * max_pairs);  // (cos, sin) of d * omega_j, d < T
     signs = o; o = align16(o + sizeof(float) * D);  // Hadamard signs / sqrt(D)
     meta_a = o; o = align16(o + sizeof(int32_t) * T);

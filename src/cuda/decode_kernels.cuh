@@ -177,7 +177,7 @@ struct SplitBlock {
   float2 *tstep_s;
   int64_t *next_s;
   int32_t *left_s;
-  const uint16_t **akh_s;
+  HeadArrays *ha_s;  // this head's array pointers
   uint32_t *res_s;       // the tile's key residuals (first slot, count), then the value residuals'
   uint32_t *vc_s;        // the tile's value residuals' codes [count][D / 16] (32-bit words)
 
@@ -245,8 +245,16 @@ struct SplitBlock {
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
     res_s = reinterpret_cast<uint32_t *>(smem + lay.residuals);
     vc_s = reinterpret_cast<uint32_t *>(smem + lay.value_codes);
-    akh_s = reinterpret_cast<const uint16_t **>(smem + lay.anchor_keys);
-    if (tid == 0) *akh_s = c.anchor_keys + static_cast<int64_t>(h) * k * D;
+    ha_s = reinterpret_cast<HeadArrays *>(smem + lay.head_arrays);
+    if (tid == 0) {
+      const int64_t hw = static_cast<int64_t>(h) * c.words, hp = static_cast<int64_t>(h) * c.prefix;
+      const bool f3 = c.format == 3;  // the rest are format 3's (format 2: null)
+      *ha_s = HeadArrays{c.anchor_keys + static_cast<int64_t>(h) * k * D,
+                         f3 ? c.anchor_mask + hw : nullptr, f3 ? c.key_mask + hw : nullptr,
+                         f3 ? c.value_mask + hw : nullptr, f3 ? c.anchor_first + hw : nullptr,
+                         f3 ? c.key_entry + hp : nullptr, f3 ? c.value_entry + hp : nullptr,
+                         f3 ? c.key_code + hp : nullptr, f3 ? c.value_code + hp : nullptr};
+    }
     tstep_s = reinterpret_cast<float2 *>(smem + lay.carry_step);
     next_s = reinterpret_cast<int64_t *>(smem + lay.carry_next);
     left_s = reinterpret_cast<int32_t *>(smem + lay.carry_left);
@@ -323,9 +331,9 @@ struct SplitBlock {
   // each token's lookups are shared-memory loads with 32-bit indices. Branch-free: a token's
   // entries are loaded unless it is an anchor or past the tile's end (entry and code 0 then:
   // in range), and the results selected.
-  __device__ __forceinline__ void format3_meta(int64_t t0, int64_t end) {
-    const int u = 2 * lane, n = static_cast<int>(end - t0);
-    const int si = static_cast<int>(t0 >> c.segment_shift);
+  __device__ __forceinline__ void format3_meta(int t0, int end) {  // 32-bit: P < 2^31
+    const int u = 2 * lane, n = end - t0;
+    const int si = t0 >> c.segment_shift;
     if (seg_s[0] != si) {  // uniform across warp 0
       const int64_t seg = static_cast<int64_t>(h) * c.segments + si;
       const float kscale = c.gamma_scales[2 * seg], vscale = c.gamma_scales[2 * seg + 1];
@@ -340,18 +348,20 @@ struct SplitBlock {
       __syncwarp();
       if (lane == 0) seg_s[0] = si;  // every lane has read it
     }
-    const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
-    const int64_t at = static_cast<int64_t>(h) * c.prefix + t0 + u;
-    const uint8_t *kent = c.key_entry + at, *vent = c.value_entry + at, *kcode = c.key_code + at,
-                  *vcode = c.value_code + at;
-    const uint64_t anchors = c.anchor_mask[wd], kmask = c.key_mask[wd];
-    const int first = c.anchor_first[wd];
+    const HeadArrays &ha = *ha_s;
+    const int wd = t0 >> 6;  // the tile's mask word (T = 64)
+    const uint8_t *kent = ha.key_entry + t0 + u, *vent = ha.value_entry + t0 + u, *kcode = ha.key_code + t0 + u,
+                  *vcode = ha.value_code + t0 + u;
+    const uint64_t anchors = ha.anchor_mask[wd], kmask = ha.key_mask[wd];
+    // Token u's anchor index if it is an anchor, and its key residual's slot; token u + 1's
+    // are these plus token u's bits.
+    const uint64_t below = (1ull << u) - 1;
+    const int self0 = ha.anchor_first[wd] + __popcll(anchors & below), slot0 = __popcll(kmask & below);
+    const uint32_t abits = static_cast<uint32_t>(anchors >> u) & 3u, kbits = static_cast<uint32_t>(kmask >> u) & 3u;
     int a[2], va[2], kind[2];
     float g[2], vg[2];
     for (int e = 0; e < 2; ++e) {
-      const int v = u + e;
-      const uint64_t below = (1ull << v) - 1;
-      const bool live = v < n, anchor = (anchors >> v) & 1, residual = (kmask >> v) & 1;
+      const bool live = u + e < n, anchor = (abits >> e) & 1u, residual = (kbits >> e) & 1u;
       uint32_t ke = 0, ve = 0, kc = 0, vc = 0;
       if (live && !anchor) {
         ke = kent[e];
@@ -359,14 +369,14 @@ struct SplitBlock {
         kc = kcode[e];
         vc = vcode[e];
       }
-      const int self = first + __popcll(anchors & below);  // an anchor token is its own anchor (exact)
+      const int self = self0 + static_cast<int>(e ? abits & 1u : 0u);  // an anchor token is its own anchor (exact)
       const int ka = tables ? tab_s[ke] : static_cast<int>(ke), vaa = tables ? tab_s[ve] : static_cast<int>(ve);
       a[e] = !live ? -1 : anchor ? self : ka;
       va[e] = !live ? -1 : anchor ? self : vaa;
       g[e] = !live ? 0.0f : anchor ? 1.0f : kgam_s[kc];
       vg[e] = !live ? 0.0f : anchor ? 1.0f : vgam_s[vc];
       kind[e] = !live || anchor ? 2 : static_cast<int>(residual);
-      if (live && residual) bit_s[__popcll(kmask & below)] = v;  // the key residuals in slot order
+      if (live && residual) bit_s[slot0 + static_cast<int>(e ? kbits & 1u : 0u)] = u + e;  // the key residuals in slot order
     }
     // Both tokens' entries in one 8-byte store per array (u is even). pos_s is not written:
     // format 3's positions are consecutive, so no reader needs more than the offset.
@@ -382,16 +392,20 @@ struct SplitBlock {
     if (kFoldedPenalty && fast)
       for (int i = 0; i < MAXROWS; ++i)
         put2(rl_s + i * T, float_as_bits(pen_s[kind[0] * MAXROWS + i]), float_as_bits(pen_s[kind[1] * MAXROWS + i]));
-    residual_slots(wd);
+    if (lane == 0) {  // the tile's residual slots: the last tile's first slots plus its counts
+      const uint4 r = *reinterpret_cast<const uint4 *>(res_s);
+      *reinterpret_cast<uint4 *>(res_s) = uint4{r.x + r.y, static_cast<uint32_t>(__popcll(kmask)), r.z + r.w,
+                                                 static_cast<uint32_t>(__popcll(ha.value_mask[wd]))};
+    }
   }
 
-  // The tile's residual slots (mask word wd): the first slot and the count of each side
-  // (key_residuals, prefix_values), by lanes 0-3 of the calling warp at once.
-  __device__ __forceinline__ void residual_slots(int64_t wd) {
-    if (lane < 4) {
-      const bool value = lane >= 2;
-      const uint32_t slot = (value ? c.value_offsets : c.key_offsets)[h] + (value ? c.value_prefix : c.key_prefix)[wd];
-      res_s[lane] = lane & 1 ? static_cast<uint32_t>(__popcll((value ? c.value_mask : c.key_mask)[wd])) : slot;
+  // Before a block's first prefix tile: format 3's residual slots as of that tile, with counts
+  // 0, to which format3_meta adds each tile's (tiles run consecutively).
+  __device__ __forceinline__ void start_prefix(int first_tile) {
+    if (format3 && tid == 0 && first_tile < c.words) {
+      const int64_t wd = static_cast<int64_t>(h) * c.words + first_tile;
+      *reinterpret_cast<uint4 *>(res_s) =
+          uint4{c.key_offsets[h] + c.key_prefix[wd], 0u, c.value_offsets[h] + c.value_prefix[wd], 0u};
     }
   }
 
@@ -402,7 +416,7 @@ struct SplitBlock {
   __device__ __forceinline__ bool anchor_meta(int64_t t0, int64_t end, bool window) {
     bool gap = false;
     if (tid < T && format3 && !window) {
-      if (warp == 0) format3_meta(t0, end);
+      if (warp == 0) format3_meta(static_cast<int>(t0), static_cast<int>(end));
     } else if (tid < T) {
       const int64_t t = t0 + tid;
       int a = -1, va = -1, off = 0;  // off: position - the tile's first; -1 outside [0, T); 0 for no token (zero row)
@@ -460,8 +474,13 @@ struct SplitBlock {
       next_s[j] = p0 + T;
       basec_s[j] = run_c;
       bases_s[j] = run_s;
-    } else if (warp == NW - 1 && !window && !format3) {  // format 2's residual slots (format 3: format3_meta)
-      residual_slots(static_cast<int64_t>(h) * c.words + t0 / 64);
+    } else if (warp == NW - 1 && !window && !format3 && lane < 4) {
+      // Format 2's residual slots of the tile (format 3: format3_meta): the first slot and the
+      // count of each side (key_residuals, prefix_values), lanes 0-3 at once.
+      const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
+      const bool value = lane >= 2;
+      const uint32_t slot = (value ? c.value_offsets : c.key_offsets)[h] + (value ? c.value_prefix : c.key_prefix)[wd];
+      res_s[lane] = lane & 1 ? static_cast<uint32_t>(__popcll((value ? c.value_mask : c.key_mask)[wd])) : slot;
     }
     return gap;
   }
@@ -972,7 +991,7 @@ struct SplitBlock {
     // A token past the tile's end (a < 0) reads anchor 0's row: its logit is masked anyway.
     // This head's anchor keys: a pointer in shared memory, read once a tile, which the compiler
     // would otherwise rebuild from the view every tile (a load and a 64-bit product).
-    const uint16_t *ak_h = *akh_s;
+    const uint16_t *ak_h = ha_s->anchor_keys;
     const uint16_t *row0 = ak_h + (a0 < 0 ? 0 : a0) * D, *row1 = ak_h + (a1 < 0 ? 0 : a1) * D;
     for (int s = 0; s < 2 * SP; ++s) {
       const int d = s * 16 + 4 * tq;
@@ -1256,6 +1275,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
     const int tiles = (P + T - 1) / T;
     const int first_tile = static_cast<int>(int64_t{tiles} * split / splits);
     const int end_tile = static_cast<int>(int64_t{tiles} * (split + 1) / splits);
+    blk.start_prefix(first_tile);
     for (int tile = first_tile; tile < end_tile; ++tile) {
       const int t0 = tile * T, end = t0 + T < P ? t0 + T : P;
       if (blk.format3) {  // consecutive positions
