@@ -1034,22 +1034,30 @@ struct SplitBlock {
     }
     __syncthreads();
     if (half == 0) {
-      int kinds[2];  // the lane's two tokens m0 + g, m0 + g + 8: read once for all their rows
-      float gammas[2];
-      for (int x = 0; x < 2; ++x) {
-        kinds[x] = anchor && !(gathered && kFoldedPenalty) ? kind_s[m0 + g + 8 * x] : 2;
-        gammas[x] = gathered ? g_s[m0 + g + 8 * x] : 1.0f;
+      // With 4 rows, B's columns 4-7 repeat rows 0-3 (kB columns), so lanes tq >= 2 hold token
+      // g + 8's logits a second time: they finish those and lanes tq < 2 token g's, two logits
+      // a lane, selected without a branch.
+      constexpr bool kDup = MAXROWS == 4;
+      constexpr int X = kDup ? 1 : 2;  // tokens a lane finishes
+      int kinds[X];  // the lane's tokens m0 + g (+ 8): read once for all their rows
+      float gammas[X];
+      const int xd = kDup ? tq >> 1 : 0;
+      for (int x = 0; x < X; ++x) {
+        const int t = m0 + g + 8 * (x + xd);
+        kinds[x] = anchor && !(gathered && kFoldedPenalty) ? kind_s[t] : 2;
+        gammas[x] = gathered ? g_s[t] : 1.0f;
       }
       for (int n = 0; n < NR8; ++n)
-        for (int e = 0; e < 4; ++e) {
-          const int i = n * 8 + 2 * tq + e % 2, t = m0 + g + 8 * (e / 2);
+        for (int e = 0; e < 2 * X; ++e) {
+          const int x = e / 2, i = kDup ? 2 * (tq & 1) + e : n * 8 + 2 * tq + e % 2, t = m0 + g + 8 * (x + xd);
           if (i >= MAXROWS) continue;
+          const float a = kDup ? (xd ? acc[n][2 + e] : acc[n][e]) : acc[n][e];
           float v;
-          const int kind = kinds[e / 2];
+          const int kind = kinds[x];
           if (gathered && kFoldedPenalty) {  // gamma, then the key residual's term and the penalty at once
-            v = fmaf(acc[n][e], gammas[e / 2], rl_s[i * T + t]);
+            v = fmaf(a, gammas[x], rl_s[i * T + t]);
           } else {
-            v = gathered ? acc[n][e] * gammas[e / 2] : acc[n][e] + Lp_s[i * T + t];
+            v = gathered ? a * gammas[x] : a + Lp_s[i * T + t];
             if (gathered && kind == 1) v += rl_s[i * T + t];  // the key residual's term
             v += pen_s[kind * MAXROWS + i];  // kind 2: zero
           }
