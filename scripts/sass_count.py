@@ -47,10 +47,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "src", "cuda", "decode_kernels.cuh")
 T, NT, NW, ROWS, D, PAIRS = 64, 256, 8, 4, 128, 64
 ROWS_WARPS = min(ROWS, NW)  # warps that own a row (softmax_tile, write_partial)
+VALUE_GROUPS = 2  # SplitBlock::kValueGroups: slot groups (of D / 2 threads at D 128, 4 rows) that take value residuals
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
 PHASES = [
-    ("metadata", ["anchor_meta", "format3_meta", "residual_slots"]),
+    ("metadata", ["anchor_meta", "format3_meta", "start_prefix"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle", "rotate_queries", "rotate_pairs4"]),
     ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms"]),
@@ -100,7 +101,7 @@ def trips(src, fk, fv, k, rescale):
         ("e < count * MAXROWS; e += 32", max(1.0, cv * ROWS / 32)),
         ("e < count * 4; e += 32", max(1.0, cv * 4 / 32)),
         ("e < count * (D / 16); e += 32", max(1.0, cv * D / 16 / 32)),
-        ("n < count; n += SG) {", cv / (NT // (D // 2))),     # value residuals: SG = NT / TPD, TPD 64 (D 128, 4 rows)
+        ("n < count; n += VG) {", cv / VALUE_GROUPS),          # value residuals: VG slot groups in turn
         ("u < T; u += 32", T / 32),
         ("s < 2 * SP; ++s", D / 32),                          # fast contraction: slab pairs of a token's row
         ("j < pairs; j += NT", 1.0),
@@ -160,6 +161,7 @@ WARP_BLOCKS = [
     ("if (const int i = warp + r * NW; i < MAXROWS) {", ROWS_WARPS),  # softmax: each owned row in its warp
     ("} else if (warp == NW - 1 && !window && !format3) {", 1.0),  # format 2's residual slots: one warp
     ("if (warp == 0) {  // the tile's value residuals", 1.0),
+    ("if (group < VG) {", VALUE_GROUPS * (D // 2) / 32),  # value residuals: VG slot groups of TPD = D / 2 threads
 ]
 
 

@@ -95,8 +95,8 @@ struct SplitBlock {
   static constexpr int T = kDecodeTile;
   static constexpr int KS = SplitSmem::key_stride(D);  // floats per key row
   // Threads per row of D dims: at D 128 with 4 rows half a row, so that a tile's few value
-  // residuals (about 3) take four slot groups, a residual a group and two dims a thread, rather
-  // than two groups of twice as many threads. Elsewhere the two dims' sums cost registers the
+  // residuals (about 3) take slot groups of two warps, a residual a group and two dims a
+  // thread (kValueGroups of them in turn), rather than groups of four. Elsewhere the two dims' sums cost registers the
   // kernels spill (8 rows at D 128, 4 at D 256), and at D 64 with 16 rows write_partial's
   // scratch (SG x MAXROWS x D floats) would not fit.
   static constexpr int TPD = D == 128 && MAXROWS <= 4 ? D / 2 : D < NT ? D : NT;
@@ -104,6 +104,7 @@ struct SplitBlock {
   static constexpr int SG = NT / TPD;                 // slot groups
   static constexpr int DPT = D / TPD;                 // dims per thread
   static constexpr int EPL = D / 32;                  // dims per lane (warp paths)
+  static constexpr int kValueGroups = 2;  // slot groups that take a tile's value residuals (prefix_values)
   static_assert(T == 64, "a tile is one residual mask word");
   static_assert(D / 2 + T <= NT, "tile metadata and first angles in one pass");
   static_assert(MAXROWS <= 16, "more rows spill: split them into row chunks");
@@ -1180,19 +1181,25 @@ struct SplitBlock {
     const int shift = (dim * DPT & 3) * 2;
     static_assert(4 % DPT == 0 && D % 16 == 0, "a thread's codes in one byte; whole code words per residual");
     const uint8_t *vcodes = reinterpret_cast<const uint8_t *>(vc_s) + (dim * DPT >> 2);
-    AKV_NO_UNROLL  // unrolled, ptxas spills more at 4 rows (32 bytes instead of 16)
-    for (int n = group; n < count; n += SG) {  // everything indexed by n: one induction variable
-      const uint32_t codes = vcodes[n * (D / 4)] >> shift;
-      const float *lv = lv_s + n * 4;
-      const float4 *lr = reinterpret_cast<const float4 *>(lr_s + n * MAXROWS);
-      for (int e = 0; e < DPT; ++e) {
-        const float level = lv[(codes >> (2 * e)) & 3];
-        for (int i = 0; i < MAXROWS; i += 4) {
-          const float4 pr = lr[i / 4];
-          racc[i][e] = fmaf(pr.x, level, racc[i][e]);
-          racc[i + 1][e] = fmaf(pr.y, level, racc[i + 1][e]);
-          racc[i + 2][e] = fmaf(pr.z, level, racc[i + 2][e]);
-          racc[i + 3][e] = fmaf(pr.w, level, racc[i + 3][e]);
+    // Slot groups 0 .. VG - 1 take the residuals, in turn: a tile holds a few (about 3), and
+    // the other groups' warps skip the loop and its per-tile cost (write_partial sums every
+    // group's racc, theirs zero).
+    constexpr int VG = SG < kValueGroups ? SG : kValueGroups;
+    if (group < VG) {
+      AKV_NO_UNROLL  // unrolled, ptxas spills more at 4 rows (32 bytes instead of 16)
+      for (int n = group; n < count; n += VG) {  // everything indexed by n: one induction variable
+        const uint32_t codes = vcodes[n * (D / 4)] >> shift;
+        const float *lv = lv_s + n * 4;
+        const float4 *lr = reinterpret_cast<const float4 *>(lr_s + n * MAXROWS);
+        for (int e = 0; e < DPT; ++e) {
+          const float level = lv[(codes >> (2 * e)) & 3];
+          for (int i = 0; i < MAXROWS; i += 4) {
+            const float4 pr = lr[i / 4];
+            racc[i][e] = fmaf(pr.x, level, racc[i][e]);
+            racc[i + 1][e] = fmaf(pr.y, level, racc[i + 1][e]);
+            racc[i + 2][e] = fmaf(pr.z, level, racc[i + 2][e]);
+            racc[i + 3][e] = fmaf(pr.w, level, racc[i + 3][e]);
+          }
         }
       }
     }
