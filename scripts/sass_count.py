@@ -98,9 +98,7 @@ def trips(src, fk, fv, k, rescale):
         ("n0 + s * R < count; ++s", ck / 4 / key_passes),     # key_residuals_tc: a pass's residuals in turn
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
-        ("e < count * MAXROWS; e += 32", max(1.0, cv * ROWS / 32)),
-        ("e < count * 4; e += 32", max(1.0, cv * 4 / 32)),
-        ("e < count * (D / 16); e += 32", max(1.0, cv * D / 16 / 32)),
+        ("e < count * PER; e += 32", max(1.0, cv * max(ROWS, D // 16) / 32)),  # value residuals' staging
         ("n < count; n += VG) {", cv / VALUE_GROUPS),          # value residuals: VG slot groups in turn
         ("u < T; u += 32", T / 32),
         ("s < 2 * SP; ++s", D / 32),                          # fast contraction: slab pairs of a token's row

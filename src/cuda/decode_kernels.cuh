@@ -1162,17 +1162,19 @@ struct SplitBlock {
     // four scaled levels of each residual; by warp 0 (a tile holds a few residuals).
     float *lr_s = K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0);
     float *lv_s = lr_s + T * MAXROWS;
-    if (warp == 0) {  // the tile's value residuals: probabilities, levels and codes
-      AKV_NO_UNROLL
-      for (int e = lane; e < count * MAXROWS; e += 32)  // value_chunk: the position inside the word (= tile)
-        lr_s[e] = L_s[(e % MAXROWS) * T + c.value_chunk[base + e / MAXROWS]];
-      AKV_NO_UNROLL
-      for (int e = lane; e < count * 4; e += 32) lv_s[e] = c.value_scales[base + e / 4] * lloyd_max_level(e & 3);
+    if (warp == 0) {  // the tile's value residuals: probabilities, levels and codes, one loop
       // The codes as whole words (a residual's D / 4 bytes are consecutive and 4-byte aligned),
       // so that every thread below reads its byte from shared memory with a 32-bit index.
       const uint32_t *words = reinterpret_cast<const uint32_t *>(c.value_codes) + static_cast<int64_t>(base) * (D / 16);
+      constexpr int PER = MAXROWS > D / 16 ? MAXROWS : D / 16;  // the most entries a residual has in one array
+      static_assert(PER >= 4, "every array's entries in the loop");
       AKV_NO_UNROLL
-      for (int e = lane; e < count * (D / 16); e += 32) vc_s[e] = words[e];
+      for (int e = lane; e < count * PER; e += 32) {
+        if (e < count * MAXROWS)  // value_chunk: the position inside the word (= tile)
+          lr_s[e] = L_s[(e % MAXROWS) * T + c.value_chunk[base + e / MAXROWS]];
+        if (e < count * 4) lv_s[e] = c.value_scales[base + e / 4] * lloyd_max_level(e & 3);
+        if (e < count * (D / 16)) vc_s[e] = words[e];
+      }
     }
     __syncthreads();
     // racc's dims: the thread's DPT consecutive dims dim * DPT.. (write_partial), whose codes
