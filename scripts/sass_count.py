@@ -163,6 +163,31 @@ WARP_BLOCKS = [
 ]
 
 
+# Set-up that a warp skips when an early return leaves it nothing to do: (substring of the
+# guard's line, substring of the line that ends the set-up, the share of the warps that stay).
+# Weighted by source line, outside inner loops: this assumes ptxas keeps the set-up's
+# instructions after the guard's branch, as the CUDA 13 SASS of key_residuals_tc does.
+def guarded_spans(fk):
+    ck = T * fk
+    # key_residuals_tc: warp 4 + w returns unless the tile holds more than 4 w key residuals.
+    key_warps = poisson_mean(ck, lambda c: sum(1 for w in range(4) if c > 4 * w)) / 4
+    return [("if ((warp - RW) * 4 >= count) return;", "for (int n0 = (warp - RW) * 4; n0 < count;", key_warps)]
+
+
+def guarded_lines(lines, table):
+    """line number -> weight for the lines after each guard of `table` (guarded_spans()), up to
+    the line that ends its set-up."""
+    weight = {}
+    for guard, end, w in table:
+        for n, ln in enumerate(lines, 1):
+            if guard in ln:
+                m = n + 1
+                while m <= len(lines) and end not in lines[m - 1]:
+                    weight[m] = w
+                    m += 1
+    return weight
+
+
 def cold_lines(lines, table):
     """line number -> weight for the lines inside the blocks of `table` (cold_blocks(),
     WARP_BLOCKS: the braces opened on the pattern's line, up to the line that closes them)."""
@@ -620,6 +645,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         unroll = 1 if bl and "AKV_NO_UNROLL" in lines[bl - 2] else min(loads.values()) if loads else 1
         loop_trips[(a, b)] = n / unroll
     cold = cold_lines(lines, cold_blocks(rescale))
+    guarded = guarded_lines(lines, guarded_spans(fk))
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
     totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
     smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
@@ -629,10 +655,11 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         if func == "prefix_values":
             func = "prefix_values:weights" if ln < weights_end else "prefix_values:residuals"
         phase = phase_of.get(func, "other (%s)" % func) if func else "library code (no line of decode_kernels.cuh)"
-        mult = 1.0
+        mult, looped = 1.0, False
         for a, b in inner:
             if a <= i <= b:
                 mult *= loop_trips[(a, b)]
+                looped = True
         # the enclosing condition: the six lines up to this one, inside its function
         cond = "\n".join(lines[max(start - 1, ln - 6):ln]) if start and ln else ""
         w = warp_blocks.get(ln) or warps(func.split(":")[0] if func else "", cond)
@@ -640,6 +667,8 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         _, _, cfile, cline = ins[i]["loc"] if ins[i]["loc"][0] else (None, None, None, None)
         site = cold.get(cline, 1.0) if cfile and cfile.endswith("decode_kernels.cuh") and cline else 1.0
         weight = min(cold.get(ln, 1.0), site)
+        if not looped:  # a guarded set-up's own lines (a lambda it defines runs in the loop)
+            weight *= guarded.get(ln, 1.0)
         if func is None:  # library code inlined without a line: the block it sits in
             w, weight = prev
         else:

@@ -700,6 +700,7 @@ struct SplitBlock {
     constexpr uint32_t kNeg = 0x80008000u;
     const uint32_t base = res_s[0];
     const int count = static_cast<int>(res_s[1]);
+    if ((warp - RW) * 4 >= count) return;  // no residual for this warp (a tile holds a few): skip the set-up too
     // H_8[g][2 tq, 2 tq + 1] in f16: +-1, the sign bits ln of kH8Low and kH8High. The lane
     // index read where it is used: computed from `lane`, these words would be kept in registers
     // across the tile loop (128 at most), and ptxas spilled then.
