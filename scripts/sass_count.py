@@ -137,9 +137,12 @@ def rescale_rate(block_tiles):
 # Blocks that the default path (consecutive positions, every dim rotary, tokens inside the
 # prompt) does not take, or takes rarely: (substring of the line that opens the block, the
 # fraction of tiles that run it). The block is the braces opened on that line.
-def cold_blocks(rescale):
+def cold_blocks(rescale, block_tiles):
     return [
         ("if (__syncthreads_or(rose)) {", rescale),  # a row's reference max rose (softmax_tile)
+        # A logit passed its row's reference by more than the slack: a block's first tile sets
+        # the reference, then the rare raises.
+        ("if (__any_sync(kFullMask, l_max > m_old + p.rescale_slack)) {", min(1.0, 1.0 / max(1, block_tiles) + rescale)),
         ("if (!blk.fused || blk.gapped) {", 0.0),   # the RoPE pass: gapped positions (format 2) only
         ("if (q >= P4)", 0.0),                      # dims past the rotary pairs only
         ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)
@@ -644,7 +647,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         # were counted at a third of their trips, 4.7 warp instructions instead of 6.8).
         unroll = 1 if bl and "AKV_NO_UNROLL" in lines[bl - 2] else min(loads.values()) if loads else 1
         loop_trips[(a, b)] = n / unroll
-    cold = cold_lines(lines, cold_blocks(rescale))
+    cold = cold_lines(lines, cold_blocks(rescale, block_tiles))
     guarded = guarded_lines(lines, guarded_spans(fk))
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
     totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()

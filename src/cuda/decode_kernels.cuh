@@ -1093,15 +1093,19 @@ struct SplitBlock {
     AKV_UNROLL
     for (int r = 0; r < RPW; ++r)
       if (const int i = warp + r * NW; i < MAXROWS) {
-        const float m_tile = warp_max(fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32]));
         const float m_old = m_run[r];
-        // -inf + slack is -inf: a row raises its reference at its first visible logit, and
-        // nothing is accumulated before it (no rescale then).
-        const bool keep = m_tile <= m_old + p.rescale_slack;
-        const float m_ref = keep ? m_old : m_tile;
-        const bool raise = !keep && m_old != -INFINITY;
-        const float alpha = raise ? fast_exp2(m_old - m_ref) : 1.0f;
-        rose = rose || raise;
+        // The tile's max only where one of its logits passes the reference by more than the
+        // slack (a vote; -inf + slack is -inf: a row raises its reference at its first visible
+        // logit, and nothing is accumulated before it, no rescale then).
+        const float l_max = fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32]);
+        float m_ref = m_old, alpha = 1.0f;
+        if (__any_sync(kFullMask, l_max > m_old + p.rescale_slack)) {
+          m_ref = warp_max(l_max);
+          if (m_old != -INFINITY) {
+            alpha = fast_exp2(m_old - m_ref);
+            rose = true;
+          }
+        }
         m_run[r] = m_ref;
         l_part[r] *= alpha;
         if (lane == 0) red_s[i] = alpha;

@@ -419,6 +419,7 @@ using uint4 = ::simt::uint4_;
 #define __syncthreads_or(pred) ::simt::syncthreads_or((pred))
 #define __match_any_sync(mask, v) ::simt::match_any(static_cast<uint32_t>(v))
 #define __ballot_sync(mask, pred) ::simt::ballot((pred))
+#define __any_sync(mask, pred) (::simt::ballot((pred)) != 0u)
 #define AKV_STATIC_SHARED(type, name, dims)                    \
   static type name dims;                                        \
   {                                                             \
