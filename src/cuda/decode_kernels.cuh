@@ -635,8 +635,9 @@ struct SplitBlock {
 
   // The fast path's logit terms q . R_off r~ of residuals n0 .. n0 + 3 (those below count)
   // with every row, from their rows R_off r~ in bf16 in the warp's scratch xs (row n - n0): one
-  // mma per 16 dims, A = the residuals (rows 0-3 of 16), B = the bf16 rotated queries as in
-  // contract_gathered; added to rl_s.
+  // mma per 16 dims, A = the residuals (rows 0-3 of 16), B = the bf16 rotated queries; as in
+  // contract_gathered a lane's k holds dims 4 tq .. 4 tq + 3 of the slab (one 8-byte load
+  // each for A and B); added to rl_s.
   __device__ __forceinline__ void residual_logit_terms(const uint32_t *xs, int n0, int count, uint32_t base) {
     const int g = lane >> 2, tq = lane & 3;
     float acc[NR8][4];
@@ -644,14 +645,15 @@ struct SplitBlock {
       for (int e = 0; e < 4; ++e) acc[m][e] = 0.0f;
     // Rows g >= 4 are zero: every lane loads (row g & 3) and masks, so that the warp does
     // not split into two paths.
-    const uint32_t *ra = xs + (g & 3) * kResRowWords + tq;
+    const uint32_t *ra = xs + (g & 3) * kResRowWords + 2 * tq;
     const uint32_t live_row = g < 4 ? 0xffffffffu : 0u;
     for (int s16 = 0; s16 < D / 16; ++s16) {
-      const uint32_t a[4] = {ra[8 * s16] & live_row, 0u, ra[8 * s16 + 4] & live_row, 0u};
+      const uint2 av = *reinterpret_cast<const uint2 *>(ra + 8 * s16);
+      const uint32_t a[4] = {av.x & live_row, 0u, av.y & live_row, 0u};
       for (int m = 0; m < NR8; ++m) {
         const int r = (m * 8 + g) & (MAXROWS - 1);  // this lane's B column's row (kB columns)
-        const uint32_t *qb = reinterpret_cast<const uint32_t *>(qb_s + r * QS) + 8 * s16 + tq;
-        const uint32_t b[2] = {qb[0], qb[4]};
+        const uint2 bv = *reinterpret_cast<const uint2 *>(qb_s + r * QS + 16 * s16 + 4 * tq);
+        const uint32_t b[2] = {bv.x, bv.y};
         mma_bf16_16816(acc[m], a, b);
       }
     }
