@@ -377,7 +377,8 @@ struct SplitBlock {
       g[e] = !live ? 0.0f : anchor ? 1.0f : kgam_s[kc];
       vg[e] = !live ? 0.0f : anchor ? 1.0f : vgam_s[vc];
       kind[e] = !live || anchor ? 2 : static_cast<int>(residual);
-      if (live && residual) bit_s[slot0 + static_cast<int>(e ? kbits & 1u : 0u)] = u + e;  // the key residuals in slot order
+      if (live && residual)  // the key residuals in slot order
+        bit_s[slot0 + static_cast<int>(e ? kbits & 1u : 0u)] = u + e;
     }
     // Both tokens' entries in one 8-byte store per array (u is even). pos_s is not written:
     // format 3's positions are consecutive, so no reader needs more than the offset.
