@@ -160,7 +160,7 @@ WARP_BLOCKS = [
     ("for (int j = tid; j < pairs; j += NT) {", PAIRS / 32),  # the query rotation: one thread a pair
     ("for (int j2 = tid; j2 < D / 4; j2 += NT) {", D / 4 / 32),  # fast path's query rotation: two pairs a thread
     ("if (const int i = warp + r * NW; i < MAXROWS) {", ROWS_WARPS),  # softmax: each owned row in its warp
-    ("} else if (warp == NW - 1 && !window && !format3) {", 1.0),  # format 2's residual slots: one warp
+    ("} else if (warp == NW - 1 && !window && !format3 && lane < 4) {", 1.0),  # format 2's residual slots: one warp
     ("if (warp == 0) {  // the tile's value residuals", 1.0),
     ("if (group < VG) {", VALUE_GROUPS * (D // 2) / 32),  # value residuals: VG slot groups of TPD = D / 2 threads
 ]
@@ -217,8 +217,8 @@ def cold_lines(lines, table):
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition
 # (the lines just above it); default 8.
 def warps(func, cond_text):
-    if func in ("format3_meta", "residual_slots"):
-        return 1.0  # warp 0: two tokens a lane (format 2's residual slots: warp 7)
+    if func == "format3_meta":
+        return 1.0  # warp 0: two tokens a lane
     if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func == "anchor_meta":

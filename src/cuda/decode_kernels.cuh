@@ -96,9 +96,9 @@ struct SplitBlock {
   static constexpr int KS = SplitSmem::key_stride(D);  // floats per key row
   // Threads per row of D dims: at D 128 with 4 rows half a row, so that a tile's few value
   // residuals (about 3) take slot groups of two warps, a residual a group and two dims a
-  // thread (kValueGroups of them in turn), rather than groups of four. Elsewhere the two dims' sums cost registers the
-  // kernels spill (8 rows at D 128, 4 at D 256), and at D 64 with 16 rows write_partial's
-  // scratch (SG x MAXROWS x D floats) would not fit.
+  // thread (kValueGroups of them in turn), rather than groups of four. Elsewhere the two
+  // dims' sums cost registers the kernels spill (8 rows at D 128, 4 at D 256), and at D 64
+  // with 16 rows write_partial's scratch (SG x MAXROWS x D floats) would not fit.
   static constexpr int TPD = D == 128 && MAXROWS <= 4 ? D / 2 : D < NT ? D : NT;
   static_assert(TPD <= NT && NT % TPD == 0, "whole slot groups");
   static constexpr int SG = NT / TPD;                 // slot groups
