@@ -6,14 +6,17 @@ NeoX RoPE over all 64 pairs, so the fused gather+RoPE path; q_len 1, G=4 -> 4 ro
 decode_split_kernel<128, 4> for every row, 32K x 32 included: the planner picks MAXROWS from
 G * q_len alone, not from the batch).
 
-HONESTY: every instruction count here is PTX (virtual ISA), not SASS. ptxas reorders, fuses
-(e.g. shl+or, address arithmetic into addressing modes), unrolls further or spills; SASS counts
-can differ by tens of percent either way. Control flow is priced as if warps were uniform
-(thread instructions = 32 x warp instructions), shared-memory bank conflicts, atomics'
-serialisation, barrier stalls and load latency are not modelled except through the assumed
-IPC fraction. Treat the times as +-40% predictions to be checked with bench_decode.py --rows.
+HONESTY: the tile loop (most of the time) is counted from SASS by scripts/sass_count.py, with
+its trip-count and warp model; the prologue, the partial write, the window tile and the merge
+kernels are still PTX constants (below). The tile loop issues at IPC, or at the latency bound
+sass_count.py derives from the SASS's own stall counts and scoreboards where that is lower (one
+block of 8 warps resident per multiprocessor leaves 2 warps a scheduler to hide each other's
+latency): the gathered anchor rows 3 of 4 times from L1, other global loads from L2 (the
+headline), or every global load from L1 (in brackets). Barrier waits for the slowest
+warp, bank conflicts and atomics' serialisation are not modelled beyond that. Treat the times as
++-40% predictions to be checked with bench_decode.py --rows.
 
-Counts (non-mov PTX instructions of basic blocks, scripts/ptx_count.py per-block listing of
+Counts without sass_count.py (--ptx-model; non-mov PTX instructions of basic blocks, scripts/ptx_count.py per-block listing of
 decode_split_kernel<128,4>, CUDA 13 nvcc, sm_90), regenerate with
   printf '#include "cuda/decode_kernels.cuh"\\ntemplate __global__ void akv::cuda::decode_split_kernel<128,4>(const __grid_constant__ akv::cuda::DecodeLaunch);\\ntemplate __global__ void akv::cuda::decode_merge_kernel<128,4>(const __grid_constant__ akv::cuda::DecodeLaunch);\\n' > inst.cu
   nvcc -ptx -lineinfo -arch=sm_90 -std=c++17 -O3 -DNDEBUG -I src -I include inst.cu -o k.ptx
@@ -35,6 +38,7 @@ import sys
 import tempfile
 
 H, HQ, D, T, NT, W = 8, 32, 128, 64, 256, 32
+NW = NT // 32  # warps a split block
 ROWS = 4  # G * q_len
 SMS, SCHED, CLOCK_GHZ, HBM_TBS = 132, 4, 1.98, 4.3
 IPC = 0.7          # assumed fraction of one warp instruction / scheduler / cycle actually issued
@@ -160,7 +164,7 @@ def sass_phases(fk, fv, k, block_tiles):
             return None
         import json
         loop = json.load(open(out))["tile_loop"]
-        return loop["per_tile"], loop["smem_wavefronts"]
+        return loop["per_tile"], loop["smem_wavefronts"], loop["latency"]
 
 
 def predict(S, batch, use_sass=False):
@@ -168,14 +172,21 @@ def predict(S, batch, use_sass=False):
     P = S - W
     fk, fv = g["nk"] / (H * P), g["nv"] / (H * P)
     pl = plan(S, batch, g["k"])
-    ph, wf = (use_sass and sass_phases(fk, fv, g["k"], math.ceil(pl["tiles"] / pl["splits"]))) or (tile_phases(fk, fv), None)
+    ph, wf, lat = ((use_sass and sass_phases(fk, fv, g["k"], math.ceil(pl["tiles"] / pl["splits"])))
+                   or (tile_phases(fk, fv), None, None))
     tile = sum(ph.values())
     fixed = prologue(g["k"]) + write_partial(g["k"])
     per_block = math.ceil(pl["tiles"] / pl["splits"]) * tile + fixed + WINDOW_TILE  # split 0 block
     total = pl["blocks"] * (pl["tiles"] / pl["splits"] * tile + fixed) + H * batch * WINDOW_TILE
     waves = math.ceil(pl["blocks"] / (SMS * pl["resident"]))
     rate = SCHED * CLOCK_GHZ * 1e3 * IPC  # warp instructions per us per SM
-    issue_us = max(total / (SMS * rate), waves * pl["resident"] * per_block / rate)
+    # The tile loop's issue rate: IPC, or less where sass_count.py's latency bound says a
+    # scheduler's warps (2 a resident block) cannot issue that often (global loads from L2; from
+    # L1, the optimistic case).
+    n = NW * pl["resident"] / SCHED
+    ipc = {c: min(IPC, n * lat["issue"] / lat[c]["cycles"]) if lat else IPC for c in ("mixed", "l1")}
+    issue = {c: max(total / (SMS * rate), waves * pl["resident"] * per_block / rate) * IPC / ipc[c] for c in ipc}
+    issue_us = issue["mixed"]
     ws = pl["blocks"] * ROWS * (2 * D + 2 + g["k"]) * 4
     hbm = batch * g["bytes"] + 2 * ws + batch * HQ * D * 2 * 2
     mem_us = hbm / (HBM_TBS * 1e6)
@@ -192,8 +203,9 @@ def predict(S, batch, use_sass=False):
     # spread over the multiprocessors (blocks of 256 threads share one), whichever is longer.
     merge_us = max(ai / rate, ablocks * ai / (SMS * rate)) + max(mi / rate, mblocks * mi / (SMS * rate))
     t = max(issue_us, mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
+    t_l1 = max(issue["l1"], mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,
-                per_part=per_part,
+                per_part=per_part, ipc=ipc, t_l1=t_l1,
                 issue=issue_us, hbm=hbm, mem=mem_us, l2=l2, l2_us=l2_us, smem_us=smem_us, merge=merge_us, t=t)
 
 
@@ -243,26 +255,30 @@ def main():
     source = ("tile loop: SASS counts (scripts/sass_count.py, its trip-count and warp model); prologue, merge and "
               "window: PTX constants" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
               "--ptx-model)")
-    print(f"Assumptions: {SMS} SMs x {SCHED} schedulers x {CLOCK_GHZ} GHz x IPC {IPC}; HBM {HBM_TBS} TB/s; "
+    print(f"Assumptions: {SMS} SMs x {SCHED} schedulers x {CLOCK_GHZ} GHz x IPC {IPC} (the tile loop: at most its "
+          "latency bound, sass_count.py's warp_latency: the gathered anchor rows from L1 at its GATHER_L1_SHARE, other "
+          "global loads from L2; in brackets every one from L1); "
+          f"HBM {HBM_TBS} TB/s; "
           f"L2 {L2_TBS} TB/s; shared memory a 128-byte wavefront a clock per SM (the tile loop's, conflict-free, "
           f"from sass_count.py); launch {LAUNCH_US} us; {source}.\n")
     rows = [predict(S, b, use_sass) for S, b in ((32768, 1), (131072, 1), (131072, 8), (32768, 32))]
     print("| S | batch | k | f_K/f_V | splits x blocks (res/SM) | thr instr /tok/head (tiles) | warp instr /tok/head (tiles) "
-          "| total warp instr | issue us | HBM MB | HBM us | L2 us | smem us | merge us | pred us | SDPA us | speedup "
-          "| target | met |")
-    print("|" + "---|" * 19)
+          "| total warp instr | IPC (L1) | issue us | HBM MB | HBM us | L2 us | smem us | merge us | pred us (L1) "
+          "| SDPA us | speedup (L1) | target | met |")
+    print("|" + "---|" * 20)
     for r in rows:
         tok = r["tile"] / T
         sd = SDPA[(r["S"], r["batch"])]
-        sp = f"{sd / r['t']:.1f}x" if sd else "n/a"
+        sp = f"{sd / r['t']:.1f}x ({sd / r['t_l1']:.1f}x)" if sd else "n/a"
         tg = TARGET[(r["S"], r["batch"])]
         met = "yes" if sd / r["t"] >= tg else "NO"
         pl = r["pl"]
         print(f"| {r['S']} | {r['batch']} | {r['g']['k']} | {r['fk']:.4f}/{r['fv']:.4f} | {pl['splits']} x "
               f"{pl['blocks']} ({pl['resident']}) | {32 * tok:.0f} | {tok:.1f} | {r['total'] / 1e6:.1f}M | "
+              f"{r['ipc']['mixed']:.2f} ({r['ipc']['l1']:.2f}) | "
               f"{r['issue']:.1f} | {r['hbm'] / 1e6:.1f} | {r['mem']:.1f} | {r['l2_us']:.1f} | "
               f"{'-' if r['smem_us'] is None else format(r['smem_us'], '.1f')} | {r['merge']:.1f} | "
-              f"{r['t']:.1f} | {sd or '-'} | {sp} | {tg}x | {met} |")
+              f"{r['t']:.1f} ({r['t_l1']:.1f}) | {sd or '-'} | {sp} | {tg}x | {met} |")
     r = rows[1]
     print(f"\nPhase breakdown, {r['S']} x {r['batch']} (4 rows), per token and head "
           "(thread instr = 32 x warp instr / 64 tokens):")

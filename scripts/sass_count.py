@@ -350,8 +350,17 @@ def ptxas_info(log):
     return info
 
 
+def control(word):
+    """The scheduling fields ptxas sets in an sm_70+ instruction's top 23 bits (bits 41-63 of its
+    second 64-bit word, as nvdisasm -hex prints it): the stall count (cycles before the warp's next
+    instruction may issue), the scoreboard a variable-latency result (wbar) or source read (rbar)
+    releases (7: none), and the scoreboards it waits on (a mask of 6)."""
+    c = word >> 41
+    return {"stall": c & 15, "wbar": (c >> 5) & 7, "rbar": (c >> 8) & 7, "wait": (c >> 11) & 63}
+
+
 def disassemble(nvdisasm, cubin):
-    out = subprocess.run([nvdisasm, "-gi", "-c", cubin], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([nvdisasm, "-gi", "-hex", "-c", cubin], capture_output=True, text=True, check=True).stdout
     funcs = collections.OrderedDict()
     cur, loc, outer, fresh = None, (None, None, None, None), (None, None), True
     ins_re = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -377,6 +386,10 @@ def disassemble(nvdisasm, cubin):
         m = re.match(r"(\.L_x_\d+):", ln.strip())
         if m:
             funcs[cur]["labels"][m.group(1)] = len(funcs[cur]["ins"])
+            continue
+        m = re.match(r"\s*/\* 0x([0-9a-f]{16}) \*/\s*$", ln)
+        if m and funcs[cur]["ins"] and "stall" not in funcs[cur]["ins"][-1]:  # -hex: the second word
+            funcs[cur]["ins"][-1].update(control(int(m.group(1), 16)))
             continue
         m = ins_re.search(ln)
         if m:
@@ -597,6 +610,70 @@ def shared_wavefronts(op):
     return 4 if ".128" in op else 2 if ".64" in op else 1
 
 
+# Latencies (cycles from issue to a dependent's issue) of the results that ptxas tracks on a
+# scoreboard instead of a stall count, ASSUMED from published Hopper microbenchmarks (Luo et
+# al., arXiv 2402.13499 and 2501.12084): shared memory ~30, an L2 hit ~270 (an L1 hit ~40: the
+# optimistic case), the special-function and conversion units ~20; a store's or load's source
+# registers are read ~12 cycles after issue.
+LATENCY = {"shared": 30, "shuffle": 24, "global": 270, "global_l1": 40, "special": 20, "read": 12}
+# The anchor rows a tile gathers: a segment's 1024 tokens (32K and 128K) use at most its 256
+# table entries, so at least 3 of 4 row reads find the row in L1 (64 KB of rows a segment, which
+# L1 holds beside the block's shared memory), ASSUMED; the other global loads (metadata, codes,
+# scales: each read once) come from L2.
+GATHER_L1_SHARE = 0.75
+GATHER_PHASE = "anchor gather + RoPE + query rotation"
+
+
+def latency_class(op):
+    o = op.split(".")[0]
+    if o in ("LDS", "LDSM", "ATOMS"):
+        return "shared"
+    if o == "SHFL":
+        return "shuffle"
+    if o in ("LD", "LDG", "ATOM", "ATOMG", "RED", "LDL", "QSPC"):
+        return "global"
+    return "special"  # MUFU, F2F, POPC, FRND, F2I, S2R, S2UR, B2R, ...
+
+
+def warp_latency(ins, weighted, global_cycles=None):
+    """A warp's cycles for the tile loop when it runs alone: one pass over the loop's instructions
+    in address order (each once; the cold ones, weight 0, left out), each issuing when the
+    previous one's stall count has passed and the scoreboards it waits on are released (a result
+    LATENCY[class] after its issue, a source read LATENCY["read"]); an instruction's cycles are
+    those since the previous issue, weighted as its warp instructions a tile and averaged over the
+    8 warps. Three results: every global load from L2 ("l2"), from L1 ("l1"), and the gathered
+    anchor rows from L1 at GATHER_L1_SHARE, the rest from L2 ("mixed"); per phase as well. With n warps on a
+    scheduler (2 a resident block of 8 warps), a tile takes at least max(n x issue, latency) of
+    its cycles: issue / latency bounds the instructions a scheduler issues a cycle. Barriers'
+    waits for the slowest warp, bank conflicts and dispatch stalls are not in it (an upper bound
+    on the rate)."""
+    out = {}
+    l1, l2 = LATENCY["global_l1"], LATENCY["global"]
+    for name, glob, gather in (("l2", l2, l2), ("l1", l1, l1),
+                               ("mixed", l2, GATHER_L1_SHARE * l1 + (1 - GATHER_L1_SHARE) * l2)):
+        t, ready, cycles, issue, by_phase = 0.0, [0.0] * 6, 0.0, 0.0, collections.Counter()
+        for i, phase, wt in weighted:
+            x = ins[i]
+            if wt <= 0 or "stall" not in x:
+                continue
+            start = t
+            for b in range(6):
+                if (x["wait"] >> b) & 1:
+                    t = max(t, ready[b])
+            if x["wbar"] < 6:
+                c = latency_class(x["op"])
+                ready[x["wbar"]] = t + ((gather if phase == GATHER_PHASE else glob) if c == "global" else LATENCY[c])
+            if x["rbar"] < 6:
+                ready[x["rbar"]] = t + LATENCY["read"]
+            t += max(1, x["stall"])
+            cycles += wt / NW * (t - start)
+            issue += wt / NW
+            by_phase[phase] += wt / NW * (t - start)
+        out[name] = {"cycles": cycles, "by_phase": dict(by_phase)}
+    out["issue"] = issue
+    return out
+
+
 def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     """Per-phase warp instructions per tile of the AnchorKV prefix loop, in blocks of
     block_tiles tiles (the share that rescales)."""
@@ -653,6 +730,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
     smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
     prev = (8.0, 1.0)  # warps and cold weight of the last instruction with a line
+    weighted = []  # (instruction, phase, warp instructions a tile)
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
         if func == "prefix_values":
@@ -680,9 +758,10 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         smem += mult * w * weight * shared_wavefronts(ins[i]["op"])
         static[phase] += 1
         by_line[(phase, ln)] += mult * w * weight
+        weighted.append((i, phase, mult * w * weight))
     return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner), "smem_wavefronts": smem,
             "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()],
-            "unknown_loops": sorted(unknown, key=str)}
+            "unknown_loops": sorted(unknown, key=str), "latency": warp_latency(ins, weighted)}
 
 
 def main():
@@ -744,6 +823,20 @@ def main():
     wf = loop["smem_wavefronts"]
     print(f"shared memory: at least {wf:.0f} wavefronts a tile ({wf / T:.1f} per token and head; bank conflicts "
           f"add to it), which predict_decode.py prices beside the issue time")
+    lat = loop["latency"]
+    iw = lat["issue"]
+    cyc = {c: lat[c]["cycles"] for c in ("mixed", "l2", "l1")}
+    print(f"latency (warp_latency): a warp issues {iw:.0f} instructions a tile in {cyc['mixed']:.0f} cycles when it "
+          f"runs alone ({cyc['l2']:.0f} with every global load from L2, {cyc['l1']:.0f} from L1): with 2 and 4 warps "
+          "a scheduler (1 and 2 resident blocks) it issues at most "
+          + " and ".join("/".join(f"{min(1.0, n * iw / cyc[c]):.2f}" for c in cyc) for n in (2, 4))
+          + " instructions a cycle (mixed/L2/L1)")
+    print("| phase | cycles a warp (mixed) | (L2) | (L1) |")
+    print("|---|---|---|---|")
+    for name, v in sorted(lat["mixed"]["by_phase"].items(), key=lambda x: -x[1]):
+        print(f"| {name} | {v:.0f} | {lat['l2']['by_phase'].get(name, 0):.0f} | "
+              f"{lat['l1']['by_phase'].get(name, 0):.0f} |")
+    print(f"| total | {cyc['mixed']:.0f} | {cyc['l2']:.0f} | {cyc['l1']:.0f} |")
     if a.by_line:
         print(f"\nThe tile loop's {a.by_line} costliest lines of decode_kernels.cuh (warp instructions per tile)")
         print("| phase | line | source | per tile |")
