@@ -618,8 +618,10 @@ def shared_wavefronts(op):
 LATENCY = {"shared": 30, "shuffle": 24, "global": 270, "global_l1": 40, "special": 20, "read": 12}
 # The anchor rows a tile gathers: a segment's 1024 tokens (32K and 128K) use at most its 256
 # table entries, so at least 3 of 4 row reads find the row in L1 (64 KB of rows a segment, which
-# L1 holds beside the block's shared memory), ASSUMED; the other global loads (metadata, codes,
-# scales: each read once) come from L2.
+# L1 holds beside the block's shared memory), ASSUMED. Plain LDG loads are the view's fields
+# (ptxas emits LDG for the loads through the launch's view pointer, LD for the cache's data
+# through the pointers read from it, LDG.CONSTANT for load_ro's): the same addresses every tile,
+# L1 hits. The other global loads (metadata, codes, scales: each read once) come from L2.
 GATHER_L1_SHARE = 0.75
 GATHER_PHASE = "anchor gather + RoPE + query rotation"
 
@@ -630,29 +632,62 @@ def latency_class(op):
         return "shared"
     if o == "SHFL":
         return "shuffle"
+    if o == "LDG" and ".CONSTANT" not in op:  # LDG.*.CONSTANT: load_ro's data loads
+        return "view"
     if o in ("LD", "LDG", "ATOM", "ATOMG", "RED", "LDL", "QSPC"):
         return "global"
     return "special"  # MUFU, F2F, POPC, FRND, F2I, S2R, S2UR, B2R, ...
 
 
-def warp_latency(ins, weighted, global_cycles=None):
-    """A warp's cycles for the tile loop when it runs alone: one pass over the loop's instructions
-    in address order (each once; the cold ones, weight 0, left out), each issuing when the
-    previous one's stall count has passed and the scoreboards it waits on are released (a result
-    LATENCY[class] after its issue, a source read LATENCY["read"]); an instruction's cycles are
-    those since the previous issue, weighted as its warp instructions a tile and averaged over the
-    8 warps. Three results: every global load from L2 ("l2"), from L1 ("l1"), and the gathered
-    anchor rows from L1 at GATHER_L1_SHARE, the rest from L2 ("mixed"); per phase as well. With n warps on a
-    scheduler (2 a resident block of 8 warps), a tile takes at least max(n x issue, latency) of
-    its cycles: issue / latency bounds the instructions a scheduler issues a cycle. Barriers'
-    waits for the slowest warp, bank conflicts and dispatch stalls are not in it (an upper bound
-    on the rate)."""
+def warp_set(func, w, upper):
+    """The warps (of NW) that run a line executed by w of them (warps()/WARP_BLOCKS): every one;
+    the key residuals' and the upper half's 4 - 7; the first angles' 2 - 3 (anchor_meta's T <=
+    tid < T + pairs); else the first ones (the contraction, the softmax rows and the value
+    groups on 0 - 3, the query rotation on 0 - 1, format3_meta and the value staging on 0)."""
+    if w >= NW:
+        return tuple(range(NW))
+    if upper or func in ("key_residuals", "key_residuals_tc", "residual_logit_terms"):
+        return tuple(range(NW // 2, NW))
+    if func == "anchor_meta":
+        return (2, 3)
+    return tuple(range(max(1, round(w))))
+
+
+def warp_latency(ins, weighted):
+    """The tile loop's cycles from the SASS's scheduling fields. One pass over the loop's
+    instructions in address order (each once; the cold ones, weight 0, left out) gives each
+    instruction its cycles since the previous issue: it issues when the previous one's stall
+    count has passed and the scoreboards it waits on are released (a result LATENCY[class] after
+    its issue, a source read LATENCY["read"]). weighted: (instruction, phase, warp instructions
+    a tile, the warps that run it: warp_set()). Three cases: every data load from L2 ("l2"), from
+    L1 ("l1"), and the gathered anchor rows from L1 at GATHER_L1_SHARE, the rest from L2
+    ("mixed"); the view's fields (LDG) from L1 in each. Per case:
+      - cycles: a warp's cycles a tile, averaged over the NW warps (by phase too); with n warps
+        on a scheduler, at least max(n x issue, cycles) a tile, whatever the barriers do;
+      - block_cycles: the tile with its barriers, one resident block: between two barriers each
+        scheduler (warps s and s + 4) takes the longer of its two warps' issue together and
+        either warp's own cycles, and the segment the slowest scheduler's (warps wait for the
+        slowest at the barrier); summed over the segments.
+    Bank conflicts, dispatch stalls and the barriers' own latency are not in it (upper bounds on
+    the issue rate)."""
     out = {}
     l1, l2 = LATENCY["global_l1"], LATENCY["global"]
     for name, glob, gather in (("l2", l2, l2), ("l1", l1, l1),
                                ("mixed", l2, GATHER_L1_SHARE * l1 + (1 - GATHER_L1_SHARE) * l2)):
         t, ready, cycles, issue, by_phase = 0.0, [0.0] * 6, 0.0, 0.0, collections.Counter()
-        for i, phase, wt in weighted:
+        block, seg_issue, seg_path, segments = 0.0, [0.0] * NW, [0.0] * NW, []
+        seg_phases = collections.Counter()
+
+        def close_segment():
+            nonlocal block, seg_issue, seg_path, seg_phases
+            per = [max(seg_issue[s] + seg_issue[s + 4], seg_path[s], seg_path[s + 4]) for s in range(4)]
+            block += max(per)
+            slow = max(range(NW), key=lambda wp: seg_path[wp])
+            segments.append({"cycles": max(per), "slowest_warp": slow, "its_cycles": seg_path[slow],
+                             "phases": [p for p, _ in seg_phases.most_common(3)]})
+            seg_issue, seg_path, seg_phases = [0.0] * NW, [0.0] * NW, collections.Counter()
+
+        for i, phase, wt, warps_of in weighted:
             x = ins[i]
             if wt <= 0 or "stall" not in x:
                 continue
@@ -662,14 +697,22 @@ def warp_latency(ins, weighted, global_cycles=None):
                     t = max(t, ready[b])
             if x["wbar"] < 6:
                 c = latency_class(x["op"])
-                ready[x["wbar"]] = t + ((gather if phase == GATHER_PHASE else glob) if c == "global" else LATENCY[c])
+                ready[x["wbar"]] = t + ((gather if phase == GATHER_PHASE else glob) if c == "global"
+                                        else l1 if c == "view" else LATENCY[c])
             if x["rbar"] < 6:
                 ready[x["rbar"]] = t + LATENCY["read"]
             t += max(1, x["stall"])
             cycles += wt / NW * (t - start)
             issue += wt / NW
             by_phase[phase] += wt / NW * (t - start)
-        out[name] = {"cycles": cycles, "by_phase": dict(by_phase)}
+            seg_phases[phase] += wt / NW * (t - start)
+            for wp in warps_of:
+                seg_issue[wp] += wt / len(warps_of)
+                seg_path[wp] += wt / len(warps_of) * (t - start)
+            if x["op"].startswith("BAR."):
+                close_segment()
+        close_segment()
+        out[name] = {"cycles": cycles, "block_cycles": block, "by_phase": dict(by_phase), "segments": segments}
     out["issue"] = issue
     return out
 
@@ -729,7 +772,8 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
     totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
     smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
-    prev = (8.0, 1.0)  # warps and cold weight of the last instruction with a line
+    prev = (8.0, 1.0, tuple(range(NW)))  # warps, cold weight and warp set of the last instruction with a line
+    upper = cold_lines(lines, [("if (half == 1) {", 1.0)])  # lines of warps 4 - 7
     weighted = []  # (instruction, phase, warp instructions a tile)
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
@@ -750,15 +794,16 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         weight = min(cold.get(ln, 1.0), site)
         if not looped:  # a guarded set-up's own lines (a lambda it defines runs in the loop)
             weight *= guarded.get(ln, 1.0)
+        warps_of = warp_set(func.split(":")[0] if func else "", w, ln in upper)
         if func is None:  # library code inlined without a line: the block it sits in
-            w, weight = prev
+            w, weight, warps_of = prev
         else:
-            prev = (w, weight)
+            prev = (w, weight, warps_of)
         totals[phase] += mult * w * weight
         smem += mult * w * weight * shared_wavefronts(ins[i]["op"])
         static[phase] += 1
         by_line[(phase, ln)] += mult * w * weight
-        weighted.append((i, phase, mult * w * weight))
+        weighted.append((i, phase, mult * w * weight, warps_of))
     return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner), "smem_wavefronts": smem,
             "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()],
             "unknown_loops": sorted(unknown, key=str), "latency": warp_latency(ins, weighted)}
@@ -831,6 +876,14 @@ def main():
           "a scheduler (1 and 2 resident blocks) it issues at most "
           + " and ".join("/".join(f"{min(1.0, n * iw / cyc[c]):.2f}" for c in cyc) for n in (2, 4))
           + " instructions a cycle (mixed/L2/L1)")
+    blk = {c: lat[c]["block_cycles"] for c in cyc}
+    print(f"with its barriers (one resident block, warps waiting for the slowest): {blk['mixed']:.0f} cycles a tile "
+          f"({blk['l2']:.0f} / {blk['l1']:.0f}), {iw * NW / (4 * blk['mixed']):.2f} instructions a scheduler a cycle "
+          f"({iw * NW / (4 * blk['l2']):.2f} / {iw * NW / (4 * blk['l1']):.2f})")
+    print("| barrier segment | cycles (mixed) | slowest warp | its phases |")
+    print("|---|---|---|---|")
+    for n, sg in enumerate(lat["mixed"]["segments"]):
+        print(f"| {n} | {sg['cycles']:.0f} | {sg['slowest_warp']} | {', '.join(sg['phases'])} |")
     print("| phase | cycles a warp (mixed) | (L2) | (L1) |")
     print("|---|---|---|---|")
     for name, v in sorted(lat["mixed"]["by_phase"].items(), key=lambda x: -x[1]):

@@ -337,12 +337,12 @@ struct SplitBlock {
     const int si = t0 >> c.segment_shift;
     if (seg_s[0] != si) {  // uniform across warp 0
       const int64_t seg = static_cast<int64_t>(h) * c.segments + si;
-      const float kscale = c.gamma_scales[2 * seg], vscale = c.gamma_scales[2 * seg + 1];
+      const float kscale = load_ro(c.gamma_scales + 2 * seg), vscale = load_ro(c.gamma_scales + 2 * seg + 1);
       const uint16_t *table = c.segment_tables + seg * c.table_size;
       const float *units = c.gamma_units;
       for (int e = lane; e < 256; e += 32) {
-        if (tables) tab_s[e] = table[e];
-        const float unit = units[e];
+        if (tables) tab_s[e] = load_ro(table + e);
+        const float unit = load_ro(units + e);
         kgam_s[e] = bits_to_float(float_to_bits(kscale * unit, true), true);
         vgam_s[e] = bits_to_float(float_to_bits(vscale * unit, true), true);
       }
@@ -353,11 +353,11 @@ struct SplitBlock {
     const int wd = t0 >> 6;  // the tile's mask word (T = 64)
     const uint8_t *kent = ha.key_entry + t0 + u, *vent = ha.value_entry + t0 + u, *kcode = ha.key_code + t0 + u,
                   *vcode = ha.value_code + t0 + u;
-    const uint64_t anchors = ha.anchor_mask[wd], kmask = ha.key_mask[wd];
+    const uint64_t anchors = load_ro(ha.anchor_mask + wd), kmask = load_ro(ha.key_mask + wd);
     // Token u's anchor index if it is an anchor, and its key residual's slot; token u + 1's
     // are these plus token u's bits.
     const uint64_t below = (1ull << u) - 1;
-    const int self0 = ha.anchor_first[wd] + __popcll(anchors & below), slot0 = __popcll(kmask & below);
+    const int self0 = load_ro(ha.anchor_first + wd) + __popcll(anchors & below), slot0 = __popcll(kmask & below);
     const uint32_t abits = static_cast<uint32_t>(anchors >> u) & 3u, kbits = static_cast<uint32_t>(kmask >> u) & 3u;
     int a[2], va[2], kind[2];
     float g[2], vg[2];
@@ -365,10 +365,10 @@ struct SplitBlock {
       const bool live = u + e < n, anchor = (abits >> e) & 1u, residual = (kbits >> e) & 1u;
       uint32_t ke = 0, ve = 0, kc = 0, vc = 0;
       if (live && !anchor) {
-        ke = kent[e];
-        ve = vent[e];
-        kc = kcode[e];
-        vc = vcode[e];
+        ke = load_ro(kent + e);
+        ve = load_ro(vent + e);
+        kc = load_ro(kcode + e);
+        vc = load_ro(vcode + e);
       }
       const int self = self0 + static_cast<int>(e ? abits & 1u : 0u);  // an anchor token is its own anchor (exact)
       const int ka = tables ? tab_s[ke] : static_cast<int>(ke), vaa = tables ? tab_s[ve] : static_cast<int>(ve);
@@ -397,7 +397,7 @@ struct SplitBlock {
     if (lane == 0) {  // the tile's residual slots: the last tile's first slots plus its counts
       const uint4 r = *reinterpret_cast<const uint4 *>(res_s);
       *reinterpret_cast<uint4 *>(res_s) = uint4{r.x + r.y, static_cast<uint32_t>(__popcll(kmask)), r.z + r.w,
-                                                 static_cast<uint32_t>(__popcll(ha.value_mask[wd]))};
+                                                 static_cast<uint32_t>(__popcll(load_ro(ha.value_mask + wd)))};
     }
   }
 
@@ -662,7 +662,7 @@ struct SplitBlock {
     // acc[m][0..1]: residual n0 + g's terms with rows 8 m + 2 tq and + 1.
     if (g < 4 && n0 + g < count) {
       const int rn = n0 + g, rt = bit_s[rn];
-      const float rscale = c.key_scales[base + rn];  // unit levels
+      const float rscale = load_ro(c.key_scales + base + rn);  // unit levels
       for (int m = 0; m < NR8; ++m)
         for (int e = 0; e < 2; ++e)
           if (const int i = 8 * m + 2 * tq + e; i < MAXROWS)
@@ -749,7 +749,7 @@ struct SplitBlock {
       uint32_t word[NCW];
       for (int h2 = 0; h2 < NCW; ++h2) {
         const int at = 32 * h2 + lane;
-        word[h2] = at < 4 * W && n0 * W + at < count * W ? words[static_cast<int64_t>(base + n0) * W + at] : 0u;
+        word[h2] = at < 4 * W && n0 * W + at < count * W ? load_ro(words + static_cast<int64_t>(base + n0) * W + at) : 0u;
       }
       AKV_NO_UNROLL
       for (int s = 0; s < 4 / R && n0 + s * R < count; ++s) {  // residuals n0 + s R .. into rows s R ..
@@ -1179,9 +1179,9 @@ struct SplitBlock {
       AKV_NO_UNROLL
       for (int e = lane; e < count * PER; e += 32) {
         if (e < count * MAXROWS)  // value_chunk: the position inside the word (= tile)
-          lr_s[e] = L_s[(e % MAXROWS) * T + c.value_chunk[base + e / MAXROWS]];
-        if (e < count * 4) lv_s[e] = c.value_scales[base + e / 4] * lloyd_max_level(e & 3);
-        if (e < count * (D / 16)) vc_s[e] = words[e];
+          lr_s[e] = L_s[(e % MAXROWS) * T + load_ro(c.value_chunk + base + e / MAXROWS)];
+        if (e < count * 4) lv_s[e] = load_ro(c.value_scales + base + e / 4) * lloyd_max_level(e & 3);
+        if (e < count * (D / 16)) vc_s[e] = load_ro(words + e);
       }
     }
     __syncthreads();

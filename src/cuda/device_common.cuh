@@ -36,6 +36,21 @@ struct alignas(8) uint2 {
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 
+// A load of data no thread writes while the kernel runs (the compressed cache during a decode:
+// appends commit in their own launches), through the read-only path (ld.global.nc). Beside the
+// cache it tells ptxas that the address is global memory that no store of the kernel touches:
+// a plain load through a pointer read from memory is generic, and ptxas keeps it in order with
+// every shared-memory store (a generic address may be shared), so a warp's loads could not be
+// issued together ahead of the stores between them.
+template <class T>
+__device__ __forceinline__ T load_ro(const T *p) {
+#ifdef AKV_SIMT_EMULATION
+  return *p;
+#else
+  return __ldg(p);
+#endif
+}
+
 __device__ __forceinline__ float bits_to_float(uint16_t bits, bool bf16) {
 #ifdef AKV_SIMT_EMULATION
   return bf16 ? bf16_to_float(bits) : fp16_to_float(bits);
