@@ -9,12 +9,12 @@ G * q_len alone, not from the batch).
 HONESTY: the tile loop (most of the time) is counted from SASS by scripts/sass_count.py, with
 its trip-count and warp model; the prologue, the partial write, the window tile and the merge
 kernels are still PTX constants (below). The tile loop issues at IPC, or at the latency bound
-sass_count.py derives from the SASS's own stall counts and scoreboards where that is lower (one
-block of 8 warps resident per multiprocessor leaves 2 warps a scheduler to hide each other's
-latency): the gathered anchor rows 3 of 4 times from L1, other global loads from L2 (the
-headline), or every global load from L1 (in brackets). Barrier waits for the slowest
-warp, bank conflicts and atomics' serialisation are not modelled beyond that. Treat the times as
-+-40% predictions to be checked with bench_decode.py --rows.
+sass_count.py derives from the SASS's own stall counts and scoreboards where that is lower: a
+scheduler's warps (2 a resident block of 8) hide each other's latency only so far, and at each
+barrier the block waits for its slowest warp (warp 0's metadata and value staging). Global loads:
+the gathered anchor rows 3 of 4 times from L1, the others from L2 (the headline), or every one
+from L1 (in brackets). Bank conflicts and atomics' serialisation are not modelled beyond that.
+Treat the times as +-40% predictions to be checked with bench_decode.py --rows.
 
 Counts without sass_count.py (--ptx-model; non-mov PTX instructions of basic blocks, scripts/ptx_count.py per-block listing of
 decode_split_kernel<128,4>, CUDA 13 nvcc, sm_90), regenerate with
@@ -180,11 +180,17 @@ def predict(S, batch, use_sass=False):
     total = pl["blocks"] * (pl["tiles"] / pl["splits"] * tile + fixed) + H * batch * WINDOW_TILE
     waves = math.ceil(pl["blocks"] / (SMS * pl["resident"]))
     rate = SCHED * CLOCK_GHZ * 1e3 * IPC  # warp instructions per us per SM
-    # The tile loop's issue rate: IPC, or less where sass_count.py's latency bound says a
-    # scheduler's warps (2 a resident block) cannot issue that often (global loads from L2; from
-    # L1, the optimistic case).
+    # The tile loop's issue rate: IPC, or less where sass_count.py's latency bounds say the
+    # schedulers cannot issue that often: their warps' own cycles (n warps a scheduler, 2 a
+    # resident block), and the tile with its barriers (each resident block's tiles at that pace;
+    # the blocks' barriers are independent).
     n = NW * pl["resident"] / SCHED
-    ipc = {c: min(IPC, n * lat["issue"] / lat[c]["cycles"]) if lat else IPC for c in ("mixed", "l1")}
+
+    def bound(c):
+        alone = n * lat["issue"] / lat[c]["cycles"]
+        barriers = pl["resident"] * NW * lat["issue"] / (SCHED * lat[c]["block_cycles"])
+        return min(IPC, alone, barriers)
+    ipc = {c: bound(c) if lat else IPC for c in ("mixed", "l1")}
     issue = {c: max(total / (SMS * rate), waves * pl["resident"] * per_block / rate) * IPC / ipc[c] for c in ipc}
     issue_us = issue["mixed"]
     ws = pl["blocks"] * ROWS * (2 * D + 2 + g["k"]) * 4

@@ -654,14 +654,14 @@ def warp_set(func, w, upper):
 
 
 def warp_latency(ins, weighted):
-    """The tile loop's cycles from the SASS's scheduling fields. One pass over the loop's
-    instructions in address order (each once; the cold ones, weight 0, left out) gives each
-    instruction its cycles since the previous issue: it issues when the previous one's stall
-    count has passed and the scoreboards it waits on are released (a result LATENCY[class] after
-    its issue, a source read LATENCY["read"]). weighted: (instruction, phase, warp instructions
-    a tile, the warps that run it: warp_set()). Three cases: every data load from L2 ("l2"), from
-    L1 ("l1"), and the gathered anchor rows from L1 at GATHER_L1_SHARE, the rest from L2
-    ("mixed"); the view's fields (LDG) from L1 in each. Per case:
+    """The tile loop's cycles from the SASS's scheduling fields. Each warp's pass over the loop's
+    instructions it runs (warp_set), in address order (each once; the cold ones, weight 0, left
+    out), gives each instruction its cycles since the warp's previous issue: it issues when the
+    previous one's stall count has passed and the scoreboards it waits on are released (a result
+    LATENCY[class] after its issue, a source read LATENCY["read"]). weighted: (instruction,
+    phase, warp instructions a tile, the warps that run it). Three cases: every data load from L2
+    ("l2"), from L1 ("l1"), and the gathered anchor rows from L1 at GATHER_L1_SHARE, the rest from
+    L2 ("mixed"); the view's fields (LDG) from L1 in each. Per case:
       - cycles: a warp's cycles a tile, averaged over the NW warps (by phase too); with n warps
         on a scheduler, at least max(n x issue, cycles) a tile, whatever the barriers do;
       - block_cycles: the tile with its barriers, one resident block: between two barriers each
@@ -672,48 +672,53 @@ def warp_latency(ins, weighted):
     the issue rate)."""
     out = {}
     l1, l2 = LATENCY["global_l1"], LATENCY["global"]
+    # the barrier segment of each instruction (a BAR ends its segment)
+    seg_of, n_seg = {}, 0
+    for i, phase, wt, warps_of in weighted:
+        seg_of[i] = n_seg
+        if wt > 0 and ins[i]["op"].startswith("BAR."):
+            n_seg += 1
+    n_seg += 1
     for name, glob, gather in (("l2", l2, l2), ("l1", l1, l1),
                                ("mixed", l2, GATHER_L1_SHARE * l1 + (1 - GATHER_L1_SHARE) * l2)):
-        t, ready, cycles, issue, by_phase = 0.0, [0.0] * 6, 0.0, 0.0, collections.Counter()
-        block, seg_issue, seg_path, segments = 0.0, [0.0] * NW, [0.0] * NW, []
-        seg_phases = collections.Counter()
-
-        def close_segment():
-            nonlocal block, seg_issue, seg_path, seg_phases
-            per = [max(seg_issue[s] + seg_issue[s + 4], seg_path[s], seg_path[s + 4]) for s in range(4)]
+        seg_issue = [[0.0] * NW for _ in range(n_seg)]
+        seg_path = [[0.0] * NW for _ in range(n_seg)]
+        seg_phases = [collections.Counter() for _ in range(n_seg)]
+        by_phase = collections.Counter()
+        for wp in range(NW):
+            t, ready = 0.0, [0.0] * 6
+            for i, phase, wt, warps_of in weighted:
+                x = ins[i]
+                if wt <= 0 or "stall" not in x or wp not in warps_of:
+                    continue
+                start = t
+                for b in range(6):
+                    if (x["wait"] >> b) & 1:
+                        t = max(t, ready[b])
+                if x["wbar"] < 6:
+                    c = latency_class(x["op"])
+                    ready[x["wbar"]] = t + ((gather if phase == GATHER_PHASE else glob) if c == "global"
+                                            else l1 if c == "view" else LATENCY[c])
+                if x["rbar"] < 6:
+                    ready[x["rbar"]] = t + LATENCY["read"]
+                t += max(1, x["stall"])
+                share = wt / len(warps_of)  # this warp's instructions a tile
+                sg = seg_of[i]
+                seg_issue[sg][wp] += share
+                seg_path[sg][wp] += share * (t - start)
+                seg_phases[sg][phase] += share * (t - start)
+                by_phase[phase] += share * (t - start) / NW
+        block, segments = 0.0, []
+        for sg in range(n_seg):
+            iss, path = seg_issue[sg], seg_path[sg]
+            per = [max(iss[s] + iss[s + 4], path[s], path[s + 4]) for s in range(4)]
+            slow = max(range(NW), key=lambda wp: path[wp])
             block += max(per)
-            slow = max(range(NW), key=lambda wp: seg_path[wp])
-            segments.append({"cycles": max(per), "slowest_warp": slow, "its_cycles": seg_path[slow],
-                             "phases": [p for p, _ in seg_phases.most_common(3)]})
-            seg_issue, seg_path, seg_phases = [0.0] * NW, [0.0] * NW, collections.Counter()
-
-        for i, phase, wt, warps_of in weighted:
-            x = ins[i]
-            if wt <= 0 or "stall" not in x:
-                continue
-            start = t
-            for b in range(6):
-                if (x["wait"] >> b) & 1:
-                    t = max(t, ready[b])
-            if x["wbar"] < 6:
-                c = latency_class(x["op"])
-                ready[x["wbar"]] = t + ((gather if phase == GATHER_PHASE else glob) if c == "global"
-                                        else l1 if c == "view" else LATENCY[c])
-            if x["rbar"] < 6:
-                ready[x["rbar"]] = t + LATENCY["read"]
-            t += max(1, x["stall"])
-            cycles += wt / NW * (t - start)
-            issue += wt / NW
-            by_phase[phase] += wt / NW * (t - start)
-            seg_phases[phase] += wt / NW * (t - start)
-            for wp in warps_of:
-                seg_issue[wp] += wt / len(warps_of)
-                seg_path[wp] += wt / len(warps_of) * (t - start)
-            if x["op"].startswith("BAR."):
-                close_segment()
-        close_segment()
-        out[name] = {"cycles": cycles, "block_cycles": block, "by_phase": dict(by_phase), "segments": segments}
-    out["issue"] = issue
+            segments.append({"cycles": max(per), "slowest_warp": slow, "its_cycles": path[slow],
+                             "phases": [p for p, _ in seg_phases[sg].most_common(3)]})
+        out[name] = {"cycles": sum(map(sum, seg_path)) / NW, "block_cycles": block, "by_phase": dict(by_phase),
+                     "segments": segments}
+        out["issue"] = sum(map(sum, seg_issue)) / NW
     return out
 
 
