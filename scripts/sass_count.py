@@ -362,7 +362,7 @@ def control(word):
 def disassemble(nvdisasm, cubin):
     out = subprocess.run([nvdisasm, "-gi", "-hex", "-c", cubin], capture_output=True, text=True, check=True).stdout
     funcs = collections.OrderedDict()
-    cur, loc, outer, fresh = None, (None, None, None, None), (None, None), True
+    cur, loc, outer, chain, fresh = None, (None, None, None, None), (None, None), [], True
     ins_re = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
     for ln in out.splitlines():
         m = re.match(r"\s*\.text\.(\S+):", ln)
@@ -380,7 +380,10 @@ def disassemble(nvdisasm, cubin):
             # kernel's own line)
             if fresh:
                 loc = (m.group(1), int(m.group(2)), m.group(3), int(m.group(4)) if m.group(4) else None)
-                fresh = False
+                chain, fresh = [], False
+            # every frame, innermost first (a load_ro: the intrinsic, device_common.cuh, then
+            # the kernel line that calls it)
+            chain += [(m.group(1), int(m.group(2)))] + ([(m.group(3), int(m.group(4)))] if m.group(3) else [])
             outer = (m.group(1), int(m.group(2)))
             continue
         m = re.match(r"(\.L_x_\d+):", ln.strip())
@@ -396,7 +399,7 @@ def disassemble(nvdisasm, cubin):
             text = m.group(2)
             op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
             tgt = re.search(r"`\((\.L_x_\d+)\)", text)
-            funcs[cur]["ins"].append({"op": op, "text": text, "loc": loc, "outer": outer,
+            funcs[cur]["ins"].append({"op": op, "text": text, "loc": loc, "outer": outer, "chain": tuple(chain),
                                       "target": tgt.group(1) if tgt else None})
             fresh = True
     return funcs
@@ -728,9 +731,8 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     rescale = rescale_rate(block_tiles)
     ins = f["ins"]
 
-    def where(i):  # (function, line in decode_kernels.cuh) of instruction i
-        file, line, cfile, cline = ins[i]["loc"] if ins[i]["loc"][0] else (None, None, None, None)
-        for fl, ln in ((file, line), (cfile, cline)):
+    def where(i):  # (function, line in decode_kernels.cuh) of instruction i: its innermost frame there
+        for fl, ln in ins[i]["chain"]:
             if fl and fl.endswith("decode_kernels.cuh") and ln:
                 o = owner(spans, ln)
                 return (o[0] if o else None), ln, (o[1] if o else None)
@@ -779,7 +781,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
     prev = (8.0, 1.0, tuple(range(NW)))  # warps, cold weight and warp set of the last instruction with a line
     upper = cold_lines(lines, [("if (half == 1) {", 1.0)])  # lines of warps 4 - 7
-    weighted = []  # (instruction, phase, warp instructions a tile)
+    weighted = []  # (instruction, phase, warp instructions a tile, the warps that run it)
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
         if func == "prefix_values":
