@@ -354,6 +354,13 @@ struct SplitBlock {
     const uint8_t *kent = ha.key_entry + t0 + u, *vent = ha.value_entry + t0 + u, *kcode = ha.key_code + t0 + u,
                   *vcode = ha.value_code + t0 + u;
     const uint64_t anchors = load_ro(ha.anchor_mask + wd), kmask = load_ro(ha.key_mask + wd);
+    // The tile's residual slots: the last tile's first slots plus its counts (here, so that
+    // the value mask's load shares the other words' trip to L2: ptxas issues it where it is used).
+    if (lane == 0) {
+      const uint4 r = *reinterpret_cast<const uint4 *>(res_s);
+      *reinterpret_cast<uint4 *>(res_s) = uint4{r.x + r.y, static_cast<uint32_t>(__popcll(kmask)), r.z + r.w,
+                                                 static_cast<uint32_t>(__popcll(load_ro(ha.value_mask + wd)))};
+    }
     // Token u's anchor index if it is an anchor, and its key residual's slot; token u + 1's
     // are these plus token u's bits.
     const uint64_t below = (1ull << u) - 1;
@@ -394,11 +401,6 @@ struct SplitBlock {
     if (kFoldedPenalty && fast)
       for (int i = 0; i < MAXROWS; ++i)
         put2(rl_s + i * T, float_as_bits(pen_s[kind[0] * MAXROWS + i]), float_as_bits(pen_s[kind[1] * MAXROWS + i]));
-    if (lane == 0) {  // the tile's residual slots: the last tile's first slots plus its counts
-      const uint4 r = *reinterpret_cast<const uint4 *>(res_s);
-      *reinterpret_cast<uint4 *>(res_s) = uint4{r.x + r.y, static_cast<uint32_t>(__popcll(kmask)), r.z + r.w,
-                                                 static_cast<uint32_t>(__popcll(load_ro(ha.value_mask + wd)))};
-    }
   }
 
   // Before a block's first prefix tile: format 3's residual slots as of that tile, with counts
