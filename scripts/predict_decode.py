@@ -129,8 +129,16 @@ def smem_bytes(k, pairs=64, rows=ROWS):
     return sum(a16(p) for p in parts)
 
 
+# --segment-weights: a what-if, not the library's plan. A split block's per-anchor weights
+# kept for one format-3 segment at a time (its table's 256 entries, added to the workspace
+# when the segment changes) instead of for all k anchors: at 128K the block's shared memory
+# drops by ~48 KiB and two blocks fit a multiprocessor. The tile loop's count is taken as
+# today's (the flush, 4 x 256 adds a segment of 16 tiles, is left out).
+SEGMENT_WEIGHTS = False
+
+
 def plan(S, batch, k):
-    smem = smem_bytes(k)
+    smem = smem_bytes(min(k, 256) if SEGMENT_WEIGHTS else k)
     resident = max(1, min(2, 2048 // NT, (228 * 1024) // (smem + 1024)))  # 128 regs: 2 by registers
     tiles = math.ceil((S - W) / T)
     splits = max(1, min(resident * SMS // (H * min(batch, 128)), tiles, 64))
@@ -252,7 +260,11 @@ def main():
     ap.add_argument("--ptx-model", action="store_true",
                     help="use the hand-mapped PTX constants for the tile loop instead of scripts/sass_count.py")
     ap.add_argument("--measure", action="store_true", help="re-derive the geometry with the library")
+    ap.add_argument("--segment-weights", action="store_true",
+                    help="what-if: per-anchor weights held a segment at a time (SEGMENT_WEIGHTS)")
     a = ap.parse_args()
+    global SEGMENT_WEIGHTS
+    SEGMENT_WEIGHTS = a.segment_weights
     if a.measure:
         return measure()
     if a.from_ptx:
