@@ -13,8 +13,8 @@ AKV_SASS_PIN_BF16_FUSED, which makes that path a constant so that the SASS holds
 code that runs; the per-kernel table is of that build too) it also counts the AnchorKV
 prefix tile loop: the loop is found in the control flow (the innermost backward branch whose
 body holds both the key residuals and the per-anchor weights), each instruction is put in a
-phase by its source line (nvdisasm -gi: the line in decode_kernels.cuh, or the line it was
-inlined at) and weighted by
+phase by its source line (nvdisasm -gi: its innermost frame in decode_kernels.cuh, through
+every inlined helper) and weighted by
   - the trip count of each inner loop around it, from the loop's source line (table TRIPS:
     derived from the kernel's constants and the residual fractions --fk/--fv; loops nvcc
     unrolled are not loops in SASS and count once);
@@ -24,13 +24,21 @@ instructions per token and head. Predicated-off instructions count (they issue);
 divergence inside a warp is not modelled beyond WARPS. The counts are static SASS with a
 stated dynamic model, not a profile.
 
+The issue rate those instructions can reach comes from the same SASS (warp_latency): nvdisasm
+-hex gives each instruction's scheduling fields (the stall count ptxas set, the scoreboards it
+sets and waits on); each warp walks the loop's lines it runs with stated Hopper latencies
+(LATENCY), and the tile's barriers make the block wait for its slowest warp between them. It
+prints a warp's cycles a tile, the barrier segments and the bound on instructions a scheduler
+issues a cycle, which predict_decode.py applies.
+
 Then it compiles the library's own decode_split_kernel instantiations (D 64/128/256 x 4/8/16
 rows, every path in one binary, no pinning) and prints their registers, stack, spills and
 local-memory accesses: what ships, where the pinned count leaves paths out.
 
   scripts/sass_count.py [--fk 0.052 --fv 0.052] [--json out.json] [--keep DIR]
 
-scripts/predict_decode.py reads the tile-loop phases from here (--json) instead of PTX.
+scripts/predict_decode.py reads the tile-loop phases and the latency bound from here (--json)
+instead of PTX.
 """
 import argparse
 import collections
