@@ -681,7 +681,7 @@ def warp_latency(ins, weighted):
         slowest at the barrier); summed over the segments.
     Bank conflicts, dispatch stalls and the barriers' own latency are not in it (upper bounds on
     the issue rate)."""
-    out = {}
+    out = {"unread": sum(1 for i, _, wt, _ in weighted if wt > 0 and "stall" not in ins[i])}
     l1, l2 = LATENCY["global_l1"], LATENCY["global"]
     # the barrier segment of each instruction (a BAR ends its segment)
     seg_of, n_seg = {}, 0
@@ -884,6 +884,9 @@ def main():
     print(f"shared memory: at least {wf:.0f} wavefronts a tile ({wf / T:.1f} per token and head; bank conflicts "
           f"add to it), which predict_decode.py prices beside the issue time")
     lat = loop["latency"]
+    if lat["unread"]:
+        print(f"note: {lat['unread']} of the tile loop's instructions had no scheduling fields (nvdisasm -hex's "
+              "second word): the latency bound leaves them out")
     iw = lat["issue"]
     cyc = {c: lat[c]["cycles"] for c in ("mixed", "l2", "l1")}
     print(f"latency (warp_latency): a warp issues {iw:.0f} instructions a tile in {cyc['mixed']:.0f} cycles when it "
