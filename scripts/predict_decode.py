@@ -199,7 +199,8 @@ def predict(S, batch, use_sass=False):
         barriers = pl["resident"] * NW * lat["issue"] / (SCHED * lat[c]["block_cycles"])
         return min(IPC, alone, barriers)
     ipc = {c: bound(c) if lat else IPC for c in ("mixed", "l1")}
-    issue = {c: max(total / (SMS * rate), waves * pl["resident"] * per_block / rate) * IPC / ipc[c] for c in ipc}
+    at_ipc = max(total / (SMS * rate), waves * pl["resident"] * per_block / rate)  # issue us at IPC
+    issue = {c: at_ipc * IPC / ipc[c] for c in ipc}
     issue_us = issue["mixed"]
     ws = pl["blocks"] * ROWS * (2 * D + 2 + g["k"]) * 4
     hbm = batch * g["bytes"] + 2 * ws + batch * HQ * D * 2 * 2

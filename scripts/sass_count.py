@@ -729,7 +729,7 @@ def warp_latency(ins, weighted):
                              "phases": [p for p, _ in seg_phases[sg].most_common(3)]})
         out[name] = {"cycles": sum(map(sum, seg_path)) / NW, "block_cycles": block, "by_phase": dict(by_phase),
                      "segments": segments}
-        out["issue"] = sum(map(sum, seg_issue)) / NW
+    out["issue"] = sum(map(sum, seg_issue)) / NW  # the same in every case
     return out
 
 
