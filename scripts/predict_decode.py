@@ -85,8 +85,8 @@ def prologue(k):
     return 8 * (150 + 80 + 16 * 4 + 5 * 4 * k / NT)
 
 
-def write_partial(k):
-    return 8 * (2 * 63 + 14 * 4 * k / NT + 81)
+def write_partial(k, segments=False):  # segments: the weights are in the workspace already
+    return 8 * (2 * 63 + (0 if segments else 14 * 4 * k / NT) + 81)
 
 
 WINDOW_TILE = META + GATHER + QK + SOFTMAX + 8 * 40
@@ -129,20 +129,24 @@ def smem_bytes(k, pairs=64, rows=ROWS):
     return sum(a16(p) for p in parts)
 
 
-# --segment-weights: a what-if, not the library's plan. A split block's per-anchor weights
-# kept for one format-3 segment at a time (its table's 256 entries, added to the workspace
-# when the segment changes) instead of for all k anchors: at 128K the block's shared memory
-# drops by ~48 KiB and two blocks fit a multiprocessor. The tile loop's count is taken as
-# today's (the flush, 4 x 256 adds a segment of 16 tiles, is left out).
-SEGMENT_WEIGHTS = False
+# plan_decode's choice of where a split block sums its per-anchor weights (plan.cpp): all k in
+# shared memory, or (format 3's segment tables) a table's 256 entries at a time, added to the
+# workspace when the segment ends, where that fits more blocks on a multiprocessor: at 128K
+# (k 3258) one block with k weights, two with 256. --shared-weights: a what-if of the plan
+# before that (all k in shared memory wherever they fit).
+SHARED_WEIGHTS_ONLY = False
 
 
 def plan(S, batch, k):
-    smem = smem_bytes(min(k, 256) if SEGMENT_WEIGHTS else k)
-    resident = max(1, min(2, 2048 // NT, (228 * 1024) // (smem + 1024)))  # 128 regs: 2 by registers
+    resident_of = lambda smem: max(1, min(2, 2048 // NT, (228 * 1024) // (smem + 1024)))  # 128 regs: 2 by registers
+    smem = smem_bytes(k)
+    resident, segments = resident_of(smem), False
+    if not SHARED_WEIGHTS_ONLY and k > 256 and resident_of(smem_bytes(256)) > resident:
+        smem, resident, segments = smem_bytes(256), resident_of(smem_bytes(256)), True
     tiles = math.ceil((S - W) / T)
     splits = max(1, min(resident * SMS // (H * min(batch, 128)), tiles, 64))
-    return dict(smem=smem, resident=resident, tiles=tiles, splits=splits, blocks=H * batch * splits)
+    return dict(smem=smem, resident=resident, tiles=tiles, splits=splits, blocks=H * batch * splits,
+                segments=segments)
 
 
 def tile_phases(fk, fv):
@@ -158,15 +162,16 @@ def tile_phases(fk, fv):
     }
 
 
-def sass_phases(fk, fv, k, block_tiles):
+def sass_phases(fk, fv, k, block_tiles, segments=False):
     """Per-tile warp instructions by phase from scripts/sass_count.py (SASS) and the tile's
     conflict-free shared-memory wavefronts, or None; blocks of block_tiles tiles (the share of
-    tiles that rescale)."""
+    tiles that rescale); segments: the per-anchor weights a segment at a time."""
     root = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "counts.json")
         r = subprocess.run([sys.executable, os.path.join(root, "sass_count.py"), "--fk", str(fk), "--fv", str(fv),
-                            "--anchors", str(k), "--block-tiles", str(block_tiles), "--json", out],
+                            "--anchors", str(k), "--block-tiles", str(block_tiles), "--json", out]
+                           + (["--segment-weights"] if segments else []),
                            capture_output=True, text=True)
         if r.returncode or not os.path.exists(out):
             return None
@@ -180,10 +185,10 @@ def predict(S, batch, use_sass=False):
     P = S - W
     fk, fv = g["nk"] / (H * P), g["nv"] / (H * P)
     pl = plan(S, batch, g["k"])
-    ph, wf, lat = ((use_sass and sass_phases(fk, fv, g["k"], math.ceil(pl["tiles"] / pl["splits"])))
+    ph, wf, lat = ((use_sass and sass_phases(fk, fv, g["k"], math.ceil(pl["tiles"] / pl["splits"]), pl["segments"]))
                    or (tile_phases(fk, fv), None, None))
     tile = sum(ph.values())
-    fixed = prologue(g["k"]) + write_partial(g["k"])
+    fixed = prologue(g["k"]) + write_partial(g["k"], pl["segments"])
     per_block = math.ceil(pl["tiles"] / pl["splits"]) * tile + fixed + WINDOW_TILE  # split 0 block
     total = pl["blocks"] * (pl["tiles"] / pl["splits"] * tile + fixed) + H * batch * WINDOW_TILE
     waves = math.ceil(pl["blocks"] / (SMS * pl["resident"]))
@@ -261,11 +266,12 @@ def main():
     ap.add_argument("--ptx-model", action="store_true",
                     help="use the hand-mapped PTX constants for the tile loop instead of scripts/sass_count.py")
     ap.add_argument("--measure", action="store_true", help="re-derive the geometry with the library")
-    ap.add_argument("--segment-weights", action="store_true",
-                    help="what-if: per-anchor weights held a segment at a time (SEGMENT_WEIGHTS)")
+    ap.add_argument("--shared-weights", action="store_true",
+                    help="what-if: every anchor's weight in shared memory wherever it fits (the plan before segment "
+                         "weights; SHARED_WEIGHTS_ONLY)")
     a = ap.parse_args()
-    global SEGMENT_WEIGHTS
-    SEGMENT_WEIGHTS = a.segment_weights
+    global SHARED_WEIGHTS_ONLY
+    SHARED_WEIGHTS_ONLY = a.shared_weights
     if a.measure:
         return measure()
     if a.from_ptx:
@@ -293,7 +299,7 @@ def main():
         met = "yes" if sd / r["t"] >= tg else "NO"
         pl = r["pl"]
         print(f"| {r['S']} | {r['batch']} | {r['g']['k']} | {r['fk']:.4f}/{r['fv']:.4f} | {pl['splits']} x "
-              f"{pl['blocks']} ({pl['resident']}) | {32 * tok:.0f} | {tok:.1f} | {r['total'] / 1e6:.1f}M | "
+              f"{pl['blocks']} ({pl['resident']}{', seg' if pl['segments'] else ''}) | {32 * tok:.0f} | {tok:.1f} | {r['total'] / 1e6:.1f}M | "
               f"{r['ipc']['mixed']:.2f} ({r['ipc']['l1']:.2f}) | "
               f"{r['issue']:.1f} | {r['hbm'] / 1e6:.1f} | {r['mem']:.1f} | {r['l2_us']:.1f} | "
               f"{'-' if r['smem_us'] is None else format(r['smem_us'], '.1f')} | {r['merge']:.1f} | "

@@ -10,7 +10,9 @@ atomics, and whether tensor-core (HMMA) or packed half2/bf16x2 arithmetic is pre
 
 For decode_split_kernel<128,4> (bf16, fused NeoX RoPE, 4 rows: compiled with
 AKV_SASS_PIN_BF16_FUSED, which makes that path a constant so that the SASS holds only the
-code that runs; the per-kernel table is of that build too) it also counts the AnchorKV
+code that runs; the per-kernel table is of that build too; its per-anchor weights in shared
+memory, or with --segment-weights a segment table's entries at a time, AKV_SASS_PIN_SEGMENT_WEIGHTS:
+the library's plan at 128K) it also counts the AnchorKV
 prefix tile loop: the loop is found in the control flow (the innermost backward branch whose
 body holds both the key residuals and the per-anchor weights), each instruction is put in a
 phase by its source line (nvdisasm -gi: its innermost frame in decode_kernels.cuh, through
@@ -35,7 +37,7 @@ Then it compiles the library's own decode_split_kernel instantiations (D 64/128/
 rows, every path in one binary, no pinning) and prints their registers, stack, spills and
 local-memory accesses: what ships, where the pinned count leaves paths out.
 
-  scripts/sass_count.py [--fk 0.052 --fv 0.052] [--json out.json] [--keep DIR]
+  scripts/sass_count.py [--fk 0.052 --fv 0.052] [--segment-weights] [--json out.json] [--keep DIR]
 
 scripts/predict_decode.py reads the tile-loop phases and the latency bound from here (--json)
 instead of PTX.
@@ -66,7 +68,7 @@ PHASES = [
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
     ("contraction", ["contract", "contract_tile", "contract_gathered"]),
     ("softmax", ["softmax_tile"]),
-    ("per-anchor weights", ["prefix_values:weights"]),
+    ("per-anchor weights", ["prefix_values:weights", "flush_segment"]),
     ("value residuals", ["prefix_values:residuals"]),
     ("loop control and barriers", ["decode_split_kernel", "SplitBlock"]),  # SplitBlock: indices the loop recomputes
 ]
@@ -115,6 +117,8 @@ def trips(src, fk, fv, k, rescale):
         ("e < k; e += NT", k / NT),                           # weight rescale: a row's k weights (a cold block)
         ("e < MAXROWS * D; e += NT", 0.0),                    # zero query rows: none in a full chunk
         ("e < 256; e += 32", 256 / 32),                       # a new segment's tables: 8 entries a lane
+        ("e < kSegmentEntries; e += NT", 256 / NT),           # a segment's weights flushed: an entry a thread
+        ("e < MAXROWS * kSegmentEntries; e += NT", ROWS * 256 / NT),  # and rescaled (a cold block)
         ("v < D / 4; v += 4", D / 16),
         ("i < MAXROWS; ++i", ROWS),                           # rows loops that stay rolled
         ("atomicAdd(", CAS_ROUNDS),                           # the CAS retry loop: a round a token on one address
@@ -154,7 +158,9 @@ def cold_blocks(rescale, block_tiles):
         ("if (!blk.fused || blk.gapped) {", 0.0),   # the RoPE pass: gapped positions (format 2) only
         ("if (q >= P4)", 0.0),                      # dims past the rotary pairs only
         ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)
-        ("if (p.global_weights) {", 0.0),           # more anchors than shared memory holds (> ~9.5K)
+        # --segment-weights: a segment's weights added to the workspace, after its last tile in the
+        # block (1024 tokens at 32K and 128K) and the block's last
+        ("if (blk.segw && (blk.seg_s[1 + (tile & 1)] || tile + 1 == end_tile)) {", min(1.0, 1.0 / 16 + 1.0 / max(1, block_tiles))),
         ("} else {  // exact: the first tile", 1.0 / 16),  # the tile's first angle exactly: every 16th tile
         ("if (seg_s[0] != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
     ]
@@ -304,7 +310,7 @@ def nvcc_cubin(workdir, nvcc, name, source, flags=()):
 LOCAL_CHUNKS = (32, 16)  # local_nearest_kernel's candidate chunks (local_chunk picks one per absorb)
 
 
-def compile_cubin(workdir, nvcc):
+def compile_cubin(workdir, nvcc, segment_weights=False):
     source = ('#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_local_kernels.cuh"\n'
               '#include "cuda/coverage_select_kernels.cuh"\n#include "cuda/utility_kernels.cuh"\n'
               '#include "cuda/window_outputs_kernels.cuh"\n'
@@ -326,7 +332,8 @@ def compile_cubin(workdir, nvcc):
                    "uint32_t *, uint32_t *, uint32_t *, uint32_t *, uint32_t *, uint32_t *);\n")
         source += (f"template __global__ void akv::cuda::window_outputs_kernel<128, {exact}>(const float *, "
                    "const float *, int64_t, int, float *);\n")
-    return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo", "-DAKV_SASS_PIN_BF16_FUSED"))
+    pins = ("-DAKV_SASS_PIN_BF16_FUSED",) + (("-DAKV_SASS_PIN_SEGMENT_WEIGHTS",) if segment_weights else ())
+    return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo",) + pins)
 
 
 SHIPPED = [(d, r) for d in (64, 128, 256) for r in (4, 8, 16)]
@@ -803,10 +810,10 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         # the enclosing condition: the six lines up to this one, inside its function
         cond = "\n".join(lines[max(start - 1, ln - 6):ln]) if start and ln else ""
         w = warp_blocks.get(ln) or warps(func.split(":")[0] if func else "", cond)
-        # Cold where the line is, or where it was inlined (put8 called in a cold block).
-        _, _, cfile, cline = ins[i]["loc"] if ins[i]["loc"][0] else (None, None, None, None)
-        site = cold.get(cline, 1.0) if cfile and cfile.endswith("decode_kernels.cuh") and cline else 1.0
-        weight = min(cold.get(ln, 1.0), site)
+        # Cold where the line is, or where any frame around it was inlined (put8 called in a cold
+        # block; an atomicAdd of flush_segment, called in one).
+        weight = min([cold.get(ln, 1.0)] + [cold.get(cl, 1.0) for cf, cl in ins[i]["chain"]
+                                            if cf and cf.endswith("decode_kernels.cuh") and cl])
         if not looped:  # a guarded set-up's own lines (a lambda it defines runs in the loop)
             weight *= guarded.get(ln, 1.0)
         warps_of = warp_set(func.split(":")[0] if func else "", w, ln in upper)
@@ -831,6 +838,9 @@ def main():
     ap.add_argument("--anchors", type=int, default=815, help="k per head (weight rescale cost; 32K default: 815)")
     ap.add_argument("--block-tiles", type=int, default=16,
                     help="tiles a split block walks (the share that rescales; 32K x 1: 16)")
+    ap.add_argument("--segment-weights", action="store_true",
+                    help="the per-anchor weights a segment table's entries at a time (the plan at 128K), not all k in "
+                         "shared memory")
     ap.add_argument("--json", help="write the counts here")
     ap.add_argument("--by-line", type=int, default=0, metavar="N",
                     help="also print the tile loop's N costliest source lines (warp instructions per tile)")
@@ -844,12 +854,13 @@ def main():
         return 0
     workdir = a.keep or tempfile.mkdtemp()
     os.makedirs(workdir, exist_ok=True)
-    cubin, log = compile_cubin(workdir, nvcc)
+    cubin, log = compile_cubin(workdir, nvcc, a.segment_weights)
     pinfo = ptxas_info(log)
     funcs = disassemble(nvdisasm, cubin)
     names = dict(zip(funcs, demangle(list(funcs))))
     spans, lines = function_spans(KERNELS)
     result = {"assumptions": {"fk": a.fk, "fv": a.fv, "anchors": a.anchors, "block_tiles": a.block_tiles,
+                              "segment_weights": a.segment_weights,
                               "rescale": rescale_rate(a.block_tiles), "tile": T, "threads": NT, "rows": ROWS,
                               "head_dim": D, "pairs": PAIRS}, "kernels": {}}
     print(f"SASS of {os.path.relpath(cubin, workdir) if a.keep else 'the decode and compression kernels'} for sm_90 "

@@ -20,6 +20,7 @@ constexpr int kMaxSplits = 64;        // splits of one (request, head, row chunk
 // the plan's choice (DecodePlan::anchors_per_part).
 constexpr int kMergeAnchorChunk = 64, kMergeMaxAnchorsPerPart = 256;
 constexpr int kMaxBatchPerLaunch = 128;
+constexpr int kSegmentEntries = 256;  // entries of a format-3 segment table (one-byte indices)
 
 enum CacheKind : int32_t { kKindAnchor = 0, kKindDense = 1 };
 
@@ -103,10 +104,13 @@ struct DecodeLaunch {
   int32_t dtype;        // akv_dtype of queries and out
   int32_t heads, q_heads, q_len, rows, row_chunks, splits;
   int32_t max_anchors;
-  // 0: each split block sums its per-anchor weights in shared memory and writes them to ws_w
-  // at the end; 1 (too many anchors for shared memory): it sums them in its own ws_w rows
-  // directly (global atomics), so that shared memory does not grow with the anchor count.
-  int32_t global_weights;
+  // Per-anchor weights a split block's shared memory holds per row (SplitSmem's smem_anchors):
+  // a cache with at most that many anchors sums them there and writes them to ws_w at the
+  // end. One with more sums them in its block's own ws_w rows (global atomics), so that shared
+  // memory does not grow with the anchor count: with segment tables (storage format 3) and
+  // room for a table's 256 entries, a segment at a time in shared memory by table entry,
+  // added to ws_w when the segment ends (kSegmentEntries); otherwise token by token.
+  int32_t smem_anchors;
   // Per split block: dense part of the output, rotated residual sum, running max and sum, and
   // the per-anchor weights w_a = sum p_t gamma_t (reduced across splits, and sum_a w_a V_a
   // computed once per request, head and row, by decode_anchor_values_kernel).
@@ -143,8 +147,7 @@ struct SplitSmem {
   // so that the four rows a warp's mma B fragments read at once start 8 banks apart (unpadded
   // they share the banks: a 4-way conflict on every load).
   AKV_HD static constexpr int qb_stride(int D) { return D + 16; }
-  // smem_anchors: anchors whose per-anchor weights live in shared memory (0 with
-  // DecodeLaunch::global_weights).
+  // smem_anchors: per-anchor weights per row in shared memory (DecodeLaunch::smem_anchors).
   AKV_HD constexpr SplitSmem(int D, int maxrows, int smem_anchors) {
     const int T = kDecodeTile, max_pairs = D / 2;
     size_t o = 0;
@@ -177,9 +180,10 @@ struct SplitSmem {
     meta_kind = o; o = align16(o + sizeof(int32_t) * T);  // logit penalty of each token: 0, 1 or none (2)
     // Minus the logit penalty per row: without, with a key residual, and none (zeros).
     penalty = o; o = align16(o + sizeof(float) * 3 * maxrows);
-    // Storage format 3: the segment whose tables follow (an int), its table (256 u16) and its
-    // key and value coefficients by code (256 f32 each, keys first).
-    segment = o; o = align16(o + sizeof(int32_t));
+    // Storage format 3: the segment whose tables follow and whether an even and an odd tile is
+    // its last (three ints), its table (256 u16) and its key and value coefficients by code (256
+    // f32 each, keys first).
+    segment = o; o = align16(o + 3 * sizeof(int32_t));
     segment_table = o; o = align16(o + sizeof(uint16_t) * 256);
     segment_gammas = o; o = align16(o + sizeof(float) * 2 * 256);
     // Register-gather path (SplitBlock::fast): the rotated queries in bf16, and each key

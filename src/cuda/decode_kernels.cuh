@@ -20,9 +20,10 @@
 //            other dtypes: hi + lo splits and three products, fp32-level accuracy);
 //         6. online softmax (base 2; the scale and log2(e) are folded into the queries);
 //         7. values: per-anchor weights w_a += p_t gamma_t (shared-memory atomics; with more
-//            anchors than shared memory holds, global atomics into the block's own workspace
-//            rows, DecodeLaunch::global_weights), value residuals accumulated in the rotated
-//            domain, dense values accumulated directly.
+//            anchors than shared memory holds, by segment table entry in shared memory and
+//            added to the block's own workspace rows when the segment ends, or global atomics
+//            into those rows: DecodeLaunch::smem_anchors), value residuals accumulated in the
+//            rotated domain, dense values accumulated directly.
 //       The block writes its running max and sum, the dense part, the rotated residual sum
 //       and its per-anchor weights to the workspace.
 //   decode_anchor_values_kernel  grid (anchor parts x H x row chunks, requests), AnchorKV
@@ -136,10 +137,16 @@ struct SplitBlock {
   // warps 4-7 meanwhile) enter as logit terms.
   bool fast;
   int k, pairs;
-  // Per-anchor weights [MAXROWS][wstride]: shared memory (wstride = k), or this block's rows
-  // of ws_w (wstride = max_anchors) when DecodeLaunch::global_weights.
+  // Per-anchor weights [MAXROWS][wstride]: shared memory (w == w_s, wstride = k) when the
+  // cache's k fit (DecodeLaunch::smem_anchors), else this block's rows of ws_w (wstride =
+  // max_anchors).
   float *w;
   int64_t wstride;
+  // Not in shared memory, and the cache has segment tables: the prefix tokens' weights are
+  // summed in w_s by their segment's table entry, [MAXROWS][kSegmentEntries], and added to w
+  // when the segment ends (flush_segment); an anchor token's own weight (it is exact, not an
+  // entry) goes to w directly. format3_meta stores the entry, or kSegmentEntries + the anchor.
+  bool segw;
   // fast: each token's additive logit term [MAXROWS][T]: its key residual's term, and with
   // kFoldedPenalty minus its logit penalty too (written with the tile's metadata; key_residuals
   // adds the term), so that the contraction's epilogue is one fma a logit.
@@ -157,7 +164,8 @@ struct SplitBlock {
   float2 *step_s;
   int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s, *kind_s;
   // Storage format 3 (format3_meta): the segment whose table (tab_s) and coefficients by code
-  // (kgam_s, vgam_s) shared memory holds; -1 before the first.
+  // (kgam_s, vgam_s) shared memory holds, -1 before the first; whether an even and an odd tile
+  // is its last (segw).
   int32_t *seg_s;
   uint16_t *tab_s;
   float *kgam_s, *vgam_s;
@@ -275,14 +283,29 @@ struct SplitBlock {
     for (int e = tid; e < MAXROWS * D; e += NT)
       q_s[e] = qr_s[e] = e / D < rows ? load_elem(p.queries, p.dtype, qbase + e) * qscale : 0.0f;
     for (int e = rows * QS + tid; e < MAXROWS * QS; e += NT) qb_s[e] = 0;  // rows rotate_queries leaves
-    if (p.global_weights) {
-      w = p.ws_w + blk * MAXROWS * p.max_anchors;
-      wstride = p.max_anchors;
-    } else {
+    if (k <= p.smem_anchors) {
       w = w_s;
       wstride = k;
+      segw = false;
+    } else {
+      w = p.ws_w + blk * MAXROWS * p.max_anchors;
+      wstride = p.max_anchors;
+      segw = tables && p.smem_anchors >= kSegmentEntries;
     }
+#ifdef AKV_SASS_PIN_BF16_FUSED  // and where the weights are summed: shared memory, or by segment
+#ifdef AKV_SASS_PIN_SEGMENT_WEIGHTS
+    w = p.ws_w + blk * MAXROWS * p.max_anchors;
+    wstride = p.max_anchors;
+    segw = true;
+#else
+    w = w_s;
+    wstride = k;
+    segw = false;
+#endif
+#endif
     for (int e = tid; e < MAXROWS * k; e += NT) w[(e / k) * wstride + e % k] = 0.0f;
+    if (segw)
+      for (int e = tid; e < MAXROWS * kSegmentEntries; e += NT) w_s[e] = 0.0f;
     if (k)
       for (int d = tid; d < D; d += NT) sgn_s[d] = c.signs[d] / sqrtf(static_cast<float>(D));
     for (int j = tid; j < pairs; j += NT) {
@@ -378,9 +401,10 @@ struct SplitBlock {
         vc = load_ro(vcode + e);
       }
       const int self = self0 + static_cast<int>(e ? abits & 1u : 0u);  // an anchor token is its own anchor (exact)
-      const int ka = tables ? tab_s[ke] : static_cast<int>(ke), vaa = tables ? tab_s[ve] : static_cast<int>(ve);
+      const int ka = tables ? tab_s[ke] : static_cast<int>(ke);
+      const int vaa = tables && !segw ? tab_s[ve] : static_cast<int>(ve);
       a[e] = !live ? -1 : anchor ? self : ka;
-      va[e] = !live ? -1 : anchor ? self : vaa;
+      va[e] = !live ? -1 : anchor ? self + (segw ? kSegmentEntries : 0) : vaa;
       g[e] = !live ? 0.0f : anchor ? 1.0f : kgam_s[kc];
       vg[e] = !live ? 0.0f : anchor ? 1.0f : vgam_s[vc];
       kind[e] = !live || anchor ? 2 : static_cast<int>(residual);
@@ -485,6 +509,10 @@ struct SplitBlock {
       const bool value = lane >= 2;
       const uint32_t slot = (value ? c.value_offsets : c.key_offsets)[h] + (value ? c.value_prefix : c.key_prefix)[wd];
       res_s[lane] = lane & 1 ? static_cast<uint32_t>(__popcll((value ? c.value_mask : c.key_mask)[wd])) : slot;
+    } else if (warp == NW - 1 && !window && segw && lane == 0) {  // off warp 0's path (format3_meta)
+      // The segment's last tile? By tile parity: a warp may write the next tile's while another
+      // still reads this one's (no barrier between when the tile does not flush).
+      seg_s[1 + (t0 / T & 1)] = (t0 + T) >> c.segment_shift != t0 >> c.segment_shift;
     }
     return gap;
   }
@@ -1131,6 +1159,8 @@ struct SplitBlock {
         if (alpha != 1.0f)
           for (int e = tid; e < k; e += NT) w[i * wstride + e] *= alpha;
       }
+      if (segw)  // apart: inside the loop above, racc went to local memory at 16 rows
+        for (int e = tid; e < MAXROWS * kSegmentEntries; e += NT) w_s[e] *= red_s[e / kSegmentEntries];
       __syncthreads();  // before the tile's weights are added
     }
   }
@@ -1143,7 +1173,8 @@ struct SplitBlock {
   // float4 loads and its level with one shared-memory load.
   __device__ __forceinline__ void prefix_values(int64_t t0, int64_t end) {
     // w_a += p_t gamma_t. Shared memory (a compare-and-swap loop per add, a round for each
-    // lane on the same address), or with global_weights the block's workspace rows (native
+    // lane on the same address): all k, or the segment's table entries (segw; an anchor
+    // token's own weight into the workspace rows); or the block's workspace rows (native
     // float adds); the address space known in each loop, so no generic atomics.
     // Thread: row lane % RP of each pass of RP = NT / T rows (a fixed count of passes:
     // MAXROWS / RP) and token warp + NW (lane / RP): a warp takes RP rows of 8 tokens 8 apart,
@@ -1155,7 +1186,17 @@ struct SplitBlock {
     const bool live = u < static_cast<int>(end - t0);
     const int va = va_s[u];
     const float vg = vg_s[u];
-    if (p.global_weights) {
+    if (segw) {
+      const bool own = va >= kSegmentEntries;  // an anchor token: its own (exact) anchor
+      for (int i0 = 0; i0 < MAXROWS; i0 += RP) {
+        const int i = i0 + lane % RP;
+        if (live && i < rows) {
+          const float x = L_s[i * T + u] * vg;
+          if (own) atomicAdd(&w[i * wstride + va - kSegmentEntries], x);
+          else atomicAdd(&w_s[i * kSegmentEntries + va], x);
+        }
+      }
+    } else if (w != w_s) {
       for (int i0 = 0; i0 < MAXROWS; i0 += RP) {
         const int i = i0 + lane % RP;
         if (live && i < rows) atomicAdd(&w[i * wstride + va], L_s[i * T + u] * vg);
@@ -1218,6 +1259,22 @@ struct SplitBlock {
     __syncthreads();
   }
 
+  // segw: the segment's weights added to the workspace rows by anchor, and cleared; after a
+  // block's last tile of a segment (before format3_meta replaces the table).
+  __device__ __forceinline__ void flush_segment() {
+    for (int e = tid; e < kSegmentEntries; e += NT) {
+      const int a = tab_s[e];
+      for (int i = 0; i < MAXROWS; ++i) {
+        float &x = w_s[i * kSegmentEntries + e];
+        if (x != 0.0f) {  // an entry no token used (or a row past the chunk's)
+          atomicAdd(&w[i * wstride + a], x);
+          x = 0.0f;
+        }
+      }
+    }
+    __syncthreads();
+  }
+
   __device__ __forceinline__ void window_values(int64_t w0, int64_t end) {
     const int u = tid % T;  // one anchor per token: no two threads share an entry
     for (int i0 = 0; i0 < MAXROWS; i0 += NT / T) {
@@ -1263,7 +1320,7 @@ struct SplitBlock {
       }
       __syncthreads();
     }
-    if (!p.global_weights)  // else they are there already
+    if (w == w_s)  // else they are there already
       for (int e = tid; e < MAXROWS * k; e += NT) p.ws_w[(blk * MAXROWS + e / k) * p.max_anchors + e % k] = w_s[e];
     for (int r = 0; r < RPW; ++r)  // the row's owner warp holds its running max and sum
       if (const int i = warp + r * NW; i < MAXROWS) {
@@ -1325,6 +1382,9 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
       blk.contract(t0, end, false, 0, true, true);
       blk.template softmax_tile<false>();
       blk.prefix_values(t0, end);
+      if (blk.segw && (blk.seg_s[1 + (tile & 1)] || tile + 1 == end_tile)) {
+        blk.flush_segment();  // the block's last tile of the segment
+      }
     }
     if (split == 0)
       for (int w0 = 0; w0 < c.window; w0 += T) {

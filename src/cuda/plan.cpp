@@ -195,10 +195,8 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   }
   // The smallest row chunk (at most 16 rows: more spill) that holds every row, shrunk while
   // its shared memory (queries, per-anchor weights, key tile, angle tables) does not fit.
-  // When not even 4 rows fit with the weights (about 9.5K anchors at 227 KB), the weights
-  // move to the workspace and shared memory no longer depends on the anchor count.
   // fits(anchors): sets maxrows and smem_bytes to the largest chunk that fits with `anchors`
-  // weights in shared memory; false when not even 4 rows fit.
+  // weights per row in shared memory; false when not even 4 rows fit.
   auto fits = [&](int smem_anchors) {
     for (plan.maxrows = rows <= 4 ? 4 : rows <= 8 ? 8 : 16; plan.maxrows >= 4; plan.maxrows /= 2) {
       plan.smem_bytes = SplitSmem(D, plan.maxrows, smem_anchors).total;
@@ -207,18 +205,49 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
     plan.maxrows = 4;
     return false;
   };
-  plan.global_weights = !fits(plan.max_anchors);
-  if (plan.global_weights && !fits(0))
-    fail(AKV_ERR_UNSUPPORTED, "decode needs ", plan.smem_bytes, " bytes of shared memory per block (head_dim ", D,
-         "); the device allows ", smem_limit);
+  const auto resident_of = [&] {
+    return std::max(1, resident ? resident(plan.maxrows, plan.smem_bytes)
+                                : static_cast<int>(std::min<size_t>(2048 / kDecodeThreads,
+                                                                    (228 * 1024) / (plan.smem_bytes + 1024))));
+  };
+  // Every anchor's weight in shared memory where it fits; a segment table's entries at a time
+  // (format 3 with tables: every cache with more than 256 anchors) where all k do not fit, or
+  // where that fits more blocks on a multiprocessor with as many rows (at 128K: one block with
+  // k weights, two with 256), or where neither does, the workspace: shared memory no longer
+  // depends on the anchor count.
+  static_assert(kSegmentEntries == kTableEntries, "a segment's weights are its table's entries");
+  bool tabled = true;  // every cache whose weights would not fit 256 a row has segment tables
+  for (int32_t b = 0; b < batch; ++b) {
+    const akv_cache &c = *caches[b];
+    if (storage_of(c.meta.method) == Storage::kAnchor && c.geometry.anchors > kSegmentEntries)
+      tabled = tabled && c.geometry.format == 3 && c.geometry.table_size != 0;
+  }
+  const bool shared = fits(plan.max_anchors);
+  const int shared_rows = plan.maxrows, shared_resident = shared ? resident_of() : 0;
+  const size_t shared_bytes = plan.smem_bytes;
+  const bool segments = plan.max_anchors > kSegmentEntries && fits(kSegmentEntries) &&
+                        (!shared || (tabled && plan.maxrows >= shared_rows && resident_of() > shared_resident));
+  if (segments) {
+    plan.weights = DecodePlan::Weights::kSegments;
+    plan.smem_anchors = kSegmentEntries;
+  } else if (shared) {
+    plan.weights = DecodePlan::Weights::kShared;
+    plan.smem_anchors = plan.max_anchors;
+    plan.maxrows = shared_rows;
+    plan.smem_bytes = shared_bytes;
+  } else {
+    plan.weights = DecodePlan::Weights::kWorkspace;
+    plan.smem_anchors = 0;
+    if (!fits(0))
+      fail(AKV_ERR_UNSUPPORTED, "decode needs ", plan.smem_bytes, " bytes of shared memory per block (head_dim ", D,
+           "); the device allows ", smem_limit);
+  }
   plan.row_chunks = (rows + plan.maxrows - 1) / plan.maxrows;
   // Splits over the prompt: as many as keep the grid within one wave of resident blocks
   // (rounding up would leave a second, mostly idle wave), no more than tiles (nor
   // kMaxSplits). Depends only on the batch shape and prompt lengths, so the grid of
   // a captured decode stays valid as tokens are appended.
-  plan.resident = resident ? resident(plan.maxrows, plan.smem_bytes)
-                           : static_cast<int>(std::min<size_t>(2048 / kDecodeThreads, (228 * 1024) / (plan.smem_bytes + 1024)));
-  plan.resident = std::max(plan.resident, 1);
+  plan.resident = resident_of();
   const int64_t per_request = static_cast<int64_t>(H) * plan.row_chunks;
   const int32_t launch_batch = std::min(batch, kMaxBatchPerLaunch);
   const int64_t target = static_cast<int64_t>(plan.resident) * std::max(sm_count, 1);
@@ -256,7 +285,7 @@ DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32
   p.row_chunks = plan.row_chunks;
   p.splits = plan.splits;
   p.max_anchors = plan.max_anchors;
-  p.global_weights = plan.global_weights ? 1 : 0;
+  p.smem_anchors = plan.smem_anchors;
   p.rescale_slack = kRescaleSlack;
   const size_t per_block = static_cast<size_t>(plan.maxrows) * shape.head_dim;
   p.ws_o = workspace;

@@ -40,7 +40,11 @@ struct DecodePlan {
   int max_anchors = 0;
   int anchor_parts = 0;  // blocks of decode_anchor_values_kernel per (request, head, row chunk)
   int anchors_per_part = kMergeMaxAnchorsPerPart;  // anchors of one such block
-  bool global_weights = false;  // per-anchor weights summed in the workspace (DecodeLaunch)
+  // Where a split block sums the per-anchor weights (DecodeLaunch::smem_anchors): all k in
+  // shared memory; a segment table's entries at a time there (caches without tables: the
+  // workspace); or the workspace.
+  enum class Weights { kShared, kSegments, kWorkspace } weights = Weights::kShared;
+  int smem_anchors = 0;  // weights per row in shared memory
   int resident = 1;       // split blocks resident per multiprocessor
   size_t smem_bytes = 0;  // dynamic shared memory of decode_split_kernel
   int64_t blocks = 0;     // split blocks of one launch (kMaxBatchPerLaunch requests at most)

@@ -17,6 +17,7 @@ namespace {
 
 using namespace akv_test;
 namespace kc = akv::cuda;
+using Weights = kc::DecodePlan::Weights;
 
 // A cache's view in host memory, as the CUDA backend builds it in device memory.
 struct HostView {
@@ -68,18 +69,18 @@ void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, i
 // Emulated GPU decode of a batch; queries and the result: bytes in `io` dtype.
 // sm_count and resident (split blocks per multiprocessor) set the number of splits; smem:
 // the shared memory a block may have (a device's 227 KB, or less, which shrinks the row chunk
-// or moves the per-anchor weights to the workspace; global_weights: the expected choice).
+// or moves the per-anchor weights out of it; weights: the expected choice).
 // lse (optional): receives [batch][Hq][q_len], each row's log-sum-exp.
 std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, const std::vector<uint8_t> &queries,
                                      akv_dtype io, int q_len, int sm_count, int resident, size_t smem,
-                                     std::vector<float> *lse = nullptr, const bool *global_weights = nullptr,
+                                     std::vector<float> *lse = nullptr, const Weights *weights = nullptr,
                                      float rescale_slack = kc::kRescaleSlack) {
   const int32_t batch = static_cast<int32_t>(caches.size());
   const akv_shape &s = caches[0]->meta.shape;
   const kc::DecodePlan plan = kc::plan_decode(caches.data(), batch, q_len, sm_count, smem,
                                               [&](int, size_t) { return resident; });
   EXPECT_EQ(plan.resident, resident);
-  if (global_weights) EXPECT_EQ(plan.global_weights, *global_weights) << "where the per-anchor weights are summed";
+  if (weights) EXPECT_EQ(plan.weights, *weights) << "where the per-anchor weights are summed";
   std::vector<HostView> views;
   views.reserve(caches.size());
   for (akv_cache *c : caches) views.emplace_back(*c);
@@ -154,10 +155,9 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
   return cache;
 }
 
-// global_weights: whether the plan must (true) or must not (false) sum the per-anchor
-// weights in the workspace.
+// weights: where the plan must sum the per-anchor weights.
 void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t smem = 227 * 1024,
-                bool global_weights = false, int kv_heads = 2) {
+                Weights weights = Weights::kShared, int kv_heads = 2) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   SCOPED_TRACE(describe(c) + " batch " + std::to_string(batch) + " sm_count " + std::to_string(sm_count));
@@ -180,7 +180,7 @@ void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t
                           expected_lse.data(), nullptr),
      "akv_decode_batch_lse");
   const std::vector<float> got =
-      decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, resident, smem, &got_lse, &global_weights,
+      decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, resident, smem, &got_lse, &weights,
                                    c.rescale_slack),
                     c.io);
   const std::vector<float> expected = decode_bytes(expected_bytes, c.io);
@@ -293,21 +293,68 @@ TEST(EmulatedDecode, ManyAnchorsGqaGroupsAndQueryLengths) {
   check_case(g4, 3, 4, 2);
 }
 
-// More anchors than shared memory holds with even 4 rows (about 9.5K anchors on a device):
-// the per-anchor weights are summed in the workspace (DecodePlan::global_weights), and
-// shared memory no longer depends on the anchor count. Here a small shared-memory limit
-// forces it at 900 anchors.
-TEST(EmulatedDecode, AnchorWeightsInTheWorkspaceWhenSharedMemoryIsShort) {
+// More anchors than shared memory holds with even 4 rows (about 9.2K anchors on a device;
+// or fewer blocks fit a multiprocessor with them): storage format 3's are summed a segment
+// table's 256 entries at a time in shared memory and added to the workspace when the segment
+// ends (DecodePlan::Weights::kSegments); format 2's, or all where not even the 256 fit,
+// directly in the workspace (kWorkspace). Shared memory then no longer depends on the anchor
+// count. Here small shared-memory limits force them at 900 anchors (segments of 256 tokens:
+// blocks of several, and blocks that start inside one).
+TEST(EmulatedDecode, AnchorWeightsBySegmentOrInTheWorkspaceWhenSharedMemoryIsShort) {
   Case c{AKV_METHOD_ANCHORKV, 1800, 64, 4, 2, 3, AKV_ROPE_NEOX, false};  // 8 rows
   c.anchors = 900;
-  const size_t smem = kc::SplitSmem(64, 8, 0).total + 4096;
-  ASSERT_GT(kc::SplitSmem(64, 4, 800).total, smem) << "the weights must not fit at 4 rows";
-  check_case(c, 2, 4, 2, smem, /*global_weights=*/true);
-  c.io = AKV_DTYPE_BF16;  // the register-gather path with the weights in the workspace
-  check_case(c, 2, 4, 2, smem, /*global_weights=*/true);
+  const size_t segment_smem = kc::SplitSmem(64, 8, 0).total + 4096;
+  ASSERT_GT(kc::SplitSmem(64, 4, 800).total, segment_smem) << "the weights must not fit at 4 rows";
+  ASSERT_LE(kc::SplitSmem(64, 4, kc::kSegmentEntries).total, segment_smem) << "a segment's must";
+  check_case(c, 2, 4, 2, segment_smem, Weights::kSegments);  // two row chunks of 4
+  c.io = AKV_DTYPE_BF16;  // the register-gather path
+  check_case(c, 2, 4, 2, segment_smem, Weights::kSegments);
+  Case rises = c;  // every rise of a row's max rescales the segment's sums and the workspace's
+  rises.rescale_slack = 0.0f;
+  check_case(rises, 1, 3, 2, segment_smem, Weights::kSegments);
+  Case format2 = c;  // no segment tables: the workspace, under the same plan
+  format2.gapped_positions = true;
+  check_case(format2, 2, 4, 2, segment_smem, Weights::kSegments);
+  const size_t workspace_smem = kc::SplitSmem(64, 4, 0).total + 1024;
+  check_case(c, 2, 4, 2, workspace_smem, Weights::kWorkspace);
+  c.io = AKV_DTYPE_F32;
+  check_case(c, 2, 4, 2, workspace_smem, Weights::kWorkspace);
   Case one_row{AKV_METHOD_ANCHORKV, 1300, 128, 1, 1, 0, AKV_ROPE_NEOX, true};  // a chunk of 4 with 1 row
   one_row.anchors = 700;
-  check_case(one_row, 1, 8, 1, kc::SplitSmem(128, 4, 0).total, /*global_weights=*/true);
+  check_case(one_row, 1, 8, 1, kc::SplitSmem(128, 4, 0).total, Weights::kWorkspace);
+  Case one_row3 = one_row;  // format 3, at D 128
+  one_row3.gapped_positions = false;
+  check_case(one_row3, 1, 2, 1, kc::SplitSmem(128, 4, kc::kSegmentEntries).total, Weights::kSegments);
+}
+
+// With room for every weight, the plan still sums them a segment at a time where that fits
+// more blocks on a multiprocessor (at 128K and default options: k 3258, one block with its
+// weights, two with a table's), and only for caches with segment tables.
+TEST(EmulatedDecode, PlanSumsWeightsBySegmentWhereThatFitsMoreBlocks) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  ContextPtr ctx = make_context(2);
+  Case c{AKV_METHOD_ANCHORKV, 1300, 128, 4, 1, 0, AKV_ROPE_NEOX, false};
+  c.anchors = 700;
+  CachePtr tabled = build_cache(ctx.get(), rng, c, 2);
+  c.gapped_positions = true;  // format 2: no tables
+  CachePtr untabled = build_cache(ctx.get(), rng, c, 2);
+  const size_t small = kc::SplitSmem(128, 4, kc::kSegmentEntries).total;
+  const auto two_if_small = [&](int, size_t smem) { return smem <= small ? 2 : 1; };
+  const akv_cache *one[] = {tabled.get()};
+  kc::DecodePlan plan = kc::plan_decode(one, 1, 1, 8, 227 * 1024, two_if_small);
+  EXPECT_EQ(plan.weights, Weights::kSegments);
+  EXPECT_EQ(plan.smem_anchors, kc::kSegmentEntries);
+  EXPECT_EQ(plan.resident, 2);
+  EXPECT_EQ(plan.smem_bytes, small);
+  plan = kc::plan_decode(one, 1, 1, 8, 227 * 1024, [](int, size_t) { return 2; });  // no block to gain
+  EXPECT_EQ(plan.weights, Weights::kShared);
+  EXPECT_EQ(plan.smem_anchors, 700);
+  const akv_cache *both[] = {tabled.get(), untabled.get()};  // one cache would sum in the workspace
+  plan = kc::plan_decode(both, 2, 1, 8, 227 * 1024, two_if_small);
+  EXPECT_EQ(plan.weights, Weights::kShared);
+  EXPECT_EQ(plan.resident, 1);
 }
 
 // A million prompt positions (one KV head, one query row, 300 anchors: format 3 with
@@ -316,7 +363,7 @@ TEST(EmulatedDecode, AnchorWeightsInTheWorkspaceWhenSharedMemoryIsShort) {
 TEST(EmulatedDecode, MillionPositions) {
   Case c{AKV_METHOD_ANCHORKV, 1 << 20, 64, 1, 1, 0, AKV_ROPE_NEOX, false};
   c.anchors = 300;
-  check_case(c, 1, 64, 1, 227 * 1024, /*global_weights=*/false, /*kv_heads=*/1);
+  check_case(c, 1, 64, 1, 227 * 1024, Weights::kShared, /*kv_heads=*/1);
 }
 
 // Storage format 3 is read as stored: the view block adds the coefficient units and two

@@ -303,7 +303,9 @@ TEST_F(Cuda, DecodeMatchesCpuOverShapesMethodsAndMixedBatches) {
 
 // Long contexts: 64K and 128K tokens, q_len 1 and 4, G 1, 4 and 8; at 128K, k = 1024 anchors
 // of D = 128 (256 KB of bf16 keys, more than a block's shared memory: the key tiles read the
-// anchor rows through L2). ANCHORKV_TEST_QUICK (compute-sanitizer runs): the first case only.
+// anchor rows through L2), and k = 4096, whose weights in shared memory would leave one block
+// a multiprocessor: the plan sums them a segment table at a time (DecodePlan::Weights::
+// kSegments). ANCHORKV_TEST_QUICK (compute-sanitizer runs): the first case only.
 TEST_F(Cuda, DecodeLongContextsMatchCpu) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
@@ -315,6 +317,7 @@ TEST_F(Cuda, DecodeLongContextsMatchCpu) {
       {AKV_METHOD_ANCHORKV, 32768, 128, 1, 1, AKV_DTYPE_BF16, 256},
       {AKV_METHOD_ANCHORKV, 65536, 128, 8, 1, AKV_DTYPE_F16, 512},
       {AKV_METHOD_ANCHORKV, 65536, 128, 4, 4, AKV_DTYPE_BF16, 512},
+      {AKV_METHOD_ANCHORKV, 131072, 128, 4, 1, AKV_DTYPE_BF16, 4096},
   };
   const bool quick = std::getenv("ANCHORKV_TEST_QUICK") != nullptr;
   for (const DecodeCase &c : cases) {
