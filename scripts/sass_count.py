@@ -116,7 +116,7 @@ def trips(src, fk, fv, k, rescale):
         ("e < MAXROWS * k; e += NT", rescale * ROWS * k / NT),  # weight rescale (global weights)
         ("e < k; e += NT", k / NT),                           # weight rescale: a row's k weights (a cold block)
         ("e < MAXROWS * D; e += NT", 0.0),                    # zero query rows: none in a full chunk
-        ("e < 256; e += 32", 256 / 32),                       # a new segment's tables: 8 entries a lane
+        ("e < kSegmentEntries; e += 32", 256 / 32),           # a new segment's coefficients: 8 entries a lane
         ("e < kSegmentEntries; e += NT", 256 / NT),           # a segment's weights flushed: an entry a thread
         ("e < MAXROWS * kSegmentEntries; e += NT", ROWS * 256 / NT),  # and rescaled (a cold block)
         ("v < D / 4; v += 4", D / 16),

@@ -181,11 +181,11 @@ struct SplitSmem {
     // Minus the logit penalty per row: without, with a key residual, and none (zeros).
     penalty = o; o = align16(o + sizeof(float) * 3 * maxrows);
     // Storage format 3: the segment whose tables follow and whether an even and an odd tile is
-    // its last (three ints), its table (256 u16) and its key and value coefficients by code (256
-    // f32 each, keys first).
+    // its last (three ints), its table (256 u16), its key and value coefficients by code and
+    // the codes' units (256 f32 each: keys, values, units).
     segment = o; o = align16(o + 3 * sizeof(int32_t));
     segment_table = o; o = align16(o + sizeof(uint16_t) * 256);
-    segment_gammas = o; o = align16(o + sizeof(float) * 2 * 256);
+    segment_gammas = o; o = align16(o + sizeof(float) * 3 * 256);
     // Register-gather path (SplitBlock::fast): the rotated queries in bf16, and each key
     // residual's logit term by row and token. Its bf16 cos and sin table takes the start of
     // the key tile, which that path leaves free (fast_tables_bytes).

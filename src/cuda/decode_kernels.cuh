@@ -168,7 +168,7 @@ struct SplitBlock {
   // is its last (segw).
   int32_t *seg_s;
   uint16_t *tab_s;
-  float *kgam_s, *vgam_s;
+  float *kgam_s, *vgam_s, *units_s;  // units_s: CacheView::gamma_units, copied once a block
   int64_t *pos_s;
 
   // Rows owned by each warp: warp w holds row w + r NW's running max and its lanes' partial
@@ -247,7 +247,8 @@ struct SplitBlock {
     seg_s = reinterpret_cast<int32_t *>(smem + lay.segment);
     tab_s = reinterpret_cast<uint16_t *>(smem + lay.segment_table);
     kgam_s = reinterpret_cast<float *>(smem + lay.segment_gammas);
-    vgam_s = kgam_s + 256;
+    vgam_s = kgam_s + kSegmentEntries;
+    units_s = vgam_s + kSegmentEntries;
     if (tid == 0) seg_s[0] = -1;
     cs_s = reinterpret_cast<uint4 *>(smem + lay.keys);  // the key tile is free on the fast path
     qb_s = reinterpret_cast<uint16_t *>(smem + lay.qb);
@@ -308,6 +309,8 @@ struct SplitBlock {
       for (int e = tid; e < MAXROWS * kSegmentEntries; e += NT) w_s[e] = 0.0f;
     if (k)
       for (int d = tid; d < D; d += NT) sgn_s[d] = c.signs[d] / sqrtf(static_cast<float>(D));
+    if (format3)
+      for (int e = tid; e < kSegmentEntries; e += NT) units_s[e] = c.gamma_units[e];
     for (int j = tid; j < pairs; j += NT) {
       inv_s[j] = c.inv_freq[j];
       first_s[j] = c.rope_first[j];
@@ -360,14 +363,16 @@ struct SplitBlock {
     const int si = t0 >> c.segment_shift;
     if (seg_s[0] != si) {  // uniform across warp 0
       const int64_t seg = static_cast<int64_t>(h) * c.segments + si;
-      const float kscale = load_ro(c.gamma_scales + 2 * seg), vscale = load_ro(c.gamma_scales + 2 * seg + 1);
-      const uint16_t *table = c.segment_tables + seg * c.table_size;
-      const float *units = c.gamma_units;
-      for (int e = lane; e < 256; e += 32) {
-        if (tables) tab_s[e] = load_ro(table + e);
-        const float unit = load_ro(units + e);
-        kgam_s[e] = bits_to_float(float_to_bits(kscale * unit, true), true);
-        vgam_s[e] = bits_to_float(float_to_bits(vscale * unit, true), true);
+      const float2 scale = load_ro(reinterpret_cast<const float2 *>(c.gamma_scales) + seg);  // key, value
+      // The table in one 16-byte load a lane (tables are 512 bytes, sections 16-byte aligned).
+      static_assert(kSegmentEntries * sizeof(uint16_t) == 32 * sizeof(uint4), "a table is a uint4 a lane");
+      if (tables)
+        reinterpret_cast<uint4 *>(tab_s)[lane] =
+            load_ro(reinterpret_cast<const uint4 *>(c.segment_tables + seg * c.table_size) + lane);
+      for (int e = lane; e < kSegmentEntries; e += 32) {
+        const float unit = units_s[e];
+        kgam_s[e] = bits_to_float(float_to_bits(scale.x * unit, true), true);
+        vgam_s[e] = bits_to_float(float_to_bits(scale.y * unit, true), true);
       }
       __syncwarp();
       if (lane == 0) seg_s[0] = si;  // every lane has read it
