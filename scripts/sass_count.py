@@ -69,7 +69,7 @@ PHASES = [
     ("contraction", ["contract", "contract_tile", "contract_gathered"]),
     ("softmax", ["softmax_tile"]),
     ("per-anchor weights", ["prefix_values:weights", "flush_segment"]),
-    ("value residuals", ["prefix_values:residuals"]),
+    ("value residuals", ["prefix_values:residuals", "stage_values"]),
     ("loop control and barriers", ["decode_split_kernel", "SplitBlock"]),  # SplitBlock: indices the loop recomputes
 ]
 
@@ -108,7 +108,8 @@ def trips(src, fk, fv, k, rescale):
         ("n0 + s * R < count; ++s", ck / 4 / key_passes),     # key_residuals_tc: a pass's residuals in turn
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
-        ("e < count * PER; e += 32", max(1.0, cv * max(ROWS, D // 16) / 32)),  # value residuals' staging
+        ("e < count * PER; e += 32", max(1.0, cv * max(4, D // 16) / 32)),  # value residuals' staging
+        ("e < count * MAXROWS; e += NT", max(1.0, cv * ROWS / NT)),  # and their probabilities
         ("n < count; n += VG) {", cv / VALUE_GROUPS),          # value residuals: VG slot groups in turn
         ("u < T; u += 32", T / 32),
         ("s < 2 * SP; ++s", D / 32),                          # fast contraction: slab pairs of a token's row
@@ -175,7 +176,7 @@ WARP_BLOCKS = [
     ("for (int j2 = tid; j2 < D / 4; j2 += NT) {", D / 4 / 32),  # fast path's query rotation: two pairs a thread
     ("if (const int i = warp + r * NW; i < MAXROWS) {", ROWS_WARPS),  # softmax: each owned row in its warp
     ("} else if (warp == NW - 1 && !window && !format3 && lane < 4) {", 1.0),  # format 2's residual slots: one warp
-    ("if (warp == 0) {  // the tile's value residuals", 1.0),
+    ("} else if (warp == NW - 1 && !window) {", 1.0),  # the value residuals' staging (stage_values)
     ("if (group < VG) {", VALUE_GROUPS * (D // 2) / 32),  # value residuals: VG slot groups of TPD = D / 2 threads
 ]
 
@@ -231,8 +232,8 @@ def cold_lines(lines, table):
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition
 # (the lines just above it); default 8.
 def warps(func, cond_text):
-    if func == "format3_meta":
-        return 1.0  # warp 0: two tokens a lane
+    if func in ("format3_meta", "stage_values"):
+        return 1.0  # warp 0: two tokens a lane; warp 7: the value residuals' staging
     if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func == "anchor_meta":
@@ -657,13 +658,16 @@ def latency_class(op):
     return "special"  # MUFU, F2F, POPC, FRND, F2I, S2R, S2UR, B2R, ...
 
 
-def warp_set(func, w, upper):
+def warp_set(func, w, upper, last=False):
     """The warps (of NW) that run a line executed by w of them (warps()/WARP_BLOCKS): every one;
-    the key residuals' and the upper half's 4 - 7; the first angles' 2 - 3 (anchor_meta's T <=
-    tid < T + pairs); else the first ones (the contraction, the softmax rows and the value
-    groups on 0 - 3, the query rotation on 0 - 1, format3_meta and the value staging on 0)."""
+    the last warp's branch of anchor_meta and the value staging (last, stage_values) on 7; the
+    key residuals' and the upper half's 4 - 7; the first angles' 2 - 3 (anchor_meta's T <= tid <
+    T + pairs); else the first ones (the contraction, the softmax rows and the value groups on
+    0 - 3, the query rotation on 0 - 1, format3_meta on 0)."""
     if w >= NW:
         return tuple(range(NW))
+    if last or func == "stage_values":
+        return (NW - 1,)
     if upper or func in ("key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return tuple(range(NW // 2, NW))
     if func == "anchor_meta":
@@ -772,7 +776,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     weights_end = None  # prefix_values: the per-anchor weights end where the value residuals start
     for name, a, b in spans:
         if name == "prefix_values":
-            weights_end = next(n for n in range(a, b + 1) if "const uint32_t base = res_s[2];" in lines[n - 1])
+            weights_end = next(n for n in range(a, b + 1) if "const int count = static_cast<int>(res_s[3]);" in lines[n - 1])
     # SASS trips of each inner loop: the source trips over nvcc's unroll factor, which is read
     # off the body: the fewest loads any one source line of the body issues (a line loads
     # once per source iteration).
@@ -796,6 +800,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
     prev = (8.0, 1.0, tuple(range(NW)))  # warps, cold weight and warp set of the last instruction with a line
     upper = cold_lines(lines, [("if (half == 1) {", 1.0)])  # lines of warps 4 - 7
+    last = cold_lines(lines, [("} else if (warp == NW - 1 && !window) {", 1.0)])  # lines of warp 7
     weighted = []  # (instruction, phase, warp instructions a tile, the warps that run it)
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
@@ -816,7 +821,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
                                             if cf and cf.endswith("decode_kernels.cuh") and cl])
         if not looped:  # a guarded set-up's own lines (a lambda it defines runs in the loop)
             weight *= guarded.get(ln, 1.0)
-        warps_of = warp_set(func.split(":")[0] if func else "", w, ln in upper)
+        warps_of = warp_set(func.split(":")[0] if func else "", w, ln in upper, ln in last)
         if func is None:  # library code inlined without a line: the block it sits in
             w, weight, warps_of = prev
         else:

@@ -107,11 +107,11 @@ struct SplitBlock {
   static constexpr int EPL = D / 32;                  // dims per lane (warp paths)
   static constexpr int kValueGroups = 2;  // slot groups that take a tile's value residuals (prefix_values)
   static_assert(T == 64, "a tile is one residual mask word");
-  static_assert(D / 2 + T <= NT, "tile metadata and first angles in one pass");
   static_assert(MAXROWS <= 16, "more rows spill: split them into row chunks");
   static_assert(MAXROWS % 4 == 0, "value residuals read a residual's rows as float4");
-  static_assert(SplitSmem::fast_tables_bytes(D) + 4 * (MAXROWS + 4) * T <= 4 * T * KS,
-                "the fast path's tables and the value residuals' scratch share the key tile");
+  static_assert(SplitSmem::fast_tables_bytes(D) + 4 * MAXROWS * T <= 4 * T * KS,
+                "the fast path's tables and the value residuals' probabilities share the key tile");
+  static_assert(D / 2 + T <= NT - 32, "anchor_meta: warp NW - 1 takes no token nor pair (stage_values)");
 
   const CacheView &c;
   const DecodeLaunch &p;
@@ -189,6 +189,8 @@ struct SplitBlock {
   HeadArrays *ha_s;  // this head's array pointers
   uint32_t *res_s;       // the tile's key residuals (first slot, count), then the value residuals'
   uint32_t *vc_s;        // the tile's value residuals' codes [count][D / 16] (32-bit words)
+  int32_t *vpos_s;       // and their positions in the tile [count]
+  float *vlev_s;         // and their four scaled levels [count][4]
 
   // blk: this block's index among the launch's split blocks (its workspace rows).
   __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc,
@@ -255,6 +257,8 @@ struct SplitBlock {
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
     res_s = reinterpret_cast<uint32_t *>(smem + lay.residuals);
     vc_s = reinterpret_cast<uint32_t *>(smem + lay.value_codes);
+    vpos_s = reinterpret_cast<int32_t *>(smem + lay.value_positions);
+    vlev_s = reinterpret_cast<float *>(smem + lay.value_levels);
     ha_s = reinterpret_cast<HeadArrays *>(smem + lay.head_arrays);
     if (tid == 0) {
       const int64_t hw = static_cast<int64_t>(h) * c.words, hp = static_cast<int64_t>(h) * c.prefix;
@@ -382,12 +386,11 @@ struct SplitBlock {
     const uint8_t *kent = ha.key_entry + t0 + u, *vent = ha.value_entry + t0 + u, *kcode = ha.key_code + t0 + u,
                   *vcode = ha.value_code + t0 + u;
     const uint64_t anchors = load_ro(ha.anchor_mask + wd), kmask = load_ro(ha.key_mask + wd);
-    // The tile's residual slots: the last tile's first slots plus its counts (here, so that
-    // the value mask's load shares the other words' trip to L2: ptxas issues it where it is used).
+    // The tile's key residual slots: the last tile's first slot plus its count (the value
+    // side's: stage_values, on warp NW - 1).
     if (lane == 0) {
-      const uint4 r = *reinterpret_cast<const uint4 *>(res_s);
-      *reinterpret_cast<uint4 *>(res_s) = uint4{r.x + r.y, static_cast<uint32_t>(__popcll(kmask)), r.z + r.w,
-                                                 static_cast<uint32_t>(__popcll(load_ro(ha.value_mask + wd)))};
+      const uint2 r = *reinterpret_cast<const uint2 *>(res_s);
+      *reinterpret_cast<uint2 *>(res_s) = uint2{r.x + r.y, static_cast<uint32_t>(__popcll(kmask))};
     }
     // Token u's anchor index if it is an anchor, and its key residual's slot; token u + 1's
     // are these plus token u's bits.
@@ -433,12 +436,47 @@ struct SplitBlock {
   }
 
   // Before a block's first prefix tile: format 3's residual slots as of that tile, with counts
-  // 0, to which format3_meta adds each tile's (tiles run consecutively).
+  // 0, to which each tile adds its own (tiles run consecutively): the key side by the thread
+  // that updates it (format3_meta's lane 0), the value side by stage_values's.
   __device__ __forceinline__ void start_prefix(int first_tile) {
-    if (format3 && tid == 0 && first_tile < c.words) {
+    if (format3 && (tid == 0 || tid == NT - 32) && first_tile < c.words) {
       const int64_t wd = static_cast<int64_t>(h) * c.words + first_tile;
-      *reinterpret_cast<uint4 *>(res_s) =
-          uint4{c.key_offsets[h] + c.key_prefix[wd], 0u, c.value_offsets[h] + c.value_prefix[wd], 0u};
+      if (tid == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{c.key_offsets[h] + c.key_prefix[wd], 0u};
+      else *reinterpret_cast<uint2 *>(res_s + 2) = uint2{c.value_offsets[h] + c.value_prefix[wd], 0u};
+    }
+  }
+
+  // Warp NW - 1, while warp 0 reads the tile's metadata (anchor_meta): the tile's value
+  // residual slots (res_s[2], res_s[3]) and, with nothing that waits on the softmax, each
+  // residual's position in the tile (vpos_s), its four scaled levels (vlev_s) and its codes
+  // (vc_s), so that prefix_values reads only shared memory.
+  __device__ __forceinline__ void stage_values(int64_t t0) {
+    const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
+    uint32_t base;
+    int count;
+    if (format3) {  // the last tile's first slot plus its count
+      const uint2 r = *reinterpret_cast<const uint2 *>(res_s + 2);  // every lane
+      base = r.x + r.y;
+      count = __popcll(load_ro(c.value_mask + wd));
+      __syncwarp();  // every lane has read it
+      if (lane == 0) *reinterpret_cast<uint2 *>(res_s + 2) = uint2{base, static_cast<uint32_t>(count)};
+    } else {  // format 2: from the tile's prefix counts (and the key side's too)
+      base = c.value_offsets[h] + c.value_prefix[wd];
+      count = __popcll(c.value_mask[wd]);
+      if (lane == 0)
+        *reinterpret_cast<uint4 *>(res_s) = uint4{c.key_offsets[h] + static_cast<uint32_t>(c.key_prefix[wd]),
+                                                   static_cast<uint32_t>(__popcll(c.key_mask[wd])), base,
+                                                   static_cast<uint32_t>(count)};
+    }
+    // The codes as whole words (a residual's D / 4 bytes are consecutive and 4-byte aligned),
+    // so that every thread reads its byte from shared memory with a 32-bit index.
+    const uint32_t *words = reinterpret_cast<const uint32_t *>(c.value_codes) + static_cast<int64_t>(base) * (D / 16);
+    constexpr int PER = D / 16 > 4 ? D / 16 : 4;  // the most entries a residual has in one array
+    AKV_NO_UNROLL
+    for (int e = lane; e < count * PER; e += 32) {
+      if (e < count) vpos_s[e] = load_ro(c.value_chunk + base + e);  // the position inside the word (= tile)
+      if (e < count * 4) vlev_s[e] = load_ro(c.value_scales + base + e / 4) * lloyd_max_level(e & 3);
+      if (e < count * (D / 16)) vc_s[e] = load_ro(words + e);
     }
   }
 
@@ -507,17 +545,11 @@ struct SplitBlock {
       next_s[j] = p0 + T;
       basec_s[j] = run_c;
       bases_s[j] = run_s;
-    } else if (warp == NW - 1 && !window && !format3 && lane < 4) {
-      // Format 2's residual slots of the tile (format 3: format3_meta): the first slot and the
-      // count of each side (key_residuals, prefix_values), lanes 0-3 at once.
-      const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
-      const bool value = lane >= 2;
-      const uint32_t slot = (value ? c.value_offsets : c.key_offsets)[h] + (value ? c.value_prefix : c.key_prefix)[wd];
-      res_s[lane] = lane & 1 ? static_cast<uint32_t>(__popcll((value ? c.value_mask : c.key_mask)[wd])) : slot;
-    } else if (warp == NW - 1 && !window && segw && lane == 0) {  // off warp 0's path (format3_meta)
+    } else if (warp == NW - 1 && !window) {  // off warp 0's path (format3_meta)
+      stage_values(t0);
       // The segment's last tile? By tile parity: a warp may write the next tile's while another
       // still reads this one's (no barrier between when the tile does not flush).
-      seg_s[1 + (t0 / T & 1)] = (t0 + T) >> c.segment_shift != t0 >> c.segment_shift;
+      if (segw && lane == 0) seg_s[1 + (t0 / T & 1)] = (t0 + T) >> c.segment_shift != t0 >> c.segment_shift;
     }
     return gap;
   }
@@ -1212,26 +1244,12 @@ struct SplitBlock {
         if (live && i < rows) atomicAdd(&w_s[i * k + va], L_s[i * T + u] * vg);
       }
     }
-    const uint32_t base = res_s[2];
     const int count = static_cast<int>(res_s[3]);
-    // [count][MAXROWS] <= T * MAXROWS floats, past the fast path's tables, and [count][4]: the
-    // four scaled levels of each residual; by warp 0 (a tile holds a few residuals).
+    // The probabilities of the tile's residual tokens as [count][MAXROWS] (the residuals'
+    // positions, levels and codes are stage_values's), past the fast path's tables.
     float *lr_s = K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0);
-    float *lv_s = lr_s + T * MAXROWS;
-    if (warp == 0) {  // the tile's value residuals: probabilities, levels and codes, one loop
-      // The codes as whole words (a residual's D / 4 bytes are consecutive and 4-byte aligned),
-      // so that every thread below reads its byte from shared memory with a 32-bit index.
-      const uint32_t *words = reinterpret_cast<const uint32_t *>(c.value_codes) + static_cast<int64_t>(base) * (D / 16);
-      constexpr int PER = MAXROWS > D / 16 ? MAXROWS : D / 16;  // the most entries a residual has in one array
-      static_assert(PER >= 4, "every array's entries in the loop");
-      AKV_NO_UNROLL
-      for (int e = lane; e < count * PER; e += 32) {
-        if (e < count * MAXROWS)  // value_chunk: the position inside the word (= tile)
-          lr_s[e] = L_s[(e % MAXROWS) * T + load_ro(c.value_chunk + base + e / MAXROWS)];
-        if (e < count * 4) lv_s[e] = load_ro(c.value_scales + base + e / 4) * lloyd_max_level(e & 3);
-        if (e < count * (D / 16)) vc_s[e] = load_ro(words + e);
-      }
-    }
+    AKV_NO_UNROLL  // one pass at 4 rows (count <= T)
+    for (int e = tid; e < count * MAXROWS; e += NT) lr_s[e] = L_s[(e % MAXROWS) * T + vpos_s[e / MAXROWS]];
     __syncthreads();
     // racc's dims: the thread's DPT consecutive dims dim * DPT.. (write_partial), whose codes
     // are one byte of the residual's (DPT divides 4), read once for all of them.
@@ -1247,7 +1265,7 @@ struct SplitBlock {
       AKV_NO_UNROLL  // unrolled, ptxas spills more at 4 rows (32 bytes instead of 16)
       for (int n = group; n < count; n += VG) {  // everything indexed by n: one induction variable
         const uint32_t codes = vcodes[n * (D / 4)] >> shift;
-        const float *lv = lv_s + n * 4;
+        const float *lv = vlev_s + n * 4;
         const float4 *lr = reinterpret_cast<const float4 *>(lr_s + n * MAXROWS);
         for (int e = 0; e < DPT; ++e) {
           const float level = lv[(codes >> (2 * e)) & 3];
@@ -1365,6 +1383,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
     const int first_tile = static_cast<int>(int64_t{tiles} * split / splits);
     const int end_tile = static_cast<int>(int64_t{tiles} * (split + 1) / splits);
     blk.start_prefix(first_tile);
+    __syncthreads();  // warp NW - 1's lanes read what its lane 0 wrote
     for (int tile = first_tile; tile < end_tile; ++tile) {
       const int t0 = tile * T, end = t0 + T < P ? t0 + T : P;
       if (blk.format3) {  // consecutive positions
