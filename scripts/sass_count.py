@@ -64,7 +64,7 @@ PHASES = [
     ("metadata", ["anchor_meta", "format3_meta", "start_prefix"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle", "rotate_queries", "rotate_pairs4"]),
-    ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms"]),
+    ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms", "stage_keys"]),
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
     ("contraction", ["contract", "contract_tile", "contract_gathered"]),
     ("softmax", ["softmax_tile"]),
@@ -232,8 +232,8 @@ def cold_lines(lines, table):
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition
 # (the lines just above it); default 8.
 def warps(func, cond_text):
-    if func in ("format3_meta", "stage_values"):
-        return 1.0  # warp 0: two tokens a lane; warp 7: the value residuals' staging
+    if func in ("format3_meta", "stage_keys", "stage_values"):
+        return 1.0  # warp 0: two tokens a lane; warps 6 and 7: the key and value residuals' staging
     if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func == "anchor_meta":
@@ -660,7 +660,8 @@ def latency_class(op):
 
 def warp_set(func, w, upper, last=False):
     """The warps (of NW) that run a line executed by w of them (warps()/WARP_BLOCKS): every one;
-    the last warp's branch of anchor_meta and the value staging (last, stage_values) on 7; the
+    the last warp's branch of anchor_meta and the value staging (last, stage_values) on 7, the key
+    staging (stage_keys) on 6; the
     key residuals' and the upper half's 4 - 7; the first angles' 2 - 3 (anchor_meta's T <= tid <
     T + pairs); else the first ones (the contraction, the softmax rows and the value groups on
     0 - 3, the query rotation on 0 - 1, format3_meta on 0)."""
@@ -668,6 +669,8 @@ def warp_set(func, w, upper, last=False):
         return tuple(range(NW))
     if last or func == "stage_values":
         return (NW - 1,)
+    if func == "stage_keys":
+        return (NW - 2,)
     if upper or func in ("key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return tuple(range(NW // 2, NW))
     if func == "anchor_meta":

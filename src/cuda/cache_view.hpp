@@ -136,7 +136,8 @@ struct SplitSmem {
          carry_step = 0, carry_next = 0, carry_left = 0, head_arrays = 0, step = 0, signs = 0,
          meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
          penalty = 0, segment = 0, segment_table = 0, segment_gammas = 0, qb = 0, res_logits = 0, residuals = 0,
-         value_codes = 0, value_positions = 0, value_levels = 0, keys = 0, w = 0, total = 0;
+         value_codes = 0, value_positions = 0, value_levels = 0, key_codes = 0, key_scales = 0, keys = 0, w = 0,
+         total = 0;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
   // The fast path's bf16 cos and sin of d * omega_j, d < T, every pair (SplitBlock::cs_s): rows
   // of D / 8 16-byte entries padded by 4, at the start of the key tile, followed by the value
@@ -195,6 +196,8 @@ struct SplitSmem {
     value_codes = o; o = align16(o + T * (D / 4));  // the tile's value residuals' codes, copied from the cache
     value_positions = o; o = align16(o + sizeof(int32_t) * T);  // and their positions in the tile
     value_levels = o; o = align16(o + sizeof(float) * 4 * T);   // and their four scaled levels
+    key_codes = o; o = align16(o + T * (D / 4));                 // the fast path's: the tile's key residuals' codes
+    key_scales = o; o = align16(o + sizeof(float) * T);          // and their scales
     keys = o; o = align16(o + sizeof(float) * T * key_stride(D));  // also write_partial's scratch
     w = o; o = align16(o + sizeof(float) * maxrows * smem_anchors);
     total = o;

@@ -111,7 +111,7 @@ struct SplitBlock {
   static_assert(MAXROWS % 4 == 0, "value residuals read a residual's rows as float4");
   static_assert(SplitSmem::fast_tables_bytes(D) + 4 * MAXROWS * T <= 4 * T * KS,
                 "the fast path's tables and the value residuals' probabilities share the key tile");
-  static_assert(D / 2 + T <= NT - 32, "anchor_meta: warp NW - 1 takes no token nor pair (stage_values)");
+  static_assert(D / 2 + T <= NT - 64, "anchor_meta: warps NW - 2, NW - 1 take no token nor pair (stage_keys, _values)");
 
   const CacheView &c;
   const DecodeLaunch &p;
@@ -191,6 +191,8 @@ struct SplitBlock {
   uint32_t *vc_s;        // the tile's value residuals' codes [count][D / 16] (32-bit words)
   int32_t *vpos_s;       // and their positions in the tile [count]
   float *vlev_s;         // and their four scaled levels [count][4]
+  uint32_t *kc_s;        // fast: the tile's key residuals' codes [count][D / 16] (stage_keys)
+  float *ks_s;           // and their scales [count]
 
   // blk: this block's index among the launch's split blocks (its workspace rows).
   __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc,
@@ -259,6 +261,8 @@ struct SplitBlock {
     vc_s = reinterpret_cast<uint32_t *>(smem + lay.value_codes);
     vpos_s = reinterpret_cast<int32_t *>(smem + lay.value_positions);
     vlev_s = reinterpret_cast<float *>(smem + lay.value_levels);
+    kc_s = reinterpret_cast<uint32_t *>(smem + lay.key_codes);
+    ks_s = reinterpret_cast<float *>(smem + lay.key_scales);
     ha_s = reinterpret_cast<HeadArrays *>(smem + lay.head_arrays);
     if (tid == 0) {
       const int64_t hw = static_cast<int64_t>(h) * c.words, hp = static_cast<int64_t>(h) * c.prefix;
@@ -386,9 +390,9 @@ struct SplitBlock {
     const uint8_t *kent = ha.key_entry + t0 + u, *vent = ha.value_entry + t0 + u, *kcode = ha.key_code + t0 + u,
                   *vcode = ha.value_code + t0 + u;
     const uint64_t anchors = load_ro(ha.anchor_mask + wd), kmask = load_ro(ha.key_mask + wd);
-    // The tile's key residual slots: the last tile's first slot plus its count (the value
-    // side's: stage_values, on warp NW - 1).
-    if (lane == 0) {
+    // The tile's key residual slots: the last tile's first slot plus its count (the fast
+    // path's: stage_keys, on warp NW - 2; the value side's: stage_values, on warp NW - 1).
+    if (!fast && lane == 0) {
       const uint2 r = *reinterpret_cast<const uint2 *>(res_s);
       *reinterpret_cast<uint2 *>(res_s) = uint2{r.x + r.y, static_cast<uint32_t>(__popcll(kmask))};
     }
@@ -443,6 +447,23 @@ struct SplitBlock {
       const int64_t wd = static_cast<int64_t>(h) * c.words + first_tile;
       if (tid == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{c.key_offsets[h] + c.key_prefix[wd], 0u};
       else *reinterpret_cast<uint2 *>(res_s + 2) = uint2{c.value_offsets[h] + c.value_prefix[wd], 0u};
+    }
+  }
+
+  // Warp NW - 2 on the fast path, while warp 0 reads the tile's metadata (anchor_meta): the
+  // tile's key residual slots (res_s[0], res_s[1]), and the residuals' codes (kc_s) and scales
+  // (ks_s), so that key_residuals_tc waits on no load.
+  __device__ __forceinline__ void stage_keys(int64_t t0) {
+    const uint2 r = *reinterpret_cast<const uint2 *>(res_s);  // every lane
+    const uint32_t base = r.x + r.y;
+    const int count = __popcll(load_ro(c.key_mask + static_cast<int64_t>(h) * c.words + t0 / 64));
+    __syncwarp();  // every lane has read it
+    if (lane == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{base, static_cast<uint32_t>(count)};
+    const uint32_t *words = reinterpret_cast<const uint32_t *>(c.key_codes) + static_cast<int64_t>(base) * (D / 16);
+    AKV_NO_UNROLL
+    for (int e = lane; e < count * (D / 16); e += 32) {
+      kc_s[e] = load_ro(words + e);
+      if (e < count) ks_s[e] = load_ro(c.key_scales + base + e);
     }
   }
 
@@ -545,6 +566,8 @@ struct SplitBlock {
       next_s[j] = p0 + T;
       basec_s[j] = run_c;
       bases_s[j] = run_s;
+    } else if (warp == NW - 2 && !window && fast) {  // off warp 0's path
+      stage_keys(t0);
     } else if (warp == NW - 1 && !window) {  // off warp 0's path (format3_meta)
       stage_values(t0);
       // The segment's last tile? By tile parity: a warp may write the next tile's while another
@@ -729,7 +752,7 @@ struct SplitBlock {
     // acc[m][0..1]: residual n0 + g's terms with rows 8 m + 2 tq and + 1.
     if (g < 4 && n0 + g < count) {
       const int rn = n0 + g, rt = bit_s[rn];
-      const float rscale = load_ro(c.key_scales + base + rn);  // unit levels
+      const float rscale = ks_s[rn];  // unit levels (stage_keys's)
       for (int m = 0; m < NR8; ++m)
         for (int e = 0; e < 2; ++e)
           if (const int i = 8 * m + 2 * tq + e; i < MAXROWS)
@@ -810,13 +833,12 @@ struct SplitBlock {
       sg1[m] = *reinterpret_cast<const float2 *>(sgn_s + P + j[m]);
     }
     uint32_t *xs = K_s_residual_rows() + (warp - RW) * 4 * kResRowWords;
-    const uint32_t *words = reinterpret_cast<const uint32_t *>(c.key_codes);
     for (int n0 = (warp - RW) * 4; n0 < count; n0 += 4 * RW) {  // uniform across the warp
       // The pass's codes, a coalesced word a lane (two at D 256).
       uint32_t word[NCW];
       for (int h2 = 0; h2 < NCW; ++h2) {
         const int at = 32 * h2 + lane;
-        word[h2] = at < 4 * W && n0 * W + at < count * W ? load_ro(words + static_cast<int64_t>(base + n0) * W + at) : 0u;
+        word[h2] = at < 4 * W && n0 * W + at < count * W ? kc_s[n0 * W + at] : 0u;  // stage_keys's
       }
       AKV_NO_UNROLL
       for (int s = 0; s < 4 / R && n0 + s * R < count; ++s) {  // residuals n0 + s R .. into rows s R ..
