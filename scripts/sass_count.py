@@ -163,7 +163,7 @@ def cold_blocks(rescale, block_tiles):
         # block (1024 tokens at 32K and 128K) and the block's last
         ("if (blk.segw && (blk.seg_s[1 + (tile & 1)] || tile + 1 == end_tile)) {", min(1.0, 1.0 / 16 + 1.0 / max(1, block_tiles))),
         ("} else {  // exact: the first tile", 1.0 / 16),  # the tile's first angle exactly: every 16th tile
-        ("if (seg_s[0] != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
+        ("if (segment != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
     ]
 
 
@@ -232,8 +232,10 @@ def cold_lines(lines, table):
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition
 # (the lines just above it); default 8.
 def warps(func, cond_text):
-    if func in ("format3_meta", "stage_keys", "stage_values"):
-        return 1.0  # warp 0: two tokens a lane; warps 6 and 7: the key and value residuals' staging
+    if func == "format3_meta":
+        return 2.0  # warps 0-1: a token a thread
+    if func in ("stage_keys", "stage_values"):
+        return 1.0  # warps 6 and 7: the key and value residuals' staging
     if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func == "anchor_meta":
@@ -664,7 +666,7 @@ def warp_set(func, w, upper, last=False):
     staging (stage_keys) on 6; the
     key residuals' and the upper half's 4 - 7; the first angles' 2 - 3 (anchor_meta's T <= tid <
     T + pairs); else the first ones (the contraction, the softmax rows and the value groups on
-    0 - 3, the query rotation on 0 - 1, format3_meta on 0)."""
+    0 - 3, the query rotation and format3_meta on 0 - 1)."""
     if w >= NW:
         return tuple(range(NW))
     if last or func == "stage_values":

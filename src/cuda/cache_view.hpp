@@ -181,10 +181,10 @@ struct SplitSmem {
     meta_kind = o; o = align16(o + sizeof(int32_t) * T);  // logit penalty of each token: 0, 1 or none (2)
     // Minus the logit penalty per row: without, with a key residual, and none (zeros).
     penalty = o; o = align16(o + sizeof(float) * 3 * maxrows);
-    // Storage format 3: the segment whose tables follow and whether an even and an odd tile is
-    // its last (three ints), its table (256 u16), its key and value coefficients by code and
-    // the codes' units (256 f32 each: keys, values, units).
-    segment = o; o = align16(o + 3 * sizeof(int32_t));
+    // Storage format 3: the segment whose tables follow (warp 0's), whether an even and an odd
+    // tile is its last, the segment (warp 1's) (four ints), its table (256 u16), its key and
+    // value coefficients by code and the codes' units (256 f32 each: keys, values, units).
+    segment = o; o = align16(o + 4 * sizeof(int32_t));
     segment_table = o; o = align16(o + sizeof(uint16_t) * 256);
     segment_gammas = o; o = align16(o + sizeof(float) * 3 * 256);
     // Register-gather path (SplitBlock::fast): the rotated queries in bf16, and each key

@@ -164,8 +164,8 @@ struct SplitBlock {
   float2 *step_s;
   int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s, *kind_s;
   // Storage format 3 (format3_meta): the segment whose table (tab_s) and coefficients by code
-  // (kgam_s, vgam_s) shared memory holds, -1 before the first; whether an even and an odd tile
-  // is its last (segw).
+  // (kgam_s, vgam_s) shared memory holds, -1 before the first, by warps 0 and 1 ([0], [3]);
+  // whether an even and an odd tile is its last ([1], [2]: segw).
   int32_t *seg_s;
   uint16_t *tab_s;
   float *kgam_s, *vgam_s, *units_s;  // units_s: CacheView::gamma_units, copied once a block
@@ -253,7 +253,7 @@ struct SplitBlock {
     kgam_s = reinterpret_cast<float *>(smem + lay.segment_gammas);
     vgam_s = kgam_s + kSegmentEntries;
     units_s = vgam_s + kSegmentEntries;
-    if (tid == 0) seg_s[0] = -1;
+    if (tid == 0) seg_s[0] = seg_s[3] = -1;  // warps 0 and 1's (format3_meta)
     cs_s = reinterpret_cast<uint4 *>(smem + lay.keys);  // the key tile is free on the fast path
     qb_s = reinterpret_cast<uint16_t *>(smem + lay.qb);
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
@@ -359,17 +359,19 @@ struct SplitBlock {
 
   // ---- 1. tile metadata: anchor, gamma and position of each token; the first angles ------
 
-  // Storage format 3's prefix tokens t0..end on warp 0, lane l the tokens 2l and 2l + 1 (the
-  // tile's mask words read once for both). A tile lies in one segment: when it starts a new
-  // one, the warp copies the segment's table and its coefficients by code (bf16(scale *
-  // unit), both sides: the host's gamma_value, core/layout.hpp) into shared memory, so that
-  // each token's lookups are shared-memory loads with 32-bit indices. Branch-free: a token's
-  // entries are loaded unless it is an anchor or past the tile's end (entry and code 0 then:
-  // in range), and the results selected.
+  // Storage format 3's prefix tokens t0..end on warps 0-1, thread u token u (warp 0 alone, two
+  // tokens a lane, took twice the issue slots on the tile's longest serial path). A tile lies
+  // in one segment: when it starts a new one, each of the two warps copies the segment's table
+  // and its coefficients by code (bf16(scale * unit), both sides: the host's gamma_value,
+  // core/layout.hpp) into shared memory (the same values: neither waits for the other; each
+  // keeps its own segment index), so that each token's lookups are shared-memory loads with
+  // 32-bit indices. Branch-free: a token's entries are loaded unless it is an anchor or past
+  // the tile's end (entry and code 0 then: in range), and the results selected.
   __device__ __forceinline__ void format3_meta(int t0, int end) {  // 32-bit: P < 2^31
-    const int u = 2 * lane, n = end - t0;
+    const int u = tid, n = end - t0;
     const int si = t0 >> c.segment_shift;
-    if (seg_s[0] != si) {  // uniform across warp 0
+    int32_t &segment = seg_s[warp ? 3 : 0];
+    if (segment != si) {  // uniform across the warp
       const int64_t seg = static_cast<int64_t>(h) * c.segments + si;
       const float2 scale = load_ro(reinterpret_cast<const float2 *>(c.gamma_scales) + seg);  // key, value
       // The table in one 16-byte load a lane (tables are 512 bytes, sections 16-byte aligned).
@@ -383,70 +385,54 @@ struct SplitBlock {
         vgam_s[e] = bits_to_float(float_to_bits(scale.y * unit, true), true);
       }
       __syncwarp();
-      if (lane == 0) seg_s[0] = si;  // every lane has read it
+      if (lane == 0) segment = si;  // every lane has read it
     }
     const HeadArrays &ha = *ha_s;
     const int wd = t0 >> 6;  // the tile's mask word (T = 64)
-    const uint8_t *kent = ha.key_entry + t0 + u, *vent = ha.value_entry + t0 + u, *kcode = ha.key_code + t0 + u,
-                  *vcode = ha.value_code + t0 + u;
     const uint64_t anchors = load_ro(ha.anchor_mask + wd), kmask = load_ro(ha.key_mask + wd);
     // The tile's key residual slots: the last tile's first slot plus its count (the fast
     // path's: stage_keys, on warp NW - 2; the value side's: stage_values, on warp NW - 1).
-    if (!fast && lane == 0) {
+    if (!fast && tid == 0) {
       const uint2 r = *reinterpret_cast<const uint2 *>(res_s);
       *reinterpret_cast<uint2 *>(res_s) = uint2{r.x + r.y, static_cast<uint32_t>(__popcll(kmask))};
     }
-    // Token u's anchor index if it is an anchor, and its key residual's slot; token u + 1's
-    // are these plus token u's bits.
+    const bool live = u < n, anchor = (anchors >> u) & 1u, residual = (kmask >> u) & 1u;
+    // Loaded for every thread, without a branch (past the tile's end the tile's first token's,
+    // an anchor's not used), so that ptxas issues them beside the mask words: one trip to L2.
+    const int at = t0 + (live ? u : 0);
+    const uint32_t vc = load_ro(ha.value_code + at), kc = load_ro(ha.key_code + at),
+                   ve = load_ro(ha.value_entry + at), ke = load_ro(ha.key_entry + at);
+    // An anchor token is its own anchor (exact): its index, and the key residual's slot.
     const uint64_t below = (1ull << u) - 1;
-    const int self0 = load_ro(ha.anchor_first + wd) + __popcll(anchors & below), slot0 = __popcll(kmask & below);
-    const uint32_t abits = static_cast<uint32_t>(anchors >> u) & 3u, kbits = static_cast<uint32_t>(kmask >> u) & 3u;
-    int a[2], va[2], kind[2];
-    float g[2], vg[2];
-    for (int e = 0; e < 2; ++e) {
-      const bool live = u + e < n, anchor = (abits >> e) & 1u, residual = (kbits >> e) & 1u;
-      uint32_t ke = 0, ve = 0, kc = 0, vc = 0;
-      if (live && !anchor) {
-        ke = load_ro(kent + e);
-        ve = load_ro(vent + e);
-        kc = load_ro(kcode + e);
-        vc = load_ro(vcode + e);
-      }
-      const int self = self0 + static_cast<int>(e ? abits & 1u : 0u);  // an anchor token is its own anchor (exact)
-      const int ka = tables ? tab_s[ke] : static_cast<int>(ke);
-      const int vaa = tables && !segw ? tab_s[ve] : static_cast<int>(ve);
-      a[e] = !live ? -1 : anchor ? self : ka;
-      va[e] = !live ? -1 : anchor ? self + (segw ? kSegmentEntries : 0) : vaa;
-      g[e] = !live ? 0.0f : anchor ? 1.0f : kgam_s[kc];
-      vg[e] = !live ? 0.0f : anchor ? 1.0f : vgam_s[vc];
-      kind[e] = !live || anchor ? 2 : static_cast<int>(residual);
-      if (live && residual)  // the key residuals in slot order
-        bit_s[slot0 + static_cast<int>(e ? kbits & 1u : 0u)] = u + e;
-    }
-    // Both tokens' entries in one 8-byte store per array (u is even). pos_s is not written:
-    // format 3's positions are consecutive, so no reader needs more than the offset.
-    const auto put2 = [u](void *dst, uint32_t x0, uint32_t x1) {
-      *reinterpret_cast<uint2 *>(static_cast<uint32_t *>(dst) + u) = uint2{x0, x1};
-    };
-    put2(a_s, a[0], a[1]);
-    put2(va_s, va[0], va[1]);
-    put2(off_s, u < n ? u : 0, u + 1 < n ? u + 1 : 0);
-    put2(kind_s, kind[0], kind[1]);
-    put2(g_s, float_as_bits(g[0]), float_as_bits(g[1]));
-    put2(vg_s, float_as_bits(vg[0]), float_as_bits(vg[1]));
+    const int self = load_ro(ha.anchor_first + wd) + __popcll(anchors & below);
+    const int ka = tables ? tab_s[ke] : static_cast<int>(ke);
+    const int vaa = tables && !segw ? tab_s[ve] : static_cast<int>(ve);
+    const int kind = !live || anchor ? 2 : static_cast<int>(residual);
+    a_s[u] = !live ? -1 : anchor ? self : ka;
+    va_s[u] = !live ? -1 : anchor ? self + (segw ? kSegmentEntries : 0) : vaa;
+    g_s[u] = !live ? 0.0f : anchor ? 1.0f : kgam_s[kc];
+    vg_s[u] = !live ? 0.0f : anchor ? 1.0f : vgam_s[vc];
+    off_s[u] = live ? u : 0;  // pos_s is not written: format 3's positions are consecutive
+    kind_s[u] = kind;
+    if (live && residual) bit_s[__popcll(kmask & below)] = u;  // the key residuals in slot order
     if (kFoldedPenalty && fast)
-      for (int i = 0; i < MAXROWS; ++i)
-        put2(rl_s + i * T, float_as_bits(pen_s[kind[0] * MAXROWS + i]), float_as_bits(pen_s[kind[1] * MAXROWS + i]));
+      for (int i = 0; i < MAXROWS; i += 4) {  // the kind's row penalties four at a time
+        const float4 pen = *reinterpret_cast<const float4 *>(pen_s + kind * MAXROWS + i);
+        rl_s[i * T + u] = pen.x;
+        rl_s[(i + 1) * T + u] = pen.y;
+        rl_s[(i + 2) * T + u] = pen.z;
+        rl_s[(i + 3) * T + u] = pen.w;
+      }
   }
 
-  // Before a block's first prefix tile: format 3's residual slots as of that tile, with counts
-  // 0, to which each tile adds its own (tiles run consecutively): the key side by the thread
-  // that updates it (format3_meta's lane 0), the value side by stage_values's.
+  // Before a block's first prefix tile (a barrier follows): format 3's residual slots as of
+  // that tile, with counts 0, to which each tile adds its own (tiles run consecutively: the key
+  // side format3_meta or stage_keys, the value side stage_values).
   __device__ __forceinline__ void start_prefix(int first_tile) {
-    if (format3 && (tid == 0 || tid == NT - 32) && first_tile < c.words) {
+    if (format3 && tid == 0 && first_tile < c.words) {
       const int64_t wd = static_cast<int64_t>(h) * c.words + first_tile;
-      if (tid == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{c.key_offsets[h] + c.key_prefix[wd], 0u};
-      else *reinterpret_cast<uint2 *>(res_s + 2) = uint2{c.value_offsets[h] + c.value_prefix[wd], 0u};
+      *reinterpret_cast<uint4 *>(res_s) =
+          uint4{c.key_offsets[h] + c.key_prefix[wd], 0u, c.value_offsets[h] + c.value_prefix[wd], 0u};
     }
   }
 
@@ -508,7 +494,7 @@ struct SplitBlock {
   __device__ __forceinline__ bool anchor_meta(int64_t t0, int64_t end, bool window) {
     bool gap = false;
     if (tid < T && format3 && !window) {
-      if (warp == 0) format3_meta(static_cast<int>(t0), static_cast<int>(end));
+      format3_meta(static_cast<int>(t0), static_cast<int>(end));
     } else if (tid < T) {
       const int64_t t = t0 + tid;
       int a = -1, va = -1, off = 0;  // off: position - the tile's first; -1 outside [0, T); 0 for no token (zero row)
