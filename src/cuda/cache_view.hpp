@@ -192,7 +192,7 @@ struct SplitSmem {
     // the key tile, which that path leaves free (fast_tables_bytes).
     qb = o; o = align16(o + 2 * maxrows * qb_stride(D));
     res_logits = o; o = align16(o + sizeof(float) * maxrows * T);
-    residuals = o; o = align16(o + sizeof(uint32_t) * 4);  // the tile's key and value residuals: first slot, count
+    residuals = o; o = align16(o + sizeof(uint32_t) * 5);  // the tile's key and value residuals: first slot, count; the next tile's value count
     value_codes = o; o = align16(o + T * (D / 4));  // the tile's value residuals' codes, copied from the cache
     value_positions = o; o = align16(o + sizeof(int32_t) * T);  // and their positions in the tile
     value_levels = o; o = align16(o + sizeof(float) * 4 * T);   // and their four scaled levels

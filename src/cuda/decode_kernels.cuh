@@ -187,7 +187,7 @@ struct SplitBlock {
   int64_t *next_s;
   int32_t *left_s;
   HeadArrays *ha_s;  // this head's array pointers
-  uint32_t *res_s;       // the tile's key residuals (first slot, count), then the value residuals'
+  uint32_t *res_s;       // the tile's key residuals (first slot, count), the value residuals', the next tile's value count
   uint32_t *vc_s;        // the tile's value residuals' codes [count][D / 16] (32-bit words)
   int32_t *vpos_s;       // and their positions in the tile [count]
   float *vlev_s;         // and their four scaled levels [count][4]
@@ -433,6 +433,7 @@ struct SplitBlock {
       const int64_t wd = static_cast<int64_t>(h) * c.words + first_tile;
       *reinterpret_cast<uint4 *>(res_s) =
           uint4{c.key_offsets[h] + c.key_prefix[wd], 0u, c.value_offsets[h] + c.value_prefix[wd], 0u};
+      res_s[4] = static_cast<uint32_t>(__popcll(c.value_mask[wd]));  // the first tile's value residuals
     }
   }
 
@@ -461,11 +462,17 @@ struct SplitBlock {
     const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
     uint32_t base;
     int count;
-    if (format3) {  // the last tile's first slot plus its count
+    bool more = false;
+    uint64_t next = 0;
+    if (format3) {  // the last tile's first slot plus its count; the count read a tile ahead
       const uint2 r = *reinterpret_cast<const uint2 *>(res_s + 2);  // every lane
       base = r.x + r.y;
-      count = __popcll(load_ro(c.value_mask + wd));
-      __syncwarp();  // every lane has read it
+      count = static_cast<int>(res_s[4]);
+      // The next tile's count (none past the prefix: the mask word is read regardless, of
+      // this tile then), loaded beside this tile's residuals: one trip to L2 here.
+      more = t0 + T < c.prefix;
+      next = load_ro(c.value_mask + wd + (more ? 1 : 0));
+      __syncwarp();  // every lane has read the slots
       if (lane == 0) *reinterpret_cast<uint2 *>(res_s + 2) = uint2{base, static_cast<uint32_t>(count)};
     } else {  // format 2: from the tile's prefix counts (and the key side's too)
       base = c.value_offsets[h] + c.value_prefix[wd];
@@ -485,6 +492,7 @@ struct SplitBlock {
       if (e < count * 4) vlev_s[e] = load_ro(c.value_scales + base + e / 4) * lloyd_max_level(e & 3);
       if (e < count * (D / 16)) vc_s[e] = load_ro(words + e);
     }
+    if (format3 && lane == 0) res_s[4] = more ? static_cast<uint32_t>(__popcll(next)) : 0u;  // after the loop: no wait
   }
 
   // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1): the
