@@ -163,7 +163,7 @@ def cold_blocks(rescale, block_tiles):
         # block (1024 tokens at 32K and 128K) and the block's last
         ("if (blk.segw && (blk.seg_s[1 + (tile & 1)] || tile + 1 == end_tile)) {", min(1.0, 1.0 / 16 + 1.0 / max(1, block_tiles))),
         ("} else {  // exact: the first tile", 1.0 / 16),  # the tile's first angle exactly: every 16th tile
-        ("if (segment != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
+        ("if (seg_s[0] != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
     ]
 
 
@@ -680,6 +680,15 @@ def warp_set(func, w, upper, last=False):
     return tuple(range(max(1, round(w))))
 
 
+def block_barrier(x):
+    """Whether SASS instruction x is a barrier of the whole block (barrier 0: __syncthreads and
+    its reductions), not a named barrier of some warps (bar.sync 1, 64)."""
+    if not x["op"].startswith("BAR."):
+        return False
+    operands = x["text"][len(x["op"]):].strip()
+    return operands.split(",")[0].strip() in ("0x0", "")
+
+
 def warp_latency(ins, weighted):
     """The tile loop's cycles from the SASS's scheduling fields. Each warp's pass over the loop's
     instructions it runs (warp_set), in address order (each once; the cold ones, weight 0, left
@@ -699,11 +708,12 @@ def warp_latency(ins, weighted):
     the issue rate)."""
     out = {"unread": sum(1 for i, _, wt, _ in weighted if wt > 0 and "stall" not in ins[i])}
     l1, l2 = LATENCY["global_l1"], LATENCY["global"]
-    # the barrier segment of each instruction (a BAR ends its segment)
+    # the barrier segment of each instruction (a block barrier, BAR 0, ends its segment; a named
+    # one of a few warps, format3_meta's, does not)
     seg_of, n_seg = {}, 0
     for i, phase, wt, warps_of in weighted:
         seg_of[i] = n_seg
-        if wt > 0 and ins[i]["op"].startswith("BAR."):
+        if wt > 0 and block_barrier(ins[i]):
             n_seg += 1
     n_seg += 1
     for name, glob, gather in (("l2", l2, l2), ("l1", l1, l1),

@@ -135,7 +135,7 @@ struct SplitSmem {
   size_t q = 0, qr = 0, logits = 0, logits_part = 0, red = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0,
          carry_step = 0, carry_next = 0, carry_left = 0, head_arrays = 0, step = 0, signs = 0,
          meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
-         penalty = 0, segment = 0, segment_table = 0, segment_gammas = 0, qb = 0, res_logits = 0, residuals = 0,
+         penalty = 0, segment = 0, segment_table = 0, segment_gammas = 0, qb = 0, res_logits = 0, residuals = 0, tile_words = 0,
          value_codes = 0, value_positions = 0, value_levels = 0, key_codes = 0, key_scales = 0, keys = 0, w = 0,
          total = 0;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
@@ -181,10 +181,10 @@ struct SplitSmem {
     meta_kind = o; o = align16(o + sizeof(int32_t) * T);  // logit penalty of each token: 0, 1 or none (2)
     // Minus the logit penalty per row: without, with a key residual, and none (zeros).
     penalty = o; o = align16(o + sizeof(float) * 3 * maxrows);
-    // Storage format 3: the segment whose tables follow (warp 0's), whether an even and an odd
-    // tile is its last, the segment (warp 1's) (four ints), its table (256 u16), its key and
-    // value coefficients by code and the codes' units (256 f32 each: keys, values, units).
-    segment = o; o = align16(o + 4 * sizeof(int32_t));
+    // Storage format 3: the segment whose tables follow and whether an even and an odd tile is
+    // its last (three ints), its table (256 u16), its key and value coefficients by code and
+    // the codes' units (256 f32 each: keys, values, units).
+    segment = o; o = align16(o + 3 * sizeof(int32_t));
     segment_table = o; o = align16(o + sizeof(uint16_t) * 256);
     segment_gammas = o; o = align16(o + sizeof(float) * 3 * 256);
     // Register-gather path (SplitBlock::fast): the rotated queries in bf16, and each key
@@ -192,7 +192,8 @@ struct SplitSmem {
     // the key tile, which that path leaves free (fast_tables_bytes).
     qb = o; o = align16(o + 2 * maxrows * qb_stride(D));
     res_logits = o; o = align16(o + sizeof(float) * maxrows * T);
-    residuals = o; o = align16(o + sizeof(uint32_t) * 5);  // the tile's key and value residuals: first slot, count; the next tile's value count
+    residuals = o; o = align16(o + sizeof(uint32_t) * 4);  // the tile's key and value residuals: first slot, count
+    tile_words = o; o = align16(o + sizeof(uint64_t) * 2 * 4);  // format 3: two tiles' mask words and first anchor
     value_codes = o; o = align16(o + T * (D / 4));  // the tile's value residuals' codes, copied from the cache
     value_positions = o; o = align16(o + sizeof(int32_t) * T);  // and their positions in the tile
     value_levels = o; o = align16(o + sizeof(float) * 4 * T);   // and their four scaled levels

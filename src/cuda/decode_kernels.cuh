@@ -164,8 +164,8 @@ struct SplitBlock {
   float2 *step_s;
   int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s, *kind_s;
   // Storage format 3 (format3_meta): the segment whose table (tab_s) and coefficients by code
-  // (kgam_s, vgam_s) shared memory holds, -1 before the first, by warps 0 and 1 ([0], [3]);
-  // whether an even and an odd tile is its last ([1], [2]: segw).
+  // (kgam_s, vgam_s) shared memory holds, -1 before the first; whether an even and an odd tile
+  // is its last ([1], [2]: segw).
   int32_t *seg_s;
   uint16_t *tab_s;
   float *kgam_s, *vgam_s, *units_s;  // units_s: CacheView::gamma_units, copied once a block
@@ -187,7 +187,8 @@ struct SplitBlock {
   int64_t *next_s;
   int32_t *left_s;
   HeadArrays *ha_s;  // this head's array pointers
-  uint32_t *res_s;       // the tile's key residuals (first slot, count), the value residuals', the next tile's value count
+  uint32_t *res_s;       // the tile's key residuals (first slot, count), then the value residuals'
+  uint64_t *tw_s;        // format 3: [tile parity][4] the tile's mask words and first anchor (tile_words)
   uint32_t *vc_s;        // the tile's value residuals' codes [count][D / 16] (32-bit words)
   int32_t *vpos_s;       // and their positions in the tile [count]
   float *vlev_s;         // and their four scaled levels [count][4]
@@ -253,11 +254,12 @@ struct SplitBlock {
     kgam_s = reinterpret_cast<float *>(smem + lay.segment_gammas);
     vgam_s = kgam_s + kSegmentEntries;
     units_s = vgam_s + kSegmentEntries;
-    if (tid == 0) seg_s[0] = seg_s[3] = -1;  // warps 0 and 1's (format3_meta)
+    if (tid == 0) seg_s[0] = -1;
     cs_s = reinterpret_cast<uint4 *>(smem + lay.keys);  // the key tile is free on the fast path
     qb_s = reinterpret_cast<uint16_t *>(smem + lay.qb);
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
     res_s = reinterpret_cast<uint32_t *>(smem + lay.residuals);
+    tw_s = reinterpret_cast<uint64_t *>(smem + lay.tile_words);
     vc_s = reinterpret_cast<uint32_t *>(smem + lay.value_codes);
     vpos_s = reinterpret_cast<int32_t *>(smem + lay.value_positions);
     vlev_s = reinterpret_cast<float *>(smem + lay.value_levels);
@@ -361,50 +363,49 @@ struct SplitBlock {
 
   // Storage format 3's prefix tokens t0..end on warps 0-1, thread u token u (warp 0 alone, two
   // tokens a lane, took twice the issue slots on the tile's longest serial path). A tile lies
-  // in one segment: when it starts a new one, each of the two warps copies the segment's table
-  // and its coefficients by code (bf16(scale * unit), both sides: the host's gamma_value,
-  // core/layout.hpp) into shared memory (the same values: neither waits for the other; each
-  // keeps its own segment index), so that each token's lookups are shared-memory loads with
-  // 32-bit indices. Branch-free: a token's entries are loaded unless it is an anchor or past
-  // the tile's end (entry and code 0 then: in range), and the results selected.
+  // in one segment: when it starts a new one, warp 0 copies the segment's table and its key
+  // coefficients by code, warp 1 its value coefficients (bf16(scale * unit): the host's
+  // gamma_value, core/layout.hpp) into shared memory, and the two meet at a barrier of their
+  // own (kMetaBarrier) before any lookup, so that each token's lookups are shared-memory loads
+  // with 32-bit indices. Branch-free: a token's entries are loaded for every thread (past the
+  // tile's end the tile's first token's) and the results selected.
+  static constexpr int kMetaBarrier = 1;  // bar.sync 1, 64: warps 0-1
   __device__ __forceinline__ void format3_meta(int t0, int end) {  // 32-bit: P < 2^31
     const int u = tid, n = end - t0;
     const int si = t0 >> c.segment_shift;
-    int32_t &segment = seg_s[warp ? 3 : 0];
-    if (segment != si) {  // uniform across the warp
+    if (seg_s[0] != si) {  // uniform across warps 0-1: seg_s[0] is written after the barrier below
       const int64_t seg = static_cast<int64_t>(h) * c.segments + si;
-      const float2 scale = load_ro(reinterpret_cast<const float2 *>(c.gamma_scales) + seg);  // key, value
+      const float scale = load_ro(c.gamma_scales + 2 * seg + warp);  // warp 0 the keys', warp 1 the values'
       // The table in one 16-byte load a lane (tables are 512 bytes, sections 16-byte aligned).
       static_assert(kSegmentEntries * sizeof(uint16_t) == 32 * sizeof(uint4), "a table is a uint4 a lane");
-      if (tables)
+      if (tables && warp == 0)
         reinterpret_cast<uint4 *>(tab_s)[lane] =
             load_ro(reinterpret_cast<const uint4 *>(c.segment_tables + seg * c.table_size) + lane);
-      for (int e = lane; e < kSegmentEntries; e += 32) {
-        const float unit = units_s[e];
-        kgam_s[e] = bits_to_float(float_to_bits(scale.x * unit, true), true);
-        vgam_s[e] = bits_to_float(float_to_bits(scale.y * unit, true), true);
-      }
-      __syncwarp();
-      if (lane == 0) segment = si;  // every lane has read it
+      float *gam = warp == 0 ? kgam_s : vgam_s;
+      for (int e = lane; e < kSegmentEntries; e += 32) gam[e] = bits_to_float(float_to_bits(scale * units_s[e], true), true);
+      named_barrier<kMetaBarrier, 2 * 32>();
+      if (tid == 0) seg_s[0] = si;  // both warps have read it
     }
     const HeadArrays &ha = *ha_s;
-    const int wd = t0 >> 6;  // the tile's mask word (T = 64)
-    const uint64_t anchors = load_ro(ha.anchor_mask + wd), kmask = load_ro(ha.key_mask + wd);
+    // The token's entries and codes, loaded for every thread without a branch (past the tile's
+    // end the tile's first token's, an anchor's: not used): the one trip to L2 here.
+    const bool live = u < n;
+    const int at = t0 + (live ? u : 0);
+    const uint32_t vc = load_ro(ha.value_code + at), kc = load_ro(ha.key_code + at),
+                   ve = load_ro(ha.value_entry + at), ke = load_ro(ha.key_entry + at);
+    const uint64_t *words = tile_words(t0);  // stage_values's, a tile ahead
+    const uint64_t anchors = words[0], kmask = words[1];
+    const int first = static_cast<int>(words[3]);
     // The tile's key residual slots: the last tile's first slot plus its count (the fast
     // path's: stage_keys, on warp NW - 2; the value side's: stage_values, on warp NW - 1).
     if (!fast && tid == 0) {
       const uint2 r = *reinterpret_cast<const uint2 *>(res_s);
       *reinterpret_cast<uint2 *>(res_s) = uint2{r.x + r.y, static_cast<uint32_t>(__popcll(kmask))};
     }
-    const bool live = u < n, anchor = (anchors >> u) & 1u, residual = (kmask >> u) & 1u;
-    // Loaded for every thread, without a branch (past the tile's end the tile's first token's,
-    // an anchor's not used), so that ptxas issues them beside the mask words: one trip to L2.
-    const int at = t0 + (live ? u : 0);
-    const uint32_t vc = load_ro(ha.value_code + at), kc = load_ro(ha.key_code + at),
-                   ve = load_ro(ha.value_entry + at), ke = load_ro(ha.key_entry + at);
+    const bool anchor = (anchors >> u) & 1u, residual = (kmask >> u) & 1u;
     // An anchor token is its own anchor (exact): its index, and the key residual's slot.
     const uint64_t below = (1ull << u) - 1;
-    const int self = load_ro(ha.anchor_first + wd) + __popcll(anchors & below);
+    const int self = first + __popcll(anchors & below);
     const int ka = tables ? tab_s[ke] : static_cast<int>(ke);
     const int vaa = tables && !segw ? tab_s[ve] : static_cast<int>(ve);
     const int kind = !live || anchor ? 2 : static_cast<int>(residual);
@@ -427,15 +428,24 @@ struct SplitBlock {
 
   // Before a block's first prefix tile (a barrier follows): format 3's residual slots as of
   // that tile, with counts 0, to which each tile adds its own (tiles run consecutively: the key
-  // side format3_meta or stage_keys, the value side stage_values).
+  // side format3_meta or stage_keys, the value side stage_values), and the tile's words (the
+  // next ones: stage_values, a tile ahead).
   __device__ __forceinline__ void start_prefix(int first_tile) {
     if (format3 && tid == 0 && first_tile < c.words) {
       const int64_t wd = static_cast<int64_t>(h) * c.words + first_tile;
       *reinterpret_cast<uint4 *>(res_s) =
           uint4{c.key_offsets[h] + c.key_prefix[wd], 0u, c.value_offsets[h] + c.value_prefix[wd], 0u};
-      res_s[4] = static_cast<uint32_t>(__popcll(c.value_mask[wd]));  // the first tile's value residuals
+      uint64_t *words = tw_s + 4 * (first_tile & 1);
+      words[0] = c.anchor_mask[wd];
+      words[1] = c.key_mask[wd];
+      words[2] = c.value_mask[wd];
+      words[3] = static_cast<uint64_t>(static_cast<uint32_t>(c.anchor_first[wd]));
     }
   }
+  // Format 3: the tile's anchor, key residual and value residual mask words and the anchor index
+  // of its first anchor (as a word), from shared memory (tile parity: stage_values writes the
+  // next tile's beside them).
+  __device__ __forceinline__ const uint64_t *tile_words(int t0) const { return tw_s + 4 * ((t0 >> 6) & 1); }
 
   // Warp NW - 2 on the fast path, while warp 0 reads the tile's metadata (anchor_meta): the
   // tile's key residual slots (res_s[0], res_s[1]), and the residuals' codes (kc_s) and scales
@@ -443,7 +453,7 @@ struct SplitBlock {
   __device__ __forceinline__ void stage_keys(int64_t t0) {
     const uint2 r = *reinterpret_cast<const uint2 *>(res_s);  // every lane
     const uint32_t base = r.x + r.y;
-    const int count = __popcll(load_ro(c.key_mask + static_cast<int64_t>(h) * c.words + t0 / 64));
+    const int count = __popcll(tile_words(static_cast<int>(t0))[1]);
     __syncwarp();  // every lane has read it
     if (lane == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{base, static_cast<uint32_t>(count)};
     const uint32_t *words = reinterpret_cast<const uint32_t *>(c.key_codes) + static_cast<int64_t>(base) * (D / 16);
@@ -462,16 +472,17 @@ struct SplitBlock {
     const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
     uint32_t base;
     int count;
-    bool more = false;
     uint64_t next = 0;
-    if (format3) {  // the last tile's first slot plus its count; the count read a tile ahead
+    uint32_t first = 0;
+    if (format3) {  // the last tile's first slot plus its count
       const uint2 r = *reinterpret_cast<const uint2 *>(res_s + 2);  // every lane
       base = r.x + r.y;
-      count = static_cast<int>(res_s[4]);
-      // The next tile's count (none past the prefix: the mask word is read regardless, of
-      // this tile then), loaded beside this tile's residuals: one trip to L2 here.
-      more = t0 + T < c.prefix;
-      next = load_ro(c.value_mask + wd + (more ? 1 : 0));
+      count = __popcll(tile_words(static_cast<int>(t0))[2]);
+      // The next tile's words (lane i word i; past the prefix this tile's, not used), loaded
+      // beside this tile's residuals: one trip to L2 here, none in format3_meta.
+      const int64_t nwd = wd + (t0 + T < c.prefix ? 1 : 0);
+      next = load_ro((lane == 0 ? c.anchor_mask : lane == 1 ? c.key_mask : c.value_mask) + nwd);
+      first = static_cast<uint32_t>(load_ro(c.anchor_first + nwd));  // every lane: no branch
       __syncwarp();  // every lane has read the slots
       if (lane == 0) *reinterpret_cast<uint2 *>(res_s + 2) = uint2{base, static_cast<uint32_t>(count)};
     } else {  // format 2: from the tile's prefix counts (and the key side's too)
@@ -492,7 +503,7 @@ struct SplitBlock {
       if (e < count * 4) vlev_s[e] = load_ro(c.value_scales + base + e / 4) * lloyd_max_level(e & 3);
       if (e < count * (D / 16)) vc_s[e] = load_ro(words + e);
     }
-    if (format3 && lane == 0) res_s[4] = more ? static_cast<uint32_t>(__popcll(next)) : 0u;  // after the loop: no wait
+    if (format3 && lane < 4) tw_s[4 * (((t0 >> 6) + 1) & 1) + lane] = lane == 3 ? first : next;  // after the loop: no wait
   }
 
   // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1): the

@@ -51,6 +51,17 @@ __device__ __forceinline__ T load_ro(const T *p) {
 #endif
 }
 
+// A barrier of COUNT threads (whole warps) on barrier ID (1-15; 0 is __syncthreads's).
+template <int ID, int COUNT>
+__device__ __forceinline__ void named_barrier() {
+  static_assert(ID > 0 && ID < 16 && COUNT % 32 == 0, "a named barrier of whole warps");
+#ifdef AKV_SIMT_EMULATION
+  ::simt::named_barrier(ID, COUNT);
+#else
+  asm volatile("bar.sync %0, %1;" : : "n"(ID), "n"(COUNT) : "memory");
+#endif
+}
+
 __device__ __forceinline__ float bits_to_float(uint16_t bits, bool bf16) {
 #ifdef AKV_SIMT_EMULATION
   return bf16 ? bf16_to_float(bits) : fp16_to_float(bits);

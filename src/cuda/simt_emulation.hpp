@@ -142,6 +142,8 @@ struct Block {
   uint64_t block_generation = 0;
   std::vector<int> warp_arrived;
   std::vector<uint64_t> warp_generation;
+  int named_arrived[16] = {};  // bar.sync id, count (id 1-15; 0 is __syncthreads)
+  uint64_t named_generation[16] = {};
   uint64_t serial;  // which block this is, for poisoning static shared memory once per block
   int current = 0;
 };
@@ -199,6 +201,11 @@ inline void arrive(int &arrived, uint64_t &generation, int count) {
 inline void syncthreads() {
   Block *b = tl_block;
   arrive(b->block_arrived, b->block_generation, static_cast<int>(b->fibers.size()));
+}
+// bar.sync id, count: the first `count` threads to arrive (whole warps) release each other.
+inline void named_barrier(int id, int count) {
+  Block *b = tl_block;
+  arrive(b->named_arrived[id], b->named_generation[id], count);
 }
 inline void syncwarp() {
   Block *b = tl_block;
