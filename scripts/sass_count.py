@@ -663,10 +663,9 @@ def latency_class(op):
 def warp_set(func, w, upper, last=False):
     """The warps (of NW) that run a line executed by w of them (warps()/WARP_BLOCKS): every one;
     the last warp's branch of anchor_meta and the value staging (last, stage_values) on 7, the key
-    staging (stage_keys) on 6; the
-    key residuals' and the upper half's 4 - 7; the first angles' 2 - 3 (anchor_meta's T <= tid <
-    T + pairs); else the first ones (the contraction, the softmax rows and the value groups on
-    0 - 3, the query rotation and format3_meta on 0 - 1)."""
+    staging (stage_keys) on 6; the key residuals' and the upper half's 4 - 7; the first angles'
+    2 - 3 (anchor_meta's T <= tid < T + pairs); else the first ones (the contraction, the softmax
+    rows and the value groups on 0 - 3, the query rotation and format3_meta on 0 - 1)."""
     if w >= NW:
         return tuple(range(NW))
     if last or func == "stage_values":
