@@ -447,7 +447,7 @@ struct SplitBlock {
   // next tile's beside them).
   __device__ __forceinline__ const uint64_t *tile_words(int t0) const { return tw_s + 4 * ((t0 >> 6) & 1); }
 
-  // Warp NW - 2 on the fast path, while warp 0 reads the tile's metadata (anchor_meta): the
+  // Warp NW - 2 on the fast path, while warps 0-1 read the tile's metadata (anchor_meta): the
   // tile's key residual slots (res_s[0], res_s[1]), and the residuals' codes (kc_s) and scales
   // (ks_s), so that key_residuals_tc waits on no load.
   __device__ __forceinline__ void stage_keys(int64_t t0) {
@@ -464,7 +464,7 @@ struct SplitBlock {
     }
   }
 
-  // Warp NW - 1, while warp 0 reads the tile's metadata (anchor_meta): the tile's value
+  // Warp NW - 1, while warps 0-1 read the tile's metadata (anchor_meta): the tile's value
   // residual slots (res_s[2], res_s[3]) and, with nothing that waits on the softmax, each
   // residual's position in the tile (vpos_s), its four scaled levels (vlev_s) and its codes
   // (vc_s), so that prefix_values reads only shared memory.
@@ -573,7 +573,7 @@ struct SplitBlock {
       bases_s[j] = run_s;
     } else if (warp == NW - 2 && !window && fast) {  // off warp 0's path
       stage_keys(t0);
-    } else if (warp == NW - 1 && !window) {  // off warp 0's path (format3_meta)
+    } else if (warp == NW - 1 && !window) {  // off warps 0-1's path (format3_meta)
       stage_values(t0);
       // The segment's last tile? By tile parity: a warp may write the next tile's while another
       // still reads this one's (no barrier between when the tile does not flush).
@@ -734,7 +734,7 @@ struct SplitBlock {
   // mma per 16 dims, A = the residuals (rows 0-3 of 16), B = the bf16 rotated queries; as in
   // contract_gathered a lane's k holds dims 4 tq .. 4 tq + 3 of the slab (one 8-byte load
   // each for A and B); added to rl_s.
-  __device__ __forceinline__ void residual_logit_terms(const uint32_t *xs, int n0, int count, uint32_t base) {
+  __device__ __forceinline__ void residual_logit_terms(const uint32_t *xs, int n0, int count) {
     const int g = lane >> 2, tq = lane & 3;
     float acc[NR8][4];
     for (int m = 0; m < NR8; ++m)
@@ -796,8 +796,7 @@ struct SplitBlock {
     constexpr int C8 = D == 256 ? 2 : 1;  // n8 tiles of Y's columns
     static_assert(D == 64 || D == 128 || D == 256, "H_8 (x) H_8, H_16 (x) H_8 or H_16 (x) H_16");
     constexpr uint32_t kNeg = 0x80008000u;
-    const uint32_t base = res_s[0];
-    const int count = static_cast<int>(res_s[1]);
+    const int count = static_cast<int>(res_s[1]);  // the codes and scales: stage_keys's (kc_s, ks_s)
     if ((warp - RW) * 4 >= count) return;  // no residual for this warp (a tile holds a few): skip the set-up too
     // H_8[g][2 tq, 2 tq + 1] in f16: +-1, the sign bits ln of kH8Low and kH8High. The lane
     // index read where it is used: computed from `lane`, these words would be kept in registers
@@ -890,7 +889,7 @@ struct SplitBlock {
         }
       }
       __syncwarp();
-      residual_logit_terms(xs, n0, count, base);
+      residual_logit_terms(xs, n0, count);
     }
   }
 
@@ -1410,7 +1409,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
     const int first_tile = static_cast<int>(int64_t{tiles} * split / splits);
     const int end_tile = static_cast<int>(int64_t{tiles} * (split + 1) / splits);
     blk.start_prefix(first_tile);
-    __syncthreads();  // warp NW - 1's lanes read what its lane 0 wrote
+    __syncthreads();  // every warp reads the slots and tile words thread 0 wrote
     for (int tile = first_tile; tile < end_tile; ++tile) {
       const int t0 = tile * T, end = t0 + T < P ? t0 + T : P;
       if (blk.format3) {  // consecutive positions
