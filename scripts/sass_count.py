@@ -57,13 +57,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "src", "cuda", "decode_kernels.cuh")
 T, NT, NW, ROWS, D, PAIRS = 64, 256, 8, 4, 128, 64
 ROWS_WARPS = min(ROWS, NW)  # warps that own a row (softmax_tile, write_partial)
+ENTRY_WARP = (T + D // 2 + 31) // 32  # SplitBlock::kEntryWarp: stage_entries's warp (4 at D 128)
 VALUE_GROUPS = 2  # SplitBlock::kValueGroups: slot groups (of D / 2 threads at D 128, 4 rows) that take value residuals
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
 PHASES = [
-    ("metadata", ["anchor_meta", "format3_meta", "start_prefix"]),
+    ("metadata", ["anchor_meta", "format3_meta", "start_prefix", "stage_entries", "tile_words"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
-                                               "put8", "exact_angle", "rotate_queries", "rotate_pairs4"]),
+                                               "put8", "exact_angle", "rotate_queries", "rotate_query_pair", "rotate_pairs4"]),
     ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms", "stage_keys"]),
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
     ("contraction", ["contract", "contract_tile", "contract_gathered"]),
@@ -173,7 +174,6 @@ WARP_BLOCKS = [
     ("if (half == 1) {", 4.0),                     # contraction: the second half of the dims' warps
     ("if (half == 0) {", 4.0),                     # contraction: the first half's warps finish the logits
     ("for (int j = tid; j < pairs; j += NT) {", PAIRS / 32),  # the query rotation: one thread a pair
-    ("for (int j2 = tid; j2 < D / 4; j2 += NT) {", D / 4 / 32),  # fast path's query rotation: two pairs a thread
     ("if (const int i = warp + r * NW; i < MAXROWS) {", ROWS_WARPS),  # softmax: each owned row in its warp
     ("} else if (warp == NW - 1 && !window && !format3 && lane < 4) {", 1.0),  # format 2's residual slots: one warp
     ("} else if (warp == NW - 1 && !window) {", 1.0),  # the value residuals' staging (stage_values)
@@ -234,12 +234,14 @@ def cold_lines(lines, table):
 def warps(func, cond_text):
     if func == "format3_meta":
         return 2.0  # warps 0-1: a token a thread
-    if func in ("stage_keys", "stage_values"):
-        return 1.0  # warps 6 and 7: the key and value residuals' staging
+    if func in ("stage_keys", "stage_values", "stage_entries"):
+        return 1.0  # warps 6 and 7: the key and value residuals' staging; warp 4: the next tile's entries
     if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func == "anchor_meta":
         return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each
+    if func == "rotate_query_pair":
+        return PAIRS / 32  # the fast path's query rotation: the angle's thread, a pair each (warps 2-3)
     if func == "gather_anchor_rows" and "pairs" in cond_text:
         return PAIRS / 32  # the query rotation: one thread a pair
     return 8.0
@@ -663,18 +665,21 @@ def latency_class(op):
 def warp_set(func, w, upper, last=False):
     """The warps (of NW) that run a line executed by w of them (warps()/WARP_BLOCKS): every one;
     the last warp's branch of anchor_meta and the value staging (last, stage_values) on 7, the key
-    staging (stage_keys) on 6; the key residuals' and the upper half's 4 - 7; the first angles'
+    staging (stage_keys) on 6, the next tile's entries (stage_entries) on ENTRY_WARP; the key
+    residuals' and the upper half's 4 - 7; the first angles' and the fast path's query rotation
     2 - 3 (anchor_meta's T <= tid < T + pairs); else the first ones (the contraction, the softmax
-    rows and the value groups on 0 - 3, the query rotation and format3_meta on 0 - 1)."""
+    rows and the value groups on 0 - 3, format3_meta on 0 - 1)."""
     if w >= NW:
         return tuple(range(NW))
     if last or func == "stage_values":
         return (NW - 1,)
     if func == "stage_keys":
         return (NW - 2,)
+    if func == "stage_entries":
+        return (ENTRY_WARP,)
     if upper or func in ("key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return tuple(range(NW // 2, NW))
-    if func == "anchor_meta":
+    if func in ("anchor_meta", "rotate_query_pair"):
         return (2, 3)
     return tuple(range(max(1, round(w))))
 

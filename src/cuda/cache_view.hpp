@@ -135,7 +135,7 @@ struct SplitSmem {
   size_t q = 0, qr = 0, logits = 0, logits_part = 0, red = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0,
          carry_step = 0, carry_next = 0, carry_left = 0, head_arrays = 0, step = 0, signs = 0,
          meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
-         penalty = 0, segment = 0, segment_table = 0, segment_gammas = 0, qb = 0, res_logits = 0, residuals = 0, tile_words = 0,
+         penalty = 0, segment = 0, segment_table = 0, segment_gammas = 0, qb = 0, res_logits = 0, residuals = 0, tile_words = 0, entries = 0,
          value_codes = 0, value_positions = 0, value_levels = 0, key_codes = 0, key_scales = 0, keys = 0, w = 0,
          total = 0;
   AKV_HD static constexpr int key_stride(int D) { return D + 4; }  // floats per key row (16-byte rows, no bank conflicts)
@@ -194,6 +194,7 @@ struct SplitSmem {
     res_logits = o; o = align16(o + sizeof(float) * maxrows * T);
     residuals = o; o = align16(o + sizeof(uint32_t) * 4);  // the tile's key and value residuals: first slot, count
     tile_words = o; o = align16(o + sizeof(uint64_t) * 2 * 4);  // format 3: two tiles' mask words and first anchor
+    entries = o; o = align16(o + sizeof(uint32_t) * 2 * T);       // and two tiles' entries and codes, a word a token
     value_codes = o; o = align16(o + T * (D / 4));  // the tile's value residuals' codes, copied from the cache
     value_positions = o; o = align16(o + sizeof(int32_t) * T);  // and their positions in the tile
     value_levels = o; o = align16(o + sizeof(float) * 4 * T);   // and their four scaled levels

@@ -110,7 +110,7 @@ struct SplitBlock {
   static_assert(MAXROWS <= 16, "more rows spill: split them into row chunks");
   static_assert(MAXROWS % 4 == 0, "value residuals read a residual's rows as float4");
   static_assert(SplitSmem::fast_tables_bytes(D) + 4 * MAXROWS * T <= 4 * T * KS,
-                "the fast path's tables and the value residuals' probabilities share the key tile");
+                "the fast path's tables and the tile's probabilities by token share the key tile");
   static_assert(D / 2 + T <= NT - 64, "anchor_meta: warps NW - 2, NW - 1 take no token nor pair (stage_keys, _values)");
 
   const CacheView &c;
@@ -189,6 +189,7 @@ struct SplitBlock {
   HeadArrays *ha_s;  // this head's array pointers
   uint32_t *res_s;       // the tile's key residuals (first slot, count), then the value residuals'
   uint64_t *tw_s;        // format 3: [tile parity][4] the tile's mask words and first anchor (tile_words)
+  uint32_t *ent_s;       // format 3: [tile parity][T] each token's entries and codes (stage_entries)
   uint32_t *vc_s;        // the tile's value residuals' codes [count][D / 16] (32-bit words)
   int32_t *vpos_s;       // and their positions in the tile [count]
   float *vlev_s;         // and their four scaled levels [count][4]
@@ -260,6 +261,7 @@ struct SplitBlock {
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
     res_s = reinterpret_cast<uint32_t *>(smem + lay.residuals);
     tw_s = reinterpret_cast<uint64_t *>(smem + lay.tile_words);
+    ent_s = reinterpret_cast<uint32_t *>(smem + lay.entries);
     vc_s = reinterpret_cast<uint32_t *>(smem + lay.value_codes);
     vpos_s = reinterpret_cast<int32_t *>(smem + lay.value_positions);
     vlev_s = reinterpret_cast<float *>(smem + lay.value_levels);
@@ -386,14 +388,11 @@ struct SplitBlock {
       named_barrier<kMetaBarrier, 2 * 32>();
       if (tid == 0) seg_s[0] = si;  // both warps have read it
     }
-    const HeadArrays &ha = *ha_s;
-    // The token's entries and codes, loaded for every thread without a branch (past the tile's
-    // end the tile's first token's, an anchor's: not used): the one trip to L2 here.
+    // The token's entries and codes (stage_entries's, a tile ahead: no trip to L2 here).
     const bool live = u < n;
-    const int at = t0 + (live ? u : 0);
-    const uint32_t vc = load_ro(ha.value_code + at), kc = load_ro(ha.key_code + at),
-                   ve = load_ro(ha.value_entry + at), ke = load_ro(ha.key_entry + at);
-    const uint64_t *words = tile_words(t0);  // stage_values's, a tile ahead
+    const uint32_t packed = ent_s[((t0 >> 6) & 1) * T + u];
+    const uint32_t ke = packed & 0xffu, ve = packed >> 8 & 0xffu, kc = packed >> 16 & 0xffu, vc = packed >> 24;
+    const uint64_t *words = tile_words(t0);  // stage_entries's, a tile ahead
     const uint64_t anchors = words[0], kmask = words[1];
     const int first = static_cast<int>(words[3]);
     // The tile's key residual slots: the last tile's first slot plus its count (the fast
@@ -428,24 +427,50 @@ struct SplitBlock {
 
   // Before a block's first prefix tile (a barrier follows): format 3's residual slots as of
   // that tile, with counts 0, to which each tile adds its own (tiles run consecutively: the key
-  // side format3_meta or stage_keys, the value side stage_values), and the tile's words (the
-  // next ones: stage_values, a tile ahead).
+  // side format3_meta or stage_keys, the value side stage_values), and the tile's words and
+  // entries (the next tiles': stage_entries, a tile ahead).
   __device__ __forceinline__ void start_prefix(int first_tile) {
-    if (format3 && tid == 0 && first_tile < c.words) {
+    if (!format3 || first_tile >= c.words) return;
+    if (tid == 0) {
       const int64_t wd = static_cast<int64_t>(h) * c.words + first_tile;
       *reinterpret_cast<uint4 *>(res_s) =
           uint4{c.key_offsets[h] + c.key_prefix[wd], 0u, c.value_offsets[h] + c.value_prefix[wd], 0u};
-      uint64_t *words = tw_s + 4 * (first_tile & 1);
-      words[0] = c.anchor_mask[wd];
-      words[1] = c.key_mask[wd];
-      words[2] = c.value_mask[wd];
-      words[3] = static_cast<uint64_t>(static_cast<uint32_t>(c.anchor_first[wd]));
     }
+    if (warp == kEntryWarp) stage_entries(first_tile * T);
   }
   // Format 3: the tile's anchor, key residual and value residual mask words and the anchor index
-  // of its first anchor (as a word), from shared memory (tile parity: stage_values writes the
+  // of its first anchor (as a word), from shared memory (tile parity: stage_entries writes the
   // next tile's beside them).
   __device__ __forceinline__ const uint64_t *tile_words(int t0) const { return tw_s + 4 * ((t0 >> 6) & 1); }
+
+  // The warp that reads a tile's words and entries a tile ahead, while warps 0-1 read the
+  // metadata and warps 2-3 the first angles (at D 256 these take warp 5 too: then the value
+  // staging's warp, after the values).
+  static constexpr int kEntryWarp = (T + D / 2 + 31) / 32 < NW - 2 ? (T + D / 2 + 31) / 32 : NW - 1;
+  // Format 3, the tile at tn (a prefix tile): its mask words and first anchor (tile_words) and
+  // each token's key and value entries and codes, packed into a word (ent_s), by tile parity:
+  // every load independent of the others, one trip to L2, and no branch (ptxas sinks loads
+  // into one). Past the prefix a token reads the tile's first token's, and a tile past it
+  // (the last tile's next) the tile before's, into its parity's slots: not read.
+  __device__ __forceinline__ void stage_entries(int tn) {
+    const HeadArrays &ha = *ha_s;
+    const int P = c.prefix, par = (tn >> 6) & 1;
+    const int tc = tn < P ? tn : tn - T;
+    const int64_t wd = static_cast<int64_t>(h) * c.words + (tc >> 6);
+    const int x4 = lane & 3;  // lanes 4i + j: word j (3: the first anchor), the same stores
+    const uint64_t word = load_ro((x4 == 0 ? c.anchor_mask : x4 == 1 ? c.key_mask : c.value_mask) + wd);
+    const uint32_t first = static_cast<uint32_t>(load_ro(c.anchor_first + wd));
+    uint32_t packed[T / 32];
+    AKV_UNROLL
+    for (int x = 0; x < T / 32; ++x) {
+      const int t = tc + lane + 32 * x, at = t < P ? t : tc;
+      packed[x] = static_cast<uint32_t>(load_ro(ha.key_entry + at)) | static_cast<uint32_t>(load_ro(ha.value_entry + at)) << 8 |
+                  static_cast<uint32_t>(load_ro(ha.key_code + at)) << 16 | static_cast<uint32_t>(load_ro(ha.value_code + at)) << 24;
+    }
+    AKV_UNROLL
+    for (int x = 0; x < T / 32; ++x) ent_s[par * T + lane + 32 * x] = packed[x];
+    tw_s[4 * par + x4] = x4 == 3 ? first : word;
+  }
 
   // Warp NW - 2 on the fast path, while warps 0-1 read the tile's metadata (anchor_meta): the
   // tile's key residual slots (res_s[0], res_s[1]), and the residuals' codes (kc_s) and scales
@@ -472,17 +497,10 @@ struct SplitBlock {
     const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
     uint32_t base;
     int count;
-    uint64_t next = 0;
-    uint32_t first = 0;
     if (format3) {  // the last tile's first slot plus its count
       const uint2 r = *reinterpret_cast<const uint2 *>(res_s + 2);  // every lane
       base = r.x + r.y;
       count = __popcll(tile_words(static_cast<int>(t0))[2]);
-      // The next tile's words (lane i word i; past the prefix this tile's, not used), loaded
-      // beside this tile's residuals: one trip to L2 here, none in format3_meta.
-      const int64_t nwd = wd + (t0 + T < c.prefix ? 1 : 0);
-      next = load_ro((lane == 0 ? c.anchor_mask : lane == 1 ? c.key_mask : c.value_mask) + nwd);
-      first = static_cast<uint32_t>(load_ro(c.anchor_first + nwd));  // every lane: no branch
       __syncwarp();  // every lane has read the slots
       if (lane == 0) *reinterpret_cast<uint2 *>(res_s + 2) = uint2{base, static_cast<uint32_t>(count)};
     } else {  // format 2: from the tile's prefix counts (and the key side's too)
@@ -503,7 +521,6 @@ struct SplitBlock {
       if (e < count * 4) vlev_s[e] = load_ro(c.value_scales + base + e / 4) * lloyd_max_level(e & 3);
       if (e < count * (D / 16)) vc_s[e] = load_ro(words + e);
     }
-    if (format3 && lane < 4) tw_s[4 * (((t0 >> 6) + 1) & 1) + lane] = lane == 3 ? first : next;  // after the loop: no wait
   }
 
   // Prefix tokens t0..end (window: window tokens t0..end, exact anchors k-W+w, gamma 1): the
@@ -571,6 +588,7 @@ struct SplitBlock {
       next_s[j] = p0 + T;
       basec_s[j] = run_c;
       bases_s[j] = run_s;
+      if (fast) rotate_query_pair(j, run_c, run_s);  // no pass after the barrier
     } else if (warp == NW - 2 && !window && fast) {  // off warp 0's path
       stage_keys(t0);
     } else if (warp == NW - 1 && !window) {  // off warps 0-1's path (format3_meta)
@@ -578,6 +596,9 @@ struct SplitBlock {
       // The segment's last tile? By tile parity: a warp may write the next tile's while another
       // still reads this one's (no barrier between when the tile does not flush).
       if (segw && lane == 0) seg_s[1 + (t0 / T & 1)] = (t0 + T) >> c.segment_shift != t0 >> c.segment_shift;
+      if (kEntryWarp == NW - 1 && format3) stage_entries(static_cast<int>(t0) + T);
+    } else if (warp == kEntryWarp && !window && format3) {
+      stage_entries(static_cast<int>(t0) + T);
     }
     return gap;
   }
@@ -667,27 +688,21 @@ struct SplitBlock {
     rotate_queries();
   }
 
-  // q . R_{p0 + off} x = (R_{p0}^T q) . (R_off x): the queries take the tile's first angle
-  // (on the fast path in bf16 only, which its contraction and key-residual terms read: NeoX
-  // pairs j, j + D / 2 over every dim, two pairs a thread).
-  __device__ __forceinline__ void rotate_queries() {
-    if (fast) {
-      constexpr int P = D / 2;
-      for (int j2 = tid; j2 < D / 4; j2 += NT) {
-        const int j = 2 * j2;
-        const float2 cs = *reinterpret_cast<const float2 *>(basec_s + j), sn = *reinterpret_cast<const float2 *>(bases_s + j);
-        for (int i = 0; i < MAXROWS; ++i) {
-          if (i >= rows) break;  // rows past `rows` stay zero
-          const float2 q0 = *reinterpret_cast<const float2 *>(q_s + i * D + j);
-          const float2 q1 = *reinterpret_cast<const float2 *>(q_s + i * D + P + j);
-          *reinterpret_cast<uint32_t *>(qb_s + i * QS + j) =
-              pack_bf16x2(q0.x * cs.x + q1.x * sn.x, q0.y * cs.y + q1.y * sn.y);
-          *reinterpret_cast<uint32_t *>(qb_s + i * QS + P + j) =
-              pack_bf16x2(q1.x * cs.x - q0.x * sn.x, q1.y * cs.y - q0.y * sn.y);
-        }
-      }
-      return;
+  // q . R_{p0 + off} x = (R_{p0}^T q) . (R_off x): the queries take the tile's first angle.
+  // The fast path's, in bf16 only (its contraction and key-residual terms read them): NeoX
+  // pair j, j + D / 2 by the thread that computed its angle (anchor_meta), beside the
+  // metadata.
+  __device__ __forceinline__ void rotate_query_pair(int j, float cs, float sn) {
+    constexpr int P = D / 2;
+    for (int i = 0; i < MAXROWS; ++i) {
+      if (i >= rows) break;  // rows past `rows` stay zero
+      const float q0 = q_s[i * D + j], q1 = q_s[i * D + P + j];
+      qb_s[i * QS + j] = float_to_bits(q0 * cs + q1 * sn, true);
+      qb_s[i * QS + P + j] = float_to_bits(q1 * cs - q0 * sn, true);
     }
+  }
+  // Elsewhere in fp32, one thread a pair, after the barrier that follows the angles.
+  __device__ __forceinline__ void rotate_queries() {
     for (int j = tid; j < pairs; j += NT) {
       const float cs = basec_s[j], sn = bases_s[j];
       const int f = first_s[j], s = second_s[j];
@@ -720,14 +735,18 @@ struct SplitBlock {
   // ---- 3. key residuals of the tile (mask word t0 / 64), added to the unrotated rows -------
 
   // The fast path's key residuals' rows R_off r~ in bf16, four a warp of warps 4-7 ([16][D / 2 +
-  // 8] words: rows padded so that an mma fragment's four rows fall in distinct banks), in the
-  // value residuals' scratch after the trig tables, which prefix_values only fills later.
+  // 8] words: rows padded so that an mma fragment's four rows fall in distinct banks), after
+  // the trig tables, where softmax_tile writes the probabilities by token (pt_s) only later.
   static constexpr int kResRowWords = D / 2 + 8;
   static_assert(SplitSmem::fast_tables_bytes(D) + 16 * kResRowWords * 4 <= 4 * T * KS,
                 "the rows fit the key tile");
   __device__ __forceinline__ uint32_t *K_s_residual_rows() const {
     return reinterpret_cast<uint32_t *>(K_s) + SplitSmem::fast_tables_bytes(D) / 4;
   }
+  // The tile's probabilities by token, [T][MAXROWS] (softmax_tile, beside L_s's rows), for
+  // prefix_values's value residuals: in the key tile, free once the contraction is done (past
+  // the fast path's trig tables, where the key residuals' rows were).
+  __device__ __forceinline__ float *pt_s() const { return K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0); }
 
   // The fast path's logit terms q . R_off r~ of residuals n0 .. n0 + 3 (those below count)
   // with every row, from their rows R_off r~ in bf16 in the warp's scratch xs (row n - n0): one
@@ -1193,7 +1212,9 @@ struct SplitBlock {
         // The tile's max only where one of its logits passes the reference by more than the
         // slack (a vote; -inf + slack is -inf: a row raises its reference at its first visible
         // logit, and nothing is accumulated before it, no rescale then).
-        const float l_max = fmaxf(L_s[i * T + lane], L_s[i * T + lane + 32]);
+        float *l = L_s + i * T;
+        const float l0 = l[lane], l1 = l[lane + 32];  // T == 64: a lane's two tokens
+        const float l_max = fmaxf(l0, l1);
         float m_ref = m_old, alpha = 1.0f;
         if (__any_sync(kFullMask, l_max > m_old + p.rescale_slack)) {
           m_ref = warp_max(l_max);
@@ -1205,12 +1226,16 @@ struct SplitBlock {
         m_run[r] = m_ref;
         l_part[r] *= alpha;
         if (lane == 0) red_s[i] = alpha;
-        for (int u = lane; u < T; u += 32) {
-          float &l = L_s[i * T + u];
-          const float pv = m_ref == -INFINITY ? 0.0f : fast_exp2(l - m_ref);
-          l = pv;
-          l_part[r] += pv;
+        const float p0 = m_ref == -INFINITY ? 0.0f : fast_exp2(l0 - m_ref);
+        const float p1 = m_ref == -INFINITY ? 0.0f : fast_exp2(l1 - m_ref);
+        l[lane] = p0;
+        l[lane + 32] = p1;
+        if (!kDense) {  // by token too, for prefix_values's residuals
+          pt_s()[lane * MAXROWS + i] = p0;
+          pt_s()[(lane + 32) * MAXROWS + i] = p1;
         }
+        l_part[r] += p0;
+        l_part[r] += p1;
       }
     if (__syncthreads_or(rose)) {  // uniform across the block: a row's reference max rose
       for (int i = 0; i < MAXROWS; ++i) {  // static row indices: racc stays in registers
@@ -1230,10 +1255,8 @@ struct SplitBlock {
 
   // ---- 7. values -------------------------------------------------------------------------
 
-  // Value residuals: the probabilities of the tile's residual tokens are first gathered as
-  // [residual][MAXROWS], and each residual's four scaled levels listed (both into the key
-  // tile, free after the contraction), so that a thread reads each residual's rows with
-  // float4 loads and its level with one shared-memory load.
+  // Value residuals: a thread reads a residual's rows with one float4 load (the probabilities
+  // by token, pt_s) and each level with one shared-memory load (stage_values's).
   __device__ __forceinline__ void prefix_values(int64_t t0, int64_t end) {
     // w_a += p_t gamma_t. Shared memory (a compare-and-swap loop per add, a round for each
     // lane on the same address): all k, or the segment's table entries (segw; an anchor
@@ -1270,13 +1293,9 @@ struct SplitBlock {
         if (live && i < rows) atomicAdd(&w_s[i * k + va], L_s[i * T + u] * vg);
       }
     }
+    // The residuals' positions, levels and codes are stage_values's, their probabilities by
+    // token softmax_tile's (pt_s): no barrier after the weights.
     const int count = static_cast<int>(res_s[3]);
-    // The probabilities of the tile's residual tokens as [count][MAXROWS] (the residuals'
-    // positions, levels and codes are stage_values's), past the fast path's tables.
-    float *lr_s = K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0);
-    AKV_NO_UNROLL  // one pass at 4 rows (count <= T)
-    for (int e = tid; e < count * MAXROWS; e += NT) lr_s[e] = L_s[(e % MAXROWS) * T + vpos_s[e / MAXROWS]];
-    __syncthreads();
     // racc's dims: the thread's DPT consecutive dims dim * DPT.. (write_partial), whose codes
     // are one byte of the residual's (DPT divides 4), read once for all of them.
     const int group = tid / TPD, dim = tid % TPD;
@@ -1292,7 +1311,7 @@ struct SplitBlock {
       for (int n = group; n < count; n += VG) {  // everything indexed by n: one induction variable
         const uint32_t codes = vcodes[n * (D / 4)] >> shift;
         const float *lv = vlev_s + n * 4;
-        const float4 *lr = reinterpret_cast<const float4 *>(lr_s + n * MAXROWS);
+        const float4 *lr = reinterpret_cast<const float4 *>(pt_s() + vpos_s[n] * MAXROWS);
         for (int e = 0; e < DPT; ++e) {
           const float level = lv[(codes >> (2 * e)) & 3];
           for (int i = 0; i < MAXROWS; i += 4) {
@@ -1418,10 +1437,9 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
       } else {
         blk.gapped = __syncthreads_or(blk.anchor_meta(t0, end, false)) != 0;
       }
-      if (blk.fast) blk.rotate_queries();
-      else blk.gather_anchor_rows();
-      __syncthreads();
-      if (!blk.fast) {  // the fast path takes them inside the contraction
+      if (!blk.fast) {  // the fast path gathers the rows and takes the key residuals inside the contraction
+        blk.gather_anchor_rows();
+        __syncthreads();
         blk.key_residuals();
         __syncthreads();
       }
@@ -1442,9 +1460,10 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
         blk.gapped = false;  // a window's positions are consecutive
         blk.anchor_meta(w0, end, true);
         __syncthreads();
-        if (blk.fast) blk.rotate_queries();
-        else blk.gather_anchor_rows();
-        __syncthreads();
+        if (!blk.fast) {
+          blk.gather_anchor_rows();
+          __syncthreads();
+        }
         if (!blk.fused) {
           blk.rotate_keys();
           __syncthreads();
