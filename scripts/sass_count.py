@@ -68,7 +68,7 @@ PHASES = [
     ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms", "stage_keys"]),
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
     ("contraction", ["contract", "contract_tile", "contract_gathered"]),
-    ("softmax", ["softmax_tile"]),
+    ("softmax", ["softmax_tile", "settle_tile", "rescale"]),
     ("per-anchor weights", ["prefix_values:weights", "flush_segment"]),
     ("value residuals", ["prefix_values:residuals", "stage_values"]),
     ("loop control and barriers", ["decode_split_kernel", "SplitBlock"]),  # SplitBlock: indices the loop recomputes
@@ -154,6 +154,10 @@ def rescale_rate(block_tiles):
 def cold_blocks(rescale, block_tiles):
     return [
         ("if (__syncthreads_or(rose)) {", rescale),  # a row's reference max rose (softmax_tile)
+        # A prefix tile's logit passed its row's reference (settle_tile): a block's first tile,
+        # where the rows take their first reference, then the rare raises.
+        ("if (__syncthreads_or(rose)) {  // rare", min(1.0, 1.0 / max(1, block_tiles) + rescale)),
+        ("if (__syncthreads_or(scaled)) {", rescale),  # and of those only the raises rescale
         # A logit passed its row's reference by more than the slack: a block's first tile sets
         # the reference, then the rare raises.
         ("if (__any_sync(kFullMask, l_max > m_old + p.rescale_slack)) {", min(1.0, 1.0 / max(1, block_tiles) + rescale)),

@@ -132,7 +132,7 @@ AKV_HD constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 // Every offset but the total depends only on D and the row chunk (room for D / 2 rotary
 // pairs; the per-anchor weights last), so that in the kernel they are constants.
 struct SplitSmem {
-  size_t q = 0, qr = 0, logits = 0, logits_part = 0, red = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0,
+  size_t q = 0, qr = 0, logits = 0, logits_part = 0, red = 0, row_max = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0,
          carry_step = 0, carry_next = 0, carry_left = 0, head_arrays = 0, step = 0, signs = 0,
          meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
          penalty = 0, segment = 0, segment_table = 0, segment_gammas = 0, qb = 0, res_logits = 0, residuals = 0, tile_words = 0, entries = 0,
@@ -157,6 +157,7 @@ struct SplitSmem {
     logits = o; o = align16(o + sizeof(float) * maxrows * T);
     logits_part = o; o = align16(o + sizeof(float) * maxrows * T);  // the second half of the dims' logits
     red = o; o = align16(o + sizeof(float) * (kDecodeThreads / 32) * maxrows);
+    row_max = o; o = align16(o + sizeof(float) * maxrows);  // each row's reference max (SplitBlock::mref_s)
     inv = o; o = align16(o + sizeof(float) * max_pairs);
     first = o; o = align16(o + sizeof(int32_t) * max_pairs);
     second = o; o = align16(o + sizeof(int32_t) * max_pairs);

@@ -160,7 +160,7 @@ struct SplitBlock {
   static constexpr int QS = SplitSmem::qb_stride(D);  // qb_s's row stride
   uint4 *cs_s;
   uint16_t *qb_s;
-  float *q_s, *qr_s, *w_s, *L_s, *Lp_s, *red_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s, *pen_s;
+  float *q_s, *qr_s, *w_s, *L_s, *Lp_s, *red_s, *mref_s, *inv_s, *basec_s, *bases_s, *g_s, *vg_s, *K_s, *sgn_s, *pen_s;
   float2 *step_s;
   int32_t *first_s, *second_s, *a_s, *va_s, *off_s, *bit_s, *kind_s;
   // Storage format 3 (format3_meta): the segment whose table (tab_s) and coefficients by code
@@ -172,12 +172,18 @@ struct SplitBlock {
   int64_t *pos_s;
 
   // Rows owned by each warp: warp w holds row w + r NW's running max and its lanes' partial
-  // sums in m_run[r], l_part[r] (only the owner keeps them: fewer live registers).
+  // sums in m_run[r], l_part[r] (only the owner keeps them: fewer live registers); the max is
+  // mirrored in mref_s for the prefix tiles' logit pass (contract, settle_tile).
   static constexpr int RPW = (MAXROWS + NW - 1) / NW;
+  // The per-anchor weights' passes (prefix_values): RP rows at a time, thread row lane % RP
+  // and token warp + NW (lane / RP). The prefix tiles' sums of p are kept by those threads
+  // (lacc[pass]), not the rows' owners, beside the weights they add anyway.
+  static constexpr int RP = NT / T, PASSES = MAXROWS / RP;
+  static_assert(NT % T == 0 && MAXROWS % RP == 0 && NW * (32 / RP) == T, "whole rows per pass, every token");
   // racc: the value residuals' sums (prefix tiles); dacc: the dense values' (dense and suffix
   // tiles), zeroed where those start (start_dense), so that it holds no registers across the
   // prefix tiles.
-  float m_run[RPW], l_part[RPW], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
+  float m_run[RPW], l_part[RPW], lacc[PASSES], racc[MAXROWS][DPT], dacc[MAXROWS][DPT];
   // Threads T .. T + pairs - 1 (pair j = tid - T): the tile's first angle (basec_s, bases_s),
   // carried from tile to tile by e^{i T omega_j} (tstep_s) while positions run on
   // (next_s), recomputed exactly at the first tile, after a gap and every kExactTiles tiles
@@ -233,6 +239,7 @@ struct SplitBlock {
     L_s = reinterpret_cast<float *>(smem + lay.logits);
     Lp_s = reinterpret_cast<float *>(smem + lay.logits_part);
     red_s = reinterpret_cast<float *>(smem + lay.red);
+    mref_s = reinterpret_cast<float *>(smem + lay.row_max);
     inv_s = reinterpret_cast<float *>(smem + lay.inv);
     first_s = reinterpret_cast<int32_t *>(smem + lay.first);
     second_s = reinterpret_cast<int32_t *>(smem + lay.second);
@@ -342,7 +349,9 @@ struct SplitBlock {
     for (int r = 0; r < RPW; ++r) {
       m_run[r] = -INFINITY;
       l_part[r] = 0.0f;
+      if (const int i = warp + r * NW; i < MAXROWS && lane == 0) mref_s[i] = -INFINITY;
     }
+    for (int x = 0; x < PASSES; ++x) lacc[x] = 0.0f;
     for (int i = 0; i < MAXROWS; ++i)
       for (int e = 0; e < DPT; ++e) racc[i][e] = 0.0f;
     __syncthreads();
@@ -1129,9 +1138,13 @@ struct SplitBlock {
   // causal: these are appended tokens, and row i (query qi of its head) sees the first
   // suffix_len - (q_len - 1 - qi) of them. anchor: anchor tiles (R_off keys, rotated queries).
   // residuals: a prefix tile on the fast path, whose key residuals' logit terms warps 4-7
-  // compute while warps 0-3 contract.
-  __device__ __forceinline__ void contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len, bool anchor,
-                                           bool residuals = false) {
+  // compute while warps 0-3 contract. prefix: a prefix tile, whose logits become p =
+  // exp2(logit - the row's reference max) here (L_s, and by token pt_s), the logits kept in
+  // Lp_s: returns whether one passed its row's reference by more than the slack, which
+  // settle_tile puts right (a block vote).
+  __device__ __forceinline__ bool contract(int64_t t0, int64_t end, bool causal, int64_t suffix_len, bool anchor,
+                                           bool residuals = false, bool prefix = false) {
+    bool rose = false;
     const int g = lane >> 2, tq = lane & 3, m0 = (warp & 3) * 16, half = warp >> 2;
     const bool gathered = anchor && fast;
     const int valid = static_cast<int>(end - t0);  // tokens of the tile (<= T)
@@ -1164,6 +1177,9 @@ struct SplitBlock {
         kinds[x] = anchor && !(gathered && kFoldedPenalty) ? kind_s[t] : 2;
         gammas[x] = gathered ? g_s[t] : 1.0f;
       }
+      // Every logit (and reference max) read before any is written: stores to shared memory
+      // would otherwise keep ptxas from issuing the next element's loads ahead.
+      float vs[NR8][2 * X];
       for (int n = 0; n < NR8; ++n)
         for (int e = 0; e < 2 * X; ++e) {
           const int x = e / 2, i = kDup ? 2 * (tq & 1) + e : n * 8 + 2 * tq + e % 2, t = m0 + g + 8 * (x + xd);
@@ -1180,9 +1196,26 @@ struct SplitBlock {
           }
           bool visible = t < valid;
           if (causal) visible = visible && t0 + t < suffix_len - (p.q_len - 1 - (row0 + i) % p.q_len);
-          L_s[i * T + t] = visible ? v : -INFINITY;
+          vs[n][e] = visible ? v : -INFINITY;
+        }
+      for (int n = 0; n < NR8; ++n)
+        for (int e = 0; e < 2 * X; ++e) {
+          const int x = e / 2, i = kDup ? 2 * (tq & 1) + e : n * 8 + 2 * tq + e % 2, t = m0 + g + 8 * (x + xd);
+          if (i >= MAXROWS) continue;
+          const float v = vs[n][e];
+          if (prefix) {  // -inf + slack is -inf: a row's first visible logit rises
+            const float m = mref_s[i];
+            rose = rose || v > m + p.rescale_slack;
+            const float pv = m == -INFINITY ? 0.0f : fast_exp2(v - m);
+            Lp_s[i * T + t] = v;  // this thread's own element (read above on the unfused path)
+            L_s[i * T + t] = pv;
+            pt_s()[t * MAXROWS + i] = pv;
+          } else {
+            L_s[i * T + t] = v;
+          }
         }
     }
+    return rose;
   }
 
   // ---- 6. online softmax over the tile; L_s becomes p = exp2(logit - max) -------------------
@@ -1225,31 +1258,80 @@ struct SplitBlock {
         }
         m_run[r] = m_ref;
         l_part[r] *= alpha;
-        if (lane == 0) red_s[i] = alpha;
+        if (lane == 0) {
+          red_s[i] = alpha;
+          mref_s[i] = m_ref;
+        }
         const float p0 = m_ref == -INFINITY ? 0.0f : fast_exp2(l0 - m_ref);
         const float p1 = m_ref == -INFINITY ? 0.0f : fast_exp2(l1 - m_ref);
         l[lane] = p0;
         l[lane + 32] = p1;
-        if (!kDense) {  // by token too, for prefix_values's residuals
-          pt_s()[lane * MAXROWS + i] = p0;
-          pt_s()[(lane + 32) * MAXROWS + i] = p1;
-        }
         l_part[r] += p0;
         l_part[r] += p1;
       }
     if (__syncthreads_or(rose)) {  // uniform across the block: a row's reference max rose
-      for (int i = 0; i < MAXROWS; ++i) {  // static row indices: racc stays in registers
-        const float alpha = red_s[i];
-        for (int e = 0; e < DPT; ++e) {
-          racc[i][e] *= alpha;
-          if (kDense) dacc[i][e] *= alpha;
-        }
-        if (alpha != 1.0f)
-          for (int e = tid; e < k; e += NT) w[i * wstride + e] *= alpha;
+      rescale<kDense>();
+      __syncthreads();  // before the tile's values are added
+    }
+  }
+
+  // What is accumulated, times red_s[i] for row i (a rise of its reference max).
+  template <bool kDense>
+  __device__ __forceinline__ void rescale() {
+    for (int i = 0; i < MAXROWS; ++i) {  // static row indices: racc stays in registers
+      const float alpha = red_s[i];
+      for (int e = 0; e < DPT; ++e) {
+        racc[i][e] *= alpha;
+        if (kDense) dacc[i][e] *= alpha;
       }
-      if (segw)  // apart: inside the loop above, racc went to local memory at 16 rows
-        for (int e = tid; e < MAXROWS * kSegmentEntries; e += NT) w_s[e] *= red_s[e / kSegmentEntries];
-      __syncthreads();  // before the tile's weights are added
+      if (alpha != 1.0f) {  // a raise (not a row's first reference)
+        for (int e = tid; e < k; e += NT) w[i * wstride + e] *= alpha;
+      }
+    }
+    if (segw)  // apart: inside the loop above, racc went to local memory at 16 rows
+      for (int e = tid; e < MAXROWS * kSegmentEntries; e += NT) w_s[e] *= red_s[e / kSegmentEntries];
+    for (int x = 0; x < PASSES; ++x) lacc[x] *= red_s[x * RP + lane % RP];
+  }
+
+  // A prefix tile's p, which contract() computed against each row's reference max: the
+  // block's vote on whether a logit passed it by more than the slack. Rarely (a row's first
+  // visible logits, a block's first tile; then a jump): as softmax_tile does, each risen row
+  // takes the tile's max from the logits in Lp_s, what is accumulated is rescaled and p
+  // recomputed. The tile's sums of p are prefix_values's (lacc), after any rescale.
+  __device__ __forceinline__ void settle_tile(bool rose) {
+    if (__syncthreads_or(rose)) {  // rare: else p stands as contract() wrote it
+      bool scaled = false;  // a row's reference rose past a previous one (not a first)
+      AKV_UNROLL
+      for (int r = 0; r < RPW; ++r)
+        if (const int i = warp + r * NW; i < MAXROWS) {
+          const float m_old = m_run[r];
+          const float l0 = Lp_s[i * T + lane], l1 = Lp_s[i * T + lane + 32];
+          const float l_max = fmaxf(l0, l1);
+          float m_ref = m_old, alpha = 1.0f;
+          if (__any_sync(kFullMask, l_max > m_old + p.rescale_slack)) {
+            m_ref = warp_max(l_max);
+            if (m_old != -INFINITY) {
+              alpha = fast_exp2(m_old - m_ref);
+              scaled = true;
+            }
+          }
+          m_run[r] = m_ref;
+          l_part[r] *= alpha;
+          if (lane == 0) {
+            red_s[i] = alpha;
+            mref_s[i] = m_ref;
+          }
+          const float p0 = m_ref == -INFINITY ? 0.0f : fast_exp2(l0 - m_ref);
+          const float p1 = m_ref == -INFINITY ? 0.0f : fast_exp2(l1 - m_ref);
+          L_s[i * T + lane] = p0;
+          L_s[i * T + lane + 32] = p1;
+          pt_s()[lane * MAXROWS + i] = p0;
+          pt_s()[(lane + 32) * MAXROWS + i] = p1;
+        }
+      if (__syncthreads_or(scaled)) {
+        rescale<false>();
+        __syncthreads();  // before the tile's weights are added
+      }
     }
   }
 
@@ -1266,31 +1348,38 @@ struct SplitBlock {
     // MAXROWS / RP) and token warp + NW (lane / RP): a warp takes RP rows of 8 tokens 8 apart,
     // which share an anchor far less often than 32 consecutive tokens of one row (on SmolLM2's
     // prompts the most tokens on one anchor average 1.6 against 4.3: the loop's rounds).
-    constexpr int RP = NT / T;
-    static_assert(NT % T == 0 && MAXROWS % RP == 0 && NW * (32 / RP) == T, "whole rows per pass, every token");
     const int u = warp + NW * (lane / RP);
     const bool live = u < static_cast<int>(end - t0);
     const int va = va_s[u];
     const float vg = vg_s[u];
     if (segw) {
       const bool own = va >= kSegmentEntries;  // an anchor token: its own (exact) anchor
-      for (int i0 = 0; i0 < MAXROWS; i0 += RP) {
-        const int i = i0 + lane % RP;
+      for (int x = 0; x < PASSES; ++x) {
+        const int i = x * RP + lane % RP;
         if (live && i < rows) {
-          const float x = L_s[i * T + u] * vg;
-          if (own) atomicAdd(&w[i * wstride + va - kSegmentEntries], x);
-          else atomicAdd(&w_s[i * kSegmentEntries + va], x);
+          const float pr = L_s[i * T + u];
+          lacc[x] += pr;
+          if (own) atomicAdd(&w[i * wstride + va - kSegmentEntries], pr * vg);
+          else atomicAdd(&w_s[i * kSegmentEntries + va], pr * vg);
         }
       }
     } else if (w != w_s) {
-      for (int i0 = 0; i0 < MAXROWS; i0 += RP) {
-        const int i = i0 + lane % RP;
-        if (live && i < rows) atomicAdd(&w[i * wstride + va], L_s[i * T + u] * vg);
+      for (int x = 0; x < PASSES; ++x) {
+        const int i = x * RP + lane % RP;
+        if (live && i < rows) {
+          const float pr = L_s[i * T + u];
+          lacc[x] += pr;
+          atomicAdd(&w[i * wstride + va], pr * vg);
+        }
       }
     } else {
-      for (int i0 = 0; i0 < MAXROWS; i0 += RP) {
-        const int i = i0 + lane % RP;
-        if (live && i < rows) atomicAdd(&w_s[i * k + va], L_s[i * T + u] * vg);
+      for (int x = 0; x < PASSES; ++x) {
+        const int i = x * RP + lane % RP;
+        if (live && i < rows) {
+          const float pr = L_s[i * T + u];
+          lacc[x] += pr;
+          atomicAdd(&w_s[i * k + va], pr * vg);
+        }
       }
     }
     // The residuals' positions, levels and codes are stage_values's, their probabilities by
@@ -1371,6 +1460,13 @@ struct SplitBlock {
 
   __device__ __forceinline__ void write_partial(int64_t blk) {
     const int group = tid / TPD, dim = tid % TPD;
+    // The prefix tiles' sums of p (lacc) by warp and row into red_s (free now; the barrier
+    // below orders them before the rows' owners read them).
+    for (int x = 0; x < PASSES; ++x) {
+      float v = lacc[x];
+      for (int o = RP; o < 32; o <<= 1) v += __shfl_xor_sync(kFullMask, v, o);
+      if (lane < RP) red_s[warp * MAXROWS + x * RP + lane] = v;
+    }
     // Sum over slot groups through shared memory (the key tile: SG * MAXROWS * D <= T * KS
     // floats), then write.
     float *scratch = K_s;
@@ -1392,7 +1488,8 @@ struct SplitBlock {
       for (int e = tid; e < MAXROWS * k; e += NT) p.ws_w[(blk * MAXROWS + e / k) * p.max_anchors + e % k] = w_s[e];
     for (int r = 0; r < RPW; ++r)  // the row's owner warp holds its running max and sum
       if (const int i = warp + r * NW; i < MAXROWS) {
-        const float l = warp_sum(l_part[r]);
+        float l = warp_sum(l_part[r]);
+        for (int w8 = 0; w8 < NW; ++w8) l += red_s[w8 * MAXROWS + i];
         if (lane == 0) {
           p.ws_ml[(blk * MAXROWS + i) * 2] = m_run[r];
           p.ws_ml[(blk * MAXROWS + i) * 2 + 1] = l;
@@ -1447,8 +1544,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
         blk.rotate_keys();
         __syncthreads();
       }
-      blk.contract(t0, end, false, 0, true, true);
-      blk.template softmax_tile<false>();
+      blk.settle_tile(blk.contract(t0, end, false, 0, true, true, true));
       blk.prefix_values(t0, end);
       if (blk.segw && (blk.seg_s[1 + (tile & 1)] || tile + 1 == end_tile)) {
         blk.flush_segment();  // the block's last tile of the segment
