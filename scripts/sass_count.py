@@ -58,7 +58,7 @@ KERNELS = os.path.join(ROOT, "src", "cuda", "decode_kernels.cuh")
 T, NT, NW, ROWS, D, PAIRS = 64, 256, 8, 4, 128, 64
 ROWS_WARPS = min(ROWS, NW)  # warps that own a row (softmax_tile, write_partial)
 ENTRY_WARP = (T + D // 2 + 31) // 32  # SplitBlock::kEntryWarp: stage_entries's warp (4 at D 128)
-VALUE_GROUPS = 2  # SplitBlock::kValueGroups: slot groups (of D / 2 threads at D 128, 4 rows) that take value residuals
+VALUE_GROUPS = 4  # SplitBlock::kValueGroups: slot groups (of D / 2 threads at D 128, 4 rows) that take value residuals
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
 PHASES = [
@@ -110,8 +110,7 @@ def trips(src, fk, fv, k, rescale):
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
         ("e < count * PER; e += 32", max(1.0, cv * max(4, D // 16) / 32)),  # value residuals' staging
-        ("e < count * MAXROWS; e += NT", max(1.0, cv * ROWS / NT)),  # and their probabilities
-        ("n < count; n += VG) {", cv / VALUE_GROUPS),          # value residuals: VG slot groups in turn
+        ("n < count; n += VG) {", cv / VALUE_GROUPS),          # value residuals: VG slot groups in turn (the mean)
         ("u < T; u += 32", T / 32),
         ("s < 2 * SP; ++s", D / 32),                          # fast contraction: slab pairs of a token's row
         ("j < pairs; j += NT", 1.0),

@@ -105,7 +105,10 @@ struct SplitBlock {
   static constexpr int SG = NT / TPD;                 // slot groups
   static constexpr int DPT = D / TPD;                 // dims per thread
   static constexpr int EPL = D / 32;                  // dims per lane (warp paths)
-  static constexpr int kValueGroups = 2;  // slot groups that take a tile's value residuals (prefix_values)
+  // Slot groups that take a tile's value residuals (prefix_values): every one up to 4 (D 64
+  // and 128 with 4 rows: all 8 warps, about one residual a group at the default budget; two a
+  // group, on half the warps, left the others waiting at the barrier).
+  static constexpr int kValueGroups = 4;
   static_assert(T == 64, "a tile is one residual mask word");
   static_assert(MAXROWS <= 16, "more rows spill: split them into row chunks");
   static_assert(MAXROWS % 4 == 0, "value residuals read a residual's rows as float4");
@@ -1391,8 +1394,8 @@ struct SplitBlock {
     const int shift = (dim * DPT & 3) * 2;
     static_assert(4 % DPT == 0 && D % 16 == 0, "a thread's codes in one byte; whole code words per residual");
     const uint8_t *vcodes = reinterpret_cast<const uint8_t *>(vc_s) + (dim * DPT >> 2);
-    // Slot groups 0 .. VG - 1 take the residuals, in turn: a tile holds a few (about 3), and
-    // the other groups' warps skip the loop and its per-tile cost (write_partial sums every
+    // Slot groups 0 .. VG - 1 take the residuals, in turn (a tile holds a few, about 3); any
+    // other groups' warps skip the loop and its per-tile cost (write_partial sums every
     // group's racc, theirs zero).
     constexpr int VG = SG < kValueGroups ? SG : kValueGroups;
     if (group < VG) {
