@@ -57,12 +57,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = os.path.join(ROOT, "src", "cuda", "decode_kernels.cuh")
 T, NT, NW, ROWS, D, PAIRS = 64, 256, 8, 4, 128, 64
 ROWS_WARPS = min(ROWS, NW)  # warps that own a row (softmax_tile, write_partial)
-ENTRY_WARP = (T + D // 2 + 31) // 32  # SplitBlock::kEntryWarp: stage_entries's warp (4 at D 128)
+ENTRY_WARP = (T + D // 2 + 31) // 32  # SplitBlock::kEntryWarp: stage_entries's warp (4 at D 128; stage_tile_words's the next)
 VALUE_GROUPS = 4  # SplitBlock::kValueGroups: slot groups (of D / 2 threads at D 128, 4 rows) that take value residuals
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
 PHASES = [
-    ("metadata", ["anchor_meta", "format3_meta", "start_prefix", "stage_entries", "tile_words"]),
+    ("metadata", ["anchor_meta", "format3_meta", "start_prefix", "stage_entries", "stage_tile_words", "stage_next", "tile_words"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle", "rotate_queries", "rotate_query_pair", "rotate_pairs4"]),
     ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms", "stage_keys"]),
@@ -237,8 +237,8 @@ def cold_lines(lines, table):
 def warps(func, cond_text):
     if func == "format3_meta":
         return 2.0  # warps 0-1: a token a thread
-    if func in ("stage_keys", "stage_values", "stage_entries"):
-        return 1.0  # warps 6 and 7: the key and value residuals' staging; warp 4: the next tile's entries
+    if func in ("stage_keys", "stage_values", "stage_entries", "stage_tile_words", "stage_next"):
+        return 1.0  # warps 6 and 7: the key and value residuals' staging; 4 and 5: the next tile's entries and words
     if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func == "anchor_meta":
@@ -668,7 +668,8 @@ def latency_class(op):
 def warp_set(func, w, upper, last=False):
     """The warps (of NW) that run a line executed by w of them (warps()/WARP_BLOCKS): every one;
     the last warp's branch of anchor_meta and the value staging (last, stage_values) on 7, the key
-    staging (stage_keys) on 6, the next tile's entries (stage_entries) on ENTRY_WARP; the key
+    staging (stage_keys) on 6, the next tile's entries (stage_entries) on ENTRY_WARP and words
+    (stage_tile_words) on the next; the key
     residuals' and the upper half's 4 - 7; the first angles' and the fast path's query rotation
     2 - 3 (anchor_meta's T <= tid < T + pairs); else the first ones (the contraction, the softmax
     rows and the value groups on 0 - 3, format3_meta on 0 - 1)."""
@@ -680,6 +681,8 @@ def warp_set(func, w, upper, last=False):
         return (NW - 2,)
     if func == "stage_entries":
         return (ENTRY_WARP,)
+    if func == "stage_tile_words":
+        return (ENTRY_WARP + 1,)
     if upper or func in ("key_residuals", "key_residuals_tc", "residual_logit_terms"):
         return tuple(range(NW // 2, NW))
     if func in ("anchor_meta", "rotate_query_pair"):

@@ -95,6 +95,11 @@ struct HeadArrays {
   const uint64_t *anchor_mask, *key_mask, *value_mask;  // format 3: [words]
   const int32_t *anchor_first;                          // format 3: [words]
   const uint8_t *key_entry, *value_entry, *key_code, *value_code;  // format 3: [prefix]
+  // The view's residual arrays and sizes the per-tile staging reads (shared-memory loads
+  // side by side, where the view's fields are dependent loads through L1).
+  const uint8_t *key_codes, *value_codes, *value_chunk;
+  const float *key_scales, *value_scales;
+  int32_t prefix, segment_shift;
 };
 
 struct DecodeLaunch {

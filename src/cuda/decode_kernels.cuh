@@ -285,7 +285,9 @@ struct SplitBlock {
                          f3 ? c.anchor_mask + hw : nullptr, f3 ? c.key_mask + hw : nullptr,
                          f3 ? c.value_mask + hw : nullptr, f3 ? c.anchor_first + hw : nullptr,
                          f3 ? c.key_entry + hp : nullptr, f3 ? c.value_entry + hp : nullptr,
-                         f3 ? c.key_code + hp : nullptr, f3 ? c.value_code + hp : nullptr};
+                         f3 ? c.key_code + hp : nullptr, f3 ? c.value_code + hp : nullptr,
+                         c.key_codes, c.value_codes, c.value_chunk, c.key_scales, c.value_scales,
+                         static_cast<int32_t>(c.prefix), c.segment_shift};
     }
     tstep_s = reinterpret_cast<float2 *>(smem + lay.carry_step);
     next_s = reinterpret_cast<int64_t *>(smem + lay.carry_next);
@@ -386,7 +388,7 @@ struct SplitBlock {
   static constexpr int kMetaBarrier = 1;  // bar.sync 1, 64: warps 0-1
   __device__ __forceinline__ void format3_meta(int t0, int end) {  // 32-bit: P < 2^31
     const int u = tid, n = end - t0;
-    const int si = t0 >> c.segment_shift;
+    const int si = t0 >> ha_s->segment_shift;
     if (seg_s[0] != si) {  // uniform across warps 0-1: seg_s[0] is written after the barrier below
       const int64_t seg = static_cast<int64_t>(h) * c.segments + si;
       const float scale = load_ro(c.gamma_scales + 2 * seg + warp);  // warp 0 the keys', warp 1 the values'
@@ -448,30 +450,37 @@ struct SplitBlock {
       *reinterpret_cast<uint4 *>(res_s) =
           uint4{c.key_offsets[h] + c.key_prefix[wd], 0u, c.value_offsets[h] + c.value_prefix[wd], 0u};
     }
-    if (warp == kEntryWarp) stage_entries(first_tile * T);
+    stage_next(first_tile * T);
   }
   // Format 3: the tile's anchor, key residual and value residual mask words and the anchor index
   // of its first anchor (as a word), from shared memory (tile parity: stage_entries writes the
   // next tile's beside them).
   __device__ __forceinline__ const uint64_t *tile_words(int t0) const { return tw_s + 4 * ((t0 >> 6) & 1); }
 
-  // The warp that reads a tile's words and entries a tile ahead, while warps 0-1 read the
-  // metadata and warps 2-3 the first angles (at D 256 these take warp 5 too: then the value
-  // staging's warp, after the values).
-  static constexpr int kEntryWarp = (T + D / 2 + 31) / 32 < NW - 2 ? (T + D / 2 + 31) / 32 : NW - 1;
-  // Format 3, the tile at tn (a prefix tile): its mask words and first anchor (tile_words) and
-  // each token's key and value entries and codes, packed into a word (ent_s), by tile parity:
-  // every load independent of the others, one trip to L2, and no branch (ptxas sinks loads
-  // into one). Past the prefix a token reads the tile's first token's, and a tile past it
-  // (the last tile's next) the tile before's, into its parity's slots: not read.
+  // The warps that read a tile's entries and its words a tile ahead, while warps 0-1 read the
+  // metadata and warps 2-3 the first angles: the two warps after those (4 and 5 at D 128; at
+  // D 256 the angles take warps 2-5: then both on the value staging's warp, after the values).
+  static constexpr int kAfterAngles = (T + D / 2 + 31) / 32;
+  static constexpr int kEntryWarp = kAfterAngles < NW - 2 ? kAfterAngles : NW - 1;
+  static constexpr int kWordsWarp = kAfterAngles + 1 < NW - 2 ? kAfterAngles + 1 : kEntryWarp;
+  // Format 3, the tile at tn (a prefix tile), by tile parity, each warp's loads independent of
+  // one another (one trip to L2) and without a branch (ptxas sinks loads into one): its mask
+  // words and first anchor (tile_words; lanes 4i + j word j, 3 the first anchor: the same
+  // stores), and each token's key and value entries and codes, packed into a word (ent_s). Past
+  // the prefix a token reads the tile's first token's, and a tile past it (the last tile's
+  // next) the tile before's, into its parity's slots: not read.
+  __device__ __forceinline__ void stage_tile_words(int tn) {
+    const HeadArrays &ha = *ha_s;
+    const int P = ha.prefix, par = (tn >> 6) & 1;
+    const int wd = (tn < P ? tn : tn - T) >> 6, x4 = lane & 3;
+    const uint64_t word = load_ro((x4 == 0 ? ha.anchor_mask : x4 == 1 ? ha.key_mask : ha.value_mask) + wd);
+    const uint32_t first = static_cast<uint32_t>(load_ro(ha.anchor_first + wd));
+    tw_s[4 * par + x4] = x4 == 3 ? first : word;
+  }
   __device__ __forceinline__ void stage_entries(int tn) {
     const HeadArrays &ha = *ha_s;
-    const int P = c.prefix, par = (tn >> 6) & 1;
+    const int P = ha.prefix, par = (tn >> 6) & 1;
     const int tc = tn < P ? tn : tn - T;
-    const int64_t wd = static_cast<int64_t>(h) * c.words + (tc >> 6);
-    const int x4 = lane & 3;  // lanes 4i + j: word j (3: the first anchor), the same stores
-    const uint64_t word = load_ro((x4 == 0 ? c.anchor_mask : x4 == 1 ? c.key_mask : c.value_mask) + wd);
-    const uint32_t first = static_cast<uint32_t>(load_ro(c.anchor_first + wd));
     uint32_t packed[T / 32];
     AKV_UNROLL
     for (int x = 0; x < T / 32; ++x) {
@@ -481,7 +490,10 @@ struct SplitBlock {
     }
     AKV_UNROLL
     for (int x = 0; x < T / 32; ++x) ent_s[par * T + lane + 32 * x] = packed[x];
-    tw_s[4 * par + x4] = x4 == 3 ? first : word;
+  }
+  __device__ __forceinline__ void stage_next(int tn) {  // both, on a warp that takes both
+    if (warp == kEntryWarp) stage_entries(tn);
+    if (warp == kWordsWarp) stage_tile_words(tn);
   }
 
   // Warp NW - 2 on the fast path, while warps 0-1 read the tile's metadata (anchor_meta): the
@@ -493,11 +505,12 @@ struct SplitBlock {
     const int count = __popcll(tile_words(static_cast<int>(t0))[1]);
     __syncwarp();  // every lane has read it
     if (lane == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{base, static_cast<uint32_t>(count)};
-    const uint32_t *words = reinterpret_cast<const uint32_t *>(c.key_codes) + static_cast<int64_t>(base) * (D / 16);
+    const uint32_t *words = reinterpret_cast<const uint32_t *>(ha_s->key_codes) + static_cast<int64_t>(base) * (D / 16);
+    const float *scales = ha_s->key_scales + base;  // both read before any store (stage_values)
     AKV_NO_UNROLL
     for (int e = lane; e < count * (D / 16); e += 32) {
       kc_s[e] = load_ro(words + e);
-      if (e < count) ks_s[e] = load_ro(c.key_scales + base + e);
+      if (e < count) ks_s[e] = load_ro(scales + e);
     }
   }
 
@@ -525,12 +538,16 @@ struct SplitBlock {
     }
     // The codes as whole words (a residual's D / 4 bytes are consecutive and 4-byte aligned),
     // so that every thread reads its byte from shared memory with a 32-bit index.
-    const uint32_t *words = reinterpret_cast<const uint32_t *>(c.value_codes) + static_cast<int64_t>(base) * (D / 16);
+    // The arrays read into registers before any store (a store to shared memory would keep
+    // ptxas from reading them, hence issuing the next load, ahead of it).
+    const uint32_t *words = reinterpret_cast<const uint32_t *>(ha_s->value_codes) + static_cast<int64_t>(base) * (D / 16);
+    const uint8_t *chunk = ha_s->value_chunk + base;
+    const float *scales = ha_s->value_scales + base;
     constexpr int PER = D / 16 > 4 ? D / 16 : 4;  // the most entries a residual has in one array
     AKV_NO_UNROLL
     for (int e = lane; e < count * PER; e += 32) {
-      if (e < count) vpos_s[e] = load_ro(c.value_chunk + base + e);  // the position inside the word (= tile)
-      if (e < count * 4) vlev_s[e] = load_ro(c.value_scales + base + e / 4) * lloyd_max_level(e & 3);
+      if (e < count) vpos_s[e] = load_ro(chunk + e);  // the position inside the word (= tile)
+      if (e < count * 4) vlev_s[e] = load_ro(scales + e / 4) * lloyd_max_level(e & 3);
       if (e < count * (D / 16)) vc_s[e] = load_ro(words + e);
     }
   }
@@ -607,10 +624,13 @@ struct SplitBlock {
       stage_values(t0);
       // The segment's last tile? By tile parity: a warp may write the next tile's while another
       // still reads this one's (no barrier between when the tile does not flush).
-      if (segw && lane == 0) seg_s[1 + (t0 / T & 1)] = (t0 + T) >> c.segment_shift != t0 >> c.segment_shift;
-      if (kEntryWarp == NW - 1 && format3) stage_entries(static_cast<int>(t0) + T);
-    } else if (warp == kEntryWarp && !window && format3) {
-      stage_entries(static_cast<int>(t0) + T);
+      if (segw && lane == 0) {
+        const int shift = ha_s->segment_shift;
+        seg_s[1 + (t0 / T & 1)] = (t0 + T) >> shift != t0 >> shift;
+      }
+      if (kEntryWarp == NW - 1 && format3) stage_next(static_cast<int>(t0) + T);
+    } else if ((warp == kEntryWarp || warp == kWordsWarp) && !window && format3) {
+      stage_next(static_cast<int>(t0) + T);
     }
     return gap;
   }
