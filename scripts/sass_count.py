@@ -165,7 +165,7 @@ def cold_blocks(rescale, block_tiles):
         ("if (a < 0) {", 0.0),                      # tokens past the prompt's end (last tile only)
         # --segment-weights: a segment's weights added to the workspace, after its last tile in the
         # block (1024 tokens at 32K and 128K) and the block's last
-        ("if (blk.segw && (blk.seg_s[1 + (tile & 1)] || tile + 1 == end_tile)) {", min(1.0, 1.0 / 16 + 1.0 / max(1, block_tiles))),
+        ("if (flush) {", min(1.0, 1.0 / 16 + 1.0 / max(1, block_tiles))),
         ("} else {  // exact: the first tile", 1.0 / 16),  # the tile's first angle exactly: every 16th tile
         ("if (seg_s[0] != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
     ]

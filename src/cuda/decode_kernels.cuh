@@ -1372,6 +1372,7 @@ struct SplitBlock {
     // which share an anchor far less often than 32 consecutive tokens of one row (on SmolLM2's
     // prompts the most tokens on one anchor average 1.6 against 4.3: the loop's rounds).
     const int u = warp + NW * (lane / RP);
+    const int count = static_cast<int>(res_s[3]);  // value residuals: read before the atomics
     const bool live = u < static_cast<int>(end - t0);
     const int va = va_s[u];
     const float vg = vg_s[u];
@@ -1407,7 +1408,6 @@ struct SplitBlock {
     }
     // The residuals' positions, levels and codes are stage_values's, their probabilities by
     // token softmax_tile's (pt_s): no barrier after the weights.
-    const int count = static_cast<int>(res_s[3]);
     // racc's dims: the thread's DPT consecutive dims dim * DPT.. (write_partial), whose codes
     // are one byte of the residual's (DPT divides 4), read once for all of them.
     const int group = tid / TPD, dim = tid % TPD;
@@ -1568,9 +1568,12 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
         __syncthreads();
       }
       blk.settle_tile(blk.contract(t0, end, false, 0, true, true, true));
+      // The block's last tile of the segment? Read before the values' loads and atomics (a
+      // shared-memory load that would otherwise wait after their barrier).
+      const bool flush = blk.segw && (blk.seg_s[1 + (tile & 1)] || tile + 1 == end_tile);
       blk.prefix_values(t0, end);
-      if (blk.segw && (blk.seg_s[1 + (tile & 1)] || tile + 1 == end_tile)) {
-        blk.flush_segment();  // the block's last tile of the segment
+      if (flush) {
+        blk.flush_segment();
       }
     }
     if (split == 0)
