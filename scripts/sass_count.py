@@ -140,6 +140,9 @@ def trips(src, fk, fv, k, rescale):
 # Slack 8 (the rule before) measured 0.0393 / 0.0051 of the tiles (about 0.66 raises a block),
 # every rise 0.321 / 0.056.
 RAISES_PER_BLOCK = 0.01
+# The share of prefix tokens that are anchors (the default geometry: (k - W) / P, 783 of 32736
+# at 32K, 3226 of 131040 at 128K).
+ANCHOR_SHARE = 0.024
 
 
 def rescale_rate(block_tiles):
@@ -166,6 +169,9 @@ def cold_blocks(rescale, block_tiles):
         # --segment-weights: a segment's weights added to the workspace, after its last tile in the
         # block (1024 tokens at 32K and 128K) and the block's last
         ("if (flush) {", min(1.0, 1.0 / 16 + 1.0 / max(1, block_tiles))),
+        # --segment-weights: an anchor token's own weight (a global atomic), where one of the
+        # 8 tokens of a warp's pass is an anchor
+        ("if (own) {", 1.0 - (1.0 - ANCHOR_SHARE) ** (32 // (NT // T))),
         ("} else {  // exact: the first tile", 1.0 / 16),  # the tile's first angle exactly: every 16th tile
         ("if (seg_s[0] != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
     ]
@@ -798,10 +804,12 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     for name, members in PHASES:
         for m in members:
             phase_of[m] = name
-    weights_end = None  # prefix_values: the per-anchor weights end where the value residuals start
+    # prefix_values: the per-anchor weights end where the value residuals start (their count,
+    # read before the weights' atomics, is the residuals')
+    weights_end = None
     for name, a, b in spans:
         if name == "prefix_values":
-            weights_end = next(n for n in range(a, b + 1) if "const int count = static_cast<int>(res_s[3]);" in lines[n - 1])
+            weights_end = next(n for n in range(a, b + 1) if "racc's dims: the thread's DPT consecutive dims" in lines[n - 1])
     # SASS trips of each inner loop: the source trips over nvcc's unroll factor, which is read
     # off the body: the fewest loads any one source line of the body issues (a line loads
     # once per source iteration).
@@ -830,7 +838,8 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
         if func == "prefix_values":
-            func = "prefix_values:weights" if ln < weights_end else "prefix_values:residuals"
+            weights = ln < weights_end and "res_s[3]" not in lines[ln - 1]
+            func = "prefix_values:weights" if weights else "prefix_values:residuals"
         phase = phase_of.get(func, "other (%s)" % func) if func else "library code (no line of decode_kernels.cuh)"
         mult, looped = 1.0, False
         for a, b in inner:
