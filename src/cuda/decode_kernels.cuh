@@ -475,6 +475,14 @@ struct SplitBlock {
     const int wd = (tn < P ? tn : tn - T) >> 6, x4 = lane & 3;
     const uint64_t word = load_ro((x4 == 0 ? ha.anchor_mask : x4 == 1 ? ha.key_mask : ha.value_mask) + wd);
     const uint32_t first = static_cast<uint32_t>(load_ro(ha.anchor_first + wd));
+    // Whether the tile before (this one, tn - T) is its segment's last, for the flush after
+    // its values: by tile parity, so that a warp may write the next tile's while another
+    // still reads this one's (no barrier between when the tile does not flush). From
+    // start_prefix it is the block's first tile less one's, a slot rewritten before it is read.
+    if (segw && lane == 0) {
+      const int shift = ha.segment_shift;
+      seg_s[1 + ((tn / T - 1) & 1)] = tn >> shift != (tn - T) >> shift;
+    }
     tw_s[4 * par + x4] = x4 == 3 ? first : word;
   }
   __device__ __forceinline__ void stage_entries(int tn) {
@@ -622,12 +630,6 @@ struct SplitBlock {
       stage_keys(t0);
     } else if (warp == NW - 1 && !window) {  // off warps 0-1's path (format3_meta)
       stage_values(t0);
-      // The segment's last tile? By tile parity: a warp may write the next tile's while another
-      // still reads this one's (no barrier between when the tile does not flush).
-      if (segw && lane == 0) {
-        const int shift = ha_s->segment_shift;
-        seg_s[1 + (t0 / T & 1)] = (t0 + T) >> shift != t0 >> shift;
-      }
       if (kEntryWarp == NW - 1 && format3) stage_next(static_cast<int>(t0) + T);
     } else if ((warp == kEntryWarp || warp == kWordsWarp) && !window && format3) {
       stage_next(static_cast<int>(t0) + T);
