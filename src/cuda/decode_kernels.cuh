@@ -398,7 +398,11 @@ struct SplitBlock {
         reinterpret_cast<uint4 *>(tab_s)[lane] =
             load_ro(reinterpret_cast<const uint4 *>(c.segment_tables + seg * c.table_size) + lane);
       float *gam = warp == 0 ? kgam_s : vgam_s;
-      for (int e = lane; e < kSegmentEntries; e += 32) gam[e] = bits_to_float(float_to_bits(scale * units_s[e], true), true);
+      AKV_UNROLL  // a constant trip count, unrolled: the units' loads side by side
+      for (int r = 0; r < kSegmentEntries / 32; ++r) {
+        const int e = lane + 32 * r;
+        gam[e] = bits_to_float(float_to_bits(scale * units_s[e], true), true);
+      }
       named_barrier<kMetaBarrier, 2 * 32>();
       if (tid == 0) seg_s[0] = si;  // both warps have read it
     }
@@ -770,16 +774,17 @@ struct SplitBlock {
 
   // The fast path's key residuals' rows R_off r~ in bf16, four a warp of warps 4-7 ([16][D / 2 +
   // 8] words: rows padded so that an mma fragment's four rows fall in distinct banks), after
-  // the trig tables, where softmax_tile writes the probabilities by token (pt_s) only later.
+  // the trig tables, where the logit pass writes the probabilities by token (pt_s) only later.
   static constexpr int kResRowWords = D / 2 + 8;
   static_assert(SplitSmem::fast_tables_bytes(D) + 16 * kResRowWords * 4 <= 4 * T * KS,
                 "the rows fit the key tile");
   __device__ __forceinline__ uint32_t *K_s_residual_rows() const {
     return reinterpret_cast<uint32_t *>(K_s) + SplitSmem::fast_tables_bytes(D) / 4;
   }
-  // The tile's probabilities by token, [T][MAXROWS] (softmax_tile, beside L_s's rows), for
-  // prefix_values's value residuals: in the key tile, free once the contraction is done (past
-  // the fast path's trig tables, where the key residuals' rows were).
+  // A prefix tile's probabilities by token, [T][MAXROWS] (contract's logit pass and
+  // settle_tile, beside L_s's rows), for prefix_values's value residuals: in the key tile, free
+  // once the contraction is done (past the fast path's trig tables, where the key residuals'
+  // rows were).
   __device__ __forceinline__ float *pt_s() const { return K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0); }
 
   // The fast path's logit terms q . R_off r~ of residuals n0 .. n0 + 3 (those below count)
@@ -1202,8 +1207,8 @@ struct SplitBlock {
         kinds[x] = anchor && !(gathered && kFoldedPenalty) ? kind_s[t] : 2;
         gammas[x] = gathered ? g_s[t] : 1.0f;
       }
-      // Every logit (and reference max) read before any is written: stores to shared memory
-      // would otherwise keep ptxas from issuing the next element's loads ahead.
+      // Every logit read before any is written: stores to shared memory would otherwise keep
+      // ptxas from issuing the next element's loads ahead.
       float vs[NR8][2 * X];
       for (int n = 0; n < NR8; ++n)
         for (int e = 0; e < 2 * X; ++e) {
@@ -1412,7 +1417,7 @@ struct SplitBlock {
       }
     }
     // The residuals' positions, levels and codes are stage_values's, their probabilities by
-    // token softmax_tile's (pt_s): no barrier after the weights.
+    // token the logit pass's (pt_s): no barrier after the weights.
     // racc's dims: the thread's DPT consecutive dims dim * DPT.. (write_partial), whose codes
     // are one byte of the residual's (DPT divides 4), read once for all of them.
     const int group = tid / TPD, dim = tid % TPD;
