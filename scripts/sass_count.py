@@ -97,16 +97,27 @@ CAS_ROUNDS = 1.6
 # Trip counts per tile and warp of the inner loops that survive in SASS, by the source line of
 # the loop's backward branch (a substring of it). fk, fv: residual fractions; a tile holds
 # T * f residuals on average. rescale: the share of tiles that rescale (rescale_rate()).
+def key_per(c):
+    """key_residuals_tc's residuals a pass for c in the tile (R 1 at D 128): as few as spread
+    them over the four warps, up to four."""
+    return min(4, max(1, -(-c // 4)))
+
+
+def key_warp_passes(c, w):
+    """Passes of key_residuals_tc's warp 4 + w: n0 = w per, w per + 4 per, ... below c."""
+    per = key_per(c)
+    return max(0, -(-(c - w * per) // (4 * per)))
+
+
 def trips(src, fk, fv, k, rescale):
     ck, cv = T * fk, T * fv
-    # Key residuals: warp 4 + w (w < 4) takes residuals 4w.., 4w + 16.., a pass of up to four
-    # whatever the count, so the passes of a tile are the sum over the warps of
-    # ceil((c - 4w) / 16); the mean over the four warps. (c / 16, the mean count, would assume
-    # full passes: with ~3.3 residuals a tile warp 4 runs one pass ~96% of the time.)
-    key_passes = poisson_mean(ck, lambda c: sum(max(0, -(-(c - 4 * w) // 16)) for w in range(4)) / 4)
+    # Key residuals: warp 4 + w (w < 4) takes passes of key_per(c) residuals, w per.., w per +
+    # 4 per.., so the passes of a tile are the sum over the warps of key_warp_passes; the mean
+    # over the four warps. (c / 16, the mean count, would assume full passes.)
+    key_passes = poisson_mean(ck, lambda c: sum(key_warp_passes(c, w) for w in range(4)) / 4)
     table = [
-        ("n0 < count; n0 += 4 * RW", key_passes),           # key residuals: warps 4-7, 4 each, 16 a pass
-        ("n0 + s * R < count; ++s", ck / 4 / key_passes),     # key_residuals_tc: a pass's residuals in turn
+        ("n0 < count; n0 += per * RW", key_passes),         # key residuals: warps 4-7, key_per each a pass
+        ("n0 + s * R < end; ++s", ck / 4 / key_passes),       # key_residuals_tc: a pass's residuals in turn
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
         ("e < count * PER; e += 32", max(1.0, cv * max(4, D // 16) / 32)),  # value residuals' staging
@@ -128,6 +139,26 @@ def trips(src, fk, fv, k, rescale):
         if pattern in src:
             return n, pattern
     return 1.0, None
+
+
+def busiest_trips(src, fk, fv):
+    """The trips of the warp that waits longest, for the loops whose trips differ between the
+    warps that run them (trips() gives the mean, which the issue count wants; the walk's
+    barrier waits for the busiest): key_residuals_tc's warp 4, which takes residuals 0-3 of
+    every 16 (a pass each 16, the pass's residuals in turn), and the value residuals' busiest
+    slot group (ceil(count / VG) of them). None: the same as trips()."""
+    ck, cv = T * fk, T * fv
+    passes = poisson_mean(ck, lambda c: key_warp_passes(c, 0))
+    own = lambda c: sum(min(key_per(c), c - n0) for n0 in range(0, c, 4 * key_per(c)))  # warp 4's residuals
+    table = [
+        ("n0 < count; n0 += per * RW", passes),
+        ("n0 + s * R < end; ++s", poisson_mean(ck, own) / passes),
+        ("n < count; n += VG) {", poisson_mean(cv, lambda c: -(-c // VALUE_GROUPS))),
+    ]
+    for pattern, n in table:
+        if pattern in src:
+            return n
+    return None
 
 
 # Tiles that rescale what is accumulated (softmax_tile's rare block: the accumulators and the
@@ -194,11 +225,13 @@ WARP_BLOCKS = [
 # guard's line, substring of the line that ends the set-up, the share of the warps that stay).
 # Weighted by source line, outside inner loops: this assumes ptxas keeps the set-up's
 # instructions after the guard's branch, as the CUDA 13 SASS of key_residuals_tc does.
-def guarded_spans(fk):
+def guarded_spans(fk, busiest=False):
     ck = T * fk
-    # key_residuals_tc: warp 4 + w returns unless the tile holds more than 4 w key residuals.
-    key_warps = poisson_mean(ck, lambda c: sum(1 for w in range(4) if c > 4 * w)) / 4
-    return [("if ((warp - RW) * 4 >= count) return;", "for (int n0 = (warp - RW) * 4; n0 < count;", key_warps)]
+    # key_residuals_tc: warp 4 + w returns unless the tile holds more than w key_per(c) key
+    # residuals (the mean over the four warps; busiest: warp 4's, which stays whenever there is one).
+    key_warps = (poisson_mean(ck, lambda c: 1 if c > 0 else 0) if busiest
+                 else poisson_mean(ck, lambda c: sum(1 for w in range(4) if c > w * key_per(c))) / 4)
+    return [("if ((warp - RW) * per >= count) return;", "for (int n0 = (warp - RW) * per; n0 < count;", key_warps)]
 
 
 def guarded_lines(lines, table):
@@ -711,7 +744,8 @@ def warp_latency(ins, weighted):
     out), gives each instruction its cycles since the warp's previous issue: it issues when the
     previous one's stall count has passed and the scoreboards it waits on are released (a result
     LATENCY[class] after its issue, a source read LATENCY["read"]). weighted: (instruction,
-    phase, warp instructions a tile, the warps that run it). Three cases: every data load from L2
+    phase, warp instructions a tile, the warps that run it, the same as the walk counts them:
+    the busiest warp's where the warps' trips differ). Three cases: every data load from L2
     ("l2"), from L1 ("l1"), and the gathered anchor rows from L1 at GATHER_L1_SHARE, the rest from
     L2 ("mixed"); the view's fields (LDG) from L1 in each. Per case:
       - cycles: a warp's cycles a tile, averaged over the NW warps (by phase too); with n warps
@@ -722,12 +756,12 @@ def warp_latency(ins, weighted):
         slowest at the barrier); summed over the segments.
     Bank conflicts, dispatch stalls and the barriers' own latency are not in it (upper bounds on
     the issue rate)."""
-    out = {"unread": sum(1 for i, _, wt, _ in weighted if wt > 0 and "stall" not in ins[i])}
+    out = {"unread": sum(1 for i, _, wt, _, _ in weighted if wt > 0 and "stall" not in ins[i])}
     l1, l2 = LATENCY["global_l1"], LATENCY["global"]
     # the barrier segment of each instruction (a block barrier, BAR 0, ends its segment; a named
     # one of a few warps, format3_meta's, does not)
     seg_of, n_seg = {}, 0
-    for i, phase, wt, warps_of in weighted:
+    for i, phase, wt, warps_of, _ in weighted:
         seg_of[i] = n_seg
         if wt > 0 and block_barrier(ins[i]):
             n_seg += 1
@@ -737,10 +771,10 @@ def warp_latency(ins, weighted):
         seg_issue = [[0.0] * NW for _ in range(n_seg)]
         seg_path = [[0.0] * NW for _ in range(n_seg)]
         seg_phases = [collections.Counter() for _ in range(n_seg)]
-        by_phase = collections.Counter()
+        by_phase, mean_path = collections.Counter(), 0.0
         for wp in range(NW):
             t, ready = 0.0, [0.0] * 6
-            for i, phase, wt, warps_of in weighted:
+            for i, phase, wt, warps_of, wt_path in weighted:
                 x = ins[i]
                 if wt <= 0 or "stall" not in x or wp not in warps_of:
                     continue
@@ -755,12 +789,14 @@ def warp_latency(ins, weighted):
                 if x["rbar"] < 6:
                     ready[x["rbar"]] = t + LATENCY["read"]
                 t += max(1, x["stall"])
-                share = wt / len(warps_of)  # this warp's instructions a tile
+                share = wt / len(warps_of)  # this warp's instructions a tile (the mean)
+                busy = wt_path / len(warps_of)  # the busiest warp's, for the barrier segments
                 sg = seg_of[i]
                 seg_issue[sg][wp] += share
-                seg_path[sg][wp] += share * (t - start)
-                seg_phases[sg][phase] += share * (t - start)
+                seg_path[sg][wp] += busy * (t - start)
+                seg_phases[sg][phase] += busy * (t - start)
                 by_phase[phase] += share * (t - start) / NW
+                mean_path += share * (t - start) / NW
         block, segments = 0.0, []
         for sg in range(n_seg):
             iss, path = seg_issue[sg], seg_path[sg]
@@ -769,7 +805,7 @@ def warp_latency(ins, weighted):
             block += max(per)
             segments.append({"cycles": max(per), "slowest_warp": slow, "its_cycles": path[slow],
                              "phases": [p for p, _ in seg_phases[sg].most_common(3)]})
-        out[name] = {"cycles": sum(map(sum, seg_path)) / NW, "block_cycles": block, "by_phase": dict(by_phase),
+        out[name] = {"cycles": mean_path, "block_cycles": block, "by_phase": dict(by_phase),
                      "segments": segments}
     out["issue"] = sum(map(sum, seg_issue)) / NW  # the same in every case
     return out
@@ -813,7 +849,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     # SASS trips of each inner loop: the source trips over nvcc's unroll factor, which is read
     # off the body: the fewest loads any one source line of the body issues (a line loads
     # once per source iteration).
-    loop_trips, unknown = {}, set()
+    loop_trips, path_trips, unknown = {}, {}, set()
     for a, b in inner:
         bf, bl, _ = where(b)
         n, pattern = trips(lines[bl - 1] if bl else "", fk, fv, k, rescale)
@@ -826,25 +862,31 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         # were counted at a third of their trips, 4.7 warp instructions instead of 6.8).
         unroll = 1 if bl and "AKV_NO_UNROLL" in lines[bl - 2] else min(loads.values()) if loads else 1
         loop_trips[(a, b)] = n / unroll
+        busy = busiest_trips(lines[bl - 1] if bl else "", fk, fv)
+        path_trips[(a, b)] = (busy if busy is not None else n) / unroll
     cold = cold_lines(lines, cold_blocks(rescale, block_tiles))
     guarded = guarded_lines(lines, guarded_spans(fk))
+    guarded_busy = guarded_lines(lines, guarded_spans(fk, busiest=True))
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
     totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
     smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
-    prev = (8.0, 1.0, tuple(range(NW)))  # warps, cold weight and warp set of the last instruction with a line
+    prev = (8.0, 1.0, 1.0, tuple(range(NW)))  # warps, cold weights (mean, busiest) and warp set of the last instruction with a line
     upper = cold_lines(lines, [("if (half == 1) {", 1.0)])  # lines of warps 4 - 7
     last = cold_lines(lines, [("} else if (warp == NW - 1 && !window) {", 1.0)])  # lines of warp 7
-    weighted = []  # (instruction, phase, warp instructions a tile, the warps that run it)
+    # (instruction, phase, warp instructions a tile, the warps that run it, the same for the
+    # walk: the busiest warp's trips where they differ, busiest_trips)
+    weighted = []
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
         if func == "prefix_values":
             weights = ln < weights_end and "res_s[3]" not in lines[ln - 1]
             func = "prefix_values:weights" if weights else "prefix_values:residuals"
         phase = phase_of.get(func, "other (%s)" % func) if func else "library code (no line of decode_kernels.cuh)"
-        mult, looped = 1.0, False
+        mult, mult_path, looped = 1.0, 1.0, False
         for a, b in inner:
             if a <= i <= b:
                 mult *= loop_trips[(a, b)]
+                mult_path *= path_trips[(a, b)]
                 looped = True
         # the enclosing condition: the six lines up to this one, inside its function
         cond = "\n".join(lines[max(start - 1, ln - 6):ln]) if start and ln else ""
@@ -853,18 +895,20 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         # block; an atomicAdd of flush_segment, called in one).
         weight = min([cold.get(ln, 1.0)] + [cold.get(cl, 1.0) for cf, cl in ins[i]["chain"]
                                             if cf and cf.endswith("decode_kernels.cuh") and cl])
+        weight_path = weight
         if not looped:  # a guarded set-up's own lines (a lambda it defines runs in the loop)
             weight *= guarded.get(ln, 1.0)
+            weight_path *= guarded_busy.get(ln, 1.0)
         warps_of = warp_set(func.split(":")[0] if func else "", w, ln in upper, ln in last)
         if func is None:  # library code inlined without a line: the block it sits in
-            w, weight, warps_of = prev
+            w, weight, weight_path, warps_of = prev
         else:
-            prev = (w, weight, warps_of)
+            prev = (w, weight, weight_path, warps_of)
         totals[phase] += mult * w * weight
         smem += mult * w * weight * shared_wavefronts(ins[i]["op"])
         static[phase] += 1
         by_line[(phase, ln)] += mult * w * weight
-        weighted.append((i, phase, mult * w * weight, warps_of))
+        weighted.append((i, phase, mult * w * weight, warps_of, mult_path * w * weight_path))
     return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner), "smem_wavefronts": smem,
             "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()],
             "unknown_loops": sorted(unknown, key=str), "latency": warp_latency(ins, weighted)}

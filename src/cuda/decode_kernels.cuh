@@ -787,8 +787,8 @@ struct SplitBlock {
   // rows were).
   __device__ __forceinline__ float *pt_s() const { return K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0); }
 
-  // The fast path's logit terms q . R_off r~ of residuals n0 .. n0 + 3 (those below count)
-  // with every row, from their rows R_off r~ in bf16 in the warp's scratch xs (row n - n0): one
+  // The fast path's logit terms q . R_off r~ of residuals n0 .. n0 + 3 (those below count: the
+  // pass's end) with every row, from their rows R_off r~ in bf16 in the warp's scratch xs (row n - n0): one
   // mma per 16 dims, A = the residuals (rows 0-3 of 16), B = the bf16 rotated queries; as in
   // contract_gathered a lane's k holds dims 4 tq .. 4 tq + 3 of the slab (one 8-byte load
   // each for A and B); added to rl_s.
@@ -833,9 +833,9 @@ struct SplitBlock {
   // puts H_8's rows r and r + 4 of Y in rows g and g + 8 of lanes g < 4, those of Y' in lanes
   // g >= 4. Each lane is left with whole NeoX pairs (dims j, j + 1 and their partners P on),
   // rotated without a shuffle. The unit levels are exact in f16, the first product's sums (at
-  // most 16 x 1.51) rounded to f16 once, the rest in f32. A warp takes four residuals a pass,
-  // in turn into its scratch rows (the pass's codes a coalesced word a lane), then
-  // residual_logit_terms.
+  // most 16 x 1.51) rounded to f16 once, the rest in f32. A warp takes up to four residuals a
+  // pass (as few as spread the tile's over the four warps), in turn into its scratch rows (the
+  // pass's codes a coalesced word a lane), then residual_logit_terms.
   static constexpr uint32_t h8_signs(int high) {  // bit ln: H_8[ln / 4][2 (ln % 4) + high] < 0
     uint32_t m = 0;
     for (int ln = 0; ln < 32; ++ln) {
@@ -855,7 +855,12 @@ struct SplitBlock {
     static_assert(D == 64 || D == 128 || D == 256, "H_8 (x) H_8, H_16 (x) H_8 or H_16 (x) H_16");
     constexpr uint32_t kNeg = 0x80008000u;
     const int count = static_cast<int>(res_s[1]);  // the codes and scales: stage_keys's (kc_s, ks_s)
-    if ((warp - RW) * 4 >= count) return;  // no residual for this warp (a tile holds a few): skip the set-up too
+    // Residuals a pass: as few as spread the tile's over the four warps, up to four, whole mma
+    // pairs at D 64 (at the default budget a tile holds about 3: a warp each, where warp 4
+    // alone took them all and made its segment of the tile twice the contraction's).
+    const int spread = ((count + RW - 1) / RW + R - 1) / R * R;
+    const int per = spread < R ? R : spread > 4 ? 4 : spread;
+    if ((warp - RW) * per >= count) return;  // no residual for this warp: skip the set-up too
     // H_8[g][2 tq, 2 tq + 1] in f16: +-1, the sign bits ln of kH8Low and kH8High. The lane
     // index read where it is used: computed from `lane`, these words would be kept in registers
     // across the tile loop (128 at most), and ptxas spilled then.
@@ -895,15 +900,16 @@ struct SplitBlock {
       sg1[m] = *reinterpret_cast<const float2 *>(sgn_s + P + j[m]);
     }
     uint32_t *xs = K_s_residual_rows() + (warp - RW) * 4 * kResRowWords;
-    for (int n0 = (warp - RW) * 4; n0 < count; n0 += 4 * RW) {  // uniform across the warp
+    for (int n0 = (warp - RW) * per; n0 < count; n0 += per * RW) {  // uniform across the warp
+      const int end = n0 + per < count ? n0 + per : count;  // the pass's residuals n0 .. end - 1
       // The pass's codes, a coalesced word a lane (two at D 256).
       uint32_t word[NCW];
       for (int h2 = 0; h2 < NCW; ++h2) {
         const int at = 32 * h2 + lane;
-        word[h2] = at < 4 * W && n0 * W + at < count * W ? kc_s[n0 * W + at] : 0u;  // stage_keys's
+        word[h2] = n0 * W + at < end * W ? kc_s[n0 * W + at] : 0u;  // stage_keys's
       }
       AKV_NO_UNROLL
-      for (int s = 0; s < 4 / R && n0 + s * R < count; ++s) {  // residuals n0 + s R .. into rows s R ..
+      for (int s = 0; s < 4 / R && n0 + s * R < end; ++s) {  // residuals n0 + s R .. into rows s R ..
         // Y's B fragments: rows 2 tq, 2 tq + 1 (then + 8) of column g of each n8 tile. D 64 and
         // 128: the codes of dims 16 tq + g and + 8, bits 2 g and 2 g + 16 of a residual's word
         // tq; rows 8 + ..: D 128 the same residual's dims + 64 (word tq + 4), D 64 the second
@@ -933,7 +939,7 @@ struct SplitBlock {
                                 C8 > 1 ? pack_f16x2(c1[C8 - 1][2], c1[C8 - 1][3]) : 0u};
         for (int m = 0; m < C8; ++m) mma_f16_16816(hy[m], a2, b2[m]);  // dims j, j + 1, P + j, P + j + 1
         const int n = n0 + s * R + mine;
-        if (n < count) {  // D 64: the pair's second may be past the tile's
+        if (n < end) {  // D 64: the pair's second may be past the pass's
           const int off = off_s[bit_s[n]];
           uint32_t *row = xs + (n - n0) * kResRowWords;
           for (int m = 0; m < C8; ++m) {
@@ -947,7 +953,7 @@ struct SplitBlock {
         }
       }
       __syncwarp();
-      residual_logit_terms(xs, n0, count);
+      residual_logit_terms(xs, n0, end);
     }
   }
 
