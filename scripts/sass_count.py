@@ -68,7 +68,7 @@ PHASES = [
     ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms", "stage_keys"]),
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
     ("contraction", ["contract", "contract_tile", "contract_gathered"]),
-    ("softmax", ["softmax_tile", "settle_tile", "rescale"]),
+    ("softmax", ["softmax_tile", "settle_tile", "rescale", "new_reference"]),
     ("per-anchor weights", ["prefix_values:weights", "flush_segment"]),
     ("value residuals", ["prefix_values:residuals", "stage_values"]),
     ("loop control and barriers", ["decode_split_kernel", "SplitBlock"]),  # SplitBlock: indices the loop recomputes
@@ -282,6 +282,8 @@ def warps(func, cond_text):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func == "anchor_meta":
         return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each
+    if func == "new_reference":
+        return ROWS_WARPS  # the rows' owner warps (softmax_tile, settle_tile)
     if func == "rotate_query_pair":
         return PAIRS / 32  # the fast path's query rotation: the angle's thread, a pair each (warps 2-3)
     if func == "gather_anchor_rows" and "pairs" in cond_text:

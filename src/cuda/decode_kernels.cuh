@@ -1268,6 +1268,35 @@ struct SplitBlock {
   // row's reference moved is the block's vote at the barrier (__syncthreads_or), so a thread
   // reads the rows' factors only in the rare tile that rescales.
 
+  // Row i's new reference, by its owner warp (row r of the warp's), from the tile's logits
+  // l0, l1 (a lane's two tokens: T == 64): the tile's max only where one of its logits passes
+  // the reference by more than the slack (a vote; -inf + slack is -inf: a row raises its
+  // reference at its first visible logit, and nothing is accumulated before it, no rescale
+  // then); its factor for what is accumulated in red_s[i], the reference in mref_s[i], and
+  // p0, p1 against it. Returns whether a previous reference rose (a rescale).
+  __device__ __forceinline__ bool new_reference(int r, int i, float l0, float l1, float &p0, float &p1) {
+    const float m_old = m_run[r];
+    const float l_max = fmaxf(l0, l1);
+    float m_ref = m_old, alpha = 1.0f;
+    bool rose = false;
+    if (__any_sync(kFullMask, l_max > m_old + p.rescale_slack)) {
+      m_ref = warp_max(l_max);
+      if (m_old != -INFINITY) {
+        alpha = fast_exp2(m_old - m_ref);
+        rose = true;
+      }
+    }
+    m_run[r] = m_ref;
+    l_part[r] *= alpha;
+    if (lane == 0) {
+      red_s[i] = alpha;
+      mref_s[i] = m_ref;
+    }
+    p0 = m_ref == -INFINITY ? 0.0f : fast_exp2(l0 - m_ref);
+    p1 = m_ref == -INFINITY ? 0.0f : fast_exp2(l1 - m_ref);
+    return rose;
+  }
+
   template <bool kDense>
   __device__ __forceinline__ void softmax_tile() {
     __syncthreads();
@@ -1277,29 +1306,9 @@ struct SplitBlock {
     AKV_UNROLL
     for (int r = 0; r < RPW; ++r)
       if (const int i = warp + r * NW; i < MAXROWS) {
-        const float m_old = m_run[r];
-        // The tile's max only where one of its logits passes the reference by more than the
-        // slack (a vote; -inf + slack is -inf: a row raises its reference at its first visible
-        // logit, and nothing is accumulated before it, no rescale then).
         float *l = L_s + i * T;
-        const float l0 = l[lane], l1 = l[lane + 32];  // T == 64: a lane's two tokens
-        const float l_max = fmaxf(l0, l1);
-        float m_ref = m_old, alpha = 1.0f;
-        if (__any_sync(kFullMask, l_max > m_old + p.rescale_slack)) {
-          m_ref = warp_max(l_max);
-          if (m_old != -INFINITY) {
-            alpha = fast_exp2(m_old - m_ref);
-            rose = true;
-          }
-        }
-        m_run[r] = m_ref;
-        l_part[r] *= alpha;
-        if (lane == 0) {
-          red_s[i] = alpha;
-          mref_s[i] = m_ref;
-        }
-        const float p0 = m_ref == -INFINITY ? 0.0f : fast_exp2(l0 - m_ref);
-        const float p1 = m_ref == -INFINITY ? 0.0f : fast_exp2(l1 - m_ref);
+        float p0, p1;
+        rose = new_reference(r, i, l[lane], l[lane + 32], p0, p1) || rose;
         l[lane] = p0;
         l[lane + 32] = p1;
         l_part[r] += p0;
@@ -1340,25 +1349,8 @@ struct SplitBlock {
       AKV_UNROLL
       for (int r = 0; r < RPW; ++r)
         if (const int i = warp + r * NW; i < MAXROWS) {
-          const float m_old = m_run[r];
-          const float l0 = Lp_s[i * T + lane], l1 = Lp_s[i * T + lane + 32];
-          const float l_max = fmaxf(l0, l1);
-          float m_ref = m_old, alpha = 1.0f;
-          if (__any_sync(kFullMask, l_max > m_old + p.rescale_slack)) {
-            m_ref = warp_max(l_max);
-            if (m_old != -INFINITY) {
-              alpha = fast_exp2(m_old - m_ref);
-              scaled = true;
-            }
-          }
-          m_run[r] = m_ref;
-          l_part[r] *= alpha;
-          if (lane == 0) {
-            red_s[i] = alpha;
-            mref_s[i] = m_ref;
-          }
-          const float p0 = m_ref == -INFINITY ? 0.0f : fast_exp2(l0 - m_ref);
-          const float p1 = m_ref == -INFINITY ? 0.0f : fast_exp2(l1 - m_ref);
+          float p0, p1;
+          scaled = new_reference(r, i, Lp_s[i * T + lane], Lp_s[i * T + lane + 32], p0, p1) || scaled;
           L_s[i * T + lane] = p0;
           L_s[i * T + lane + 32] = p1;
           pt_s()[lane * MAXROWS + i] = p0;
