@@ -144,9 +144,9 @@ def trips(src, fk, fv, k, rescale):
 def busiest_trips(src, fk, fv):
     """The trips of the warp that waits longest, for the loops whose trips differ between the
     warps that run them (trips() gives the mean, which the issue count wants; the walk's
-    barrier waits for the busiest): key_residuals_tc's warp 4, which takes residuals 0-3 of
-    every 16 (a pass each 16, the pass's residuals in turn), and the value residuals' busiest
-    slot group (ceil(count / VG) of them). None: the same as trips()."""
+    barrier waits for the busiest): key_residuals_tc's warp 4, which takes the first key_per(c)
+    residuals of every 4 key_per(c) (a pass each, the pass's residuals in turn), and the value
+    residuals' busiest slot group (ceil(count / VG) of them). None: the same as trips()."""
     ck, cv = T * fk, T * fv
     passes = poisson_mean(ck, lambda c: key_warp_passes(c, 0))
     own = lambda c: sum(min(key_per(c), c - n0) for n0 in range(0, c, 4 * key_per(c)))  # warp 4's residuals
@@ -710,10 +710,10 @@ def warp_set(func, w, upper, last=False):
     """The warps (of NW) that run a line executed by w of them (warps()/WARP_BLOCKS): every one;
     the last warp's branch of anchor_meta and the value staging (last, stage_values) on 7, the key
     staging (stage_keys) on 6, the next tile's entries (stage_entries) on ENTRY_WARP and words
-    (stage_tile_words) on the next; the key
-    residuals' and the upper half's 4 - 7; the first angles' and the fast path's query rotation
-    2 - 3 (anchor_meta's T <= tid < T + pairs); else the first ones (the contraction, the softmax
-    rows and the value groups on 0 - 3, format3_meta on 0 - 1)."""
+    (stage_tile_words) on the next; the key residuals' and the upper half's 4 - 7; the first
+    angles' and the fast path's query rotation 2 - 3 (anchor_meta's T <= tid < T + pairs); else
+    the first ones (the contraction, the softmax rows and the value groups on 0 - 3,
+    format3_meta on 0 - 1)."""
     if w >= NW:
         return tuple(range(NW))
     if last or func == "stage_values":
