@@ -531,7 +531,6 @@ struct SplitBlock {
   // residual's position in the tile (vpos_s), its four scaled levels (vlev_s) and its codes
   // (vc_s), so that prefix_values reads only shared memory.
   __device__ __forceinline__ void stage_values(int64_t t0) {
-    const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
     uint32_t base;
     int count;
     if (format3) {  // the last tile's first slot plus its count
@@ -541,6 +540,7 @@ struct SplitBlock {
       __syncwarp();  // every lane has read the slots
       if (lane == 0) *reinterpret_cast<uint2 *>(res_s + 2) = uint2{base, static_cast<uint32_t>(count)};
     } else {  // format 2: from the tile's prefix counts (and the key side's too)
+      const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
       base = c.value_offsets[h] + c.value_prefix[wd];
       count = __popcll(c.value_mask[wd]);
       if (lane == 0)
