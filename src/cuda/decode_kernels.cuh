@@ -801,6 +801,17 @@ struct SplitBlock {
     // not split into two paths.
     const uint32_t *ra = xs + (g & 3) * kResRowWords + 2 * tq;
     const uint32_t live_row = g < 4 ? 0xffffffffu : 0u;
+    // The epilogue's token, scale and folded penalties read first, beside the products (they
+    // do not depend on them; read after, they were two trips to shared memory at the end).
+    const bool live = g < 4 && n0 + g < count;
+    const int rn = live ? n0 + g : n0, rt = bit_s[rn];
+    const float rscale = ks_s[rn];  // unit levels (stage_keys's)
+    float pen[NR8][2];
+    for (int m = 0; m < NR8; ++m)
+      for (int e = 0; e < 2; ++e) {
+        const int i = (8 * m + 2 * tq + e) & (MAXROWS - 1);  // in range; used where < MAXROWS
+        pen[m][e] = kFoldedPenalty ? rl_s[i * T + rt] : 0.0f;
+      }
     for (int s16 = 0; s16 < D / 16; ++s16) {
       const uint2 av = *reinterpret_cast<const uint2 *>(ra + 8 * s16);
       const uint32_t a[4] = {av.x & live_row, 0u, av.y & live_row, 0u};
@@ -813,13 +824,10 @@ struct SplitBlock {
     }
     __syncwarp();  // every lane has read the rows before the next pass writes them
     // acc[m][0..1]: residual n0 + g's terms with rows 8 m + 2 tq and + 1.
-    if (g < 4 && n0 + g < count) {
-      const int rn = n0 + g, rt = bit_s[rn];
-      const float rscale = ks_s[rn];  // unit levels (stage_keys's)
+    if (live) {
       for (int m = 0; m < NR8; ++m)
         for (int e = 0; e < 2; ++e)
-          if (const int i = 8 * m + 2 * tq + e; i < MAXROWS)
-            rl_s[i * T + rt] = (kFoldedPenalty ? rl_s[i * T + rt] : 0.0f) + acc[m][e] * rscale;
+          if (const int i = 8 * m + 2 * tq + e; i < MAXROWS) rl_s[i * T + rt] = pen[m][e] + acc[m][e] * rscale;
     }
   }
 
@@ -915,6 +923,13 @@ struct SplitBlock {
         // tq; rows 8 + ..: D 128 the same residual's dims + 64 (word tq + 4), D 64 the second
         // residual's. D 256 (Y[r][c] = y[16 r + c]): words 2 tq and 2 tq + 1 (then + 8), bits
         // 2 g (then 2 g + 16 for columns 8..) of each.
+        // The residual's token: its offset in the tile, since a prefix tile of format 3 (the only
+        // caller) has consecutive positions (off_s[t] == t); its rotation read here, beside the
+        // codes' shuffles rather than after the products.
+        const int n = n0 + s * R + mine;
+        const int t = bit_s[n < end ? n : n0];
+        float4 cs[C8];
+        for (int m = 0; m < C8; ++m) cs[m] = *reinterpret_cast<const float4 *>(step_s + t * P + j[m]);
         uint32_t yb[C8][2];
         if constexpr (D == 256) {
           const uint32_t wr = s < 2 ? word[0] : word[NCW - 1];  // a select: word[s / 2] would index registers
@@ -938,17 +953,14 @@ struct SplitBlock {
                                 C8 > 1 ? pack_f16x2(c1[C8 - 1][0], c1[C8 - 1][1]) : 0u,
                                 C8 > 1 ? pack_f16x2(c1[C8 - 1][2], c1[C8 - 1][3]) : 0u};
         for (int m = 0; m < C8; ++m) mma_f16_16816(hy[m], a2, b2[m]);  // dims j, j + 1, P + j, P + j + 1
-        const int n = n0 + s * R + mine;
         if (n < end) {  // D 64: the pair's second may be past the pass's
-          const int off = off_s[bit_s[n]];
           uint32_t *row = xs + (n - n0) * kResRowWords;
           for (int m = 0; m < C8; ++m) {
             // U^T y = diag(signs) H y / sqrt(D), then R_off (pairs j, j + 1: one 16-byte entry).
             const float x0 = hy[m][0] * sg0[m].x, x1 = hy[m][1] * sg0[m].y, y0 = hy[m][2] * sg1[m].x,
                         y1 = hy[m][3] * sg1[m].y;
-            const float4 cs = *reinterpret_cast<const float4 *>(step_s + off * P + j[m]);
-            row[j[m] / 2] = pack_bf16x2(x0 * cs.x - y0 * cs.y, x1 * cs.z - y1 * cs.w);
-            row[(P + j[m]) / 2] = pack_bf16x2(x0 * cs.y + y0 * cs.x, x1 * cs.w + y1 * cs.z);
+            row[j[m] / 2] = pack_bf16x2(x0 * cs[m].x - y0 * cs[m].y, x1 * cs[m].z - y1 * cs[m].w);
+            row[(P + j[m]) / 2] = pack_bf16x2(x0 * cs[m].y + y0 * cs[m].x, x1 * cs[m].w + y1 * cs[m].z);
           }
         }
       }
