@@ -97,27 +97,27 @@ CAS_ROUNDS = 1.6
 # Trip counts per tile and warp of the inner loops that survive in SASS, by the source line of
 # the loop's backward branch (a substring of it). fk, fv: residual fractions; a tile holds
 # T * f residuals on average. rescale: the share of tiles that rescale (rescale_rate()).
-def key_per(c):
-    """key_residuals_tc's residuals a pass for c in the tile (R 1 at D 128): as few as spread
-    them over the four warps, up to four."""
-    return min(4, max(1, -(-c // 4)))
+def key_warp_residuals(c, w):
+    """key_residuals_tc's residuals of warp 4 + w for c in the tile (R 1 at D 128,
+    slot_residual): w, w + 4, w + 8, ... below c."""
+    return max(0, -(-(c - w) // 4))
 
 
 def key_warp_passes(c, w):
-    """Passes of key_residuals_tc's warp 4 + w: n0 = w per, w per + 4 per, ... below c."""
-    per = key_per(c)
-    return max(0, -(-(c - w * per) // (4 * per)))
+    """Passes of key_residuals_tc's warp 4 + w: the tile's residuals [16 p, 16 p + 16) a pass,
+    while 16 p + w is below c."""
+    return max(0, -(-(c - w) // 16))
 
 
 def trips(src, fk, fv, k, rescale):
     ck, cv = T * fk, T * fv
-    # Key residuals: warp 4 + w (w < 4) takes passes of key_per(c) residuals, w per.., w per +
-    # 4 per.., so the passes of a tile are the sum over the warps of key_warp_passes; the mean
-    # over the four warps. (c / 16, the mean count, would assume full passes.)
+    # Key residuals: warp 4 + w (w < 4) takes residuals w, w + 4, .. in passes of 16 residuals
+    # of the tile, so the passes of a tile are the sum over the warps of key_warp_passes; the
+    # mean over the four warps. (c / 16, the mean count, would assume full passes.)
     key_passes = poisson_mean(ck, lambda c: sum(key_warp_passes(c, w) for w in range(4)) / 4)
     table = [
-        ("n0 < count; n0 += per * RW", key_passes),         # key residuals: warps 4-7, key_per each a pass
-        ("n0 + s * R < end; ++s", ck / 4 / key_passes),       # key_residuals_tc: a pass's residuals in turn
+        ("p0 + R * w < count; p0 += 4 * RW", key_passes),   # key residuals: warps 4-7, passes of 16
+        ("p0 + slot_residual(w, s * R) < count; ++s", ck / 4 / key_passes),  # key_residuals_tc: a pass's residuals in turn
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
         ("e < count * PER; e += 32", max(1.0, cv * max(4, D // 16) / 32)),  # value residuals' staging
@@ -144,15 +144,15 @@ def trips(src, fk, fv, k, rescale):
 def busiest_trips(src, fk, fv):
     """The trips of the warp that waits longest, for the loops whose trips differ between the
     warps that run them (trips() gives the mean, which the issue count wants; the walk's
-    barrier waits for the busiest): key_residuals_tc's warp 4, which takes the first key_per(c)
-    residuals of every 4 key_per(c) (a pass each, the pass's residuals in turn), and the value
+    barrier waits for the busiest): key_residuals_tc's warp 4, which takes residuals 0, 4, 8, ..
+    (a pass for each 16 of the tile's, the pass's residuals in turn), and the value
     residuals' busiest slot group (ceil(count / VG) of them). None: the same as trips()."""
     ck, cv = T * fk, T * fv
     passes = poisson_mean(ck, lambda c: key_warp_passes(c, 0))
-    own = lambda c: sum(min(key_per(c), c - n0) for n0 in range(0, c, 4 * key_per(c)))  # warp 4's residuals
+    own = lambda c: key_warp_residuals(c, 0)  # warp 4's residuals
     table = [
-        ("n0 < count; n0 += per * RW", passes),
-        ("n0 + s * R < end; ++s", poisson_mean(ck, own) / passes),
+        ("p0 + R * w < count; p0 += 4 * RW", passes),
+        ("p0 + slot_residual(w, s * R) < count; ++s", poisson_mean(ck, own) / passes),
         ("n < count; n += VG) {", poisson_mean(cv, lambda c: -(-c // VALUE_GROUPS))),
     ]
     for pattern, n in table:
@@ -227,11 +227,11 @@ WARP_BLOCKS = [
 # instructions after the guard's branch, as the CUDA 13 SASS of key_residuals_tc does.
 def guarded_spans(fk, busiest=False):
     ck = T * fk
-    # key_residuals_tc: warp 4 + w returns unless the tile holds more than w key_per(c) key
-    # residuals (the mean over the four warps; busiest: warp 4's, which stays whenever there is one).
+    # key_residuals_tc: warp 4 + w returns unless the tile holds more than w key residuals (the
+    # mean over the four warps; busiest: warp 4's, which stays whenever there is one).
     key_warps = (poisson_mean(ck, lambda c: 1 if c > 0 else 0) if busiest
-                 else poisson_mean(ck, lambda c: sum(1 for w in range(4) if c > w * key_per(c))) / 4)
-    return [("if ((warp - RW) * per >= count) return;", "for (int n0 = (warp - RW) * per; n0 < count;", key_warps)]
+                 else poisson_mean(ck, lambda c: sum(1 for w in range(4) if c > w)) / 4)
+    return [("if (R * w >= count) return;", "for (int p0 = 0; p0 + R * w < count;", key_warps)]
 
 
 def guarded_lines(lines, table):

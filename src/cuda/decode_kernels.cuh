@@ -787,12 +787,23 @@ struct SplitBlock {
   // rows were).
   __device__ __forceinline__ float *pt_s() const { return K_s + (fast ? SplitSmem::fast_tables_bytes(D) / 4 : 0); }
 
-  // The fast path's logit terms q . R_off r~ of residuals n0 .. n0 + 3 (those below count: the
-  // pass's end) with every row, from their rows R_off r~ in bf16 in the warp's scratch xs (row n - n0): one
+  // key_residuals_tc's residuals: warp kResWarps + w takes, in a pass of the tile's residuals
+  // [16 p, 16 p + 16), slots q = 0-3 (its scratch rows and the mma's A rows), slot q holding
+  // residual 16 p + slot_residual(w, q): w, w + 4, w + 8, w + 12 (pairs at D 64: 2 w, 2 w + 1,
+  // 2 w + 8, 2 w + 9). A warp's residuals do not depend on the tile's count, so that its loads
+  // need not wait for it, and every warp takes about a quarter of them.
+  static constexpr int kResPair = D == 64 ? 2 : 1;  // residuals an mma pair takes
+  static constexpr int kResWarps = NW / 2;          // warps kResWarps.. (the contraction has the others)
+  __device__ __forceinline__ static int slot_residual(int w, int q) {
+    return kResPair * w + q / kResPair * (kResPair * kResWarps) + q % kResPair;
+  }
+
+  // The fast path's logit terms q . R_off r~ of the pass's residuals first + slot_residual(0, q)
+  // (those below count) with every row, from their rows R_off r~ in bf16 in the warp's scratch xs (row q): one
   // mma per 16 dims, A = the residuals (rows 0-3 of 16), B = the bf16 rotated queries; as in
   // contract_gathered a lane's k holds dims 4 tq .. 4 tq + 3 of the slab (one 8-byte load
   // each for A and B); added to rl_s.
-  __device__ __forceinline__ void residual_logit_terms(const uint32_t *xs, int n0, int count) {
+  __device__ __forceinline__ void residual_logit_terms(const uint32_t *xs, int first, int count) {
     const int g = lane >> 2, tq = lane & 3;
     float acc[NR8][4];
     for (int m = 0; m < NR8; ++m)
@@ -803,8 +814,9 @@ struct SplitBlock {
     const uint32_t live_row = g < 4 ? 0xffffffffu : 0u;
     // The epilogue's token, scale and folded penalties read first, beside the products (they
     // do not depend on them; read after, they were two trips to shared memory at the end).
-    const bool live = g < 4 && n0 + g < count;
-    const int rn = live ? n0 + g : n0, rt = bit_s[rn];
+    const int n = first + slot_residual(0, g & 3);
+    const bool live = g < 4 && n < count;
+    const int rn = live ? n : first, rt = bit_s[rn];
     const float rscale = ks_s[rn];  // unit levels (stage_keys's)
     float pen[NR8][2];
     for (int m = 0; m < NR8; ++m)
@@ -823,7 +835,7 @@ struct SplitBlock {
       }
     }
     __syncwarp();  // every lane has read the rows before the next pass writes them
-    // acc[m][0..1]: residual n0 + g's terms with rows 8 m + 2 tq and + 1.
+    // acc[m][0..1]: slot g's residual's terms with rows 8 m + 2 tq and + 1.
     if (live) {
       for (int m = 0; m < NR8; ++m)
         for (int e = 0; e < 2; ++e)
@@ -842,8 +854,8 @@ struct SplitBlock {
   // g >= 4. Each lane is left with whole NeoX pairs (dims j, j + 1 and their partners P on),
   // rotated without a shuffle. The unit levels are exact in f16, the first product's sums (at
   // most 16 x 1.51) rounded to f16 once, the rest in f32. A warp takes up to four residuals a
-  // pass (as few as spread the tile's over the four warps), in turn into its scratch rows (the
-  // pass's codes a coalesced word a lane), then residual_logit_terms.
+  // pass (slot_residual), in turn into its scratch rows (the pass's codes a coalesced word a
+  // lane), then residual_logit_terms.
   static constexpr uint32_t h8_signs(int high) {  // bit ln: H_8[ln / 4][2 (ln % 4) + high] < 0
     uint32_t m = 0;
     for (int ln = 0; ln < 32; ++ln) {
@@ -855,20 +867,15 @@ struct SplitBlock {
   }
   static constexpr uint32_t kH8Low = h8_signs(0), kH8High = h8_signs(1);
   __device__ __forceinline__ void key_residuals_tc() {
-    constexpr int RW = NW / 2;            // warps RW.. (the contraction has the others)
+    constexpr int RW = kResWarps, R = kResPair;
     constexpr int P = D / 2, W = D / 16;  // W: code words a residual
     constexpr int NCW = (4 * W + 31) / 32;  // a pass's code words a lane
-    constexpr int R = D == 64 ? 2 : 1;    // residuals an mma pair takes
     constexpr int C8 = D == 256 ? 2 : 1;  // n8 tiles of Y's columns
     static_assert(D == 64 || D == 128 || D == 256, "H_8 (x) H_8, H_16 (x) H_8 or H_16 (x) H_16");
     constexpr uint32_t kNeg = 0x80008000u;
     const int count = static_cast<int>(res_s[1]);  // the codes and scales: stage_keys's (kc_s, ks_s)
-    // Residuals a pass: as few as spread the tile's over the four warps, up to four, whole mma
-    // pairs at D 64 (at the default budget a tile holds about 3: a warp each, where warp 4
-    // alone took them all and made its segment of the tile twice the contraction's).
-    const int spread = ((count + RW - 1) / RW + R - 1) / R * R;
-    const int per = spread < R ? R : spread > 4 ? 4 : spread;
-    if ((warp - RW) * per >= count) return;  // no residual for this warp: skip the set-up too
+    const int w = warp - RW;
+    if (R * w >= count) return;  // no residual for this warp: skip the set-up too
     // H_8[g][2 tq, 2 tq + 1] in f16: +-1, the sign bits ln of kH8Low and kH8High. The lane
     // index read where it is used: computed from `lane`, these words would be kept in registers
     // across the tile loop (128 at most), and ptxas spilled then.
@@ -907,17 +914,16 @@ struct SplitBlock {
       sg0[m] = *reinterpret_cast<const float2 *>(sgn_s + j[m]);
       sg1[m] = *reinterpret_cast<const float2 *>(sgn_s + P + j[m]);
     }
-    uint32_t *xs = K_s_residual_rows() + (warp - RW) * 4 * kResRowWords;
-    for (int n0 = (warp - RW) * per; n0 < count; n0 += per * RW) {  // uniform across the warp
-      const int end = n0 + per < count ? n0 + per : count;  // the pass's residuals n0 .. end - 1
-      // The pass's codes, a coalesced word a lane (two at D 256).
+    uint32_t *xs = K_s_residual_rows() + w * 4 * kResRowWords;
+    for (int p0 = 0; p0 + R * w < count; p0 += 4 * RW) {  // uniform across the warp
+      // The pass's codes, a coalesced word a lane (two at D 256): slot at / W's word at % W.
       uint32_t word[NCW];
       for (int h2 = 0; h2 < NCW; ++h2) {
-        const int at = 32 * h2 + lane;
-        word[h2] = n0 * W + at < end * W ? kc_s[n0 * W + at] : 0u;  // stage_keys's
+        const int at = 32 * h2 + lane, n = p0 + slot_residual(w, at / W);
+        word[h2] = at < 4 * W && n < count ? kc_s[n * W + at % W] : 0u;  // stage_keys's
       }
       AKV_NO_UNROLL
-      for (int s = 0; s < 4 / R && n0 + s * R < end; ++s) {  // residuals n0 + s R .. into rows s R ..
+      for (int s = 0; s < 4 / R && p0 + slot_residual(w, s * R) < count; ++s) {  // into rows s R ..
         // Y's B fragments: rows 2 tq, 2 tq + 1 (then + 8) of column g of each n8 tile. D 64 and
         // 128: the codes of dims 16 tq + g and + 8, bits 2 g and 2 g + 16 of a residual's word
         // tq; rows 8 + ..: D 128 the same residual's dims + 64 (word tq + 4), D 64 the second
@@ -926,8 +932,8 @@ struct SplitBlock {
         // The residual's token: its offset in the tile, since a prefix tile of format 3 (the only
         // caller) has consecutive positions (off_s[t] == t); its rotation read here, beside the
         // codes' shuffles rather than after the products.
-        const int n = n0 + s * R + mine;
-        const int t = bit_s[n < end ? n : n0];
+        const int n = p0 + slot_residual(w, s * R + mine);
+        const int t = bit_s[n < count ? n : p0 + R * w];
         float4 cs[C8];
         for (int m = 0; m < C8; ++m) cs[m] = *reinterpret_cast<const float4 *>(step_s + t * P + j[m]);
         uint32_t yb[C8][2];
@@ -953,8 +959,8 @@ struct SplitBlock {
                                 C8 > 1 ? pack_f16x2(c1[C8 - 1][0], c1[C8 - 1][1]) : 0u,
                                 C8 > 1 ? pack_f16x2(c1[C8 - 1][2], c1[C8 - 1][3]) : 0u};
         for (int m = 0; m < C8; ++m) mma_f16_16816(hy[m], a2, b2[m]);  // dims j, j + 1, P + j, P + j + 1
-        if (n < end) {  // D 64: the pair's second may be past the pass's
-          uint32_t *row = xs + (n - n0) * kResRowWords;
+        if (n < count) {  // D 64: the pair's second may be past the tile's
+          uint32_t *row = xs + (s * R + mine) * kResRowWords;
           for (int m = 0; m < C8; ++m) {
             // U^T y = diag(signs) H y / sqrt(D), then R_off (pairs j, j + 1: one 16-byte entry).
             const float x0 = hy[m][0] * sg0[m].x, x1 = hy[m][1] * sg0[m].y, y0 = hy[m][2] * sg1[m].x,
@@ -965,7 +971,7 @@ struct SplitBlock {
         }
       }
       __syncwarp();
-      residual_logit_terms(xs, n0, end);
+      residual_logit_terms(xs, p0 + R * w, count);
     }
   }
 
