@@ -29,9 +29,12 @@ stated dynamic model, not a profile.
 The issue rate those instructions can reach comes from the same SASS (warp_latency): nvdisasm
 -hex gives each instruction's scheduling fields (the stall count ptxas set, the scoreboards it
 sets and waits on); each warp walks the loop's lines it runs with stated Hopper latencies
-(LATENCY), and the tile's barriers make the block wait for its slowest warp between them. It
-prints a warp's cycles a tile, the barrier segments and the bound on instructions a scheduler
-issues a cycle, which predict_decode.py applies.
+(LATENCY), and the tile's barriers make the block wait for its slowest warp between them, tile
+by tile: the walk with its barriers is repeated for each pair of a tile's key and value residual
+counts and averaged over their Poisson odds (count_walks), since the mean of a tile's slowest
+warp is above the slowest at the mean counts. It prints a warp's cycles a tile, the barrier
+segments and the bound on instructions a scheduler issues a cycle, which predict_decode.py
+applies.
 
 Then it compiles the library's own decode_split_kernel instantiations (D 64/128/256 x 4/8/16
 rows, every path in one binary, no pinning) and prints their registers, stack, spills and
@@ -84,6 +87,36 @@ def poisson_mean(lam, f):
     return e
 
 
+class Counts:
+    """A tile's key and value residual counts: Poisson(T fk) and Poisson(T fv) (poisson_mean), or
+    one pair of counts (fixed), for the walk of tiles by their counts (count_walks)."""
+
+    def __init__(self, fk, fv, fixed=None):
+        self.fk, self.fv, self.fixed = fk, fv, fixed
+        self.mean_key = T * fk if fixed is None else fixed[0]
+        self.mean_value = T * fv if fixed is None else fixed[1]
+
+    def key(self, f):
+        return poisson_mean(T * self.fk, f) if self.fixed is None else f(self.fixed[0])
+
+    def value(self, f):
+        return poisson_mean(T * self.fv, f) if self.fixed is None else f(self.fixed[1])
+
+
+# The walk of tiles by their residual counts (count_walks): key and value counts 0 .. COUNT_MAX
+# each, the Poisson tail past it walked at COUNT_MAX (0.25% of the tiles at 5.2%).
+COUNT_MAX = 9
+
+
+def count_walks(fk, fv):
+    """[(probability, Counts fixed at one (key, value) pair)] over a tile's residual counts."""
+    def pmf(lam):
+        p = [math.exp(-lam) * lam ** c / math.factorial(c) for c in range(COUNT_MAX)]
+        return p + [1.0 - sum(p)]
+    pk, pv = pmf(T * fk), pmf(T * fv)
+    return [(pk[a] * pv[b], Counts(fk, fv, (a, b))) for a in range(COUNT_MAX + 1) for b in range(COUNT_MAX + 1)]
+
+
 # Rounds of the per-anchor weights' compare-and-swap loop (a shared-memory float add): one
 # success per address a round, so as many as the warp's tokens have on their most shared
 # anchor (a warp takes 8 tokens 8 apart, for four rows). MEASURED
@@ -109,15 +142,15 @@ def key_warp_passes(c, w):
     return max(0, -(-(c - w) // 16))
 
 
-def trips(src, fk, fv, k, rescale):
-    ck, cv = T * fk, T * fv
+def trips(src, counts, k, rescale):
+    ck, cv = counts.mean_key, counts.mean_value
     # Key residuals: warp 4 + w (w < 4) takes residuals w, w + 4, .. in passes of 16 residuals
     # of the tile, so the passes of a tile are the sum over the warps of key_warp_passes; the
     # mean over the four warps. (c / 16, the mean count, would assume full passes.)
-    key_passes = poisson_mean(ck, lambda c: sum(key_warp_passes(c, w) for w in range(4)) / 4)
+    key_passes = counts.key(lambda c: sum(key_warp_passes(c, w) for w in range(4)) / 4)
     table = [
         ("p0 + R * w < count; p0 += 4 * RW", key_passes),   # key residuals: warps 4-7, passes of 16
-        ("p0 + slot_residual(w, s * R) < count; ++s", ck / 4 / key_passes),  # key_residuals_tc: a pass's residuals in turn
+        ("p0 + slot_residual(w, s * R) < count; ++s", ck / 4 / key_passes if key_passes else 0.0),  # key_residuals_tc: a pass's residuals in turn
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
         ("e < count * PER; e += 32", max(1.0, cv * max(4, D // 16) / 32)),  # value residuals' staging
@@ -141,19 +174,18 @@ def trips(src, fk, fv, k, rescale):
     return 1.0, None
 
 
-def busiest_trips(src, fk, fv):
+def busiest_trips(src, counts):
     """The trips of the warp that waits longest, for the loops whose trips differ between the
     warps that run them (trips() gives the mean, which the issue count wants; the walk's
     barrier waits for the busiest): key_residuals_tc's warp 4, which takes residuals 0, 4, 8, ..
     (a pass for each 16 of the tile's, the pass's residuals in turn), and the value
     residuals' busiest slot group (ceil(count / VG) of them). None: the same as trips()."""
-    ck, cv = T * fk, T * fv
-    passes = poisson_mean(ck, lambda c: key_warp_passes(c, 0))
+    passes = counts.key(lambda c: key_warp_passes(c, 0))
     own = lambda c: key_warp_residuals(c, 0)  # warp 4's residuals
     table = [
         ("p0 + R * w < count; p0 += 4 * RW", passes),
-        ("p0 + slot_residual(w, s * R) < count; ++s", poisson_mean(ck, own) / passes),
-        ("n < count; n += VG) {", poisson_mean(cv, lambda c: -(-c // VALUE_GROUPS))),
+        ("p0 + slot_residual(w, s * R) < count; ++s", counts.key(own) / passes if passes else 0.0),
+        ("n < count; n += VG) {", counts.value(lambda c: -(-c // VALUE_GROUPS))),
     ]
     for pattern, n in table:
         if pattern in src:
@@ -225,12 +257,11 @@ WARP_BLOCKS = [
 # guard's line, substring of the line that ends the set-up, the share of the warps that stay).
 # Weighted by source line, outside inner loops: this assumes ptxas keeps the set-up's
 # instructions after the guard's branch, as the CUDA 13 SASS of key_residuals_tc does.
-def guarded_spans(fk, busiest=False):
-    ck = T * fk
+def guarded_spans(counts, busiest=False):
     # key_residuals_tc: warp 4 + w returns unless the tile holds more than w key residuals (the
     # mean over the four warps; busiest: warp 4's, which stays whenever there is one).
-    key_warps = (poisson_mean(ck, lambda c: 1 if c > 0 else 0) if busiest
-                 else poisson_mean(ck, lambda c: sum(1 for w in range(4) if c > w)) / 4)
+    key_warps = (counts.key(lambda c: 1 if c > 0 else 0) if busiest
+                 else counts.key(lambda c: sum(1 for w in range(4) if c > w)) / 4)
     return [("if (R * w >= count) return;", "for (int p0 = 0; p0 + R * w < count;", key_warps)]
 
 
@@ -848,35 +879,72 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     for name, a, b in spans:
         if name == "prefix_values":
             weights_end = next(n for n in range(a, b + 1) if "racc's dims: the thread's DPT consecutive dims" in lines[n - 1])
-    # SASS trips of each inner loop: the source trips over nvcc's unroll factor, which is read
-    # off the body: the fewest loads any one source line of the body issues (a line loads
-    # once per source iteration).
-    loop_trips, path_trips, unknown = {}, {}, set()
+    # SASS unroll factor of each inner loop, read off the body: the fewest loads any one source
+    # line of the body issues (a line loads once per source iteration).
+    unrolls, unknown = {}, set()
     for a, b in inner:
         bf, bl, _ = where(b)
-        n, pattern = trips(lines[bl - 1] if bl else "", fk, fv, k, rescale)
-        if pattern is None:
+        if trips(lines[bl - 1] if bl else "", Counts(fk, fv), k, rescale)[1] is None:
             unknown.add((bf, bl, lines[bl - 1].strip() if bl else "?"))
         loads = collections.Counter(where(i)[1] for i in range(a, b + 1)
                                     if ins[i]["op"].startswith(("LDS", "LDG", "LD.")) and where(i)[1] != bl)
         # A loop marked AKV_NO_UNROLL is not unrolled, whatever its lines load (a line that
         # loads twice an iteration read as a loop unrolled twice: key_residuals_tc's passes
         # were counted at a third of their trips, 4.7 warp instructions instead of 6.8).
-        unroll = 1 if bl and "AKV_NO_UNROLL" in lines[bl - 2] else min(loads.values()) if loads else 1
-        loop_trips[(a, b)] = n / unroll
-        busy = busiest_trips(lines[bl - 1] if bl else "", fk, fv)
-        path_trips[(a, b)] = (busy if busy is not None else n) / unroll
+        unrolls[(a, b)] = 1 if bl and "AKV_NO_UNROLL" in lines[bl - 2] else min(loads.values()) if loads else 1
     cold = cold_lines(lines, cold_blocks(rescale, block_tiles))
-    guarded = guarded_lines(lines, guarded_spans(fk))
-    guarded_busy = guarded_lines(lines, guarded_spans(fk, busiest=True))
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
+    upper = cold_lines(lines, [("if (half == 1) {", 1.0)])  # lines of warps 4 - 7
+    last = cold_lines(lines, [("} else if (warp == NW - 1 && !window) {", 1.0)])  # lines of warp 7
+    loop = {"ins": ins, "where": where, "lines": lines, "span": (a0, b0), "inner": inner, "unrolls": unrolls,
+            "phase_of": phase_of, "weights_end": weights_end, "cold": cold, "warp_blocks": warp_blocks,
+            "upper": upper, "last": last, "k": k, "rescale": rescale}
+    out = weigh(loop, Counts(fk, fv))
+    # The walk with its barriers, tile by tile: each barrier waits for that tile's slowest warp,
+    # and the mean over tiles of a segment's slowest is above the slowest at the mean counts
+    # (a tile with twice the residuals takes a warp twice as long). So the tile's cycles with
+    # its barriers are the expectation over the tiles' key and value residual counts
+    # (count_walks), the walk at the mean counts kept beside it ("block_cycles_at_mean").
+    latency = warp_latency(ins, out["weighted"])
+    expected = {c: {"block": 0.0, "segments": collections.Counter()} for c in ("l2", "l1", "mixed")}
+    for prob, counts in count_walks(fk, fv):
+        lat = warp_latency(ins, weigh(loop, counts)["weighted"])
+        for c in expected:
+            expected[c]["block"] += prob * lat[c]["block_cycles"]
+            for n, sg in enumerate(lat[c]["segments"]):
+                expected[c]["segments"][n] += prob * sg["cycles"]
+    for c, e in expected.items():
+        latency[c]["block_cycles_at_mean"] = latency[c]["block_cycles"]
+        latency[c]["block_cycles"] = e["block"]
+        for n, sg in enumerate(latency[c]["segments"]):
+            sg["cycles_at_mean"], sg["cycles"] = sg["cycles"], e["segments"][n]
+    return {"static": out["static"], "per_tile": out["per_tile"], "inner_loops": len(inner),
+            "smem_wavefronts": out["smem"], "by_line": out["by_line"], "unknown_loops": sorted(unknown, key=str),
+            "latency": latency}
+
+
+def weigh(loop, counts):
+    """The tile loop's instructions (loop: tile_loop's) weighted for a tile's residual counts (counts: their
+    distribution, or one pair): "weighted", for warp_latency: (instruction, phase, warp
+    instructions a tile, the warps that run it, the same for the walk: the busiest warp's trips
+    where they differ, busiest_trips); the warp instructions a tile by phase ("per_tile") and
+    line ("by_line"), the static count by phase and the shared-memory wavefronts a tile."""
+    ins, where, lines, inner = loop["ins"], loop["where"], loop["lines"], loop["inner"]
+    phase_of, weights_end, cold, warp_blocks = loop["phase_of"], loop["weights_end"], loop["cold"], loop["warp_blocks"]
+    upper, last, k, rescale = loop["upper"], loop["last"], loop["k"], loop["rescale"]
+    loop_trips, path_trips = {}, {}
+    for (a, b), unroll in loop["unrolls"].items():
+        bl = where(b)[1]
+        n, _ = trips(lines[bl - 1] if bl else "", counts, k, rescale)
+        loop_trips[(a, b)] = n / unroll
+        busy = busiest_trips(lines[bl - 1] if bl else "", counts)
+        path_trips[(a, b)] = (busy if busy is not None else n) / unroll
+    guarded = guarded_lines(lines, guarded_spans(counts))
+    guarded_busy = guarded_lines(lines, guarded_spans(counts, busiest=True))
     totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
     smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
     prev = (8.0, 1.0, 1.0, tuple(range(NW)))  # warps, cold weights (mean, busiest) and warp set of the last instruction with a line
-    upper = cold_lines(lines, [("if (half == 1) {", 1.0)])  # lines of warps 4 - 7
-    last = cold_lines(lines, [("} else if (warp == NW - 1 && !window) {", 1.0)])  # lines of warp 7
-    # (instruction, phase, warp instructions a tile, the warps that run it, the same for the
-    # walk: the busiest warp's trips where they differ, busiest_trips)
+    a0, b0 = loop["span"]
     weighted = []
     for i in range(a0, b0 + 1):
         func, ln, start = where(i)
@@ -911,9 +979,8 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         static[phase] += 1
         by_line[(phase, ln)] += mult * w * weight
         weighted.append((i, phase, mult * w * weight, warps_of, mult_path * w * weight_path))
-    return {"static": dict(static), "per_tile": dict(totals), "inner_loops": len(inner), "smem_wavefronts": smem,
-            "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()],
-            "unknown_loops": sorted(unknown, key=str), "latency": warp_latency(ins, weighted)}
+    return {"static": dict(static), "per_tile": dict(totals), "smem": smem, "weighted": weighted,
+            "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()]}
 
 
 def main():
@@ -991,13 +1058,17 @@ def main():
           + " and ".join("/".join(f"{min(1.0, n * iw / cyc[c]):.2f}" for c in cyc) for n in (2, 4))
           + " instructions a cycle (mixed/L2/L1)")
     blk = {c: lat[c]["block_cycles"] for c in cyc}
-    print(f"with its barriers (one resident block, warps waiting for the slowest): {blk['mixed']:.0f} cycles a tile "
-          f"({blk['l2']:.0f} / {blk['l1']:.0f}), {iw * NW / (4 * blk['mixed']):.2f} instructions a scheduler a cycle "
-          f"({iw * NW / (4 * blk['l2']):.2f} / {iw * NW / (4 * blk['l1']):.2f})")
-    print("| barrier segment | cycles (mixed) | slowest warp | its phases |")
-    print("|---|---|---|---|")
+    print(f"with its barriers (one resident block, warps waiting for the slowest; the mean over the tiles' residual "
+          f"counts): {blk['mixed']:.0f} cycles a tile ({blk['l2']:.0f} / {blk['l1']:.0f}), "
+          f"{iw * NW / (4 * blk['mixed']):.2f} instructions a scheduler a cycle "
+          f"({iw * NW / (4 * blk['l2']):.2f} / {iw * NW / (4 * blk['l1']):.2f}); a tile at the mean counts "
+          f"{lat['mixed']['block_cycles_at_mean']:.0f} ({lat['l2']['block_cycles_at_mean']:.0f} / "
+          f"{lat['l1']['block_cycles_at_mean']:.0f})")
+    print("| barrier segment | cycles (mixed) | at the mean counts | its slowest warp there | its phases |")
+    print("|---|---|---|---|---|")
     for n, sg in enumerate(lat["mixed"]["segments"]):
-        print(f"| {n} | {sg['cycles']:.0f} | {sg['slowest_warp']} | {', '.join(sg['phases'])} |")
+        print(f"| {n} | {sg['cycles']:.0f} | {sg['cycles_at_mean']:.0f} | {sg['slowest_warp']} | "
+              f"{', '.join(sg['phases'])} |")
     print("| phase | cycles a warp (mixed) | (L2) | (L1) |")
     print("|---|---|---|---|")
     for name, v in sorted(lat["mixed"]["by_phase"].items(), key=lambda x: -x[1]):
