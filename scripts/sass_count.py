@@ -153,7 +153,8 @@ def trips(src, counts, k, rescale):
         ("p0 + slot_residual(w, s * R) < count; ++s", ck / 4 / key_passes if key_passes else 0.0),  # key_residuals_tc: a pass's residuals in turn
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
-        ("e < count * PER; e += 32", max(1.0, cv * max(4, D // 16) / 32)),  # value residuals' staging
+        ("e < count * PER; e += 32", counts.value(lambda c: -(-c * max(4, D // 16) // 32))),  # value residuals' staging (a lane's trips)
+        ("e < count * (D / 16); e += 32", counts.key(lambda c: -(-c * (D // 16) // 32))),  # key residuals' staging (stage_keys)
         ("n < count; n += VG) {", cv / VALUE_GROUPS),          # value residuals: VG slot groups in turn (the mean)
         ("u < T; u += 32", T / 32),
         ("s < 2 * SP; ++s", D / 32),                          # fast contraction: slab pairs of a token's row
