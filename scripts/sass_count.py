@@ -61,6 +61,7 @@ KERNELS = os.path.join(ROOT, "src", "cuda", "decode_kernels.cuh")
 T, NT, NW, ROWS, D, PAIRS = 64, 256, 8, 4, 128, 64
 ROWS_WARPS = min(ROWS, NW)  # warps that own a row (softmax_tile, write_partial)
 ENTRY_WARP = (T + D // 2 + 31) // 32  # SplitBlock::kEntryWarp: stage_entries's warp (4 at D 128; stage_tile_words's the next)
+STAGE_RESIDUALS = min(32, 64 // (D // 16))  # SplitBlock::kStageResiduals: residuals a trip of the staging loops
 VALUE_GROUPS = 4  # SplitBlock::kValueGroups: slot groups (of D / 2 threads at D 128, 4 rows) that take value residuals
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
@@ -153,8 +154,8 @@ def trips(src, counts, k, rescale):
         ("p0 + slot_residual(w, s * R) < count; ++s", ck / 4 / key_passes if key_passes else 0.0),  # key_residuals_tc: a pass's residuals in turn
         ("t < T; t += STEP", T / (NT // (D // 8))),           # gather: T / STEP tokens a thread
         ("e < rows * T; e += NT", ROWS * T / NT),             # per-anchor weights: (row, token) a thread
-        ("e < count * PER; e += 32", counts.value(lambda c: -(-c * max(4, D // 16) // 32))),  # value residuals' staging (a lane's trips)
-        ("e < count * (D / 16); e += 32", counts.key(lambda c: -(-c * (D // 16) // 32))),  # key residuals' staging (stage_keys)
+        ("r0 < count; r0 += kStageResiduals", counts.value(lambda c: -(-c // STAGE_RESIDUALS))),  # value residuals' staging
+        ("k0 < count; k0 += kStageResiduals", counts.key(lambda c: -(-c // STAGE_RESIDUALS))),  # key residuals' staging
         ("n < count; n += VG) {", cv / VALUE_GROUPS),          # value residuals: VG slot groups in turn (the mean)
         ("u < T; u += 32", T / 32),
         ("s < 2 * SP; ++s", D / 32),                          # fast contraction: slab pairs of a token's row

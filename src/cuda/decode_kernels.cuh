@@ -508,6 +508,11 @@ struct SplitBlock {
     if (warp == kWordsWarp) stage_tile_words(tn);
   }
 
+  // Residuals a trip of the staging loops (stage_keys, stage_values): a lane two code words
+  // (64 a trip, D / 16 a residual) and one residual's scale (and position): 16 / 8 / 4 at D 64 /
+  // 128 / 256.
+  static constexpr int kStageResiduals = 64 / (D / 16) < 32 ? 64 / (D / 16) : 32;
+
   // Warp NW - 2 on the fast path, while warps 0-1 read the tile's metadata (anchor_meta): the
   // tile's key residual slots (res_s[0], res_s[1]), and the residuals' codes (kc_s) and scales
   // (ks_s), so that key_residuals_tc waits on no load.
@@ -519,10 +524,21 @@ struct SplitBlock {
     if (lane == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{base, static_cast<uint32_t>(count)};
     const uint32_t *words = reinterpret_cast<const uint32_t *>(ha_s->key_codes) + static_cast<int64_t>(base) * (D / 16);
     const float *scales = ha_s->key_scales + base;  // both read before any store (stage_values)
+    // A trip takes kStageResiduals residuals (a lane two code words, in one 8-byte load, and one
+    // residual's scale): one wait on L2 for up to 8 residuals at D 128 (32 words a trip took a
+    // second one past 4, a quarter of the tiles at the default budget).
+    constexpr int W = D / 16;
     AKV_NO_UNROLL
-    for (int e = lane; e < count * (D / 16); e += 32) {
-      kc_s[e] = load_ro(words + e);
-      if (e < count) ks_s[e] = load_ro(scales + e);
+    for (int k0 = 0; k0 < count; k0 += kStageResiduals) {  // a trip: the key residuals k0..
+      const int n = k0 + lane, w2 = k0 * W + 2 * lane;
+      const bool mine = lane < kStageResiduals && n < count, codes = w2 < count * W;
+      // Both loaded unconditionally, their indices clamped into the tile's (count >= 1 here):
+      // loads under a condition were issued after the other's store, two waits on L2.
+      const int nc = n < count ? n : count - 1, wc = w2 < count * W ? w2 : count * W - 2;
+      const float sc = load_ro(scales + nc);
+      const uint2 cw = load_ro(reinterpret_cast<const uint2 *>(words) + wc / 2);
+      if (mine) ks_s[n] = sc;
+      if (codes) reinterpret_cast<uint2 *>(kc_s)[w2 / 2] = cw;
     }
   }
 
@@ -555,12 +571,24 @@ struct SplitBlock {
     const uint32_t *words = reinterpret_cast<const uint32_t *>(ha_s->value_codes) + static_cast<int64_t>(base) * (D / 16);
     const uint8_t *chunk = ha_s->value_chunk + base;
     const float *scales = ha_s->value_scales + base;
-    constexpr int PER = D / 16 > 4 ? D / 16 : 4;  // the most entries a residual has in one array
+    // A trip takes kStageResiduals residuals, as stage_keys: a lane two code words and one
+    // residual's position and scale (its four levels from the one load).
+    constexpr int W = D / 16;
     AKV_NO_UNROLL
-    for (int e = lane; e < count * PER; e += 32) {
-      if (e < count) vpos_s[e] = load_ro(chunk + e);  // the position inside the word (= tile)
-      if (e < count * 4) vlev_s[e] = load_ro(scales + e / 4) * lloyd_max_level(e & 3);
-      if (e < count * (D / 16)) vc_s[e] = load_ro(words + e);
+    for (int r0 = 0; r0 < count; r0 += kStageResiduals) {  // a trip: the value residuals r0..
+      const int n = r0 + lane, w2 = r0 * W + 2 * lane;
+      const bool mine = lane < kStageResiduals && n < count, codes = w2 < count * W;
+      // Loaded unconditionally, as stage_keys; the codes stored first (stored after the others,
+      // ptxas issued their load after those stores: a second wait on L2).
+      const int nc = n < count ? n : count - 1, wc = w2 < count * W ? w2 : count * W - 2;
+      const uint8_t pos = load_ro(chunk + nc);  // the position inside the word (= tile)
+      const float sc = load_ro(scales + nc);
+      const uint2 cw = load_ro(reinterpret_cast<const uint2 *>(words) + wc / 2);
+      if (codes) reinterpret_cast<uint2 *>(vc_s)[w2 / 2] = cw;
+      if (mine) {
+        vpos_s[n] = pos;
+        for (int l = 0; l < 4; ++l) vlev_s[4 * n + l] = sc * lloyd_max_level(l);
+      }
     }
   }
 
