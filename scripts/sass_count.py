@@ -898,10 +898,64 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
     upper = cold_lines(lines, [("if (half == 1) {", 1.0)])  # lines of warps 4 - 7
     last = cold_lines(lines, [("} else if (warp == NW - 1 && !window) {", 1.0)])  # lines of warp 7
-    loop = {"ins": ins, "where": where, "lines": lines, "span": (a0, b0), "inner": inner, "unrolls": unrolls,
-            "phase_of": phase_of, "weights_end": weights_end, "cold": cold, "warp_blocks": warp_blocks,
-            "upper": upper, "last": last, "k": k, "rescale": rescale}
-    out = weigh(loop, Counts(fk, fv))
+
+    def weigh(counts):
+        """The tile loop's instructions weighted for a tile's residual counts (counts: their
+        distribution, or one pair): "weighted", for warp_latency: (instruction, phase, warp
+        instructions a tile, the warps that run it, the same for the walk: the busiest warp's
+        trips where they differ, busiest_trips); the warp instructions a tile by phase
+        ("per_tile") and line ("by_line"), the static count by phase and the shared-memory
+        wavefronts a tile."""
+        loop_trips, path_trips = {}, {}
+        for (a, b), unroll in unrolls.items():
+            bl = where(b)[1]
+            n, _ = trips(lines[bl - 1] if bl else "", counts, k, rescale)
+            loop_trips[(a, b)] = n / unroll
+            busy = busiest_trips(lines[bl - 1] if bl else "", counts)
+            path_trips[(a, b)] = (busy if busy is not None else n) / unroll
+        guarded = guarded_lines(lines, guarded_spans(counts))
+        guarded_busy = guarded_lines(lines, guarded_spans(counts, busiest=True))
+        totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
+        smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
+        prev = (8.0, 1.0, 1.0, tuple(range(NW)))  # warps, cold weights (mean, busiest) and warp set of the last instruction with a line
+        weighted = []
+        for i in range(a0, b0 + 1):
+            func, ln, start = where(i)
+            if func == "prefix_values":
+                weights = ln < weights_end and "res_s[3]" not in lines[ln - 1]
+                func = "prefix_values:weights" if weights else "prefix_values:residuals"
+            phase = phase_of.get(func, "other (%s)" % func) if func else "library code (no line of decode_kernels.cuh)"
+            mult, mult_path, looped = 1.0, 1.0, False
+            for a, b in inner:
+                if a <= i <= b:
+                    mult *= loop_trips[(a, b)]
+                    mult_path *= path_trips[(a, b)]
+                    looped = True
+            # the enclosing condition: the six lines up to this one, inside its function
+            cond = "\n".join(lines[max(start - 1, ln - 6):ln]) if start and ln else ""
+            w = warp_blocks.get(ln) or warps(func.split(":")[0] if func else "", cond)
+            # Cold where the line is, or where any frame around it was inlined (put8 called in a
+            # cold block; an atomicAdd of flush_segment, called in one).
+            weight = min([cold.get(ln, 1.0)] + [cold.get(cl, 1.0) for cf, cl in ins[i]["chain"]
+                                                if cf and cf.endswith("decode_kernels.cuh") and cl])
+            weight_path = weight
+            if not looped:  # a guarded set-up's own lines (a lambda it defines runs in the loop)
+                weight *= guarded.get(ln, 1.0)
+                weight_path *= guarded_busy.get(ln, 1.0)
+            warps_of = warp_set(func.split(":")[0] if func else "", w, ln in upper, ln in last)
+            if func is None:  # library code inlined without a line: the block it sits in
+                w, weight, weight_path, warps_of = prev
+            else:
+                prev = (w, weight, weight_path, warps_of)
+            totals[phase] += mult * w * weight
+            smem += mult * w * weight * shared_wavefronts(ins[i]["op"])
+            static[phase] += 1
+            by_line[(phase, ln)] += mult * w * weight
+            weighted.append((i, phase, mult * w * weight, warps_of, mult_path * w * weight_path))
+        return {"static": dict(static), "per_tile": dict(totals), "smem": smem, "weighted": weighted,
+                "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()]}
+
+    out = weigh(Counts(fk, fv))
     # The walk with its barriers, tile by tile: each barrier waits for that tile's slowest warp,
     # and the mean over tiles of a segment's slowest is above the slowest at the mean counts
     # (a tile with twice the residuals takes a warp twice as long). So the tile's cycles with
@@ -910,7 +964,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     latency = warp_latency(ins, out["weighted"])
     expected = {c: {"block": 0.0, "segments": collections.Counter()} for c in ("l2", "l1", "mixed")}
     for prob, counts in count_walks(fk, fv):
-        lat = warp_latency(ins, weigh(loop, counts)["weighted"])
+        lat = warp_latency(ins, weigh(counts)["weighted"])
         for c in expected:
             expected[c]["block"] += prob * lat[c]["block_cycles"]
             for n, sg in enumerate(lat[c]["segments"]):
@@ -923,66 +977,6 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     return {"static": out["static"], "per_tile": out["per_tile"], "inner_loops": len(inner),
             "smem_wavefronts": out["smem"], "by_line": out["by_line"], "unknown_loops": sorted(unknown, key=str),
             "latency": latency}
-
-
-def weigh(loop, counts):
-    """The tile loop's instructions (loop: tile_loop's) weighted for a tile's residual counts (counts: their
-    distribution, or one pair): "weighted", for warp_latency: (instruction, phase, warp
-    instructions a tile, the warps that run it, the same for the walk: the busiest warp's trips
-    where they differ, busiest_trips); the warp instructions a tile by phase ("per_tile") and
-    line ("by_line"), the static count by phase and the shared-memory wavefronts a tile."""
-    ins, where, lines, inner = loop["ins"], loop["where"], loop["lines"], loop["inner"]
-    phase_of, weights_end, cold, warp_blocks = loop["phase_of"], loop["weights_end"], loop["cold"], loop["warp_blocks"]
-    upper, last, k, rescale = loop["upper"], loop["last"], loop["k"], loop["rescale"]
-    loop_trips, path_trips = {}, {}
-    for (a, b), unroll in loop["unrolls"].items():
-        bl = where(b)[1]
-        n, _ = trips(lines[bl - 1] if bl else "", counts, k, rescale)
-        loop_trips[(a, b)] = n / unroll
-        busy = busiest_trips(lines[bl - 1] if bl else "", counts)
-        path_trips[(a, b)] = (busy if busy is not None else n) / unroll
-    guarded = guarded_lines(lines, guarded_spans(counts))
-    guarded_busy = guarded_lines(lines, guarded_spans(counts, busiest=True))
-    totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
-    smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
-    prev = (8.0, 1.0, 1.0, tuple(range(NW)))  # warps, cold weights (mean, busiest) and warp set of the last instruction with a line
-    a0, b0 = loop["span"]
-    weighted = []
-    for i in range(a0, b0 + 1):
-        func, ln, start = where(i)
-        if func == "prefix_values":
-            weights = ln < weights_end and "res_s[3]" not in lines[ln - 1]
-            func = "prefix_values:weights" if weights else "prefix_values:residuals"
-        phase = phase_of.get(func, "other (%s)" % func) if func else "library code (no line of decode_kernels.cuh)"
-        mult, mult_path, looped = 1.0, 1.0, False
-        for a, b in inner:
-            if a <= i <= b:
-                mult *= loop_trips[(a, b)]
-                mult_path *= path_trips[(a, b)]
-                looped = True
-        # the enclosing condition: the six lines up to this one, inside its function
-        cond = "\n".join(lines[max(start - 1, ln - 6):ln]) if start and ln else ""
-        w = warp_blocks.get(ln) or warps(func.split(":")[0] if func else "", cond)
-        # Cold where the line is, or where any frame around it was inlined (put8 called in a cold
-        # block; an atomicAdd of flush_segment, called in one).
-        weight = min([cold.get(ln, 1.0)] + [cold.get(cl, 1.0) for cf, cl in ins[i]["chain"]
-                                            if cf and cf.endswith("decode_kernels.cuh") and cl])
-        weight_path = weight
-        if not looped:  # a guarded set-up's own lines (a lambda it defines runs in the loop)
-            weight *= guarded.get(ln, 1.0)
-            weight_path *= guarded_busy.get(ln, 1.0)
-        warps_of = warp_set(func.split(":")[0] if func else "", w, ln in upper, ln in last)
-        if func is None:  # library code inlined without a line: the block it sits in
-            w, weight, weight_path, warps_of = prev
-        else:
-            prev = (w, weight, weight_path, warps_of)
-        totals[phase] += mult * w * weight
-        smem += mult * w * weight * shared_wavefronts(ins[i]["op"])
-        static[phase] += 1
-        by_line[(phase, ln)] += mult * w * weight
-        weighted.append((i, phase, mult * w * weight, warps_of, mult_path * w * weight_path))
-    return {"static": dict(static), "per_tile": dict(totals), "smem": smem, "weighted": weighted,
-            "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()]}
 
 
 def main():
