@@ -1244,12 +1244,20 @@ struct SplitBlock {
           if (i < MAXROWS) Lp_s[i * T + m0 + g + 8 * (e / 2)] = acc[n][e];
         }
     }
+    // With 4 rows, B's columns 4-7 repeat rows 0-3 (kB columns), so lanes tq >= 2 hold token
+    // g + 8's logits a second time: they finish those and lanes tq < 2 token g's, two logits
+    // a lane, selected without a branch.
+    constexpr bool kDup = MAXROWS == 4;
+    // The lane's rows' reference maxima, read before the barrier (nothing writes them in
+    // between): read after it, a row's second logit waited on its own shared-memory trip.
+    float mrefs[NR8][2];
+    for (int n = 0; n < NR8; ++n)
+      for (int e = 0; e < 2; ++e) {
+        const int i = kDup ? 2 * (tq & 1) + e : n * 8 + 2 * tq + e;
+        mrefs[n][e] = prefix && half == 0 && i < MAXROWS ? mref_s[i] : 0.0f;
+      }
     __syncthreads();
     if (half == 0) {
-      // With 4 rows, B's columns 4-7 repeat rows 0-3 (kB columns), so lanes tq >= 2 hold token
-      // g + 8's logits a second time: they finish those and lanes tq < 2 token g's, two logits
-      // a lane, selected without a branch.
-      constexpr bool kDup = MAXROWS == 4;
       constexpr int X = kDup ? 1 : 2;  // tokens a lane finishes
       int kinds[X];  // the lane's tokens m0 + g (+ 8): read once for all their rows
       float gammas[X];
@@ -1286,7 +1294,7 @@ struct SplitBlock {
           if (i >= MAXROWS) continue;
           const float v = vs[n][e];
           if (prefix) {  // -inf + slack is -inf: a row's first visible logit rises
-            const float m = mref_s[i];
+            const float m = mrefs[n][kDup ? e : e % 2];
             rose = rose || v > m + p.rescale_slack;
             const float pv = m == -INFINITY ? 0.0f : fast_exp2(v - m);
             Lp_s[i * T + t] = v;  // this thread's own element (read above on the unfused path)
