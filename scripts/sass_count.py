@@ -31,8 +31,9 @@ The issue rate those instructions can reach comes from the same SASS (warp_laten
 sets and waits on); each warp walks the loop's lines it runs with stated Hopper latencies
 (LATENCY), and the tile's barriers make the block wait for its slowest warp between them, tile
 by tile: the walk with its barriers is repeated for each pair of a tile's key and value residual
-counts and averaged over their Poisson odds (count_walks), since the mean of a tile's slowest
-warp is above the slowest at the mean counts. It prints a warp's cycles a tile, the barrier
+counts and averaged over their odds (count_walks: overdispersed counts, as measured on a real
+model, COUNT_DISPERSION), since the mean of a tile's slowest warp is above the slowest at the
+mean counts. It prints a warp's cycles a tile, the barrier
 segments and the bound on instructions a scheduler issues a cycle, which predict_decode.py
 applies.
 
@@ -78,44 +79,72 @@ PHASES = [
     ("loop control and barriers", ["decode_split_kernel", "SplitBlock"]),  # SplitBlock: indices the loop recomputes
 ]
 
-def poisson_mean(lam, f):
-    """E[f(c)] for a tile's residual count c ~ Poisson(lam) (the residuals spread evenly over
-    the prompt, an assumption: clustered residuals leave more tiles without any)."""
-    e, p = 0.0, math.exp(-lam)
-    for n in range(T + 1):
-        e += p * f(n)
-        p *= lam / (n + 1)
-    return e
+# A tile's residual counts on each side are overdispersed: residuals go to the tokens their
+# anchors represent worst, which cluster (a tile without any beside one with a dozen), where
+# residuals spread evenly would make the count Poisson(T f). MEASURED
+# (tools/realmodel/anchor_sharing.cpp, SmolLM2-135M, 6 of 30 layers, every KV head, default
+# options at 20x, 2286 tiles of 64 tokens): variance / mean of the key and value counts
+# 6.5 / 5.9 on 8K tokens of the GPL, 5.3 / 5.3 on 8K of the paper (5-9 at 5x and 10x),
+# at 4.65% residuals on each side: 36-43% of the tiles have none (Poisson at that mean: 5%) and
+# 9-11% have 9 or more (Poisson: 1%); key and value counts correlate (0.38), which the walk
+# leaves out (the sides are independent there). A negative binomial with the plan's mean and
+# this variance / mean (1: Poisson) is the walk's distribution (count_pmf); at 4.65% it gives
+# 33% of the tiles none and 9% 9 or more.
+COUNT_DISPERSION = 5.7
+
+
+def count_pmf(mean, dispersion):
+    """P(c), c = 0 .. T: a tile's residual count with that mean and variance / mean (a negative
+    binomial; Poisson at dispersion 1), the mass past T at T."""
+    if mean <= 0:
+        return [1.0] + [0.0] * T
+    if dispersion <= 1.0:
+        p = [math.exp(-mean + c * math.log(mean) - math.lgamma(c + 1)) for c in range(T)]
+    else:
+        r, q = mean / (dispersion - 1.0), 1.0 / dispersion
+        p = [math.exp(math.lgamma(c + r) - math.lgamma(r) - math.lgamma(c + 1) + r * math.log(q) + c * math.log1p(-q))
+             for c in range(T)]
+    return p + [max(0.0, 1.0 - sum(p))]
 
 
 class Counts:
-    """A tile's key and value residual counts: Poisson(T fk) and Poisson(T fv) (poisson_mean), or
-    one pair of counts (fixed), for the walk of tiles by their counts (count_walks)."""
+    """A tile's key and value residual counts: count_pmf(T fk) and count_pmf(T fv) at the
+    dispersion, or one pair of counts (fixed), for the walk of tiles by their counts
+    (count_walks)."""
 
-    def __init__(self, fk, fv, fixed=None):
+    def __init__(self, fk, fv, fixed=None, dispersion=COUNT_DISPERSION):
         self.fk, self.fv, self.fixed = fk, fv, fixed
         self.mean_key = T * fk if fixed is None else fixed[0]
         self.mean_value = T * fv if fixed is None else fixed[1]
+        if fixed is None:
+            self.pmf_key, self.pmf_value = count_pmf(T * fk, dispersion), count_pmf(T * fv, dispersion)
 
     def key(self, f):
-        return poisson_mean(T * self.fk, f) if self.fixed is None else f(self.fixed[0])
+        return sum(p * f(c) for c, p in enumerate(self.pmf_key)) if self.fixed is None else f(self.fixed[0])
 
     def value(self, f):
-        return poisson_mean(T * self.fv, f) if self.fixed is None else f(self.fixed[1])
+        return sum(p * f(c) for c, p in enumerate(self.pmf_value)) if self.fixed is None else f(self.fixed[1])
 
 
-# The walk of tiles by their residual counts (count_walks): key and value counts 0 .. COUNT_MAX
-# each, the Poisson tail past it walked at COUNT_MAX (0.25% of the tiles at 5.2%).
-COUNT_MAX = 9
+# The walk of tiles by their residual counts (count_walks). Every trip count the walk takes
+# (the busiest warp's: key_residuals_tc's warp 4 ceil(c / 4) residuals in ceil(c / 16) passes,
+# the value residuals' busiest slot group ceil(c / 4), the staging loops ceil(c / 8) trips)
+# depends on c only through ceil(c / 4), so a class of counts 4 m - 3 .. 4 m is walked once, at
+# 4 m; classes 0 .. COUNT_CLASSES - 1, the tail (past 28 residuals: 0.1-0.3% of the tiles at
+# 5.2% and dispersion 6) walked with the last class, at 32.
+COUNT_CLASSES = 9
 
 
-def count_walks(fk, fv):
+def count_walks(fk, fv, dispersion=COUNT_DISPERSION):
     """[(probability, Counts fixed at one (key, value) pair)] over a tile's residual counts."""
-    def pmf(lam):
-        p = [math.exp(-lam) * lam ** c / math.factorial(c) for c in range(COUNT_MAX)]
-        return p + [1.0 - sum(p)]
-    pk, pv = pmf(T * fk), pmf(T * fv)
-    return [(pk[a] * pv[b], Counts(fk, fv, (a, b))) for a in range(COUNT_MAX + 1) for b in range(COUNT_MAX + 1)]
+    def classes(pmf):
+        out = [0.0] * COUNT_CLASSES
+        for c, p in enumerate(pmf):
+            out[min(-(-c // 4), COUNT_CLASSES - 1)] += p
+        return out
+    pk, pv = classes(count_pmf(T * fk, dispersion)), classes(count_pmf(T * fv, dispersion))
+    return [(pk[a] * pv[b], Counts(fk, fv, (4 * a, 4 * b)))
+            for a in range(COUNT_CLASSES) for b in range(COUNT_CLASSES) if pk[a] * pv[b] > 0.0]
 
 
 # Rounds of the per-anchor weights' compare-and-swap loop (a shared-memory float add): one
@@ -846,7 +875,7 @@ def warp_latency(ins, weighted):
     return out
 
 
-def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
+def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSION):
     """Per-phase warp instructions per tile of the AnchorKV prefix loop, in blocks of
     block_tiles tiles (the share that rescales)."""
     rescale = rescale_rate(block_tiles)
@@ -886,7 +915,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     unrolls, unknown = {}, set()
     for a, b in inner:
         bf, bl, _ = where(b)
-        if trips(lines[bl - 1] if bl else "", Counts(fk, fv), k, rescale)[1] is None:
+        if trips(lines[bl - 1] if bl else "", Counts(fk, fv, dispersion=dispersion), k, rescale)[1] is None:
             unknown.add((bf, bl, lines[bl - 1].strip() if bl else "?"))
         loads = collections.Counter(where(i)[1] for i in range(a, b + 1)
                                     if ins[i]["op"].startswith(("LDS", "LDG", "LD.")) and where(i)[1] != bl)
@@ -955,7 +984,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
         return {"static": dict(static), "per_tile": dict(totals), "smem": smem, "weighted": weighted,
                 "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()]}
 
-    out = weigh(Counts(fk, fv))
+    out = weigh(Counts(fk, fv, dispersion=dispersion))
     # The walk with its barriers, tile by tile: each barrier waits for that tile's slowest warp,
     # and the mean over tiles of a segment's slowest is above the slowest at the mean counts
     # (a tile with twice the residuals takes a warp twice as long). So the tile's cycles with
@@ -963,7 +992,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles):
     # (count_walks), the walk at the mean counts kept beside it ("block_cycles_at_mean").
     latency = warp_latency(ins, out["weighted"])
     expected = {c: {"block": 0.0, "segments": collections.Counter()} for c in ("l2", "l1", "mixed")}
-    for prob, counts in count_walks(fk, fv):
+    for prob, counts in count_walks(fk, fv, dispersion):
         lat = warp_latency(ins, weigh(counts)["weighted"])
         for c in expected:
             expected[c]["block"] += prob * lat[c]["block_cycles"]
@@ -983,6 +1012,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fk", type=float, default=0.052, help="key residual fraction (32K default geometry: 0.052)")
     ap.add_argument("--fv", type=float, default=0.052, help="value residual fraction")
+    ap.add_argument("--count-dispersion", type=float, default=COUNT_DISPERSION,
+                    help="variance / mean of a tile's residual counts on each side (1: Poisson; measured on "
+                         "SmolLM2: about 6)")
     ap.add_argument("--anchors", type=int, default=815, help="k per head (weight rescale cost; 32K default: 815)")
     ap.add_argument("--block-tiles", type=int, default=16,
                     help="tiles a split block walks (the share that rescales; 32K x 1: 16)")
@@ -1008,7 +1040,7 @@ def main():
     names = dict(zip(funcs, demangle(list(funcs))))
     spans, lines = function_spans(KERNELS)
     result = {"assumptions": {"fk": a.fk, "fv": a.fv, "anchors": a.anchors, "block_tiles": a.block_tiles,
-                              "segment_weights": a.segment_weights,
+                              "segment_weights": a.segment_weights, "count_dispersion": a.count_dispersion,
                               "rescale": rescale_rate(a.block_tiles), "tile": T, "threads": NT, "rows": ROWS,
                               "head_dim": D, "pairs": PAIRS}, "kernels": {}}
     print(f"SASS of {os.path.relpath(cubin, workdir) if a.keep else 'the decode and compression kernels'} for sm_90 "
@@ -1027,11 +1059,12 @@ def main():
               f"{s['shared_atomics']} | {s['global_atomics']} | {'yes' if s['hmma'] else 'no'} | "
               f"{'yes' if s['packed_half2'] else 'no'} |")
     split = next(m for m in funcs if "decode_split_kernelILi128ELi4E" in m)
-    loop = tile_loop(funcs[split], spans, lines, a.fk, a.fv, a.anchors, a.block_tiles)
+    loop = tile_loop(funcs[split], spans, lines, a.fk, a.fv, a.anchors, a.block_tiles, a.count_dispersion)
     result["tile_loop"] = loop
     total = sum(loop["per_tile"].values())
     print(f"\ndecode_split_kernel<128,4>, AnchorKV prefix tile loop ({T} tokens, {NW} warps, {ROWS} rows, "
-          f"f_K {a.fk}, f_V {a.fv}, k {a.anchors}, {a.block_tiles} tiles a block, "
+          f"f_K {a.fk}, f_V {a.fv} (a tile's counts at variance / mean {a.count_dispersion:g}), k {a.anchors}, "
+          f"{a.block_tiles} tiles a block, "
           f"{rescale_rate(a.block_tiles):.4f} of them rescaling): {sum(loop['static'].values())} static SASS "
           f"instructions, {loop['inner_loops']} inner loops")
     print("| phase | static SASS | warp instr per tile | per token and head |")

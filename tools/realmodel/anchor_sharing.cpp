@@ -12,8 +12,10 @@
 //
 //   build/tests/anchorkv_anchor_sharing /tmp/realmodel/paper_8k.safetensors
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -41,12 +43,23 @@ struct Dump {
     data_start = 8 + n;
   }
   std::vector<int64_t> shape(const std::string &name) const { return header.at(name).at("shape"); }
-  // Elements [first, first + count) of an F32 tensor.
+  // Elements [first, first + count) of an F32 or BF16 tensor, as f32.
   std::vector<float> read(const std::string &name, int64_t first, int64_t count) {
-    if (header.at(name).at("dtype") != "F32") throw std::runtime_error(name + ": dump.py --dtype f32 files only");
+    const std::string dtype = header.at(name).at("dtype");
+    if (dtype != "F32" && dtype != "BF16") throw std::runtime_error(name + ": F32 or BF16 tensors only");
+    const int64_t size = dtype == "F32" ? 4 : 2;
     std::vector<float> out(static_cast<size_t>(count));
-    file.seekg(static_cast<std::streamoff>(data_start + header.at(name).at("data_offsets")[0].get<uint64_t>() + 4 * first));
-    file.read(reinterpret_cast<char *>(out.data()), static_cast<std::streamsize>(4 * count));
+    file.seekg(static_cast<std::streamoff>(data_start + header.at(name).at("data_offsets")[0].get<uint64_t>() + size * first));
+    if (size == 4) {
+      file.read(reinterpret_cast<char *>(out.data()), static_cast<std::streamsize>(4 * count));
+    } else {
+      std::vector<uint16_t> raw(static_cast<size_t>(count));
+      file.read(reinterpret_cast<char *>(raw.data()), static_cast<std::streamsize>(2 * count));
+      for (size_t i = 0; i < raw.size(); ++i) {
+        const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
+        std::memcpy(&out[i], &bits, 4);
+      }
+    }
     if (!file) throw std::runtime_error("cannot read " + name);
     return out;
   }
@@ -71,9 +84,18 @@ int main(int argc, char **argv) {
   std::printf("%s: %d layers x %d KV heads, S %lld; the most prefix tokens of a warp on one value anchor (mean)\n",
               argv[1], L, H, static_cast<long long>(S));
   std::printf("| ratio | tiles | 8 tokens 8 apart (the kernel's) | 32 consecutive (before) |\n|---|---|---|---|\n");
+  // A tile's key and value residual counts (popcounts of its mask words), 0 .. kCountMax - 1
+  // and kCountMax - 1 or more: the walk of scripts/sass_count.py (count_walks) by their odds.
+  constexpr int kCountMax = 10;
+  struct Residuals {
+    double joint[kCountMax][kCountMax] = {}, sum[2] = {}, square[2] = {}, product = 0;
+    int64_t tiles = 0;
+  };
+  std::vector<std::pair<double, Residuals>> residuals;
   for (const double ratio : {5.0, 10.0, 20.0}) {
     double strided = 0, consecutive = 0;
     int64_t tiles = 0;
+    Residuals res;
     for (int l = 0; l < L; l += std::max(1, L / 6)) {
       const int64_t kv = static_cast<int64_t>(H) * S * D;
       const auto k = dump.read("k", l * kv, kv), v = dump.read("v", l * kv, kv);
@@ -105,15 +127,55 @@ int main(int argc, char **argv) {
         for (int j = 0; j < n; ++j) m = std::max(m, ++count[access.anchor(1, h, first + step * j)]);
         return m;
       };
+      const uint64_t *masks[2] = {cache->section<uint64_t>(akv::kKeyMask), cache->section<uint64_t>(akv::kValueMask)};
+      const int64_t words = cache->geometry.words;
       for (int h = 0; h < H; ++h)
         for (int64_t t0 = 0; t0 + 64 <= P; t0 += 64, ++tiles) {
           for (int w = 0; w < 8; ++w) strided += most(h, t0 + w, 8, 8) / 8.0;
           consecutive += (most(h, t0, 1, 32) + most(h, t0 + 32, 1, 32)) / 2.0;
+          int c[2];
+          for (int side = 0; side < 2; ++side) {
+            c[side] = __builtin_popcountll(masks[side][h * words + t0 / 64]);
+            res.sum[side] += c[side];
+            res.square[side] += static_cast<double>(c[side]) * c[side];
+          }
+          res.product += static_cast<double>(c[0]) * c[1];
+          res.joint[std::min(c[0], kCountMax - 1)][std::min(c[1], kCountMax - 1)] += 1;
+          ++res.tiles;
         }
       akv_cache_destroy(cache);
     }
     std::printf("| %gx | %lld | %.2f | %.2f |\n", ratio, static_cast<long long>(tiles), strided / tiles,
                 consecutive / tiles);
+    residuals.emplace_back(ratio, res);
+  }
+  std::printf("\nA prefix tile's key and value residual counts (its 64-token mask words), every head of the same "
+              "layers: fractions f (mean / 64), dispersion (variance / mean: 1 for residuals spread evenly, "
+              "Poisson; scripts/sass_count.py's COUNT_DISPERSION), correlation, and the odds of 0 .. 9 and more\n");
+  std::printf("| ratio | tiles | f_K | f_V | dispersion K | dispersion V | corr(K, V) | key counts | value counts |\n"
+              "|---|---|---|---|---|---|---|---|---|\n");
+  for (const auto &[ratio, r] : residuals) {
+    const double n = static_cast<double>(r.tiles);
+    double mean[2], var[2], pmf[2][kCountMax] = {};
+    for (int side = 0; side < 2; ++side) {
+      mean[side] = r.sum[side] / n;
+      var[side] = r.square[side] / n - mean[side] * mean[side];
+    }
+    for (int a = 0; a < kCountMax; ++a)
+      for (int b = 0; b < kCountMax; ++b) {
+        pmf[0][a] += r.joint[a][b] / n;
+        pmf[1][b] += r.joint[a][b] / n;
+      }
+    const double corr = (r.product / n - mean[0] * mean[1]) / std::sqrt(var[0] * var[1]);
+    std::string text[2];
+    for (int side = 0; side < 2; ++side)
+      for (int x = 0; x < kCountMax; ++x) {
+        char cell[16];
+        std::snprintf(cell, sizeof cell, "%s%.3f", x ? " " : "", pmf[side][x]);
+        text[side] += cell;
+      }
+    std::printf("| %gx | %lld | %.4f | %.4f | %.2f | %.2f | %.2f | %s | %s |\n", ratio, static_cast<long long>(r.tiles),
+                mean[0] / 64, mean[1] / 64, var[0] / mean[0], var[1] / mean[1], corr, text[0].c_str(), text[1].c_str());
   }
   akv_context_destroy(ctx);
   return 0;
