@@ -62,7 +62,7 @@ KERNELS = os.path.join(ROOT, "src", "cuda", "decode_kernels.cuh")
 T, NT, NW, ROWS, D, PAIRS = 64, 256, 8, 4, 128, 64
 ROWS_WARPS = min(ROWS, NW)  # warps that own a row (softmax_tile, write_partial)
 ENTRY_WARP = (T + D // 2 + 31) // 32  # SplitBlock::kEntryWarp: stage_entries's warp (4 at D 128; stage_tile_words's the next)
-STAGE_RESIDUALS = min(32, 64 // (D // 16))  # SplitBlock::kStageResiduals: residuals a trip of the staging loops
+STAGE_RESIDUALS = min(32, 128 // (D // 16))  # SplitBlock::kStageResiduals: residuals a trip of the staging loops
 VALUE_GROUPS = 4  # SplitBlock::kValueGroups: slot groups (of D / 2 threads at D 128, 4 rows) that take value residuals
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).

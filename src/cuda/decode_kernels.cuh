@@ -411,7 +411,7 @@ struct SplitBlock {
     const uint32_t packed = ent_s[((t0 >> 6) & 1) * T + u];
     const uint32_t ke = packed & 0xffu, ve = packed >> 8 & 0xffu, kc = packed >> 16 & 0xffu, vc = packed >> 24;
     const uint64_t *words = tile_words(t0);  // stage_entries's, a tile ahead
-    const uint64_t anchors = words[0], kmask = words[1];
+    const uint64_t anchors = words[0], kmask = words[1], vmask = words[2];
     const int first = static_cast<int>(words[3]);
     // The tile's key residual slots: the last tile's first slot plus its count (the fast
     // path's: stage_keys, on warp NW - 2; the value side's: stage_values, on warp NW - 1).
@@ -433,6 +433,9 @@ struct SplitBlock {
     off_s[u] = live ? u : 0;  // pos_s is not written: format 3's positions are consecutive
     kind_s[u] = kind;
     if (live && residual) bit_s[__popcll(kmask & below)] = u;  // the key residuals in slot order
+    // The value residuals' positions in the tile, likewise from the mask (stage_values reads the
+    // stored ones for format 2 only: no trip to L2 for them).
+    if (live && ((vmask >> u) & 1u)) vpos_s[__popcll(vmask & below)] = u;
     if (kFoldedPenalty && fast)
       for (int i = 0; i < MAXROWS; i += 4) {  // the kind's row penalties four at a time
         const float4 pen = *reinterpret_cast<const float4 *>(pen_s + kind * MAXROWS + i);
@@ -508,10 +511,12 @@ struct SplitBlock {
     if (warp == kWordsWarp) stage_tile_words(tn);
   }
 
-  // Residuals a trip of the staging loops (stage_keys, stage_values): a lane two code words
-  // (64 a trip, D / 16 a residual) and one residual's scale (and position): 16 / 8 / 4 at D 64 /
-  // 128 / 256.
-  static constexpr int kStageResiduals = 64 / (D / 16) < 32 ? 64 / (D / 16) : 32;
+  // Residuals a trip of the staging loops (stage_keys, stage_values): a lane four code words
+  // (128 a trip, D / 16 a residual) and one residual's scale (and position): 32 / 16 / 8 at D 64
+  // / 128 / 256. A tile's residuals cluster (a tenth of the tiles hold 9 or more on a side on
+  // SmolLM2's prompts at 20x: scripts/sass_count.py, COUNT_DISPERSION), so a trip of 8 at D 128
+  // left those tiles two waits on L2.
+  static constexpr int kStageResiduals = 128 / (D / 16) < 32 ? 128 / (D / 16) : 32;
 
   // Warp NW - 2 on the fast path, while warps 0-1 read the tile's metadata (anchor_meta): the
   // tile's key residual slots (res_s[0], res_s[1]), and the residuals' codes (kc_s) and scales
@@ -524,21 +529,20 @@ struct SplitBlock {
     if (lane == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{base, static_cast<uint32_t>(count)};
     const uint32_t *words = reinterpret_cast<const uint32_t *>(ha_s->key_codes) + static_cast<int64_t>(base) * (D / 16);
     const float *scales = ha_s->key_scales + base;  // both read before any store (stage_values)
-    // A trip takes kStageResiduals residuals (a lane two code words, in one 8-byte load, and one
-    // residual's scale): one wait on L2 for up to 8 residuals at D 128 (32 words a trip took a
-    // second one past 4, a quarter of the tiles at the default budget).
+    // A trip takes kStageResiduals residuals (a lane four code words, in one 16-byte load, and
+    // one residual's scale): one wait on L2 for up to 16 residuals at D 128.
     constexpr int W = D / 16;
     AKV_NO_UNROLL
     for (int k0 = 0; k0 < count; k0 += kStageResiduals) {  // a trip: the key residuals k0..
-      const int n = k0 + lane, w2 = k0 * W + 2 * lane;
-      const bool mine = lane < kStageResiduals && n < count, codes = w2 < count * W;
+      const int n = k0 + lane, w4 = k0 * W + 4 * lane;
+      const bool mine = lane < kStageResiduals && n < count, codes = w4 < count * W;
       // Both loaded unconditionally, their indices clamped into the tile's (count >= 1 here):
       // loads under a condition were issued after the other's store, two waits on L2.
-      const int nc = n < count ? n : count - 1, wc = w2 < count * W ? w2 : count * W - 2;
+      const int nc = n < count ? n : count - 1, wc = w4 < count * W ? w4 : count * W - 4;
       const float sc = load_ro(scales + nc);
-      const uint2 cw = load_ro(reinterpret_cast<const uint2 *>(words) + wc / 2);
+      const uint4 cw = load_ro(reinterpret_cast<const uint4 *>(words) + wc / 4);
       if (mine) ks_s[n] = sc;
-      if (codes) reinterpret_cast<uint2 *>(kc_s)[w2 / 2] = cw;
+      if (codes) reinterpret_cast<uint4 *>(kc_s)[w4 / 4] = cw;
     }
   }
 
@@ -571,22 +575,21 @@ struct SplitBlock {
     const uint32_t *words = reinterpret_cast<const uint32_t *>(ha_s->value_codes) + static_cast<int64_t>(base) * (D / 16);
     const uint8_t *chunk = ha_s->value_chunk + base;
     const float *scales = ha_s->value_scales + base;
-    // A trip takes kStageResiduals residuals, as stage_keys: a lane two code words and one
+    // A trip takes kStageResiduals residuals, as stage_keys: a lane four code words and one
     // residual's position and scale (its four levels from the one load).
     constexpr int W = D / 16;
     AKV_NO_UNROLL
     for (int r0 = 0; r0 < count; r0 += kStageResiduals) {  // a trip: the value residuals r0..
-      const int n = r0 + lane, w2 = r0 * W + 2 * lane;
-      const bool mine = lane < kStageResiduals && n < count, codes = w2 < count * W;
+      const int n = r0 + lane, w4 = r0 * W + 4 * lane;
+      const bool mine = lane < kStageResiduals && n < count, codes = w4 < count * W;
       // Loaded unconditionally, as stage_keys; the codes stored first (stored after the others,
       // ptxas issued their load after those stores: a second wait on L2).
-      const int nc = n < count ? n : count - 1, wc = w2 < count * W ? w2 : count * W - 2;
-      const uint8_t pos = load_ro(chunk + nc);  // the position inside the word (= tile)
+      const int nc = n < count ? n : count - 1, wc = w4 < count * W ? w4 : count * W - 4;
       const float sc = load_ro(scales + nc);
-      const uint2 cw = load_ro(reinterpret_cast<const uint2 *>(words) + wc / 2);
-      if (codes) reinterpret_cast<uint2 *>(vc_s)[w2 / 2] = cw;
+      const uint4 cw = load_ro(reinterpret_cast<const uint4 *>(words) + wc / 4);
+      if (codes) reinterpret_cast<uint4 *>(vc_s)[w4 / 4] = cw;
       if (mine) {
-        vpos_s[n] = pos;
+        if (!format3) vpos_s[n] = load_ro(chunk + nc);  // the position inside the word (= tile); format 3: format3_meta's
         for (int l = 0; l < 4; ++l) vlev_s[4 * n + l] = sc * lloyd_max_level(l);
       }
     }
