@@ -1446,7 +1446,11 @@ struct SplitBlock {
           const float pr = L_s[i * T + u];
           lacc[x] += pr;
           if (own) {  // a warp's pass (8 tokens) holds an anchor token about a sixth of the time
-            atomicAdd(&w[i * wstride + va - kSegmentEntries], pr * vg);
+            // The block's workspace rows rebuilt here, in the rare branch (w, kept across the
+            // loop, costs a register ptxas gives up for a rebuild on the common path: 2196 ->
+            // 2177 cycles a tile, scripts/sass_count.py --segment-weights).
+            const int64_t blk = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+            atomicAdd(p.ws_w + (blk * MAXROWS + i) * p.max_anchors + va - kSegmentEntries, pr * vg);
           } else {
             atomicAdd(&w_s[i * kSegmentEntries + va], pr * vg);
           }
