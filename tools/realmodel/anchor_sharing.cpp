@@ -4,9 +4,12 @@
 // round per token of the warp's most shared anchor). A warp adds the weights of 8 tokens 8
 // apart in a 64-token tile, for four rows (different addresses); it used to take 32
 // consecutive tokens of one row. scripts/sass_count.py charges the measured mean (CAS_ROUNDS).
+// Also the distribution of a 64-token tile's key and value residual counts (the popcounts of
+// its mask words), whose spread sets how often a tile's residual warps and staging trips wait
+// longer (COUNT_DISPERSION there).
 //
-// Compresses layers of a tools/realmodel/dump.py file (f32; keys pre-RoPE, GPT-J RoPE as its
-// metadata says) with the default options at 5x, 10x and 20x on the CPU backend, and reads the
+// Compresses layers of a tools/realmodel/dump.py file (f32 or bf16; keys pre-RoPE, GPT-J RoPE
+// as its metadata says) with the default options at 5x, 10x and 20x on the CPU backend, and reads the
 // assignments through the library's internal AnchorAccess. Built with the tests
 // (tests/CMakeLists.txt):
 //
