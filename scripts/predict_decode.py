@@ -135,6 +135,7 @@ def smem_bytes(k, pairs=64, rows=ROWS):
 # (k 3258) one block with k weights, two with 256. --shared-weights: a what-if of the plan
 # before that (all k in shared memory wherever they fit).
 SHARED_WEIGHTS_ONLY = False
+COUNT_DISPERSION = None  # a tile's residual counts' variance / mean: sass_count.py's default unless given
 
 
 def plan(S, batch, k):
@@ -171,7 +172,8 @@ def sass_phases(fk, fv, k, block_tiles, segments=False):
         out = os.path.join(d, "counts.json")
         r = subprocess.run([sys.executable, os.path.join(root, "sass_count.py"), "--fk", str(fk), "--fv", str(fv),
                             "--anchors", str(k), "--block-tiles", str(block_tiles), "--json", out]
-                           + (["--segment-weights"] if segments else []),
+                           + (["--segment-weights"] if segments else [])
+                           + (["--count-dispersion", str(COUNT_DISPERSION)] if COUNT_DISPERSION is not None else []),
                            capture_output=True, text=True)
         if r.returncode or not os.path.exists(out):
             return None
@@ -269,9 +271,13 @@ def main():
     ap.add_argument("--shared-weights", action="store_true",
                     help="what-if: every anchor's weight in shared memory wherever it fits (the plan before segment "
                          "weights; SHARED_WEIGHTS_ONLY)")
+    ap.add_argument("--count-dispersion", type=float, default=None,
+                    help="what-if: the variance / mean of a tile's residual counts (sass_count.py: measured on "
+                         "SmolLM2, COUNT_DISPERSION; 1: Poisson, residuals spread evenly)")
     a = ap.parse_args()
-    global SHARED_WEIGHTS_ONLY
+    global SHARED_WEIGHTS_ONLY, COUNT_DISPERSION
     SHARED_WEIGHTS_ONLY = a.shared_weights
+    COUNT_DISPERSION = a.count_dispersion
     if a.measure:
         return measure()
     if a.from_ptx:
@@ -282,7 +288,8 @@ def main():
               "--ptx-model)")
     print(f"Assumptions: {SMS} SMs x {SCHED} schedulers x {CLOCK_GHZ} GHz x IPC {IPC} (the tile loop: at most its "
           "latency bound, sass_count.py's warp_latency: the gathered anchor rows from L1 at its GATHER_L1_SHARE, other "
-          "global loads from L2; in brackets every one from L1); "
+          "global loads from L2; in brackets every one from L1; a tile's residual counts at variance / mean "
+          f"{'sass_count.py COUNT_DISPERSION' if COUNT_DISPERSION is None else COUNT_DISPERSION}); "
           f"HBM {HBM_TBS} TB/s; "
           f"L2 {L2_TBS} TB/s; shared memory a 128-byte wavefront a clock per SM (the tile loop's, conflict-free, "
           f"from sass_count.py); launch {LAUNCH_US} us; {source}.\n")

@@ -83,13 +83,14 @@ PHASES = [
 # anchors represent worst, which cluster (a tile without any beside one with a dozen), where
 # residuals spread evenly would make the count Poisson(T f). MEASURED
 # (tools/realmodel/anchor_sharing.cpp, SmolLM2-135M, 6 of 30 layers, every KV head, default
-# options at 20x, 2286 tiles of 64 tokens): variance / mean of the key and value counts
-# 6.5 / 5.9 on 8K tokens of the GPL, 5.3 / 5.3 on 8K of the paper (5-9 at 5x and 10x),
-# at 4.65% residuals on each side: 36-43% of the tiles have none (Poisson at that mean: 5%) and
-# 9-11% have 9 or more (Poisson: 1%); key and value counts correlate (0.38), which the walk
-# leaves out (the sides are independent there). A negative binomial with the plan's mean and
-# this variance / mean (1: Poisson) is the walk's distribution (count_pmf); at 4.65% it gives
-# 33% of the tiles none and 9% 9 or more.
+# options at 20x, 1710-2286 tiles of 64 tokens): variance / mean of the key and value counts
+# 6.5 / 5.9 on 8K tokens of the GPL, 5.3 / 5.3 on 8K of the paper, 6.7 / 5.6 on 6K of the
+# rebuttal (5-9 at 5x and 10x), at 4.7% residuals on each side: 36-43% of the tiles have none
+# (Poisson at that mean: 5%) and 9-11% have 9 or more (Poisson: 1%); key and value counts
+# correlate (0.37-0.38), which the walk leaves out (the sides are independent there; only
+# segment 0's two staging warps see both). A negative binomial with the plan's mean and this
+# variance / mean (1: Poisson) is the walk's distribution (count_pmf); 5.7, the first two
+# texts' mean (all three: 5.9), gives at 4.65% 33% of the tiles none and 9% 9 or more.
 COUNT_DISPERSION = 5.7
 
 
