@@ -334,6 +334,12 @@ def cold_lines(lines, table):
     return weight
 
 
+# Helpers of the tile loop whose instructions belong to their caller (phase, warps, trips):
+# stage_trip runs on the key staging's warp from stage_keys and on the value staging's from
+# stage_values.
+CALLER_HELPERS = {"stage_trip"}
+
+
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition
 # (the lines just above it); default 8.
 def warps(func, cond_text):
@@ -886,6 +892,8 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSI
         for fl, ln in ins[i]["chain"]:
             if fl and fl.endswith("decode_kernels.cuh") and ln:
                 o = owner(spans, ln)
+                if o and o[0] in CALLER_HELPERS:
+                    continue  # counted where it is called: its callers run on different warps
                 return (o[0] if o else None), ln, (o[1] if o else None)
         return None, None, None
 

@@ -89,6 +89,11 @@ __device__ __forceinline__ float bits_as_float(uint32_t u) {
 #endif
 }
 
+// The split kernel's block, linearized (its workspace rows, its partial results).
+__device__ __forceinline__ int64_t split_block_index() {
+  return (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+}
+
 template <int D, int MAXROWS>
 struct SplitBlock {
   static constexpr int NT = kDecodeThreads;
@@ -518,6 +523,27 @@ struct SplitBlock {
   // left those tiles two waits on L2.
   static constexpr int kStageResiduals = 128 / (D / 16) < 32 ? 128 / (D / 16) : 32;
 
+  // One trip of the staging loops from residual r0 (of the tile's count >= 1): the lane's four
+  // code words into codes_s and its residual's scale, both loaded unconditionally with their
+  // indices clamped into the tile's and the codes stored before the caller's stores (loads
+  // under a condition, or codes stored after the others, were issued after the other stores:
+  // two waits on L2). The lane's residual r0 + lane (n; nc clamped) is its own where `mine`.
+  struct StageTrip {
+    int n, nc;
+    bool mine;
+    float scale;
+  };
+  __device__ __forceinline__ StageTrip stage_trip(int r0, int count, const uint32_t *words, const float *scales,
+                                                  uint32_t *codes_s) const {
+    constexpr int W = D / 16;  // code words a residual
+    const int n = r0 + lane, w4 = r0 * W + 4 * lane;
+    const int nc = n < count ? n : count - 1, wc = w4 < count * W ? w4 : count * W - 4;
+    const float sc = load_ro(scales + nc);
+    const uint4 cw = load_ro(reinterpret_cast<const uint4 *>(words) + wc / 4);
+    if (w4 < count * W) reinterpret_cast<uint4 *>(codes_s)[w4 / 4] = cw;
+    return StageTrip{n, nc, lane < kStageResiduals && n < count, sc};
+  }
+
   // Warp NW - 2 on the fast path, while warps 0-1 read the tile's metadata (anchor_meta): the
   // tile's key residual slots (res_s[0], res_s[1]), and the residuals' codes (kc_s) and scales
   // (ks_s), so that key_residuals_tc waits on no load.
@@ -529,20 +555,10 @@ struct SplitBlock {
     if (lane == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{base, static_cast<uint32_t>(count)};
     const uint32_t *words = reinterpret_cast<const uint32_t *>(ha_s->key_codes) + static_cast<int64_t>(base) * (D / 16);
     const float *scales = ha_s->key_scales + base;  // both read before any store (stage_values)
-    // A trip takes kStageResiduals residuals (a lane four code words, in one 16-byte load, and
-    // one residual's scale): one wait on L2 for up to 16 residuals at D 128.
-    constexpr int W = D / 16;
     AKV_NO_UNROLL
     for (int k0 = 0; k0 < count; k0 += kStageResiduals) {  // a trip: the key residuals k0..
-      const int n = k0 + lane, w4 = k0 * W + 4 * lane;
-      const bool mine = lane < kStageResiduals && n < count, codes = w4 < count * W;
-      // Both loaded unconditionally, their indices clamped into the tile's (count >= 1 here):
-      // loads under a condition were issued after the other's store, two waits on L2.
-      const int nc = n < count ? n : count - 1, wc = w4 < count * W ? w4 : count * W - 4;
-      const float sc = load_ro(scales + nc);
-      const uint4 cw = load_ro(reinterpret_cast<const uint4 *>(words) + wc / 4);
-      if (mine) ks_s[n] = sc;
-      if (codes) reinterpret_cast<uint4 *>(kc_s)[w4 / 4] = cw;
+      const StageTrip st = stage_trip(k0, count, words, scales, kc_s);
+      if (st.mine) ks_s[st.n] = st.scale;
     }
   }
 
@@ -575,22 +591,12 @@ struct SplitBlock {
     const uint32_t *words = reinterpret_cast<const uint32_t *>(ha_s->value_codes) + static_cast<int64_t>(base) * (D / 16);
     const uint8_t *chunk = ha_s->value_chunk + base;
     const float *scales = ha_s->value_scales + base;
-    // A trip takes kStageResiduals residuals, as stage_keys: a lane four code words and one
-    // residual's position and scale (its four levels from the one load).
-    constexpr int W = D / 16;
     AKV_NO_UNROLL
     for (int r0 = 0; r0 < count; r0 += kStageResiduals) {  // a trip: the value residuals r0..
-      const int n = r0 + lane, w4 = r0 * W + 4 * lane;
-      const bool mine = lane < kStageResiduals && n < count, codes = w4 < count * W;
-      // Loaded unconditionally, as stage_keys; the codes stored first (stored after the others,
-      // ptxas issued their load after those stores: a second wait on L2).
-      const int nc = n < count ? n : count - 1, wc = w4 < count * W ? w4 : count * W - 4;
-      const float sc = load_ro(scales + nc);
-      const uint4 cw = load_ro(reinterpret_cast<const uint4 *>(words) + wc / 4);
-      if (codes) reinterpret_cast<uint4 *>(vc_s)[w4 / 4] = cw;
-      if (mine) {
-        if (!format3) vpos_s[n] = load_ro(chunk + nc);  // the position inside the word (= tile); format 3: format3_meta's
-        for (int l = 0; l < 4; ++l) vlev_s[4 * n + l] = sc * lloyd_max_level(l);
+      const StageTrip st = stage_trip(r0, count, words, scales, vc_s);
+      if (st.mine) {
+        if (!format3) vpos_s[st.n] = load_ro(chunk + st.nc);  // the position inside the word (= tile); format 3: format3_meta's
+        for (int l = 0; l < 4; ++l) vlev_s[4 * st.n + l] = st.scale * lloyd_max_level(l);
       }
     }
   }
@@ -1449,8 +1455,7 @@ struct SplitBlock {
             // The block's workspace rows rebuilt here, in the rare branch (w, kept across the
             // loop, costs a register ptxas gives up for a rebuild on the common path: 2196 ->
             // 2177 cycles a tile, scripts/sass_count.py --segment-weights).
-            const int64_t blk = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-            atomicAdd(p.ws_w + (blk * MAXROWS + i) * p.max_anchors + va - kSegmentEntries, pr * vg);
+            atomicAdd(p.ws_w + (split_block_index() * MAXROWS + i) * p.max_anchors + va - kSegmentEntries, pr * vg);
           } else {
             atomicAdd(&w_s[i * kSegmentEntries + va], pr * vg);
           }
@@ -1606,7 +1611,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
   const int split = blockIdx.x;
   const int h = blockIdx.y / p.row_chunks, rc = blockIdx.y % p.row_chunks;
   const CacheView &c = *p.views[blockIdx.z];
-  const int64_t block_index = (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  const int64_t block_index = split_block_index();
   Block blk(c, p, smem, h, rc, block_index);
   const int splits = p.splits;
   const int64_t suffix_len = c.suffix_len;
