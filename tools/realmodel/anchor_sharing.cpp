@@ -18,7 +18,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -28,6 +27,7 @@
 #include <anchorkv/anchorkv.h>
 #include "core/anchor_access.hpp"
 #include "core/context.hpp"
+#include "core/dtype.hpp"
 
 namespace {
 
@@ -58,10 +58,7 @@ struct Dump {
     } else {
       std::vector<uint16_t> raw(static_cast<size_t>(count));
       file.read(reinterpret_cast<char *>(raw.data()), static_cast<std::streamsize>(2 * count));
-      for (size_t i = 0; i < raw.size(); ++i) {
-        const uint32_t bits = static_cast<uint32_t>(raw[i]) << 16;
-        std::memcpy(&out[i], &bits, 4);
-      }
+      for (size_t i = 0; i < raw.size(); ++i) out[i] = akv::bf16_to_float(raw[i]);
     }
     if (!file) throw std::runtime_error("cannot read " + name);
     return out;
@@ -87,11 +84,11 @@ int main(int argc, char **argv) {
   std::printf("%s: %d layers x %d KV heads, S %lld; the most prefix tokens of a warp on one value anchor (mean)\n",
               argv[1], L, H, static_cast<long long>(S));
   std::printf("| ratio | tiles | 8 tokens 8 apart (the kernel's) | 32 consecutive (before) |\n|---|---|---|---|\n");
-  // A tile's key and value residual counts (popcounts of its mask words), 0 .. kCountMax - 1
-  // and kCountMax - 1 or more: the walk of scripts/sass_count.py (count_walks) by their odds.
+  // A tile's key and value residual counts (popcounts of its mask words): their sums, squares
+  // and product, and how many tiles hold 0 .. kCountMax - 2 and kCountMax - 1 or more a side.
   constexpr int kCountMax = 10;
   struct Residuals {
-    double joint[kCountMax][kCountMax] = {}, sum[2] = {}, square[2] = {}, product = 0;
+    double hist[2][kCountMax] = {}, sum[2] = {}, square[2] = {}, product = 0;
     int64_t tiles = 0;
   };
   std::vector<std::pair<double, Residuals>> residuals;
@@ -141,15 +138,15 @@ int main(int argc, char **argv) {
             c[side] = __builtin_popcountll(masks[side][h * words + t0 / 64]);
             res.sum[side] += c[side];
             res.square[side] += static_cast<double>(c[side]) * c[side];
+            res.hist[side][std::min(c[side], kCountMax - 1)] += 1;
           }
           res.product += static_cast<double>(c[0]) * c[1];
-          res.joint[std::min(c[0], kCountMax - 1)][std::min(c[1], kCountMax - 1)] += 1;
-          ++res.tiles;
         }
       akv_cache_destroy(cache);
     }
     std::printf("| %gx | %lld | %.2f | %.2f |\n", ratio, static_cast<long long>(tiles), strided / tiles,
                 consecutive / tiles);
+    res.tiles = tiles;
     residuals.emplace_back(ratio, res);
   }
   std::printf("\nA prefix tile's key and value residual counts (its 64-token mask words), every head of the same "
@@ -159,22 +156,17 @@ int main(int argc, char **argv) {
               "|---|---|---|---|---|---|---|---|---|\n");
   for (const auto &[ratio, r] : residuals) {
     const double n = static_cast<double>(r.tiles);
-    double mean[2], var[2], pmf[2][kCountMax] = {};
+    double mean[2], var[2];
     for (int side = 0; side < 2; ++side) {
       mean[side] = r.sum[side] / n;
       var[side] = r.square[side] / n - mean[side] * mean[side];
     }
-    for (int a = 0; a < kCountMax; ++a)
-      for (int b = 0; b < kCountMax; ++b) {
-        pmf[0][a] += r.joint[a][b] / n;
-        pmf[1][b] += r.joint[a][b] / n;
-      }
     const double corr = (r.product / n - mean[0] * mean[1]) / std::sqrt(var[0] * var[1]);
     std::string text[2];
     for (int side = 0; side < 2; ++side)
       for (int x = 0; x < kCountMax; ++x) {
         char cell[16];
-        std::snprintf(cell, sizeof cell, "%s%.3f", x ? " " : "", pmf[side][x]);
+        std::snprintf(cell, sizeof cell, "%s%.3f", x ? " " : "", r.hist[side][x] / n);
         text[side] += cell;
       }
     std::printf("| %gx | %lld | %.4f | %.4f | %.2f | %.2f | %.2f | %s | %s |\n", ratio, static_cast<long long>(r.tiles),
