@@ -932,6 +932,28 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSI
         # loads twice an iteration read as a loop unrolled twice: key_residuals_tc's passes
         # were counted at a third of their trips, 4.7 warp instructions instead of 6.8).
         unrolls[(a, b)] = 1 if bl and "AKV_NO_UNROLL" in lines[bl - 2] else min(loads.values()) if loads else 1
+    # Rematerialised set-up values: ptxas, short of registers, rebuilds a value of the set-up (the
+    # block's constructor, the kernel's lines before the tile loop) where it is used, with the
+    # set-up's line. Such an instruction runs as often, and on the warps, as the basic block it
+    # sits in, which the nearest instruction of the loop's own lines in that block tells (a
+    # workspace pointer rebuilt in the rare rescale's branch read as 56 instructions a tile).
+    tile_line = next(n for n, t in enumerate(lines, 1) if "for (int tile = first_tile;" in t)
+    def is_remat(i):
+        func, ln, _ = where(i)
+        return func == "SplitBlock" or (func == "decode_split_kernel" and ln < tile_line)
+    starts = set(f["labels"].values())
+    block_id, blk = {}, 0
+    for i in range(a0, b0 + 1):
+        if i in starts or (i > a0 and ins[i - 1]["op"].startswith(("BRA", "EXIT", "RET", "BRX", "JMP"))):
+            blk += 1
+        block_id[i] = blk
+    members = collections.defaultdict(list)
+    for i in range(a0, b0 + 1):
+        members[block_id[i]].append(i)
+    donor = {}
+    for i in range(a0, b0 + 1):
+        own = [j for j in members[block_id[i]] if not is_remat(j) and where(j)[0] is not None] if is_remat(i) else []
+        donor[i] = min(own, key=lambda j: (abs(j - i), j < i)) if own else i  # the nearest, the next first
     cold = cold_lines(lines, cold_blocks(rescale, block_tiles))
     warp_blocks = cold_lines(lines, WARP_BLOCKS)
     upper = cold_lines(lines, [("if (half == 1) {", 1.0)])  # lines of warps 4 - 7
@@ -956,7 +978,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSI
         totals, static, by_line = collections.Counter(), collections.Counter(), collections.Counter()
         smem = 0.0  # shared-memory wavefronts a tile, conflict-free (shared_wavefronts)
         prev = (8.0, 1.0, 1.0, tuple(range(NW)))  # warps, cold weights (mean, busiest) and warp set of the last instruction with a line
-        weighted = []
+        weighted, attrs = [], {}
         for i in range(a0, b0 + 1):
             func, ln, start = where(i)
             if func == "prefix_values":
@@ -985,6 +1007,11 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSI
                 w, weight, weight_path, warps_of = prev
             else:
                 prev = (w, weight, weight_path, warps_of)
+            attrs[i] = (func, ln, phase, mult, mult_path, w, weight, weight_path, warps_of)
+        for i in range(a0, b0 + 1):
+            func, ln, phase, mult, mult_path, w, weight, weight_path, warps_of = attrs[i]
+            if donor[i] != i:  # a set-up value rebuilt in the loop: as often, on the warps, as its block runs
+                w, weight, weight_path, warps_of = attrs[donor[i]][5:]
             totals[phase] += mult * w * weight
             smem += mult * w * weight * shared_wavefronts(ins[i]["op"])
             static[phase] += 1
