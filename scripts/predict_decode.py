@@ -7,8 +7,9 @@ decode_split_kernel<128, 4> for every row, 32K x 32 included: the planner picks 
 G * q_len alone, not from the batch).
 
 HONESTY: the tile loop (most of the time) is counted from SASS by scripts/sass_count.py, with
-its trip-count and warp model; the prologue, the partial write, the window tile and the merge
-kernels are still PTX constants (below). The tile loop issues at IPC, or at the latency bound
+its trip-count and warp model, and so are the two merge kernels (sass_count.py's merge_walk:
+a block's cycles with its loads from L2 and its barriers, at the plan's splits and anchor
+parts); the prologue, the partial write and the window tile are still PTX constants (below). The tile loop issues at IPC, or at the latency bound
 sass_count.py derives from the SASS's own stall counts and scoreboards where that is lower: a
 scheduler's warps (2 a resident block of 8) hide each other's latency only so far, and at each
 barrier the block waits for its slowest warp (warp 0's metadata and value staging). Global loads:
@@ -163,7 +164,7 @@ def tile_phases(fk, fv):
     }
 
 
-def sass_phases(fk, fv, k, block_tiles, segments=False):
+def sass_phases(fk, fv, k, block_tiles, segments=False, merge=None):
     """Per-tile warp instructions by phase from scripts/sass_count.py (SASS) and the tile's
     conflict-free shared-memory wavefronts, or None; blocks of block_tiles tiles (the share of
     tiles that rescale); segments: the per-anchor weights a segment at a time."""
@@ -173,13 +174,16 @@ def sass_phases(fk, fv, k, block_tiles, segments=False):
         r = subprocess.run([sys.executable, os.path.join(root, "sass_count.py"), "--fk", str(fk), "--fv", str(fv),
                             "--anchors", str(k), "--block-tiles", str(block_tiles), "--json", out]
                            + (["--segment-weights"] if segments else [])
+                           + (["--splits", str(merge[0]), "--anchor-parts", str(merge[1]), "--anchors-per-part",
+                               str(merge[2])] if merge else [])
                            + (["--count-dispersion", str(COUNT_DISPERSION)] if COUNT_DISPERSION is not None else []),
                            capture_output=True, text=True)
         if r.returncode or not os.path.exists(out):
             return None
         import json
-        loop = json.load(open(out))["tile_loop"]
-        return loop["per_tile"], loop["smem_wavefronts"], loop["latency"]
+        res = json.load(open(out))
+        loop = res["tile_loop"]
+        return loop["per_tile"], loop["smem_wavefronts"], dict(loop["latency"], merge=res.get("merge"))
 
 
 def predict(S, batch, use_sass=False):
@@ -187,7 +191,9 @@ def predict(S, batch, use_sass=False):
     P = S - W
     fk, fv = g["nk"] / (H * P), g["nv"] / (H * P)
     pl = plan(S, batch, g["k"])
-    ph, wf, lat = ((use_sass and sass_phases(fk, fv, g["k"], math.ceil(pl["tiles"] / pl["splits"]), pl["segments"]))
+    per_part = anchors_per_part(g["k"], H * batch)
+    ph, wf, lat = ((use_sass and sass_phases(fk, fv, g["k"], math.ceil(pl["tiles"] / pl["splits"]), pl["segments"],
+                                             (pl["splits"], math.ceil(g["k"] / per_part), per_part)))
                    or (tile_phases(fk, fv), None, None))
     tile = sum(ph.values())
     fixed = prologue(g["k"]) + write_partial(g["k"], pl["segments"])
@@ -217,17 +223,27 @@ def predict(S, batch, use_sass=False):
     # a wavefront a clock per SM; the PTX model has no count (None)
     smem_us = None if wf is None else pl["blocks"] * pl["tiles"] / pl["splits"] * wf / (SMS * CLOCK_GHZ * 1e3)
     mblocks = H * batch
-    per_part = anchors_per_part(g["k"], mblocks)
     ablocks = mblocks * math.ceil(g["k"] / per_part)
     ai = anchor_thread_instr(g["k"], pl["splits"], per_part) * 8  # warp instructions of one anchor-values block
     mi = merge_thread_instr(g["k"], pl["splits"], per_part) * 8  # warp instructions of one merge block
     # Each kernel: one block's instructions at one multiprocessor's issue rate, or all blocks'
     # spread over the multiprocessors (blocks of 256 threads share one), whichever is longer.
     merge_us = max(ai / rate, ablocks * ai / (SMS * rate)) + max(mi / rate, mblocks * mi / (SMS * rate))
+    merge_src = "PTX constants"
+    if lat and lat.get("merge"):
+        # From the SASS (sass_count.py's merge_walk): a block's cycles with its barriers (its
+        # loads from L2), blocks resident 8 an SM (256 threads, few registers) and their issue
+        # shared by its schedulers at IPC: each kernel's waves at the slower of the two.
+        merge_us, merge_src = 0.0, "SASS walk"
+        for name, blocks in (("decode_anchor_values_kernel", ablocks), ("decode_merge_kernel", mblocks)):
+            m = lat["merge"][name]
+            per_sm = min(8, math.ceil(blocks / SMS))
+            waves = math.ceil(blocks / (SMS * 8))
+            merge_us += waves * max(m["block_cycles"] / (CLOCK_GHZ * 1e3), per_sm * m["issue"] / rate)
     t = max(issue_us, mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     t_l1 = max(issue["l1"], mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,
-                per_part=per_part, ipc=ipc, t_l1=t_l1,
+                per_part=per_part, ipc=ipc, t_l1=t_l1, merge_src=merge_src,
                 issue=issue_us, hbm=hbm, mem=mem_us, l2=l2, l2_us=l2_us, smem_us=smem_us, merge=merge_us, t=t)
 
 
@@ -283,8 +299,8 @@ def main():
     if a.from_ptx:
         from_ptx()
     use_sass = not a.ptx_model and sass_phases(0.052, 0.052, 815, 16) is not None
-    source = ("tile loop: SASS counts (scripts/sass_count.py, its trip-count and warp model); prologue, merge and "
-              "window: PTX constants" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
+    source = ("tile loop: SASS counts (scripts/sass_count.py, its trip-count and warp model); merge kernels: "
+              "their SASS walk (merge_walk); prologue and window: PTX constants" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
               "--ptx-model)")
     print(f"Assumptions: {SMS} SMs x {SCHED} schedulers x {CLOCK_GHZ} GHz x IPC {IPC} (the tile loop: at most its "
           "latency bound, sass_count.py's warp_latency: the gathered anchor rows from L1 at its GATHER_L1_SHARE, other "
@@ -330,7 +346,7 @@ def main():
         print(f"Merge {r['S']} x {r['batch']} (k={k}, {splits} splits): {H * r['batch'] * parts} "
               f"anchor-value blocks of {per} anchors, {anchor_thread_instr(k, splits, per)} instr a "
               f"thread, then {H * r['batch']} merge blocks of {merge_thread_instr(k, splits, per)}; "
-              f"{r['merge']:.1f} us; L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
+              f"{r['merge']:.1f} us ({r['merge_src']}); L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
 
 
 if __name__ == "__main__":

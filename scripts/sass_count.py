@@ -809,7 +809,7 @@ def block_barrier(x):
     return operands.split(",")[0].strip() in ("0x0", "")
 
 
-def warp_latency(ins, weighted):
+def warp_latency(ins, weighted, view_from_l2=False):
     """The tile loop's cycles from the SASS's scheduling fields. Each warp's pass over the loop's
     instructions it runs (warp_set), in address order (each once; the cold ones, weight 0, left
     out), gives each instruction its cycles since the warp's previous issue: it issues when the
@@ -826,7 +826,8 @@ def warp_latency(ins, weighted):
         either warp's own cycles, and the segment the slowest scheduler's (warps wait for the
         slowest at the barrier); summed over the segments.
     Bank conflicts, dispatch stalls and the barriers' own latency are not in it (upper bounds on
-    the issue rate)."""
+    the issue rate). view_from_l2: plain LDG loads from L2 as well (the merge kernels': the
+    split kernel's workspace, in L2 when the next kernel starts)."""
     out = {"unread": sum(1 for i, _, wt, _, _ in weighted if wt > 0 and "stall" not in ins[i])}
     l1, l2 = LATENCY["global_l1"], LATENCY["global"]
     # the barrier segment of each instruction (a block barrier, BAR 0, ends its segment; a named
@@ -856,7 +857,7 @@ def warp_latency(ins, weighted):
                 if x["wbar"] < 6:
                     c = latency_class(x["op"])
                     ready[x["wbar"]] = t + ((gather if phase == GATHER_PHASE else glob) if c == "global"
-                                            else l1 if c == "view" else LATENCY[c])
+                                            else (glob if view_from_l2 else l1) if c == "view" else LATENCY[c])
                 if x["rbar"] < 6:
                     ready[x["rbar"]] = t + LATENCY["read"]
                 t += max(1, x["stall"])
@@ -1044,6 +1045,102 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSI
             "latency": latency}
 
 
+# The merge kernels (decode_anchor_values_kernel, decode_merge_kernel <128, 4>): each loop's
+# source trip count by its source line (D 128, 4 rows, 256 threads: SG 2 thread groups, CH 64
+# anchors a chunk), from the plan's splits, anchor parts and anchors a part.
+MERGE_BATCH = 8  # kMergeBatch (decode_kernels.cuh)
+
+
+def merge_trips(text, splits, parts, per_part):
+    table = (("for (int s = 0; s < p.splits; ++s)", splits),
+             ("for (int a0 = a_begin; a0 < a_end; a0 += CH)", math.ceil(per_part / 64)),
+             ("for (int e = tid; e < MAXROWS * CH; e += NT)", 4 * 64 / NT),
+             ("for (int a = a0 + group; a < a1; a += SG)", 64 / 2),
+             ("for (int e = tid; e < MAXROWS * D; e += NT)", ROWS * D / NT),
+             ("for (int s0 = 0; s0 < p.splits; s0 += kMergeBatch)", math.ceil(splits / MERGE_BATCH)),
+             ("for (int s0 = group; s0 < parts; s0 += SG * MB)", math.ceil(splits / (2 * (MERGE_BATCH // 4)))),
+             ("for (int part = group; part < p.anchor_parts; part += SG)", math.ceil(parts / 2)),
+             ("for (int len = 1; len < D; len <<= 1)", math.log2(D)),
+             ("for (int q = tid; q < MAXROWS * (D / 2); q += NT)", ROWS * D / 2 / NT),
+             ("for (int e = tid; e < rows * D; e += NT)", ROWS * D / NT))
+    step = {"++s": 1, "s0 += kMergeBatch": MERGE_BATCH, "s0 += SG * MB": 2 * (MERGE_BATCH // 4), "a += SG": 2, "part += SG": 2, "e += NT": NT, "q += NT": NT, "a0 += CH": 64}
+    for key, n in table:
+        if key in text:
+            return n, next((v for k, v in step.items() if k in text), None)
+    return None, None
+
+
+def merge_walk(f, spans, lines, splits, parts, per_part):
+    """A merge kernel's warp instructions and latency, one block (8 warps), from its SASS: each
+    loop (a backward branch before the kernel's last EXIT) runs its source loop's trips
+    (merge_trips) divided by its unroll factor, read off its induction variable's increment (or,
+    where none is found, off its loads against its unrolled siblings': nvcc splits a loop of
+    unknown count into an unrolled body and remainder loops, each taking what the larger ones
+    leave); split_factors runs on warp 0 (threads < rows), the rest on every warp. The walk
+    (warp_latency) gives the block's cycles with its barriers."""
+    end, hot = hot_loops(f)
+    ins = f["ins"]
+
+    def line_of(i):
+        for fl, ln in ins[i]["chain"]:
+            if fl and fl.endswith("decode_kernels.cuh") and ln:
+                return ln
+        return None
+
+    info, groups = {}, collections.defaultdict(list)
+    for a, b, n_static, ops in hot:
+        ln = line_of(b)
+        n, step = merge_trips(lines[ln - 1] if ln else "", splits, parts, per_part)
+        if n is None:
+            sys.exit(f"merge_walk: no trip count for the loop at line {ln}: {lines[ln - 1].strip() if ln else '?'}")
+        m = re.match(r"@!?(U?P\d+)", ins[b]["text"])
+        u = None
+        cmp_ = next((ins[i]["text"] for i in range(b - 1, a - 1, -1)
+                     if m and re.search(r"ISETP\S*\s+" + m.group(1) + r",", ins[i]["text"])), None)
+        if cmp_:
+            regs = re.findall(r"\bR\d+\b", cmp_.split(",", 2)[2])
+            for i in range(a, b):
+                x = re.match(r"(?:@\S+\s+)?(?:IADD3|VIADD)\s+(R\d+),\s*(R\d+),\s*(-?0x[0-9a-f]+|-?\d+)(?:,\s*RZ)?\s*$",
+                             ins[i]["text"])
+                if x and x.group(1) in regs and x.group(2) == x.group(1):
+                    inc = int(x.group(3), 0)
+                    inc = inc - (1 << 32) if inc >= 1 << 31 else inc
+                    # a count of trips left (down, or to zero), or the source's induction variable
+                    down = inc < 0 or (".NE." in cmp_ and cmp_.rstrip().endswith("RZ, PT"))
+                    u = abs(inc) if down or not step else max(1, abs(inc) // step)
+                    break
+        loads = collections.Counter(line_of(i) for i in range(a, b + 1) if ins[i]["op"].startswith(("LDG", "LDS", "LD.")))
+        info[(a, b)] = dict(n=n, u=u, loads=loads)
+        groups[ln].append((a, b))
+    for ln, members in groups.items():
+        base = min(members, key=lambda ab: ab[1] - ab[0])
+        for ab in members:
+            if info[ab]["u"] is None:
+                lb, lo = info[base]["loads"], info[ab]["loads"]
+                common = [x for x in lb if x in lo and lb[x]]
+                info[ab]["u"] = max(1, round(lo[common[0]] / lb[common[0]])) if common and ab != base else 1
+        left = info[members[0]]["n"]
+        for ab in sorted(members, key=lambda ab: -info[ab]["u"]):  # the unrolled body first, then the remainders
+            info[ab]["trips"] = math.floor(left / info[ab]["u"]) if len(members) > 1 else math.ceil(left / info[ab]["u"])
+            left -= info[ab]["trips"] * info[ab]["u"]
+    weighted, issue = [], 0.0
+    for i in range(end + 1):
+        mult = 1.0
+        for (a, b), x in info.items():
+            if a <= i <= b:
+                mult *= x["trips"]
+        o = owner(spans, line_of(i)) if line_of(i) else None
+        warps_of = (0,) if o and o[0] == "split_factors" else tuple(range(NW))
+        weighted.append((i, "merge", mult * len(warps_of), warps_of, mult * len(warps_of)))
+        issue += mult * len(warps_of)
+    lat = warp_latency(ins, weighted, view_from_l2=True)
+    if os.environ.get("MERGE_DEBUG"):
+        for n, sg in enumerate(lat["mixed"]["segments"]):
+            print("SEG", n, round(sg["cycles"]), sg["slowest_warp"])
+    return {"issue": issue, "block_cycles": lat["mixed"]["block_cycles"], "block_cycles_l1": lat["l1"]["block_cycles"],
+            "loops": [dict(first=a, last=b, line=line_of(b), unroll=x["u"], trips=x["trips"]) for (a, b), x in sorted(info.items())]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fk", type=float, default=0.052, help="key residual fraction (32K default geometry: 0.052)")
@@ -1057,6 +1154,10 @@ def main():
     ap.add_argument("--segment-weights", action="store_true",
                     help="the per-anchor weights a segment table's entries at a time (the plan at 128K), not all k in "
                          "shared memory")
+    ap.add_argument("--splits", type=int, default=33, help="split blocks a head (the merge kernels; 32K x 1: 33)")
+    ap.add_argument("--anchor-parts", type=int, default=13,
+                    help="anchor-value blocks a head (the merge kernels; 32K x 1: 13 of 64 anchors)")
+    ap.add_argument("--anchors-per-part", type=int, default=64, help="anchors an anchor-value block sums")
     ap.add_argument("--json", help="write the counts here")
     ap.add_argument("--by-line", type=int, default=0, metavar="N",
                     help="also print the tile loop's N costliest source lines (warp instructions per tile)")
@@ -1108,6 +1209,19 @@ def main():
     for name, v in sorted(loop["per_tile"].items(), key=lambda x: -x[1]):
         print(f"| {name} | {loop['static'][name]} | {v:.0f} | {v / T:.1f} |")
     print(f"| total | {sum(loop['static'].values())} | {total:.0f} | {total / T:.1f} |")
+    # The merge kernels at the plan's splits and anchor parts (predict_decode.py passes its own).
+    result["merge"] = {}
+    print(f"\nThe merge kernels <128, 4> ({a.splits} splits, {a.anchor_parts} anchor parts of {a.anchors_per_part}; "
+          "a block of 8 warps): warp instructions a block and its cycles with its barriers (merge_walk)")
+    print("| kernel | regs | warp instr a block | cycles a block (L1) | loops: line unroll x trips |")
+    print("|---|---|---|---|---|")
+    for name in ("decode_anchor_values_kernel", "decode_merge_kernel"):
+        m = next(x for x in funcs if f"{name}ILi128ELi4E" in x)
+        c = merge_walk(funcs[m], spans, lines, a.splits, a.anchor_parts, a.anchors_per_part)
+        c["registers"] = pinfo.get(m, {}).get("registers")
+        result["merge"][name] = c
+        print(f"| {name} | {c['registers']} | {c['issue']:.0f} | {c['block_cycles']:.0f} ({c['block_cycles_l1']:.0f}) | "
+              + ", ".join(f"{l['line']} {l['unroll']}x{l['trips']:g}" for l in c["loops"]) + " |")
     wf = loop["smem_wavefronts"]
     print(f"shared memory: at least {wf:.0f} wavefronts a tile ({wf / T:.1f} per token and head; bank conflicts "
           f"add to it), which predict_decode.py prices beside the issue time")

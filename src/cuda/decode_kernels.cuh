@@ -1700,6 +1700,10 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
 
 // Each row's overall max m and sum l over the splits of one (request, head, row chunk), and
 // every split's factor exp2(m_s - m): f_s[i][s], ml_s[i] = {m, l}. Threads 0..rows-1.
+// The merge kernels' splits a batch of loads (decode_anchor_values_kernel: a weight each;
+// decode_merge_kernel: kMergeBatch / 4 splits of a thread group, each its rows' o and r).
+constexpr int kMergeBatch = 8;
+
 template <int MAXROWS>
 __device__ __forceinline__ void split_factors(const DecodeLaunch &p, int64_t first_blk, int rows,
                                               float (*f_s)[kMaxSplits], float (*ml_s)[2]) {
@@ -1755,12 +1759,25 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
     for (int a0 = a_begin; a0 < a_end; a0 += CH) {
       for (int e = tid; e < MAXROWS * CH; e += NT) {
         const int i = e / CH, a = a0 + e % CH;
+        const bool live = i < rows && a < a_end;
         float w = 0.0f;
-        if (i < rows && a < a_end)
-          for (int s = 0; s < p.splits; ++s) {
-            const float f = f_s[i][s];
-            if (f != 0.0f) w += f * p.ws_w[((first_blk + s) * MAXROWS + i) * p.max_anchors + a];
+        // The splits' weights kMergeBatch at a time, loaded before any is added: one trip to
+        // L2 a batch (loaded under `f != 0`, each load waited for the last: a trip a split,
+        // 33 at 32K x 1; scripts/sass_count.py, merge_walk). Added in split order as before.
+        // The loads unconditional, their indices clamped into the written rows (a load under a
+        // condition was sunk to its add, into the register of the one before).
+        const int ic = i < rows ? i : rows - 1, ac = a < a_end ? a : a_end - 1;
+        const float *wp = p.ws_w + (first_blk * MAXROWS + ic) * p.max_anchors + ac;
+        const int64_t stride = static_cast<int64_t>(MAXROWS) * p.max_anchors;  // a split's rows
+        for (int s0 = 0; s0 < p.splits; s0 += kMergeBatch) {
+          float x[kMergeBatch];
+          for (int j = 0; j < kMergeBatch; ++j) x[j] = load_ro(wp + (s0 + j < p.splits ? s0 + j : p.splits - 1) * stride);
+          for (int j = 0; j < kMergeBatch; ++j) {
+            const float f = live && s0 + j < p.splits ? f_s[i][s0 + j] : 0.0f;
+            x[j] = f != 0.0f ? f * x[j] : 0.0f;
           }
+          for (int j = 0; j < kMergeBatch; ++j) w += x[j];
+        }
         wc_s[i][e % CH] = w;
       }
       __syncthreads();
@@ -1810,15 +1827,33 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
   __syncthreads();
   float o[MAXROWS], r[MAXROWS];
   for (int i = 0; i < MAXROWS; ++i) o[i] = r[i] = 0.0f;
-  for (int s = group; s < parts; s += SG)
-    for (int i = 0; i < MAXROWS; ++i) {
-      if (i >= rows) break;
-      const float f = f_s[i][s];
-      if (f == 0.0f) continue;
-      const int64_t at = ((first_blk + s) * MAXROWS + i) * D + dim;
-      o[i] += f * p.ws_o[at];
-      r[i] += f * p.ws_r[at];
-    }
+  // The splits' rows loaded a batch at a time before any is added, their products taken apart
+  // from the sums (loaded under `f != 0`, or each product added as it came, ptxas waited for
+  // each load before the next: 8 trips to L2 a split, scripts/sass_count.py's merge_walk).
+  // The indices clamped into the written rows; the sums in split order.
+  constexpr int MB = kMergeBatch / 4 > 0 ? kMergeBatch / 4 : 1;
+  const int64_t stride = static_cast<int64_t>(MAXROWS) * D;  // a split's rows
+  const float *op = p.ws_o + first_blk * stride + dim, *rp = p.ws_r + first_blk * stride + dim;
+  for (int s0 = group; s0 < parts; s0 += SG * MB) {
+    float xo[MB][MAXROWS], xr[MB][MAXROWS];
+    for (int j = 0; j < MB; ++j)
+      for (int i = 0; i < MAXROWS; ++i) {
+        const int64_t at = (s0 + SG * j < parts ? s0 + SG * j : parts - 1) * stride + (i < rows ? i : rows - 1) * D;
+        xo[j][i] = load_ro(op + at);
+        xr[j][i] = load_ro(rp + at);
+      }
+    for (int j = 0; j < MB; ++j)
+      for (int i = 0; i < MAXROWS; ++i) {
+        const float f = s0 + SG * j < parts && i < rows ? f_s[i][s0 + SG * j] : 0.0f;
+        xo[j][i] = f != 0.0f ? f * xo[j][i] : 0.0f;
+        xr[j][i] = f != 0.0f ? f * xr[j][i] : 0.0f;
+      }
+    for (int j = 0; j < MB; ++j)
+      for (int i = 0; i < MAXROWS; ++i) {
+        o[i] += xo[j][i];
+        r[i] += xr[j][i];
+      }
+  }
   if (anchor) {  // sum_a w_a V_a: the parts of decode_anchor_values_kernel
     const float *av = p.ws_av + merge_blk * p.anchor_parts * MAXROWS * D;
     for (int part = group; part < p.anchor_parts; part += SG)
