@@ -229,7 +229,7 @@ def predict(S, batch, use_sass=False):
     # Each kernel: one block's instructions at one multiprocessor's issue rate, or all blocks'
     # spread over the multiprocessors (blocks of 256 threads share one), whichever is longer.
     merge_us = max(ai / rate, ablocks * ai / (SMS * rate)) + max(mi / rate, mblocks * mi / (SMS * rate))
-    merge_src = "PTX constants"
+    merge_src = f"PTX constants: {ai // 8} and {mi // 8} instructions a thread"
     if lat and lat.get("merge"):
         # From the SASS (sass_count.py's merge_walk): a block's cycles with its barriers (its
         # loads from L2), blocks resident 8 an SM (256 threads, few registers) and their issue
@@ -240,6 +240,9 @@ def predict(S, batch, use_sass=False):
             per_sm = min(8, math.ceil(blocks / SMS))
             waves = math.ceil(blocks / (SMS * 8))
             merge_us += waves * max(m["block_cycles"] / (CLOCK_GHZ * 1e3), per_sm * m["issue"] / rate)
+        merge_src = "SASS walk: a block {:.0f} and {:.0f} cycles, {:.0f} and {:.0f} warp instructions".format(
+            lat["merge"]["decode_anchor_values_kernel"]["block_cycles"], lat["merge"]["decode_merge_kernel"]["block_cycles"],
+            lat["merge"]["decode_anchor_values_kernel"]["issue"], lat["merge"]["decode_merge_kernel"]["issue"])
     t = max(issue_us, mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     t_l1 = max(issue["l1"], mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,
@@ -344,8 +347,7 @@ def main():
         parts = math.ceil(r['g']['k'] / per)
         k, splits = r['g']['k'], r['pl']['splits']
         print(f"Merge {r['S']} x {r['batch']} (k={k}, {splits} splits): {H * r['batch'] * parts} "
-              f"anchor-value blocks of {per} anchors, {anchor_thread_instr(k, splits, per)} instr a "
-              f"thread, then {H * r['batch']} merge blocks of {merge_thread_instr(k, splits, per)}; "
+              f"anchor-value blocks of {per} anchors, then {H * r['batch']} merge blocks; "
               f"{r['merge']:.1f} us ({r['merge_src']}); L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
 
 

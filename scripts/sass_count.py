@@ -1051,32 +1051,36 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSI
 MERGE_BATCH = 8  # kMergeBatch (decode_kernels.cuh)
 
 
-def merge_trips(text, splits, parts, per_part):
-    table = (("for (int s = 0; s < p.splits; ++s)", splits),
-             ("for (int a0 = a_begin; a0 < a_end; a0 += CH)", math.ceil(per_part / 64)),
-             ("for (int e = tid; e < MAXROWS * CH; e += NT)", 4 * 64 / NT),
-             ("for (int a = a0 + group; a < a1; a += SG)", 64 / 2),
-             ("for (int e = tid; e < MAXROWS * D; e += NT)", ROWS * D / NT),
-             ("for (int s0 = 0; s0 < p.splits; s0 += kMergeBatch)", math.ceil(splits / MERGE_BATCH)),
-             ("for (int s0 = group; s0 < parts; s0 += SG * MB)", math.ceil(splits / (2 * (MERGE_BATCH // 4)))),
-             ("for (int part = group; part < p.anchor_parts; part += SG)", math.ceil(parts / 2)),
-             ("for (int len = 1; len < D; len <<= 1)", math.log2(D)),
-             ("for (int q = tid; q < MAXROWS * (D / 2); q += NT)", ROWS * D / 2 / NT),
-             ("for (int e = tid; e < rows * D; e += NT)", ROWS * D / NT))
-    step = {"++s": 1, "s0 += kMergeBatch": MERGE_BATCH, "s0 += SG * MB": 2 * (MERGE_BATCH // 4), "a += SG": 2, "part += SG": 2, "e += NT": NT, "q += NT": NT, "a0 += CH": 64}
-    for key, n in table:
+# The merge kernels (decode_anchor_values_kernel, decode_merge_kernel <128, 4>): each loop's
+# source trip count by its source line (D 128, 4 rows, 256 threads: both kernels' thread groups
+# SG 8 of 4 dims a thread; CH 64 anchors a chunk),
+# from the plan's splits, anchor parts and anchors a part. (trips, the source's step a trip)
+def merge_trips(text, splits, parts, per_part, sg):
+    table = (("for (int i = warp; i < rows; i += kDecodeThreads / 32)", 1, 8),  # split_factors: a warp a row
+             ("for (int i = warp; i < rows; i += NT / 32)", 1, 8),  # the merge's rows: a warp a row
+             ("for (int a0 = a_begin; a0 < a_end; a0 += CH)", math.ceil(per_part / 64), 64),
+             ("for (int e = tid; e < MAXROWS * CH; e += NT)", 4 * 64 / NT, NT),
+             ("for (int s0 = 0; s0 < p.splits; s0 += kMergeBatch)", math.ceil(splits / MERGE_BATCH), MERGE_BATCH),
+             ("for (int a = a0 + group; a < a1; a += SG)", 64 / sg, sg),
+             ("for (int e = tid; e < MAXROWS * D; e += NT)", ROWS * D / NT, NT),
+             ("for (int s = group; s < parts; s += SG)", math.ceil(splits / sg), sg),
+             ("for (int part = group; part < p.anchor_parts; part += SG)", math.ceil(parts / sg), sg),
+             ("for (int len = 1; len < D; len <<= 1)", math.log2(D), None),
+             ("for (int q = tid; q < MAXROWS * (D / 2); q += NT)", ROWS * D / 2 / NT, NT),
+             ("for (int e = tid; e < rows * D; e += NT)", ROWS * D / NT, NT))
+    for key, n, step in table:
         if key in text:
-            return n, next((v for k, v in step.items() if k in text), None)
+            return n, step
     return None, None
 
 
-def merge_walk(f, spans, lines, splits, parts, per_part):
+def merge_walk(f, spans, lines, splits, parts, per_part, sg):
     """A merge kernel's warp instructions and latency, one block (8 warps), from its SASS: each
     loop (a backward branch before the kernel's last EXIT) runs its source loop's trips
     (merge_trips) divided by its unroll factor, read off its induction variable's increment (or,
     where none is found, off its loads against its unrolled siblings': nvcc splits a loop of
     unknown count into an unrolled body and remainder loops, each taking what the larger ones
-    leave); split_factors runs on warp 0 (threads < rows), the rest on every warp. The walk
+    leave); split_factors runs on warps 0-3 (a warp a row), the rest on every warp. The walk
     (warp_latency) gives the block's cycles with its barriers."""
     end, hot = hot_loops(f)
     ins = f["ins"]
@@ -1090,7 +1094,7 @@ def merge_walk(f, spans, lines, splits, parts, per_part):
     info, groups = {}, collections.defaultdict(list)
     for a, b, n_static, ops in hot:
         ln = line_of(b)
-        n, step = merge_trips(lines[ln - 1] if ln else "", splits, parts, per_part)
+        n, step = merge_trips(lines[ln - 1] if ln else "", splits, parts, per_part, sg)
         if n is None:
             sys.exit(f"merge_walk: no trip count for the loop at line {ln}: {lines[ln - 1].strip() if ln else '?'}")
         m = re.match(r"@!?(U?P\d+)", ins[b]["text"])
@@ -1121,7 +1125,9 @@ def merge_walk(f, spans, lines, splits, parts, per_part):
                 info[ab]["u"] = max(1, round(lo[common[0]] / lb[common[0]])) if common and ab != base else 1
         left = info[members[0]]["n"]
         for ab in sorted(members, key=lambda ab: -info[ab]["u"]):  # the unrolled body first, then the remainders
-            info[ab]["trips"] = math.floor(left / info[ab]["u"]) if len(members) > 1 else math.ceil(left / info[ab]["u"])
+            # a lone loop: its trips over the copies in its body (fewer trips than copies: the
+            # share of the body they run before the exit, as in the tile loop's walk)
+            info[ab]["trips"] = math.floor(left / info[ab]["u"]) if len(members) > 1 else left / info[ab]["u"]
             left -= info[ab]["trips"] * info[ab]["u"]
     weighted, issue = [], 0.0
     for i in range(end + 1):
@@ -1130,7 +1136,7 @@ def merge_walk(f, spans, lines, splits, parts, per_part):
             if a <= i <= b:
                 mult *= x["trips"]
         o = owner(spans, line_of(i)) if line_of(i) else None
-        warps_of = (0,) if o and o[0] == "split_factors" else tuple(range(NW))
+        warps_of = tuple(range(ROWS)) if o and o[0] == "split_factors" else tuple(range(NW))
         weighted.append((i, "merge", mult * len(warps_of), warps_of, mult * len(warps_of)))
         issue += mult * len(warps_of)
     lat = warp_latency(ins, weighted, view_from_l2=True)
@@ -1215,9 +1221,9 @@ def main():
           "a block of 8 warps): warp instructions a block and its cycles with its barriers (merge_walk)")
     print("| kernel | regs | warp instr a block | cycles a block (L1) | loops: line unroll x trips |")
     print("|---|---|---|---|---|")
-    for name in ("decode_anchor_values_kernel", "decode_merge_kernel"):
+    for name, sg in (("decode_anchor_values_kernel", NT * 4 // D), ("decode_merge_kernel", NT * 4 // D)):  # 4 dims a thread
         m = next(x for x in funcs if f"{name}ILi128ELi4E" in x)
-        c = merge_walk(funcs[m], spans, lines, a.splits, a.anchor_parts, a.anchors_per_part)
+        c = merge_walk(funcs[m], spans, lines, a.splits, a.anchor_parts, a.anchors_per_part, sg)
         c["registers"] = pinfo.get(m, {}).get("registers")
         result["merge"][name] = c
         print(f"| {name} | {c['registers']} | {c['issue']:.0f} | {c['block_cycles']:.0f} ({c['block_cycles_l1']:.0f}) | "

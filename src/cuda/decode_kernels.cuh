@@ -1698,29 +1698,69 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
   blk.write_partial(block_index);
 }
 
-// Each row's overall max m and sum l over the splits of one (request, head, row chunk), and
-// every split's factor exp2(m_s - m): f_s[i][s], ml_s[i] = {m, l}. Threads 0..rows-1.
-// The merge kernels' splits a batch of loads (decode_anchor_values_kernel: a weight each;
-// decode_merge_kernel: kMergeBatch / 4 splits of a thread group, each its rows' o and r).
+// decode_anchor_values_kernel's splits a batch of loads (a weight each).
 constexpr int kMergeBatch = 8;
 
+// Each row's overall max m and sum l over the splits of one (request, head, row chunk), and
+// every split's factor exp2(m_s - m): f_s[i][s], ml_s[i] = {m, l}. A warp a row (rows warp,
+// warp + 8, ...), a lane splits lane and lane + 32, each loaded once (one trip to L2; warp 0
+// walking the splits in turn took about ten, scripts/sass_count.py's merge_walk); the max and
+// the sum by butterflies (a fixed order).
 template <int MAXROWS>
 __device__ __forceinline__ void split_factors(const DecodeLaunch &p, int64_t first_blk, int rows,
                                               float (*f_s)[kMaxSplits], float (*ml_s)[2]) {
-  const int i = threadIdx.x;
-  if (i >= rows) return;
-  float m = -INFINITY;
-  for (int s = 0; s < p.splits; ++s) m = fmaxf(m, p.ws_ml[((first_blk + s) * MAXROWS + i) * 2]);
-  float l = 0.0f;
-  for (int s = 0; s < p.splits; ++s) {
-    const int64_t at = (first_blk + s) * MAXROWS + i;
-    const float ms = p.ws_ml[at * 2];
-    const float f = ms == -INFINITY ? 0.0f : exp2f(ms - m);
-    f_s[i][s] = f;
-    l += f * p.ws_ml[at * 2 + 1];
+  static_assert(kMaxSplits <= 64, "two splits a lane");
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int n = p.splits;
+  for (int i = warp; i < rows; i += kDecodeThreads / 32) {
+    const int s0 = lane, s1 = lane + 32;
+    const float *ml0 = p.ws_ml + ((first_blk + (s0 < n ? s0 : n - 1)) * MAXROWS + i) * 2;
+    const float *ml1 = p.ws_ml + ((first_blk + (s1 < n ? s1 : n - 1)) * MAXROWS + i) * 2;
+    const float m0 = s0 < n ? ml0[0] : -INFINITY, m1 = s1 < n ? ml1[0] : -INFINITY;
+    const float l0 = ml0[1], l1 = ml1[1];
+    float m = fmaxf(m0, m1);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+    const float f0 = m0 == -INFINITY ? 0.0f : exp2f(m0 - m), f1 = m1 == -INFINITY ? 0.0f : exp2f(m1 - m);
+    if (s0 < n) f_s[i][s0] = f0;
+    if (s1 < n) f_s[i][s1] = f1;
+    float l = (f0 != 0.0f ? f0 * l0 : 0.0f) + (f1 != 0.0f ? f1 * l1 : 0.0f);
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(kFullMask, l, o);
+    if (lane == 0) {
+      ml_s[i][0] = m;
+      ml_s[i][1] = l;
+    }
   }
-  ml_s[i][0] = m;
-  ml_s[i][1] = l;
+}
+
+// DPT floats from p (DPT | 4, 4 * DPT-byte aligned) in one load.
+template <int DPT>
+__device__ __forceinline__ void load_floats(const float *p, float (&x)[DPT]) {
+  if constexpr (DPT == 4) {
+    const float4 v = load_ro(reinterpret_cast<const float4 *>(p));
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else if constexpr (DPT == 2) {
+    const float2 v = load_ro(reinterpret_cast<const float2 *>(p));
+    x[0] = v.x, x[1] = v.y;
+  } else {
+    static_assert(DPT == 1, "1, 2 or 4 floats");
+    x[0] = load_ro(p);
+  }
+}
+
+// DPT 16-bit values from p (bf16 or f16; 2 DPT-byte aligned) in one load.
+template <int DPT>
+__device__ __forceinline__ void load_halves(const uint16_t *p, bool bf16, float (&x)[DPT]) {
+  if constexpr (DPT == 4) {
+    const uint2 v = load_ro(reinterpret_cast<const uint2 *>(p));
+    x[0] = bits_to_float(static_cast<uint16_t>(v.x & 0xffffu), bf16), x[1] = bits_to_float(static_cast<uint16_t>(v.x >> 16), bf16);
+    x[2] = bits_to_float(static_cast<uint16_t>(v.y & 0xffffu), bf16), x[3] = bits_to_float(static_cast<uint16_t>(v.y >> 16), bf16);
+  } else if constexpr (DPT == 2) {
+    const uint32_t v = load_ro(reinterpret_cast<const uint32_t *>(p));
+    x[0] = bits_to_float(static_cast<uint16_t>(v & 0xffffu), bf16), x[1] = bits_to_float(static_cast<uint16_t>(v >> 16), bf16);
+  } else {
+    static_assert(DPT == 1, "1, 2 or 4 values");
+    x[0] = bits_to_float(load_ro(p), bf16);
+  }
 }
 
 // sum_a w_a V_a over the anchors [part * anchors_per_part, +anchors_per_part) of one
@@ -1731,15 +1771,20 @@ __device__ __forceinline__ void split_factors(const DecodeLaunch &p, int64_t fir
 template <int D, int MAXROWS>
 __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(const __grid_constant__ DecodeLaunch p) {
   constexpr int NT = kDecodeThreads;
-  constexpr int SG = NT / D;  // D <= 256
+  // Thread (group, d0): DPT consecutive dims of every row (one 2 DPT-byte load an anchor row),
+  // as in the merge; SG = NT * DPT / D groups take the chunk's anchors in turn (8 at D 128 and 4
+  // rows: 8 anchors a thread, whose loads ptxas issues together, against 32 one dim at a time).
+  constexpr int DPT = MAXROWS <= 4 ? 4 : MAXROWS <= 8 ? 2 : 1;
+  constexpr int TPR = D / DPT;  // threads a row set
+  constexpr int SG = NT / TPR;
   constexpr int CH = kMergeAnchorChunk;  // anchors per chunk of combined weights
-  static_assert(D <= NT, "one thread per dimension");
+  static_assert(TPR <= NT && NT % TPR == 0 && D % DPT == 0, "whole thread groups");
   AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
   AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
   AKV_STATIC_SHARED(float, wc_s, [MAXROWS][CH]);
   AKV_STATIC_SHARED(float, red_o, [SG * MAXROWS * D]);
   const int tid = threadIdx.x;
-  const int group = tid / D, dim = tid % D;
+  const int group = tid / TPR, d0 = (tid % TPR) * DPT;
   const int part = blockIdx.x, x = blockIdx.y, b = blockIdx.z;
   const int h = x / p.row_chunks, rc = x % p.row_chunks;
   const CacheView &c = *p.views[b];
@@ -1749,8 +1794,9 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
   const int k = c.kind == kKindAnchor ? c.anchors : 0;
   const int a_begin = part * p.anchors_per_part;
   const int a_end = a_begin + p.anchors_per_part < k ? a_begin + p.anchors_per_part : k;
-  float o[MAXROWS];
-  for (int i = 0; i < MAXROWS; ++i) o[i] = 0.0f;
+  float o[MAXROWS][DPT];
+  for (int i = 0; i < MAXROWS; ++i)
+    for (int e = 0; e < DPT; ++e) o[i][e] = 0.0f;
   if (a_begin < a_end) {  // uniform across the block
     split_factors<MAXROWS>(p, first_blk, rows, f_s, ml_s);
     __syncthreads();
@@ -1761,35 +1807,47 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
         const int i = e / CH, a = a0 + e % CH;
         const bool live = i < rows && a < a_end;
         float w = 0.0f;
-        // The splits' weights kMergeBatch at a time, loaded before any is added: one trip to
-        // L2 a batch (loaded under `f != 0`, each load waited for the last: a trip a split,
-        // 33 at 32K x 1; scripts/sass_count.py, merge_walk). Added in split order as before.
-        // The loads unconditional, their indices clamped into the written rows (a load under a
-        // condition was sunk to its add, into the register of the one before).
+        // The splits' weights kMergeBatch at a time, each batch loaded while the one before is
+        // added (loaded under `f != 0`, or a batch at a time, ptxas waited for each load before
+        // the next: a trip to L2 a split, 33 at 32K x 1; scripts/sass_count.py's merge_walk),
+        // their indices clamped into the written rows; added in split order.
         const int ic = i < rows ? i : rows - 1, ac = a < a_end ? a : a_end - 1;
         const float *wp = p.ws_w + (first_blk * MAXROWS + ic) * p.max_anchors + ac;
         const int64_t stride = static_cast<int64_t>(MAXROWS) * p.max_anchors;  // a split's rows
+        const int last = p.splits - 1;
+        float x[kMergeBatch], next[kMergeBatch];
+        for (int j = 0; j < kMergeBatch; ++j) x[j] = load_ro(wp + (j < last ? j : last) * stride);
         for (int s0 = 0; s0 < p.splits; s0 += kMergeBatch) {
-          float x[kMergeBatch];
-          for (int j = 0; j < kMergeBatch; ++j) x[j] = load_ro(wp + (s0 + j < p.splits ? s0 + j : p.splits - 1) * stride);
+          for (int j = 0; j < kMergeBatch; ++j) {
+            const int s = s0 + kMergeBatch + j;
+            next[j] = load_ro(wp + (s < last ? s : last) * stride);
+          }
           for (int j = 0; j < kMergeBatch; ++j) {
             const float f = live && s0 + j < p.splits ? f_s[i][s0 + j] : 0.0f;
             x[j] = f != 0.0f ? f * x[j] : 0.0f;
           }
-          for (int j = 0; j < kMergeBatch; ++j) w += x[j];
+          for (int j = 0; j < kMergeBatch; ++j) {
+            w += x[j];
+            x[j] = next[j];
+          }
         }
         wc_s[i][e % CH] = w;
       }
       __syncthreads();
       const int a1 = a0 + CH < a_end ? a0 + CH : a_end;
       for (int a = a0 + group; a < a1; a += SG) {
-        const float v = bits_to_float(av[static_cast<int64_t>(a) * D + dim], bf16);
-        for (int i = 0; i < MAXROWS; ++i) o[i] += wc_s[i][a - a0] * v;
+        float v[DPT];
+        load_halves<DPT>(av + static_cast<int64_t>(a) * D + d0, bf16, v);
+        for (int i = 0; i < MAXROWS; ++i) {
+          const float wi = wc_s[i][a - a0];
+          for (int e = 0; e < DPT; ++e) o[i][e] += wi * v[e];
+        }
       }
       __syncthreads();
     }
   }
-  for (int i = 0; i < MAXROWS; ++i) red_o[(group * MAXROWS + i) * D + dim] = o[i];
+  for (int i = 0; i < MAXROWS; ++i)
+    for (int e = 0; e < DPT; ++e) red_o[(group * MAXROWS + i) * D + d0 + e] = o[i][e];
   __syncthreads();
   float *out = p.ws_av + (merge_blk * p.anchor_parts + part) * MAXROWS * D;
   for (int e = tid; e < MAXROWS * D; e += NT) {
@@ -1799,20 +1857,24 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
   }
 }
 
-// Merge of the splits of one (request, head, row chunk). Thread (group, dim): dimension dim
-// of every row, splits and anchor parts group, group + SG, ...; the groups are summed through
-// shared memory at the end.
+// Merge of the splits of one (request, head, row chunk). Thread (group, d0): DPT consecutive
+// dims of every row (a vector load a row and split), so that SG = NT * DPT / D thread groups
+// take the splits and anchor parts in turn (8 at D 128 and 4 rows: 5 splits a thread at 32K x 1,
+// against 17 one dim at a time); the groups are summed through shared memory at the end
+// (SG x MAXROWS x D = NT x 16 floats a side).
 template <int D, int MAXROWS>
 __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __grid_constant__ DecodeLaunch p) {
   constexpr int NT = kDecodeThreads;
-  constexpr int SG = NT / D;  // D <= 256
-  static_assert(D <= NT, "one thread per dimension");
+  constexpr int DPT = MAXROWS <= 4 ? 4 : MAXROWS <= 8 ? 2 : 1;
+  constexpr int TPR = D / DPT;  // threads a row set
+  constexpr int SG = NT / TPR;
+  static_assert(TPR <= NT && NT % TPR == 0 && D % DPT == 0, "whole thread groups");
   AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
   AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
   AKV_STATIC_SHARED(float, red_o, [SG * MAXROWS * D]);
   AKV_STATIC_SHARED(float, red_r, [SG * MAXROWS * D]);
   const int tid = threadIdx.x;
-  const int group = tid / D, dim = tid % D;
+  const int group = tid / TPR, d0 = (tid % TPR) * DPT;
   const int h = blockIdx.x / p.row_chunks, rc = blockIdx.x % p.row_chunks;
   const int b = blockIdx.y;
   const CacheView &c = *p.views[b];
@@ -1825,83 +1887,102 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
 
   split_factors<MAXROWS>(p, first_blk, rows, f_s, ml_s);
   __syncthreads();
-  float o[MAXROWS], r[MAXROWS];
-  for (int i = 0; i < MAXROWS; ++i) o[i] = r[i] = 0.0f;
-  // The splits' rows loaded a batch at a time before any is added, their products taken apart
-  // from the sums (loaded under `f != 0`, or each product added as it came, ptxas waited for
-  // each load before the next: 8 trips to L2 a split, scripts/sass_count.py's merge_walk).
-  // The indices clamped into the written rows; the sums in split order.
-  constexpr int MB = kMergeBatch / 4 > 0 ? kMergeBatch / 4 : 1;
+  float o[MAXROWS][DPT], r[MAXROWS][DPT];
+  for (int i = 0; i < MAXROWS; ++i)
+    for (int e = 0; e < DPT; ++e) o[i][e] = r[i][e] = 0.0f;
+  // A split's rows loaded while the group's split before is added (loaded under `f != 0`, or
+  // each product added as it came, ptxas waited for each load before the next:
+  // scripts/sass_count.py's merge_walk), the indices clamped into the written rows (every split
+  // block writes all MAXROWS); the products taken apart from the sums, added in split order.
   const int64_t stride = static_cast<int64_t>(MAXROWS) * D;  // a split's rows
-  const float *op = p.ws_o + first_blk * stride + dim, *rp = p.ws_r + first_blk * stride + dim;
-  for (int s0 = group; s0 < parts; s0 += SG * MB) {
-    float xo[MB][MAXROWS], xr[MB][MAXROWS];
-    for (int j = 0; j < MB; ++j)
-      for (int i = 0; i < MAXROWS; ++i) {
-        const int64_t at = (s0 + SG * j < parts ? s0 + SG * j : parts - 1) * stride + (i < rows ? i : rows - 1) * D;
-        xo[j][i] = load_ro(op + at);
-        xr[j][i] = load_ro(rp + at);
-      }
-    for (int j = 0; j < MB; ++j)
-      for (int i = 0; i < MAXROWS; ++i) {
-        const float f = s0 + SG * j < parts && i < rows ? f_s[i][s0 + SG * j] : 0.0f;
-        xo[j][i] = f != 0.0f ? f * xo[j][i] : 0.0f;
-        xr[j][i] = f != 0.0f ? f * xr[j][i] : 0.0f;
-      }
-    for (int j = 0; j < MB; ++j)
-      for (int i = 0; i < MAXROWS; ++i) {
-        o[i] += xo[j][i];
-        r[i] += xr[j][i];
-      }
-  }
-  if (anchor) {  // sum_a w_a V_a: the parts of decode_anchor_values_kernel
-    const float *av = p.ws_av + merge_blk * p.anchor_parts * MAXROWS * D;
-    for (int part = group; part < p.anchor_parts; part += SG)
-      for (int i = 0; i < MAXROWS; ++i) {
-        if (i >= rows) break;
-        o[i] += av[(part * MAXROWS + i) * D + dim];
-      }
-  }
-  for (int i = 0; i < MAXROWS; ++i) {
-    red_o[(group * MAXROWS + i) * D + dim] = o[i];
-    red_r[(group * MAXROWS + i) * D + dim] = r[i];
-  }
-  __syncthreads();
-  for (int e = tid; e < MAXROWS * D; e += NT) {  // groups summed into group 0's slots
-    float so = 0.0f, sr = 0.0f;
-    for (int g = 0; g < SG; ++g) {
-      so += red_o[g * MAXROWS * D + e];
-      sr += red_r[g * MAXROWS * D + e];
+  const float *op = p.ws_o + first_blk * stride + d0, *rp = p.ws_r + first_blk * stride + d0;
+  float xo[MAXROWS][DPT], xr[MAXROWS][DPT];
+  const auto load_split = [&](int s, float (&yo)[MAXROWS][DPT], float (&yr)[MAXROWS][DPT]) {
+    const int64_t at = (s < parts ? s : parts - 1) * stride;
+    for (int i = 0; i < MAXROWS; ++i) {
+      load_floats<DPT>(op + at + i * D, yo[i]);
+      load_floats<DPT>(rp + at + i * D, yr[i]);
     }
-    red_o[e] = so;
-    red_r[e] = sr;
-  }
-  __syncthreads();
-  if (anchor) {  // the one inverse Hadamard of each row: U^T r = diag(signs) H r / sqrt(D)
-    for (int len = 1; len < D; len <<= 1) {
-      for (int q = tid; q < MAXROWS * (D / 2); q += NT) {
-        const int i = q / (D / 2), qq = q % (D / 2);
-        const int j = i * D + (qq / len) * 2 * len + qq % len;
-        const float u = red_r[j], v = red_r[j + len];
-        red_r[j] = u + v;
-        red_r[j + len] = u - v;
+  };
+  load_split(group, xo, xr);
+  for (int s = group; s < parts; s += SG) {
+    float no[MAXROWS][DPT], nr[MAXROWS][DPT];
+    load_split(s + SG, no, nr);
+    for (int i = 0; i < MAXROWS; ++i) {
+      const float f = i < rows ? f_s[i][s] : 0.0f;
+      for (int e = 0; e < DPT; ++e) {
+        xo[i][e] = f != 0.0f ? f * xo[i][e] : 0.0f;
+        xr[i][e] = f != 0.0f ? f * xr[i][e] : 0.0f;
       }
-      __syncthreads();
+    }
+    for (int i = 0; i < MAXROWS; ++i)
+      for (int e = 0; e < DPT; ++e) {
+        o[i][e] += xo[i][e];
+        r[i][e] += xr[i][e];
+        xo[i][e] = no[i][e];
+        xr[i][e] = nr[i][e];
+      }
+  }
+  if (anchor) {  // sum_a w_a V_a: the parts of decode_anchor_values_kernel (all MAXROWS rows written)
+    const float *av = p.ws_av + merge_blk * p.anchor_parts * stride + d0;
+    for (int part = group; part < p.anchor_parts; part += SG) {
+      float x[MAXROWS][DPT];
+      for (int i = 0; i < MAXROWS; ++i) load_floats<DPT>(av + part * stride + i * D, x[i]);
+      for (int i = 0; i < MAXROWS; ++i)
+        for (int e = 0; e < DPT; ++e) o[i][e] += i < rows ? x[i][e] : 0.0f;
     }
   }
+  for (int i = 0; i < MAXROWS; ++i)
+    for (int e = 0; e < DPT; ++e) {
+      red_o[(group * MAXROWS + i) * D + d0 + e] = o[i][e];
+      red_r[(group * MAXROWS + i) * D + d0 + e] = r[i][e];
+    }
+  __syncthreads();
+  // A warp a row (rows warp, warp + 8, ...), a lane its D / 32 consecutive dims: the groups
+  // summed in group order, the one inverse Hadamard of the row (U^T r = diag(signs) H r /
+  // sqrt(D)) in registers, its first stages inside the lane and the rest by shuffles (the same
+  // sums and differences in the same order as over shared memory, which took a barrier a
+  // stage), and the row written.
+  constexpr int V = D / 32;
+  const int warp = tid / 32, lane = tid % 32;
   const float norm = 1.0f / sqrtf(static_cast<float>(D));
+  for (int i = warp; i < rows; i += NT / 32) {
+    float so[V], sr[V];
+    for (int v = 0; v < V; ++v) {
+      const int d = lane * V + v;
+      so[v] = sr[v] = 0.0f;
+      for (int g = 0; g < SG; ++g) {
+        so[v] += red_o[(g * MAXROWS + i) * D + d];
+        sr[v] += red_r[(g * MAXROWS + i) * D + d];
+      }
+    }
+    if (anchor) {
+      for (int len = 1; len < V; len <<= 1)  // pairs inside the lane
+        for (int v = 0; v < V; ++v)
+          if ((v & len) == 0) {
+            const float u = sr[v], w = sr[v + len];
+            sr[v] = u + w;
+            sr[v + len] = u - w;
+          }
+      for (int k = 1; k < 32; k <<= 1)  // pairs k lanes apart (len = V k)
+        for (int v = 0; v < V; ++v) {
+          const float y = __shfl_xor_sync(kFullMask, sr[v], k);
+          sr[v] = (lane & k) ? y - sr[v] : sr[v] + y;
+        }
+    }
+    const float l = ml_s[i][1];
+    const int64_t base = ((static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i) * D;
+    for (int v = 0; v < V; ++v) {
+      const int d = lane * V + v;
+      const float rr = anchor ? sr[v] * norm * c.signs[d] : sr[v];
+      store_elem(p.out, p.dtype, base + d, l > 0.0f ? (so[v] + rr) / l : 0.0f);
+    }
+  }
   // m and l are base 2 (log2(e) folded into the queries): lse = ln(2) * (m + log2(l)).
   if (p.lse && tid < rows) {
     const float m = ml_s[tid][0], l = ml_s[tid][1];
     p.lse[(static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + tid] =
         l > 0.0f ? 0.69314718f * (m + log2f(l)) : -INFINITY;
-  }
-  for (int e = tid; e < rows * D; e += NT) {
-    const int i = e / D, d = e % D;
-    const float l = ml_s[i][1];
-    const float rr = anchor ? red_r[e] * norm * c.signs[d] : red_r[e];
-    const int64_t base = ((static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i) * D;
-    store_elem(p.out, p.dtype, base + d, l > 0.0f ? (red_o[e] + rr) / l : 0.0f);
   }
 }
 

@@ -74,13 +74,14 @@ void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, i
 std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, const std::vector<uint8_t> &queries,
                                      akv_dtype io, int q_len, int sm_count, int resident, size_t smem,
                                      std::vector<float> *lse = nullptr, const Weights *weights = nullptr,
-                                     float rescale_slack = kc::kRescaleSlack) {
+                                     float rescale_slack = kc::kRescaleSlack, int min_splits = 0) {
   const int32_t batch = static_cast<int32_t>(caches.size());
   const akv_shape &s = caches[0]->meta.shape;
   const kc::DecodePlan plan = kc::plan_decode(caches.data(), batch, q_len, sm_count, smem,
                                               [&](int, size_t) { return resident; });
   EXPECT_EQ(plan.resident, resident);
   if (weights) EXPECT_EQ(plan.weights, *weights) << "where the per-anchor weights are summed";
+  EXPECT_GE(plan.splits, min_splits) << "splits of a (request, head, row chunk)";
   std::vector<HostView> views;
   views.reserve(caches.size());
   for (akv_cache *c : caches) views.emplace_back(*c);
@@ -156,8 +157,9 @@ CachePtr build_cache(akv_context *ctx, Rng &rng, const Case &c, int kv_heads) {
 }
 
 // weights: where the plan must sum the per-anchor weights.
+// min_splits: the plan must split each (request, head, row chunk) at least that many ways.
 void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t smem = 227 * 1024,
-                Weights weights = Weights::kShared, int kv_heads = 2) {
+                Weights weights = Weights::kShared, int kv_heads = 2, int min_splits = 0) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   SCOPED_TRACE(describe(c) + " batch " + std::to_string(batch) + " sm_count " + std::to_string(sm_count));
@@ -181,7 +183,7 @@ void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t
      "akv_decode_batch_lse");
   const std::vector<float> got =
       decode_bytes(emulated_decode(caches, q.bytes, c.io, c.q_len, sm_count, resident, smem, &got_lse, &weights,
-                                   c.rescale_slack),
+                                   c.rescale_slack, min_splits),
                     c.io);
   const std::vector<float> expected = decode_bytes(expected_bytes, c.io);
   ASSERT_EQ(count_non_finite(got), 0u);
@@ -212,6 +214,18 @@ TEST(EmulatedDecode, AnchorKvMatchesCpuAcrossShapes) {
 TEST(EmulatedDecode, AnchorKvBatchWithAppendedTokensAndQueryBlocks) {
   check_case({AKV_METHOD_ANCHORKV, 900, 64, 4, 4, 5, AKV_ROPE_GPTJ, false}, 2, 4, 3);
   check_case({AKV_METHOD_ANCHORKV, 700, 128, 2, 4, 3, AKV_ROPE_NONE, false}, 2, 2, 2);
+}
+
+// The merge kernels over many splits (a device's 132 multiprocessors, 4K tokens split about
+// 60 ways): the splits' weights and rows in several batches (kMergeBatch), the split factors
+// from both of a lane's splits (lane and lane + 32), and the merge's thread groups of 4 and 2
+// dims at 4 and 8 rows.
+TEST(EmulatedDecode, ManySplitsMergeInBatches) {
+  check_case({AKV_METHOD_ANCHORKV, 4100, 128, 4, 1, 2, AKV_ROPE_NEOX, false}, 1, 132, 2, 227 * 1024, Weights::kShared,
+             2, 40);
+  Case rows8{AKV_METHOD_ANCHORKV, 3000, 64, 8, 1, 0, AKV_ROPE_NEOX, false};
+  rows8.io = AKV_DTYPE_BF16;
+  check_case(rows8, 1, 66, 2, 227 * 1024, Weights::kShared, 2, 30);
 }
 
 TEST(EmulatedDecode, ManyRowsUseSeveralRowChunks) {
