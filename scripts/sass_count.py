@@ -1059,8 +1059,8 @@ def merge_trips(text, splits, parts, per_part, sg):
     table = (("for (int i = warp; i < rows; i += kDecodeThreads / 32)", 1, 8),  # split_factors: a warp a row
              ("for (int i = warp; i < rows; i += NT / 32)", 1, 8),  # the merge's rows: a warp a row
              ("for (int a0 = a_begin; a0 < a_end; a0 += CH)", math.ceil(per_part / 64), 64),
-             ("for (int e = tid; e < MAXROWS * CH; e += NT)", 4 * 64 / NT, NT),
-             ("for (int s0 = 0; s0 < p.splits; s0 += kMergeBatch)", math.ceil(splits / MERGE_BATCH), MERGE_BATCH),
+             # the weights: 4 threads a quad of anchors, kMergeBatch / 2 of a thread's splits a batch
+             ("for (int s0 = j; s0 < p.splits; s0 += TPQ * B)", math.ceil(splits / (2 * MERGE_BATCH)), 2 * MERGE_BATCH),
              ("for (int a = a0 + group; a < a1; a += SG)", 64 / sg, sg),
              ("for (int e = tid; e < MAXROWS * D; e += NT)", ROWS * D / NT, NT),
              ("for (int s = group; s < parts; s += SG)", math.ceil(splits / sg), sg),

@@ -321,9 +321,6 @@ __global__ void __launch_bounds__(128) anchors_kernel(const float *X, int64_t x_
 constexpr int kNearAnchors = 32, kNearKeep = 4;
 constexpr float kNearMargin = 0.02f;  // relative to ||x||: 2 * 0.0079, rounded up
 __host__ __device__ constexpr int near_tokens(int D) { return D <= 128 ? 64 : 32; }
-#ifndef __align__
-#define __align__(n) __attribute__((aligned(n)))
-#endif
 
 // Rows 0 .. N - 1 of a bf16 tile in shared memory (rows of D + 8: 16-byte aligned) from
 // global memory, 16 bytes a load: thread t (of 128) copies octet t % (D / 8) of tile rows

@@ -1698,7 +1698,8 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
   blk.write_partial(block_index);
 }
 
-// decode_anchor_values_kernel's splits a batch of loads (a weight each).
+// decode_anchor_values_kernel's splits a batch of loads (kMergeBatch / 2 of a thread's, four
+// anchors each).
 constexpr int kMergeBatch = 8;
 
 // Each row's overall max m and sum l over the splits of one (request, head, row chunk), and
@@ -1803,35 +1804,47 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
     const bool bf16 = c.storage_bf16 != 0;
     const uint16_t *av = c.anchor_values + static_cast<int64_t>(h) * k * D;
     for (int a0 = a_begin; a0 < a_end; a0 += CH) {
-      for (int e = tid; e < MAXROWS * CH; e += NT) {
-        const int i = e / CH, a = a0 + e % CH;
-        const bool live = i < rows && a < a_end;
-        float w = 0.0f;
-        // The splits' weights kMergeBatch at a time, each batch loaded while the one before is
-        // added (loaded under `f != 0`, or a batch at a time, ptxas waited for each load before
-        // the next: a trip to L2 a split, 33 at 32K x 1; scripts/sass_count.py's merge_walk),
-        // their indices clamped into the written rows; added in split order.
-        const int ic = i < rows ? i : rows - 1, ac = a < a_end ? a : a_end - 1;
-        const float *wp = p.ws_w + (first_blk * MAXROWS + ic) * p.max_anchors + ac;
+      {
+        // The chunk's weights summed over the splits: thread (quad, j) takes four consecutive
+        // anchors of one row (a 16-byte load a split: the plan keeps the workspace rows
+        // 16-byte aligned) over splits j, j + TPQ, ..., kMergeBatch a batch, each batch loaded
+        // while the one before is added (loaded under `f != 0`, one anchor a thread, ptxas
+        // waited for each load before the next: a trip to L2 a split, 33 at 32K x 1;
+        // scripts/sass_count.py's merge_walk); the TPQ partial sums then added by butterflies
+        // (a fixed order). Indices clamped into the workspace; anchors past the part's end
+        // (read, not written by the split kernels) give 0.
+        constexpr int QUADS = MAXROWS * CH / 4, TPQ = NT / QUADS, B = kMergeBatch / 2;
+        static_assert(NT % QUADS == 0 && (TPQ & (TPQ - 1)) == 0 && CH % 4 == 0, "whole quads of anchors");
+        const int q = tid / TPQ, j = tid % TPQ;
+        const int i = q / (CH / 4), a = a0 + (q % (CH / 4)) * 4;
+        const float *wp = p.ws_w + (first_blk * MAXROWS + (i < rows ? i : rows - 1)) * p.max_anchors + (a < a_end ? a : a0);
         const int64_t stride = static_cast<int64_t>(MAXROWS) * p.max_anchors;  // a split's rows
         const int last = p.splits - 1;
-        float x[kMergeBatch], next[kMergeBatch];
-        for (int j = 0; j < kMergeBatch; ++j) x[j] = load_ro(wp + (j < last ? j : last) * stride);
-        for (int s0 = 0; s0 < p.splits; s0 += kMergeBatch) {
-          for (int j = 0; j < kMergeBatch; ++j) {
-            const int s = s0 + kMergeBatch + j;
-            next[j] = load_ro(wp + (s < last ? s : last) * stride);
+        const auto load_batch = [&](int s0, float4 (&y)[B]) {
+          for (int u = 0; u < B; ++u) {
+            const int s = s0 + TPQ * u;
+            y[u] = load_ro(reinterpret_cast<const float4 *>(wp + (s < last ? s : last) * stride));
           }
-          for (int j = 0; j < kMergeBatch; ++j) {
-            const float f = live && s0 + j < p.splits ? f_s[i][s0 + j] : 0.0f;
-            x[j] = f != 0.0f ? f * x[j] : 0.0f;
+        };
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float4 x[B];
+        load_batch(j, x);
+        for (int s0 = j; s0 < p.splits; s0 += TPQ * B) {
+          float4 next[B];
+          load_batch(s0 + TPQ * B, next);
+          for (int u = 0; u < B; ++u) {
+            const int s = s0 + TPQ * u;
+            const float f = i < rows && s < p.splits ? f_s[i][s] : 0.0f;
+            x[u] = f != 0.0f ? float4{f * x[u].x, f * x[u].y, f * x[u].z, f * x[u].w} : float4{0.0f, 0.0f, 0.0f, 0.0f};
           }
-          for (int j = 0; j < kMergeBatch; ++j) {
-            w += x[j];
-            x[j] = next[j];
+          for (int u = 0; u < B; ++u) {
+            acc[0] += x[u].x, acc[1] += x[u].y, acc[2] += x[u].z, acc[3] += x[u].w;
+            x[u] = next[u];
           }
         }
-        wc_s[i][e % CH] = w;
+        for (int o = 1; o < TPQ; o <<= 1)
+          for (int e = 0; e < 4; ++e) acc[e] += __shfl_xor_sync(kFullMask, acc[e], o);
+        for (int e = j; e < 4; e += TPQ) wc_s[i][a - a0 + e] = a + e < a_end ? acc[e] : 0.0f;
       }
       __syncthreads();
       const int a1 = a0 + CH < a_end ? a0 + CH : a_end;
@@ -1871,8 +1884,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
   static_assert(TPR <= NT && NT % TPR == 0 && D % DPT == 0, "whole thread groups");
   AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
   AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
-  AKV_STATIC_SHARED(float, red_o, [SG * MAXROWS * D]);
-  AKV_STATIC_SHARED(float, red_r, [SG * MAXROWS * D]);
+  AKV_STATIC_SHARED(__align__(16) float, red_o, [SG * MAXROWS * D]);  // read 8 or 16 bytes a lane
+  AKV_STATIC_SHARED(__align__(16) float, red_r, [SG * MAXROWS * D]);
   const int tid = threadIdx.x;
   const int group = tid / TPR, d0 = (tid % TPR) * DPT;
   const int h = blockIdx.x / p.row_chunks, rc = blockIdx.x % p.row_chunks;
@@ -1946,16 +1959,27 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
   constexpr int V = D / 32;
   const int warp = tid / 32, lane = tid % 32;
   const float norm = 1.0f / sqrtf(static_cast<float>(D));
+  constexpr int W = V % 4 == 0 ? 4 : 2;  // floats a shared-memory load
+  static_assert(V % W == 0, "D / 32 a multiple of 2");
   for (int i = warp; i < rows; i += NT / 32) {
-    float so[V], sr[V];
+    float sign[V], so[V], sr[V];
     for (int v = 0; v < V; ++v) {
-      const int d = lane * V + v;
+      sign[v] = anchor ? c.signs[lane * V + v] : 1.0f;  // read before the sums: one wait on L2
       so[v] = sr[v] = 0.0f;
-      for (int g = 0; g < SG; ++g) {
-        so[v] += red_o[(g * MAXROWS + i) * D + d];
-        sr[v] += red_r[(g * MAXROWS + i) * D + d];
-      }
     }
+    for (int g = 0; g < SG; ++g)
+      for (int v = 0; v < V; v += W) {
+        const int at = (g * MAXROWS + i) * D + lane * V + v;
+        if constexpr (W == 4) {
+          const float4 x = *reinterpret_cast<const float4 *>(red_o + at), y = *reinterpret_cast<const float4 *>(red_r + at);
+          so[v] += x.x, so[v + 1] += x.y, so[v + 2] += x.z, so[v + 3] += x.w;
+          sr[v] += y.x, sr[v + 1] += y.y, sr[v + 2] += y.z, sr[v + 3] += y.w;
+        } else {
+          const float2 x = *reinterpret_cast<const float2 *>(red_o + at), y = *reinterpret_cast<const float2 *>(red_r + at);
+          so[v] += x.x, so[v + 1] += x.y;
+          sr[v] += y.x, sr[v + 1] += y.y;
+        }
+      }
     if (anchor) {
       for (int len = 1; len < V; len <<= 1)  // pairs inside the lane
         for (int v = 0; v < V; ++v)
@@ -1974,7 +1998,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
     const int64_t base = ((static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i) * D;
     for (int v = 0; v < V; ++v) {
       const int d = lane * V + v;
-      const float rr = anchor ? sr[v] * norm * c.signs[d] : sr[v];
+      const float rr = anchor ? sr[v] * norm * sign[v] : sr[v];
       store_elem(p.out, p.dtype, base + d, l > 0.0f ? (so[v] + rr) / l : 0.0f);
     }
   }

@@ -193,6 +193,9 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
       for (int64_t n : c.meta.dense_counts) max_work = std::max(max_work, n);
     }
   }
+  // A multiple of 4: a row of per-anchor weights in the workspace starts 16-byte aligned
+  // (decode_anchor_values_kernel reads four anchors a load).
+  plan.max_anchors = (plan.max_anchors + 3) / 4 * 4;
   // The smallest row chunk (at most 16 rows: more spill) that holds every row, shrunk while
   // its shared memory (queries, per-anchor weights, key tile, angle tables) does not fit.
   // fits(anchors): sets maxrows and smem_bytes to the largest chunk that fits with `anchors`

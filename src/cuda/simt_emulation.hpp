@@ -38,6 +38,9 @@
 #define __launch_bounds__(...)
 #define __restrict__
 #define __grid_constant__
+#ifndef __align__
+#define __align__(n) __attribute__((aligned(n)))
+#endif
 #define __global__ static  // one copy per test program: nvcc's host stubs have the same names
 // Static shared memory is declared through AKV_STATIC_SHARED (below), which poisons it.
 #define __shared__ static_assert(false, "declare static shared memory with AKV_STATIC_SHARED");
