@@ -1045,16 +1045,13 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSI
             "latency": latency}
 
 
-# The merge kernels (decode_anchor_values_kernel, decode_merge_kernel <128, 4>): each loop's
-# source trip count by its source line (D 128, 4 rows, 256 threads: SG 2 thread groups, CH 64
-# anchors a chunk), from the plan's splits, anchor parts and anchors a part.
 MERGE_BATCH = 8  # kMergeBatch (decode_kernels.cuh)
 
 
 # The merge kernels (decode_anchor_values_kernel, decode_merge_kernel <128, 4>): each loop's
 # source trip count by its source line (D 128, 4 rows, 256 threads: both kernels' thread groups
-# SG 8 of 4 dims a thread; CH 64 anchors a chunk),
-# from the plan's splits, anchor parts and anchors a part. (trips, the source's step a trip)
+# SG 8 of 4 dims a thread; CH 64 anchors a chunk), from the plan's splits, anchor parts and
+# anchors a part: (trips, the source's step a trip).
 def merge_trips(text, splits, parts, per_part, sg):
     table = (("for (int i = warp; i < rows; i += kDecodeThreads / 32)", 1, 8),  # split_factors: a warp a row
              ("for (int i = warp; i < rows; i += NT / 32)", 1, 8),  # the merge's rows: a warp a row
@@ -1064,10 +1061,7 @@ def merge_trips(text, splits, parts, per_part, sg):
              ("for (int a = a0 + group; a < a1; a += SG)", 64 / sg, sg),
              ("for (int e = tid; e < MAXROWS * D; e += NT)", ROWS * D / NT, NT),
              ("for (int s = group; s < parts; s += SG)", math.ceil(splits / sg), sg),
-             ("for (int part = group; part < p.anchor_parts; part += SG)", math.ceil(parts / sg), sg),
-             ("for (int len = 1; len < D; len <<= 1)", math.log2(D), None),
-             ("for (int q = tid; q < MAXROWS * (D / 2); q += NT)", ROWS * D / 2 / NT, NT),
-             ("for (int e = tid; e < rows * D; e += NT)", ROWS * D / NT, NT))
+             ("for (int part = group; part < p.anchor_parts; part += SG)", math.ceil(parts / sg), sg))
     for key, n, step in table:
         if key in text:
             return n, step
@@ -1080,8 +1074,9 @@ def merge_walk(f, spans, lines, splits, parts, per_part, sg):
     (merge_trips) divided by its unroll factor, read off its induction variable's increment (or,
     where none is found, off its loads against its unrolled siblings': nvcc splits a loop of
     unknown count into an unrolled body and remainder loops, each taking what the larger ones
-    leave); split_factors runs on warps 0-3 (a warp a row), the rest on every warp. The walk
-    (warp_latency) gives the block's cycles with its barriers."""
+    leave); split_factors and the merge's rows run on warps 0-3 (a warp a row), the rest on every
+    warp. The walk (warp_latency, every load from L2) gives the block's cycles with its
+    barriers."""
     end, hot = hot_loops(f)
     ins = f["ins"]
 
@@ -1129,6 +1124,9 @@ def merge_walk(f, spans, lines, splits, parts, per_part, sg):
             # share of the body they run before the exit, as in the tile loop's walk)
             info[ab]["trips"] = math.floor(left / info[ab]["u"]) if len(members) > 1 else left / info[ab]["u"]
             left -= info[ab]["trips"] * info[ab]["u"]
+    # a warp a row: the loops over rows from `warp` (split_factors, the merge's rows) run on
+    # warps 0 .. rows - 1
+    row_loops = [(a, b) for (a, b) in info if "for (int i = warp; i < rows;" in lines[line_of(b) - 1]]
     weighted, issue = [], 0.0
     for i in range(end + 1):
         mult = 1.0
@@ -1136,13 +1134,11 @@ def merge_walk(f, spans, lines, splits, parts, per_part, sg):
             if a <= i <= b:
                 mult *= x["trips"]
         o = owner(spans, line_of(i)) if line_of(i) else None
-        warps_of = tuple(range(ROWS)) if o and o[0] == "split_factors" else tuple(range(NW))
+        by_row = (o and o[0] == "split_factors") or any(a <= i <= b for a, b in row_loops)
+        warps_of = tuple(range(ROWS)) if by_row else tuple(range(NW))
         weighted.append((i, "merge", mult * len(warps_of), warps_of, mult * len(warps_of)))
         issue += mult * len(warps_of)
     lat = warp_latency(ins, weighted, view_from_l2=True)
-    if os.environ.get("MERGE_DEBUG"):
-        for n, sg in enumerate(lat["mixed"]["segments"]):
-            print("SEG", n, round(sg["cycles"]), sg["slowest_warp"])
     return {"issue": issue, "block_cycles": lat["mixed"]["block_cycles"], "block_cycles_l1": lat["l1"]["block_cycles"],
             "loops": [dict(first=a, last=b, line=line_of(b), unroll=x["u"], trips=x["trips"]) for (a, b), x in sorted(info.items())]}
 
