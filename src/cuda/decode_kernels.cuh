@@ -1806,10 +1806,10 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
     for (int a0 = a_begin; a0 < a_end; a0 += CH) {
       {
         // The chunk's weights summed over the splits: thread (quad, j) takes four consecutive
-        // anchors of one row (a 16-byte load a split: the plan keeps the workspace rows
-        // 16-byte aligned) over splits j, j + TPQ, ..., kMergeBatch a batch, each batch loaded
-        // while the one before is added (loaded under `f != 0`, one anchor a thread, ptxas
-        // waited for each load before the next: a trip to L2 a split, 33 at 32K x 1;
+        // anchors of one row (a 16-byte load a split: the plan keeps the workspace rows 16-byte
+        // aligned) over splits j, j + TPQ, ..., B = kMergeBatch / 2 of them a batch, each batch
+        // loaded while the one before is added (loaded under `f != 0`, one anchor a thread,
+        // ptxas waited for each load before the next: a trip to L2 a split, 33 at 32K x 1;
         // scripts/sass_count.py's merge_walk); the TPQ partial sums then added by butterflies
         // (a fixed order). Indices clamped into the workspace; anchors past the part's end
         // (read, not written by the split kernels) give 0.
