@@ -348,14 +348,31 @@ struct SplitBlock {
     // e^{i d omega_j} for the offsets d < T inside a tile: the host's table (in double), copied
     // once per block.
     const float2 *step = reinterpret_cast<const float2 *>(c.rope_step);
-    for (int e = tid; e < T * pairs; e += NT) step_s[e] = step[e];
-    if (fast)  // pairs == D / 2: entry (u, j4) holds pairs 4 j4 .. 4 j4 + 3 of offset u
-      for (int e = tid; e < T * (D / 8); e += NT) {
-        const int u = e / (D / 8), j4 = e % (D / 8);
-        const float2 *st = step + u * pairs + 4 * j4;
-        cs_s[u * kTrigStride + j4] = uint4{pack_bf16x2(st[0].x, st[1].x), pack_bf16x2(st[2].x, st[3].x),
-                                           pack_bf16x2(st[0].y, st[1].y), pack_bf16x2(st[2].y, st[3].y)};
+    if (fast) {
+      // pairs == D / 2: cs_s's entry (u, j4) holds pairs 4 j4 .. 4 j4 + 3 of offset u, and
+      // step_s the same four pairs' (cos, sin): a thread's entries read in 16-byte loads, all
+      // before any store (element by element, each store waited on its load: about 30 trips
+      // to L2 a thread at D 128 before the first tile; the view's tables are 16-byte aligned).
+      constexpr int E = T * (D / 8) / NT;  // entries a thread
+      static_assert(E >= 1 && T * (D / 8) % NT == 0, "whole entries a thread");
+      float4 v[E][2];
+      for (int x = 0; x < E; ++x) {
+        const int e = tid + x * NT, u = e / (D / 8), j4 = e % (D / 8);
+        const float4 *st = reinterpret_cast<const float4 *>(step + u * pairs + 4 * j4);
+        v[x][0] = load_ro(st);
+        v[x][1] = load_ro(st + 1);
       }
+      for (int x = 0; x < E; ++x) {
+        const int e = tid + x * NT, u = e / (D / 8), j4 = e % (D / 8);
+        float4 *ss = reinterpret_cast<float4 *>(step_s + u * pairs + 4 * j4);
+        ss[0] = v[x][0];
+        ss[1] = v[x][1];
+        cs_s[u * kTrigStride + j4] = uint4{pack_bf16x2(v[x][0].x, v[x][0].z), pack_bf16x2(v[x][1].x, v[x][1].z),
+                                           pack_bf16x2(v[x][0].y, v[x][0].w), pack_bf16x2(v[x][1].y, v[x][1].w)};
+      }
+    } else {
+      for (int e = tid; e < T * pairs; e += NT) step_s[e] = step[e];
+    }
     for (int r = 0; r < RPW; ++r) {
       m_run[r] = -INFINITY;
       l_part[r] = 0.0f;
