@@ -1715,6 +1715,18 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
   blk.write_partial(block_index);
 }
 
+// The merge kernels' threads (decode_anchor_values_kernel, decode_merge_kernel): thread (group,
+// d0) takes DPT consecutive dims of every row (one vector load a row), so that SG = NT * DPT / D
+// thread groups share the splits, anchor parts or anchors; DPT x MAXROWS = 16 floats a thread
+// and row set, so the groups' partial sums are NT x 16 floats a side in shared memory.
+template <int D, int MAXROWS>
+struct MergeThreads {
+  static constexpr int DPT = MAXROWS <= 4 ? 4 : MAXROWS <= 8 ? 2 : 1;
+  static constexpr int TPR = D / DPT;  // threads a row set
+  static constexpr int SG = kDecodeThreads / TPR;
+  static_assert(TPR <= kDecodeThreads && kDecodeThreads % TPR == 0 && D % DPT == 0, "whole thread groups");
+};
+
 // decode_anchor_values_kernel's splits a batch of loads (kMergeBatch / 2 of a thread's, four
 // anchors each).
 constexpr int kMergeBatch = 8;
@@ -1736,13 +1748,11 @@ __device__ __forceinline__ void split_factors(const DecodeLaunch &p, int64_t fir
     const float *ml1 = p.ws_ml + ((first_blk + (s1 < n ? s1 : n - 1)) * MAXROWS + i) * 2;
     const float m0 = s0 < n ? ml0[0] : -INFINITY, m1 = s1 < n ? ml1[0] : -INFINITY;
     const float l0 = ml0[1], l1 = ml1[1];
-    float m = fmaxf(m0, m1);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(kFullMask, m, o));
+    const float m = warp_max(fmaxf(m0, m1));
     const float f0 = m0 == -INFINITY ? 0.0f : exp2f(m0 - m), f1 = m1 == -INFINITY ? 0.0f : exp2f(m1 - m);
     if (s0 < n) f_s[i][s0] = f0;
     if (s1 < n) f_s[i][s1] = f1;
-    float l = (f0 != 0.0f ? f0 * l0 : 0.0f) + (f1 != 0.0f ? f1 * l1 : 0.0f);
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(kFullMask, l, o);
+    const float l = warp_sum((f0 != 0.0f ? f0 * l0 : 0.0f) + (f1 != 0.0f ? f1 * l1 : 0.0f));
     if (lane == 0) {
       ml_s[i][0] = m;
       ml_s[i][1] = l;
@@ -1789,14 +1799,11 @@ __device__ __forceinline__ void load_halves(const uint16_t *p, bool bf16, float 
 template <int D, int MAXROWS>
 __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(const __grid_constant__ DecodeLaunch p) {
   constexpr int NT = kDecodeThreads;
-  // Thread (group, d0): DPT consecutive dims of every row (one 2 DPT-byte load an anchor row),
-  // as in the merge; SG = NT * DPT / D groups take the chunk's anchors in turn (8 at D 128 and 4
-  // rows: 8 anchors a thread, whose loads ptxas issues together, against 32 one dim at a time).
-  constexpr int DPT = MAXROWS <= 4 ? 4 : MAXROWS <= 8 ? 2 : 1;
-  constexpr int TPR = D / DPT;  // threads a row set
-  constexpr int SG = NT / TPR;
+  // MergeThreads: the SG groups take the chunk's anchors in turn (8 at D 128 and 4 rows: 8
+  // anchors a thread, whose loads ptxas issues together, against 32 one dim at a time).
+  using MT = MergeThreads<D, MAXROWS>;
+  constexpr int DPT = MT::DPT, TPR = MT::TPR, SG = MT::SG;
   constexpr int CH = kMergeAnchorChunk;  // anchors per chunk of combined weights
-  static_assert(TPR <= NT && NT % TPR == 0 && D % DPT == 0, "whole thread groups");
   AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
   AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
   AKV_STATIC_SHARED(float, wc_s, [MAXROWS][CH]);
@@ -1887,18 +1894,14 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
   }
 }
 
-// Merge of the splits of one (request, head, row chunk). Thread (group, d0): DPT consecutive
-// dims of every row (a vector load a row and split), so that SG = NT * DPT / D thread groups
-// take the splits and anchor parts in turn (8 at D 128 and 4 rows: 5 splits a thread at 32K x 1,
-// against 17 one dim at a time); the groups are summed through shared memory at the end
-// (SG x MAXROWS x D = NT x 16 floats a side).
+// Merge of the splits of one (request, head, row chunk). MergeThreads: the SG groups take the
+// splits and anchor parts in turn (8 at D 128 and 4 rows: 5 splits a thread at 32K x 1, against
+// 17 one dim at a time); the groups are summed through shared memory at the end.
 template <int D, int MAXROWS>
 __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __grid_constant__ DecodeLaunch p) {
   constexpr int NT = kDecodeThreads;
-  constexpr int DPT = MAXROWS <= 4 ? 4 : MAXROWS <= 8 ? 2 : 1;
-  constexpr int TPR = D / DPT;  // threads a row set
-  constexpr int SG = NT / TPR;
-  static_assert(TPR <= NT && NT % TPR == 0 && D % DPT == 0, "whole thread groups");
+  using MT = MergeThreads<D, MAXROWS>;
+  constexpr int DPT = MT::DPT, TPR = MT::TPR, SG = MT::SG;
   AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
   AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
   AKV_STATIC_SHARED(__align__(16) float, red_o, [SG * MAXROWS * D]);  // read 8 or 16 bytes a lane
@@ -1970,9 +1973,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
   __syncthreads();
   // A warp a row (rows warp, warp + 8, ...), a lane its D / 32 consecutive dims: the groups
   // summed in group order, the one inverse Hadamard of the row (U^T r = diag(signs) H r /
-  // sqrt(D)) in registers, its first stages inside the lane and the rest by shuffles (the same
-  // sums and differences in the same order as over shared memory, which took a barrier a
-  // stage), and the row written.
+  // sqrt(D)) in registers (warp_fwht: the same sums and differences in the same order as over
+  // shared memory, which took a barrier a stage), and the row written.
   constexpr int V = D / 32;
   const int warp = tid / 32, lane = tid % 32;
   const float norm = 1.0f / sqrtf(static_cast<float>(D));
@@ -1997,20 +1999,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __gr
           sr[v] += y.x, sr[v + 1] += y.y;
         }
       }
-    if (anchor) {
-      for (int len = 1; len < V; len <<= 1)  // pairs inside the lane
-        for (int v = 0; v < V; ++v)
-          if ((v & len) == 0) {
-            const float u = sr[v], w = sr[v + len];
-            sr[v] = u + w;
-            sr[v + len] = u - w;
-          }
-      for (int k = 1; k < 32; k <<= 1)  // pairs k lanes apart (len = V k)
-        for (int v = 0; v < V; ++v) {
-          const float y = __shfl_xor_sync(kFullMask, sr[v], k);
-          sr[v] = (lane & k) ? y - sr[v] : sr[v] + y;
-        }
-    }
+    if (anchor) warp_fwht<V>(sr, lane);
     const float l = ml_s[i][1];
     const int64_t base = ((static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i) * D;
     for (int v = 0; v < V; ++v) {
