@@ -9,7 +9,9 @@ G * q_len alone, not from the batch).
 HONESTY: the tile loop (most of the time) is counted from SASS by scripts/sass_count.py, with
 its trip-count and warp model, and so are the two merge kernels (sass_count.py's merge_walk:
 a block's cycles with its loads from L2 and its barriers, at the plan's splits and anchor
-parts); the prologue, the partial write and the window tile are still PTX constants (below). The tile loop issues at IPC, or at the latency bound
+parts), and so is the split kernel's set-up before its first tile (prologue_walk: its issue,
+and its cycles to the first tile, the excess of which over its issue adds to each wave); the
+partial write and the window tile are still PTX constants (below). The tile loop issues at IPC, or at the latency bound
 sass_count.py derives from the SASS's own stall counts and scoreboards where that is lower: a
 scheduler's warps (2 a resident block of 8) hide each other's latency only so far, and at each
 barrier the block waits for its slowest warp (warp 0's metadata and value staging). Global loads:
@@ -45,6 +47,7 @@ SMS, SCHED, CLOCK_GHZ, HBM_TBS = 132, 4, 1.98, 4.3
 IPC = 0.7          # assumed fraction of one warp instruction / scheduler / cycle actually issued
 L2_TBS = 8.0       # assumed L2 -> SM bandwidth (anchor rows are gathered through L2 per token)
 LAUNCH_US = 6.0    # three back-to-back kernels (split, anchor values, merge): launch gaps and tails, assumed
+VIEW_BYTES, HEAD_ARRAYS_BYTES = 432, 120  # sizeof(CacheView), sizeof(HeadArrays) (cache_view.hpp)
 MERGE_CHUNK, MAX_PER_PART = 64, 256  # kMergeAnchorChunk, kMergeMaxAnchorsPerPart (cache_view.hpp)
 SDPA = {(32768, 1): 54.0, (131072, 1): 133.0, (131072, 8): 970.0, (32768, 32): 970.0}  # 32Kx32: not measured; same tokens as 128Kx8, SDPA is bandwidth-bound: its 970 us assumed
 TARGET = {(32768, 1): 2.5, (131072, 1): 5.0, (131072, 8): 8.0, (32768, 32): 6.0}
@@ -123,10 +126,15 @@ def poisson_ceil(lam, div):
     return e
 
 
-def smem_bytes(k, pairs=64, rows=ROWS):
+def smem_bytes(k, rows=ROWS):
+    """SplitSmem(D, rows, k).total (cache_view.hpp), region by region in its order."""
     a16 = lambda x: (x + 15) // 16 * 16
-    parts = [4 * rows * D, 4 * rows * D, 4 * rows * k, 4 * rows * T, 4 * 8 * rows] + [4 * pairs] * 5 + \
-            [8 * T * pairs, 4 * D, 4 * T, 4 * T, 4 * T, 4 * T, 8 * T, 4 * T * (D + 4)]
+    mp = D // 2  # max pairs
+    parts = [VIEW_BYTES, 4 * rows * D, 4 * rows * D, 4 * rows * T, 4 * rows * T, 4 * NW * rows, 4 * rows]
+    parts += [4 * mp] * 5 + [8 * mp, 8 * mp, 4 * mp, HEAD_ARRAYS_BYTES, 8 * T * mp, 4 * D]
+    parts += [4 * T] * 4 + [8 * T] + [4 * T] * 3 + [12 * rows, 12, 2 * 256, 4 * 3 * 256]
+    parts += [2 * rows * (D + 16), 4 * rows * T, 16, 8 * 2 * 4, 4 * 2 * T, T * D // 4, 4 * T, 16 * T, T * D // 4,
+              4 * T, 4 * T * (D + 4), 4 * rows * k]
     return sum(a16(p) for p in parts)
 
 
@@ -183,7 +191,8 @@ def sass_phases(fk, fv, k, block_tiles, segments=False, merge=None):
         import json
         res = json.load(open(out))
         loop = res["tile_loop"]
-        return loop["per_tile"], loop["smem_wavefronts"], dict(loop["latency"], merge=res.get("merge"))
+        return loop["per_tile"], loop["smem_wavefronts"], dict(loop["latency"], merge=res.get("merge"),
+                                                               prologue=res.get("prologue"))
 
 
 def predict(S, batch, use_sass=False):
@@ -196,7 +205,8 @@ def predict(S, batch, use_sass=False):
                                              (pl["splits"], math.ceil(g["k"] / per_part), per_part)))
                    or (tile_phases(fk, fv), None, None))
     tile = sum(ph.values())
-    fixed = prologue(g["k"]) + write_partial(g["k"], pl["segments"])
+    pro = lat.get("prologue") if lat else None  # the set-up from its SASS walk, or the PTX constant
+    fixed = (pro["issue"] if pro else prologue(g["k"])) + write_partial(g["k"], pl["segments"])
     per_block = math.ceil(pl["tiles"] / pl["splits"]) * tile + fixed + WINDOW_TILE  # split 0 block
     total = pl["blocks"] * (pl["tiles"] / pl["splits"] * tile + fixed) + H * batch * WINDOW_TILE
     waves = math.ceil(pl["blocks"] / (SMS * pl["resident"]))
@@ -214,6 +224,12 @@ def predict(S, batch, use_sass=False):
     ipc = {c: bound(c) if lat else IPC for c in ("mixed", "l1")}
     at_ipc = max(total / (SMS * rate), waves * pl["resident"] * per_block / rate)  # issue us at IPC
     issue = {c: at_ipc * IPC / ipc[c] for c in ipc}
+    # The set-up to a block's first tile is latency-bound (its loads from L2, its barriers): beyond
+    # its issue, which the above counts, each wave waits its cycles less what the multiprocessor
+    # issues of its resident blocks' set-ups meanwhile (sass_count.py's prologue_walk).
+    setup_us = 0.0 if not pro else waves * max(0.0, pro["block_cycles"] / (CLOCK_GHZ * 1e3)
+                                               - pl["resident"] * pro["issue"] / rate)
+    issue = {c: v + setup_us for c, v in issue.items()}
     issue_us = issue["mixed"]
     ws = pl["blocks"] * ROWS * (2 * D + 2 + g["k"]) * 4
     hbm = batch * g["bytes"] + 2 * ws + batch * HQ * D * 2 * 2
@@ -246,7 +262,7 @@ def predict(S, batch, use_sass=False):
     t = max(issue_us, mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     t_l1 = max(issue["l1"], mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,
-                per_part=per_part, ipc=ipc, t_l1=t_l1, merge_src=merge_src,
+                per_part=per_part, ipc=ipc, t_l1=t_l1, merge_src=merge_src, setup_us=setup_us, pro=pro,
                 issue=issue_us, hbm=hbm, mem=mem_us, l2=l2, l2_us=l2_us, smem_us=smem_us, merge=merge_us, t=t)
 
 
@@ -303,7 +319,7 @@ def main():
         from_ptx()
     use_sass = not a.ptx_model and sass_phases(0.052, 0.052, 815, 16) is not None
     source = ("tile loop: SASS counts (scripts/sass_count.py, its trip-count and warp model); merge kernels: "
-              "their SASS walk (merge_walk); prologue and window: PTX constants" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
+              "their SASS walk (merge_walk); set-up: its SASS walk (prologue_walk); partial write and window: PTX constants" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
               "--ptx-model)")
     print(f"Assumptions: {SMS} SMs x {SCHED} schedulers x {CLOCK_GHZ} GHz x IPC {IPC} (the tile loop: at most its "
           "latency bound, sass_count.py's warp_latency: the gathered anchor rows from L1 at its GATHER_L1_SHARE, other "
@@ -349,6 +365,11 @@ def main():
         print(f"Merge {r['S']} x {r['batch']} (k={k}, {splits} splits): {H * r['batch'] * parts} "
               f"anchor-value blocks of {per} anchors, then {H * r['batch']} merge blocks; "
               f"{r['merge']:.1f} us ({r['merge_src']}); L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
+    for r in rows:
+        if r["pro"]:
+            print(f"Set-up {r['S']} x {r['batch']}: {r['pro']['issue']:.0f} warp instructions a split block and "
+                  f"{r['pro']['block_cycles']:.0f} cycles to its first tile (prologue_walk), "
+                  f"{r['setup_us']:.1f} us beyond its issue.")
 
 
 if __name__ == "__main__":

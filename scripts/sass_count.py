@@ -67,7 +67,7 @@ VALUE_GROUPS = 4  # SplitBlock::kValueGroups: slot groups (of D / 2 threads at D
 
 # Phases of the tile loop by SplitBlock member (the function whose body holds the line).
 PHASES = [
-    ("metadata", ["anchor_meta", "format3_meta", "start_prefix", "stage_entries", "stage_tile_words", "stage_next", "tile_words"]),
+    ("metadata", ["anchor_meta", "format3_meta", "stage_entries", "stage_tile_words", "stage_next", "tile_words"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
                                                "put8", "exact_angle", "rotate_queries", "rotate_query_pair", "rotate_pairs4"]),
     ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms", "stage_keys"]),
@@ -1040,7 +1040,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSI
         latency[c]["block_cycles"] = e["block"]
         for n, sg in enumerate(latency[c]["segments"]):
             sg["cycles_at_mean"], sg["cycles"] = sg["cycles"], e["segments"][n]
-    return {"static": out["static"], "per_tile": out["per_tile"], "inner_loops": len(inner),
+    return {"first": a0, "last": b0, "static": out["static"], "per_tile": out["per_tile"], "inner_loops": len(inner),
             "smem_wavefronts": out["smem"], "by_line": out["by_line"], "unknown_loops": sorted(unknown, key=str),
             "latency": latency}
 
@@ -1068,30 +1068,29 @@ def merge_trips(text, splits, parts, per_part, sg):
     return None, None
 
 
-def merge_walk(f, spans, lines, splits, parts, per_part, sg):
-    """A merge kernel's warp instructions and latency, one block (8 warps), from its SASS: each
-    loop (a backward branch before the kernel's last EXIT) runs its source loop's trips
-    (merge_trips) divided by its unroll factor, read off its induction variable's increment (or,
-    where none is found, off its loads against its unrolled siblings': nvcc splits a loop of
-    unknown count into an unrolled body and remainder loops, each taking what the larger ones
-    leave); split_factors and the merge's rows run on warps 0-3 (a warp a row), the rest on every
-    warp. The walk (warp_latency, every load from L2) gives the block's cycles with its
-    barriers."""
-    end, hot = hot_loops(f)
+def decode_line_of(ins, i):
+    """The line of instruction i's innermost frame in decode_kernels.cuh (None: no line there)."""
+    for fl, ln in ins[i]["chain"]:
+        if fl and fl.endswith("decode_kernels.cuh") and ln:
+            return ln
+    return None
+
+
+def loop_trips(f, hot, lines, trips_of):
+    """Each loop of hot (hot_loops) with its SASS trips: its source loop's trips (trips_of(the
+    source line's text) -> (trips, the source's step a trip), or (None, None): unknown) divided
+    by its unroll factor, read off its induction variable's increment (or, where none is found,
+    off its loads against its unrolled siblings': nvcc splits a loop of unknown count into an
+    unrolled body and remainder loops, each taking what the larger ones leave). Returns
+    {(first, last): dict(n, u, trips, line)}."""
     ins = f["ins"]
-
-    def line_of(i):
-        for fl, ln in ins[i]["chain"]:
-            if fl and fl.endswith("decode_kernels.cuh") and ln:
-                return ln
-        return None
-
+    line_of = lambda i: decode_line_of(ins, i)
     info, groups = {}, collections.defaultdict(list)
     for a, b, n_static, ops in hot:
         ln = line_of(b)
-        n, step = merge_trips(lines[ln - 1] if ln else "", splits, parts, per_part, sg)
+        n, step = trips_of(lines[ln - 1] if ln else "")
         if n is None:
-            sys.exit(f"merge_walk: no trip count for the loop at line {ln}: {lines[ln - 1].strip() if ln else '?'}")
+            sys.exit(f"sass_count: no trip count for the loop at line {ln}: {lines[ln - 1].strip() if ln else '?'}")
         m = re.match(r"@!?(U?P\d+)", ins[b]["text"])
         u = None
         cmp_ = next((ins[i]["text"] for i in range(b - 1, a - 1, -1)
@@ -1109,7 +1108,7 @@ def merge_walk(f, spans, lines, splits, parts, per_part, sg):
                     u = abs(inc) if down or not step else max(1, abs(inc) // step)
                     break
         loads = collections.Counter(line_of(i) for i in range(a, b + 1) if ins[i]["op"].startswith(("LDG", "LDS", "LD.")))
-        info[(a, b)] = dict(n=n, u=u, loads=loads)
+        info[(a, b)] = dict(n=n, u=u, loads=loads, line=ln)
         groups[ln].append((a, b))
     for ln, members in groups.items():
         base = min(members, key=lambda ab: ab[1] - ab[0])
@@ -1124,6 +1123,19 @@ def merge_walk(f, spans, lines, splits, parts, per_part, sg):
             # share of the body they run before the exit, as in the tile loop's walk)
             info[ab]["trips"] = math.floor(left / info[ab]["u"]) if len(members) > 1 else left / info[ab]["u"]
             left -= info[ab]["trips"] * info[ab]["u"]
+    return info
+
+
+def merge_walk(f, spans, lines, splits, parts, per_part, sg):
+    """A merge kernel's warp instructions and latency, one block (8 warps), from its SASS: each
+    loop (a backward branch before the kernel's last EXIT) runs its source loop's trips
+    (merge_trips) divided by its unroll factor (loop_trips); split_factors and the merge's rows
+    run on warps 0-3 (a warp a row), the rest on every warp. The walk (warp_latency, every load
+    from L2) gives the block's cycles with its barriers."""
+    end, hot = hot_loops(f)
+    ins = f["ins"]
+    line_of = lambda i: decode_line_of(ins, i)
+    info = loop_trips(f, hot, lines, lambda text: merge_trips(text, splits, parts, per_part, sg))
     # a warp a row: the loops over rows from `warp` (split_factors, the merge's rows) run on
     # warps 0 .. rows - 1
     row_loops = [(a, b) for (a, b) in info if "for (int i = warp; i < rows;" in lines[line_of(b) - 1]]
@@ -1141,6 +1153,106 @@ def merge_walk(f, spans, lines, splits, parts, per_part, sg):
     lat = warp_latency(ins, weighted, view_from_l2=True)
     return {"issue": issue, "block_cycles": lat["mixed"]["block_cycles"], "block_cycles_l1": lat["l1"]["block_cycles"],
             "loops": [dict(first=a, last=b, line=line_of(b), unroll=x["u"], trips=x["trips"]) for (a, b), x in sorted(info.items())]}
+
+# The split kernel's set-up before its first tile (prologue_walk): each loop's source trips a
+# thread (D 128, 4 rows, 256 threads, 64 pairs) by its source line, and the warps that run a
+# line inside a block (or a one-line statement) that opens with the key.
+def prologue_trips(text, k):
+    table = (("for (int e = tid; e < MAXROWS * D; e += NT)", ROWS * D / NT, NT),  # the queries
+             ("e < MAXROWS * static_cast<int>(wstride) / 4; e += NT)", ROWS * k / 4 / NT, NT),  # the weights zeroed
+             ("for (int e = tid; e < MAXROWS * kSegmentEntries; e += NT)", ROWS * 256 / NT, NT),
+             ("for (int e = tid; e < kSegmentEntries; e += NT)", 256 / NT, NT),
+             ("for (int i = warp; i < MAXROWS; i += NW)", 1, NW),
+             ("for (int d = lane; d < D; d += 32)", D / 32, 32),
+             ("for (int e = rows * QS + tid; e < MAXROWS * QS; e += NT)", 0, NT))  # every row a query's
+    for key, n, step in table:
+        if key in text:
+            return n, step
+    return None, None
+
+
+PROLOGUE_WARPS = (("if (tid == 0 || (stage && stager))", (0, ENTRY_WARP, ENTRY_WARP + 1)),
+                  ("if (tid == 0)", (0,)),
+                  ("if (stage && stager)", (ENTRY_WARP, ENTRY_WARP + 1)),
+                  ("if (warp == kEntryWarp)", (ENTRY_WARP,)),
+                  ("if (warp == kWordsWarp)", (ENTRY_WARP + 1,)),
+                  ("if (warp == kWordsWarp && lane == 0)", (ENTRY_WARP + 1,)),
+                  ("if (angle_thread)", (T // 32, T // 32 + 1)),
+                  ("if (pair_thread)", tuple(range(PAIRS // 32))),
+                  ("if (k && tid < D)", tuple(range(D // 32))),
+                  ("for (int i = warp; i < MAXROWS; i += NW)", tuple(range(ROWS))))
+
+
+def openings(lines, n, first):
+    """Line n (1-based) and the lines that open the blocks around it, up to line first: each
+    earlier line indented less than the last one taken (a brace-less `if` or `for` the same)."""
+    out, indent = [lines[n - 1]], len(lines[n - 1]) - len(lines[n - 1].lstrip())
+    for j in range(n - 1, first - 1, -1):
+        t = lines[j - 1]
+        if not t.strip() or t.strip().startswith(("//", "#")):
+            continue
+        ind = len(t) - len(t.lstrip())
+        if ind < indent:
+            out.append(t)
+            indent = ind
+    return out
+
+
+def prologue_walk(f, spans, lines, k, first):
+    """decode_split_kernel<128, 4>'s set-up, from the kernel's entry to its first tile (the SASS
+    before the tile loop, instruction first; the pinned path, so only code that runs; the
+    dense-cache branch, the window and the suffix, whose kernel lines follow the tile loop's, left
+    out): each loop its source trips (prologue_trips) over its unroll factor (loop_trips), each
+    line on the warps its condition leaves (PROLOGUE_WARPS), and the walk (warp_latency, every
+    load from L2: a block's first reads of the view and its tables) gives a block's cycles to its
+    first tile, with its barriers."""
+    ins = f["ins"]
+    kern = next(x for x in spans if x[0] == "decode_split_kernel")
+    tile_line = next(n for n in range(kern[1], kern[2] + 1) if "for (int tile = first_tile;" in lines[n - 1])
+    tile_end = next(n for n in range(tile_line + 1, kern[2] + 1)
+                    if lines[n - 1] == lines[tile_line - 1][:len(lines[tile_line - 1]) - len(lines[tile_line - 1].lstrip())] + "}")
+
+    def frames(i):
+        return [ln for fl, ln in ins[i]["chain"] if fl and fl.endswith("decode_kernels.cuh") and ln]
+
+    def after_loop(fr):  # the kernel's frame (the outermost) follows the tile loop
+        return bool(fr) and kern[1] <= fr[-1] <= kern[2] and fr[-1] > tile_end
+
+    _, hot = hot_loops(f)
+    hot = [l for l in hot if l[1] < first and not after_loop(frames(l[1]))]
+    info = loop_trips(f, hot, lines, lambda text: prologue_trips(text, k))
+
+    weighted, issue, prev = [], 0.0, None
+    for i in range(first):
+        fr = frames(i)
+        if not fr:  # library code inlined without a line: as the instruction before it
+            if prev:
+                weighted.append((i, "prologue") + prev)
+                issue += prev[0]
+            continue
+        if after_loop(fr):
+            prev = None
+            continue  # the kernel's code after the tile loop (window, dense caches, suffix)
+        warps_of = set(range(NW))
+        for ln in fr:
+            o = owner(spans, ln)
+            for t in openings(lines, ln, o[1] if o else 1):
+                for key, ws in PROLOGUE_WARPS:
+                    if key in t:
+                        warps_of &= set(ws)
+        mult = 1.0
+        for (a, b), x in info.items():
+            if a <= i <= b:
+                mult *= x["trips"]
+        warps_of = tuple(sorted(warps_of))
+        prev = (mult * len(warps_of), warps_of, mult * len(warps_of))
+        weighted.append((i, "prologue") + prev)
+        issue += prev[0]
+    lat = warp_latency(ins, weighted, view_from_l2=True)
+    return {"issue": issue, "block_cycles": lat["mixed"]["block_cycles"],
+            "segments": [round(sg["cycles"]) for sg in lat["mixed"]["segments"]],
+            "loops": [dict(first=a, last=b, line=x["line"], unroll=x["u"], trips=x["trips"])
+                      for (a, b), x in sorted(info.items())]}
 
 
 def main():
@@ -1211,6 +1323,13 @@ def main():
     for name, v in sorted(loop["per_tile"].items(), key=lambda x: -x[1]):
         print(f"| {name} | {loop['static'][name]} | {v:.0f} | {v / T:.1f} |")
     print(f"| total | {sum(loop['static'].values())} | {total:.0f} | {total / T:.1f} |")
+    pro = prologue_walk(funcs[split], spans, lines, a.anchors, loop["first"])
+    result["prologue"] = pro
+    print(f"\nThe split kernel's set-up to its first tile (prologue_walk; k {a.anchors}, weights "
+          f"{'by segment in the workspace' if a.segment_weights else 'in shared memory'}): {pro['issue']:.0f} warp "
+          f"instructions a block, {pro['block_cycles']:.0f} cycles with its barriers (every load from L2; barrier "
+          f"segments {' + '.join(map(str, pro['segments']))}); loops: "
+          + ", ".join(f"{l['line']} {l['unroll']}x{l['trips']:g}" for l in pro["loops"] if l["trips"]))
     # The merge kernels at the plan's splits and anchor parts (predict_decode.py passes its own).
     result["merge"] = {}
     print(f"\nThe merge kernels <128, 4> ({a.splits} splits, {a.anchor_parts} anchor parts of {a.anchors_per_part}; "

@@ -25,8 +25,9 @@ constexpr int kSegmentEntries = 256;  // entries of a format-3 segment table (on
 enum CacheKind : int32_t { kKindAnchor = 0, kKindDense = 1 };
 
 // One cache as the kernels see it. Per-head arrays start at the head's offset inside each
-// array (e.g. key_index + h * prefix).
-struct CacheView {
+// array (e.g. key_index + h * prefix). 16-byte aligned: the split kernel copies it into shared
+// memory 16 bytes a thread (SplitSmem::view).
+struct alignas(16) CacheView {
   int32_t kind = kKindDense;
   int32_t storage_bf16 = 1;  // storage dtype of keys/values: 1 bf16, 0 fp16
   int32_t heads = 0;
@@ -137,7 +138,7 @@ AKV_HD constexpr size_t align16(size_t x) { return (x + 15) / 16 * 16; }
 // Every offset but the total depends only on D and the row chunk (room for D / 2 rotary
 // pairs; the per-anchor weights last), so that in the kernel they are constants.
 struct SplitSmem {
-  size_t q = 0, qr = 0, logits = 0, logits_part = 0, red = 0, row_max = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0,
+  size_t view = 0, q = 0, qr = 0, logits = 0, logits_part = 0, red = 0, row_max = 0, inv = 0, first = 0, second = 0, basec = 0, bases = 0,
          carry_step = 0, carry_next = 0, carry_left = 0, head_arrays = 0, step = 0, signs = 0,
          meta_a = 0, meta_off = 0, meta_g = 0, meta_pos = 0, meta_bit = 0, meta_va = 0, meta_vg = 0, meta_kind = 0,
          penalty = 0, segment = 0, segment_table = 0, segment_gammas = 0, qb = 0, res_logits = 0, residuals = 0, tile_words = 0, entries = 0,
@@ -157,6 +158,7 @@ struct SplitSmem {
   AKV_HD constexpr SplitSmem(int D, int maxrows, int smem_anchors) {
     const int T = kDecodeTile, max_pairs = D / 2;
     size_t o = 0;
+    view = o; o = align16(o + sizeof(CacheView));  // the cache's view, copied once a block
     q = o; o = align16(o + sizeof(float) * maxrows * D);
     qr = o; o = align16(o + sizeof(float) * maxrows * D);  // queries rotated by minus the tile's first position
     logits = o; o = align16(o + sizeof(float) * maxrows * T);

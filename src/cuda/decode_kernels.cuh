@@ -210,22 +210,40 @@ struct SplitBlock {
   uint32_t *kc_s;        // fast: the tile's key residuals' codes [count][D / 16] (stage_keys)
   float *ks_s;           // and their scales [count]
 
+  // The first prefix tile of split block `split` of `splits` over P prefix tokens (and the
+  // block's end, that of split + 1).
+  __device__ static __forceinline__ int prefix_tile(int P, int split, int splits) {
+    return static_cast<int>(int64_t{(P + T - 1) / T} * split / splits);
+  }
+
   // blk: this block's index among the launch's split blocks (its workspace rows).
   __device__ __forceinline__ SplitBlock(const CacheView &view, const DecodeLaunch &launch, unsigned char *smem, int head, int rc,
                                         int64_t blk)
       : c(view), p(launch) {
     tid = threadIdx.x;
+    // The set-up reads the view's fields from a copy in shared memory (16 bytes a thread):
+    // from global memory ptxas issued each field's load just before its use, and the set-up's
+    // dependent fields took a trip to L2 each. The tiles read c, the view itself, as before
+    // (tiles reading the copy cost the shipped kernels more spills).
+    constexpr int kViewChunks = sizeof(CacheView) / sizeof(uint4);
+    static_assert(sizeof(CacheView) % sizeof(uint4) == 0 && kViewChunks <= NT, "a 16-byte chunk a thread");
+    constexpr SplitSmem lay(D, MAXROWS, 0);  // offsets are constants; the weights come last
+    CacheView *view_s = reinterpret_cast<CacheView *>(smem + lay.view);
+    if (tid < kViewChunks)
+      reinterpret_cast<uint4 *>(view_s)[tid] = load_ro(reinterpret_cast<const uint4 *>(&view) + tid);
+    __syncthreads();
+    const CacheView &v = *view_s;
     lane = tid & 31;
     warp = tid >> 5;
     h = head;
     row0 = rc * MAXROWS;
     rows = p.rows - row0 < MAXROWS ? p.rows - row0 : MAXROWS;
-    bf16 = c.storage_bf16 != 0;
-    k = c.kind == kKindAnchor ? c.anchors : 0;
-    pairs = c.rope_pairs;
-    fused = c.rope_fused != 0;  // decided on the host (build_view_block)
-    format3 = c.format == 3;
-    tables = c.table_size != 0;
+    bf16 = v.storage_bf16 != 0;
+    k = v.kind == kKindAnchor ? v.anchors : 0;
+    pairs = v.rope_pairs;
+    fused = v.rope_fused != 0;  // decided on the host (build_view_block)
+    format3 = v.format == 3;
+    tables = v.table_size != 0;
     precise = p.dtype != AKV_DTYPE_BF16;
     fast = fused && bf16 && !precise && 2 * pairs == D && format3 && k > 0;
 #ifdef AKV_SASS_PIN_BF16_FUSED
@@ -240,7 +258,6 @@ struct SplitBlock {
     precise = false;
     fast = true;
 #endif
-    constexpr SplitSmem lay(D, MAXROWS, 0);  // offsets are constants; the weights come last
     q_s = reinterpret_cast<float *>(smem + lay.q);
     qr_s = reinterpret_cast<float *>(smem + lay.qr);
     w_s = reinterpret_cast<float *>(smem + lay.w);
@@ -270,7 +287,6 @@ struct SplitBlock {
     kgam_s = reinterpret_cast<float *>(smem + lay.segment_gammas);
     vgam_s = kgam_s + kSegmentEntries;
     units_s = vgam_s + kSegmentEntries;
-    if (tid == 0) seg_s[0] = -1;
     cs_s = reinterpret_cast<uint4 *>(smem + lay.keys);  // the key tile is free on the fast path
     qb_s = reinterpret_cast<uint16_t *>(smem + lay.qb);
     rl_s = reinterpret_cast<float *>(smem + lay.res_logits);
@@ -283,36 +299,9 @@ struct SplitBlock {
     kc_s = reinterpret_cast<uint32_t *>(smem + lay.key_codes);
     ks_s = reinterpret_cast<float *>(smem + lay.key_scales);
     ha_s = reinterpret_cast<HeadArrays *>(smem + lay.head_arrays);
-    if (tid == 0) {
-      const int64_t hw = static_cast<int64_t>(h) * c.words, hp = static_cast<int64_t>(h) * c.prefix;
-      const bool f3 = c.format == 3;  // the rest are format 3's (format 2: null)
-      *ha_s = HeadArrays{c.anchor_keys + static_cast<int64_t>(h) * k * D,
-                         f3 ? c.anchor_mask + hw : nullptr, f3 ? c.key_mask + hw : nullptr,
-                         f3 ? c.value_mask + hw : nullptr, f3 ? c.anchor_first + hw : nullptr,
-                         f3 ? c.key_entry + hp : nullptr, f3 ? c.value_entry + hp : nullptr,
-                         f3 ? c.key_code + hp : nullptr, f3 ? c.value_code + hp : nullptr,
-                         c.key_codes, c.value_codes, c.value_chunk, c.key_scales, c.value_scales,
-                         static_cast<int32_t>(c.prefix), c.segment_shift};
-    }
     tstep_s = reinterpret_cast<float2 *>(smem + lay.carry_step);
     next_s = reinterpret_cast<int64_t *>(smem + lay.carry_next);
     left_s = reinterpret_cast<int32_t *>(smem + lay.carry_left);
-    if (tid >= T && tid - T < pairs) {
-      const int j = tid - T;
-      float tc, ts;
-      rope_angle(T, c.inv_freq[j], &tc, &ts);
-      tstep_s[j] = float2{tc, ts};
-      next_s[j] = -1;
-      left_s[j] = 0;
-    }
-
-    // Queries of this row chunk, scaled so that exp2(logit) is the softmax weight.
-    const int G = p.q_heads / p.heads;
-    const int64_t qbase = ((static_cast<int64_t>(blockIdx.z) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0) * D;
-    const float qscale = c.softmax_scale * kLog2e;
-    for (int e = tid; e < MAXROWS * D; e += NT)
-      q_s[e] = qr_s[e] = e / D < rows ? load_elem(p.queries, p.dtype, qbase + e) * qscale : 0.0f;
-    for (int e = rows * QS + tid; e < MAXROWS * QS; e += NT) qb_s[e] = 0;  // rows rotate_queries leaves
     if (k <= p.smem_anchors) {
       w = w_s;
       wstride = k;
@@ -333,45 +322,112 @@ struct SplitBlock {
     segw = false;
 #endif
 #endif
-    for (int e = tid; e < MAXROWS * k; e += NT) w[(e / k) * wstride + e % k] = 0.0f;
-    if (segw)
-      for (int e = tid; e < MAXROWS * kSegmentEntries; e += NT) w_s[e] = 0.0f;
-    if (k)
-      for (int d = tid; d < D; d += NT) sgn_s[d] = c.signs[d] / sqrtf(static_cast<float>(D));
-    if (format3)
-      for (int e = tid; e < kSegmentEntries; e += NT) units_s[e] = c.gamma_units[e];
-    for (int j = tid; j < pairs; j += NT) {
-      inv_s[j] = c.inv_freq[j];
-      first_s[j] = c.rope_first[j];
-      second_s[j] = c.rope_second[j];
-    }
-    // e^{i d omega_j} for the offsets d < T inside a tile: the host's table (in double), copied
-    // once per block.
-    const float2 *step = reinterpret_cast<const float2 *>(c.rope_step);
-    if (fast) {
-      // pairs == D / 2: cs_s's entry (u, j4) holds pairs 4 j4 .. 4 j4 + 3 of offset u, and
-      // step_s the same four pairs' (cos, sin): a thread's entries read in 16-byte loads, all
-      // before any store (element by element, each store waited on its load: about 30 trips
-      // to L2 a thread at D 128 before the first tile; the view's tables are 16-byte aligned).
-      constexpr int E = T * (D / 8) / NT;  // entries a thread
-      static_assert(E >= 1 && T * (D / 8) % NT == 0, "whole entries a thread");
-      float4 v[E][2];
+
+    // The set-up's loads in two batches, each issued whole before its stores: ptxas issues a
+    // load just before the store that waits on it, so the loops that copied the queries and the
+    // view's tables an element at a time took a trip to L2 each, one after another (about
+    // 7,500 cycles to the first barrier: scripts/sass_count.py's prologue_walk). First the
+    // RoPE step table (32 floats a thread: with the second batch's loads in flight beside it,
+    // the shipped kernels spilled), then the rest, at most one element of each table a thread.
+    // (ptxas's allocation at 128 registers moves with small changes here: check the shipped
+    // kernels' spills in sass_count.py's last table after any.)
+    static_assert(D <= NT && kSegmentEntries <= NT && T + D / 2 <= NT && MAXROWS * D % NT == 0,
+                  "an element of each table a thread");
+    // e^{i d omega_j} for the offsets d < T inside a tile: the host's table (in double). On the
+    // fast path (pairs == D / 2) cs_s's entry (u, j4) holds pairs 4 j4 .. 4 j4 + 3 of offset u,
+    // and step_s the same four pairs' (cos, sin): a thread's entries in 16-byte loads (the
+    // view's tables are 16-byte aligned).
+    const float2 *step = reinterpret_cast<const float2 *>(v.rope_step);
+    constexpr int E = T * (D / 8) / NT;  // entries a thread
+    static_assert(E >= 1 && T * (D / 8) % NT == 0, "whole entries a thread");
+    float4 sv[E][2];
+    if (fast)
       for (int x = 0; x < E; ++x) {
         const int e = tid + x * NT, u = e / (D / 8), j4 = e % (D / 8);
         const float4 *st = reinterpret_cast<const float4 *>(step + u * pairs + 4 * j4);
-        v[x][0] = load_ro(st);
-        v[x][1] = load_ro(st + 1);
+        sv[x][0] = load_ro(st);
+        sv[x][1] = load_ro(st + 1);
       }
+    if (fast) {
       for (int x = 0; x < E; ++x) {
         const int e = tid + x * NT, u = e / (D / 8), j4 = e % (D / 8);
         float4 *ss = reinterpret_cast<float4 *>(step_s + u * pairs + 4 * j4);
-        ss[0] = v[x][0];
-        ss[1] = v[x][1];
-        cs_s[u * kTrigStride + j4] = uint4{pack_bf16x2(v[x][0].x, v[x][0].z), pack_bf16x2(v[x][1].x, v[x][1].z),
-                                           pack_bf16x2(v[x][0].y, v[x][0].w), pack_bf16x2(v[x][1].y, v[x][1].w)};
+        ss[0] = sv[x][0];
+        ss[1] = sv[x][1];
+        cs_s[u * kTrigStride + j4] = uint4{pack_bf16x2(sv[x][0].x, sv[x][0].z), pack_bf16x2(sv[x][1].x, sv[x][1].z),
+                                           pack_bf16x2(sv[x][0].y, sv[x][0].w), pack_bf16x2(sv[x][1].y, sv[x][1].w)};
       }
     } else {
       for (int e = tid; e < T * pairs; e += NT) step_s[e] = step[e];
+    }
+    constexpr int QPT = MAXROWS * D / NT;  // query elements a thread
+    const int G = p.q_heads / p.heads;
+    const int64_t qbase = ((static_cast<int64_t>(blockIdx.z) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0) * D;
+    int qdtype = p.dtype;
+#ifdef AKV_SASS_PIN_BF16_FUSED
+    qdtype = AKV_DTYPE_BF16;
+#endif
+    float qv[QPT];
+    for (int x = 0; x < QPT; ++x) {
+      const int e = tid + x * NT;
+      qv[x] = e / D < rows ? load_elem(p.queries, qdtype, qbase + e) : 0.0f;
+    }
+    const float qscale = v.softmax_scale * kLog2e;  // exp2(logit) is the softmax weight
+    const bool pair_thread = tid < pairs, angle_thread = tid >= T && tid - T < pairs;
+    const float sign = k && tid < D ? v.signs[tid] : 0.0f;
+    const float unit = format3 && tid < kSegmentEntries ? v.gamma_units[tid] : 0.0f;
+    const float inv = pair_thread ? v.inv_freq[tid] : 0.0f, angle_inv = angle_thread ? v.inv_freq[tid - T] : 0.0f;
+    const int32_t rope_first = pair_thread ? v.rope_first[tid] : 0, rope_second = pair_thread ? v.rope_second[tid] : 0;
+    // The logit penalty's beta without and with a key residual (lanes 0 and 1; docs/design.md §4.5).
+    const float beta = lane < 2 && v.logit_penalty && format3 && k ? v.logit_penalty[2 * h + lane] : 0.0f;
+    // The block's first prefix tile (format 3; a barrier follows before any warp reads it):
+    // its residual slots with counts 0, to which each tile adds its own (tiles run
+    // consecutively: the key side format3_meta or stage_keys, the value side stage_values),
+    // and its words and entries (stage_next; the next tiles' a tile ahead), on warps that build
+    // the head's array pointers themselves rather than wait for thread 0's in ha_s.
+    const int first_tile = prefix_tile(v.prefix, blockIdx.x, p.splits);
+    const bool stage = v.kind == kKindAnchor && format3 && first_tile < v.words;
+    const bool stager = warp == kEntryWarp || warp == kWordsWarp;
+    if (tid == 0 || (stage && stager)) {
+      const HeadArrays ha = head_arrays(v);
+      if (tid == 0) {
+        *ha_s = ha;
+        seg_s[0] = -1;
+      }
+      if (stage && stager) {
+        stage_next(first_tile * T, ha);
+        if (warp == kWordsWarp && lane == 0) {  // off thread 0's path
+          const int64_t wd = static_cast<int64_t>(h) * v.words + first_tile;
+          *reinterpret_cast<uint4 *>(res_s) =
+              uint4{v.key_offsets[h] + v.key_prefix[wd], 0u, v.value_offsets[h] + v.value_prefix[wd], 0u};
+        }
+      }
+    }
+
+    if (angle_thread) {  // the tile step of the first angles (anchor_meta)
+      const int j = tid - T;
+      float tc, ts;
+      rope_angle(T, angle_inv, &tc, &ts);
+      tstep_s[j] = float2{tc, ts};
+      next_s[j] = -1;
+      left_s[j] = 0;
+    }
+    // Queries of this row chunk, scaled so that exp2(logit) is the softmax weight.
+    for (int x = 0; x < QPT; ++x) q_s[tid + x * NT] = qr_s[tid + x * NT] = qv[x] * qscale;
+    for (int e = rows * QS + tid; e < MAXROWS * QS; e += NT) qb_s[e] = 0;  // rows rotate_queries leaves
+    // The weights' rows (their padding to wstride too: the block's own), 16 bytes a store (w_s
+    // and ws_w's rows are 16-byte aligned, MAXROWS a multiple of 4).
+    for (int e = tid; e < MAXROWS * static_cast<int>(wstride) / 4; e += NT) reinterpret_cast<float4 *>(w)[e] = float4{0.0f, 0.0f, 0.0f, 0.0f};
+    if (segw)
+      for (int e = tid; e < MAXROWS * kSegmentEntries; e += NT) w_s[e] = 0.0f;
+    // Hadamard signs over sqrt(D): the signs are +-1, so the product with the reciprocal (a
+    // constant) is the quotient.
+    if (k && tid < D) sgn_s[tid] = sign * (1.0f / sqrtf(static_cast<float>(D)));
+    if (format3 && tid < kSegmentEntries) units_s[tid] = unit;
+    if (pair_thread) {
+      inv_s[tid] = inv;
+      first_s[tid] = rope_first;
+      second_s[tid] = rope_second;
     }
     for (int r = 0; r < RPW; ++r) {
       m_run[r] = -INFINITY;
@@ -389,12 +445,22 @@ struct SplitBlock {
       float q2 = 0.0f;
       for (int d = lane; d < D; d += 32) q2 += q_s[i * D + d] * q_s[i * D + d];
       q2 = warp_sum(q2);
-      if (lane < 3) {
-        const float beta = lane < 2 && c.logit_penalty && format3 && k ? c.logit_penalty[2 * h + lane] : 0.0f;
-        pen_s[lane * MAXROWS + i] = -beta * q2 / kLog2e;
-      }
+      if (lane < 3) pen_s[lane * MAXROWS + i] = -beta * q2 / kLog2e;
     }
     __syncthreads();
+  }
+
+  // The head's array pointers (ha_s; format 2's format-3 arrays null).
+  __device__ __forceinline__ HeadArrays head_arrays(const CacheView &v) const {
+    const int64_t hw = static_cast<int64_t>(h) * v.words, hp = static_cast<int64_t>(h) * v.prefix;
+    const bool f3 = format3;
+    return HeadArrays{v.anchor_keys + static_cast<int64_t>(h) * k * D,
+                      f3 ? v.anchor_mask + hw : nullptr, f3 ? v.key_mask + hw : nullptr,
+                      f3 ? v.value_mask + hw : nullptr, f3 ? v.anchor_first + hw : nullptr,
+                      f3 ? v.key_entry + hp : nullptr, f3 ? v.value_entry + hp : nullptr,
+                      f3 ? v.key_code + hp : nullptr, f3 ? v.value_code + hp : nullptr,
+                      v.key_codes, v.value_codes, v.value_chunk, v.key_scales, v.value_scales,
+                      static_cast<int32_t>(v.prefix), v.segment_shift};
   }
 
   // ---- 1. tile metadata: anchor, gamma and position of each token; the first angles ------
@@ -468,19 +534,6 @@ struct SplitBlock {
       }
   }
 
-  // Before a block's first prefix tile (a barrier follows): format 3's residual slots as of
-  // that tile, with counts 0, to which each tile adds its own (tiles run consecutively: the key
-  // side format3_meta or stage_keys, the value side stage_values), and the tile's words and
-  // entries (the next tiles': stage_entries, a tile ahead).
-  __device__ __forceinline__ void start_prefix(int first_tile) {
-    if (!format3 || first_tile >= c.words) return;
-    if (tid == 0) {
-      const int64_t wd = static_cast<int64_t>(h) * c.words + first_tile;
-      *reinterpret_cast<uint4 *>(res_s) =
-          uint4{c.key_offsets[h] + c.key_prefix[wd], 0u, c.value_offsets[h] + c.value_prefix[wd], 0u};
-    }
-    stage_next(first_tile * T);
-  }
   // Format 3: the tile's anchor, key residual and value residual mask words and the anchor index
   // of its first anchor (as a word), from shared memory (tile parity: stage_entries writes the
   // next tile's beside them).
@@ -498,8 +551,7 @@ struct SplitBlock {
   // stores), and each token's key and value entries and codes, packed into a word (ent_s). Past
   // the prefix a token reads the tile's first token's, and a tile past it (the last tile's
   // next) the tile before's, into its parity's slots: not read.
-  __device__ __forceinline__ void stage_tile_words(int tn) {
-    const HeadArrays &ha = *ha_s;
+  __device__ __forceinline__ void stage_tile_words(int tn, const HeadArrays &ha) {
     const int P = ha.prefix, par = (tn >> 6) & 1;
     const int wd = (tn < P ? tn : tn - T) >> 6, x4 = lane & 3;
     const uint64_t word = load_ro((x4 == 0 ? ha.anchor_mask : x4 == 1 ? ha.key_mask : ha.value_mask) + wd);
@@ -507,15 +559,14 @@ struct SplitBlock {
     // Whether the tile before (this one, tn - T) is its segment's last, for the flush after
     // its values: by tile parity, so that a warp may write the next tile's while another
     // still reads this one's (no barrier between when the tile does not flush). From
-    // start_prefix it is the block's first tile less one's, a slot rewritten before it is read.
+    // the set-up it is the block's first tile less one's, a slot rewritten before it is read.
     if (segw && lane == 0) {
       const int shift = ha.segment_shift;
       seg_s[1 + ((tn / T - 1) & 1)] = tn >> shift != (tn - T) >> shift;
     }
     tw_s[4 * par + x4] = x4 == 3 ? first : word;
   }
-  __device__ __forceinline__ void stage_entries(int tn) {
-    const HeadArrays &ha = *ha_s;
+  __device__ __forceinline__ void stage_entries(int tn, const HeadArrays &ha) {
     const int P = ha.prefix, par = (tn >> 6) & 1;
     const int tc = tn < P ? tn : tn - T;
     uint32_t packed[T / 32];
@@ -528,9 +579,9 @@ struct SplitBlock {
     AKV_UNROLL
     for (int x = 0; x < T / 32; ++x) ent_s[par * T + lane + 32 * x] = packed[x];
   }
-  __device__ __forceinline__ void stage_next(int tn) {  // both, on a warp that takes both
-    if (warp == kEntryWarp) stage_entries(tn);
-    if (warp == kWordsWarp) stage_tile_words(tn);
+  __device__ __forceinline__ void stage_next(int tn, const HeadArrays &ha) {  // both, on a warp that takes both
+    if (warp == kEntryWarp) stage_entries(tn, ha);
+    if (warp == kWordsWarp) stage_tile_words(tn, ha);
   }
 
   // Residuals a trip of the staging loops (stage_keys, stage_values): a lane four code words
@@ -688,9 +739,9 @@ struct SplitBlock {
       stage_keys(t0);
     } else if (warp == NW - 1 && !window) {  // off warps 0-1's path (format3_meta)
       stage_values(t0);
-      if (kEntryWarp == NW - 1 && format3) stage_next(static_cast<int>(t0) + T);
+      if (kEntryWarp == NW - 1 && format3) stage_next(static_cast<int>(t0) + T, *ha_s);
     } else if ((warp == kEntryWarp || warp == kWordsWarp) && !window && format3) {
-      stage_next(static_cast<int>(t0) + T);
+      stage_next(static_cast<int>(t0) + T, *ha_s);
     }
     return gap;
   }
@@ -1629,17 +1680,13 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
   const int h = blockIdx.y / p.row_chunks, rc = blockIdx.y % p.row_chunks;
   const CacheView &c = *p.views[blockIdx.z];
   const int64_t block_index = split_block_index();
-  Block blk(c, p, smem, h, rc, block_index);
   const int splits = p.splits;
+  Block blk(c, p, smem, h, rc, block_index);
   const int64_t suffix_len = c.suffix_len;
 
   if (c.kind == kKindAnchor) {
     const int P = c.prefix;  // 32-bit tile bounds: fewer registers live across the loop
-    const int tiles = (P + T - 1) / T;
-    const int first_tile = static_cast<int>(int64_t{tiles} * split / splits);
-    const int end_tile = static_cast<int>(int64_t{tiles} * (split + 1) / splits);
-    blk.start_prefix(first_tile);
-    __syncthreads();  // every warp reads the slots and tile words thread 0 wrote
+    const int first_tile = Block::prefix_tile(P, split, splits), end_tile = Block::prefix_tile(P, split + 1, splits);
     for (int tile = first_tile; tile < end_tile; ++tile) {
       const int t0 = tile * T, end = t0 + T < P ? t0 + T : P;
       if (blk.format3) {  // consecutive positions
