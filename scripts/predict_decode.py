@@ -9,9 +9,11 @@ G * q_len alone, not from the batch).
 HONESTY: the tile loop (most of the time) is counted from SASS by scripts/sass_count.py, with
 its trip-count and warp model, and so are the two merge kernels (sass_count.py's merge_walk:
 a block's cycles with its loads from L2 and its barriers, at the plan's splits and anchor
-parts), and so is the split kernel's set-up before its first tile (prologue_walk: its issue,
-and its cycles to the first tile, the excess of which over its issue adds to each wave); the
-partial write and the window tile are still PTX constants (below). The tile loop issues at IPC, or at the latency bound
+parts), and so are the split kernel's set-up before its first tile (prologue_walk) and its
+partial write and window tile (tail_walk): their issue, and the set-up's and partial write's
+cycles, whose excess over their issue adds to each wave; the window's tile, which the kernel
+counts as two prefix tiles when it splits the tiles, in the busiest block's tiles. Where
+sass_count.py is missing, PTX constants (below). The tile loop issues at IPC, or at the latency bound
 sass_count.py derives from the SASS's own stall counts and scoreboards where that is lower: a
 scheduler's warps (2 a resident block of 8) hide each other's latency only so far, and at each
 barrier the block waits for its slowest warp (warp 0's metadata and value staging). Global loads:
@@ -46,6 +48,7 @@ ROWS = 4  # G * q_len
 SMS, SCHED, CLOCK_GHZ, HBM_TBS = 132, 4, 1.98, 4.3
 IPC = 0.7          # assumed fraction of one warp instruction / scheduler / cycle actually issued
 L2_TBS = 8.0       # assumed L2 -> SM bandwidth (anchor rows are gathered through L2 per token)
+WINDOW_UNITS = 2  # SplitBlock::kWindowUnits: a window tile counted as 2 prefix tiles in the split
 LAUNCH_US = 6.0    # three back-to-back kernels (split, anchor values, merge): launch gaps and tails, assumed
 VIEW_BYTES, HEAD_ARRAYS_BYTES = 432, 120  # sizeof(CacheView), sizeof(HeadArrays) (cache_view.hpp)
 MERGE_CHUNK, MAX_PER_PART = 64, 256  # kMergeAnchorChunk, kMergeMaxAnchorsPerPart (cache_view.hpp)
@@ -192,7 +195,7 @@ def sass_phases(fk, fv, k, block_tiles, segments=False, merge=None):
         res = json.load(open(out))
         loop = res["tile_loop"]
         return loop["per_tile"], loop["smem_wavefronts"], dict(loop["latency"], merge=res.get("merge"),
-                                                               prologue=res.get("prologue"))
+                                                               prologue=res.get("prologue"), tail=res.get("tail"))
 
 
 def predict(S, batch, use_sass=False):
@@ -205,10 +208,18 @@ def predict(S, batch, use_sass=False):
                                              (pl["splits"], math.ceil(g["k"] / per_part), per_part)))
                    or (tile_phases(fk, fv), None, None))
     tile = sum(ph.values())
-    pro = lat.get("prologue") if lat else None  # the set-up from its SASS walk, or the PTX constant
-    fixed = (pro["issue"] if pro else prologue(g["k"])) + write_partial(g["k"], pl["segments"])
-    per_block = math.ceil(pl["tiles"] / pl["splits"]) * tile + fixed + WINDOW_TILE  # split 0 block
-    total = pl["blocks"] * (pl["tiles"] / pl["splits"] * tile + fixed) + H * batch * WINDOW_TILE
+    # The set-up and the partial write from their SASS walks (prologue_walk, tail_walk), or the
+    # PTX constants; the window's tile likewise.
+    pro = lat.get("prologue") if lat else None
+    tail = lat.get("tail") if lat else None
+    partial = tail["partial"] if tail else None
+    window_issue = tail["window"]["issue"] if tail else WINDOW_TILE
+    fixed = (pro["issue"] if pro else prologue(g["k"])) + (partial["issue"] if partial else write_partial(g["k"], pl["segments"]))
+    # The busiest block: the kernel splits the prefix's tiles and the window's, a window tile
+    # counted as WINDOW_UNITS prefix tiles (SplitBlock::split_unit), evenly.
+    wt = math.ceil(W / T)
+    per_block = math.ceil((pl["tiles"] + WINDOW_UNITS * wt) / pl["splits"]) * tile + fixed
+    total = pl["blocks"] * (pl["tiles"] / pl["splits"] * tile + fixed) + H * batch * wt * window_issue
     waves = math.ceil(pl["blocks"] / (SMS * pl["resident"]))
     rate = SCHED * CLOCK_GHZ * 1e3 * IPC  # warp instructions per us per SM
     # The tile loop's issue rate: IPC, or less where sass_count.py's latency bounds say the
@@ -227,8 +238,9 @@ def predict(S, batch, use_sass=False):
     # The set-up to a block's first tile is latency-bound (its loads from L2, its barriers): beyond
     # its issue, which the above counts, each wave waits its cycles less what the multiprocessor
     # issues of its resident blocks' set-ups meanwhile (sass_count.py's prologue_walk).
-    setup_us = 0.0 if not pro else waves * max(0.0, pro["block_cycles"] / (CLOCK_GHZ * 1e3)
-                                               - pl["resident"] * pro["issue"] / rate)
+    # The partial write the same (tail_walk).
+    setup_us = sum(waves * max(0.0, x["block_cycles"] / (CLOCK_GHZ * 1e3) - pl["resident"] * x["issue"] / rate)
+                   for x in (pro, partial) if x)
     issue = {c: v + setup_us for c, v in issue.items()}
     issue_us = issue["mixed"]
     ws = pl["blocks"] * ROWS * (2 * D + 2 + g["k"]) * 4
@@ -262,7 +274,7 @@ def predict(S, batch, use_sass=False):
     t = max(issue_us, mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     t_l1 = max(issue["l1"], mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,
-                per_part=per_part, ipc=ipc, t_l1=t_l1, merge_src=merge_src, setup_us=setup_us, pro=pro,
+                per_part=per_part, ipc=ipc, t_l1=t_l1, merge_src=merge_src, setup_us=setup_us, pro=pro, tail=tail,
                 issue=issue_us, hbm=hbm, mem=mem_us, l2=l2, l2_us=l2_us, smem_us=smem_us, merge=merge_us, t=t)
 
 
@@ -319,7 +331,7 @@ def main():
         from_ptx()
     use_sass = not a.ptx_model and sass_phases(0.052, 0.052, 815, 16) is not None
     source = ("tile loop: SASS counts (scripts/sass_count.py, its trip-count and warp model); merge kernels: "
-              "their SASS walk (merge_walk); set-up: its SASS walk (prologue_walk); partial write and window: PTX constants" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
+              "their SASS walk (merge_walk); set-up, partial write and window: their SASS walks (prologue_walk, tail_walk)" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
               "--ptx-model)")
     print(f"Assumptions: {SMS} SMs x {SCHED} schedulers x {CLOCK_GHZ} GHz x IPC {IPC} (the tile loop: at most its "
           "latency bound, sass_count.py's warp_latency: the gathered anchor rows from L1 at its GATHER_L1_SHARE, other "
@@ -366,10 +378,14 @@ def main():
               f"anchor-value blocks of {per} anchors, then {H * r['batch']} merge blocks; "
               f"{r['merge']:.1f} us ({r['merge_src']}); L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
     for r in rows:
-        if r["pro"]:
-            print(f"Set-up {r['S']} x {r['batch']}: {r['pro']['issue']:.0f} warp instructions a split block and "
-                  f"{r['pro']['block_cycles']:.0f} cycles to its first tile (prologue_walk), "
-                  f"{r['setup_us']:.1f} us beyond its issue.")
+        if r["pro"] and r["tail"]:
+            t = r["tail"]
+            print(f"Set-up and partial write {r['S']} x {r['batch']}: {r['pro']['issue']:.0f} and "
+                  f"{t['partial']['issue']:.0f} warp instructions a split block, {r['pro']['block_cycles']:.0f} cycles to "
+                  f"its first tile (prologue_walk) and {t['partial']['block_cycles']:.0f} for the partial write "
+                  f"(tail_walk): {r['setup_us']:.1f} us beyond their issue; the window's tile {t['window']['issue']:.0f} "
+                  f"warp instructions, {t['window']['block_cycles']:.0f} cycles (counted as {WINDOW_UNITS} prefix tiles in "
+                  "the busiest block).")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ nvidia-cuda-cuobjdump, which scripts/install-deps.sh installs) and prints per ke
 registers, stack, spills (ptxas -v), SASS instructions, local-memory accesses, barriers,
 atomics, and whether tensor-core (HMMA) or packed half2/bf16x2 arithmetic is present.
 
-For decode_split_kernel<128,4> (bf16, fused NeoX RoPE, 4 rows: compiled with
-AKV_SASS_PIN_BF16_FUSED, which makes that path a constant so that the SASS holds only the
-code that runs; the per-kernel table is of that build too; its per-anchor weights in shared
+For decode_split_kernel<128, 4, true> (the register-gather path's instantiation the library
+launches for the default caches: bf16, fused NeoX RoPE, format 3; 4 rows: compiled with
+AKV_SASS_PIN_BF16_FUSED, which makes the rest of that path (a full row chunk, segment tables) a
+constant so that the SASS holds only the code that runs; the per-kernel table is of that build
+too; its per-anchor weights in shared
 memory, or with --segment-weights a segment table's entries at a time, AKV_SASS_PIN_SEGMENT_WEIGHTS:
 the library's plan at 128K) it also counts the AnchorKV
 prefix tile loop: the loop is found in the control flow (the innermost backward branch whose
@@ -437,7 +439,7 @@ def compile_cubin(workdir, nvcc, segment_weights=False):
               'template __global__ void akv::cuda::coverage_chunk_kernel<1>(const float *, const float *, '
               'const float *, const float *, int64_t, const float *, int64_t, int64_t, const int32_t *, '
               'uint32_t *, uint32_t *);\n')
-    for k in ("decode_split_kernel<128, 4>", "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
+    for k in ("decode_split_kernel<128, 4, true>", "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
         source += f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n"
     for ch in LOCAL_CHUNKS:
         source += (f"template __global__ void akv::cuda::local_nearest_kernel<128, {ch}>(const akv::cuda::LocalSide, "
@@ -454,15 +456,16 @@ def compile_cubin(workdir, nvcc, segment_weights=False):
     return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo",) + pins)
 
 
-SHIPPED = [(d, r) for d in (64, 128, 256) for r in (4, 8, 16)]
+SHIPPED = [(d, r, f) for d in (64, 128, 256) for r in (4, 8, 16) for f in (True, False)]
 
 
 def compile_shipped(workdir, nvcc):
-    """The library's own decode_split_kernel instantiations (no pinning: every path in one
-    binary, as the CUDA build compiles them): the cubin and ptxas's log."""
+    """The library's own decode_split_kernel instantiations (no pinning: each with every path of
+    its kind, the register-gather path's or the others, as the CUDA build compiles them): the
+    cubin and ptxas's log."""
     source = '#include "cuda/decode_kernels.cuh"\n'
-    for d, r in SHIPPED:
-        source += (f"template __global__ void akv::cuda::decode_split_kernel<{d}, {r}>"
+    for d, r, f in SHIPPED:
+        source += (f"template __global__ void akv::cuda::decode_split_kernel<{d}, {r}, {'true' if f else 'false'}>"
                    "(const __grid_constant__ akv::cuda::DecodeLaunch);\n")
     return nvcc_cubin(workdir, nvcc, "shipped", source)
 
@@ -1093,14 +1096,20 @@ def loop_trips(f, hot, lines, trips_of):
             sys.exit(f"sass_count: no trip count for the loop at line {ln}: {lines[ln - 1].strip() if ln else '?'}")
         m = re.match(r"@!?(U?P\d+)", ins[b]["text"])
         u = None
-        cmp_ = next((ins[i]["text"] for i in range(b - 1, a - 1, -1)
-                     if m and re.search(r"ISETP\S*\s+" + m.group(1) + r",", ins[i]["text"])), None)
+        at = next((i for i in range(b - 1, a - 1, -1)
+                   if m and re.search(r"ISETP\S*\s+" + m.group(1) + r",", ins[i]["text"])), None)
+        cmp_ = ins[at]["text"] if at is not None else None
         if cmp_:
             regs = re.findall(r"\bR\d+\b", cmp_.split(",", 2)[2])
-            for i in range(a, b):
-                x = re.match(r"(?:@\S+\s+)?(?:IADD3|VIADD)\s+(R\d+),\s*(R\d+),\s*(-?0x[0-9a-f]+|-?\d+)(?:,\s*RZ)?\s*$",
-                             ins[i]["text"])
-                if x and x.group(1) in regs and x.group(2) == x.group(1):
+            for r in regs:
+                # the compared register's last definition before the compare, if an increment of
+                # itself (a register loaded or computed afresh there is no induction variable)
+                d = next((i for i in range(at - 1, a - 1, -1)
+                          if re.match(r"(?:@\S+\s+)?\S+\s+" + r + r"\b", ins[i]["text"])), None)
+                x = d is not None and re.match(
+                    r"(?:@\S+\s+)?(?:IADD3|VIADD)\s+(R\d+),\s*(R\d+),\s*(-?0x[0-9a-f]+|-?\d+)(?:,\s*RZ)?\s*$",
+                    ins[d]["text"])
+                if x and x.group(2) == x.group(1):
                     inc = int(x.group(3), 0)
                     inc = inc - (1 << 32) if inc >= 1 << 31 else inc
                     # a count of trips left (down, or to zero), or the source's induction variable
@@ -1255,6 +1264,94 @@ def prologue_walk(f, spans, lines, k, first):
                       for (a, b), x in sorted(info.items())]}
 
 
+# The split kernel after its prefix tiles (tail_walk): the window's tiles (split 0), the
+# suffix's start and the partial write, each loop's source trips a thread by its source line.
+def tail_trips(text, k):
+    table = (("for (int w0 = Block::window_tile(u0, tiles) * T;", 1, T),  # W 32: one window tile, in one block
+             ("for (int e = tid; e < MAXROWS * D; e += NT)", ROWS * D / NT, NT),  # a part's sums
+             ("for (int e = tid; e < k; e += NT)", k / NT, NT),  # the weights' copy, a row
+             ("for (int i = 0; i < MAXROWS; ++i)", ROWS, 1),
+             ("for (int i0 = 0; i0 < MAXROWS; i0 += NT / T)", ROWS * T / NT, NT // T),
+             ("for (int part = 0; part < 2; ++part)", 2, 1),
+             ("for (int e = tid; e < MAXROWS * kSegmentEntries; e += NT)", ROWS * 256 / NT, NT))  # a rescale's
+    for key, n, step in table:
+        if key in text:
+            return n, step
+    return None, None
+
+
+def block_end(lines, n):
+    """The line (1-based) that closes the block opened on line n (its indent and a brace)."""
+    ind = lines[n - 1][:len(lines[n - 1]) - len(lines[n - 1].lstrip())]
+    return next(j for j in range(n + 1, len(lines) + 1) if lines[j - 1] == ind + "}")
+
+
+def tail_walk(f, spans, lines, k, loop_span, block_tiles, segment_weights):
+    """decode_split_kernel<128, 4>'s code after its prefix tiles (the pinned build, outside the
+    tile loop's instructions loop_span): the window's tiles ("window", the blocks that take one)
+    and the suffix's start and the partial write ("partial", every block), the dense branch and
+    the suffix's tiles left out (no suffix in the predicted rows). Each loop at its source trips
+    (tail_trips) over its unroll (loop_trips), each line on the warps the tile loop's model gives
+    its function (warps, warp_set) and, in write_partial, the rows' owners (warps 0-3) for their
+    running sums, and weighted as in the tile loop where it runs only sometimes (cold_blocks: a
+    rescale as often as a tile of a block of block_tiles; with segment_weights, the shared-memory
+    weights' copy not at all); every load from L2. Returns each part's issue and cycles with its
+    barriers."""
+    ins = f["ins"]
+    kern = next(x for x in spans if x[0] == "decode_split_kernel")
+    at = lambda text: next(n for n in range(kern[1], kern[2] + 1) if text in lines[n - 1])
+    w_first = at("for (int w0 = Block::window_tile(u0, tiles) * T;")
+    parts = {"window": set(range(w_first, block_end(lines, w_first) + 1)),
+             "partial": {at("blk.start_dense();  // the suffix's"), at("blk.write_partial(block_index);")}}
+
+    def frames(i):
+        return [ln for fl, ln in ins[i]["chain"] if fl and fl.endswith("decode_kernels.cuh") and ln]
+
+    def part_of(i):
+        fr = frames(i)
+        if not fr or loop_span[0] <= i <= loop_span[1]:
+            return None
+        return next((name for name, ls in parts.items() if fr[-1] in ls), None)
+
+    _, hot = hot_loops(f)
+    hot = [l for l in hot if part_of(l[1]) and not (l[0] <= loop_span[0] and loop_span[1] <= l[1])]
+    info = loop_trips(f, hot, lines, lambda text: tail_trips(text, k))
+    upper = cold_lines(lines, [("if (half == 1) {", 1.0)])
+    last = cold_lines(lines, [("} else if (warp == NW - 1 && !window) {", 1.0)])
+    warp_blocks = cold_lines(lines, WARP_BLOCKS)
+    owners = cold_lines(lines, [("if (const int i = warp + r * NW; i < MAXROWS) {", 1.0)])
+    cold = cold_lines(lines, cold_blocks(rescale_rate(block_tiles), block_tiles)
+                      + [("if (w == w_s) {", 0.0 if segment_weights else 1.0)])
+    out = {}
+    for name in parts:
+        weighted, issue, prev = [], 0.0, None
+        for i in range(len(ins)):
+            part = part_of(i)
+            if part is None and not frames(i) and prev is not None and i - 1 >= 0 and part_of(i - 1) == name:
+                part = name  # library code inlined without a line: as the instruction before it
+            if part != name:
+                continue
+            fr = frames(i)
+            if fr:
+                o = owner(spans, fr[0])
+                func = o[0] if o else ""
+                cond = "\n".join(lines[max(o[1] - 1, fr[0] - 6):fr[0]]) if o else ""
+                w = warp_blocks.get(fr[0]) or warps(func, cond)
+                warps_of = tuple(range(ROWS)) if fr[0] in owners else warp_set(func, w, fr[0] in upper, fr[0] in last)
+                mult = min(cold.get(ln, 1.0) for ln in fr)
+                for (a, b), x in info.items():
+                    if a <= i <= b:
+                        mult *= x["trips"]
+                prev = (mult * len(warps_of), warps_of, mult * len(warps_of))
+            weighted.append((i, name) + prev)
+            issue += prev[0]
+        lat = warp_latency(ins, weighted, view_from_l2=True)
+        out[name] = {"issue": issue, "block_cycles": lat["mixed"]["block_cycles"],
+                     "segments": [round(sg["cycles"]) for sg in lat["mixed"]["segments"]]}
+    out["loops"] = [dict(first=a, last=b, line=x["line"], unroll=x["u"], trips=x["trips"]) for (a, b), x in sorted(info.items())]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fk", type=float, default=0.052, help="key residual fraction (32K default geometry: 0.052)")
@@ -1330,6 +1427,13 @@ def main():
           f"instructions a block, {pro['block_cycles']:.0f} cycles with its barriers (every load from L2; barrier "
           f"segments {' + '.join(map(str, pro['segments']))}); loops: "
           + ", ".join(f"{l['line']} {l['unroll']}x{l['trips']:g}" for l in pro["loops"] if l["trips"]))
+    tail = tail_walk(funcs[split], spans, lines, a.anchors, (loop["first"], loop["last"]), a.block_tiles,
+                     a.segment_weights)
+    result["tail"] = tail
+    print(f"After the prefix tiles (tail_walk): the window's tile (the blocks that take it) {tail['window']['issue']:.0f} warp "
+          f"instructions, {tail['window']['block_cycles']:.0f} cycles; the partial write (every block) "
+          f"{tail['partial']['issue']:.0f}, {tail['partial']['block_cycles']:.0f} cycles (every load from L2); loops: "
+          + ", ".join(f"{l['line']} {l['unroll']}x{l['trips']:g}" for l in tail["loops"] if l["trips"]))
     # The merge kernels at the plan's splits and anchor parts (predict_decode.py passes its own).
     result["merge"] = {}
     print(f"\nThe merge kernels <128, 4> ({a.splits} splits, {a.anchor_parts} anchor parts of {a.anchors_per_part}; "
@@ -1423,20 +1527,21 @@ def main():
     # rows: 128 registers, two blocks per multiprocessor) on a path the pinned count leaves out.
     cubin2, log2 = compile_shipped(workdir, nvcc)
     info2, funcs2 = ptxas_info(log2), disassemble(nvdisasm, cubin2)
-    print("\nShipped decode_split_kernel instantiations (every path in one binary, as the library builds them)")
-    print("| D, rows | regs | stack B | spill st/ld B | LDL/STL | LDL/STL in the prefix tile loop |")
+    print("\nShipped decode_split_kernel instantiations (each with every path of its kind, as the library builds "
+          "them; fast: the register-gather path's, fast_decode_path)")
+    print("| D, rows, fast | regs | stack B | spill st/ld B | LDL/STL | LDL/STL in the prefix tile loop |")
     print("|---|---|---|---|---|---|")
     result["shipped"] = {}
-    for d, r in SHIPPED:
-        m = next(x for x in funcs2 if f"decode_split_kernelILi{d}ELi{r}E" in x)
+    for d, r, fa in SHIPPED:
+        m = next(x for x in funcs2 if f"decode_split_kernelILi{d}ELi{r}ELb{int(fa)}E" in x)
         pi, local = info2.get(m, {}), kernel_summary(funcs2[m])["local_accesses"]
         # The AnchorKV prefix tile loop of every path: the innermost loop that holds both the
         # contraction (HMMA) and the per-anchor weights' shared-memory atomics (the window and
         # dense loops have no atomics, the CAS retry loop no HMMA).
         hot = min((l for l in loops(funcs2[m]) if l[3]["HMMA"] and l[3]["ATOMS"]), key=lambda l: l[2], default=None)
         in_loop = hot[3]["LDL"] + hot[3]["STL"] if hot else "?"
-        result["shipped"][f"{d},{r}"] = dict(pi, local_accesses=local, local_in_tile_loop=in_loop)
-        print(f"| {d}, {r} | {pi.get('registers', '?')} | {pi.get('stack', '?')} | {pi.get('spill_stores', '?')}/"
+        result["shipped"][f"{d},{r},{int(fa)}"] = dict(pi, local_accesses=local, local_in_tile_loop=in_loop)
+        print(f"| {d}, {r}, {'yes' if fa else 'no'} | {pi.get('registers', '?')} | {pi.get('stack', '?')} | {pi.get('spill_stores', '?')}/"
               f"{pi.get('spill_loads', '?')} | {local} | {in_loop} |")
     if a.json:
         with open(a.json, "w") as fh:

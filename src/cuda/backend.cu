@@ -33,11 +33,11 @@ void allow_all_shared_memory(akv_context &ctx, Kernel *kernel) {
   state(ctx).smem_kernels.insert(key);
 }
 
-template <int D, int MAXROWS>
+template <int D, int MAXROWS, bool FAST>
 void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch &p, int32_t requests,
                    cudaStream_t stream) {
-  allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS>);
-  decode_split_kernel<D, MAXROWS><<<dim3(plan.splits, p.heads * plan.row_chunks, requests), kDecodeThreads,
+  allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS, FAST>);
+  decode_split_kernel<D, MAXROWS, FAST><<<dim3(plan.splits, p.heads * plan.row_chunks, requests), kDecodeThreads,
                                     plan.smem_bytes, stream>>>(p);
   if (plan.anchor_parts > 0)
     decode_anchor_values_kernel<D, MAXROWS>
@@ -45,43 +45,43 @@ void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch 
   decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests), kDecodeThreads, 0, stream>>>(p);
 }
 
-// Split blocks of decode_split_kernel<D, MAXROWS> resident on one multiprocessor, asked once
-// per device, kernel and shared-memory size (a decode, captured or not, then makes no query).
-template <int D, int MAXROWS>
+// Split blocks of decode_split_kernel<D, MAXROWS, FAST> resident on one multiprocessor, asked
+// once per device, kernel and shared-memory size (a decode, captured or not, then makes no query).
+template <int D, int MAXROWS, bool FAST>
 int resident_split_blocks(akv_context &ctx, size_t smem) {
   static std::mutex mutex;
   static std::map<std::tuple<int, const void *, size_t>, int> known;
-  const auto key = std::make_tuple(ctx.device, reinterpret_cast<const void *>(decode_split_kernel<D, MAXROWS>), smem);
+  const auto key = std::make_tuple(ctx.device, reinterpret_cast<const void *>(decode_split_kernel<D, MAXROWS, FAST>), smem);
   {
     std::lock_guard<std::mutex> lock(mutex);
     const auto it = known.find(key);
     if (it != known.end()) return it->second;
   }
-  allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS>);
+  allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS, FAST>);
   int n = 0;
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split_kernel<D, MAXROWS>, kDecodeThreads, smem),
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split_kernel<D, MAXROWS, FAST>, kDecodeThreads, smem),
         "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   std::lock_guard<std::mutex> lock(mutex);
   known[key] = n;
   return n;
 }
 
-template <int D>
+template <int D, bool FAST>
 int resident_rows(akv_context &ctx, int maxrows, size_t smem) {
   switch (maxrows) {
-    case 4: return resident_split_blocks<D, 4>(ctx, smem);
-    case 8: return resident_split_blocks<D, 8>(ctx, smem);
-    default: return resident_split_blocks<D, 16>(ctx, smem);
+    case 4: return resident_split_blocks<D, 4, FAST>(ctx, smem);
+    case 8: return resident_split_blocks<D, 8, FAST>(ctx, smem);
+    default: return resident_split_blocks<D, 16, FAST>(ctx, smem);
   }
 }
 
-template <int D>
+template <int D, bool FAST>
 void launch_decode_rows(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch &p, int32_t requests,
                         cudaStream_t stream) {
   switch (plan.maxrows) {
-    case 4: return launch_decode<D, 4>(ctx, plan, p, requests, stream);
-    case 8: return launch_decode<D, 8>(ctx, plan, p, requests, stream);
-    default: return launch_decode<D, 16>(ctx, plan, p, requests, stream);
+    case 4: return launch_decode<D, 4, FAST>(ctx, plan, p, requests, stream);
+    case 8: return launch_decode<D, 8, FAST>(ctx, plan, p, requests, stream);
+    default: return launch_decode<D, 16, FAST>(ctx, plan, p, requests, stream);
   }
 }
 
@@ -158,9 +158,13 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
   }
   const akv_shape &s = caches[0]->meta.shape;
   const int D = s.head_dim;
+  const bool fast = fast_decode_path(caches, batch, dtype);  // every launch of this decode: all its caches
   const DecodePlan plan = plan_decode(caches, batch, q_len, state(ctx).sm_count, state(ctx).smem_optin, [&](int maxrows, size_t smem) {
     int resident = 0;
-    with_head_dim(D, [&](auto d) { resident = resident_rows<decltype(d)::value>(ctx, maxrows, smem); });
+    with_head_dim(D, [&](auto d) {
+      resident = fast ? resident_rows<decltype(d)::value, true>(ctx, maxrows, smem)
+                      : resident_rows<decltype(d)::value, false>(ctx, maxrows, smem);
+    });
     return resident;
   });
   const cudaStream_t st = as_stream(stream);
@@ -183,7 +187,12 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
                                    static_cast<uint8_t *>(out) + b0 * per_request, ws);
     p.lse = lse ? lse + static_cast<size_t>(b0) * s.num_q_heads * q_len : nullptr;
     for (int32_t i = 0; i < n; ++i) p.views[i] = reinterpret_cast<const CacheView *>(caches[b0 + i]->device_view.data());
-    with_head_dim(D, [&](auto d) { launch_decode_rows<decltype(d)::value>(ctx, plan, p, n, st); });
+    with_head_dim(D, [&](auto d) {
+      if (fast)
+        launch_decode_rows<decltype(d)::value, true>(ctx, plan, p, n, st);
+      else
+        launch_decode_rows<decltype(d)::value, false>(ctx, plan, p, n, st);
+    });
     check(cudaGetLastError(), "the decode kernel launch");
   }
   if (graph_owned) check(cudaFreeAsync(ws, st), "cudaFreeAsync (the captured decode's workspace)");

@@ -4,8 +4,10 @@
 //   decode_split_kernel  grid (splits, H x row chunks, requests), 256 threads. A block takes
 //       one KV head of one request, the query rows of its GQA group (G x q_len, in chunks of
 //       MAXROWS <= 16), and one contiguous range of tiles of T = 64 prompt tokens (one
-//       residual mask word per tile); split 0 also takes the exact window and the appended
-//       suffix. Per tile, everything in shared memory:
+//       residual mask word per tile), the prefix's and then the exact window's (a window tile
+//       counted as two: SplitBlock::split_unit); split 0 also takes the appended suffix. Two
+//       instantiations a shape: FAST (fast_decode_path: every cache of the launch on the
+//       register-gather path) and the rest. Per tile, everything in shared memory:
 //         1. the tile's anchor indices, gammas and positions; the RoPE angle of the tile's
 //            first position for every pair (exact, once per tile and pair);
 //         2. the unrotated key tile gamma_t * K_a(t) in fp32, the anchor rows read through
@@ -94,7 +96,7 @@ __device__ __forceinline__ int64_t split_block_index() {
   return (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 }
 
-template <int D, int MAXROWS>
+template <int D, int MAXROWS, bool FAST>
 struct SplitBlock {
   static constexpr int NT = kDecodeThreads;
   static constexpr int NW = NT / 32;
@@ -210,10 +212,20 @@ struct SplitBlock {
   uint32_t *kc_s;        // fast: the tile's key residuals' codes [count][D / 16] (stage_keys)
   float *ks_s;           // and their scales [count]
 
-  // The first prefix tile of split block `split` of `splits` over P prefix tokens (and the
-  // block's end, that of split + 1).
-  __device__ static __forceinline__ int prefix_tile(int P, int split, int splits) {
-    return static_cast<int>(int64_t{(P + T - 1) / T} * split / splits);
+  // A split block's share of an anchor cache's tiles: the prefix's tiles, then the window's,
+  // a window tile counted as kWindowUnits prefix tiles (its rows all from L2, it takes about
+  // two: scripts/sass_count.py's tail_walk), split evenly by that count. Split `split` of
+  // `splits` starts at unit split_unit(.., split, ..) and ends where split + 1 starts; window
+  // tile w is unit tiles + kWindowUnits w. (Split 0 took the window on top of its share: at 32K
+  // x 1 its blocks ran two tiles longer than any other, and the kernel with them.)
+  static constexpr int kWindowUnits = 2;
+  __device__ static __forceinline__ int split_unit(int P, int window, int split, int splits) {
+    const int units = (P + T - 1) / T + kWindowUnits * ((window + T - 1) / T);
+    return static_cast<int>(int64_t{units} * split / splits);
+  }
+  // The first window tile at or after unit u of a cache with `tiles` prefix tiles.
+  __device__ static __forceinline__ int window_tile(int u, int tiles) {
+    return u <= tiles ? 0 : (u - tiles + kWindowUnits - 1) / kWindowUnits;
   }
 
   // blk: this block's index among the launch's split blocks (its workspace rows).
@@ -245,18 +257,25 @@ struct SplitBlock {
     format3 = v.format == 3;
     tables = v.table_size != 0;
     precise = p.dtype != AKV_DTYPE_BF16;
-    fast = fused && bf16 && !precise && 2 * pairs == D && format3 && k > 0;
+    // FAST: the host found every cache of the launch on the register-gather path
+    // (fast_decode_path: bf16 storage and queries, NeoX over every pair, format 3, anchors), so
+    // those flags are constants and the kernel holds that path's code alone; otherwise the
+    // kernel holds every other path and not that one. (One kernel with both spilled at 128
+    // registers, and moved with any change to either.)
+    fast = FAST;
+    if (FAST) {
+      bf16 = true;
+      fused = true;
+      format3 = true;
+      precise = false;
+      pairs = D / 2;
+    }
 #ifdef AKV_SASS_PIN_BF16_FUSED
-    // scripts/sass_count.py: the path of the default caches (bf16, NeoX over every pair, a
-    // full row chunk, storage format 3) as constants, so that the count holds only the code
-    // that runs.
-    bf16 = true;
-    fused = true;
+    // scripts/sass_count.py (decode_split_kernel<D, MAXROWS, true>): the rest of the default
+    // caches' path (a full row chunk, segment tables) as constants, so that the count holds
+    // only the code that runs.
     rows = MAXROWS;
-    format3 = true;
     tables = true;  // the predicted geometries' (k > 256)
-    precise = false;
-    fast = true;
 #endif
     q_s = reinterpret_cast<float *>(smem + lay.q);
     qr_s = reinterpret_cast<float *>(smem + lay.qr);
@@ -363,10 +382,7 @@ struct SplitBlock {
     constexpr int QPT = MAXROWS * D / NT;  // query elements a thread
     const int G = p.q_heads / p.heads;
     const int64_t qbase = ((static_cast<int64_t>(blockIdx.z) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0) * D;
-    int qdtype = p.dtype;
-#ifdef AKV_SASS_PIN_BF16_FUSED
-    qdtype = AKV_DTYPE_BF16;
-#endif
+    const int qdtype = FAST ? AKV_DTYPE_BF16 : p.dtype;
     float qv[QPT];
     for (int x = 0; x < QPT; ++x) {
       const int e = tid + x * NT;
@@ -385,7 +401,8 @@ struct SplitBlock {
     // consecutively: the key side format3_meta or stage_keys, the value side stage_values),
     // and its words and entries (stage_next; the next tiles' a tile ahead), on warps that build
     // the head's array pointers themselves rather than wait for thread 0's in ha_s.
-    const int first_tile = prefix_tile(v.prefix, blockIdx.x, p.splits);
+    const int tiles = (v.prefix + T - 1) / T, u0 = split_unit(v.prefix, v.window, blockIdx.x, p.splits);
+    const int first_tile = u0 < tiles ? u0 : tiles;
     const bool stage = v.kind == kKindAnchor && format3 && first_tile < v.words;
     const bool stager = warp == kEntryWarp || warp == kWordsWarp;
     if (tid == 0 || (stage && stager)) {
@@ -1649,8 +1666,11 @@ struct SplitBlock {
       }
       __syncthreads();
     }
-    if (w == w_s)  // else they are there already
-      for (int e = tid; e < MAXROWS * k; e += NT) p.ws_w[(blk * MAXROWS + e / k) * p.max_anchors + e % k] = w_s[e];
+    if (w == w_s) {  // else they are there already; a row at a time (no division an element)
+      for (int i = 0; i < MAXROWS; ++i)
+        AKV_NO_UNROLL
+        for (int e = tid; e < k; e += NT) p.ws_w[(blk * MAXROWS + i) * p.max_anchors + e] = w_s[i * k + e];
+    }
     for (int r = 0; r < RPW; ++r)  // the row's owner warp holds its running max and sum
       if (const int i = warp + r * NW; i < MAXROWS) {
         float l = warp_sum(l_part[r]);
@@ -1667,14 +1687,14 @@ struct SplitBlock {
 // multiprocessor. At D 256 a block's shared memory (SplitSmem: 157 KiB at 4 rows, 170 KiB at
 // 8) leaves room for one, so the registers are not capped: capped, ptxas spilled inside the
 // tile loop (10 and 3 local accesses at 4 and 8 rows).
-template <int D, int MAXROWS>
+template <int D, int MAXROWS, bool FAST>
 __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 : 1) decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
 #ifdef AKV_SIMT_EMULATION
   unsigned char *smem = ::simt::tl_block->dynamic.data();
 #else
   extern __shared__ __align__(16) unsigned char smem[];
 #endif
-  using Block = SplitBlock<D, MAXROWS>;
+  using Block = SplitBlock<D, MAXROWS, FAST>;
   constexpr int T = Block::T;
   const int split = blockIdx.x;
   const int h = blockIdx.y / p.row_chunks, rc = blockIdx.y % p.row_chunks;
@@ -1685,8 +1705,9 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
   const int64_t suffix_len = c.suffix_len;
 
   if (c.kind == kKindAnchor) {
-    const int P = c.prefix;  // 32-bit tile bounds: fewer registers live across the loop
-    const int first_tile = Block::prefix_tile(P, split, splits), end_tile = Block::prefix_tile(P, split + 1, splits);
+    const int P = c.prefix, tiles = (P + T - 1) / T;  // 32-bit tile bounds: fewer registers live across the loop
+    const int u0 = Block::split_unit(P, c.window, split, splits), u1 = Block::split_unit(P, c.window, split + 1, splits);
+    const int first_tile = u0 < tiles ? u0 : tiles, end_tile = u1 < tiles ? u1 : tiles;
     for (int tile = first_tile; tile < end_tile; ++tile) {
       const int t0 = tile * T, end = t0 + T < P ? t0 + T : P;
       if (blk.format3) {  // consecutive positions
@@ -1714,24 +1735,25 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
         blk.flush_segment();
       }
     }
-    if (split == 0)
-      for (int w0 = 0; w0 < c.window; w0 += T) {
-        const int end = w0 + T < c.window ? w0 + T : c.window;
-        blk.gapped = false;  // a window's positions are consecutive
-        blk.anchor_meta(w0, end, true);
+    // This block's window tiles (split_unit), after its prefix tiles.
+    const int w_end = Block::window_tile(u1, tiles) * T;
+    for (int w0 = Block::window_tile(u0, tiles) * T; w0 < c.window && w0 < w_end; w0 += T) {
+      const int end = w0 + T < c.window ? w0 + T : c.window;
+      blk.gapped = false;  // a window's positions are consecutive
+      blk.anchor_meta(w0, end, true);
+      __syncthreads();
+      if (!blk.fast) {
+        blk.gather_anchor_rows();
         __syncthreads();
-        if (!blk.fast) {
-          blk.gather_anchor_rows();
-          __syncthreads();
-        }
-        if (!blk.fused) {
-          blk.rotate_keys();
-          __syncthreads();
-        }
-        blk.contract(w0, end, false, 0, true);
-        blk.template softmax_tile<false>();
-        blk.window_values(w0, end);
       }
+      if (!blk.fused) {
+        blk.rotate_keys();
+        __syncthreads();
+      }
+      blk.contract(w0, end, false, 0, true);
+      blk.template softmax_tile<false>();
+      blk.window_values(w0, end);
+    }
     blk.start_dense();  // the suffix's
   } else {
     blk.start_dense();

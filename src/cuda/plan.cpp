@@ -41,7 +41,30 @@ size_t put(std::vector<uint8_t> &bytes, const T *src, size_t count) {
   return at;
 }
 
+// Whether the split kernel rotates a cache's anchor rows as it gathers them (CacheView::
+// rope_fused): NeoX pairs (j, j + pairs) with pairs % 4 == 0 and pairs / (D / 8) in {1, 2, 4},
+// or no RoPE.
+bool rope_fused(const akv_cache &cache) {
+  const int D = cache.meta.shape.head_dim, pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
+  bool neox = true;
+  for (int j = 0; j < pairs; ++j) neox = neox && cache.rope.first[j] == j && cache.rope.second[j] == j + pairs;
+  const int ratio = pairs / (D / 8);
+  return neox && pairs % 4 == 0 && pairs % (D / 8) == 0 && (pairs == 0 || ratio == 1 || ratio == 2 || ratio == 4);
+}
+
 }  // namespace
+
+bool fast_decode_path(const akv_cache *const *caches, int32_t batch, akv_dtype dtype) {
+  if (dtype != AKV_DTYPE_BF16) return false;
+  for (int32_t b = 0; b < batch; ++b) {
+    const akv_cache &c = *caches[b];
+    const int D = c.meta.shape.head_dim;
+    if (storage_of(c.meta.method) != Storage::kAnchor || c.geometry.format != 3 || c.geometry.anchors <= 0 ||
+        c.meta.storage != AKV_DTYPE_BF16 || !rope_fused(c) || !c.rope.enabled() || 2 * c.rope.pairs() != D)
+      return false;
+  }
+  return true;
+}
 
 std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresses &at) {
   const CacheMeta &m = cache.meta;
@@ -93,10 +116,7 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
   }
 
   const int pairs = v.rope_pairs;
-  bool neox = true;
-  for (int j = 0; j < pairs; ++j) neox = neox && cache.rope.first[j] == j && cache.rope.second[j] == j + pairs;
-  const int ratio = pairs / (D / 8);
-  v.rope_fused = neox && pairs % 4 == 0 && pairs % (D / 8) == 0 && (pairs == 0 || ratio == 1 || ratio == 2 || ratio == 4);
+  v.rope_fused = rope_fused(cache);
   // e^{i d omega_j} for the offsets d inside a tile, in double (|d omega| < kDecodeTile rad).
   std::vector<float> step(static_cast<size_t>(2) * kDecodeTile * pairs);
   for (int d = 0; d < kDecodeTile; ++d)

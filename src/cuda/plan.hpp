@@ -59,6 +59,12 @@ using ResidentBlocks = std::function<int(int maxrows, size_t smem_bytes)>;
 DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_len, int sm_count, size_t smem_limit,
                        const ResidentBlocks &resident = nullptr);
 
+// Whether every cache of a decode takes the split kernel's register-gather path with queries in
+// `dtype` (decode_split_kernel<D, MAXROWS, true>): bf16 queries and storage, NeoX RoPE over
+// every dimension, storage format 3, an AnchorKV cache with anchors. The kernel's other
+// instantiation takes every other cache.
+bool fast_decode_path(const akv_cache *const *caches, int32_t batch, akv_dtype dtype);
+
 // The parameters of a decode launch under `plan` (views left for the caller): queries and
 // out of its first request, the workspace of plan.workspace_bytes.
 DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32_t q_len, akv_dtype dtype,

@@ -46,10 +46,17 @@ struct HostView {
   }
 };
 
+// Emulated decodes that took decode_split_kernel<D, MAXROWS, true> (kc::fast_decode_path).
+int fast_launches = 0;
+
 template <int D, int MAXROWS>
-void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
-  simt::launch(simt::dim3(plan.splits, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads), plan.smem_bytes,
-               kc::decode_split_kernel<D, MAXROWS>, p);
+void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch, bool fast) {
+  if (fast)
+    simt::launch(simt::dim3(plan.splits, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads),
+                 plan.smem_bytes, kc::decode_split_kernel<D, MAXROWS, true>, p);
+  else
+    simt::launch(simt::dim3(plan.splits, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads),
+                 plan.smem_bytes, kc::decode_split_kernel<D, MAXROWS, false>, p);
   if (plan.anchor_parts > 0)
     simt::launch(simt::dim3(plan.anchor_parts, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads), 0,
                  kc::decode_anchor_values_kernel<D, MAXROWS>, p);
@@ -58,11 +65,11 @@ void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_
 }
 
 template <int D>
-void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
+void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch, bool fast) {
   switch (plan.maxrows) {
-    case 4: return launch_decode<D, 4>(plan, p, batch);
-    case 8: return launch_decode<D, 8>(plan, p, batch);
-    default: return launch_decode<D, 16>(plan, p, batch);
+    case 4: return launch_decode<D, 4>(plan, p, batch, fast);
+    case 8: return launch_decode<D, 8>(plan, p, batch, fast);
+    default: return launch_decode<D, 16>(plan, p, batch, fast);
   }
 }
 
@@ -94,10 +101,12 @@ std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, con
     lse->assign(static_cast<size_t>(batch) * s.num_q_heads * q_len, std::numeric_limits<float>::quiet_NaN());
     p.lse = lse->data();
   }
+  const bool fast = kc::fast_decode_path(caches.data(), batch, io);  // as the CUDA backend chooses
+  fast_launches += fast;
   switch (s.head_dim) {
-    case 64: launch_decode_rows<64>(plan, p, batch); break;
-    case 128: launch_decode_rows<128>(plan, p, batch); break;
-    default: launch_decode_rows<256>(plan, p, batch); break;
+    case 64: launch_decode_rows<64>(plan, p, batch, fast); break;
+    case 128: launch_decode_rows<128>(plan, p, batch, fast); break;
+    default: launch_decode_rows<256>(plan, p, batch, fast); break;
   }
   return out;
 }
@@ -228,6 +237,18 @@ TEST(EmulatedDecode, ManySplitsMergeInBatches) {
   check_case(rows8, 1, 66, 2, 227 * 1024, Weights::kShared, 2, 30);
 }
 
+// A window of several tiles spread over many split blocks (a window tile counts as two prefix
+// tiles' units, SplitBlock::split_unit): 15 prefix tiles and 5 window tiles, 25 units over 15
+// splits, so that some blocks take only window tiles and one starts between a window tile's two
+// units (each window tile taken once, by the block that holds its first unit).
+TEST(EmulatedDecode, WindowTilesSpreadOverSplits) {
+  Case c{AKV_METHOD_ANCHORKV, 1200, 64, 4, 1, 0, AKV_ROPE_NEOX, false};
+  c.window = 300;
+  check_case(c, 1, 132, 2, 227 * 1024, Weights::kShared, 2, 15);
+  c.io = AKV_DTYPE_BF16;  // the register-gather path
+  check_case(c, 1, 132, 2, 227 * 1024, Weights::kShared, 2, 15);
+}
+
 TEST(EmulatedDecode, ManyRowsUseSeveralRowChunks) {
   check_case({AKV_METHOD_ANCHORKV, 600, 64, 8, 5, 4, AKV_ROPE_NEOX, false}, 1, 2, 3);  // 40 rows
 }
@@ -253,6 +274,7 @@ TEST(EmulatedDecode, WideHeadsLongWindowPartialRotaryAndHalfPrecisionIo) {
 // rows (one and two n8 tiles), a window longer than a tile, appended tokens and several
 // query rows per head.
 TEST(EmulatedDecode, Bf16QueriesTakeTheRegisterGatherPath) {
+  const int before = fast_launches;
   for (int D : {64, 128}) {
     Case c{AKV_METHOD_ANCHORKV, 1400, D, 4, 1, 0, AKV_ROPE_NEOX, false};
     c.io = AKV_DTYPE_BF16;
@@ -266,6 +288,7 @@ TEST(EmulatedDecode, Bf16QueriesTakeTheRegisterGatherPath) {
   window.window = 100;
   window.io = AKV_DTYPE_BF16;
   check_case(window, 1, 3, 2);
+  EXPECT_EQ(fast_launches - before, 4) << "every case on decode_split_kernel<D, MAXROWS, true>";
 }
 
 // Queries 40 times the usual spread: base-2 logits hundreds apart, so a later tile's max often
