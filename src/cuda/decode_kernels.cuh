@@ -213,11 +213,11 @@ struct SplitBlock {
   float *ks_s;           // and their scales [count]
 
   // A split block's share of an anchor cache's tiles: the prefix's tiles, then the window's,
-  // a window tile counted as kWindowUnits prefix tiles (its rows all from L2, it takes about
-  // two: scripts/sass_count.py's tail_walk), split evenly by that count. Split `split` of
+  // a window tile counted as kWindowUnits prefix tiles (its rows from L2: about 1.4 tiles'
+  // cycles by scripts/sass_count.py's tail_walk), split evenly by that count. Split `split` of
   // `splits` starts at unit split_unit(.., split, ..) and ends where split + 1 starts; window
-  // tile w is unit tiles + kWindowUnits w. (Split 0 took the window on top of its share: at 32K
-  // x 1 its blocks ran two tiles longer than any other, and the kernel with them.)
+  // tile w is unit tiles + kWindowUnits w. (Split 0 took the window on top of its share: its
+  // blocks ran the longest, and the kernel with them.)
   static constexpr int kWindowUnits = 2;
   __device__ static __forceinline__ int split_unit(int P, int window, int split, int splits) {
     const int units = (P + T - 1) / T + kWindowUnits * ((window + T - 1) / T);
