@@ -39,9 +39,13 @@ mean counts. It prints a warp's cycles a tile, the barrier
 segments and the bound on instructions a scheduler issues a cycle, which predict_decode.py
 applies.
 
+It also walks the split kernel's set-up before its first tile (prologue_walk) and its window
+tile and partial write (tail_walk), and the two merge kernels (merge_walk), which
+predict_decode.py prices beside the tile loop.
+
 Then it compiles the library's own decode_split_kernel instantiations (D 64/128/256 x 4/8/16
-rows, every path in one binary, no pinning) and prints their registers, stack, spills and
-local-memory accesses: what ships, where the pinned count leaves paths out.
+rows x the register-gather path's and the rest, no pinning) and prints their registers, stack,
+spills and local-memory accesses: what ships, where the pinned count leaves paths out.
 
   scripts/sass_count.py [--fk 0.052 --fv 0.052] [--segment-weights] [--json out.json] [--keep DIR]
 
