@@ -106,9 +106,10 @@ def anchor_thread_instr(k, splits, per_part):
 
 def anchors_per_part(k, merge_blocks):
     """plan_decode's choice (plan.cpp): 256 anchors a part, less (down to 64) while the parts
-    would not give each multiprocessor a block."""
-    per = MAX_PER_PART
-    while per > MERGE_CHUNK and merge_blocks * math.ceil(k / per) < SMS:
+    would not give each multiprocessor one and a half blocks (of the workspace's stride, k
+    rounded up to 4)."""
+    per, k = MAX_PER_PART, (k + 3) // 4 * 4
+    while per > MERGE_CHUNK and 2 * merge_blocks * math.ceil(k / per) < 3 * SMS:
         per -= MERGE_CHUNK
     return per
 

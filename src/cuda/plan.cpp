@@ -279,14 +279,17 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
   plan.splits = static_cast<int>(std::clamp<int64_t>(target / (per_request * launch_batch), 1, most));
   plan.blocks = per_request * launch_batch * plan.splits;
   // sum_a w_a V_a: parts of 256 anchors, or smaller (down to one chunk of 64) while the
-  // parts of every (request, head, row chunk) would not give each multiprocessor a block: a
-  // block walks its part's chunks one after another, so that a short batch with few parts
-  // (batch 1: 8 heads x 4 parts at 815 anchors) waited on a few long blocks.
+  // parts of every (request, head, row chunk) would not give each multiprocessor one and a
+  // half blocks: a block walks its part's chunks one after another, latency-bound (about
+  // 4,900 cycles a chunk by scripts/sass_count.py's merge_walk), so that a short batch with few
+  // parts (batch 1: 8 heads x 4 parts at 815 anchors) waited on a few long blocks; at 128K x 1
+  // (3,258 anchors) parts of 192 (136 blocks, one a multiprocessor) take 12.0 us by the walk,
+  // of 128 (208 blocks) 9.6, of 64 (408) 10.9.
   const int64_t merge_blocks = per_request * launch_batch;
   const auto parts_of = [&](int per_part) { return (plan.max_anchors + per_part - 1) / per_part; };
   plan.anchors_per_part = kMergeMaxAnchorsPerPart;
   while (plan.anchors_per_part > kMergeAnchorChunk &&
-         merge_blocks * parts_of(plan.anchors_per_part) < std::max(sm_count, 1))
+         2 * merge_blocks * parts_of(plan.anchors_per_part) < 3 * static_cast<int64_t>(std::max(sm_count, 1)))
     plan.anchors_per_part -= kMergeAnchorChunk;
   plan.anchor_parts = parts_of(plan.anchors_per_part);
   plan.workspace_bytes = (static_cast<size_t>(plan.blocks) * plan.maxrows * (2 * D + 2 + plan.max_anchors) +
