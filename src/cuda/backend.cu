@@ -162,8 +162,7 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
   const DecodePlan plan = plan_decode(caches, batch, q_len, state(ctx).sm_count, state(ctx).smem_optin, [&](int maxrows, size_t smem) {
     int resident = 0;
     with_head_dim(D, [&](auto d) {
-      resident = fast ? resident_rows<decltype(d)::value, true>(ctx, maxrows, smem)
-                      : resident_rows<decltype(d)::value, false>(ctx, maxrows, smem);
+      with_flag(fast, [&](auto f) { resident = resident_rows<decltype(d)::value, decltype(f)::value>(ctx, maxrows, smem); });
     });
     return resident;
   });
@@ -188,10 +187,7 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
     p.lse = lse ? lse + static_cast<size_t>(b0) * s.num_q_heads * q_len : nullptr;
     for (int32_t i = 0; i < n; ++i) p.views[i] = reinterpret_cast<const CacheView *>(caches[b0 + i]->device_view.data());
     with_head_dim(D, [&](auto d) {
-      if (fast)
-        launch_decode_rows<decltype(d)::value, true>(ctx, plan, p, n, st);
-      else
-        launch_decode_rows<decltype(d)::value, false>(ctx, plan, p, n, st);
+      with_flag(fast, [&](auto f) { launch_decode_rows<decltype(d)::value, decltype(f)::value>(ctx, plan, p, n, st); });
     });
     check(cudaGetLastError(), "the decode kernel launch");
   }

@@ -357,17 +357,16 @@ struct SplitBlock {
     // and step_s the same four pairs' (cos, sin): a thread's entries in 16-byte loads (the
     // view's tables are 16-byte aligned).
     const float2 *step = reinterpret_cast<const float2 *>(v.rope_step);
-    constexpr int E = T * (D / 8) / NT;  // entries a thread
-    static_assert(E >= 1 && T * (D / 8) % NT == 0, "whole entries a thread");
-    float4 sv[E][2];
-    if (fast)
+    if (fast) {
+      constexpr int E = T * (D / 8) / NT;  // entries a thread
+      static_assert(E >= 1 && T * (D / 8) % NT == 0, "whole entries a thread");
+      float4 sv[E][2];
       for (int x = 0; x < E; ++x) {
         const int e = tid + x * NT, u = e / (D / 8), j4 = e % (D / 8);
         const float4 *st = reinterpret_cast<const float4 *>(step + u * pairs + 4 * j4);
         sv[x][0] = load_ro(st);
         sv[x][1] = load_ro(st + 1);
       }
-    if (fast) {
       for (int x = 0; x < E; ++x) {
         const int e = tid + x * NT, u = e / (D / 8), j4 = e % (D / 8);
         float4 *ss = reinterpret_cast<float4 *>(step_s + u * pairs + 4 * j4);

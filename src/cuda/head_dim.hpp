@@ -1,5 +1,6 @@
 // The head dims the CUDA kernels are instantiated for (64, 128, 256) and the one dispatch from
-// a run-time head_dim to them, for the host code that picks a kernel template.
+// a run-time head_dim to them, for the host code that picks a kernel template; likewise from a
+// run-time flag to a template bool.
 #pragma once
 #include <type_traits>
 #include "core/error.hpp"
@@ -24,6 +25,15 @@ void with_head_dim(int head_dim, F &&f) {
     default:
       fail(AKV_ERR_UNSUPPORTED, "the CUDA kernels take head_dim 64, 128 or 256, not ", head_dim);
   }
+}
+
+// Calls f(std::bool_constant<flag>{}) (the kernel's bool is decltype(b)::value).
+template <typename F>
+void with_flag(bool flag, F &&f) {
+  if (flag)
+    f(std::true_type{});
+  else
+    f(std::false_type{});
 }
 
 }  // namespace cuda

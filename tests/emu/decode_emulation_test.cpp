@@ -9,6 +9,7 @@
 #include "api/api_test_util.hpp"
 #include "core/context.hpp"
 #include "core/method_traits.hpp"
+#include "cuda/head_dim.hpp"
 #include "cuda/plan.hpp"
 // Last: the emulation defines threadIdx, __shared__ and friends as macros.
 #include "cuda/decode_kernels.cuh"
@@ -49,14 +50,10 @@ struct HostView {
 // Emulated decodes that took decode_split_kernel<D, MAXROWS, true> (kc::fast_decode_path).
 int fast_launches = 0;
 
-template <int D, int MAXROWS>
-void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch, bool fast) {
-  if (fast)
-    simt::launch(simt::dim3(plan.splits, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads),
-                 plan.smem_bytes, kc::decode_split_kernel<D, MAXROWS, true>, p);
-  else
-    simt::launch(simt::dim3(plan.splits, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads),
-                 plan.smem_bytes, kc::decode_split_kernel<D, MAXROWS, false>, p);
+template <int D, int MAXROWS, bool FAST>
+void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
+  simt::launch(simt::dim3(plan.splits, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads), plan.smem_bytes,
+               kc::decode_split_kernel<D, MAXROWS, FAST>, p);
   if (plan.anchor_parts > 0)
     simt::launch(simt::dim3(plan.anchor_parts, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads), 0,
                  kc::decode_anchor_values_kernel<D, MAXROWS>, p);
@@ -64,12 +61,12 @@ void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_
                kc::decode_merge_kernel<D, MAXROWS>, p);
 }
 
-template <int D>
-void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch, bool fast) {
+template <int D, bool FAST>
+void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
   switch (plan.maxrows) {
-    case 4: return launch_decode<D, 4>(plan, p, batch, fast);
-    case 8: return launch_decode<D, 8>(plan, p, batch, fast);
-    default: return launch_decode<D, 16>(plan, p, batch, fast);
+    case 4: return launch_decode<D, 4, FAST>(plan, p, batch);
+    case 8: return launch_decode<D, 8, FAST>(plan, p, batch);
+    default: return launch_decode<D, 16, FAST>(plan, p, batch);
   }
 }
 
@@ -103,11 +100,9 @@ std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, con
   }
   const bool fast = kc::fast_decode_path(caches.data(), batch, io);  // as the CUDA backend chooses
   fast_launches += fast;
-  switch (s.head_dim) {
-    case 64: launch_decode_rows<64>(plan, p, batch, fast); break;
-    case 128: launch_decode_rows<128>(plan, p, batch, fast); break;
-    default: launch_decode_rows<256>(plan, p, batch, fast); break;
-  }
+  kc::with_head_dim(s.head_dim, [&](auto d) {
+    kc::with_flag(fast, [&](auto f) { launch_decode_rows<decltype(d)::value, decltype(f)::value>(plan, p, batch); });
+  });
   return out;
 }
 
