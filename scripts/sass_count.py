@@ -1075,12 +1075,16 @@ def merge_trips(text, splits, parts, per_part, sg):
     return None, None
 
 
+def decode_frames(ins, i):
+    """The lines of instruction i's frames in decode_kernels.cuh, innermost first (the kernel's
+    last)."""
+    return [ln for fl, ln in ins[i]["chain"] if fl and fl.endswith("decode_kernels.cuh") and ln]
+
+
 def decode_line_of(ins, i):
     """The line of instruction i's innermost frame in decode_kernels.cuh (None: no line there)."""
-    for fl, ln in ins[i]["chain"]:
-        if fl and fl.endswith("decode_kernels.cuh") and ln:
-            return ln
-    return None
+    fr = decode_frames(ins, i)
+    return fr[0] if fr else None
 
 
 def loop_trips(f, hot, lines, trips_of):
@@ -1222,11 +1226,8 @@ def prologue_walk(f, spans, lines, k, first):
     ins = f["ins"]
     kern = next(x for x in spans if x[0] == "decode_split_kernel")
     tile_line = next(n for n in range(kern[1], kern[2] + 1) if "for (int tile = first_tile;" in lines[n - 1])
-    tile_end = next(n for n in range(tile_line + 1, kern[2] + 1)
-                    if lines[n - 1] == lines[tile_line - 1][:len(lines[tile_line - 1]) - len(lines[tile_line - 1].lstrip())] + "}")
-
-    def frames(i):
-        return [ln for fl, ln in ins[i]["chain"] if fl and fl.endswith("decode_kernels.cuh") and ln]
+    tile_end = block_end(lines, tile_line)
+    frames = lambda i: decode_frames(ins, i)
 
     def after_loop(fr):  # the kernel's frame (the outermost) follows the tile loop
         return bool(fr) and kern[1] <= fr[-1] <= kern[2] and fr[-1] > tile_end
@@ -1307,9 +1308,7 @@ def tail_walk(f, spans, lines, k, loop_span, block_tiles, segment_weights):
     w_first = at("for (int w0 = Block::window_tile(u0, tiles) * T;")
     parts = {"window": set(range(w_first, block_end(lines, w_first) + 1)),
              "partial": {at("blk.start_dense();  // the suffix's"), at("blk.write_partial(block_index);")}}
-
-    def frames(i):
-        return [ln for fl, ln in ins[i]["chain"] if fl and fl.endswith("decode_kernels.cuh") and ln]
+    frames = lambda i: decode_frames(ins, i)
 
     def part_of(i):
         fr = frames(i)
