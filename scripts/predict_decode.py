@@ -151,6 +151,13 @@ SHARED_WEIGHTS_ONLY = False
 COUNT_DISPERSION = None  # a tile's residual counts' variance / mean: sass_count.py's default unless given
 
 
+def merge_resident(registers, smem):
+    """A merge kernel's blocks (NT threads) resident on a multiprocessor: 64K registers, allocated
+    8 a thread at a time, 228 KiB of shared memory (1 KiB reserved a block), 2048 threads."""
+    regs = 8 * math.ceil((registers or 32) / 8)
+    return max(1, min(2048 // NT, 65536 // (regs * NT), (228 * 1024) // ((smem or 0) + 1024)))
+
+
 def plan(S, batch, k):
     resident_of = lambda smem: max(1, min(2, 2048 // NT, (228 * 1024) // (smem + 1024)))  # 128 regs: 2 by registers
     smem = smem_bytes(k)
@@ -261,17 +268,21 @@ def predict(S, batch, use_sass=False):
     merge_src = f"PTX constants: {ai // 8} and {mi // 8} instructions a thread"
     if lat and lat.get("merge"):
         # From the SASS (sass_count.py's merge_walk): a block's cycles with its barriers (its
-        # loads from L2), blocks resident 8 an SM (256 threads, few registers) and their issue
-        # shared by its schedulers at IPC: each kernel's waves at the slower of the two.
+        # loads from L2), as many blocks resident an SM as its registers and shared memory
+        # allow (ptxas's counts; 256 threads a block: at most 8) and their issue shared by its
+        # schedulers at IPC: each kernel's waves at the slower of the two.
         merge_us, merge_src = 0.0, "SASS walk"
         for name, blocks in (("decode_anchor_values_kernel", ablocks), ("decode_merge_kernel", mblocks)):
             m = lat["merge"][name]
-            per_sm = min(8, math.ceil(blocks / SMS))
-            waves = math.ceil(blocks / (SMS * 8))
+            fit = merge_resident(m.get("registers"), m.get("smem"))
+            per_sm = min(fit, math.ceil(blocks / SMS))
+            waves = math.ceil(blocks / (SMS * fit))
             merge_us += waves * max(m["block_cycles"] / (CLOCK_GHZ * 1e3), per_sm * m["issue"] / rate)
-        merge_src = "SASS walk: a block {:.0f} and {:.0f} cycles, {:.0f} and {:.0f} warp instructions".format(
-            lat["merge"]["decode_anchor_values_kernel"]["block_cycles"], lat["merge"]["decode_merge_kernel"]["block_cycles"],
-            lat["merge"]["decode_anchor_values_kernel"]["issue"], lat["merge"]["decode_merge_kernel"]["issue"])
+        av, mg = lat["merge"]["decode_anchor_values_kernel"], lat["merge"]["decode_merge_kernel"]
+        merge_src = ("SASS walk: a block {:.0f} and {:.0f} cycles, {:.0f} and {:.0f} warp instructions, {} and {} blocks "
+                     "resident a multiprocessor").format(
+            av["block_cycles"], mg["block_cycles"], av["issue"], mg["issue"],
+            merge_resident(av.get("registers"), av.get("smem")), merge_resident(mg.get("registers"), mg.get("smem")))
     t = max(issue_us, mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     t_l1 = max(issue["l1"], mem_us, l2_us, smem_us or 0.0) + merge_us + LAUNCH_US
     return dict(S=S, batch=batch, g=g, fk=fk, fv=fv, pl=pl, ph=ph, tile=tile, fixed=fixed, total=total,

@@ -487,6 +487,8 @@ def ptxas_info(log):
         m = re.search(r"Used (\d+) registers", ln)
         if m and cur:
             info[cur]["registers"] = int(m.group(1))
+            sm = re.search(r"(\d+) bytes smem", ln)
+            info[cur]["smem"] = int(sm.group(1)) if sm else 0
     return info
 
 
@@ -1447,6 +1449,7 @@ def main():
         m = next(x for x in funcs if f"{name}ILi128ELi4E" in x)
         c = merge_walk(funcs[m], spans, lines, a.splits, a.anchor_parts, a.anchors_per_part, sg)
         c["registers"] = pinfo.get(m, {}).get("registers")
+        c["smem"] = pinfo.get(m, {}).get("smem")
         result["merge"][name] = c
         print(f"| {name} | {c['registers']} | {c['issue']:.0f} | {c['block_cycles']:.0f} ({c['block_cycles_l1']:.0f}) | "
               + ", ".join(f"{l['line']} {l['unroll']}x{l['trips']:g}" for l in c["loops"]) + " |")

@@ -41,6 +41,7 @@
 // emulation tests (tests/emu).
 #pragma once
 #include <cstring>
+#include <type_traits>
 #include "core/codebook.hpp"
 #include "cuda/cache_view.hpp"
 #include "cuda/device_common.cuh"
@@ -1843,21 +1844,28 @@ __device__ __forceinline__ void load_floats(const float *p, float (&x)[DPT]) {
   }
 }
 
-// DPT 16-bit values from p (bf16 or f16; 2 DPT-byte aligned) in one load.
+// DPT 16-bit values (bf16 or f16; 2 DPT-byte aligned) as one load's word, and as floats.
 template <int DPT>
-__device__ __forceinline__ void load_halves(const uint16_t *p, bool bf16, float (&x)[DPT]) {
+using HalvesWord = std::conditional_t<DPT == 4, uint2, std::conditional_t<DPT == 2, uint32_t, uint16_t>>;
+template <int DPT>
+__device__ __forceinline__ void unpack_halves(const HalvesWord<DPT> &v, bool bf16, float (&x)[DPT]) {
   if constexpr (DPT == 4) {
-    const uint2 v = load_ro(reinterpret_cast<const uint2 *>(p));
     x[0] = bits_to_float(static_cast<uint16_t>(v.x & 0xffffu), bf16), x[1] = bits_to_float(static_cast<uint16_t>(v.x >> 16), bf16);
     x[2] = bits_to_float(static_cast<uint16_t>(v.y & 0xffffu), bf16), x[3] = bits_to_float(static_cast<uint16_t>(v.y >> 16), bf16);
   } else if constexpr (DPT == 2) {
-    const uint32_t v = load_ro(reinterpret_cast<const uint32_t *>(p));
     x[0] = bits_to_float(static_cast<uint16_t>(v & 0xffffu), bf16), x[1] = bits_to_float(static_cast<uint16_t>(v >> 16), bf16);
   } else {
     static_assert(DPT == 1, "1, 2 or 4 values");
-    x[0] = bits_to_float(load_ro(p), bf16);
+    x[0] = bits_to_float(v, bf16);
   }
 }
+
+// decode_anchor_values_kernel's blocks a multiprocessor, for ptxas's register budget: three
+// (80 registers) where a thread's chunk of values (D / 8 registers) and accumulators fit them
+// without spilling (D x rows 512: D 128 with 4 rows, the default, and D 64 with 8), two
+// (128) up to D x rows 2048, else one (D 256 with 16 rows: 64 values a thread).
+template <int D, int MAXROWS>
+constexpr int kAnchorValueBlocks = D * MAXROWS == 512 ? 3 : D * MAXROWS <= 2048 ? 2 : 1;
 
 // sum_a w_a V_a over the anchors [part * anchors_per_part, +anchors_per_part) of one
 // (request, head, row chunk), w_a reduced across the splits: grid (anchor_parts, heads *
@@ -1865,7 +1873,7 @@ __device__ __forceinline__ void load_halves(const uint16_t *p, bool bf16, float 
 // one merge block walking all of them. Writes ws_av (zeros past the cache's anchors and for
 // dense caches); the merge sums the parts. Thread (group, dim) as in the merge.
 template <int D, int MAXROWS>
-__global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(const __grid_constant__ DecodeLaunch p) {
+__global__ void __launch_bounds__(kDecodeThreads, kAnchorValueBlocks<D, MAXROWS>) decode_anchor_values_kernel(const __grid_constant__ DecodeLaunch p) {
   constexpr int NT = kDecodeThreads;
   // MergeThreads: the SG groups take the chunk's anchors in turn (8 at D 128 and 4 rows: 8
   // anchors a thread, whose loads ptxas issues together, against 32 one dim at a time).
@@ -1874,7 +1882,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
   constexpr int CH = kMergeAnchorChunk;  // anchors per chunk of combined weights
   AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
   AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
-  AKV_STATIC_SHARED(float, wc_s, [MAXROWS][CH]);
+  AKV_STATIC_SHARED(__align__(16) float, wc_s, [CH][MAXROWS]);  // by anchor: four rows a 16-byte load
   AKV_STATIC_SHARED(float, red_o, [SG * MAXROWS * D]);
   const int tid = threadIdx.x;
   const int group = tid / TPR, d0 = (tid % TPR) * DPT;
@@ -1895,7 +1903,21 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
     __syncthreads();
     const bool bf16 = c.storage_bf16 != 0;
     const uint16_t *av = c.anchor_values + static_cast<int64_t>(h) * k * D;
+    constexpr int AV = CH / SG;  // a thread group's anchors of a chunk
+    static_assert(CH % SG == 0 && MAXROWS % 4 == 0, "whole anchors a group, whole 16-byte loads of wc_s");
     for (int a0 = a_begin; a0 < a_end; a0 += CH) {
+      const int a1 = a0 + CH < a_end ? a0 + CH : a_end;
+      // The group's value rows of the chunk (anchors a0 + group + SG x), loaded first: they wait
+      // on nothing the weights compute, so their trip to L2 runs beside the weights' (loaded
+      // after the weights' barrier, two anchors a trip, they took four trips to L2 a chunk:
+      // scripts/sass_count.py's merge_walk: 17128 -> 11232 cycles a block of 256 anchors).
+      // Past a1 a group rereads its first row (anchor a0 where it has none), whose weight
+      // there is 0.
+      const int first = group < a1 - a0 ? group : 0, left = a1 - a0 - first;
+      const HalvesWord<DPT> *vr = reinterpret_cast<const HalvesWord<DPT> *>(av + static_cast<int64_t>(a0 + first) * D + d0);
+      HalvesWord<DPT> vw[AV];
+      AKV_UNROLL
+      for (int x = 0; x < AV; ++x) vw[x] = load_ro(vr + (SG * x < left ? SG * x : 0) * (D / DPT));
       {
         // The chunk's weights summed over the splits: thread (quad, j) takes four consecutive
         // anchors of one row (a 16-byte load a split: the plan keeps the workspace rows 16-byte
@@ -1936,16 +1958,19 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_anchor_values_kernel(co
         }
         for (int o = 1; o < TPQ; o <<= 1)
           for (int e = 0; e < 4; ++e) acc[e] += __shfl_xor_sync(kFullMask, acc[e], o);
-        for (int e = j; e < 4; e += TPQ) wc_s[i][a - a0 + e] = a + e < a_end ? acc[e] : 0.0f;
+        for (int e = j; e < 4; e += TPQ) wc_s[a - a0 + e][i] = a + e < a_end ? acc[e] : 0.0f;
       }
       __syncthreads();
-      const int a1 = a0 + CH < a_end ? a0 + CH : a_end;
-      for (int a = a0 + group; a < a1; a += SG) {
+      AKV_UNROLL
+      for (int x = 0; x < AV; ++x) {  // past a1: a weight of 0 times anchor a0's (finite) values
         float v[DPT];
-        load_halves<DPT>(av + static_cast<int64_t>(a) * D + d0, bf16, v);
-        for (int i = 0; i < MAXROWS; ++i) {
-          const float wi = wc_s[i][a - a0];
-          for (int e = 0; e < DPT; ++e) o[i][e] += wi * v[e];
+        unpack_halves<DPT>(vw[x], bf16, v);
+        const float4 *wa = reinterpret_cast<const float4 *>(wc_s[group + SG * x]);
+        for (int i4 = 0; i4 < MAXROWS / 4; ++i4) {
+          const float4 w4 = wa[i4];
+          const float wi[4] = {w4.x, w4.y, w4.z, w4.w};
+          for (int r = 0; r < 4; ++r)
+            for (int e = 0; e < DPT; ++e) o[4 * i4 + r][e] += wi[r] * v[e];
         }
       }
       __syncthreads();
