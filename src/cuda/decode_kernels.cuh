@@ -1042,7 +1042,7 @@ struct SplitBlock {
       uint32_t word[NCW];
       for (int h2 = 0; h2 < NCW; ++h2) {
         const int at = 32 * h2 + lane, n = p0 + slot_residual(w, at / W);
-        word[h2] = at < 4 * W && n < count ? kc_s[n * W + at % W] : 0u;  // stage_keys's
+        word[h2] = at < 4 * W ? kc_s[n * W + at % W] : 0u;  // stage_keys's (past count: not read)
       }
       AKV_NO_UNROLL
       for (int s = 0; s < 4 / R && p0 + slot_residual(w, s * R) < count; ++s) {  // into rows s R ..
