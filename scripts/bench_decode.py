@@ -25,6 +25,7 @@ Needs torch with CUDA and the anchorkv Python package (PYTHONPATH=python) over a
 built with the CUDA backend (ANCHORKV_LIBRARY=build-device/src/libanchorkv.so).
 """
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -94,6 +95,9 @@ def main():
     parser.add_argument("--theta", type=float, default=0.05)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--csv", help="also write the rows to this CSV file")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each row's timings, one compact and one dense decode with ANCHORKV_DECODE_PROFILE=1: "
+                             "the library's stderr line of each kernel's time (cold L2), for scripts/predict_decode.py's parts")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -139,6 +143,14 @@ def main():
             t_compact = timed(lambda: ctx.decode_batch(compact_caches, q, out_c), args.iters)
             t_dense = timed(lambda: ctx.decode_batch(full_caches, q, out_d), args.iters)
             t_sdpa = timed(sdpa, args.iters)
+            if args.profile:
+                print(f"# profile S={S} B={B}: compact, then dense", flush=True)
+                os.environ["ANCHORKV_DECODE_PROFILE"] = "1"  # read by the library at each decode
+                for caches, out in ((compact_caches, out_c), (full_caches, out_d)):
+                    flush.zero_()
+                    ctx.decode_batch(caches, q, out)
+                    torch.cuda.synchronize()
+                del os.environ["ANCHORKV_DECODE_PROFILE"]
             ref = sdpa().float()
             dense_err = (out_d.float() - ref).abs().max().item()
             compact_rel = ((out_c.float() - ref).norm() / ref.norm()).item()

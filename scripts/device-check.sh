@@ -52,7 +52,7 @@ write_summary() {
     printf '  %s\n' "${summary[@]}"
     if [ -s "$logs/bench-decode.log" ]; then
       printf '\n==== bench_decode.py: H=8 Hq=32 D=128 bf16 theta=0.05, cold L2, medians ====\n'
-      grep -E '^#|^ *S |^ +[0-9]+ |^FAIL' "$logs/bench-decode.log"
+      grep -E '^#|^ *S |^ +[0-9]+ |^FAIL|^anchorkv decode profile' "$logs/bench-decode.log"
     fi
     if [ -s "$logs/bench-compress.log" ]; then
       printf '\n==== bench_compress.py: one layer, H=8 Hq=32 D=128 bf16 theta=0.05, medians ====\n'
@@ -132,7 +132,7 @@ else
   else
     # shellcheck disable=SC2086  # a list of words
     step "bench_decode.py (vs SDPA)" "$logs/bench-decode.log" \
-      python3 "$root/scripts/bench_decode.py" ${ANCHORKV_DECODE_BENCH_ARGS:---rows 32768x1 131072x1 131072x8 32768x32}
+      python3 "$root/scripts/bench_decode.py" ${ANCHORKV_DECODE_BENCH_ARGS:---rows 32768x1 131072x1 131072x8 32768x32 --profile}
   fi
   if skipped compress-bench; then note SKIP "bench_compress.py" 0
   elif [ "$has_gpu" = 0 ]; then note SKIP "bench_compress.py: no GPU" 0

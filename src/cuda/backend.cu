@@ -2,7 +2,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -33,16 +36,62 @@ void allow_all_shared_memory(akv_context &ctx, Kernel *kernel) {
   state(ctx).smem_kernels.insert(key);
 }
 
+// ANCHORKV_DECODE_PROFILE set (not "" or "0"): each decode launch outside a capture times its
+// kernels with events and prints one stderr line, for checking scripts/predict_decode.py's
+// parts on a device (each time from the event before the kernel's launch to the one after it,
+// so a launch gap counts with the kernel behind it); the launch then waits for its kernels.
+bool decode_profiling() {
+  const char *profile = std::getenv("ANCHORKV_DECODE_PROFILE");
+  return profile && *profile && *profile != '0';
+}
+
+class DecodeProfile {
+ public:
+  explicit DecodeProfile(cudaStream_t stream) : stream_(stream) {
+    for (auto &e : events_) check(cudaEventCreate(&e), "cudaEventCreate (decode profile)");
+  }
+  ~DecodeProfile() {
+    for (auto &e : events_) cudaEventDestroy(e);
+  }
+  void mark(int i) { check(cudaEventRecord(events_[i], stream_), "cudaEventRecord (decode profile)"); }
+  // After mark(3): the split, anchor values (none without anchor parts) and merge kernels.
+  void report(const DecodePlan &plan, int D, int maxrows, bool fast, int32_t requests, int heads) {
+    check(cudaEventSynchronize(events_[3]), "cudaEventSynchronize (decode profile)");
+    float ms[3] = {};
+    for (int i = 0; i < 3; ++i) check(cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]), "cudaEventElapsedTime");
+    const int rows_blocks = heads * plan.row_chunks * requests;
+    std::fprintf(stderr,
+                 "anchorkv decode profile D=%d rows=%d fast=%d requests=%d: split %.1f us (%lld x %d blocks); "
+                 "anchor values %.1f us (%lld x %d blocks); merge %.1f us (%d blocks); total %.1f us\n",
+                 D, maxrows, fast ? 1 : 0, static_cast<int>(requests), 1e3 * ms[0], static_cast<long long>(plan.splits),
+                 rows_blocks, 1e3 * ms[1], static_cast<long long>(plan.anchor_parts), rows_blocks, 1e3 * ms[2],
+                 rows_blocks, 1e3 * (ms[0] + ms[1] + ms[2]));
+  }
+
+ private:
+  cudaStream_t stream_;
+  cudaEvent_t events_[4] = {};
+};
+
 template <int D, int MAXROWS, bool FAST>
 void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch &p, int32_t requests,
                    cudaStream_t stream) {
   allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS, FAST>);
+  std::unique_ptr<DecodeProfile> profile;
+  if (decode_profiling() && !capturing(stream)) profile = std::make_unique<DecodeProfile>(stream);
+  if (profile) profile->mark(0);
   decode_split_kernel<D, MAXROWS, FAST><<<dim3(plan.splits, p.heads * plan.row_chunks, requests), kDecodeThreads,
                                     plan.smem_bytes, stream>>>(p);
+  if (profile) profile->mark(1);
   if (plan.anchor_parts > 0)
     decode_anchor_values_kernel<D, MAXROWS>
         <<<dim3(plan.anchor_parts, p.heads * plan.row_chunks, requests), kDecodeThreads, 0, stream>>>(p);
+  if (profile) profile->mark(2);
   decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests), kDecodeThreads, 0, stream>>>(p);
+  if (profile) {
+    profile->mark(3);
+    profile->report(plan, D, MAXROWS, FAST, requests, p.heads);
+  }
 }
 
 // Split blocks of decode_split_kernel<D, MAXROWS, FAST> resident on one multiprocessor, asked

@@ -283,6 +283,25 @@ TEST_F(Cuda, SmokeDecodeAndCompressionMatchCpu) {
   check_compression(4096, 128, 4, AKV_DTYPE_BF16, rng);
 }
 
+// ANCHORKV_DECODE_PROFILE (bench_decode.py --profile): the decode still matches the CPU, and
+// each launch prints its kernels' times.
+TEST_F(Cuda, ProfiledDecodeMatchesCpuAndPrintsItsKernels) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  struct Profiling {  // set for this test only, whatever it ends with
+    Profiling() { setenv("ANCHORKV_DECODE_PROFILE", "1", 1); }
+    ~Profiling() { unsetenv("ANCHORKV_DECODE_PROFILE"); }
+  } profiling;
+  testing::internal::CaptureStderr();
+  check_decode({AKV_METHOD_ANCHORKV, 4096, 128, 4, 1, AKV_DTYPE_BF16}, 2, rng);
+  const std::string err = testing::internal::GetCapturedStderr();
+  // The batch, then its last request alone (format 2 in make_requests: not the fast path).
+  EXPECT_NE(err.find("anchorkv decode profile D=128 rows=4 fast=0 requests=2: split "), std::string::npos) << err;
+  EXPECT_NE(err.find("anchorkv decode profile D=128 rows=4 fast=0 requests=1: split "), std::string::npos) << err;
+  EXPECT_NE(err.find(" blocks); merge "), std::string::npos) << err;
+}
+
 TEST_F(Cuda, DecodeMatchesCpuOverShapesMethodsAndMixedBatches) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
