@@ -1898,9 +1898,11 @@ __global__ void __launch_bounds__(kDecodeThreads, kAnchorValueBlocks<D, MAXROWS>
   float o[MAXROWS][DPT];
   for (int i = 0; i < MAXROWS; ++i)
     for (int e = 0; e < DPT; ++e) o[i][e] = 0.0f;
+  // The splits' factors whatever the cache (a dense one's are not used): their loads need not
+  // wait for the view's anchor count.
+  split_factors<MAXROWS>(p, first_blk, rows, f_s, ml_s);
+  __syncthreads();
   if (a_begin < a_end) {  // uniform across the block
-    split_factors<MAXROWS>(p, first_blk, rows, f_s, ml_s);
-    __syncthreads();
     const bool bf16 = c.storage_bf16 != 0;
     const uint16_t *av = c.anchor_values + static_cast<int64_t>(h) * k * D;
     constexpr int AV = CH / SG;  // a thread group's anchors of a chunk
