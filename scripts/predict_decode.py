@@ -272,7 +272,8 @@ def predict(S, batch, use_sass=False):
         # allow (ptxas's counts; 256 threads a block: at most 8) and their issue shared by its
         # schedulers at IPC: each kernel's waves at the slower of the two.
         merge_us, merge_src = 0.0, "SASS walk"
-        for name, blocks in (("decode_anchor_values_kernel", ablocks), ("decode_merge_kernel", mblocks)):
+        # the merge kernel a block a row (ROWS rows a row chunk)
+        for name, blocks in (("decode_anchor_values_kernel", ablocks), ("decode_merge_kernel", mblocks * ROWS)):
             m = lat["merge"][name]
             fit = merge_resident(m.get("registers"), m.get("smem"))
             per_sm = min(fit, math.ceil(blocks / SMS))
@@ -387,7 +388,7 @@ def main():
         parts = math.ceil(r['g']['k'] / per)
         k, splits = r['g']['k'], r['pl']['splits']
         print(f"Merge {r['S']} x {r['batch']} (k={k}, {splits} splits): {H * r['batch'] * parts} "
-              f"anchor-value blocks of {per} anchors, then {H * r['batch']} merge blocks; "
+              f"anchor-value blocks of {per} anchors, then {H * r['batch'] * ROWS} merge blocks (a row each); "
               f"{r['merge']:.1f} us ({r['merge_src']}); L2 gather traffic {r['l2'] / 1e6:.0f} MB.")
     for r in rows:
         if r["pro"] and r["tail"]:

@@ -1055,6 +1055,7 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSI
 
 
 MERGE_BATCH = 8  # kMergeBatch (decode_kernels.cuh)
+MERGE_ROW_BATCH = 4  # kMergeRowBatch
 
 
 # The merge kernels (decode_anchor_values_kernel, decode_merge_kernel <128, 4>): each loop's
@@ -1069,8 +1070,11 @@ def merge_trips(text, splits, parts, per_part, sg):
              ("for (int s0 = j; s0 < p.splits; s0 += TPQ * B)", math.ceil(splits / (2 * MERGE_BATCH)), 2 * MERGE_BATCH),
              ("for (int a = a0 + group; a < a1; a += SG)", 64 / sg, sg),
              ("for (int e = tid; e < MAXROWS * D; e += NT)", ROWS * D / NT, NT),
-             ("for (int s = group; s < parts; s += SG)", math.ceil(splits / sg), sg),
-             ("for (int part = group; part < p.anchor_parts; part += SG)", math.ceil(parts / sg), sg))
+             # the merge's row: kMergeRowBatch of a group's splits (anchor parts) a batch
+             ("for (int s0 = group; s0 < parts; s0 += SG * B)", math.ceil(splits / (sg * MERGE_ROW_BATCH)),
+              sg * MERGE_ROW_BATCH),
+             ("for (int q0 = group; q0 < n; q0 += SG * B)", math.ceil(parts / (sg * MERGE_ROW_BATCH)),
+              sg * MERGE_ROW_BATCH))
     for key, n, step in table:
         if key in text:
             return n, step
@@ -1145,28 +1149,53 @@ def loop_trips(f, hot, lines, trips_of):
     return info
 
 
+def merge_cold_lines(lines, spans, few_splits, few_parts):
+    """decode_merge_kernel's lines that do not run: the side of its `if (few_splits)` and `if
+    (anchor && few_parts)` branches (at most a split, an anchor part, a thread group) that the
+    counts leave out."""
+    kern = next(x for x in spans if x[0] == "decode_merge_kernel")
+    cold = set()
+    for n in range(kern[1], kern[2] + 1):
+        t = lines[n - 1].strip()
+        for opening, few in (("if (few_splits) {", few_splits), ("if (anchor && few_parts) {", few_parts)):
+            if t == opening:
+                ind = lines[n - 1][:len(lines[n - 1]) - len(lines[n - 1].lstrip())]
+                mid = next(j for j in range(n + 1, kern[2] + 1) if lines[j - 1].startswith(ind + "} else"))
+                end = block_end(lines, mid)
+                cold |= set(range(mid + 1, end)) if few else set(range(n + 1, mid))
+        if t.startswith("if (anchor && few_parts) x[0] ="):  # one-line pair: this, then `else if`
+            cold.add(n + 1 if few_parts else n)
+    return cold
+
+
 def merge_walk(f, spans, lines, splits, parts, per_part, sg):
     """A merge kernel's warp instructions and latency, one block (8 warps), from its SASS: each
     loop (a backward branch before the kernel's last EXIT) runs its source loop's trips
-    (merge_trips) divided by its unroll factor (loop_trips); split_factors and the merge's rows
-    run on warps 0-3 (a warp a row), the rest on every warp. The walk (warp_latency, every load
-    from L2) gives the block's cycles with its barriers."""
+    (merge_trips) divided by its unroll factor (loop_trips); split_factors runs on warps 0-3 (a
+    warp a row: row_factors), the merge's one row's factors and its output (row_factors and
+    merge_row_out outside split_factors) on warp 0, the rest on every warp. The walk
+    (warp_latency, every load from L2) gives the block's cycles with its barriers."""
     end, hot = hot_loops(f)
     ins = f["ins"]
     line_of = lambda i: decode_line_of(ins, i)
+    cold = merge_cold_lines(lines, spans, splits <= sg, parts <= sg)
+    hot = [h for h in hot if line_of(h[1]) not in cold]
     info = loop_trips(f, hot, lines, lambda text: merge_trips(text, splits, parts, per_part, sg))
-    # a warp a row: the loops over rows from `warp` (split_factors, the merge's rows) run on
-    # warps 0 .. rows - 1
-    row_loops = [(a, b) for (a, b) in info if "for (int i = warp; i < rows;" in lines[line_of(b) - 1]]
     weighted, issue = [], 0.0
     for i in range(end + 1):
+        if cold & set(decode_frames(ins, i)):  # the other side of a branch on the split count
+            continue
         mult = 1.0
         for (a, b), x in info.items():
             if a <= i <= b:
                 mult *= x["trips"]
-        o = owner(spans, line_of(i)) if line_of(i) else None
-        by_row = (o and o[0] == "split_factors") or any(a <= i <= b for a, b in row_loops)
-        warps_of = tuple(range(ROWS)) if by_row else tuple(range(NW))
+        owners = [o[0] for o in (owner(spans, ln) for ln in decode_frames(ins, i)) if o]
+        if "split_factors" in owners:
+            warps_of = tuple(range(ROWS))
+        elif "row_factors" in owners or "merge_row_out" in owners:
+            warps_of = (0,)
+        else:
+            warps_of = tuple(range(NW))
         weighted.append((i, "merge", mult * len(warps_of), warps_of, mult * len(warps_of)))
         issue += mult * len(warps_of)
     lat = warp_latency(ins, weighted, view_from_l2=True)

@@ -87,7 +87,7 @@ void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch 
     decode_anchor_values_kernel<D, MAXROWS>
         <<<dim3(plan.anchor_parts, p.heads * plan.row_chunks, requests), kDecodeThreads, 0, stream>>>(p);
   if (profile) profile->mark(2);
-  decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests), kDecodeThreads, 0, stream>>>(p);
+  decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests, MAXROWS), kDecodeThreads, 0, stream>>>(p);
   if (profile) {
     profile->mark(3);
     profile->report(plan, D, MAXROWS, FAST, requests, p.heads);

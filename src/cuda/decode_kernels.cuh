@@ -1784,10 +1784,10 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
   blk.write_partial(block_index);
 }
 
-// The merge kernels' threads (decode_anchor_values_kernel, decode_merge_kernel): thread (group,
-// d0) takes DPT consecutive dims of every row (one vector load a row), so that SG = NT * DPT / D
-// thread groups share the splits, anchor parts or anchors; DPT x MAXROWS = 16 floats a thread
-// and row set, so the groups' partial sums are NT x 16 floats a side in shared memory.
+// decode_anchor_values_kernel's threads: thread (group, d0) takes DPT consecutive dims of every
+// row (one vector load a row), so that SG = NT * DPT / D thread groups share the anchors;
+// DPT x MAXROWS = 16 floats a thread and row set, so the groups' partial sums are NT x 16
+// floats in shared memory.
 template <int D, int MAXROWS>
 struct MergeThreads {
   static constexpr int DPT = MAXROWS <= 4 ? 4 : MAXROWS <= 8 ? 2 : 1;
@@ -1800,33 +1800,36 @@ struct MergeThreads {
 // anchors each).
 constexpr int kMergeBatch = 8;
 
-// Each row's overall max m and sum l over the splits of one (request, head, row chunk), and
-// every split's factor exp2(m_s - m): f_s[i][s], ml_s[i] = {m, l}. A warp a row (rows warp,
-// warp + 8, ...), a lane splits lane and lane + 32, each loaded once (one trip to L2; warp 0
-// walking the splits in turn took about ten, scripts/sass_count.py's merge_walk); the max and
-// the sum by butterflies (a fixed order).
+// Row i's overall max m and sum l over the splits of one (request, head, row chunk), and every
+// split's factor exp2(m_s - m), by one warp: f[s], ml = {m, l}. A lane takes splits lane and
+// lane + 32, each loaded once (one trip to L2; warp 0 walking the splits in turn took about
+// ten, scripts/sass_count.py's merge_walk); the max and the sum by butterflies (a fixed order).
+template <int MAXROWS>
+__device__ __forceinline__ void row_factors(const DecodeLaunch &p, int64_t first_blk, int i, float *f, float *ml) {
+  static_assert(kMaxSplits <= 64, "two splits a lane");
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int n = p.splits;
+  const int s0 = lane, s1 = lane + 32;
+  const float *ml0 = p.ws_ml + ((first_blk + (s0 < n ? s0 : n - 1)) * MAXROWS + i) * 2;
+  const float *ml1 = p.ws_ml + ((first_blk + (s1 < n ? s1 : n - 1)) * MAXROWS + i) * 2;
+  const float m0 = s0 < n ? ml0[0] : -INFINITY, m1 = s1 < n ? ml1[0] : -INFINITY;
+  const float l0 = ml0[1], l1 = ml1[1];
+  const float m = warp_max(fmaxf(m0, m1));
+  const float f0 = m0 == -INFINITY ? 0.0f : exp2f(m0 - m), f1 = m1 == -INFINITY ? 0.0f : exp2f(m1 - m);
+  if (s0 < n) f[s0] = f0;
+  if (s1 < n) f[s1] = f1;
+  const float l = warp_sum((f0 != 0.0f ? f0 * l0 : 0.0f) + (f1 != 0.0f ? f1 * l1 : 0.0f));
+  if (lane == 0) {
+    ml[0] = m;
+    ml[1] = l;
+  }
+}
+// Every row's: f_s[i], ml_s[i], a warp a row (rows warp, warp + 8, ...).
 template <int MAXROWS>
 __device__ __forceinline__ void split_factors(const DecodeLaunch &p, int64_t first_blk, int rows,
                                               float (*f_s)[kMaxSplits], float (*ml_s)[2]) {
-  static_assert(kMaxSplits <= 64, "two splits a lane");
-  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  const int n = p.splits;
-  for (int i = warp; i < rows; i += kDecodeThreads / 32) {
-    const int s0 = lane, s1 = lane + 32;
-    const float *ml0 = p.ws_ml + ((first_blk + (s0 < n ? s0 : n - 1)) * MAXROWS + i) * 2;
-    const float *ml1 = p.ws_ml + ((first_blk + (s1 < n ? s1 : n - 1)) * MAXROWS + i) * 2;
-    const float m0 = s0 < n ? ml0[0] : -INFINITY, m1 = s1 < n ? ml1[0] : -INFINITY;
-    const float l0 = ml0[1], l1 = ml1[1];
-    const float m = warp_max(fmaxf(m0, m1));
-    const float f0 = m0 == -INFINITY ? 0.0f : exp2f(m0 - m), f1 = m1 == -INFINITY ? 0.0f : exp2f(m1 - m);
-    if (s0 < n) f_s[i][s0] = f0;
-    if (s1 < n) f_s[i][s1] = f1;
-    const float l = warp_sum((f0 != 0.0f ? f0 * l0 : 0.0f) + (f1 != 0.0f ? f1 * l1 : 0.0f));
-    if (lane == 0) {
-      ml_s[i][0] = m;
-      ml_s[i][1] = l;
-    }
-  }
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  for (int i = warp; i < rows; i += kDecodeThreads / 32) row_factors<MAXROWS>(p, first_blk, i, f_s[i], ml_s[i]);
 }
 
 // DPT floats from p (DPT | 4, 4 * DPT-byte aligned) in one load.
@@ -1989,125 +1992,165 @@ __global__ void __launch_bounds__(kDecodeThreads, kAnchorValueBlocks<D, MAXROWS>
   }
 }
 
-// Merge of the splits of one (request, head, row chunk). MergeThreads: the SG groups take the
-// splits and anchor parts in turn (8 at D 128 and 4 rows: 5 splits a thread at 32K x 1, against
-// 17 one dim at a time); the groups are summed through shared memory at the end.
+// decode_merge_kernel's loads a batch (a thread's splits or anchor parts, one 16-byte load a
+// side each), issued together while the batch before is added.
+constexpr int kMergeRowBatch = 4;
+
+// Row i of one (request, head, row chunk) after the splits' sums, by warp 0: the thread groups'
+// sums (red_o, red_r: [SG][D]) added in group order, the one inverse Hadamard of the residual
+// sums (U^T r = diag(signs) H r / sqrt(D)) in registers (warp_fwht: the same sums and
+// differences in the same order as over shared memory, which took a barrier a stage), and the
+// row written, a lane its D / 32 consecutive dims; its log-sum-exp where asked.
+template <int D, int SG>
+__device__ __forceinline__ void merge_row_out(const DecodeLaunch &p, const CacheView &c, bool anchor, int64_t base,
+                                              int64_t lse_at, const float *red_o, const float *red_r, const float *ml) {
+  constexpr int V = D / 32;
+  constexpr int W = V % 4 == 0 ? 4 : 2;  // floats a shared-memory load
+  static_assert(V % W == 0, "D / 32 a multiple of 2");
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const float norm = 1.0f / sqrtf(static_cast<float>(D));
+  float sign[V], so[V], sr[V];
+  for (int v = 0; v < V; ++v) {
+    sign[v] = anchor ? c.signs[lane * V + v] : 1.0f;  // read before the sums: one wait on L2
+    so[v] = sr[v] = 0.0f;
+  }
+  for (int g = 0; g < SG; ++g)
+    for (int v = 0; v < V; v += W) {
+      const int at = g * D + lane * V + v;
+      if constexpr (W == 4) {
+        const float4 x = *reinterpret_cast<const float4 *>(red_o + at), y = *reinterpret_cast<const float4 *>(red_r + at);
+        so[v] += x.x, so[v + 1] += x.y, so[v + 2] += x.z, so[v + 3] += x.w;
+        sr[v] += y.x, sr[v + 1] += y.y, sr[v + 2] += y.z, sr[v + 3] += y.w;
+      } else {
+        const float2 x = *reinterpret_cast<const float2 *>(red_o + at), y = *reinterpret_cast<const float2 *>(red_r + at);
+        so[v] += x.x, so[v + 1] += x.y;
+        sr[v] += y.x, sr[v + 1] += y.y;
+      }
+    }
+  if (anchor) warp_fwht<V>(sr, lane);
+  const float m = ml[0], l = ml[1], inv_l = l > 0.0f ? 1.0f / l : 0.0f;  // one division a lane
+  for (int v = 0; v < V; ++v) {
+    const int d = lane * V + v;
+    const float rr = anchor ? sr[v] * norm * sign[v] : sr[v];
+    store_elem(p.out, p.dtype, base + d, (so[v] + rr) * inv_l);
+  }
+  // m and l are base 2 (log2(e) folded into the queries): lse = ln(2) * (m + log2(l)).
+  if (p.lse && lane == 0) p.lse[lse_at] = l > 0.0f ? 0.69314718f * (m + log2f(l)) : -INFINITY;
+}
+
+// Merge of the splits of one row of one (request, head, row chunk): grid (heads * row_chunks,
+// requests, MAXROWS), a block a row (blocks past the chunk's rows leave at once), so that a
+// small batch spreads over MAXROWS times the blocks and a thread holds one row: four dims of
+// it (thread group, d0), SG = NT / (D / 4) groups taking the splits and then the anchor parts
+// in turn, kMergeRowBatch of them a batch (all the splits of a group at 32K x 1 in two
+// batches, where a block of all the chunk's rows waited on L2 once a split: five times;
+// scripts/sass_count.py's merge_walk); the groups are summed through shared memory at the end.
+// Two blocks a multiprocessor for ptxas's budget (128 registers): left to itself it took 80
+// and waited on the loads more (4645 against 3942 cycles a block at 32K x 1).
 template <int D, int MAXROWS>
-__global__ void __launch_bounds__(kDecodeThreads) decode_merge_kernel(const __grid_constant__ DecodeLaunch p) {
-  constexpr int NT = kDecodeThreads;
-  using MT = MergeThreads<D, MAXROWS>;
-  constexpr int DPT = MT::DPT, TPR = MT::TPR, SG = MT::SG;
-  AKV_STATIC_SHARED(float, f_s, [MAXROWS][kMaxSplits]);
-  AKV_STATIC_SHARED(float, ml_s, [MAXROWS][2]);
-  AKV_STATIC_SHARED(__align__(16) float, red_o, [SG * MAXROWS * D]);  // read 8 or 16 bytes a lane
-  AKV_STATIC_SHARED(__align__(16) float, red_r, [SG * MAXROWS * D]);
+__global__ void __launch_bounds__(kDecodeThreads, 2) decode_merge_kernel(const __grid_constant__ DecodeLaunch p) {
+  constexpr int NT = kDecodeThreads, DPT = 4, TPR = D / DPT, SG = NT / TPR, B = kMergeRowBatch;
+  static_assert(TPR <= NT && NT % TPR == 0, "whole thread groups");
+  AKV_STATIC_SHARED(float, f_s, [kMaxSplits]);
+  AKV_STATIC_SHARED(float, ml_s, [2]);
+  AKV_STATIC_SHARED(__align__(16) float, red_o, [SG * D]);  // read 8 or 16 bytes a lane
+  AKV_STATIC_SHARED(__align__(16) float, red_r, [SG * D]);
   const int tid = threadIdx.x;
   const int group = tid / TPR, d0 = (tid % TPR) * DPT;
   const int h = blockIdx.x / p.row_chunks, rc = blockIdx.x % p.row_chunks;
-  const int b = blockIdx.y;
+  const int b = blockIdx.y, i = blockIdx.z;  // i: the row of the chunk
+  const int row0 = rc * MAXROWS;
+  if (row0 + i >= p.rows) return;  // uniform across the block
   const CacheView &c = *p.views[b];
-  const int row0 = rc * MAXROWS, rows = p.rows - row0 < MAXROWS ? p.rows - row0 : MAXROWS;
   const int G = p.q_heads / p.heads;
   const int parts = p.splits;
   const int64_t merge_blk = static_cast<int64_t>(b) * p.heads * p.row_chunks + blockIdx.x;
   const int64_t first_blk = merge_blk * parts;
   const bool anchor = c.kind == kKindAnchor;
 
-  split_factors<MAXROWS>(p, first_blk, rows, f_s, ml_s);
+  if (tid < 32) row_factors<MAXROWS>(p, first_blk, i, f_s, ml_s);
   __syncthreads();
-  float o[MAXROWS][DPT], r[MAXROWS][DPT];
-  for (int i = 0; i < MAXROWS; ++i)
-    for (int e = 0; e < DPT; ++e) o[i][e] = r[i][e] = 0.0f;
-  // A split's rows loaded while the group's split before is added (loaded under `f != 0`, or
-  // each product added as it came, ptxas waited for each load before the next:
-  // scripts/sass_count.py's merge_walk), the indices clamped into the written rows (every split
-  // block writes all MAXROWS); the products taken apart from the sums, added in split order.
-  const int64_t stride = static_cast<int64_t>(MAXROWS) * D;  // a split's rows
-  const float *op = p.ws_o + first_blk * stride + d0, *rp = p.ws_r + first_blk * stride + d0;
-  float xo[MAXROWS][DPT], xr[MAXROWS][DPT];
-  const auto load_split = [&](int s, float (&yo)[MAXROWS][DPT], float (&yr)[MAXROWS][DPT]) {
-    const int64_t at = (s < parts ? s : parts - 1) * stride;
-    for (int i = 0; i < MAXROWS; ++i) {
-      load_floats<DPT>(op + at + i * D, yo[i]);
-      load_floats<DPT>(rp + at + i * D, yr[i]);
+  // A group's splits (then anchor parts) s, s + SG, ...: a batch loaded while the one before is
+  // added (loaded under `f != 0`, or each product added as it came, ptxas waited for each load
+  // before the next), the indices clamped into the written rows (every split block writes all
+  // MAXROWS rows, decode_anchor_values_kernel every part's); the products taken apart from the
+  // sums, added in split order.
+  const int64_t stride = static_cast<int64_t>(MAXROWS) * D;  // a split's (a part's) rows
+  const int64_t at = static_cast<int64_t>(i) * D + d0;
+  const float *op = p.ws_o + first_blk * stride + at, *rp = p.ws_r + first_blk * stride + at;
+  float o[DPT] = {}, r[DPT] = {};
+  // sum_a w_a V_a: the parts of decode_anchor_values_kernel, their first batch loaded beside the
+  // splits' (not after them: a third wait on L2).
+  const float *av = p.ws_av + merge_blk * p.anchor_parts * stride + at;
+  const int n = anchor ? p.anchor_parts : 0;
+  const auto load_parts = [&](int q0, float4 (&y)[B]) {
+    for (int u = 0; u < B; ++u) {
+      const int q = q0 + SG * u;
+      y[u] = load_ro(reinterpret_cast<const float4 *>(av + (q < n ? q : n - 1) * stride));
     }
   };
-  load_split(group, xo, xr);
-  for (int s = group; s < parts; s += SG) {
-    float no[MAXROWS][DPT], nr[MAXROWS][DPT];
-    load_split(s + SG, no, nr);
-    for (int i = 0; i < MAXROWS; ++i) {
-      const float f = i < rows ? f_s[i][s] : 0.0f;
-      for (int e = 0; e < DPT; ++e) {
-        xo[i][e] = f != 0.0f ? f * xo[i][e] : 0.0f;
-        xr[i][e] = f != 0.0f ? f * xr[i][e] : 0.0f;
+  // At most one split (part) a group, a large batch's few splits: one load a side, not a batch
+  // of copies of it.
+  const bool few_splits = parts <= SG, few_parts = n <= SG;
+  float4 x[B];
+  if (anchor && few_parts) x[0] = group < n ? load_ro(reinterpret_cast<const float4 *>(av + group * stride)) : float4{0.0f, 0.0f, 0.0f, 0.0f};
+  else if (anchor) load_parts(group, x);
+  if (few_splits) {
+    if (group < parts) {
+      const float4 yo = load_ro(reinterpret_cast<const float4 *>(op + group * stride));
+      const float4 yr = load_ro(reinterpret_cast<const float4 *>(rp + group * stride));
+      const float f = f_s[group];
+      if (f != 0.0f) {
+        o[0] = f * yo.x, o[1] = f * yo.y, o[2] = f * yo.z, o[3] = f * yo.w;
+        r[0] = f * yr.x, r[1] = f * yr.y, r[2] = f * yr.z, r[3] = f * yr.w;
       }
     }
-    for (int i = 0; i < MAXROWS; ++i)
-      for (int e = 0; e < DPT; ++e) {
-        o[i][e] += xo[i][e];
-        r[i][e] += xr[i][e];
-        xo[i][e] = no[i][e];
-        xr[i][e] = nr[i][e];
+  } else {
+    const auto load_batch = [&](int s0, float4 (&yo)[B], float4 (&yr)[B]) {
+      for (int u = 0; u < B; ++u) {
+        const int s = s0 + SG * u;
+        const int64_t x = (s < parts ? s : parts - 1) * stride;
+        yo[u] = load_ro(reinterpret_cast<const float4 *>(op + x));
+        yr[u] = load_ro(reinterpret_cast<const float4 *>(rp + x));
       }
-  }
-  if (anchor) {  // sum_a w_a V_a: the parts of decode_anchor_values_kernel (all MAXROWS rows written)
-    const float *av = p.ws_av + merge_blk * p.anchor_parts * stride + d0;
-    for (int part = group; part < p.anchor_parts; part += SG) {
-      float x[MAXROWS][DPT];
-      for (int i = 0; i < MAXROWS; ++i) load_floats<DPT>(av + part * stride + i * D, x[i]);
-      for (int i = 0; i < MAXROWS; ++i)
-        for (int e = 0; e < DPT; ++e) o[i][e] += i < rows ? x[i][e] : 0.0f;
+    };
+    float4 xo[B], xr[B];
+    load_batch(group, xo, xr);
+    for (int s0 = group; s0 < parts; s0 += SG * B) {
+      float4 no[B], nr[B];
+      load_batch(s0 + SG * B, no, nr);
+      for (int u = 0; u < B; ++u) {
+        const int s = s0 + SG * u;
+        const float f = s < parts ? f_s[s] : 0.0f;
+        const float4 yo = f != 0.0f ? float4{f * xo[u].x, f * xo[u].y, f * xo[u].z, f * xo[u].w} : float4{0.0f, 0.0f, 0.0f, 0.0f};
+        const float4 yr = f != 0.0f ? float4{f * xr[u].x, f * xr[u].y, f * xr[u].z, f * xr[u].w} : float4{0.0f, 0.0f, 0.0f, 0.0f};
+        o[0] += yo.x, o[1] += yo.y, o[2] += yo.z, o[3] += yo.w;
+        r[0] += yr.x, r[1] += yr.y, r[2] += yr.z, r[3] += yr.w;
+        xo[u] = no[u];
+        xr[u] = nr[u];
+      }
     }
   }
-  for (int i = 0; i < MAXROWS; ++i)
-    for (int e = 0; e < DPT; ++e) {
-      red_o[(group * MAXROWS + i) * D + d0 + e] = o[i][e];
-      red_r[(group * MAXROWS + i) * D + d0 + e] = r[i][e];
+  if (anchor && few_parts) {
+    o[0] += x[0].x, o[1] += x[0].y, o[2] += x[0].z, o[3] += x[0].w;
+  } else if (anchor) {
+    for (int q0 = group; q0 < n; q0 += SG * B) {
+      float4 nx[B];
+      load_parts(q0 + SG * B, nx);
+      for (int u = 0; u < B; ++u) {
+        if (q0 + SG * u < n) o[0] += x[u].x, o[1] += x[u].y, o[2] += x[u].z, o[3] += x[u].w;
+        x[u] = nx[u];
+      }
     }
+  }
+  for (int e = 0; e < DPT; ++e) {
+    red_o[group * D + d0 + e] = o[e];
+    red_r[group * D + d0 + e] = r[e];
+  }
   __syncthreads();
-  // A warp a row (rows warp, warp + 8, ...), a lane its D / 32 consecutive dims: the groups
-  // summed in group order, the one inverse Hadamard of the row (U^T r = diag(signs) H r /
-  // sqrt(D)) in registers (warp_fwht: the same sums and differences in the same order as over
-  // shared memory, which took a barrier a stage), and the row written.
-  constexpr int V = D / 32;
-  const int warp = tid / 32, lane = tid % 32;
-  const float norm = 1.0f / sqrtf(static_cast<float>(D));
-  constexpr int W = V % 4 == 0 ? 4 : 2;  // floats a shared-memory load
-  static_assert(V % W == 0, "D / 32 a multiple of 2");
-  for (int i = warp; i < rows; i += NT / 32) {
-    float sign[V], so[V], sr[V];
-    for (int v = 0; v < V; ++v) {
-      sign[v] = anchor ? c.signs[lane * V + v] : 1.0f;  // read before the sums: one wait on L2
-      so[v] = sr[v] = 0.0f;
-    }
-    for (int g = 0; g < SG; ++g)
-      for (int v = 0; v < V; v += W) {
-        const int at = (g * MAXROWS + i) * D + lane * V + v;
-        if constexpr (W == 4) {
-          const float4 x = *reinterpret_cast<const float4 *>(red_o + at), y = *reinterpret_cast<const float4 *>(red_r + at);
-          so[v] += x.x, so[v + 1] += x.y, so[v + 2] += x.z, so[v + 3] += x.w;
-          sr[v] += y.x, sr[v + 1] += y.y, sr[v + 2] += y.z, sr[v + 3] += y.w;
-        } else {
-          const float2 x = *reinterpret_cast<const float2 *>(red_o + at), y = *reinterpret_cast<const float2 *>(red_r + at);
-          so[v] += x.x, so[v + 1] += x.y;
-          sr[v] += y.x, sr[v + 1] += y.y;
-        }
-      }
-    if (anchor) warp_fwht<V>(sr, lane);
-    const float l = ml_s[i][1];
-    const int64_t base = ((static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i) * D;
-    for (int v = 0; v < V; ++v) {
-      const int d = lane * V + v;
-      const float rr = anchor ? sr[v] * norm * sign[v] : sr[v];
-      store_elem(p.out, p.dtype, base + d, l > 0.0f ? (so[v] + rr) / l : 0.0f);
-    }
-  }
-  // m and l are base 2 (log2(e) folded into the queries): lse = ln(2) * (m + log2(l)).
-  if (p.lse && tid < rows) {
-    const float m = ml_s[tid][0], l = ml_s[tid][1];
-    p.lse[(static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + tid] =
-        l > 0.0f ? 0.69314718f * (m + log2f(l)) : -INFINITY;
+  if (tid < 32) {
+    const int64_t row = (static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0 + i;
+    merge_row_out<D, SG>(p, c, anchor, row * D, row, red_o, red_r, ml_s);
   }
 }
 

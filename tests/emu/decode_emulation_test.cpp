@@ -57,7 +57,7 @@ void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_
   if (plan.anchor_parts > 0)
     simt::launch(simt::dim3(plan.anchor_parts, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads), 0,
                  kc::decode_anchor_values_kernel<D, MAXROWS>, p);
-  simt::launch(simt::dim3(p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads), 0,
+  simt::launch(simt::dim3(p.heads * plan.row_chunks, batch, MAXROWS), simt::dim3(kc::kDecodeThreads), 0,
                kc::decode_merge_kernel<D, MAXROWS>, p);
 }
 
