@@ -415,7 +415,7 @@ constexpr uint32_t kNoEntry = 0xFFFFFFFFu;
 // become (count, anchor) keys and those are sorted again. Grid y over heads: token arrays at
 // y P, X at y x_stride, stored anchor rows at y k D, tables at y segments 256, scales at y
 // segments 2.
-__global__ void __launch_bounds__(kTableThreads) segment_tables_kernel(
+__global__ void __launch_bounds__(kTableThreads, 4) segment_tables_kernel(
     const float *keys, const float *values, int64_t x_stride, int D, int64_t P, int32_t segment_shift,
     int64_t segments, int table_size, int k, const int32_t *anchor_of_token, int32_t *assigned0, int32_t *assigned1,
     float *coef0, float *coef1, const uint16_t *anchors0, const uint16_t *anchors1, int storage_bf16, uint8_t *entry0,
@@ -443,11 +443,13 @@ __global__ void __launch_bounds__(kTableThreads) segment_tables_kernel(
     tables += (y * segments + seg) * table_size;
     scales += (y * segments + seg) * 2;
   }
-  int32_t *assigned[2] = {assigned0, assigned1};
-  float *coef[2] = {coef0, coef1};
-  const float *X[2] = {keys, values};
-  const uint16_t *anchors[2] = {anchors0, anchors1};
-  uint8_t *entry[2] = {entry0, entry1};
+  // Each side's arrays by a select, not an array of pointers indexed at run time (which ptxas
+  // kept in local memory: an 80-byte stack, 17 local accesses).
+  const auto assigned = [=](int side) { return side ? assigned1 : assigned0; };
+  const auto coef = [=](int side) { return side ? coef1 : coef0; };
+  const auto X = [=](int side) { return side ? values : keys; };
+  const auto anchors = [=](int side) { return side ? anchors1 : anchors0; };
+  const auto entry = [=](int side) { return side ? entry1 : entry0; };
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int nt = 0;  // table entries in use
   if (table_size > 0) {
@@ -458,7 +460,7 @@ __global__ void __launch_bounds__(kTableThreads) segment_tables_kernel(
       if (i >= 2 * n) continue;
       const int side = i >= n ? 1 : 0;
       const int64_t t = t0 + (i - side * n);
-      if (anchor_of_token[t] < 0) buf[i] = static_cast<uint32_t>(assigned[side][t]);
+      if (anchor_of_token[t] < 0) buf[i] = static_cast<uint32_t>(assigned(side)[t]);
     }
     block_bitonic_sort(buf, np);
     // Each run of one anchor becomes one key (count descending, then anchor ascending) at its
@@ -500,9 +502,9 @@ __global__ void __launch_bounds__(kTableThreads) segment_tables_kernel(
     const int side = i >= n ? 1 : 0;
     const int64_t t = t0 + (i - side * n);
     if (anchor_of_token[t] >= 0) continue;
-    const int32_t a = assigned[side][t];
+    const int32_t a = assigned(side)[t];
     if (table_size == 0) {
-      if (lane == 0) entry[side][t] = static_cast<uint8_t>(a);
+      if (lane == 0) entry(side)[t] = static_cast<uint8_t>(a);
       continue;
     }
     int lo = 0, hi = nt;  // the first lut key >= a's
@@ -512,14 +514,14 @@ __global__ void __launch_bounds__(kTableThreads) segment_tables_kernel(
       else hi = mid;
     }
     if (lo < nt && static_cast<int32_t>(lut[lo] >> 16) == a) {
-      if (lane == 0) entry[side][t] = static_cast<uint8_t>(lut[lo] & 0xFFFFu);
+      if (lane == 0) entry(side)[t] = static_cast<uint8_t>(lut[lo] & 0xFFFFu);
       continue;
     }
-    const float *x = X[side] + t * D;
+    const float *x = X(side) + t * D;
     int best = 0;
     float best_v = -1.0f, best_c = 0.0f, best_norm = 0.0f;
     for (int j = 0; j < nt; ++j) {
-      const uint16_t *row = anchors[side] + static_cast<int64_t>(table[j]) * D;
+      const uint16_t *row = anchors(side) + static_cast<int64_t>(table[j]) * D;
       float xa = 0.0f, aa = 0.0f;
       for (int d = lane; d < D; d += 32) {
         const float f = bits_to_float(row[d], storage_bf16 != 0);
@@ -539,16 +541,16 @@ __global__ void __launch_bounds__(kTableThreads) segment_tables_kernel(
       }
     }
     if (lane == 0) {
-      assigned[side][t] = table[best];
-      coef[side][t] = best_norm > 0.0f ? best_c / best_norm : 0.0f;
-      entry[side][t] = static_cast<uint8_t>(best);
+      assigned(side)[t] = table[best];
+      coef(side)[t] = best_norm > 0.0f ? best_c / best_norm : 0.0f;
+      entry(side)[t] = static_cast<uint8_t>(best);
     }
   }
   __syncthreads();  // the coefficients above are final
   float mx[2] = {0.0f, 0.0f};
   for (int64_t i = tid; i < n; i += kTableThreads)
     if (anchor_of_token[t0 + i] < 0)
-      for (int side = 0; side < 2; ++side) mx[side] = fmaxf(mx[side], fabsf(coef[side][t0 + i]));
+      for (int side = 0; side < 2; ++side) mx[side] = fmaxf(mx[side], fabsf(coef(side)[t0 + i]));
   for (int side = 0; side < 2; ++side) {
     const float m = warp_max(mx[side]);
     if (lane == 0) warp_max_v[side][warp] = m;
