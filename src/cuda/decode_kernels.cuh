@@ -1967,7 +1967,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kAnchorValueBlocks<D, MAXROWS>
       }
       __syncthreads();
       AKV_UNROLL
-      for (int x = 0; x < AV; ++x) {  // past a1: a weight of 0 times anchor a0's (finite) values
+      for (int x = 0; x < AV; ++x) {  // past a1: a weight of 0 times a row read again (finite)
         float v[DPT];
         unpack_halves<DPT>(vw[x], bf16, v);
         const float4 *wa = reinterpret_cast<const float4 *>(wc_s[group + SG * x]);
