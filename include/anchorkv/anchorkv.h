@@ -182,7 +182,8 @@ typedef struct akv_allocator {
  *    appended tokens catches up at the next call that reads it (stats, reserve, append outside
  *    capture, compact, reconstruct, serialize), which then waits for the device
  *    (cudaDeviceSynchronize); if replays ran past the reservation, the extra tokens were
- *    dropped and that call returns AKV_ERR_CAPACITY once (the cache stays usable);
+ *    dropped and that call returns AKV_ERR_CAPACITY once (the cache stays usable; the dropped
+ *    tokens' positions stay taken, so that later tokens keep the engine's positions);
  *  - akv_compress runs on the device for every method but QUANTIZED (the same layout as the
  *    CPU; the GPU computes in a different order, so a floating-point near-tie can flip an
  *    anchor, an assignment, a residual or a kept token: rare, and bounded by the GPU

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include "core/error.hpp"
 #include "core/method_traits.hpp"
 #include "core/options.hpp"
@@ -500,10 +501,12 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   o.quant_bits = m.quant_bits;
   o.quant_outliers = m.quant_outliers;
   check_option_ranges(o, AKV_ERR_CORRUPT_DATA, "serialized cache is inconsistent: ");  // what akv_compress accepts
-  // Appending continues from next_position: it is always one past the last stored position.
+  // Appending continues from next_position: one past the last stored position, or further on
+  // where a device cache dropped tokens appended past its reservation (their positions stay
+  // taken, so that later tokens keep the engine's positions); below INT32_MAX either way.
   const int64_t last = len ? c.suffix_positions.back() : last_prompt_position;
-  require(c.next_position == last + 1, AKV_ERR_CORRUPT_DATA, "serialized cache has next_position ", c.next_position,
-          " but its last position is ", last);
+  require(c.next_position > last && c.next_position < std::numeric_limits<int32_t>::max(), AKV_ERR_CORRUPT_DATA,
+          "serialized cache has next_position ", c.next_position, " but its last position is ", last);
   corrupt_unless(r.remaining() == 0, "trailing bytes");
   return out;
 }
