@@ -705,8 +705,14 @@ TEST_F(Cuda, DecodeLseMatchesCpu) {
                       static_cast<uint8_t *>(dout.get()) + q.bytes.size() / batch, static_cast<float *>(one.get()),
                       nullptr),
        "gpu akv_decode_lse");
-    const std::vector<uint8_t> single = one.download();
-    EXPECT_TRUE(std::equal(single.begin(), single.end(), lse_bytes.begin() + single.size()));
+    // Not bit for bit: the plan splits a batch of two and one request differently, so the
+    // splits' sums are added in another order (the first device run, H100, differed there).
+    const std::vector<uint8_t> single_bytes = one.download();
+    std::vector<float> single(single_bytes.size() / sizeof(float));
+    std::memcpy(single.data(), single_bytes.data(), single_bytes.size());
+    const auto n = static_cast<std::ptrdiff_t>(single.size());
+    const std::vector<float> row(got.begin() + n, got.begin() + 2 * n);
+    EXPECT_TRUE(all_near(single, row, 1e-5, 1e-5)) << "akv_decode_lse against its rows of the batch";
   }
 }
 
