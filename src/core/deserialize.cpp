@@ -505,8 +505,8 @@ ParsedCache deserialize_cache(const uint8_t *bytes, size_t size) {
   // where a device cache dropped tokens appended past its reservation (their positions stay
   // taken, so that later tokens keep the engine's positions); below INT32_MAX either way.
   const int64_t last = len ? c.suffix_positions.back() : last_prompt_position;
-  require(c.next_position > last && c.next_position < std::numeric_limits<int32_t>::max(), AKV_ERR_CORRUPT_DATA,
-          "serialized cache has next_position ", c.next_position, " but its last position is ", last);
+  require(c.next_position == last + 1 || (c.next_position > last && c.next_position < std::numeric_limits<int32_t>::max()),
+          AKV_ERR_CORRUPT_DATA, "serialized cache has next_position ", c.next_position, " but its last position is ", last);
   corrupt_unless(r.remaining() == 0, "trailing bytes");
   return out;
 }
