@@ -28,11 +28,13 @@ inline const char *stage_name(int stage) {
   return stage >= 0 && stage < kStageCount ? names[stage] : "?";
 }
 
-// True when ANCHORKV_COMPRESS_PROFILE is set to something other than "" or "0".
-inline bool compress_profiling() {
-  const char *profile = std::getenv("ANCHORKV_COMPRESS_PROFILE");
-  return profile && *profile && *profile != '0';
+// True when the environment variable `name` is set to something other than "" or "0" (the
+// profiles' switches: ANCHORKV_COMPRESS_PROFILE here, ANCHORKV_DECODE_PROFILE in the CUDA decode).
+inline bool env_switch(const char *name) {
+  const char *value = std::getenv(name);
+  return value && *value && *value != '0';
 }
+inline bool compress_profiling() { return env_switch("ANCHORKV_COMPRESS_PROFILE"); }
 
 // The profile's one stderr line: "anchorkv <what> S=<S>: <stage> <ms> ms; ... total <ms> ms"
 // and then `tail` (may be empty).

@@ -3,13 +3,13 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <tuple>
 #include <vector>
 
+#include "core/compress_stages.hpp"
 #include "core/error.hpp"
 #include "core/method_traits.hpp"
 #include "cuda/backend.hpp"
@@ -40,10 +40,7 @@ void allow_all_shared_memory(akv_context &ctx, Kernel *kernel) {
 // kernels with events and prints one stderr line, for checking scripts/predict_decode.py's
 // parts on a device (each time from the event before the kernel's launch to the one after it,
 // so a launch gap counts with the kernel behind it); the launch then waits for its kernels.
-bool decode_profiling() {
-  const char *profile = std::getenv("ANCHORKV_DECODE_PROFILE");
-  return profile && *profile && *profile != '0';
-}
+bool decode_profiling() { return env_switch("ANCHORKV_DECODE_PROFILE"); }
 
 class DecodeProfile {
  public:
@@ -62,10 +59,10 @@ class DecodeProfile {
     const int rows_blocks = heads * plan.row_chunks * requests;
     std::fprintf(stderr,
                  "anchorkv decode profile D=%d rows=%d fast=%d requests=%d: split %.1f us (%lld x %d blocks); "
-                 "anchor values %.1f us (%lld x %d blocks); merge %.1f us (%d blocks); total %.1f us\n",
+                 "anchor values %.1f us (%lld x %d blocks); merge %.1f us (%d x %d blocks); total %.1f us\n",
                  D, maxrows, fast ? 1 : 0, static_cast<int>(requests), 1e3 * ms[0], static_cast<long long>(plan.splits),
                  rows_blocks, 1e3 * ms[1], static_cast<long long>(plan.anchor_parts), rows_blocks, 1e3 * ms[2],
-                 rows_blocks, 1e3 * (ms[0] + ms[1] + ms[2]));
+                 maxrows, rows_blocks, 1e3 * (ms[0] + ms[1] + ms[2]));
   }
 
  private:
