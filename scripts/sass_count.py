@@ -275,6 +275,12 @@ def cold_blocks(rescale, block_tiles):
         ("if (own) {", 1.0 - (1.0 - ANCHOR_SHARE) ** (32 // (NT // T))),
         ("} else {  // exact: the first tile", 1.0 / 16),  # the tile's first angle exactly: every 16th tile
         ("if (seg_s[0] != si) {", 1.0 / 16),        # a new segment (format 3): 1024 tokens at 32K and 128K
+        # Called only in the rare blocks above; where ptxas's line table leaves its inlined
+        # instructions without the caller's lines, the function's own lines say so.
+        ("void rescale() {", rescale),
+        # The set-up (SplitBlock's constructor), which ptxas may place inside the loop's address
+        # span (the loop entered in its middle): it runs before the first tile.
+        (": c(view), p(launch) {", 0.0),
     ]
 
 
@@ -1305,7 +1311,8 @@ def prologue_walk(f, spans, lines, k, first):
 def tail_trips(text, k):
     table = (("for (int w0 = Block::window_tile(u0, tiles) * T;", 1, T),  # W 32: one window tile, in one block
              ("for (int e = tid; e < MAXROWS * D; e += NT)", ROWS * D / NT, NT),  # a part's sums
-             ("for (int e = tid; e < k; e += NT)", k / NT, NT),  # the weights' copy, a row
+             ("for (int e = tid; e < k4; e += NT)", (k + 3) // 4 * 4 / NT, NT),  # the weights' copy, a row
+             ("for (int e = tid; e < k; e += NT)", k / NT, NT),  # a rescale's, a row
              ("for (int i = 0; i < MAXROWS; ++i)", ROWS, 1),
              ("for (int i0 = 0; i0 < MAXROWS; i0 += NT / T)", ROWS * T / NT, NT // T),
              ("for (int part = 0; part < 2; ++part)", 2, 1),

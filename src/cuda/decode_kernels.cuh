@@ -774,17 +774,26 @@ struct SplitBlock {
     reinterpret_cast<float4 *>(dst)[1] = float4{x[4], x[5], x[6], x[7]};
   }
 
-  // Thread: 16-byte chunk v = tid % V8 of tokens tid / V8, + NT / V8, ... (no division).
+  // Thread: 16-byte chunk v = tid % V8 of tokens tid / V8, + NT / V8, ... (no division), all
+  // loaded (read-only) before any is stored: one trip to memory a tile (gather_dense_rows_as).
   template <bool BF>
   __device__ __forceinline__ void gather_anchor_rows_as() {
-    constexpr int V8 = D / 8, STEP = NT / V8;
+    constexpr int V8 = D / 8, STEP = NT / V8, N = T / STEP;
     static_assert(NT % V8 == 0 && T % STEP == 0, "whole tokens per pass");
     const uint4 *ak = reinterpret_cast<const uint4 *>(c.anchor_keys + static_cast<int64_t>(h) * k * D) + tid % V8;
-    float *dst = K_s + (tid / V8) * KS + (tid % V8) * 8;
-    for (int t = tid / V8; t < T; t += STEP, dst += STEP * KS) {
-      const int a = a_s[t];
+    const int t1 = tid / V8;
+    uint4 x[N];
+    AKV_UNROLL
+    for (int n = 0; n < N; ++n) {
+      const int a = a_s[t1 + n * STEP];
+      x[n] = a < 0 ? uint4{0, 0, 0, 0} : load_ro(ak + a * V8);
+    }
+    AKV_UNROLL
+    for (int n = 0; n < N; ++n) {
+      const int t = t1 + n * STEP, a = a_s[t];
+      float *dst = K_s + t * KS + (tid % V8) * 8;
       if (a < 0) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
-      else put8<BF>(dst, ak[a * V8], g_s[t]);
+      else put8<BF>(dst, x[n], g_s[t]);
     }
   }
   // Fused NeoX gather: item (token t, pairs j0..j0+3) reads dimensions j0.. and j0 + pairs..
@@ -795,21 +804,40 @@ struct SplitBlock {
     // pairs / 4 rotary items and (D - 2 pairs) / 8 copied chunks: D / 8 = V8 items a token, so
     // thread tid takes item tid % V8 of tokens tid / V8, + STEP, ... (no division).
     constexpr int V8 = D / 8, STEP = NT / V8;
-    const int q = tid % V8, P4 = pairs / 4;
+    // Each thread's rows are all loaded (read-only) before any is stored:
+    // one trip to memory a tile (gather_dense_rows_as).
+    constexpr int N = T / STEP;
+    static_assert(NT % V8 == 0 && T % STEP == 0, "whole tokens per pass");
+    const int q = tid % V8, P4 = pairs / 4, t1 = tid / V8;
     const uint16_t *ak = c.anchor_keys + static_cast<int64_t>(h) * k * D;
     if (q >= P4) {  // unrotated dimensions d.. d + 7
       const int d = 2 * pairs + 8 * (q - P4);
-      for (int t = tid / V8; t < T; t += STEP) {
-        const int a = a_s[t];
+      uint4 x[N];
+      AKV_UNROLL
+      for (int n = 0; n < N; ++n) {
+        const int a = a_s[t1 + n * STEP];
+        x[n] = a < 0 ? uint4{0, 0, 0, 0} : load_ro(reinterpret_cast<const uint4 *>(ak + a * D + d));
+      }
+      AKV_UNROLL
+      for (int n = 0; n < N; ++n) {
+        const int t = t1 + n * STEP, a = a_s[t];
         float *dst = K_s + t * KS + d;
         if (a < 0) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
-        else put8<BF>(dst, *reinterpret_cast<const uint4 *>(ak + a * D + d), g_s[t]);
+        else put8<BF>(dst, x[n], g_s[t]);
       }
       return;
     }
     const int j0 = 4 * q;  // pairs j0 .. j0 + 3: dimensions j0.. and j0 + pairs..
-    for (int t = tid / V8; t < T; t += STEP) {
-      const int a = a_s[t];
+    uint2 los[N], his[N];
+    AKV_UNROLL
+    for (int n = 0; n < N; ++n) {
+      const int a = a_s[t1 + n * STEP];
+      los[n] = a < 0 ? uint2{0, 0} : load_ro(reinterpret_cast<const uint2 *>(ak + a * D + j0));
+      his[n] = a < 0 ? uint2{0, 0} : load_ro(reinterpret_cast<const uint2 *>(ak + a * D + j0 + pairs));
+    }
+    AKV_UNROLL
+    for (int n = 0; n < N; ++n) {
+      const int t = t1 + n * STEP, a = a_s[t];
       float *row = K_s + t * KS;
       if (a < 0) {
         *reinterpret_cast<float4 *>(row + j0) = float4{0.0f, 0.0f, 0.0f, 0.0f};
@@ -817,8 +845,7 @@ struct SplitBlock {
         continue;
       }
       const float g = g_s[t];
-      const uint2 lo = *reinterpret_cast<const uint2 *>(ak + a * D + j0);
-      const uint2 hi = *reinterpret_cast<const uint2 *>(ak + a * D + j0 + pairs);
+      const uint2 lo = los[n], hi = his[n];
       const int off = off_s[t];  // >= 0: gapped tiles are not gathered here
       const float4 c01 = *reinterpret_cast<const float4 *>(step_s + off * pairs + j0);
       const float4 c23 = *reinterpret_cast<const float4 *>(step_s + off * pairs + j0 + 2);
@@ -876,15 +903,27 @@ struct SplitBlock {
     }
   }
 
-  // Dense rows keys[t0..end) as stored (post-RoPE).
+  // Dense rows keys[t0..end) as stored (post-RoPE). Thread: 16-byte chunk v = tid % V8 of
+  // tokens tid / V8, + STEP, ...: every chunk loaded (read-only, rows past the end clamped to
+  // the tile's first) before any is stored, so that the tile waits on one trip to memory, not
+  // one a chunk (a generic load stays behind the shared-memory stores before it; the first
+  // device run measured the dense decode at 3-4x SDPA's time: about a trip a chunk and one a
+  // value token).
   template <bool BF>
   __device__ __forceinline__ void gather_dense_rows_as(const uint16_t *keys, int64_t t0, int64_t end) {
-    constexpr int V8 = D / 8;
-    for (int e = tid; e < T * V8; e += NT) {
-      const int t = e / V8, v = e % V8;
-      float *dst = K_s + t * KS + v * 8;
-      if (t0 + t >= end) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
-      else put8<BF>(dst, reinterpret_cast<const uint4 *>(keys + (t0 + t) * D)[v], 1.0f);
+    constexpr int V8 = D / 8, STEP = NT / V8, N = T / STEP;
+    static_assert(NT % V8 == 0 && T % STEP == 0, "whole tokens per pass");
+    const int v = tid % V8, t1 = tid / V8;
+    uint4 x[N];
+    AKV_UNROLL
+    for (int n = 0; n < N; ++n) {
+      const int64_t t = t0 + t1 + n * STEP;
+      x[n] = load_ro(reinterpret_cast<const uint4 *>(keys + (t < end ? t : t0) * D) + v);
+    }
+    AKV_UNROLL
+    for (int n = 0; n < N; ++n) {
+      const int t = t1 + n * STEP;
+      put8<BF>(K_s + t * KS + v * 8, t0 + t < end ? x[n] : uint4{0, 0, 0, 0}, 1.0f);
     }
   }
   __device__ __forceinline__ void gather_dense_rows(const uint16_t *keys, int64_t t0, int64_t end) {
@@ -1628,13 +1667,34 @@ struct SplitBlock {
       for (int e = 0; e < DPT; ++e) dacc[i][e] = 0.0f;
   }
 
+  // Thread (group, dim): tokens group, group + SG, ... of the tile, dims dim + e TPD. The
+  // values of kDenseBatch of its tokens are loaded (read-only, rows past the end clamped to
+  // the tile's first) before any is added: a trip to memory a batch, not a token (see
+  // gather_dense_rows_as). The sums run in token order, as they did.
+  static constexpr int kDenseBatch = 8;
   __device__ __forceinline__ void dense_values(const uint16_t *values, int64_t t0, int64_t end) {
+    constexpr int U = T / SG, B = U < kDenseBatch ? U : kDenseBatch;  // tokens a thread, a batch
+    static_assert(T % SG == 0 && U % B == 0, "whole batches");
     const int group = tid / TPD, dim = tid % TPD;
-    for (int u = group; t0 + u < end && u < T; u += SG)
-      for (int e = 0; e < DPT; ++e) {
-        const float v = bits_to_float(values[(t0 + u) * D + dim + e * TPD], bf16);
-        for (int i = 0; i < MAXROWS; ++i) dacc[i][e] += L_s[i * T + u] * v;
+    AKV_NO_UNROLL
+    for (int u0 = 0; u0 < U; u0 += B) {
+      if (t0 + group + u0 * SG >= end) break;  // the batch's first token: none left
+      uint16_t x[B][DPT];
+      AKV_UNROLL
+      for (int b = 0; b < B; ++b) {
+        const int64_t t = t0 + group + (u0 + b) * SG;
+        for (int e = 0; e < DPT; ++e) x[b][e] = load_ro(values + (t < end ? t : t0) * D + dim + e * TPD);
       }
+      AKV_UNROLL
+      for (int b = 0; b < B; ++b) {
+        const int u = group + (u0 + b) * SG;
+        if (t0 + u < end)
+          for (int e = 0; e < DPT; ++e) {
+            const float v = bits_to_float(x[b][e], bf16);
+            for (int i = 0; i < MAXROWS; ++i) dacc[i][e] += L_s[i * T + u] * v;
+          }
+      }
+    }
     __syncthreads();
   }
 
@@ -1667,9 +1727,13 @@ struct SplitBlock {
       __syncthreads();
     }
     if (w == w_s) {  // else they are there already; a row at a time (no division an element)
+      // With zeros up to a multiple of 4 (max_anchors is one): decode_anchor_values_kernel
+      // reads a row's weights 16 bytes at a time and discards those past k, which were
+      // otherwise never written (compute-sanitizer initcheck reported them).
+      const int k4 = (k + 3) & ~3;
       for (int i = 0; i < MAXROWS; ++i)
         AKV_NO_UNROLL
-        for (int e = tid; e < k; e += NT) p.ws_w[(blk * MAXROWS + i) * p.max_anchors + e] = w_s[i * k + e];
+        for (int e = tid; e < k4; e += NT) p.ws_w[(blk * MAXROWS + i) * p.max_anchors + e] = e < k ? w_s[i * k + e] : 0.0f;
     }
     for (int r = 0; r < RPW; ++r)  // the row's owner warp holds its running max and sum
       if (const int i = warp + r * NW; i < MAXROWS) {
@@ -1769,10 +1833,12 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
       blk.dense_values(values, t0, end);
     }
   }
-  if (split == 0 && suffix_len > 0) {
+  // The appended suffix's tiles, one a split in turn (split 0 alone took them all: a
+  // straggler once a few hundred tokens were appended).
+  if (static_cast<int64_t>(split) * T < suffix_len) {
     const uint16_t *keys = c.suffix_keys + static_cast<int64_t>(h) * c.suffix_capacity * D;
     const uint16_t *values = c.suffix_values + static_cast<int64_t>(h) * c.suffix_capacity * D;
-    for (int64_t t0 = 0; t0 < suffix_len; t0 += T) {
+    for (int64_t t0 = static_cast<int64_t>(split) * T; t0 < suffix_len; t0 += static_cast<int64_t>(splits) * T) {
       const int64_t end = t0 + T < suffix_len ? t0 + T : suffix_len;
       blk.gather_dense_rows(keys, t0, end);
       __syncthreads();

@@ -220,6 +220,15 @@ TEST(EmulatedDecode, AnchorKvBatchWithAppendedTokensAndQueryBlocks) {
   check_case({AKV_METHOD_ANCHORKV, 700, 128, 2, 4, 3, AKV_ROPE_NONE, false}, 2, 2, 2);
 }
 
+// An appended suffix of 5 tiles over 2 splits: its tiles taken by the splits in turn (split
+// 0 took them all, a straggler), each once; on both kernel paths.
+TEST(EmulatedDecode, LongSuffixTilesSpreadOverSplits) {
+  Case c{AKV_METHOD_ANCHORKV, 700, 64, 4, 1, 300, AKV_ROPE_NEOX, false};
+  check_case(c, 1, 2, 2, 227 * 1024, Weights::kShared, 2, 2);
+  c.io = AKV_DTYPE_BF16;  // the register-gather path
+  check_case(c, 1, 2, 2, 227 * 1024, Weights::kShared, 2, 2);
+}
+
 // The merge kernels over many splits (a device's 132 multiprocessors, 4K tokens split about
 // 60 ways): the splits' weights and rows in several batches (kMergeBatch), the split factors
 // from both of a lane's splits (lane and lane + 32), and the merge's thread groups of 4 and 2
