@@ -349,7 +349,7 @@ def cold_lines(lines, table):
 # Helpers of the tile loop whose instructions belong to their caller (phase, warps, trips):
 # stage_trip runs on the key staging's warp from stage_keys and on the value staging's from
 # stage_values.
-CALLER_HELPERS = {"stage_trip"}
+CALLER_HELPERS = {"stage_trip", "prefetch_tile", "prefetch_slots", "prefetch_table"}
 
 
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition
@@ -766,7 +766,14 @@ def shared_wavefronts(op):
 # al., arXiv 2402.13499 and 2501.12084): shared memory ~30, an L2 hit ~270 (an L1 hit ~40: the
 # optimistic case), the special-function and conversion units ~20; a store's or load's source
 # registers are read ~12 cycles after issue.
-LATENCY = {"shared": 30, "shuffle": 24, "global": 270, "global_l1": 40, "special": 20, "read": 12}
+LATENCY = {"shared": 30, "shuffle": 24, "global": 270, "global_l1": 40, "special": 20, "read": 12, "hbm": 900}
+# "hbm": a load that misses L2. MEASURED, indirectly: on the first device run (H100, cold L2)
+# the split kernel's dense tile took about 10 us, which then made about 20 dependent trips to
+# memory a tile (a load a 16-byte key chunk, one a value token): ~0.5 us, ~900 cycles a trip.
+# A decode reads each byte of a tile's metadata, codes and scales once, and a layer's cache is
+# not in L2 when its decode starts: those loads ("streams") miss L2 unless the kernel
+# prefetched them (CCTL.E.PF2, prefetch.global.L2, in the tile loop), which the headline case
+# ("mixed") prices.
 # The anchor rows a tile gathers: a segment's 1024 tokens (32K and 128K) use at most its 256
 # table entries, so at least 3 of 4 row reads find the row in L1 (64 KB of rows a segment, which
 # L1 holds beside the block's shared memory), ASSUMED. Plain LDG loads are the view's fields
@@ -824,7 +831,7 @@ def block_barrier(x):
     return operands.split(",")[0].strip() in ("0x0", "")
 
 
-def warp_latency(ins, weighted, view_from_l2=False):
+def warp_latency(ins, weighted, view_from_l2=False, streams=None):
     """The tile loop's cycles from the SASS's scheduling fields. Each warp's pass over the loop's
     instructions it runs (warp_set), in address order (each once; the cold ones, weight 0, left
     out), gives each instruction its cycles since the warp's previous issue: it issues when the
@@ -833,7 +840,8 @@ def warp_latency(ins, weighted, view_from_l2=False):
     phase, warp instructions a tile, the warps that run it, the same as the walk counts them:
     the busiest warp's where the warps' trips differ). Three cases: every data load from L2
     ("l2"), from L1 ("l1"), and the gathered anchor rows from L1 at GATHER_L1_SHARE, the rest from
-    L2 ("mixed"); the view's fields (LDG) from L1 in each. Per case:
+    L2 ("mixed"; streams: the other data loads' latency there, L2's by default); the view's
+    fields (LDG) from L1 in each. Per case:
       - cycles: a warp's cycles a tile, averaged over the NW warps (by phase too); with n warps
         on a scheduler, at least max(n x issue, cycles) a tile, whatever the barriers do;
       - block_cycles: the tile with its barriers, one resident block: between two barriers each
@@ -854,7 +862,7 @@ def warp_latency(ins, weighted, view_from_l2=False):
             n_seg += 1
     n_seg += 1
     for name, glob, gather in (("l2", l2, l2), ("l1", l1, l1),
-                               ("mixed", l2, GATHER_L1_SHARE * l1 + (1 - GATHER_L1_SHARE) * l2)):
+                               ("mixed", l2 if streams is None else streams, GATHER_L1_SHARE * l1 + (1 - GATHER_L1_SHARE) * l2)):
         seg_issue = [[0.0] * NW for _ in range(n_seg)]
         seg_path = [[0.0] * NW for _ in range(n_seg)]
         seg_phases = [collections.Counter() for _ in range(n_seg)]
@@ -1037,15 +1045,19 @@ def tile_loop(f, spans, lines, fk, fv, k, block_tiles, dispersion=COUNT_DISPERSI
                 "by_line": [(ph, ln, lines[ln - 1].strip() if ln else "", v) for (ph, ln), v in by_line.most_common()]}
 
     out = weigh(Counts(fk, fv, dispersion=dispersion))
+    # Whether the loop prefetches its streamed data into L2 (else each such load misses L2).
+    prefetched = any(ins[i]["op"].startswith("CCTL") and ".PF2" in ins[i]["op"] for i, _, wt, _, _ in out["weighted"] if wt > 0)
+    streams = LATENCY["global"] if prefetched else LATENCY["hbm"]
     # The walk with its barriers, tile by tile: each barrier waits for that tile's slowest warp,
     # and the mean over tiles of a segment's slowest is above the slowest at the mean counts
     # (a tile with twice the residuals takes a warp twice as long). So the tile's cycles with
     # its barriers are the expectation over the tiles' key and value residual counts
     # (count_walks), the walk at the mean counts kept beside it ("block_cycles_at_mean").
-    latency = warp_latency(ins, out["weighted"])
+    latency = warp_latency(ins, out["weighted"], streams=streams)
+    latency["streams_prefetched"] = prefetched
     expected = {c: {"block": 0.0, "segments": collections.Counter()} for c in ("l2", "l1", "mixed")}
     for prob, counts in count_walks(fk, fv, dispersion):
-        lat = warp_latency(ins, weigh(counts)["weighted"])
+        lat = warp_latency(ins, weigh(counts)["weighted"], streams=streams)
         for c in expected:
             expected[c]["block"] += prob * lat[c]["block_cycles"]
             for n, sg in enumerate(lat[c]["segments"]):
@@ -1498,7 +1510,10 @@ def main():
               "second word): the latency bound leaves them out")
     iw = lat["issue"]
     cyc = {c: lat[c]["cycles"] for c in ("mixed", "l2", "l1")}
-    print(f"latency (warp_latency): a warp issues {iw:.0f} instructions a tile in {cyc['mixed']:.0f} cycles when it "
+    print(f"latency (warp_latency): the streamed data (metadata, codes, scales) "
+          + ("prefetched into L2 (the loop's CCTL.E.PF2)" if lat["streams_prefetched"] else
+             f"from memory (no prefetch in the loop: {LATENCY['hbm']} cycles a load)")
+          + f"; a warp issues {iw:.0f} instructions a tile in {cyc['mixed']:.0f} cycles when it "
           f"runs alone ({cyc['l2']:.0f} with every global load from L2, {cyc['l1']:.0f} from L1): with 2 and 4 warps "
           "a scheduler (1 and 2 resident blocks) it issues at most "
           + " and ".join("/".join(f"{min(1.0, n * iw / cyc[c]):.2f}" for c in cyc) for n in (2, 4))

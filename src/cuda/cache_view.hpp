@@ -101,6 +101,7 @@ struct HeadArrays {
   const uint8_t *key_codes, *value_codes, *value_chunk;
   const float *key_scales, *value_scales;
   int32_t prefix, segment_shift;
+  uint32_t key_slots, value_slots;  // format 3: residual slots of all heads (the L2 prefetches' bound)
 };
 
 struct DecodeLaunch {

@@ -413,10 +413,15 @@ struct SplitBlock {
       }
       if (stage && stager) {
         stage_next(first_tile * T, ha);
-        if (warp == kWordsWarp && lane == 0) {  // off thread 0's path
+        if (warp == kWordsWarp) {  // off thread 0's path
           const int64_t wd = static_cast<int64_t>(h) * v.words + first_tile;
-          *reinterpret_cast<uint4 *>(res_s) =
-              uint4{v.key_offsets[h] + v.key_prefix[wd], 0u, v.value_offsets[h] + v.value_prefix[wd], 0u};
+          const uint32_t kb = v.key_offsets[h] + v.key_prefix[wd], vb = v.value_offsets[h] + v.value_prefix[wd];
+          if (lane == 0) *reinterpret_cast<uint4 *>(res_s) = uint4{kb, 0u, vb, 0u};
+          // The L2 prefetches' start (each tile's staging keeps them ahead): the tiles between
+          // the first and the first that stage_tile_words reaches, the first slots of each side.
+          for (int x = 1; x + 1 < kPrefetchTiles; ++x) prefetch_tile((first_tile + x) * T, ha);
+          prefetch_slots(ha.key_codes, ha.key_scales, kb, kPrefetchSlots, ha.key_slots);
+          prefetch_slots(ha.value_codes, ha.value_scales, vb, kPrefetchSlots, ha.value_slots);
         }
       }
     }
@@ -477,7 +482,8 @@ struct SplitBlock {
                       f3 ? v.key_entry + hp : nullptr, f3 ? v.value_entry + hp : nullptr,
                       f3 ? v.key_code + hp : nullptr, f3 ? v.value_code + hp : nullptr,
                       v.key_codes, v.value_codes, v.value_chunk, v.key_scales, v.value_scales,
-                      static_cast<int32_t>(v.prefix), v.segment_shift};
+                      static_cast<int32_t>(v.prefix), v.segment_shift,
+                      f3 ? v.key_offsets[v.heads] : 0u, f3 ? v.value_offsets[v.heads] : 0u};
   }
 
   // ---- 1. tile metadata: anchor, gamma and position of each token; the first angles ------
@@ -499,9 +505,11 @@ struct SplitBlock {
       const float scale = load_ro(c.gamma_scales + 2 * seg + warp);  // warp 0 the keys', warp 1 the values'
       // The table in one 16-byte load a lane (tables are 512 bytes, sections 16-byte aligned).
       static_assert(kSegmentEntries * sizeof(uint16_t) == 32 * sizeof(uint4), "a table is a uint4 a lane");
-      if (tables && warp == 0)
-        reinterpret_cast<uint4 *>(tab_s)[lane] =
-            load_ro(reinterpret_cast<const uint4 *>(c.segment_tables + seg * c.table_size) + lane);
+      if (tables && warp == 0) {
+        const uint4 entries = load_ro(reinterpret_cast<const uint4 *>(c.segment_tables + seg * c.table_size) + lane);
+        reinterpret_cast<uint4 *>(tab_s)[lane] = entries;
+        prefetch_table(entries, si, seg);
+      }
       float *gam = warp == 0 ? kgam_s : vgam_s;
       AKV_UNROLL  // a constant trip count, unrolled: the units' loads side by side
       for (int r = 0; r < kSegmentEntries / 32; ++r) {
@@ -573,6 +581,7 @@ struct SplitBlock {
     const int wd = (tn < P ? tn : tn - T) >> 6, x4 = lane & 3;
     const uint64_t word = load_ro((x4 == 0 ? ha.anchor_mask : x4 == 1 ? ha.key_mask : ha.value_mask) + wd);
     const uint32_t first = static_cast<uint32_t>(load_ro(ha.anchor_first + wd));
+    prefetch_tile(tn + (kPrefetchTiles - 1) * T, ha);  // while the loads above are in flight
     // Whether the tile before (this one, tn - T) is its segment's last, for the flush after
     // its values: by tile parity, so that a warp may write the next tile's while another
     // still reads this one's (no barrier between when the tile does not flush). From
@@ -599,6 +608,66 @@ struct SplitBlock {
   __device__ __forceinline__ void stage_next(int tn, const HeadArrays &ha) {  // both, on a warp that takes both
     if (warp == kEntryWarp) stage_entries(tn, ha);
     if (warp == kWordsWarp) stage_tile_words(tn, ha);
+  }
+
+  // ---- L2 prefetches of the streamed data (format 3 prefix tiles) ----------------------
+  //
+  // A decode reads each byte of a tile's metadata, codes and scales once, from memory (a
+  // layer's cache is not in L2 when its decode starts), and the staging warps above wait for
+  // those loads before the tile's first barrier: on the first device run (H100) a tile took
+  // about 3x what the SASS walk gave with L2 latencies for them. So the staging warps ask for
+  // them a few tiles ahead (prefetch.global.L2, which nothing waits on): the per-token bytes
+  // and mask words kPrefetchTiles - 1 tiles past the tile they stage, each side's codes and
+  // scales kPrefetchSlots slots past the slots the tile reads (the slots' stream is
+  // consecutive across tiles), and a segment table's anchor rows when the table is read.
+  static constexpr int kPrefetchTiles = 4, kPrefetchSlots = 32;
+
+  // Tile tp's per-token bytes (lanes 0-7: the four arrays' first and last byte) and mask words
+  // (lanes 8-11); nothing past the prefix.
+  __device__ __forceinline__ void prefetch_tile(int tp, const HeadArrays &ha) {
+    if (tp >= ha.prefix || lane >= 12) return;
+    const int x = lane & 3;
+    const void *at;
+    if (lane < 8) {
+      const uint8_t *bytes = x == 0 ? ha.key_entry : x == 1 ? ha.value_entry : x == 2 ? ha.key_code : ha.value_code;
+      const int last = tp + T - 1 < ha.prefix ? tp + T - 1 : ha.prefix - 1;
+      at = bytes + (lane < 4 ? tp : last);
+    } else {
+      const int wd = tp >> 6;
+      at = x == 3 ? static_cast<const void *>(ha.anchor_first + wd)
+                  : static_cast<const void *>((x == 0 ? ha.anchor_mask : x == 1 ? ha.key_mask : ha.value_mask) + wd);
+    }
+    prefetch_l2(at);
+  }
+
+  // A side's residual slots [s0, s0 + n), clamped to its `slots`: the codes' 128-byte lines
+  // on lanes 0-23 (D / 4 bytes a slot), the scales' on lanes 24-31.
+  __device__ __forceinline__ void prefetch_slots(const uint8_t *codes, const float *scales, uint32_t s0, int n,
+                                                 uint32_t slots) const {
+    const uint32_t a = s0 < slots ? s0 : slots, b = s0 + n < slots ? s0 + n : slots;
+    if (a >= b) return;
+    constexpr uintptr_t kLine = 128;
+    const bool code_lane = lane < 24;
+    const uintptr_t first = code_lane ? reinterpret_cast<uintptr_t>(codes + static_cast<uint64_t>(a) * (D / 4))
+                                      : reinterpret_cast<uintptr_t>(scales + a);
+    const uintptr_t last = code_lane ? reinterpret_cast<uintptr_t>(codes + static_cast<uint64_t>(b) * (D / 4) - 1)
+                                     : reinterpret_cast<uintptr_t>(scales + b) - 1;
+    const uintptr_t line = (first & ~(kLine - 1)) + kLine * static_cast<uintptr_t>(code_lane ? lane : lane - 24);
+    if (line <= last) prefetch_l2(reinterpret_cast<const void *>(line));
+  }
+
+  // Warp 0, as it reads segment si's table (lane: entries 8 lane ..): those anchors' key rows,
+  // which the tile's gathers read; lanes 0-3, the next segment's table.
+  __device__ __forceinline__ void prefetch_table(const uint4 &entries, int si, int64_t seg) const {
+    const uint16_t *ak = ha_s->anchor_keys;
+    const uint32_t words[4] = {entries.x, entries.y, entries.z, entries.w};
+    AKV_UNROLL
+    for (int e = 0; e < 8; ++e) {
+      const uint16_t *row = ak + static_cast<int64_t>(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2)))) * D;
+      AKV_UNROLL
+      for (int l = 0; l < D * 2 / 128; ++l) prefetch_l2(row + l * 64);
+    }
+    if (lane < 4 && si + 1 < c.segments) prefetch_l2(c.segment_tables + (seg + 1) * c.table_size + 64 * lane);
   }
 
   // Residuals a trip of the staging loops (stage_keys, stage_values): a lane four code words
@@ -638,6 +707,7 @@ struct SplitBlock {
     const int count = __popcll(tile_words(static_cast<int>(t0))[1]);
     __syncwarp();  // every lane has read it
     if (lane == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{base, static_cast<uint32_t>(count)};
+    prefetch_slots(ha_s->key_codes, ha_s->key_scales, base + kPrefetchSlots, count, ha_s->key_slots);
     const uint32_t *words = reinterpret_cast<const uint32_t *>(ha_s->key_codes) + static_cast<int64_t>(base) * (D / 16);
     const float *scales = ha_s->key_scales + base;  // both read before any store (stage_values)
     AKV_NO_UNROLL
@@ -660,6 +730,7 @@ struct SplitBlock {
       count = __popcll(tile_words(static_cast<int>(t0))[2]);
       __syncwarp();  // every lane has read the slots
       if (lane == 0) *reinterpret_cast<uint2 *>(res_s + 2) = uint2{base, static_cast<uint32_t>(count)};
+      prefetch_slots(ha_s->value_codes, ha_s->value_scales, base + kPrefetchSlots, count, ha_s->value_slots);
     } else {  // format 2: from the tile's prefix counts (and the key side's too)
       const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
       base = c.value_offsets[h] + c.value_prefix[wd];

@@ -51,6 +51,16 @@ __device__ __forceinline__ T load_ro(const T *p) {
 #endif
 }
 
+// A hint that the 128-byte line holding p be brought into L2 (prefetch.global.L2): no result,
+// nothing waits on it. The emulation has no caches: a test's hook may check the address.
+__device__ __forceinline__ void prefetch_l2(const void *p) {
+#ifdef AKV_SIMT_EMULATION
+  if (const auto &hook = ::simt::prefetch_hook()) hook(p);
+#else
+  asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
+#endif
+}
+
 // A barrier of COUNT threads (whole warps) on barrier ID (1-15; 0 is __syncthreads's).
 template <int ID, int COUNT>
 __device__ __forceinline__ void named_barrier() {

@@ -118,6 +118,13 @@ inline unsigned char *fiber_stack(int index) {
 constexpr unsigned char kPoison = 0xFF;
 inline std::atomic<uint64_t> g_blocks_started{0};
 
+// Cache hints (prefetch_l2 in cuda/device_common.cuh) have no effect here; a test may install
+// a hook that checks their addresses (tests/emu: inside the cache's arrays).
+inline std::function<void(const void *)> &prefetch_hook() {
+  static std::function<void(const void *)> hook;
+  return hook;
+}
+
 // The scheduling order: one generator per OS thread, seeded from ANCHORKV_SIMT_SEED.
 inline std::mt19937_64 &order_rng() {
   thread_local std::mt19937_64 rng([] {

@@ -47,8 +47,10 @@ struct HostView {
   }
 };
 
-// Emulated decodes that took decode_split_kernel<D, MAXROWS, true> (kc::fast_decode_path).
+// Emulated decodes that took decode_split_kernel<D, MAXROWS, true> (kc::fast_decode_path),
+// and the L2 prefetches the split kernels issued.
 int fast_launches = 0;
+int64_t prefetches = 0;
 
 template <int D, int MAXROWS, bool FAST>
 void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
@@ -100,9 +102,26 @@ std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, con
   }
   const bool fast = kc::fast_decode_path(caches.data(), batch, io);  // as the CUDA backend chooses
   fast_launches += fast;
+  // The split kernel's L2 prefetches: each address's 128-byte line overlaps a cache's stored
+  // arrays or its view block (format 3's tile words; a device allocation is 256-byte aligned,
+  // host vectors are not).
+  std::atomic<int64_t> outside{0};
+  simt::prefetch_hook() = [&](const void *at) {
+    const auto x = reinterpret_cast<uintptr_t>(at);
+    const auto overlaps = [x](const uint8_t *lo, size_t bytes) {
+      return (x & ~uintptr_t{127}) < reinterpret_cast<uintptr_t>(lo + bytes) && (x | 127) >= reinterpret_cast<uintptr_t>(lo);
+    };
+    bool in = false;
+    for (size_t b = 0; b < caches.size(); ++b)
+      in = in || overlaps(caches[b]->data.data(), caches[b]->data.size()) || overlaps(views[b].block.data(), views[b].block.size());
+    prefetches += 1;
+    outside += !in;
+  };
   kc::with_head_dim(s.head_dim, [&](auto d) {
     kc::with_flag(fast, [&](auto f) { launch_decode_rows<decltype(d)::value, decltype(f)::value>(plan, p, batch); });
   });
+  simt::prefetch_hook() = nullptr;
+  EXPECT_EQ(outside.load(), 0) << "L2 prefetches outside the caches' arrays";
   return out;
 }
 
@@ -279,6 +298,7 @@ TEST(EmulatedDecode, WideHeadsLongWindowPartialRotaryAndHalfPrecisionIo) {
 // query rows per head.
 TEST(EmulatedDecode, Bf16QueriesTakeTheRegisterGatherPath) {
   const int before = fast_launches;
+  const int64_t prefetched = prefetches;
   for (int D : {64, 128}) {
     Case c{AKV_METHOD_ANCHORKV, 1400, D, 4, 1, 0, AKV_ROPE_NEOX, false};
     c.io = AKV_DTYPE_BF16;
@@ -293,6 +313,7 @@ TEST(EmulatedDecode, Bf16QueriesTakeTheRegisterGatherPath) {
   window.io = AKV_DTYPE_BF16;
   check_case(window, 1, 3, 2);
   EXPECT_EQ(fast_launches - before, 4) << "every case on decode_split_kernel<D, MAXROWS, true>";
+  EXPECT_GT(prefetches - prefetched, 0) << "the staging warps' L2 prefetches";
 }
 
 // Queries 40 times the usual spread: base-2 logits hundreds apart, so a later tile's max often
