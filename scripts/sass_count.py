@@ -349,7 +349,7 @@ def cold_lines(lines, table):
 # Helpers of the tile loop whose instructions belong to their caller (phase, warps, trips):
 # stage_trip runs on the key staging's warp from stage_keys and on the value staging's from
 # stage_values.
-CALLER_HELPERS = {"stage_trip", "prefetch_tile", "prefetch_slots", "prefetch_table"}
+CALLER_HELPERS = {"stage_trip", "prefetch_tiles", "prefetch_slots", "prefetch_table"}
 
 
 # Warps of 8 that execute a line, by its function and a substring of the enclosing condition

@@ -86,6 +86,9 @@ struct alignas(16) CacheView {
   // Format 3 with logit_correction: [H][2] the logit penalty per |q|^2 of a reconstructed
   // prefix token without, then with, a key residual (CacheMeta::logit_penalty); null: none.
   const float *logit_penalty = nullptr;
+  // Residual slots of all heads, keys' and values' (N_K, N_V): the bound of the split kernel's
+  // L2 prefetches of the codes and scales.
+  uint32_t key_slots = 0, value_slots = 0;
 };
 
 // A split block's pointers to its head's arrays, offset once and kept in shared memory: the
@@ -101,7 +104,7 @@ struct HeadArrays {
   const uint8_t *key_codes, *value_codes, *value_chunk;
   const float *key_scales, *value_scales;
   int32_t prefix, segment_shift;
-  uint32_t key_slots, value_slots;  // format 3: residual slots of all heads (the L2 prefetches' bound)
+  uint32_t key_slots, value_slots;  // CacheView's
 };
 
 struct DecodeLaunch {

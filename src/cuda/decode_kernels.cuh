@@ -413,15 +413,10 @@ struct SplitBlock {
       }
       if (stage && stager) {
         stage_next(first_tile * T, ha);
-        if (warp == kWordsWarp) {  // off thread 0's path
+        if (warp == kWordsWarp && lane == 0) {  // off thread 0's path
           const int64_t wd = static_cast<int64_t>(h) * v.words + first_tile;
-          const uint32_t kb = v.key_offsets[h] + v.key_prefix[wd], vb = v.value_offsets[h] + v.value_prefix[wd];
-          if (lane == 0) *reinterpret_cast<uint4 *>(res_s) = uint4{kb, 0u, vb, 0u};
-          // The L2 prefetches' start (each tile's staging keeps them ahead): the tiles between
-          // the first and the first that stage_tile_words reaches, the first slots of each side.
-          for (int x = 1; x + 1 < kPrefetchTiles; ++x) prefetch_tile((first_tile + x) * T, ha);
-          prefetch_slots(ha.key_codes, ha.key_scales, kb, kPrefetchSlots, ha.key_slots);
-          prefetch_slots(ha.value_codes, ha.value_scales, vb, kPrefetchSlots, ha.value_slots);
+          *reinterpret_cast<uint4 *>(res_s) =
+              uint4{v.key_offsets[h] + v.key_prefix[wd], 0u, v.value_offsets[h] + v.value_prefix[wd], 0u};
         }
       }
     }
@@ -483,7 +478,7 @@ struct SplitBlock {
                       f3 ? v.key_code + hp : nullptr, f3 ? v.value_code + hp : nullptr,
                       v.key_codes, v.value_codes, v.value_chunk, v.key_scales, v.value_scales,
                       static_cast<int32_t>(v.prefix), v.segment_shift,
-                      f3 ? v.key_offsets[v.heads] : 0u, f3 ? v.value_offsets[v.heads] : 0u};
+                      v.key_slots, v.value_slots};
   }
 
   // ---- 1. tile metadata: anchor, gamma and position of each token; the first angles ------
@@ -581,7 +576,7 @@ struct SplitBlock {
     const int wd = (tn < P ? tn : tn - T) >> 6, x4 = lane & 3;
     const uint64_t word = load_ro((x4 == 0 ? ha.anchor_mask : x4 == 1 ? ha.key_mask : ha.value_mask) + wd);
     const uint32_t first = static_cast<uint32_t>(load_ro(ha.anchor_first + wd));
-    prefetch_tile(tn + (kPrefetchTiles - 1) * T, ha);  // while the loads above are in flight
+    prefetch_tiles(tn, ha);  // while the loads above are in flight
     // Whether the tile before (this one, tn - T) is its segment's last, for the flush after
     // its values: by tile parity, so that a warp may write the next tile's while another
     // still reads this one's (no barrier between when the tile does not flush). From
@@ -616,28 +611,30 @@ struct SplitBlock {
   // layer's cache is not in L2 when its decode starts), and the staging warps above wait for
   // those loads before the tile's first barrier: on the first device run (H100) a tile took
   // about 3x what the SASS walk gave with L2 latencies for them. So the staging warps ask for
-  // them a few tiles ahead (prefetch.global.L2, which nothing waits on): the per-token bytes
-  // and mask words kPrefetchTiles - 1 tiles past the tile they stage, each side's codes and
-  // scales kPrefetchSlots slots past the slots the tile reads (the slots' stream is
-  // consecutive across tiles), and a segment table's anchor rows when the table is read.
-  static constexpr int kPrefetchTiles = 4, kPrefetchSlots = 32;
+  // them ahead (prefetch.global.L2, which nothing waits on): the per-token bytes and mask words
+  // of the kPrefetchTiles tiles after the one they stage, each side's codes and scales of the
+  // kPrefetchSlots slots after the tile's (the slots' stream is consecutive across tiles), and
+  // a segment table's anchor rows when the table is read. Each tile asks again for what the
+  // tiles before asked (an L2 hit), so that the block's first tiles need no set-up of their own.
+  static constexpr int kPrefetchTiles = 3, kPrefetchSlots = 32;
 
-  // Tile tp's per-token bytes (lanes 0-7: the four arrays' first and last byte) and mask words
-  // (lanes 8-11); nothing past the prefix.
-  __device__ __forceinline__ void prefetch_tile(int tp, const HeadArrays &ha) {
-    if (tp >= ha.prefix || lane >= 12) return;
-    const int x = lane & 3;
+  // Tiles tn + T .. tn + kPrefetchTiles T: lane 4 j + x the first byte of per-token array x
+  // of tile j + 1 (a tile's 64 bytes end in its line or in the next tile's first), lanes
+  // 12-15 the last tile's mask words and first anchor (a line holds 16 tiles' words); nothing
+  // past the prefix.
+  __device__ __forceinline__ void prefetch_tiles(int tn, const HeadArrays &ha) {
+    static_assert(kPrefetchTiles == 3, "12 lanes of bytes, 4 of words");
+    const int x = lane & 3, P = ha.prefix;
+    const int tp = tn + T * (lane < 12 ? 1 + (lane >> 2) : kPrefetchTiles);
     const void *at;
-    if (lane < 8) {
-      const uint8_t *bytes = x == 0 ? ha.key_entry : x == 1 ? ha.value_entry : x == 2 ? ha.key_code : ha.value_code;
-      const int last = tp + T - 1 < ha.prefix ? tp + T - 1 : ha.prefix - 1;
-      at = bytes + (lane < 4 ? tp : last);
+    if (lane < 12) {
+      at = (x == 0 ? ha.key_entry : x == 1 ? ha.value_entry : x == 2 ? ha.key_code : ha.value_code) + tp;
     } else {
       const int wd = tp >> 6;
       at = x == 3 ? static_cast<const void *>(ha.anchor_first + wd)
                   : static_cast<const void *>((x == 0 ? ha.anchor_mask : x == 1 ? ha.key_mask : ha.value_mask) + wd);
     }
-    prefetch_l2(at);
+    if (tp < P && lane < 16) prefetch_l2(at);
   }
 
   // A side's residual slots [s0, s0 + n), clamped to its `slots`: the codes' 128-byte lines
@@ -707,7 +704,7 @@ struct SplitBlock {
     const int count = __popcll(tile_words(static_cast<int>(t0))[1]);
     __syncwarp();  // every lane has read it
     if (lane == 0) *reinterpret_cast<uint2 *>(res_s) = uint2{base, static_cast<uint32_t>(count)};
-    prefetch_slots(ha_s->key_codes, ha_s->key_scales, base + kPrefetchSlots, count, ha_s->key_slots);
+    prefetch_slots(ha_s->key_codes, ha_s->key_scales, base + count, kPrefetchSlots, ha_s->key_slots);
     const uint32_t *words = reinterpret_cast<const uint32_t *>(ha_s->key_codes) + static_cast<int64_t>(base) * (D / 16);
     const float *scales = ha_s->key_scales + base;  // both read before any store (stage_values)
     AKV_NO_UNROLL
@@ -730,7 +727,7 @@ struct SplitBlock {
       count = __popcll(tile_words(static_cast<int>(t0))[2]);
       __syncwarp();  // every lane has read the slots
       if (lane == 0) *reinterpret_cast<uint2 *>(res_s + 2) = uint2{base, static_cast<uint32_t>(count)};
-      prefetch_slots(ha_s->value_codes, ha_s->value_scales, base + kPrefetchSlots, count, ha_s->value_slots);
+      prefetch_slots(ha_s->value_codes, ha_s->value_scales, base + count, kPrefetchSlots, ha_s->value_slots);
     } else {  // format 2: from the tile's prefix counts (and the key side's too)
       const int64_t wd = static_cast<int64_t>(h) * c.words + t0 / 64;
       base = c.value_offsets[h] + c.value_prefix[wd];

@@ -108,6 +108,8 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
     v.value_chunk = sec(kValueChunkPos);
     v.key_scales = reinterpret_cast<const float *>(sec(kKeyScales));
     v.value_scales = reinterpret_cast<const float *>(sec(kValueScales));
+    v.key_slots = static_cast<uint32_t>(g.key_residuals);
+    v.value_slots = static_cast<uint32_t>(g.value_residuals);
   } else {
     int64_t kept = 0;
     for (int64_t count : m.dense_counts) kept += count;
