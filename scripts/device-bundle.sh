@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything scripts/device-check.sh runs on the GPU
 # machine, into one self-contained folder that the device call names in `carry`:
-#   lib/libanchorkv.so*   the library with the CUDA backend (Release, stripped): what the
+#   lib/libanchorkv.so*   the library with the CUDA backend (Release, stripped; the device
+#                         code with -lineinfo, which changes no instruction and puts source
+#                         lines in compute-sanitizer's and Nsight Compute's reports): what the
 #                         Python package loads for bench_decode.py, bench_compress.py and
 #                         python/tests/test_gpu.py (ANCHORKV_LIBRARY)
 #   bin/                  anchorkv_gpu_tests, anchorkv_api_tests (its GpuContext tests),
@@ -36,7 +38,7 @@ start=$SECONDS
 cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DANCHORKV_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES="$archs" -DANCHORKV_BUILD_TESTS=ON -DANCHORKV_BUILD_CLI=ON \
       -DANCHORKV_USE_BLAS=OFF -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON '-DCMAKE_BUILD_RPATH=$ORIGIN/../lib' \
-      "${extra_cmake[@]}"
+      -DCMAKE_CUDA_FLAGS=-lineinfo "${extra_cmake[@]}"
 cmake --build "$build_dir" --parallel "$jobs" --target "${targets[@]}"
 echo "device-bundle: built in $((SECONDS - start)) s"
 

@@ -9,7 +9,8 @@
 #   2. scripts/bench_decode.py: compact decode vs our dense decode vs PyTorch SDPA, cold L2
 #      (ANCHORKV_DECODE_BENCH_ARGS; default the rows of issue 14: "--rows 32768x1 131072x1 131072x8 32768x32");
 #   3. scripts/bench_compress.py: the GPU compression pass vs SDPA causal prefill attention
-#      and our SnapKV (ANCHORKV_COMPRESS_BENCH_ARGS);
+#      and our SnapKV (ANCHORKV_COMPRESS_BENCH_ARGS); then, where the image has Nsight Compute
+#      (ncu), the split kernel's profile at 32K x 1 and 128K x 8 (into bench-decode.log);
 #   4. the GPU test suite: anchorkv_gpu_tests (64K and 128K decodes included), the GpuContext
 #      tests of anchorkv_api_tests, python/tests/test_gpu.py (when pytest and torch are there);
 #   5. compute-sanitizer memcheck, racecheck, initcheck and synccheck over the GPU tests at
@@ -23,7 +24,7 @@
 # under `timeout` for the time left; once less than 20 s is left the remaining steps are
 # skipped, and the summary and tables are still written. A failing step does not stop the
 # later ones (without a library nothing after the build runs). ANCHORKV_SKIP: any of
-# "smoke decode-bench compress-bench gpu-tests sanitizer emulation". Exit status: 0 when no
+# "smoke decode-bench compress-bench ncu gpu-tests sanitizer emulation". Exit status: 0 when no
 # step failed.
 # Without a GPU (a dry run on a development machine) the test programs run and skip, and the
 # benchmarks and compute-sanitizer are skipped; with one, a GPU test that skips fails
@@ -141,6 +142,24 @@ else
     # shellcheck disable=SC2086
     step "bench_compress.py (vs SDPA prefill)" "$logs/bench-compress.log" \
       python3 "$root/scripts/bench_compress.py" ${ANCHORKV_COMPRESS_BENCH_ARGS:-}
+  fi
+
+  # ---- 3b. Nsight Compute, where the image has it: the compact decode's split kernel at 32K x 1
+  # and 128K x 8 (cold L2: ncu flushes the caches before each pass), its stall reasons,
+  # occupancy and memory traffic, appended to bench-decode.log. The SASS model (scripts/
+  # sass_count.py) was ~3x off on the first device run; these say where.
+  ncu_bin="$(command -v ncu || echo /usr/local/cuda/bin/ncu)"
+  if skipped ncu || skipped decode-bench; then note SKIP "ncu: the split kernel" 0
+  elif [ "$has_gpu" = 0 ] || [ "$has_torch" = 0 ]; then note SKIP "ncu: no GPU or torch" 0
+  elif [ ! -x "$ncu_bin" ]; then note SKIP "ncu (not found)" 0
+  else
+    for row in 32768x1 131072x8; do
+      step "ncu: split kernel $row" "$logs/bench-decode.log" \
+        "$ncu_bin" --kernel-name-base demangled --kernel-name 'regex:decode_split_kernel<128, 4, true>' \
+        --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --section SourceCounters python3 "$root/scripts/bench_decode.py" --rows "$row" --iters 5
+    done
   fi
 
   # ---- 4. the GPU test suite ------------------------------------------------------------------------

@@ -347,8 +347,9 @@ def main():
               "their SASS walk (merge_walk); set-up, partial write and window: their SASS walks (prologue_walk, tail_walk)" if use_sass else "PTX counts, not SASS (scripts/sass_count.py unavailable or "
               "--ptx-model)")
     print(f"Assumptions: {SMS} SMs x {SCHED} schedulers x {CLOCK_GHZ} GHz x IPC {IPC} (the tile loop: at most its "
-          "latency bound, sass_count.py's warp_latency: the gathered anchor rows from L1 at its GATHER_L1_SHARE, other "
-          "global loads from L2; in brackets every one from L1; a tile's residual counts at variance / mean "
+          "latency bound, sass_count.py's warp_latency: the gathered anchor rows from L1 at its GATHER_L1_SHARE, the "
+          "streamed metadata, codes and scales from L2 where the loop prefetches them, else from memory (its 'hbm' "
+          "latency, from the first device run); in brackets every load from L1; a tile's residual counts at variance / mean "
           f"{'sass_count.py COUNT_DISPERSION' if COUNT_DISPERSION is None else COUNT_DISPERSION}); "
           f"HBM {HBM_TBS} TB/s; "
           f"L2 {L2_TBS} TB/s; shared memory a 128-byte wavefront a clock per SM (the tile loop's, conflict-free, "

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <cub/device/device_radix_sort.cuh>
+#include <cxxabi.h>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -74,9 +76,54 @@ struct CudaDevice {
   // stats): tokens searched, left alone, candidates rescored, full scans.
   uint32_t search_counts[4] = {};
   std::vector<std::pair<int, cudaEvent_t>> marks;
+  // With profiling, each kernel launch between two events: the report adds the kernels' own
+  // times by kernel (a stage's time is a few kernels; the first device run gave only stages).
+  struct Timed {
+    const void *kernel;
+    cudaEvent_t start, stop;
+  };
+  std::vector<Timed> timed;
 
   ~CudaDevice() {
     for (auto &m : marks) cudaEventDestroy(m.second);
+    for (auto &t : timed) {
+      if (t.start) cudaEventDestroy(t.start);
+      if (t.stop) cudaEventDestroy(t.stop);
+    }
+  }
+  // A kernel's name without namespaces, template arguments or parameters.
+  static std::string kernel_name(const void *kernel) {
+    const char *raw = nullptr;
+    if (cudaFuncGetName(&raw, kernel) != cudaSuccess || !raw) return "?";
+    int status = 0;
+    char *demangled = abi::__cxa_demangle(raw, nullptr, nullptr, &status);
+    std::string name = status == 0 && demangled ? demangled : raw;
+    std::free(demangled);
+    name = name.substr(0, name.find_first_of("<("));
+    const size_t colon = name.rfind("::"), space = name.rfind(' ');
+    if (colon != std::string::npos) name = name.substr(colon + 2);
+    else if (space != std::string::npos) name = name.substr(space + 1);
+    return name;
+  }
+  // "; kernels: name ms (launches), ...", the most expensive first.
+  std::string kernel_times() const {
+    std::vector<std::pair<const void *, std::pair<double, int>>> sums;
+    for (const Timed &t : timed) {
+      float ms = 0.0f;
+      check(cudaEventElapsedTime(&ms, t.start, t.stop), "cudaEventElapsedTime");
+      auto it = std::find_if(sums.begin(), sums.end(), [&](const auto &x) { return x.first == t.kernel; });
+      if (it == sums.end()) sums.push_back({t.kernel, {ms, 1}});
+      else it->second.first += ms, it->second.second += 1;
+    }
+    std::sort(sums.begin(), sums.end(), [](const auto &a, const auto &b) { return a.second.first > b.second.first; });
+    std::string out = sums.empty() ? "" : "; kernels:";
+    for (const auto &x : sums) {
+      char item[160];
+      std::snprintf(item, sizeof item, " %s %.3f ms (%d),", kernel_name(x.first).c_str(), x.second.first, x.second.second);
+      out += item;
+    }
+    if (!sums.empty()) out.pop_back();
+    return out;
   }
   void stage(int id) {
     if (!profiling) return;
@@ -97,6 +144,7 @@ struct CudaDevice {
       if (marks[i].first >= 0 && marks[i].first < kStageCount) per_stage[marks[i].first] += ms;
     }
     std::string tail = "; " + std::to_string(operations) + " stream operations";
+    const std::string kernels = kernel_times();
     if (search_counts[0] > 0) {
       const double n = search_counts[0], searched = n - search_counts[1];
       char line[200];
@@ -107,13 +155,21 @@ struct CudaDevice {
                     searched > 0 ? search_counts[3] / searched : 0.0);
       tail += line;
     }
+    tail += kernels;
     print_stage_profile(what, seq_len, per_stage, tail.c_str());
   }
 
   template <typename... KArgs, typename... Args>
   void launch(void (*kernel)(KArgs...), int gx, int gy, int block, Args &&...args) {
+    if (profiling) {  // the destructor destroys what was created
+      timed.push_back(Timed{reinterpret_cast<const void *>(kernel), nullptr, nullptr});
+      check(cudaEventCreate(&timed.back().start), "cudaEventCreate");
+      check(cudaEventCreate(&timed.back().stop), "cudaEventCreate");
+      check(cudaEventRecord(timed.back().start, stream), "cudaEventRecord");
+    }
     kernel<<<dim3(gx, gy), block, 0, stream>>>(static_cast<KArgs>(args)...);
     check(cudaGetLastError(), "a compression kernel launch");
+    if (profiling) check(cudaEventRecord(timed.back().stop, stream), "cudaEventRecord");
     ++operations;
   }
   // Row-major C = alpha A B^T (op_b T) and C = alpha A B (op_b N) as column-major cuBLAS calls
