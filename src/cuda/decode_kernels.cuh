@@ -971,6 +971,17 @@ struct SplitBlock {
     }
   }
 
+  // The key and value rows [t0, end) of a dense tile into L2 (the next tile's, while this one is
+  // computed): a 128-byte line a thread.
+  __device__ __forceinline__ void prefetch_dense(const uint16_t *keys, const uint16_t *values, int64_t t0, int64_t end) {
+    constexpr int kLines = T * D * 2 / 128;  // a full tile's rows of one side
+    const int64_t bytes = (end - t0) * D * 2;
+    for (int l = tid; l < 2 * kLines; l += NT) {
+      const int64_t at = static_cast<int64_t>(l % kLines) * 128;
+      if (at < bytes) prefetch_l2(reinterpret_cast<const uint8_t *>((l < kLines ? keys : values) + t0 * D) + at);
+    }
+  }
+
   // Dense rows keys[t0..end) as stored (post-RoPE). Thread: 16-byte chunk v = tid % V8 of
   // tokens tid / V8, + STEP, ...: every chunk loaded (read-only, rows past the end clamped to
   // the tile's first) before any is stored, so that the tile waits on one trip to memory, not
@@ -1894,6 +1905,8 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
     const int64_t tiles = (count + T - 1) / T;
     for (int64_t tile = tiles * split / splits; tile < tiles * (split + 1) / splits; ++tile) {
       const int64_t t0 = tile * T, end = t0 + T < count ? t0 + T : count;
+      if constexpr (!FAST)  // dense caches never take the fast path; its tile loop's registers stay as they are
+        if (end < count) blk.prefetch_dense(keys, values, end, end + T < count ? end + T : count);
       blk.gather_dense_rows(keys, t0, end);
       __syncthreads();
       blk.contract(t0, end, false, 0, false);
