@@ -144,7 +144,6 @@ struct CudaDevice {
       if (marks[i].first >= 0 && marks[i].first < kStageCount) per_stage[marks[i].first] += ms;
     }
     std::string tail = "; " + std::to_string(operations) + " stream operations";
-    const std::string kernels = kernel_times();
     if (search_counts[0] > 0) {
       const double n = search_counts[0], searched = n - search_counts[1];
       char line[200];
@@ -155,7 +154,7 @@ struct CudaDevice {
                     searched > 0 ? search_counts[3] / searched : 0.0);
       tail += line;
     }
-    tail += kernels;
+    tail += kernel_times();
     print_stage_profile(what, seq_len, per_stage, tail.c_str());
   }
 

@@ -5,7 +5,8 @@
 //       one KV head of one request, the query rows of its GQA group (G x q_len, in chunks of
 //       MAXROWS <= 16), and one contiguous range of tiles of T = 64 prompt tokens (one
 //       residual mask word per tile), the prefix's and then the exact window's (a window tile
-//       counted as two: SplitBlock::split_unit); split 0 also takes the appended suffix. Two
+//       counted as two: SplitBlock::split_unit), then the appended suffix's tiles split s,
+//       s + splits, ... Two
 //       instantiations a shape: FAST (fast_decode_path: every cache of the launch on the
 //       register-gather path) and the rest. Per tile, everything in shared memory:
 //         1. the tile's anchor indices, gammas and positions; the RoPE angle of the tile's
