@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything scripts/device-check.sh runs on the GPU
 # machine, into one self-contained folder that the device call names in `carry`:
-#   lib/libanchorkv.so*   the library with the CUDA backend (Release, stripped; the device
-#                         code with -lineinfo, which changes no instruction and puts source
-#                         lines in compute-sanitizer's and Nsight Compute's reports): what the
+#   lib/libanchorkv.so*   the library with the CUDA backend (Release, stripped; for one
+#                         architecture the device code has -lineinfo, which changes no
+#                         instruction and puts source lines in compute-sanitizer's and Nsight
+#                         Compute's reports): what the
 #                         Python package loads for bench_decode.py, bench_compress.py and
 #                         python/tests/test_gpu.py (ANCHORKV_LIBRARY)
 #   bin/                  anchorkv_gpu_tests, anchorkv_api_tests (its GpuContext tests),
@@ -33,12 +34,17 @@ read -r -a extra_cmake <<<"${ANCHORKV_BUNDLE_CMAKE_ARGS:-}"
 # Every target the device runs; CI builds the same list.
 targets=(anchorkv anchorkv_gpu_tests anchorkv_api_tests anchorkv_emulation_tests anchorkv_cli)
 
+# Line info in the device code for the device run's one architecture (CI's two-architecture
+# build would pass the size limit with it: 63 MiB).
+lineinfo=()
+[[ "$archs" != *";"* ]] && lineinfo=(-DCMAKE_CUDA_FLAGS=-lineinfo)
+
 start=$SECONDS
 # Relative RPATHs: $ORIGIN/../src in the build tree, $ORIGIN/../lib in the bundle.
 cmake -S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DANCHORKV_CUDA=ON \
       -DCMAKE_CUDA_ARCHITECTURES="$archs" -DANCHORKV_BUILD_TESTS=ON -DANCHORKV_BUILD_CLI=ON \
       -DANCHORKV_USE_BLAS=OFF -DCMAKE_BUILD_RPATH_USE_ORIGIN=ON '-DCMAKE_BUILD_RPATH=$ORIGIN/../lib' \
-      -DCMAKE_CUDA_FLAGS=-lineinfo "${extra_cmake[@]}"
+      "${lineinfo[@]}" "${extra_cmake[@]}"
 cmake --build "$build_dir" --parallel "$jobs" --target "${targets[@]}"
 echo "device-bundle: built in $((SECONDS - start)) s"
 
