@@ -1270,8 +1270,9 @@ def prologue_walk(f, spans, lines, k, first):
     dense-cache branch, the window and the suffix, whose kernel lines follow the tile loop's, left
     out): each loop its source trips (prologue_trips) over its unroll factor (loop_trips), each
     line on the warps its condition leaves (PROLOGUE_WARPS), and the walk (warp_latency, every
-    load from L2: a block's first reads of the view and its tables) gives a block's cycles to its
-    first tile, with its barriers."""
+    load from memory, LATENCY["hbm"]: a block's first reads of the view, its tables, the queries
+    and its first tile, all cold when the decode starts) gives a block's cycles to its first
+    tile, with its barriers."""
     ins = f["ins"]
     kern = next(x for x in spans if x[0] == "decode_split_kernel")
     tile_line = next(n for n in range(kern[1], kern[2] + 1) if "for (int tile = first_tile;" in lines[n - 1])
@@ -1311,7 +1312,7 @@ def prologue_walk(f, spans, lines, k, first):
         prev = (mult * len(warps_of), warps_of, mult * len(warps_of))
         weighted.append((i, "prologue") + prev)
         issue += prev[0]
-    lat = warp_latency(ins, weighted, view_from_l2=True)
+    lat = warp_latency(ins, weighted, view_from_l2=True, streams=LATENCY["hbm"])
     return {"issue": issue, "block_cycles": lat["mixed"]["block_cycles"],
             "segments": [round(sg["cycles"]) for sg in lat["mixed"]["segments"]],
             "loops": [dict(first=a, last=b, line=x["line"], unroll=x["u"], trips=x["trips"])
@@ -1477,7 +1478,7 @@ def main():
     result["prologue"] = pro
     print(f"\nThe split kernel's set-up to its first tile (prologue_walk; k {a.anchors}, weights "
           f"{'by segment in the workspace' if a.segment_weights else 'in shared memory'}): {pro['issue']:.0f} warp "
-          f"instructions a block, {pro['block_cycles']:.0f} cycles with its barriers (every load from L2; barrier "
+          f"instructions a block, {pro['block_cycles']:.0f} cycles with its barriers (every load from memory; barrier "
           f"segments {' + '.join(map(str, pro['segments']))}); loops: "
           + ", ".join(f"{l['line']} {l['unroll']}x{l['trips']:g}" for l in pro["loops"] if l["trips"]))
     tail = tail_walk(funcs[split], spans, lines, a.anchors, (loop["first"], loop["last"]), a.block_tiles,
