@@ -850,7 +850,8 @@ def warp_latency(ins, weighted, view_from_l2=False, streams=None):
         slowest at the barrier); summed over the segments.
     Bank conflicts, dispatch stalls and the barriers' own latency are not in it (upper bounds on
     the issue rate). view_from_l2: plain LDG loads from L2 as well (the merge kernels': the
-    split kernel's workspace, in L2 when the next kernel starts)."""
+    split kernel's workspace, in L2 when the next kernel starts; the set-up's view fields, in L2
+    once its copy of the view has been read), whatever `streams` says."""
     out = {"unread": sum(1 for i, _, wt, _, _ in weighted if wt > 0 and "stall" not in ins[i])}
     l1, l2 = LATENCY["global_l1"], LATENCY["global"]
     # the barrier segment of each instruction (a block barrier, BAR 0, ends its segment; a named
@@ -880,7 +881,7 @@ def warp_latency(ins, weighted, view_from_l2=False, streams=None):
                 if x["wbar"] < 6:
                     c = latency_class(x["op"])
                     ready[x["wbar"]] = t + ((gather if phase == GATHER_PHASE else glob) if c == "global"
-                                            else (glob if view_from_l2 else l1) if c == "view" else LATENCY[c])
+                                            else (l2 if view_from_l2 else l1) if c == "view" else LATENCY[c])
                 if x["rbar"] < 6:
                     ready[x["rbar"]] = t + LATENCY["read"]
                 t += max(1, x["stall"])
