@@ -843,27 +843,32 @@ struct SplitBlock {
     reinterpret_cast<float4 *>(dst)[1] = float4{x[4], x[5], x[6], x[7]};
   }
 
-  // Thread: 16-byte chunk v = tid % V8 of tokens tid / V8, + NT / V8, ... (no division), all
-  // loaded (read-only) before any is stored: one trip to memory a tile (gather_dense_rows_as).
+  // Dimensions d.. d + 7 of tokens tid / (D / 8), + NT / (D / 8), ...: gamma_t times their
+  // anchor rows of `ak` (zeros without an anchor), every chunk loaded (read-only) before any is
+  // stored: one trip to memory a tile (gather_dense_rows_as).
   template <bool BF>
-  __device__ __forceinline__ void gather_anchor_rows_as() {
+  __device__ __forceinline__ void gather_chunks(const uint16_t *ak, int d) {
     constexpr int V8 = D / 8, STEP = NT / V8, N = T / STEP;
     static_assert(NT % V8 == 0 && T % STEP == 0, "whole tokens per pass");
-    const uint4 *ak = reinterpret_cast<const uint4 *>(c.anchor_keys + static_cast<int64_t>(h) * k * D) + tid % V8;
     const int t1 = tid / V8;
     uint4 x[N];
     AKV_UNROLL
     for (int n = 0; n < N; ++n) {
       const int a = a_s[t1 + n * STEP];
-      x[n] = a < 0 ? uint4{0, 0, 0, 0} : load_ro(ak + a * V8);
+      x[n] = a < 0 ? uint4{0, 0, 0, 0} : load_ro(reinterpret_cast<const uint4 *>(ak + a * D + d));
     }
     AKV_UNROLL
     for (int n = 0; n < N; ++n) {
       const int t = t1 + n * STEP, a = a_s[t];
-      float *dst = K_s + t * KS + (tid % V8) * 8;
+      float *dst = K_s + t * KS + d;
       if (a < 0) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
       else put8<BF>(dst, x[n], g_s[t]);
     }
+  }
+  // Thread: 16-byte chunk v = tid % V8 of its tokens (no division).
+  template <bool BF>
+  __device__ __forceinline__ void gather_anchor_rows_as() {
+    gather_chunks<BF>(c.anchor_keys + static_cast<int64_t>(h) * k * D, (tid % (D / 8)) * 8);
   }
   // Fused NeoX gather: item (token t, pairs j0..j0+3) reads dimensions j0.. and j0 + pairs..
   // of the anchor row, scales by gamma and rotates by R_off; the dimensions past 2 * pairs are
@@ -880,20 +885,7 @@ struct SplitBlock {
     const int q = tid % V8, P4 = pairs / 4, t1 = tid / V8;
     const uint16_t *ak = c.anchor_keys + static_cast<int64_t>(h) * k * D;
     if (q >= P4) {  // unrotated dimensions d.. d + 7
-      const int d = 2 * pairs + 8 * (q - P4);
-      uint4 x[N];
-      AKV_UNROLL
-      for (int n = 0; n < N; ++n) {
-        const int a = a_s[t1 + n * STEP];
-        x[n] = a < 0 ? uint4{0, 0, 0, 0} : load_ro(reinterpret_cast<const uint4 *>(ak + a * D + d));
-      }
-      AKV_UNROLL
-      for (int n = 0; n < N; ++n) {
-        const int t = t1 + n * STEP, a = a_s[t];
-        float *dst = K_s + t * KS + d;
-        if (a < 0) put8<BF>(dst, uint4{0, 0, 0, 0}, 0.0f);
-        else put8<BF>(dst, x[n], g_s[t]);
-      }
+      gather_chunks<BF>(ak, 2 * pairs + 8 * (q - P4));
       return;
     }
     const int j0 = 4 * q;  // pairs j0 .. j0 + 3: dimensions j0.. and j0 + pairs..
@@ -1917,7 +1909,7 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
   }
   // The appended suffix's tiles, one a split in turn (split 0 alone took them all: a
   // straggler once a few hundred tokens were appended).
-  if (static_cast<int64_t>(split) * T < suffix_len) {
+  {
     const uint16_t *keys = c.suffix_keys + static_cast<int64_t>(h) * c.suffix_capacity * D;
     const uint16_t *values = c.suffix_values + static_cast<int64_t>(h) * c.suffix_capacity * D;
     for (int64_t t0 = static_cast<int64_t>(split) * T; t0 < suffix_len; t0 += static_cast<int64_t>(splits) * T) {
