@@ -190,7 +190,7 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
     arrays += [(f, hb * max(-(-P // SELECT_CHUNK), -(-P // 32)) * 2)]  # select_partials (chunks, or tiles of 32+)
     arrays += [(i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P), (i4, 0)]
     arrays += [(i4, hb * P), (i4, hb * P), (f, hb * P), (u2, H * P), (u2, H * P)] * 2 + [(f, 256)]  # format 3's
-    arrays += [(i4, 4), (u2, hb * m * D)]  # search_stats (utility_split before it), q_b
+    arrays += [(i4, 6), (u2, hb * m * D)]  # search_stats (utility_split before it), q_b
     arrays += [(f, hb * k * D), (u2, hb * k * D), (f, hb * k)]  # side 1's candidate rows
     at = 0
     for size, count in arrays:
@@ -391,6 +391,30 @@ def bitonic_s(n):
     return steps * (steps + 1) / 2 * (0.3e-6 if n <= 8192 else 1e-6)
 
 
+# segment_tables_kernel: the token-sides outside their segment's table in the segment (and head)
+# that has the most, on the benchmark's data (scripts/bench_compress.py's distribution, fp32, the
+# CPU backend: ANCHORKV_COMPRESS_PROFILE=1, "at most N in a segment"). Each costs its warp a scan
+# of the 256 entries; the block with the most sets the launch's time.
+TABLE_MISSES_MOST = {32768: 138, 65536: 568, 131072: 663}
+TABLE_MISS_INSTR = 8 * 16 * 22   # a warp's scan: 8 entries a lane x D/8 16-byte loads x ~22 SASS (D 128)
+SHARED_STEP_CYCLES = 120          # a bitonic step: a batch of shared loads, compare, stores, barrier
+TRIP_CYCLES = 900                 # a dependent trip to memory (scripts/sass_count.py's LATENCY["hbm"])
+
+
+def table_blocks_s(hb, P, L, S):
+    """segment_tables_kernel as a latency walk of its slowest block (one wave: at most 2 blocks a
+    multiprocessor): 3 bitonic sorts (2L, 2L, 256 keys; a step per batch of 4 pairs a thread),
+    the entries' batches of loads, then the most misses of a block over its 8 warps, the 4
+    schedulers shared by the block's warps."""
+    steps = lambda n: math.log2(n) * (math.log2(n) + 1) / 2
+    batches = -(-(2 * L) // (256 * 4))
+    cycles = (2 * steps(2 * L) * batches + steps(256)) * SHARED_STEP_CYCLES + batches * (2 * TRIP_CYCLES + 8 * 30)
+    misses = TABLE_MISSES_MOST.get(S, 0)
+    cycles += TRIP_CYCLES + misses * TABLE_MISS_INSTR / 4  # row norms, then the scans issued 4 warps a cycle
+    waves = -(-hb * -(-P // L) // (2 * SMS))
+    return waves * cycles / CLOCK_HZ
+
+
 def local_pass(x, g, hb):
     """Format 3 from the coverage on (compress_anchorkv_pass.hpp local_coverage(), then the
     assignment with tables and codes)."""
@@ -421,7 +445,7 @@ def local_pass(x, g, hb):
         x.op(simt=hb * P * 4, hbm=hb * P * 24)                          # local_assign_kernel
     # segment_tables_kernel: two bitonic sorts of 2L keys per segment in shared memory
     sort_steps = math.log2(2 * L) * (math.log2(2 * L) + 1) / 2
-    x.op(simt=hb * 2 * P * sort_steps * 2 * 6, hbm=hb * P * 2 * 12)
+    x.op(simt=hb * 2 * P * sort_steps * 2 * 6, hbm=hb * P * 2 * 12, latency=table_blocks_s(hb, P, L, S))
     for side in range(2):                           # code_coefficients_kernel (keys: rotated residuals)
         rk = side == 0
         x.op(simt=hb * P * (6 * D + (2 * D + PAIRS * 26 if rk else 0)),

@@ -60,10 +60,10 @@ class StageClock {
     current_ = id;
     last_ = t;
   }
-  void report(const char *what, int64_t seq_len) {
+  void report(const char *what, int64_t seq_len, const char *tail = "") {
     if (!on_) return;
     stage(-1);
-    print_stage_profile(what, seq_len, ms_, "");
+    print_stage_profile(what, seq_len, ms_, tail);
   }
 
  private:

@@ -73,8 +73,9 @@ struct CudaDevice {
   int64_t operations = 0;
   bool profiling = false;
   // With profiling, format 3's candidate searches over the coverage rounds (local_nearest_kernel's
-  // stats): tokens searched, left alone, candidates rescored, full scans.
-  uint32_t search_counts[4] = {};
+  // stats): tokens searched, left alone, candidates rescored, full scans; then the token-sides
+  // outside their segment's table, and the most in one segment (segment_tables_kernel's).
+  uint32_t search_counts[6] = {};
   std::vector<std::pair<int, cudaEvent_t>> marks;
   // With profiling, each kernel launch between two events: the report adds the kernels' own
   // times by kernel (a stage's time is a few kernels; the first device run gave only stages).
@@ -152,6 +153,9 @@ struct CudaDevice {
                     "per token searched",
                     search_counts[1] / n, search_counts[0], searched > 0 ? search_counts[2] / searched : 0.0,
                     searched > 0 ? search_counts[3] / searched : 0.0);
+      tail += line;
+      std::snprintf(line, sizeof line, "; outside their tables: %u token-sides, at most %u in a segment",
+                    search_counts[4], search_counts[5]);
       tail += line;
     }
     tail += kernel_times();

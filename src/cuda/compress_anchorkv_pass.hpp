@@ -53,7 +53,7 @@ struct CompressScratch {
   uint16_t *index16[2], *gamma16[2];
   float *y_parts;           // window_outputs_kernel's partial sums, a chunk of tokens each
   uint32_t *utility_split;  // utility_rows_kernel's bf16 splits of the window queries and outputs
-  uint32_t *search_stats;  // profiling: local_nearest_kernel's counts (Dev::search_counts)
+  uint32_t *search_stats;  // profiling: local_nearest_kernel's and segment_tables_kernel's counts (Dev::search_counts)
   // The candidate rows an absorb compares (unit rows, in bf16, squared norms), per side: side
   // 0's in anchor_n, anchor_b and norms (free until the assignment), side 1's their own.
   float *cand_n[2], *cand_norm_sq[2];
@@ -135,7 +135,7 @@ struct CompressScratch {
       take(gamma16[side], int64_t{H_all} * P);
     }
     take(units, 256);
-    take(search_stats, 4);
+    take(search_stats, 6);
     take(q_b, int64_t{H} * m * D);
     cand_n[0] = anchor_n;
     cand_b[0] = anchor_b;
@@ -484,7 +484,8 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
                  static_cast<const uint16_t *>(anchors_out[0] + static_cast<int64_t>(h0) * k * D),
                  static_cast<const uint16_t *>(anchors_out[1] + static_cast<int64_t>(h0) * k * D), bf16 ? 1 : 0,
                  entry_bytes[0] + h0 * P, entry_bytes[1] + h0 * P,
-                 tables ? tables + h0 * g.segments * g.table_size : nullptr, code_scales + h0 * g.segments * 2);
+                 tables ? tables + h0 * g.segments * g.table_size : nullptr, code_scales + h0 * g.segments * 2,
+                 dev.profiling ? s.search_stats : nullptr);
       for (int side = 0; side < 2; ++side)
         dev.launch(code_coefficients_kernel, grid_blocks(P, 4), H, 128, static_cast<const int32_t *>(s.assigned[side]),
                    static_cast<const float *>(s.coef[side]),

@@ -354,18 +354,29 @@ __global__ void local_assign_kernel(const int32_t *near_token, const float *near
 
 // Ascending sort of n (a power of two, at most the array's size) 32-bit keys by the block's
 // threads (bitonic network), in shared memory or in global memory only this block touches.
-// Ends with a barrier.
+// A thread takes its pairs of a step kBitonicBatch at a time, every load of a batch before any
+// store (the compiler cannot tell that the pairs are disjoint, so a loop of load, compare, store
+// waits on every load in turn). Ends with a barrier.
+constexpr int kBitonicBatch = 4;
 __device__ __forceinline__ void block_bitonic_sort(uint32_t *a, int n) {
   for (int size = 2; size <= n; size <<= 1)
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       __syncthreads();
-      for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
-        const int lo = 2 * i - (i & (stride - 1)), hi = lo + stride;
-        const uint32_t x = a[lo], y = a[hi];
-        if ((x > y) == ((lo & size) == 0)) {
-          a[lo] = y;
-          a[hi] = x;
+      for (int i0 = threadIdx.x; i0 < n / 2; i0 += kBitonicBatch * blockDim.x) {
+        int lo[kBitonicBatch];
+        uint32_t x[kBitonicBatch], y[kBitonicBatch];
+#pragma unroll
+        for (int b = 0; b < kBitonicBatch; ++b) {
+          const int i = i0 + b * static_cast<int>(blockDim.x);
+          lo[b] = 2 * i - (i & (stride - 1));
+          if (i < n / 2) x[b] = a[lo[b]], y[b] = a[lo[b] + stride];
         }
+#pragma unroll
+        for (int b = 0; b < kBitonicBatch; ++b)
+          if (i0 + b * static_cast<int>(blockDim.x) < n / 2 && (x[b] > y[b]) == ((lo[b] & size) == 0)) {
+            a[lo[b]] = y[b];
+            a[lo[b] + stride] = x[b];
+          }
       }
     }
   __syncthreads();
@@ -403,6 +414,7 @@ constexpr int kTableThreads = 256;
 constexpr int kTableSlots = 256;  // core/layout.hpp's kTableEntries (one-byte entries)
 constexpr int kMaxSegment = 4096;  // segment_length()'s largest
 constexpr uint32_t kNoEntry = 0xFFFFFFFFu;
+constexpr int kTableBatch = 4;  // segment_tables_kernel's token-sides a thread per batch of loads
 
 // One segment of one head, both sides (CPU: restrict_to_tables and the code scales). With
 // tables (table_size 256): the table lists the anchors the segment's non-anchor tokens use
@@ -414,13 +426,16 @@ constexpr uint32_t kNoEntry = 0xFFFFFFFFu;
 // (segment, head): the (at most 8192) assignments are sorted in shared memory, the run lengths
 // become (count, anchor) keys and those are sorted again. Grid y over heads: token arrays at
 // y P, X at y x_stride, stored anchor rows at y k D, tables at y segments 256, scales at y
-// segments 2.
-__global__ void __launch_bounds__(kTableThreads, 4) segment_tables_kernel(
+// segments 2. With `stats` (profiling), local_nearest_kernel's array: stats[4] += the tokens
+// (both sides) outside their table, stats[5] = the most in one block.
+__global__ void __launch_bounds__(kTableThreads, 2) segment_tables_kernel(
     const float *keys, const float *values, int64_t x_stride, int D, int64_t P, int32_t segment_shift,
     int64_t segments, int table_size, int k, const int32_t *anchor_of_token, int32_t *assigned0, int32_t *assigned1,
     float *coef0, float *coef1, const uint16_t *anchors0, const uint16_t *anchors1, int storage_bf16, uint8_t *entry0,
-    uint8_t *entry1, uint16_t *tables, float *scales) {
+    uint8_t *entry1, uint16_t *tables, float *scales, uint32_t *stats) {
   AKV_STATIC_SHARED(uint32_t, buf, [2 * kMaxSegment]);
+  AKV_STATIC_SHARED(int32_t, missing, [1]);
+  AKV_STATIC_SHARED(float, row_norm, [2][kTableSlots]);  // the entries' norms, when a token is outside
   AKV_STATIC_SHARED(uint32_t, lut, [kTableSlots]);
   AKV_STATIC_SHARED(uint16_t, table, [kTableSlots]);
   AKV_STATIC_SHARED(int32_t, distinct, [1]);
@@ -451,16 +466,25 @@ __global__ void __launch_bounds__(kTableThreads, 4) segment_tables_kernel(
   const auto anchors = [=](int side) { return side ? anchors1 : anchors0; };
   const auto entry = [=](int side) { return side ? entry1 : entry0; };
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) missing[0] = 0;  // the barriers of the table's sorts come before its first use
   int nt = 0;  // table entries in use
   if (table_size > 0) {
     int np = 2;
     while (np < 2 * n) np <<= 1;
-    for (int i = tid; i < np; i += kTableThreads) {
-      buf[i] = kNoEntry;
-      if (i >= 2 * n) continue;
-      const int side = i >= n ? 1 : 0;
-      const int64_t t = t0 + (i - side * n);
-      if (anchor_of_token[t] < 0) buf[i] = static_cast<uint32_t>(assigned(side)[t]);
+    for (int i0 = tid; i0 < np; i0 += kTableBatch * kTableThreads) {  // the loads of a batch together
+      int32_t own[kTableBatch], a[kTableBatch];
+#pragma unroll
+      for (int b = 0; b < kTableBatch; ++b) {
+        const int i = i0 + b * kTableThreads, side = i >= n ? 1 : 0;
+        const int64_t t = t0 + (i - side * n);
+        own[b] = i < 2 * n ? anchor_of_token[t] : 0;
+        a[b] = i < 2 * n ? assigned(side)[t] : 0;
+      }
+#pragma unroll
+      for (int b = 0; b < kTableBatch; ++b) {
+        const int i = i0 + b * kTableThreads;
+        if (i < np) buf[i] = i < 2 * n && own[b] < 0 ? static_cast<uint32_t>(a[b]) : kNoEntry;
+      }
     }
     block_bitonic_sort(buf, np);
     // Each run of one anchor becomes one key (count descending, then anchor ascending) at its
@@ -497,60 +521,130 @@ __global__ void __launch_bounds__(kTableThreads, 4) segment_tables_kernel(
     }
     block_bitonic_sort(lut, kTableSlots);
   }
-  // Entries; a token whose anchor has no entry takes the nearest one that has (one warp each).
-  for (int64_t i = warp; i < 2 * n; i += kTableThreads / 32) {
+  // Entries, kTableBatch token-sides a thread at a time (their loads issued together), and the
+  // largest |coefficient| of each side. A token whose anchor has no entry goes on a list (buf,
+  // free once the table is made) for the scans below. (One warp a token, in turn, made 512
+  // dependent trips to memory a warp per segment at 2048 positions, and a whole scan of the
+  // table a trip per entry on one warp: the stage took 30x its prediction on the first device.)
+  float mx[2] = {0.0f, 0.0f};  // indexed by constants only (a run-time index puts it on the stack)
+  const auto raise = [&](int side, float g) {
+    if (side) mx[1] = fmaxf(mx[1], fabsf(g));
+    else mx[0] = fmaxf(mx[0], fabsf(g));
+  };
+  for (int64_t i0 = tid; i0 < 2 * n; i0 += kTableBatch * kTableThreads) {
+    int32_t own[kTableBatch], a[kTableBatch];
+    float c[kTableBatch];
+#pragma unroll
+    for (int b = 0; b < kTableBatch; ++b) {
+      const int64_t i = i0 + b * kTableThreads;
+      const int side = i >= n ? 1 : 0;
+      const int64_t t = t0 + (i - side * n);
+      const bool in = i < 2 * n;
+      own[b] = in ? anchor_of_token[t] : 0;
+      a[b] = in ? assigned(side)[t] : 0;
+      c[b] = in ? coef(side)[t] : 0.0f;
+    }
+#pragma unroll
+    for (int b = 0; b < kTableBatch; ++b) {
+      const int64_t i = i0 + b * kTableThreads;
+      if (i >= 2 * n || own[b] >= 0) continue;
+      const int side = i >= n ? 1 : 0;
+      const int64_t t = t0 + (i - side * n);
+      int slot = a[b];  // without tables an entry is the anchor index itself
+      if (table_size > 0) {
+        int lo = 0, hi = nt;  // the first lut key >= a's
+        while (lo < hi) {
+          const int mid = (lo + hi) >> 1;
+          if ((lut[mid] >> 16) < static_cast<uint32_t>(a[b])) lo = mid + 1;
+          else hi = mid;
+        }
+        if (lo == nt || static_cast<int32_t>(lut[lo] >> 16) != a[b]) {
+          buf[atomicAdd(&missing[0], 1)] = static_cast<uint32_t>(i);
+          continue;
+        }
+        slot = static_cast<int>(lut[lo] & 0xFFFFu);
+      }
+      entry(side)[t] = static_cast<uint8_t>(slot);
+      raise(side, c[b]);
+    }
+  }
+  __syncthreads();  // the list is complete
+  // Each listed token takes the entry of largest |cos| (zero-norm anchors last, ties the lower
+  // entry): first every entry's norm (a thread an entry and side), then one warp a token, a lane
+  // an entry at a time (its whole dot product, 16-byte loads of the row), then the warp's best.
+  const int listed = table_size > 0 ? missing[0] : 0;
+  auto row_of = [&](int side, int j) {
+    return reinterpret_cast<const uint4 *>(anchors(side) + static_cast<int64_t>(table[j]) * D);
+  };
+  auto unpack = [&](uint4 r, float (&f)[8]) {
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = bits_to_float(static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2))), storage_bf16 != 0);
+  };
+  if (listed > 0) {
+    for (int i = tid; i < 2 * nt; i += kTableThreads) {
+      const int side = i >= nt ? 1 : 0, j = i - side * nt;
+      const uint4 *row = row_of(side, j);
+      float aa = 0.0f;
+#pragma unroll 4
+      for (int q = 0; q < D / 8; ++q) {
+        float f[8];
+        unpack(load_ro(row + q), f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) aa += f[e] * f[e];
+      }
+      row_norm[side][j] = sqrtf(aa);
+    }
+    __syncthreads();
+  }
+  for (int m = warp; m < listed; m += kTableThreads / 32) {
+    const int64_t i = buf[m];
     const int side = i >= n ? 1 : 0;
     const int64_t t = t0 + (i - side * n);
-    if (anchor_of_token[t] >= 0) continue;
-    const int32_t a = assigned(side)[t];
-    if (table_size == 0) {
-      if (lane == 0) entry(side)[t] = static_cast<uint8_t>(a);
-      continue;
-    }
-    int lo = 0, hi = nt;  // the first lut key >= a's
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if ((lut[mid] >> 16) < static_cast<uint32_t>(a)) lo = mid + 1;
-      else hi = mid;
-    }
-    if (lo < nt && static_cast<int32_t>(lut[lo] >> 16) == a) {
-      if (lane == 0) entry(side)[t] = static_cast<uint8_t>(lut[lo] & 0xFFFFu);
-      continue;
-    }
-    const float *x = X(side) + t * D;
-    int best = 0;
+    const float4 *x = reinterpret_cast<const float4 *>(X(side) + t * D);
+    int best = 0x7FFFFFFF;
     float best_v = -1.0f, best_c = 0.0f, best_norm = 0.0f;
-    for (int j = 0; j < nt; ++j) {
-      const uint16_t *row = anchors(side) + static_cast<int64_t>(table[j]) * D;
-      float xa = 0.0f, aa = 0.0f;
-      for (int d = lane; d < D; d += 32) {
-        const float f = bits_to_float(row[d], storage_bf16 != 0);
-        xa += x[d] * f;
-        aa += f * f;
+    for (int j = lane; j < nt; j += 32) {
+      const uint4 *row = row_of(side, j);
+      float xa = 0.0f;
+#pragma unroll 4
+      for (int q = 0; q < D / 8; ++q) {
+        float f[8];
+        unpack(load_ro(row + q), f);
+        const float4 x0 = x[2 * q], x1 = x[2 * q + 1];
+        const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xa += xs[e] * f[e];
       }
-      xa = warp_sum(xa);
-      aa = warp_sum(aa);
-      const float norm = sqrtf(aa);
-      const float c = norm > 0.0f ? xa / norm : 0.0f;
-      const float v = norm > 0.0f ? fabsf(c) : -0.5f;
-      if (v > best_v) {
+      const float norm = row_norm[side][j];
+      const float cj = norm > 0.0f ? xa / norm : 0.0f;
+      const float v = norm > 0.0f ? fabsf(cj) : -0.5f;
+      if (v > best_v) {  // j increases: the lane keeps its lowest among equals
         best_v = v;
         best = j;
-        best_c = c;
+        best_c = cj;
         best_norm = norm;
       }
     }
-    if (lane == 0) {
-      assigned(side)[t] = table[best];
-      coef(side)[t] = best_norm > 0.0f ? best_c / best_norm : 0.0f;
-      entry(side)[t] = static_cast<uint8_t>(best);
+    float v = best_v;
+    int j = best;
+    for (int s = 16; s > 0; s >>= 1) {
+      const float ov = __shfl_xor_sync(kFullMask, v, s);
+      const int oj = __shfl_xor_sync(kFullMask, j, s);
+      if (ov > v || (ov == v && oj < j)) v = ov, j = oj;
+    }
+    if (best == j) {  // the lane that holds the warp's best (j % 32 == lane)
+      const float g = best_norm > 0.0f ? best_c / best_norm : 0.0f;
+      assigned(side)[t] = table[j];
+      coef(side)[t] = g;
+      entry(side)[t] = static_cast<uint8_t>(j);
+      raise(side, g);
     }
   }
-  __syncthreads();  // the coefficients above are final
-  float mx[2] = {0.0f, 0.0f};
-  for (int64_t i = tid; i < n; i += kTableThreads)
-    if (anchor_of_token[t0 + i] < 0)
-      for (int side = 0; side < 2; ++side) mx[side] = fmaxf(mx[side], fabsf(coef(side)[t0 + i]));
+  if (stats && tid == 0 && listed > 0) {
+    atomicAdd(&stats[4], static_cast<uint32_t>(listed));
+    atomicMax(&stats[5], static_cast<uint32_t>(listed));
+  }
   for (int side = 0; side < 2; ++side) {
     const float m = warp_max(mx[side]);
     if (lane == 0) warp_max_v[side][warp] = m;

@@ -461,6 +461,9 @@ T atomic_update(T *p, T v, Op op) {
 inline float atomicAdd(float *p, float v) { return ::simt::atomic_update(p, v, std::plus<float>()); }
 inline int atomicAdd(int *p, int v) { return ::simt::atomic_update(p, v, std::plus<int>()); }
 inline unsigned atomicAdd(unsigned *p, unsigned v) { return ::simt::atomic_update(p, v, std::plus<unsigned>()); }
+inline unsigned atomicMax(unsigned *p, unsigned v) {
+  return ::simt::atomic_update(p, v, [](unsigned a, unsigned b) { return a > b ? a : b; });
+}
 inline unsigned long long atomicOr(unsigned long long *p, unsigned long long v) {
   return ::simt::atomic_update(p, v, std::bit_or<unsigned long long>());
 }

@@ -775,7 +775,7 @@ void check_segment_tables(int shift, int64_t P) {
         assigned[side][i] = static_cast<int32_t>(rng.uniform(0.0, 1.0) < 0.03 ? rng.uniform_int(0, k - 1) : rng.uniform_int(0, 199));
       }
       if (i < 8 && side == 0) assigned[side][i] = 3;  // the zero-norm anchor leads head 0's first table
-      coef[side][i] = static_cast<float>(rng.normal());
+      coef[side][i] = static_cast<float>(0.01 * rng.normal());  // below a scan's: both give scales
     }
   }
   const std::vector<float> X[2] = {nonzero_normal(rng, H * P * D), nonzero_normal(rng, H * P * D)};
@@ -790,9 +790,10 @@ void check_segment_tables(int shift, int64_t P) {
   std::vector<uint8_t> want_entry[2] = {std::vector<uint8_t>(H * P, 0xCD), std::vector<uint8_t>(H * P, 0xCD)};
   std::vector<uint16_t> want_tables(H * segments * T);
   std::vector<float> want_scales(H * segments * 2);
-  int64_t outside = 0;
+  int64_t outside = 0, most_outside = 0;
   for (int h = 0; h < H; ++h)
     for (int64_t seg = 0; seg < segments; ++seg) {
+      const int64_t outside_before = outside;
       const int64_t t0 = seg * L, t1 = std::min(P, t0 + L);
       std::map<int32_t, int> count;
       for (int side = 0; side < 2; ++side)
@@ -835,6 +836,7 @@ void check_segment_tables(int shift, int64_t P) {
           if (anchor_of_token[h * P + t] < 0) mx = std::max(mx, std::fabs(want_coef[side][h * P + t]));
         want_scales[(h * segments + seg) * 2 + side] = mx;
       }
+      most_outside = std::max(most_outside, outside - outside_before);
     }
   ASSERT_GT(outside, 50);  // the restriction is reached
   std::vector<uint8_t> entry[2] = {want_entry[0], want_entry[1]};
@@ -842,12 +844,13 @@ void check_segment_tables(int shift, int64_t P) {
     for (int64_t i = 0; i < H * P; ++i) entry[side][i] = anchor_of_token[i] >= 0 ? 0xCD : 0xA5;
   std::vector<uint16_t> tables(want_tables.size(), 0xA5A5);
   std::vector<float> scales(want_scales.size(), -7.0f);
+  uint32_t stats[6] = {11, 12, 13, 14, 0, 0};  // the search's counts before it; its own start at 0
   EmulatedDevice dev;
   dev.launch(kc::segment_tables_kernel, static_cast<int>(segments), H, kc::kTableThreads, X[0].data(), X[1].data(),
              P * D, D, P, shift, segments, T, k, static_cast<const int32_t *>(anchor_of_token.data()), assigned[0].data(),
              assigned[1].data(), coef[0].data(), coef[1].data(), static_cast<const uint16_t *>(anchors[0].data()),
              static_cast<const uint16_t *>(anchors[1].data()), 1, entry[0].data(), entry[1].data(), tables.data(),
-             scales.data());
+             scales.data(), stats);
   EXPECT_EQ(tables, want_tables);
   for (int side = 0; side < 2; ++side) {
     EXPECT_EQ(entry[side], want_entry[side]) << "side " << side;
@@ -855,6 +858,8 @@ void check_segment_tables(int shift, int64_t P) {
     for (int64_t i = 0; i < H * P; ++i) ASSERT_NEAR(coef[side][i], want_coef[side][i], 1e-5f * (1.0f + std::fabs(want_coef[side][i])));
   }
   for (size_t i = 0; i < scales.size(); ++i) EXPECT_NEAR(scales[i], want_scales[i], 1e-5f * want_scales[i]) << i;
+  EXPECT_EQ(std::vector<uint32_t>(stats, stats + 6),
+            (std::vector<uint32_t>{11, 12, 13, 14, static_cast<uint32_t>(outside), static_cast<uint32_t>(most_outside)}));
 }
 
 // segment_tables_kernel on its own, against a direct reading of the rule: segments of 256
@@ -1110,7 +1115,7 @@ struct CountingDevice {
   int read_int(const int32_t *) { return 0; }
   void stage(int) {}
   bool profiling = false;
-  uint32_t search_counts[4] = {};
+  uint32_t search_counts[6] = {};
 };
 
 TEST(CompressLaunchCount, PerLayerAtBenchShapes) {

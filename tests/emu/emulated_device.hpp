@@ -82,7 +82,7 @@ struct EmulatedDevice {
   int read_int(const int32_t *p) { return *p; }
   void stage(int) {}
   bool profiling = false;  // as CudaDevice's: the candidate searches' counts
-  uint32_t search_counts[4] = {};
+  uint32_t search_counts[6] = {};
 };
 
 }  // namespace akv_test
