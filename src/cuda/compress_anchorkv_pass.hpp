@@ -50,6 +50,7 @@ struct CompressScratch {
   // bf16 that encode_kernel reads; the code units (gamma_units).
   int32_t *near_token[2], *assigned[2];
   float *coef[2], *units;
+  uint32_t *outside;  // the token-sides outside their tables: a count, then (head x 2 + side, token) pairs
   uint16_t *index16[2], *gamma16[2];
   float *y_parts;           // window_outputs_kernel's partial sums, a chunk of tokens each
   uint32_t *utility_split;  // utility_rows_kernel's bf16 splits of the window queries and outputs
@@ -135,6 +136,7 @@ struct CompressScratch {
       take(gamma16[side], int64_t{H_all} * P);
     }
     take(units, 256);
+    take(outside, 1 + 2 * 2 * H * P);
     take(search_stats, 6);
     take(q_b, int64_t{H} * m * D);
     cand_n[0] = anchor_n;
@@ -477,15 +479,30 @@ void compress_anchorkv(Dev &dev, const akv_prefill &p, const akv_compress_option
     }
     if (local) {
       // Format 3: each segment's table and code scales, then every token's code and residual.
-      dev.launch(segment_tables_kernel, static_cast<int>(g.segments), H, kTableThreads,
-                 static_cast<const float *>(s.kpre), static_cast<const float *>(s.v), S * D, D, P, g.segment_shift,
-                 g.segments, g.table_size, k, static_cast<const int32_t *>(s.anchor_of_token), s.assigned[0],
-                 s.assigned[1], s.coef[0], s.coef[1],
-                 static_cast<const uint16_t *>(anchors_out[0] + static_cast<int64_t>(h0) * k * D),
-                 static_cast<const uint16_t *>(anchors_out[1] + static_cast<int64_t>(h0) * k * D), bf16 ? 1 : 0,
-                 entry_bytes[0] + h0 * P, entry_bytes[1] + h0 * P,
-                 tables ? tables + h0 * g.segments * g.table_size : nullptr, code_scales + h0 * g.segments * 2,
+      uint16_t *batch_tables = tables ? tables + h0 * g.segments * g.table_size : nullptr;
+      float *batch_scales = code_scales + h0 * g.segments * 2;
+      if (tables) dev.fill(s.outside, 0, sizeof(uint32_t));
+      dev.launch(segment_tables_kernel, static_cast<int>(g.segments), H, kTableThreads, P, g.segment_shift, g.segments,
+                 g.table_size, static_cast<const int32_t *>(s.anchor_of_token),
+                 static_cast<const int32_t *>(s.assigned[0]), static_cast<const int32_t *>(s.assigned[1]),
+                 static_cast<const float *>(s.coef[0]), static_cast<const float *>(s.coef[1]), entry_bytes[0] + h0 * P,
+                 entry_bytes[1] + h0 * P, batch_tables, batch_scales, s.outside,
                  dev.profiling ? s.search_stats : nullptr);
+      if (tables)  // the tokens outside their tables, over the whole device
+        with_head_dim(D, [&](auto d) {
+          constexpr int DD = decltype(d)::value;
+          auto scan = [&](auto kernel) {
+            dev.launch(kernel, static_cast<int>(g.segments) * H, 1, kMissThreads, static_cast<const uint32_t *>(s.outside),
+                       static_cast<const float *>(s.kpre), static_cast<const float *>(s.v), S * D, P, g.segment_shift,
+                       g.segments, g.table_size, k,
+                       static_cast<const uint16_t *>(anchors_out[0] + static_cast<int64_t>(h0) * k * D),
+                       static_cast<const uint16_t *>(anchors_out[1] + static_cast<int64_t>(h0) * k * D),
+                       static_cast<const uint16_t *>(batch_tables), s.assigned[0], s.assigned[1], s.coef[0],
+                       s.coef[1], entry_bytes[0] + h0 * P, entry_bytes[1] + h0 * P, batch_scales);
+          };
+          if (bf16) scan(table_misses_kernel<DD, true>);
+          else scan(table_misses_kernel<DD, false>);
+        });
       for (int side = 0; side < 2; ++side)
         dev.launch(code_coefficients_kernel, grid_blocks(P, 4), H, 128, static_cast<const int32_t *>(s.assigned[side]),
                    static_cast<const float *>(s.coef[side]),

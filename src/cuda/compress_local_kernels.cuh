@@ -419,23 +419,21 @@ constexpr int kTableBatch = 4;  // segment_tables_kernel's token-sides a thread 
 // One segment of one head, both sides (CPU: restrict_to_tables and the code scales). With
 // tables (table_size 256): the table lists the anchors the segment's non-anchor tokens use
 // most, both sides counted (ties: the lower anchor; a short table repeats its first entry); a
-// token whose anchor is not in it takes the entry of largest |cos| (zero-norm anchors last, ties
-// the lower entry) with its coefficient, from the stored anchor rows. Without tables an entry
-// is the anchor index itself. Then each side's code scale, the largest |coefficient| of the
-// segment's non-anchor tokens. Anchor tokens keep entry 0. One block of 256 threads per
-// (segment, head): the (at most 8192) assignments are sorted in shared memory, the run lengths
-// become (count, anchor) keys and those are sorted again. Grid y over heads: token arrays at
-// y P, X at y x_stride, stored anchor rows at y k D, tables at y segments 256, scales at y
-// segments 2. With `stats` (profiling), local_nearest_kernel's array: stats[4] += the tokens
-// (both sides) outside their table, stats[5] = the most in one block.
+// token whose anchor is not in it goes on the `outside` list (outside[0]: the count, zero
+// before; then pairs (head y x 2 + side, token)) for table_misses_kernel. Without tables an
+// entry is the anchor index itself. Then each side's code scale, the largest |coefficient| of
+// the segment's non-anchor tokens (table_misses_kernel raises it with those outside). Anchor
+// tokens keep entry 0. One block of 256 threads per (segment, head): the (at most 8192)
+// assignments are sorted in shared memory, the run lengths become (count, anchor) keys and
+// those are sorted again. Grid y over heads: token arrays at y P, tables at y segments 256,
+// scales at y segments 2. With `stats` (profiling), local_nearest_kernel's array: stats[4] +=
+// the tokens (both sides) outside their table, stats[5] = the most in one block.
 __global__ void __launch_bounds__(kTableThreads, 2) segment_tables_kernel(
-    const float *keys, const float *values, int64_t x_stride, int D, int64_t P, int32_t segment_shift,
-    int64_t segments, int table_size, int k, const int32_t *anchor_of_token, int32_t *assigned0, int32_t *assigned1,
-    float *coef0, float *coef1, const uint16_t *anchors0, const uint16_t *anchors1, int storage_bf16, uint8_t *entry0,
-    uint8_t *entry1, uint16_t *tables, float *scales, uint32_t *stats) {
+    int64_t P, int32_t segment_shift, int64_t segments, int table_size, const int32_t *anchor_of_token,
+    const int32_t *assigned0, const int32_t *assigned1, const float *coef0, const float *coef1, uint8_t *entry0,
+    uint8_t *entry1, uint16_t *tables, float *scales, uint32_t *outside, uint32_t *stats) {
   AKV_STATIC_SHARED(uint32_t, buf, [2 * kMaxSegment]);
   AKV_STATIC_SHARED(int32_t, missing, [1]);
-  AKV_STATIC_SHARED(float, row_norm, [2][kTableSlots]);  // the entries' norms, when a token is outside
   AKV_STATIC_SHARED(uint32_t, lut, [kTableSlots]);
   AKV_STATIC_SHARED(uint16_t, table, [kTableSlots]);
   AKV_STATIC_SHARED(int32_t, distinct, [1]);
@@ -444,15 +442,11 @@ __global__ void __launch_bounds__(kTableThreads, 2) segment_tables_kernel(
   const int64_t end = t0 + (int64_t{1} << segment_shift), n = (end < P ? end : P) - t0;
   {
     const int64_t y = blockIdx.y;
-    keys += y * x_stride;
-    values += y * x_stride;
     anchor_of_token += y * P;
     assigned0 += y * P;
     assigned1 += y * P;
     coef0 += y * P;
     coef1 += y * P;
-    anchors0 += y * k * D;
-    anchors1 += y * k * D;
     entry0 += y * P;
     entry1 += y * P;
     tables += (y * segments + seg) * table_size;
@@ -462,8 +456,6 @@ __global__ void __launch_bounds__(kTableThreads, 2) segment_tables_kernel(
   // kept in local memory: an 80-byte stack, 17 local accesses).
   const auto assigned = [=](int side) { return side ? assigned1 : assigned0; };
   const auto coef = [=](int side) { return side ? coef1 : coef0; };
-  const auto X = [=](int side) { return side ? values : keys; };
-  const auto anchors = [=](int side) { return side ? anchors1 : anchors0; };
   const auto entry = [=](int side) { return side ? entry1 : entry0; };
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) missing[0] = 0;  // the barriers of the table's sorts come before its first use
@@ -522,15 +514,12 @@ __global__ void __launch_bounds__(kTableThreads, 2) segment_tables_kernel(
     block_bitonic_sort(lut, kTableSlots);
   }
   // Entries, kTableBatch token-sides a thread at a time (their loads issued together), and the
-  // largest |coefficient| of each side. A token whose anchor has no entry goes on a list (buf,
-  // free once the table is made) for the scans below. (One warp a token, in turn, made 512
-  // dependent trips to memory a warp per segment at 2048 positions, and a whole scan of the
-  // table a trip per entry on one warp: the stage took 30x its prediction on the first device.)
+  // largest |coefficient| of each side. A token whose anchor has no entry goes on the `outside`
+  // list for table_misses_kernel. (One warp a token, in turn, made 512 dependent trips to
+  // memory a warp per segment at 2048 positions, and each token outside its table a scan of
+  // 256 entries on its warp, an entry a trip: the stage took 30x its prediction on the first
+  // device.)
   float mx[2] = {0.0f, 0.0f};  // indexed by constants only (a run-time index puts it on the stack)
-  const auto raise = [&](int side, float g) {
-    if (side) mx[1] = fmaxf(mx[1], fabsf(g));
-    else mx[0] = fmaxf(mx[0], fabsf(g));
-  };
   for (int64_t i0 = tid; i0 < 2 * n; i0 += kTableBatch * kTableThreads) {
     int32_t own[kTableBatch], a[kTableBatch];
     float c[kTableBatch];
@@ -558,89 +547,22 @@ __global__ void __launch_bounds__(kTableThreads, 2) segment_tables_kernel(
           if ((lut[mid] >> 16) < static_cast<uint32_t>(a[b])) lo = mid + 1;
           else hi = mid;
         }
-        if (lo == nt || static_cast<int32_t>(lut[lo] >> 16) != a[b]) {
-          buf[atomicAdd(&missing[0], 1)] = static_cast<uint32_t>(i);
+        if (lo == nt || static_cast<int32_t>(lut[lo] >> 16) != a[b]) {  // table_misses_kernel's
+          atomicAdd(&missing[0], 1);
+          const uint32_t at = atomicAdd(&outside[0], 1u);
+          outside[1 + 2 * at] = static_cast<uint32_t>(blockIdx.y * 2 + side);
+          outside[2 + 2 * at] = static_cast<uint32_t>(t);
           continue;
         }
         slot = static_cast<int>(lut[lo] & 0xFFFFu);
       }
       entry(side)[t] = static_cast<uint8_t>(slot);
-      raise(side, c[b]);
+      if (side) mx[1] = fmaxf(mx[1], fabsf(c[b]));
+      else mx[0] = fmaxf(mx[0], fabsf(c[b]));
     }
   }
-  __syncthreads();  // the list is complete
-  // Each listed token takes the entry of largest |cos| (zero-norm anchors last, ties the lower
-  // entry): first every entry's norm (a thread an entry and side), then one warp a token, a lane
-  // an entry at a time (its whole dot product, 16-byte loads of the row), then the warp's best.
-  const int listed = table_size > 0 ? missing[0] : 0;
-  auto row_of = [&](int side, int j) {
-    return reinterpret_cast<const uint4 *>(anchors(side) + static_cast<int64_t>(table[j]) * D);
-  };
-  auto unpack = [&](uint4 r, float (&f)[8]) {
-    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) f[e] = bits_to_float(static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2))), storage_bf16 != 0);
-  };
-  if (listed > 0) {
-    for (int i = tid; i < 2 * nt; i += kTableThreads) {
-      const int side = i >= nt ? 1 : 0, j = i - side * nt;
-      const uint4 *row = row_of(side, j);
-      float aa = 0.0f;
-#pragma unroll 4
-      for (int q = 0; q < D / 8; ++q) {
-        float f[8];
-        unpack(load_ro(row + q), f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) aa += f[e] * f[e];
-      }
-      row_norm[side][j] = sqrtf(aa);
-    }
-    __syncthreads();
-  }
-  for (int m = warp; m < listed; m += kTableThreads / 32) {
-    const int64_t i = buf[m];
-    const int side = i >= n ? 1 : 0;
-    const int64_t t = t0 + (i - side * n);
-    const float4 *x = reinterpret_cast<const float4 *>(X(side) + t * D);
-    int best = 0x7FFFFFFF;
-    float best_v = -1.0f, best_c = 0.0f, best_norm = 0.0f;
-    for (int j = lane; j < nt; j += 32) {
-      const uint4 *row = row_of(side, j);
-      float xa = 0.0f;
-#pragma unroll 4
-      for (int q = 0; q < D / 8; ++q) {
-        float f[8];
-        unpack(load_ro(row + q), f);
-        const float4 x0 = x[2 * q], x1 = x[2 * q + 1];
-        const float xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-        for (int e = 0; e < 8; ++e) xa += xs[e] * f[e];
-      }
-      const float norm = row_norm[side][j];
-      const float cj = norm > 0.0f ? xa / norm : 0.0f;
-      const float v = norm > 0.0f ? fabsf(cj) : -0.5f;
-      if (v > best_v) {  // j increases: the lane keeps its lowest among equals
-        best_v = v;
-        best = j;
-        best_c = cj;
-        best_norm = norm;
-      }
-    }
-    float v = best_v;
-    int j = best;
-    for (int s = 16; s > 0; s >>= 1) {
-      const float ov = __shfl_xor_sync(kFullMask, v, s);
-      const int oj = __shfl_xor_sync(kFullMask, j, s);
-      if (ov > v || (ov == v && oj < j)) v = ov, j = oj;
-    }
-    if (best == j) {  // the lane that holds the warp's best (j % 32 == lane)
-      const float g = best_norm > 0.0f ? best_c / best_norm : 0.0f;
-      assigned(side)[t] = table[j];
-      coef(side)[t] = g;
-      entry(side)[t] = static_cast<uint8_t>(j);
-      raise(side, g);
-    }
-  }
+  __syncthreads();  // the count is complete
+  const int listed = missing[0];
   if (stats && tid == 0 && listed > 0) {
     atomicAdd(&stats[4], static_cast<uint32_t>(listed));
     atomicMax(&stats[5], static_cast<uint32_t>(listed));
@@ -654,6 +576,88 @@ __global__ void __launch_bounds__(kTableThreads, 2) segment_tables_kernel(
     float m = 0.0f;
     for (int w = 0; w < kTableThreads / 32; ++w) m = fmaxf(m, warp_max_v[tid][w]);
     scales[tid] = m;
+  }
+}
+
+// The tokens segment_tables_kernel listed as outside their tables (outside[0] of them, then
+// pairs (head y x 2 + side, token)): each takes the entry of its segment's table (table_size
+// entries, all in use: a table that holds every anchor its tokens use leaves none out) of
+// largest |cos| (zero-norm anchors last, ties the lower entry) with its coefficient, from the
+// stored anchor rows (bf16 when BF16, else fp16), and raises its segment's code scale. One warp
+// a token (its row staged in shared memory), a lane an entry at a time (the whole row's loads
+// issued together, its dot product and norm), then the warp's best. Any grid (the warps take the
+// list in turn), so that a segment with many such tokens spreads over the device. Head y's X at
+// y x_stride, token arrays at y P, stored anchor rows at y k D, tables at y segments
+// table_size, scales at y segments 2.
+constexpr int kMissThreads = 256;
+template <int D, bool BF16>
+__global__ void __launch_bounds__(kMissThreads) table_misses_kernel(
+    const uint32_t *outside, const float *keys, const float *values, int64_t x_stride, int64_t P,
+    int32_t segment_shift, int64_t segments, int table_size, int k, const uint16_t *anchors0,
+    const uint16_t *anchors1, const uint16_t *tables, int32_t *assigned0, int32_t *assigned1, float *coef0,
+    float *coef1, uint8_t *entry0, uint8_t *entry1, float *scales) {
+  AKV_STATIC_SHARED(__align__(16) float, xs, [kMissThreads / 32][D]);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kMissThreads / 32);
+  const uint32_t listed = outside[0];
+  float *x = xs[warp];
+  for (int64_t m = static_cast<int64_t>(blockIdx.x) * (kMissThreads / 32) + warp; m < listed; m += warps) {
+    const uint32_t code = outside[1 + 2 * m];
+    const int64_t y = code >> 1, t = outside[2 + 2 * m];
+    const int side = code & 1;
+    const int64_t seg = t >> segment_shift;
+    const uint16_t *table = tables + (y * segments + seg) * table_size;
+    const float *src = (side ? values : keys) + y * x_stride + t * D;
+    __syncwarp();  // the previous token's reads of x are done
+#pragma unroll
+    for (int d = lane; d < D; d += 32) x[d] = src[d];
+    __syncwarp();
+    const uint16_t *rows = (side ? anchors1 : anchors0) + y * k * D;
+    int best = 0x7FFFFFFF;
+    float best_v = -1.0f, best_c = 0.0f, best_norm = 0.0f;
+    for (int j = lane; j < table_size; j += 32) {
+      const uint4 *row = reinterpret_cast<const uint4 *>(rows + static_cast<int64_t>(table[j]) * D);
+      uint4 r[D / 8];
+#pragma unroll
+      for (int q = 0; q < D / 8; ++q) r[q] = load_ro(row + q);
+      float xa = 0.0f, aa = 0.0f;
+#pragma unroll
+      for (int q = 0; q < D / 8; ++q) {
+        const uint32_t w[4] = {r[q].x, r[q].y, r[q].z, r[q].w};
+        const float4 x0 = reinterpret_cast<const float4 *>(x)[2 * q], x1 = reinterpret_cast<const float4 *>(x)[2 * q + 1];
+        const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float f = bits_to_float(static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2))), BF16);
+          xa += xv[e] * f;
+          aa += f * f;
+        }
+      }
+      const float norm = sqrtf(aa);
+      const float c = norm > 0.0f ? xa / norm : 0.0f;
+      const float v = norm > 0.0f ? fabsf(c) : -0.5f;
+      if (v > best_v) {  // j increases: the lane keeps its lowest among equals
+        best_v = v;
+        best = j;
+        best_c = c;
+        best_norm = norm;
+      }
+    }
+    float v = best_v;
+    int j = best;
+    for (int s = 16; s > 0; s >>= 1) {
+      const float ov = __shfl_xor_sync(kFullMask, v, s);
+      const int oj = __shfl_xor_sync(kFullMask, j, s);
+      if (ov > v || (ov == v && oj < j)) v = ov, j = oj;
+    }
+    if (best == j) {  // the lane that holds the warp's best (j % 32 == lane)
+      const float g = best_norm > 0.0f ? best_c / best_norm : 0.0f;
+      (side ? assigned1 : assigned0)[y * P + t] = table[j];
+      (side ? coef1 : coef0)[y * P + t] = g;
+      (side ? entry1 : entry0)[y * P + t] = static_cast<uint8_t>(j);
+      // |g| as bits: a non-negative float's order is its bits' order
+      atomicMax(reinterpret_cast<uint32_t *>(scales) + (y * segments + seg) * 2 + side, float_as_bits(fabsf(g)));
+    }
   }
 }
 

@@ -73,26 +73,6 @@ __device__ AKV_NOINLINE float2 exact_angle(int64_t offset, float inv_freq) {
 #define AKV_UNROLL _Pragma("unroll")
 #endif
 
-// A float's bits and back.
-__device__ __forceinline__ uint32_t float_as_bits(float f) {
-#ifdef AKV_SIMT_EMULATION
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-#else
-  return __float_as_uint(f);
-#endif
-}
-__device__ __forceinline__ float bits_as_float(uint32_t u) {
-#ifdef AKV_SIMT_EMULATION
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#else
-  return __uint_as_float(u);
-#endif
-}
-
 // The split kernel's block, linearized (its workspace rows, its partial results).
 __device__ __forceinline__ int64_t split_block_index() {
   return (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;

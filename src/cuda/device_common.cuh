@@ -3,6 +3,7 @@
 // angles, warp reductions.
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include "anchorkv/anchorkv.h"
 
 #ifdef AKV_SIMT_EMULATION
@@ -280,6 +281,26 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
+#endif
+}
+
+// A float's bits and back.
+__device__ __forceinline__ uint32_t float_as_bits(float f) {
+#ifdef AKV_SIMT_EMULATION
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#else
+  return __float_as_uint(f);
+#endif
+}
+__device__ __forceinline__ float bits_as_float(uint32_t u) {
+#ifdef AKV_SIMT_EMULATION
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#else
+  return __uint_as_float(u);
 #endif
 }
 

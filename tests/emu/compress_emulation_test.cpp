@@ -845,12 +845,22 @@ void check_segment_tables(int shift, int64_t P) {
   std::vector<uint16_t> tables(want_tables.size(), 0xA5A5);
   std::vector<float> scales(want_scales.size(), -7.0f);
   uint32_t stats[6] = {11, 12, 13, 14, 0, 0};  // the search's counts before it; its own start at 0
+  std::vector<uint32_t> listed(1 + 4 * H * P, 0xA5A5A5A5u);  // a count (zero before), then pairs
+  listed[0] = 0;
   EmulatedDevice dev;
-  dev.launch(kc::segment_tables_kernel, static_cast<int>(segments), H, kc::kTableThreads, X[0].data(), X[1].data(),
-             P * D, D, P, shift, segments, T, k, static_cast<const int32_t *>(anchor_of_token.data()), assigned[0].data(),
-             assigned[1].data(), coef[0].data(), coef[1].data(), static_cast<const uint16_t *>(anchors[0].data()),
-             static_cast<const uint16_t *>(anchors[1].data()), 1, entry[0].data(), entry[1].data(), tables.data(),
-             scales.data(), stats);
+  dev.launch(kc::segment_tables_kernel, static_cast<int>(segments), H, kc::kTableThreads, P, shift, segments, T,
+             static_cast<const int32_t *>(anchor_of_token.data()), static_cast<const int32_t *>(assigned[0].data()),
+             static_cast<const int32_t *>(assigned[1].data()), static_cast<const float *>(coef[0].data()),
+             static_cast<const float *>(coef[1].data()), entry[0].data(), entry[1].data(), tables.data(), scales.data(),
+             listed.data(), stats);
+  EXPECT_EQ(listed[0], static_cast<uint32_t>(outside));
+  // Fewer blocks than warps' worth of tokens: each warp takes several, in turn.
+  dev.launch(kc::table_misses_kernel<D, true>, 3, 1, kc::kMissThreads, static_cast<const uint32_t *>(listed.data()),
+             static_cast<const float *>(X[0].data()), static_cast<const float *>(X[1].data()), P * D, P, shift,
+             segments, T, k, static_cast<const uint16_t *>(anchors[0].data()),
+             static_cast<const uint16_t *>(anchors[1].data()), static_cast<const uint16_t *>(tables.data()),
+             assigned[0].data(), assigned[1].data(), coef[0].data(), coef[1].data(), entry[0].data(), entry[1].data(),
+             scales.data());
   EXPECT_EQ(tables, want_tables);
   for (int side = 0; side < 2; ++side) {
     EXPECT_EQ(entry[side], want_entry[side]) << "side " << side;
@@ -1184,10 +1194,13 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
     // two batches, spread evenly, 4 and 4. The window outputs in two kernels (the chunks' partial
     // sums on the tensor cores, their sum) instead of one SGEMM: 151 / 280 and 135 / 248 default
     // (80 / 112 paper in format 3). Format 3's energy partials summed by the candidate search as
-    // it ends, not by a launch of their own: 4 a round, 119 / 216 default.
+    // it ends, not by a launch of their own: 4 a round, 119 / 216 default. Format 3's tokens
+    // outside their segments' tables scanned by a launch of their own over the whole device (and
+    // the fill of its list's count): 2 a batch where the layer has tables, 121 / 220 default.
     EXPECT_EQ(head_batch, S <= 65536 ? 8 : 4) << "S=" << S;
     const int64_t per_round = (format == 3 ? 4 : 6) * (g.heads / head_batch);
-    const int64_t fixed = format == 3 ? (head_batch == 8 ? (paper ? 80 : 55) : (paper ? 112 : 88))
+    const int64_t tables = g.table_size ? 2 * (g.heads / head_batch) : 0;
+    const int64_t fixed = format == 3 ? (head_batch == 8 ? (paper ? 80 : 55) : (paper ? 112 : 88)) + tables
                                       : (head_batch == 8 ? (paper ? 71 : 55) : (paper ? 94 : 88));
     EXPECT_EQ(total, fixed + (paper ? 0 : per_round * o.coverage_rounds)) << "S=" << S;
   }
