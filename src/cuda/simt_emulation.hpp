@@ -150,6 +150,7 @@ struct Block {
   std::vector<uint32_t> fragments;  // six words per thread: a warp's mma operands (mma_m16n8k16_bf16)
   int block_arrived = 0;
   uint64_t block_generation = 0;
+  int block_site = 0;  // the source line of the __syncthreads the current generation's first thread reached
   std::vector<int> warp_arrived;
   std::vector<uint64_t> warp_generation;
   int named_arrived[16] = {};  // bar.sync id, count (id 1-15; 0 is __syncthreads)
@@ -208,8 +209,20 @@ inline void arrive(int &arrived, uint64_t &generation, int count) {
   self.barrier = nullptr;
 }
 
-inline void syncthreads() {
+// Every thread of a block must reach the same __syncthreads (CUDA leaves a barrier that the
+// block's threads reach at different call sites undefined; the hardware lets them release one
+// another, and what each side wrote before it is then unordered): a thread that reaches one at
+// another source line than the generation's first thread aborts the run with both lines.
+inline void syncthreads(int line = 0) {
   Block *b = tl_block;
+  if (b->block_arrived == 0) {
+    b->block_site = line;
+  } else if (line != b->block_site) {
+    std::fprintf(stderr, "simt: thread %u of block (%u, %u, %u) reached __syncthreads at line %d while the block's first "
+                 "thread of this barrier waits at line %d\n", tl_thread.x, tl_block_index.x, tl_block_index.y,
+                 tl_block_index.z, line, b->block_site);
+    std::abort();
+  }
   arrive(b->block_arrived, b->block_generation, static_cast<int>(b->fibers.size()));
 }
 // bar.sync id, count: the first `count` threads to arrive (whole warps) release each other.
@@ -266,14 +279,14 @@ inline unsigned ballot(bool pred) {
 
 // __syncthreads_or: every thread posts its predicate, the block meets, each thread reads them
 // all, the block meets again.
-inline int syncthreads_or(bool pred) {
+inline int syncthreads_or(bool pred, int line = 0) {
   Block *b = tl_block;
   const size_t n = b->fibers.size();
   b->exchange[tl_thread.x] = pred ? 1 : 0;
-  syncthreads();
+  syncthreads(line);
   int any = 0;
   for (size_t t = 0; t < n; ++t) any |= b->exchange[t] != 0;
-  syncthreads();
+  syncthreads(line);
   return any;
 }
 
@@ -429,11 +442,11 @@ using uint4 = ::simt::uint4_;
 #define blockIdx (::simt::tl_block_index)
 #define blockDim (::simt::g_block_dim)
 #define gridDim (::simt::g_grid_dim)
-#define __syncthreads() ::simt::syncthreads()
+#define __syncthreads() ::simt::syncthreads(__LINE__)
 #define __syncwarp(...) ::simt::syncwarp()
 #define __shfl_xor_sync(mask, v, m) ::simt::shfl((v), static_cast<int>(::simt::tl_thread.x % 32) ^ (m))
 #define __shfl_sync(mask, v, src) ::simt::shfl((v), (src))
-#define __syncthreads_or(pred) ::simt::syncthreads_or((pred))
+#define __syncthreads_or(pred) ::simt::syncthreads_or((pred), __LINE__)
 #define __match_any_sync(mask, v) ::simt::match_any(static_cast<uint32_t>(v))
 #define __ballot_sync(mask, pred) ::simt::ballot((pred))
 #define __any_sync(mask, pred) (::simt::ballot((pred)) != 0u)
