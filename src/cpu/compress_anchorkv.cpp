@@ -210,11 +210,6 @@ std::vector<int32_t> ranked_anchors(const int8_t *priority, const float *weight,
   return picks;
 }
 
-// Format 3: each segment's table (written to `tables`, [H][segments][256]) holds the anchors
-// its non-anchor tokens use most, both sides counted (ties: lower anchor); a token whose
-// nearest anchor is not in it takes the nearest one that is (largest |cos|, lower entry on
-// ties), with its coefficient. Short tables repeat their first entry. entry[side][t] gets the
-// token's table entry.
 // The token-sides outside their segment's table (each takes a scan of the table), for the
 // profile: in all, and the most in one segment of one head.
 struct TableMisses {
@@ -226,6 +221,11 @@ struct TableMisses {
   }
 };
 
+// Format 3: each segment's table (written to `tables`, [H][segments][256]) holds the anchors
+// its non-anchor tokens use most, both sides counted (ties: lower anchor); a token whose
+// nearest anchor is not in it takes the nearest one that is (largest |cos|, lower entry on
+// ties), with its coefficient. Short tables repeat their first entry. entry[side][t] gets the
+// token's table entry; `misses` counts the tokens outside their tables.
 void restrict_to_tables(const AnchorGeometry &g, int h, const std::vector<float> &Kpre, const std::vector<float> &V,
                         const std::vector<float> (&anchor_n)[2], const std::vector<float> (&anchor_norm)[2],
                         const std::vector<int32_t> &anchor_of_token, std::vector<int32_t> (&assigned)[2],

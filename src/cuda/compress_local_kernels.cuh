@@ -428,7 +428,7 @@ constexpr int kTableBatch = 4;  // segment_tables_kernel's token-sides a thread 
 // those are sorted again. Grid y over heads: token arrays at y P, tables at y segments 256,
 // scales at y segments 2. With `stats` (profiling), local_nearest_kernel's array: stats[4] +=
 // the tokens (both sides) outside their table, stats[5] = the most in one block.
-__global__ void __launch_bounds__(kTableThreads, 2) segment_tables_kernel(
+__global__ void __launch_bounds__(kTableThreads, 4) segment_tables_kernel(
     int64_t P, int32_t segment_shift, int64_t segments, int table_size, const int32_t *anchor_of_token,
     const int32_t *assigned0, const int32_t *assigned1, const float *coef0, const float *coef1, uint8_t *entry0,
     uint8_t *entry1, uint16_t *tables, float *scales, uint32_t *outside, uint32_t *stats) {
