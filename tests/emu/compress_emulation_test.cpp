@@ -752,13 +752,17 @@ TEST(EmulatedCoverageSelect, PicksTheWorstRepresentedTiesToTheLowerToken) {
 
 // segment_tables_kernel against the rule (CPU: restrict_to_tables) for segments of 2^shift
 // positions: tokens outside the table take its nearest entry (a zero-norm anchor, leading head
-// 0's first table, is never chosen). The pass's cases seldom leave a token out.
+// 0's first table, is never chosen). The pass's cases seldom leave a token out. Anchor rows
+// in bf16 (BF16) or f16, head dim D.
+template <int D, bool BF16>
 void check_segment_tables(int shift, int64_t P) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
-  SCOPED_TRACE("segments of " + std::to_string(1 << shift) + ", P " + std::to_string(P));
+  SCOPED_TRACE("segments of " + std::to_string(1 << shift) + ", P " + std::to_string(P) + ", D " + std::to_string(D) +
+               (BF16 ? ", bf16" : ", f16"));
   Rng rng(seed);
-  constexpr int H = 2, D = 64, k = 700, T = 256;
+  const akv_dtype storage = BF16 ? AKV_DTYPE_BF16 : AKV_DTYPE_F16;
+  constexpr int H = 2, k = 700, T = 256;
   const int64_t L = int64_t{1} << shift, segments = (P + L - 1) / L;
   std::vector<int32_t> anchor_of_token(H * P), assigned[2];
   std::vector<float> coef[2];
@@ -781,7 +785,7 @@ void check_segment_tables(int shift, int64_t P) {
   const std::vector<float> X[2] = {nonzero_normal(rng, H * P * D), nonzero_normal(rng, H * P * D)};
   std::vector<uint16_t> anchors[2];
   for (int side = 0; side < 2; ++side) {
-    for (float v : nonzero_normal(rng, static_cast<size_t>(H) * k * D)) anchors[side].push_back(akv::float_to_bf16(v));
+    for (float v : nonzero_normal(rng, static_cast<size_t>(H) * k * D)) anchors[side].push_back(akv::float_to_half(v, storage));
     for (int64_t d = 0; d < D; ++d) anchors[side][3 * D + d] = 0;  // head 0's anchor 3: zero norm
   }
   // The rule, on copies.
@@ -820,7 +824,7 @@ void check_segment_tables(int shift, int64_t P) {
           for (int64_t j = 0; j < n; ++j) {
             double xa = 0.0, aa = 0.0;
             for (int64_t d = 0; d < D; ++d) {
-              const double f = akv::bf16_to_float(anchors[side][(static_cast<int64_t>(h) * k + table[j]) * D + d]);
+              const double f = akv::half_to_float(anchors[side][(static_cast<int64_t>(h) * k + table[j]) * D + d], storage);
               xa += X[side][i * D + d] * f;
               aa += f * f;
             }
@@ -855,7 +859,7 @@ void check_segment_tables(int shift, int64_t P) {
              listed.data(), stats);
   EXPECT_EQ(listed[0], static_cast<uint32_t>(outside));
   // Fewer blocks than warps' worth of tokens: each warp takes several, in turn.
-  dev.launch(kc::table_misses_kernel<D, true>, 3, 1, kc::kMissThreads, static_cast<const uint32_t *>(listed.data()),
+  dev.launch(kc::table_misses_kernel<D, BF16>, 3, 1, kc::kMissThreads, static_cast<const uint32_t *>(listed.data()),
              static_cast<const float *>(X[0].data()), static_cast<const float *>(X[1].data()), P * D, P, shift,
              segments, T, k, static_cast<const uint16_t *>(anchors[0].data()),
              static_cast<const uint16_t *>(anchors[1].data()), static_cast<const uint16_t *>(tables.data()),
@@ -872,12 +876,14 @@ void check_segment_tables(int shift, int64_t P) {
             (std::vector<uint32_t>{11, 12, 13, 14, static_cast<uint32_t>(outside), static_cast<uint32_t>(most_outside)}));
 }
 
-// segment_tables_kernel on its own, against a direct reading of the rule: segments of 256
-// (whose tokens use more than 256 anchors, 40 with many equal counts, a short last one) and of
-// 4096 (8192 assignments: the shared-memory sort's full size).
+// segment_tables_kernel and table_misses_kernel, against a direct reading of the rule:
+// segments of 256 (whose tokens use more than 256 anchors, 40 with many equal counts, a short
+// last one) and of 4096 (8192 assignments: the shared-memory sort's full size); the scans at
+// D 64, 128 and 256, rows in bf16 and f16.
 TEST(EmulatedSegmentTables, FollowTheRule) {
-  check_segment_tables(8, 700);
-  check_segment_tables(12, 6000);
+  check_segment_tables<64, true>(8, 700);
+  check_segment_tables<128, false>(12, 6000);
+  check_segment_tables<256, true>(8, 700);
 }
 
 // bf16 keys given post-RoPE or without RoPE: the window scores' GEMM on bf16 operands.
