@@ -10,7 +10,8 @@
 #      (ANCHORKV_DECODE_BENCH_ARGS; default the rows of issue 14: "--rows 32768x1 131072x1 131072x8 32768x32");
 #   3. scripts/bench_compress.py: the GPU compression pass vs SDPA causal prefill attention
 #      and our SnapKV (ANCHORKV_COMPRESS_BENCH_ARGS); then, where the image has Nsight Compute
-#      (ncu), the split kernel's profile at 32K x 1 and 128K x 8 (into bench-decode.log);
+#      (ncu), the split kernel's profile at 32K x 1 and 128K x 8 (into bench-decode.log) and a
+#      coverage round's candidate search at 32K (into bench-compress.log);
 #   4. the GPU test suite: anchorkv_gpu_tests (64K and 128K decodes included), the GpuContext
 #      tests of anchorkv_api_tests, python/tests/test_gpu.py (when pytest and torch are there);
 #   5. compute-sanitizer memcheck, racecheck, initcheck and synccheck over the GPU tests at
@@ -160,6 +161,17 @@ else
         --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
         --section SourceCounters python3 "$root/scripts/bench_decode.py" --rows "$row" --iters 5
     done
+    # The compression's largest stage (anchor selection, 3-4x its prediction on the first run):
+    # a coverage round's local_nearest_kernel (launch 4 of the first pass: after the first
+    # absorb and two rounds) at 32K.
+    if skipped compress-bench; then note SKIP "ncu: the candidate search" 0
+    else
+      step "ncu: candidate search 32768" "$logs/bench-compress.log" \
+        "$ncu_bin" --kernel-name-base demangled --kernel-name 'regex:local_nearest_kernel<128' \
+        --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --section SourceCounters python3 "$root/scripts/bench_compress.py" --seq-lens 32768 --iters 1 --no-profile
+    fi
   fi
 
   # ---- 4. the GPU test suite ------------------------------------------------------------------------
