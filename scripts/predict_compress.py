@@ -405,13 +405,13 @@ L2_BPS = 10e12                    # ASSUMED: L2 reads (the tables' rows, reread 
 
 
 def table_blocks_s(hb, P, L):
-    """segment_tables_kernel as a latency walk of a block (one wave: at most 2 blocks a
-    multiprocessor): 3 bitonic sorts (2L, 2L, 256 keys; a step per batch of 4 pairs a thread),
+    """segment_tables_kernel as a latency walk of a block (a wave: up to 4 blocks a
+    multiprocessor, __launch_bounds__(256, 4)): 3 bitonic sorts (2L, 2L, 256 keys; a step per batch of 4 pairs a thread),
     then the entries' batches of loads."""
     steps = lambda n: math.log2(n) * (math.log2(n) + 1) / 2
     batches = -(-(2 * L) // (256 * 4))
     cycles = (2 * steps(2 * L) * batches + steps(256)) * SHARED_STEP_CYCLES + batches * (2 * TRIP_CYCLES + 8 * 30)
-    waves = -(-hb * -(-P // L) // (2 * SMS))
+    waves = -(-hb * -(-P // L) // (4 * SMS))
     return waves * cycles / CLOCK_HZ
 
 
