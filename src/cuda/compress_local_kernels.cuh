@@ -623,14 +623,14 @@ __global__ void __launch_bounds__(kMissThreads) table_misses_kernel(
       float xa = 0.0f, aa = 0.0f;
 #pragma unroll
       for (int q = 0; q < D / 8; ++q) {
-        const uint32_t w[4] = {r[q].x, r[q].y, r[q].z, r[q].w};
+        float f[8];
+        unpack8(r[q], BF16, f);
         const float4 x0 = reinterpret_cast<const float4 *>(x)[2 * q], x1 = reinterpret_cast<const float4 *>(x)[2 * q + 1];
         const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-          const float f = bits_to_float(static_cast<uint16_t>(w[e / 2] >> (16 * (e % 2))), BF16);
-          xa += xv[e] * f;
-          aa += f * f;
+          xa += xv[e] * f[e];
+          aa += f[e] * f[e];
         }
       }
       const float norm = sqrtf(aa);

@@ -816,9 +816,9 @@ struct SplitBlock {
 
   template <bool BF>
   __device__ __forceinline__ static void put8(float *dst, const uint4 &chunk, float g) {
-    const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
     float x[8];
-    for (int e = 0; e < 8; ++e) x[e] = g * bits_to_float(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))), BF);
+    unpack8(chunk, BF, x);
+    for (int e = 0; e < 8; ++e) x[e] *= g;
     reinterpret_cast<float4 *>(dst)[0] = float4{x[0], x[1], x[2], x[3]};
     reinterpret_cast<float4 *>(dst)[1] = float4{x[4], x[5], x[6], x[7]};
   }

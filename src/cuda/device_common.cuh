@@ -284,24 +284,23 @@ __device__ __forceinline__ float fast_exp2(float x) {
 #endif
 }
 
-// A float's bits and back.
-__device__ __forceinline__ uint32_t float_as_bits(float f) {
-#ifdef AKV_SIMT_EMULATION
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-#else
-  return __float_as_uint(f);
-#endif
+// A value's bits as another type of the same size (a register move on the device).
+template <typename To, typename From>
+__device__ __forceinline__ To bits_as(From v) {
+  static_assert(sizeof(To) == sizeof(From), "the same size");
+  To r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
 }
-__device__ __forceinline__ float bits_as_float(uint32_t u) {
-#ifdef AKV_SIMT_EMULATION
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#else
-  return __uint_as_float(u);
-#endif
+// A float's bits and back.
+__device__ __forceinline__ uint32_t float_as_bits(float f) { return bits_as<uint32_t>(f); }
+__device__ __forceinline__ float bits_as_float(uint32_t u) { return bits_as<float>(u); }
+
+// The eight 16-bit values (bf16, else f16) of a 16-byte chunk as floats, the lower half of each
+// word first.
+__device__ __forceinline__ void unpack8(const uint4 &chunk, bool bf16, float (&x)[8]) {
+  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+  for (int e = 0; e < 8; ++e) x[e] = bits_to_float(static_cast<uint16_t>(words[e / 2] >> (16 * (e % 2))), bf16);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
