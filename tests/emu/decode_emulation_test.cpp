@@ -212,14 +212,22 @@ void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t
   ASSERT_EQ(count_non_finite(got), 0u);
   // Same arithmetic up to summation order and the angle method (both accurate to ~1e-6);
   // a 16-bit output may round the other way. bf16 queries: the keys' side runs in bf16 (the
-  // fast path's rotation in bf16x2, the contraction's operands): logits off by a few 2^-9 of
-  // their size, which moves a peaked softmax's output by up to ~0.03 here (the same bound as
-  // tests/gpu's; a dropped key-residual term moves it by 0.3-0.9).
-  // Logits' rounding grows with their size: the bounds (and the log-sum-exp's) with the
-  // queries' spread.
+  // fast path's rotation in bf16x2, two roundings an element, and the contraction's
+  // operands): logits off by a few 2^-9 of their size, which moves a peaked softmax's output by
+  // up to ~0.03 here, and an element of a near-tied row now and then further: about 1 check in
+  // 200 had one past 0.04 (up to 0.058; with the rotation in fp32 and one rounding the same
+  // data gave 0.010 where it gave 0.053). So bf16 outputs are held to near_but_for_rounding:
+  // within 0.1, at most 2% past 0.04, a mean error at most 0.005 (over 970 checks, 2026-12-06:
+  // an element's error at most 1.45 x 0.04, a mean at most 0.06 x 0.04); a key residual's term
+  // 10% off fails the mean (0.17-0.37 x 0.04 on 7 checks of 8) and a dropped one the cap
+  // (0.3-0.9), as the same bounds do in tests/gpu. Logits' rounding grows with their size: the bounds (and the log-sum-exp's)
+  // with the queries' spread.
   const double spread = std::max(1.0, c.q_std / 1.5);
   const double tol = (c.io == AKV_DTYPE_F32 ? 2e-4 : c.io == AKV_DTYPE_F16 ? 2e-3 : 4e-2) * spread;
-  EXPECT_TRUE(all_near(got, expected, tol, tol));
+  if (c.io == AKV_DTYPE_BF16)
+    EXPECT_TRUE(near_but_for_rounding(got, expected, tol, 2.5 * tol, 0.02, 0.125 * tol));
+  else
+    EXPECT_TRUE(all_near(got, expected, tol, tol));
   // The merge kernel's log-sum-exp (base-2 running max and sum) against the CPU's. With bf16
   // queries the keys' side runs in bf16: logits off by a few 2^-9 of their size, so the bound
   // is relative (4e-3, about one bf16 unit: up to 0.2% seen, LSE 10-15); other dtypes keep

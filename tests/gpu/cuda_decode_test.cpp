@@ -123,7 +123,8 @@ std::string describe(const DecodeCase &c) {
 // Tolerance of a GPU output against the CPU one in the output dtype.
 // bf16: the split kernel runs the keys' side in bf16 for bf16 queries (decode_kernels.cuh,
 // steps 2 and 5): logits off by a few 2^-9 of their size, up to ~0.03 on a peaked output in
-// the emulation (tests/emu, the same bound).
+// the emulation and now and then an element of a near-tied row further (tests/emu, the same
+// bounds: near_but_for_rounding).
 double tolerance(akv_dtype dtype) { return dtype == AKV_DTYPE_F32 ? 2e-3 : dtype == AKV_DTYPE_F16 ? 4e-3 : 4e-2; }
 
 // Tolerance of one request's akv_decode against its row of akv_decode_batch: one unit in the
@@ -224,7 +225,11 @@ void Cuda::check_decode(const DecodeCase &c, int batch, Rng &rng) {
   const std::vector<float> got = decode_bytes(dout.download(), c.dtype);
   const std::vector<float> expected = decode_bytes(expected_bytes, c.dtype);
   EXPECT_EQ(count_non_finite(got), 0u);
-  EXPECT_TRUE(all_near(got, expected, tolerance(c.dtype), tolerance(c.dtype)));
+  const double tol = tolerance(c.dtype);
+  if (c.dtype == AKV_DTYPE_BF16)  // rounding's rare outliers, as in tests/emu
+    EXPECT_TRUE(near_but_for_rounding(got, expected, tol, 2.5 * tol, 0.02, 0.125 * tol));
+  else
+    EXPECT_TRUE(all_near(got, expected, tol, tol));
   std::string key = "max_abs_error " + describe(c);  // a property name: letters, digits, '_'
   std::replace_if(key.begin(), key.end(), [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); }, '_');
   note(key, max_error(got, expected, 1.0));
