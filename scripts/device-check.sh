@@ -8,6 +8,7 @@
 #      the bundle and its shared libraries are listed;
 #   2. scripts/bench_decode.py: compact decode vs our dense decode vs PyTorch SDPA, cold L2
 #      (ANCHORKV_DECODE_BENCH_ARGS; default the rows of issue 14: "--rows 32768x1 131072x1 131072x8 32768x32");
+#      the batch-1 rows again with ANCHORKV_DECODE_PDL=0 (no programmatic dependent launch);
 #   3. scripts/bench_compress.py: the GPU compression pass vs SDPA causal prefill attention
 #      and our SnapKV (ANCHORKV_COMPRESS_BENCH_ARGS); then, where the image has Nsight Compute
 #      (ncu), the split kernel's profile at 32K x 1 and 128K x 8 (into bench-decode.log) and a
@@ -135,6 +136,10 @@ else
     # shellcheck disable=SC2086  # a list of words
     step "bench_decode.py (vs SDPA)" "$logs/bench-decode.log" \
       python3 "$root/scripts/bench_decode.py" ${ANCHORKV_DECODE_BENCH_ARGS:---rows 32768x1 131072x1 131072x8 32768x32 --profile}
+    # The same small-batch rows with the anchor values' and merge kernels launched plainly:
+    # what programmatic dependent launch saves (backend.cu, launch_after).
+    step "bench_decode.py, ANCHORKV_DECODE_PDL=0" "$logs/bench-decode.log" \
+      env ANCHORKV_DECODE_PDL=0 python3 "$root/scripts/bench_decode.py" --rows 32768x1 131072x1
   fi
   if skipped compress-bench; then note SKIP "bench_compress.py" 0
   elif [ "$has_gpu" = 0 ]; then note SKIP "bench_compress.py: no GPU" 0

@@ -1089,6 +1089,8 @@ def merge_trips(text, splits, parts, per_part, sg):
              ("for (int s0 = j; s0 < p.splits; s0 += TPQ * B)", math.ceil(splits / (2 * MERGE_BATCH)), 2 * MERGE_BATCH),
              ("for (int a = a0 + group; a < a1; a += SG)", 64 / sg, sg),
              ("for (int e = tid; e < MAXROWS * D; e += NT)", ROWS * D / NT, NT),
+             # the part's value rows asked into L2 (bf16: 2 bytes a dim, 128 a line) before the wait
+             ("for (int at = 128 * tid; at < bytes; at += 128 * NT)", per_part * D * 2 / 128 / NT, NT),
              # the merge's row: kMergeRowBatch of a group's splits (anchor parts) a batch
              ("for (int s0 = group; s0 < parts; s0 += SG * B)", math.ceil(splits / (sg * MERGE_ROW_BATCH)),
               sg * MERGE_ROW_BATCH),

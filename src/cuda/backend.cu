@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -70,6 +72,32 @@ class DecodeProfile {
   cudaEvent_t events_[4] = {};
 };
 
+// ANCHORKV_DECODE_PDL=0: the anchor values' and merge kernels launched plainly, each after the
+// kernel before it has completed (for measuring what programmatic dependent launch saves).
+bool decode_pdl_allowed() {
+  const char *v = std::getenv("ANCHORKV_DECODE_PDL");
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
+// A decode kernel after the one before it on `stream`; `programmatic`: with programmatic
+// dependent launch (sm_90 and later), so that its blocks are placed, and do what needs none of
+// the earlier kernel's results, while that kernel's last blocks run (grid_dependency_wait in
+// the kernel, device_common.cuh). A captured launch keeps the relation as a programmatic edge.
+template <typename Kernel>
+void launch_after(bool programmatic, Kernel *kernel, dim3 grid, cudaStream_t stream, const DecodeLaunch &p) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kDecodeThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1] = {};
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  check(cudaLaunchKernelEx(&config, kernel, p), "cudaLaunchKernelEx (a decode kernel)");
+}
+
 template <int D, int MAXROWS, bool FAST>
 void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch &p, int32_t requests,
                    cudaStream_t stream) {
@@ -80,11 +108,14 @@ void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch 
   decode_split_kernel<D, MAXROWS, FAST><<<dim3(plan.splits, p.heads * plan.row_chunks, requests), kDecodeThreads,
                                     plan.smem_bytes, stream>>>(p);
   if (profile) profile->mark(1);
+  // Profiled: every kernel after the one before it, so that the events between them time each.
+  const bool programmatic = state(ctx).programmatic_launch && !profile;
   if (plan.anchor_parts > 0)
-    decode_anchor_values_kernel<D, MAXROWS>
-        <<<dim3(plan.anchor_parts, p.heads * plan.row_chunks, requests), kDecodeThreads, 0, stream>>>(p);
+    launch_after(programmatic, decode_anchor_values_kernel<D, MAXROWS>,
+                 dim3(plan.anchor_parts, p.heads * plan.row_chunks, requests), stream, p);
   if (profile) profile->mark(2);
-  decode_merge_kernel<D, MAXROWS><<<dim3(p.heads * plan.row_chunks, requests, MAXROWS), kDecodeThreads, 0, stream>>>(p);
+  launch_after(programmatic, decode_merge_kernel<D, MAXROWS>, dim3(p.heads * plan.row_chunks, requests, MAXROWS),
+               stream, p);
   if (profile) {
     profile->mark(3);
     profile->report(plan, D, MAXROWS, FAST, requests, p.heads);
@@ -196,10 +227,12 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
     int sms = 0, optin = 0;
     check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx.device), "cudaDeviceGetAttribute");
     check(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, ctx.device), "cudaDeviceGetAttribute");
-    int pools = 0;
+    int pools = 0, major = 0;
     check(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, ctx.device), "cudaDeviceGetAttribute");
+    check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ctx.device), "cudaDeviceGetAttribute");
     state(ctx).smem_optin = static_cast<size_t>(optin);
     state(ctx).memory_pools = pools != 0;
+    state(ctx).programmatic_launch = major >= 9 && decode_pdl_allowed();
     state(ctx).sm_count = sms;
   }
   const akv_shape &s = caches[0]->meta.shape;

@@ -49,6 +49,7 @@ class CudaBackend final : public Backend {
   int sm_count = 0;
   size_t smem_optin = 0;
   bool memory_pools = false;  // stream-ordered allocation (a captured decode's workspace)
+  bool programmatic_launch = false;  // the decode's later kernels by programmatic dependent launch (sm_90+)
   std::mutex mutex;  // guards smem_kernels, workspaces, host_staging and blas
   // The kernels whose dynamic shared memory limit is raised to smem_optin on this device
   // (the attribute is per device and kernel).

@@ -1812,6 +1812,10 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
 #endif
   using Block = SplitBlock<D, MAXROWS, FAST>;
   constexpr int T = Block::T;
+  // The anchor values' and merge kernels may be placed once every split block has begun (they
+  // wait for this grid to complete before they read what it writes): their launch and
+  // set-up then run beside the last blocks instead of after them.
+  launch_dependents();
   const int split = blockIdx.x;
   const int h = blockIdx.y / p.row_chunks, rc = blockIdx.y % p.row_chunks;
   const CacheView &c = *p.views[blockIdx.z];
@@ -2021,6 +2025,16 @@ __global__ void __launch_bounds__(kDecodeThreads, kAnchorValueBlocks<D, MAXROWS>
   float o[MAXROWS][DPT];
   for (int i = 0; i < MAXROWS; ++i)
     for (int e = 0; e < DPT; ++e) o[i][e] = 0.0f;
+  // Launched while the split kernel may still run (programmatic dependent launch): the part's
+  // value rows, which it does not write, asked into L2 first; then the wait for its sums.
+  if (a_begin < a_end) {
+    const char *rows_at = reinterpret_cast<const char *>(c.anchor_values + (static_cast<int64_t>(h) * k + a_begin) * D);
+    const int bytes = (a_end - a_begin) * D * 2;  // at most 256 rows of 512 bytes
+#pragma unroll 1
+    for (int at = 128 * tid; at < bytes; at += 128 * NT) prefetch_l2(rows_at + at);
+  }
+  launch_dependents();  // the merge's blocks may be placed now; it waits for this grid's sums
+  grid_dependency_wait();
   // The splits' factors whatever the cache (a dense one's are not used): their loads need not
   // wait for the view's anchor count.
   split_factors<MAXROWS>(p, first_blk, rows, f_s, ml_s);
@@ -2187,6 +2201,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 2) decode_merge_kernel(const _
   const int64_t merge_blk = static_cast<int64_t>(b) * p.heads * p.row_chunks + blockIdx.x;
   const int64_t first_blk = merge_blk * parts;
   const bool anchor = c.kind == kKindAnchor;
+  grid_dependency_wait();  // for the split (and anchor values) kernels' sums
 
   if (tid < 32) row_factors<MAXROWS>(p, first_blk, i, f_s, ml_s);
   __syncthreads();

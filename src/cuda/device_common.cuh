@@ -62,6 +62,23 @@ __device__ __forceinline__ void prefetch_l2(const void *p) {
 #endif
 }
 
+// Programmatic dependent launch (sm_90): a kernel launched with the attribute
+// cudaLaunchAttributeProgrammaticStreamSerialization may start while the kernel before it on
+// its stream runs, once every block of that one has called launch_dependents() or exited;
+// grid_dependency_wait() then waits until that kernel has completed and its writes are
+// visible. Both do nothing in a kernel launched without the attribute, below sm_90 and in the
+// emulation (which runs a launch's kernels one after another).
+__device__ __forceinline__ void launch_dependents() {
+#if !defined(AKV_SIMT_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+#if !defined(AKV_SIMT_EMULATION) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" : : : "memory");
+#endif
+}
+
 // A barrier of COUNT threads (whole warps) on barrier ID (1-15; 0 is __syncthreads's).
 template <int ID, int COUNT>
 __device__ __forceinline__ void named_barrier() {
