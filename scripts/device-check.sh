@@ -16,7 +16,8 @@
 #   4. the GPU test suite: anchorkv_gpu_tests (64K and 128K decodes included), the GpuContext
 #      tests of anchorkv_api_tests, python/tests/test_gpu.py (when pytest and torch are there);
 #   5. compute-sanitizer memcheck, racecheck, initcheck and synccheck over the GPU tests at
-#      the quick sizes plus one 128K decode (ANCHORKV_TEST_QUICK=1);
+#      the quick sizes plus one 128K decode (ANCHORKV_TEST_QUICK=1); racecheck again over the
+#      decodes of each storage format alone;
 #   6. with the time left, the emulation tests under two more scheduling seeds.
 # Every step's log is written straight into $OUT while it runs (else $ANCHORKV_DEVICE_LOGS,
 # default build-device/logs), at most 7 files: summary.txt (rewritten after every step: the
@@ -203,6 +204,16 @@ else
     if [ ! -x "$sanitizer" ]; then note SKIP "compute-sanitizer $tool (not found)" 0; continue; fi
     step "compute-sanitizer $tool" "$logs/sanitizer.log" env ANCHORKV_TEST_QUICK=1 \
       "$sanitizer" --tool "$tool" --error-exitcode 3 "$bin/anchorkv_gpu_tests" --gtest_filter="$filter"
+  done
+  # racecheck over decodes of one storage format at a time: the first run's hazards (split
+  # kernel, accesses a __syncthreads separates) in format 3 only would point at the one named
+  # barrier (format3_meta: warps 0-1), in both at something else; the individual hazards'
+  # threads (--racecheck-report all) say whether warps 0-1 are on one side of each.
+  for format in Two Three; do
+    if skipped sanitizer || [ "$has_gpu" = 0 ] || [ ! -x "$sanitizer" ]; then break; fi
+    step "racecheck, format $format decodes only" "$logs/sanitizer.log" \
+      "$sanitizer" --tool racecheck --racecheck-report all --print-limit 8 --error-exitcode 3 \
+      "$bin/anchorkv_gpu_tests" --gtest_filter="Cuda.Format${format}DecodeMatchesCpu"
   done
 
   # ---- 6. with the time left: the emulation under two more seeds (CI runs them too) ------------
