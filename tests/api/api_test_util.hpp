@@ -388,8 +388,9 @@ template <typename E>
 // The same comparison for an output whose arithmetic rounds to 16 bits somewhere inside (bf16
 // operands of a logit): rounding noise moves an element of a near-tied softmax row now and then
 // past `tol` (about 1 check in 200 of the bf16 decode emulation, 2026-12-06, up to 1.5 tol), a
-// defect moves whole rows or many elements. So: every element within `cap`, and at most
-// `outliers` (a fraction) of them past `tol`.
+// defect moves whole rows or many elements. So: every element within `cap`, at most `outliers`
+// (a fraction) of them past `tol`, and a mean error of at most `mean_tol` (a defect that moves
+// every element a little).
 template <typename E>
 ::testing::AssertionResult near_but_for_rounding(const std::vector<float> &actual, const std::vector<E> &expected,
                                                  double tol, double cap, double outliers, double mean_tol) {
