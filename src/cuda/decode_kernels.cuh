@@ -2029,7 +2029,7 @@ __global__ void __launch_bounds__(kDecodeThreads, kAnchorValueBlocks<D, MAXROWS>
   // value rows, which it does not write, asked into L2 first; then the wait for its sums.
   if (a_begin < a_end) {
     const char *rows_at = reinterpret_cast<const char *>(c.anchor_values + (static_cast<int64_t>(h) * k + a_begin) * D);
-    const int bytes = (a_end - a_begin) * D * 2;  // at most 256 rows of 512 bytes
+    const int bytes = (a_end - a_begin) * D * static_cast<int>(sizeof *c.anchor_values);  // at most 256 rows of 512 bytes
 #pragma unroll 1
     for (int at = 128 * tid; at < bytes; at += 128 * NT) prefetch_l2(rows_at + at);
   }

@@ -411,6 +411,16 @@ template <typename E>
                                        << outliers * 100 << "% may be, within " << cap << ")";
 }
 
+// A decode output against the CPU's at `tol` (the dtype's bound): every element within it, or
+// for bf16 outputs near_but_for_rounding's bounds (2.5 tol, 2% past tol, mean tol / 8), the
+// same in tests/emu and tests/gpu.
+template <typename E>
+::testing::AssertionResult decode_output_near(const std::vector<float> &actual, const std::vector<E> &expected,
+                                              akv_dtype dtype, double tol) {
+  if (dtype == AKV_DTYPE_BF16) return near_but_for_rounding(actual, expected, tol, 2.5 * tol, 0.02, 0.125 * tol);
+  return all_near(actual, expected, tol, tol);
+}
+
 // A measured quantity: recorded in the gtest XML report, printed when AKV_TEST_VERBOSE is set.
 inline void note(const std::string &key, double value) {
   ::testing::Test::RecordProperty(key, std::to_string(value));

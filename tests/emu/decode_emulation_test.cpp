@@ -224,10 +224,7 @@ void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t
   // with the queries' spread.
   const double spread = std::max(1.0, c.q_std / 1.5);
   const double tol = (c.io == AKV_DTYPE_F32 ? 2e-4 : c.io == AKV_DTYPE_F16 ? 2e-3 : 4e-2) * spread;
-  if (c.io == AKV_DTYPE_BF16)
-    EXPECT_TRUE(near_but_for_rounding(got, expected, tol, 2.5 * tol, 0.02, 0.125 * tol));
-  else
-    EXPECT_TRUE(all_near(got, expected, tol, tol));
+  EXPECT_TRUE(decode_output_near(got, expected, c.io, tol));
   // The merge kernel's log-sum-exp (base-2 running max and sum) against the CPU's. With bf16
   // queries the keys' side runs in bf16: logits off by a few 2^-9 of their size, so the bound
   // is relative (4e-3, about one bf16 unit: up to 0.2% seen, LSE 10-15); other dtypes keep

@@ -126,7 +126,7 @@ std::string describe(const DecodeCase &c) {
 // bf16: the split kernel runs the keys' side in bf16 for bf16 queries (decode_kernels.cuh,
 // steps 2 and 5): logits off by a few 2^-9 of their size, up to ~0.03 on a peaked output in
 // the emulation and now and then an element of a near-tied row further (tests/emu, the same
-// bounds: near_but_for_rounding).
+// bounds: decode_output_near).
 double tolerance(akv_dtype dtype) { return dtype == AKV_DTYPE_F32 ? 2e-3 : dtype == AKV_DTYPE_F16 ? 4e-3 : 4e-2; }
 
 // Tolerance of one request's akv_decode against its row of akv_decode_batch: one unit in the
@@ -170,6 +170,7 @@ class Cuda : public ::testing::Test {
   static constexpr int kHeads = 2, kAppended = 5;
   Requests make_requests(const DecodeCase &c, int batch, Rng &rng);
   void check_decode(const DecodeCase &c, int batch, Rng &rng);
+  void check_one_format(int format);  // every request in storage format 2 or 3, f32 and bf16
   void check_compression(int64_t S, int D, int G, akv_dtype dtype, Rng &rng);
   ContextPtr gpu_, cpu_;
 };
@@ -228,11 +229,7 @@ void Cuda::check_decode(const DecodeCase &c, int batch, Rng &rng) {
   const std::vector<float> got = decode_bytes(dout.download(), c.dtype);
   const std::vector<float> expected = decode_bytes(expected_bytes, c.dtype);
   EXPECT_EQ(count_non_finite(got), 0u);
-  const double tol = tolerance(c.dtype);
-  if (c.dtype == AKV_DTYPE_BF16)  // rounding's rare outliers, as in tests/emu
-    EXPECT_TRUE(near_but_for_rounding(got, expected, tol, 2.5 * tol, 0.02, 0.125 * tol));
-  else
-    EXPECT_TRUE(all_near(got, expected, tol, tol));
+  EXPECT_TRUE(decode_output_near(got, expected, c.dtype, tolerance(c.dtype)));  // bf16: rounding's rare outliers
   std::string key = "max_abs_error " + describe(c);  // a property name: letters, digits, '_'
   std::replace_if(key.begin(), key.end(), [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); }, '_');
   note(key, max_error(got, expected, 1.0));
@@ -298,20 +295,15 @@ TEST_F(Cuda, SmokeDecodeAndCompressionMatchCpu) {
 // that a __syncthreads separates, which no reading of the source or SASS explains; format 3's
 // metadata (format3_meta) holds the kernel's one named barrier (bar.sync 1, 64: warps 0-1), so
 // hazards in format 3 only would point at how the tool counts that barrier.
-TEST_F(Cuda, FormatTwoDecodeMatchesCpu) {
+void Cuda::check_one_format(int format) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
   Rng rng(seed);
   for (akv_dtype dtype : {AKV_DTYPE_F32, AKV_DTYPE_BF16})
-    check_decode({AKV_METHOD_ANCHORKV, 4096, 128, 4, 1, dtype, 0, 2}, 2, rng);
+    check_decode({AKV_METHOD_ANCHORKV, 4096, 128, 4, 1, dtype, 0, format}, 2, rng);
 }
-TEST_F(Cuda, FormatThreeDecodeMatchesCpu) {
-  const uint64_t seed = fresh_seed();
-  AKV_TRACE_SEED(seed);
-  Rng rng(seed);
-  for (akv_dtype dtype : {AKV_DTYPE_F32, AKV_DTYPE_BF16})
-    check_decode({AKV_METHOD_ANCHORKV, 4096, 128, 4, 1, dtype, 0, 3}, 2, rng);
-}
+TEST_F(Cuda, FormatTwoDecodeMatchesCpu) { check_one_format(2); }
+TEST_F(Cuda, FormatThreeDecodeMatchesCpu) { check_one_format(3); }
 
 // ANCHORKV_DECODE_PROFILE (bench_decode.py --profile): the decode still matches the CPU, and
 // each launch prints its kernels' times.
