@@ -3,7 +3,7 @@
 synthetic LLM-like layer) next to PyTorch's CPU SDPA decode over the dense cache in the
 engine's dtype (what a user would otherwise run), at the same shape and thread count.
 
-  scripts/bench_cpu_decode.py --seq-lens 2048 16384 32768 --threads 1 2
+  scripts/bench_cpu_decode.py --seq-lens 2048 16384 32768 --threads 1 2 [--key-space pre post]
 
 Prints one table per (S, threads): decode ms per call and the speed against FullKV and
 against SDPA (> 1: faster). SDPA: q [1, Hq, 1, D], K/V [1, H, S, D] (GQA through
@@ -39,10 +39,10 @@ def sdpa_ms(S, H, HQ, D, dtype, threads, iters):
     return 1e3 * statistics.median(times)
 
 
-def library_rows(cli, S, H, HQ, D, ratios, methods, threads, iters):
+def library_rows(cli, S, H, HQ, D, ratios, methods, threads, iters, key_space="pre"):
     cmd = [cli, "bench", "--backend", "cpu", "--seq-len", str(S), "--heads", str(H), "--q-heads", str(HQ),
            "--head-dim", str(D), "--ratios", ratios, "--methods", methods, "--threads", str(threads),
-           "--decode-iters", str(iters), "--repeats", "1", "--json", "--quiet"]
+           "--decode-iters", str(iters), "--repeats", "1", "--key-space", key_space, "--json", "--quiet"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return json.loads(out)["rows"]
 
@@ -59,13 +59,22 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", choices=["bf16", "f16", "f32"], default="bf16")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--key-space", nargs="+", choices=["pre", "post"], default=["pre"],
+                    help="AnchorKV's keys fitted before RoPE (the default) and/or after it (anchorkv bench "
+                         "--key-space post: rows labelled 'post')")
     args = ap.parse_args()
     import torch
     dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[args.dtype]
     for S in args.seq_lens:
         for threads in args.threads:
-            rows = library_rows(args.cli, S, args.heads, args.q_heads, args.head_dim, args.ratios, args.methods,
-                                threads, args.iters)
+            rows = []
+            for space in args.key_space:
+                got = library_rows(args.cli, S, args.heads, args.q_heads, args.head_dim, args.ratios, args.methods,
+                                   threads, args.iters, space)
+                if space == "post":  # rows labelled; its FullKV is pre's cache again: kept only when alone
+                    got = [r if r["method"] == "FullKV" else dict(r, method=r["method"] + " post")
+                           for r in got if r["method"] != "FullKV" or not rows]
+                rows += got
             sdpa = sdpa_ms(S, args.heads, args.q_heads, args.head_dim, dtype, threads, args.iters)
             full = next(r for r in rows if r["method"] == "FullKV")
             full_ms = 1e3 * full["decode_seconds_median"]

@@ -160,15 +160,28 @@ class AnchorHead {
     // without them (k <= 256) the walk with rows blocked in fours is faster too (one thread,
     // 20x: 2K 833 -> 655 us, 8K 3.49 -> 2.40 ms at H 8, Hq 32, D 128; 8K 927 -> 624 us at
     // H 3, Hq 9, D 64).
+    //
+    // Without RoPE (keys handed post-RoPE with the cache told there is none: the anchors and
+    // residuals fitted after the rotation) the table is one score q.K_a per anchor and row,
+    // k x rows x D multiply-adds a step, and a token's logit is gamma times its anchor's score
+    // plus its residual's term: the table then always wins (P >= k), with or without segment
+    // tables (prefix_tile_scores).
     const bool segment_tables = g_.format == 3 && g_.table_size;
     const size_t table = static_cast<size_t>(k) * rows_ * std::max(two_p_, 1) * sizeof(float);
     switch (static_cast<PrefixLogits>(forced_prefix_logits.load(std::memory_order_relaxed))) {
-      case PrefixLogits::kTable: gather_ = segment_tables; break;
+      case PrefixLogits::kTable: gather_ = segment_tables && pairs_; break;
       case PrefixLogits::kGather:
       case PrefixLogits::kGatherAvx2: gather_ = true; break;
-      case PrefixLogits::kAuto: gather_ = g_.format == 3 || table > kCoefficientTableBytes || P < kTokensPerAnchor * k; break;
+      case PrefixLogits::kAuto:
+        gather_ = pairs_ && (g_.format == 3 || table > kCoefficientTableBytes || P < kTokensPerAnchor * k);
+        break;
     }
     if (gather_) return;
+    if (!pairs_) {  // every anchor's score, [crows][k]: the blocked dense contraction
+      scores_.assign(static_cast<size_t>(crows_) * k, 0.0f);
+      dense_logits(ak_, k, D_, storage_, q_.data(), rows_, scores_.data(), k, 0);
+      return;
+    }
     std::vector<uint8_t> in_pair(D_, 0);
     for (int j = 0; j < pairs_; ++j) in_pair[rope_.first[j]] = in_pair[rope_.second[j]] = 1;
     for (int d = 0; d < D_; ++d)
@@ -218,6 +231,7 @@ class AnchorHead {
     const int64_t seg = g_.format == 3 ? g_.segment_of(t0) : 0;  // a tile lies in one segment
     if (g_.format == 3 && seg != lut_segment_) enter_segment(seg);
     if (gather_) return prefix_tile_gather(t0, n, trig);
+    if (!pairs_) return prefix_tile_scores(t0, n);
     for (int64_t u = 0; u < n; ++u) {
       const int64_t t = t0 + u;
       const float *cs = trig + u * two_p_;
@@ -241,6 +255,37 @@ class AnchorHead {
         dot_rows(q_.data(), D_, rows_, r_.data(), D_, logit_.data());
         for (int i = 0; i < rows_; ++i) L_[i * total_ + t] += logit_[i];
       }
+    }
+  }
+
+  // Without RoPE: each token's anchor and coefficient, then per row one multiply a token
+  // (gamma times its anchor's score), then the tokens with a key residual add its term.
+  void prefix_tile_scores(int64_t t0, int64_t n) {
+    const int k = g_.anchors;
+    int32_t anchor[kTile];
+    float gamma[kTile];
+    for (int64_t u = 0; u < n; ++u) {
+      const int64_t t = t0 + u;
+      if (g_.format == 2) {
+        anchor[u] = kidx_[t];
+        gamma[u] = bf16_to_float(kgam_[t]);
+      } else {
+        anchor[u] = format3_anchor(t, &gamma[u]);
+      }
+    }
+    for (int i = 0; i < rows_; ++i) {
+      const float *s = &scores_[static_cast<size_t>(i) * k];
+      float *l = &L_[i * total_ + t0];
+      for (int64_t u = 0; u < n; ++u) l[u] = gamma[u] * s[anchor[u]];
+    }
+    for (int64_t t = t0; t < t0 + n; ++t) {
+      const uint64_t word = kmask_[t >> 6];
+      if (!(word >> (t & 63) & 1u)) continue;
+      const uint32_t slot = kbase_ + kprefix_[t >> 6] +
+                            static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
+      decode_residual(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot]);
+      dot_rows(q_.data(), D_, rows_, r_.data(), D_, logit_.data());
+      for (int i = 0; i < rows_; ++i) L_[i * total_ + t] += logit_[i];
     }
   }
 
@@ -446,6 +491,7 @@ class AnchorHead {
   int pairs_, two_p_;
   int64_t total_ = 0;
   std::vector<float> q_, L_, coef_, coefC_, r_, logit_;
+  std::vector<float> scores_;  // no RoPE, table path: q.K_a, [crows_][k] (prefix_tile_scores)
   std::vector<int> plain_;       // dimensions outside the rotary pairs
   int64_t lut_segment_ = -1;     // format 3: the segment of segment_table_ and key_gamma_
   const uint16_t *segment_table_ = nullptr;
@@ -506,6 +552,10 @@ void AnchorHead::finish(float *out, float *lse, const float *window_trig) {
   std::vector<float> x(D);
   // The exact window: anchors k-W..k-1 at consecutive positions.
   for (int w = 0; w < W; ++w) {
+    if (!scores_.empty()) {  // no RoPE: the window's anchors' scores are computed
+      for (int i = 0; i < rows; ++i) L[i * total + P + w] = scores_[static_cast<size_t>(i) * k + k - W + w];
+      continue;
+    }
     half_row(ak_ + static_cast<int64_t>(k - W + w) * D, storage, D, x.data());
     if (pairs_) rope_.apply(x.data(), window_trig + w * two_p_, window_trig + w * two_p_ + pairs_);
     for (int i = 0; i < rows; ++i) L[i * total + P + w] = dot(q + i * D, x.data(), D);

@@ -1,8 +1,9 @@
 // The CPU AnchorKV decode has two ways to the prefix logits (cpu/attention.hpp, PrefixLogits):
 // a per-step coefficient table, or every key rebuilt from its anchor row (with AVX-512 where
 // the CPU has it, and the AVX2 walk). Each is forced in turn on the same caches, in storage
-// formats 2 and 3 (without and with segment tables: there the table path is not offered and
-// the walk runs), and must equal exact attention over akv_cache_reconstruct's K/V.
+// formats 2 and 3 (without and with segment tables: there the table path is offered without
+// RoPE only, as the anchors' scores, and otherwise the walk runs), and must equal exact
+// attention over akv_cache_reconstruct's K/V.
 // The shapes cover NeoX, GPT-J, partial rotary, no RoPE, several query rows per KV head,
 // q_len > 1 with appended tokens, and both storage dtypes.
 #include <gtest/gtest.h>
@@ -106,6 +107,7 @@ INSTANTIATE_TEST_SUITE_P(
     // NeoX G = 3 (rows padded to four in the AVX-512 walk; SmolLM2's shape) and 2 x 3 rows.
     ::testing::Values(PathCase{AKV_ROPE_NEOX, 0, 4, 1, AKV_DTYPE_F32}, PathCase{AKV_ROPE_GPTJ, 0, 3, 1, AKV_DTYPE_BF16},
                       PathCase{AKV_ROPE_NEOX, 0, 3, 1, AKV_DTYPE_BF16},
-                      PathCase{AKV_ROPE_NEOX, 32, 2, 3, AKV_DTYPE_F16}, PathCase{AKV_ROPE_NONE, 0, 1, 2, AKV_DTYPE_F32}));
+                      PathCase{AKV_ROPE_NEOX, 32, 2, 3, AKV_DTYPE_F16}, PathCase{AKV_ROPE_NONE, 0, 1, 2, AKV_DTYPE_F32},
+                      PathCase{AKV_ROPE_NONE, 0, 3, 1, AKV_DTYPE_BF16}));
 
 }  // namespace

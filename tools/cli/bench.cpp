@@ -163,6 +163,9 @@ int run_bench(int argc, char **argv) {
     ("backend", "all (CPU, then CUDA when available), cpu or cuda", cxxopts::value<std::string>()->default_value("all"), "B")
     ("threads", "CPU worker threads (0 = all)", cxxopts::value<int>()->default_value("0"), "N")
     ("seed", "Seed of the synthetic layer", cxxopts::value<uint64_t>()->default_value("1"), "N")
+    ("key-space", "pre: keys handed pre-RoPE with the layer's RoPE; post: rotated here and handed with "
+                  "no RoPE, so that anchors are fitted after the rotation (an experiment: docs/design.md)",
+     cxxopts::value<std::string>()->default_value("pre"), "pre|post")
     ("csv", "Print CSV instead of the table")
     ("json", "Print JSON instead of the table")
     ("quiet", "No progress on stderr")
@@ -209,8 +212,22 @@ int run_bench(int argc, char **argv) {
   auto say = [&](const std::string &text) {
     if (!quiet) std::cerr << "anchorkv bench: " << text << std::endl;
   };
+  const std::string key_space = args["key-space"].as<std::string>();
+  if (key_space != "pre" && key_space != "post") throw CliError("--key-space must be pre or post", kExitUsage);
   say("generating " + source.describe());
-  const LayerTensors layer = source.load(0);
+  LayerTensors layer = source.load(0);
+  PositionConfig positions = source.positions();
+  if (key_space == "post") {  // every key rotated to its position, and no RoPE for the library
+    if (!positions.keys_post_rope) {
+      const Rotary rotary(positions.rope, s.head_dim);
+      for (int h = 0; h < s.heads; ++h)
+        for (int64_t t = 0; t < s.seq_len; ++t)
+          rotary.apply(&layer.keys[(static_cast<size_t>(h) * s.seq_len + t) * s.head_dim],
+                       static_cast<double>(positions.position_offset + t));
+    }
+    positions.rope.style = AKV_ROPE_NONE;
+    positions.keys_post_rope = false;
+  }
   // Decode queries: the held-out query of each head, the same for every cache of the batch.
   std::vector<float> batch_queries;
   for (int b = 0; b < settings.batch; ++b)
@@ -248,7 +265,7 @@ int run_bench(int argc, char **argv) {
       BenchRow row(name, run);
       Stopwatch clock;
       try {
-        bench_method(context.get(), backend, s, source.positions(), keys, values, q_window, queries, out, settings, row);
+        bench_method(context.get(), backend, s, positions, keys, values, q_window, queries, out, settings, row);
       } catch (const CliError &error) {
         row.error = error.what();
         // A method the CUDA backend does not implement yet is a gap to report, not a failure.

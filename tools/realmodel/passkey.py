@@ -385,6 +385,10 @@ def compress_layers(anchorkv, context, model, data: TrialData, spec: Spec):
     config = model.config
     options = dict(spec.options)
     options.pop("method", None)
+    # key_space=post (an experiment, SPEC §4): the keys handed rotated and the cache told there
+    # is no RoPE, so anchors and residuals are fitted after the rotation (LibraryAttention
+    # rotates the appended keys likewise).
+    post = options.pop("key_space", "pre") == "post"
     caches = []
     try:
         for layer in range(config.layers):
@@ -394,9 +398,12 @@ def compress_layers(anchorkv, context, model, data: TrialData, spec: Spec):
                 window = method_window(anchorkv, spec.method, options)
                 queries = data.q_window[layer][:, data.q_window.shape[2] - window:]
                 options["window"] = window
+            keys = model.rope.apply(np.asarray(data.keys[layer], np.float32), np.arange(data.length)) \
+                if post else data.keys[layer]
             caches.append(context.compress(
-                data.keys[layer], data.values[layer], queries, method=spec.method,
-                num_q_heads=config.q_heads, retain_fraction=spec.retain_fraction, rope_style="gptj",
+                keys, data.values[layer], queries, method=spec.method,
+                num_q_heads=config.q_heads, retain_fraction=spec.retain_fraction,
+                rope_style="none" if post else "gptj",
                 rope_base=config.rope_base, layer_index=layer, layer_count=config.layers,
                 **options))
     except BaseException:
@@ -430,13 +437,14 @@ def evaluate(anchorkv, context, model, tok, data: TrialData, spec: Spec) -> dict
         full_bytes = sum(s.full_bytes for s in stats)
         compressed_bytes = sum(s.compressed_bytes for s in stats)
         blobs = [cache.to_bytes() for cache in caches]  # a pristine copy for teacher forcing
-        attention = smollm2.LibraryAttention(caches)
+        rope = model.rope if "key_space=post" in ";".join(f"{k}={v}" for k, v in spec.options.items()) else None
+        attention = smollm2.LibraryAttention(caches, rope)
         try:
             tokens = smollm2.greedy(model, data.logits, S, attention, MAX_NEW, tok.stop_ids,
                                     forced=data.prompt.forced)
         finally:
             attention.close()
-        attention = smollm2.LibraryAttention([context.deserialize(blob) for blob in blobs])
+        attention = smollm2.LibraryAttention([context.deserialize(blob) for blob in blobs], rope)
         del blobs
         try:
             logp = teacher_forced_logp(model, data.logits, S, attention, data.prompt)

@@ -548,11 +548,14 @@ class NumpyAttention:
 class LibraryAttention:
     """Attention through anchorkv: one compressed cache per layer; append then decode."""
 
-    def __init__(self, caches):
+    def __init__(self, caches, rope=None):
         self.caches = list(caches)
+        self.rope = rope  # caches built without RoPE over rotated keys: rotate the appended keys
 
     def attend(self, layer, k_pre, v, q_post, positions):
         cache = self.caches[layer]
+        if self.rope is not None:
+            k_pre = self.rope.apply(k_pre, positions)
         cache.append(np.ascontiguousarray(k_pre, np.float32), np.ascontiguousarray(v, np.float32),
                      np.asarray(positions, np.int32))
         return cache.decode(np.ascontiguousarray(q_post, np.float32))
