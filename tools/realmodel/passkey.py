@@ -437,7 +437,7 @@ def evaluate(anchorkv, context, model, tok, data: TrialData, spec: Spec) -> dict
         full_bytes = sum(s.full_bytes for s in stats)
         compressed_bytes = sum(s.compressed_bytes for s in stats)
         blobs = [cache.to_bytes() for cache in caches]  # a pristine copy for teacher forcing
-        rope = model.rope if "key_space=post" in ";".join(f"{k}={v}" for k, v in spec.options.items()) else None
+        rope = model.rope if spec.options.get("key_space") == "post" else None  # as compress_layers
         attention = smollm2.LibraryAttention(caches, rope)
         try:
             tokens = smollm2.greedy(model, data.logits, S, attention, MAX_NEW, tok.stop_ids,

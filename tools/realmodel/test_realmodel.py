@@ -97,6 +97,20 @@ def test_fullkv_matches_numpy(model, context, trial, depth):
     assert abs(result["dlogp"]) < 0.05, result
 
 
+def test_keys_handed_rotated_without_rope(model, context):
+    """passkey.py's key_space=post (docs/design.md §4.6): the keys rotated by the engine, the
+    caches told there is no RoPE, the appended keys rotated too. FullKV so gives the full
+    cache's tokens (the recipe is exact), and AnchorKV at 5x its answer."""
+    net, tok = model
+    data = trial_data(model, *TRIALS[0])
+    full = passkey.evaluate(anchorkv, context, net, tok, data,
+                            passkey.Spec("fullkv", "fullkv", None, {"key_space": "post"}))
+    assert full["same_tokens"] == 1 and abs(full["dlogp"]) < 0.05, (full, data.ref_text)
+    post = passkey.evaluate(anchorkv, context, net, tok, data,
+                            passkey.Spec("anchorkv", "anchorkv", 5.0, {"key_space": "post"}))
+    assert post["answer"] == passkey.answer_of(data.ref_text, data.prompt), (post["text"], data.ref_text)
+
+
 @pytest.mark.parametrize("trial,depth", TRIALS)
 def test_anchorkv_5x_answers_like_full_cache(model, context, trial, depth):
     net, tok = model
