@@ -244,6 +244,16 @@ TEST(EmulatedDecode, AnchorKvBatchWithAppendedTokensAndQueryBlocks) {
   check_case({AKV_METHOD_ANCHORKV, 700, 128, 2, 4, 3, AKV_ROPE_NONE, false}, 2, 2, 2);
 }
 
+// Keys handed rotated with no RoPE (anchors fitted after the rotation, docs/design.md §4.6) at
+// the size where the recipe is used: segment tables (k > 256), bf16 queries (the generic kernel:
+// the register-gather path needs NeoX), three rows a head, appended tokens.
+TEST(EmulatedDecode, NoRopeWithSegmentTables) {
+  Case c{AKV_METHOD_ANCHORKV, 1600, 64, 3, 1, 2, AKV_ROPE_NONE, false};
+  c.anchors = 300;
+  c.io = AKV_DTYPE_BF16;
+  check_case(c, 2, 4, 2);
+}
+
 // An appended suffix of 5 tiles over 2 splits: its tiles taken by the splits in turn (split
 // 0 took them all, a straggler), each once; on both kernel paths.
 TEST(EmulatedDecode, LongSuffixTilesSpreadOverSplits) {
