@@ -258,25 +258,36 @@ class AnchorHead {
     }
   }
 
-  // Without RoPE: each token's anchor and coefficient, then per row one multiply a token
-  // (gamma times its anchor's score), then the tokens with a key residual add its term.
+  // Without RoPE: per row, gamma times its anchor's score a token, then the tokens with a key
+  // residual add its term. Format 3 reads the segment's scores by table entry (seg_scores_,
+  // enter_segment) and the coefficient by code, with no branch a token: an anchor token is
+  // stored as entry 0 with code 0, whose coefficient is 0, and gets its own score after.
   void prefix_tile_scores(int64_t t0, int64_t n) {
     const int k = g_.anchors;
-    int32_t anchor[kTile];
-    float gamma[kTile];
-    for (int64_t u = 0; u < n; ++u) {
-      const int64_t t = t0 + u;
-      if (g_.format == 2) {
-        anchor[u] = kidx_[t];
-        gamma[u] = bf16_to_float(kgam_[t]);
-      } else {
-        anchor[u] = format3_anchor(t, &gamma[u]);
+    if (g_.format == 2) {
+      for (int64_t u = 0; u < n; ++u) {
+        const int64_t t = t0 + u;
+        const float gam = bf16_to_float(kgam_[t]);
+        const float *s = &scores_[kidx_[t]];
+        for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = gam * s[static_cast<size_t>(i) * k];
       }
-    }
-    for (int i = 0; i < rows_; ++i) {
-      const float *s = &scores_[static_cast<size_t>(i) * k];
-      float *l = &L_[i * total_ + t0];
-      for (int64_t u = 0; u < n; ++u) l[u] = gamma[u] * s[anchor[u]];
+    } else {
+      const float *sc = segment_table_ ? seg_scores_.data() : scores_.data();
+      const int64_t stride = segment_table_ ? kTableEntries : k;
+      int64_t u = 0;
+#ifdef AKV_HAVE_AVX512_KERNELS
+      if (wide_) u = scores_tile_avx512(t0, n, sc, stride);
+#endif
+      for (; u < n; ++u) {
+        const int64_t t = t0 + u;
+        const float gam = key_gamma_[kcode_[t]];
+        for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = gam * sc[i * stride + kidx8_[t]];
+      }
+      for (; next_anchor_token_ >= 0 && next_anchor_token_ < t0 + n; ++next_anchor_) {  // format3_anchor's list
+        for (int i = 0; i < rows_; ++i)
+          L_[i * total_ + next_anchor_token_] = scores_[static_cast<size_t>(i) * k + next_anchor_];
+        next_anchor_token_ = next_anchor_ + 1 < free_anchors_ ? anchor_tokens_[next_anchor_ + 1] : -1;
+      }
     }
     for (int64_t t = t0; t < t0 + n; ++t) {
       const uint64_t word = kmask_[t >> 6];
@@ -288,6 +299,26 @@ class AnchorHead {
       for (int i = 0; i < rows_; ++i) L_[i * total_ + t] += logit_[i];
     }
   }
+#ifdef AKV_HAVE_AVX512_KERNELS
+  // The same, sixteen tokens at a time (entries and codes widened, the scores and the
+  // coefficients gathered); returns the tokens done.
+  AKV_TARGET_AVX512 int64_t scores_tile_avx512(int64_t t0, int64_t n, const float *sc, int64_t stride) {
+    int64_t u = 0;
+    // Masked forms with all lanes set: the plain ones' undefined source operands make GCC 12
+    // warn (-Wmaybe-uninitialized).
+    const __m512 zero = _mm512_setzero_ps();
+    for (; u + 16 <= n; u += 16) {
+      const __m128i entries = _mm_loadu_si128(reinterpret_cast<const __m128i *>(kidx8_ + t0 + u));
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i *>(kcode_ + t0 + u));
+      const __m512i entry = _mm512_maskz_cvtepu8_epi32(0xffff, entries);
+      const __m512 gam = _mm512_mask_i32gather_ps(zero, 0xffff, _mm512_maskz_cvtepu8_epi32(0xffff, codes), key_gamma_, 4);
+      for (int i = 0; i < rows_; ++i)
+        _mm512_storeu_ps(&L_[i * total_ + t0 + u],
+                         _mm512_mul_ps(gam, _mm512_mask_i32gather_ps(zero, 0xffff, entry, sc + i * stride, 4)));
+    }
+    return u;
+  }
+#endif
 
   // The same logits with each token's key rebuilt pre-RoPE (gamma K_a plus its decoded
   // residual), rotated once and contracted with the group's rows.
@@ -355,6 +386,14 @@ class AnchorHead {
     lut_segment_ = seg;
     segment_table_ = tables_ ? tables_ + seg * g_.table_size : nullptr;
     gamma_values(scales_[seg * 2], key_gamma_);
+    if (!scores_.empty() && segment_table_) {  // no RoPE: the table's scores by entry, [crows][256]
+      const int k = g_.anchors;
+      seg_scores_.resize(static_cast<size_t>(crows_) * kTableEntries);
+      for (int i = 0; i < crows_; ++i)
+        for (int e = 0; e < kTableEntries; ++e)
+          seg_scores_[static_cast<size_t>(i) * kTableEntries + e] =
+              e < g_.table_size ? scores_[static_cast<size_t>(i) * k + segment_table_[e]] : 0.0f;
+    }
   }
 
   // Format 3: token t's key anchor and coefficient. Tokens come in increasing order within a
@@ -492,6 +531,7 @@ class AnchorHead {
   int64_t total_ = 0;
   std::vector<float> q_, L_, coef_, coefC_, r_, logit_;
   std::vector<float> scores_;  // no RoPE, table path: q.K_a, [crows_][k] (prefix_tile_scores)
+  std::vector<float> seg_scores_;  // and with segment tables the segment's by entry, [crows_][256]
   std::vector<int> plain_;       // dimensions outside the rotary pairs
   int64_t lut_segment_ = -1;     // format 3: the segment of segment_table_ and key_gamma_
   const uint16_t *segment_table_ = nullptr;
