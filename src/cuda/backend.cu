@@ -105,17 +105,17 @@ void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch 
   std::unique_ptr<DecodeProfile> profile;
   if (decode_profiling() && !capturing(stream)) profile = std::make_unique<DecodeProfile>(stream);
   if (profile) profile->mark(0);
-  decode_split_kernel<D, MAXROWS, FAST><<<dim3(plan.splits, p.heads * plan.row_chunks, requests), kDecodeThreads,
-                                    plan.smem_bytes, stream>>>(p);
+  const DecodeGrids g = decode_grids(plan, p.heads, requests);
+  decode_split_kernel<D, MAXROWS, FAST><<<dim3(g.split.x, g.split.y, g.split.z), kDecodeThreads, plan.smem_bytes,
+                                          stream>>>(p);
   if (profile) profile->mark(1);
   // Profiled: every kernel after the one before it, so that the events between them time each.
   const bool programmatic = state(ctx).programmatic_launch && !profile;
   if (plan.anchor_parts > 0)
     launch_after(programmatic, decode_anchor_values_kernel<D, MAXROWS>,
-                 dim3(plan.anchor_parts, p.heads * plan.row_chunks, requests), stream, p);
+                 dim3(g.anchor_values.x, g.anchor_values.y, g.anchor_values.z), stream, p);
   if (profile) profile->mark(2);
-  launch_after(programmatic, decode_merge_kernel<D, MAXROWS>, dim3(p.heads * plan.row_chunks, requests, MAXROWS),
-               stream, p);
+  launch_after(programmatic, decode_merge_kernel<D, MAXROWS>, dim3(g.merge.x, g.merge.y, g.merge.z), stream, p);
   if (profile) {
     profile->mark(3);
     profile->report(plan, D, MAXROWS, FAST, requests, p.heads);

@@ -51,6 +51,23 @@ struct DecodePlan {
   size_t workspace_bytes = 0;
 };
 
+// The decode kernels' grids, spelled once for the CUDA backend (backend.cu's launch_decode) and
+// the SIMT emulation (tests/emu): split blocks (splits, heads x row chunks, requests),
+// anchor-value blocks (anchor parts, heads x row chunks, requests; launched only with parts)
+// and merge blocks (heads x row chunks, requests, maxrows).
+struct Grid3 {
+  unsigned x, y, z;
+};
+struct DecodeGrids {
+  Grid3 split, anchor_values, merge;
+};
+inline DecodeGrids decode_grids(const DecodePlan &plan, int heads, int32_t requests) {
+  const unsigned hr = static_cast<unsigned>(heads * plan.row_chunks), r = static_cast<unsigned>(requests);
+  return DecodeGrids{{static_cast<unsigned>(plan.splits), hr, r},
+                     {static_cast<unsigned>(plan.anchor_parts), hr, r},
+                     {hr, r, static_cast<unsigned>(plan.maxrows)}};
+}
+
 // sm_count: multiprocessors; smem_limit: the opt-in dynamic shared memory per block.
 // resident(maxrows, smem_bytes): split blocks of that instantiation resident on one
 // multiprocessor (the CUDA backend asks cudaOccupancyMaxActiveBlocksPerMultiprocessor); when

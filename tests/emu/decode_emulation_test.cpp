@@ -54,13 +54,12 @@ int64_t prefetches = 0;
 
 template <int D, int MAXROWS, bool FAST>
 void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
-  simt::launch(simt::dim3(plan.splits, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads), plan.smem_bytes,
-               kc::decode_split_kernel<D, MAXROWS, FAST>, p);
+  const kc::DecodeGrids g = kc::decode_grids(plan, p.heads, batch);
+  auto grid = [](const kc::Grid3 &x) { return simt::dim3(x.x, x.y, x.z); };
+  simt::launch(grid(g.split), simt::dim3(kc::kDecodeThreads), plan.smem_bytes, kc::decode_split_kernel<D, MAXROWS, FAST>, p);
   if (plan.anchor_parts > 0)
-    simt::launch(simt::dim3(plan.anchor_parts, p.heads * plan.row_chunks, batch), simt::dim3(kc::kDecodeThreads), 0,
-                 kc::decode_anchor_values_kernel<D, MAXROWS>, p);
-  simt::launch(simt::dim3(p.heads * plan.row_chunks, batch, MAXROWS), simt::dim3(kc::kDecodeThreads), 0,
-               kc::decode_merge_kernel<D, MAXROWS>, p);
+    simt::launch(grid(g.anchor_values), simt::dim3(kc::kDecodeThreads), 0, kc::decode_anchor_values_kernel<D, MAXROWS>, p);
+  simt::launch(grid(g.merge), simt::dim3(kc::kDecodeThreads), 0, kc::decode_merge_kernel<D, MAXROWS>, p);
 }
 
 template <int D, bool FAST>
