@@ -385,9 +385,9 @@ def compress_layers(anchorkv, context, model, data: TrialData, spec: Spec):
     config = model.config
     options = dict(spec.options)
     options.pop("method", None)
-    # key_space=post (an experiment, SPEC §4): the keys handed rotated and the cache told there
-    # is no RoPE, so anchors and residuals are fitted after the rotation (LibraryAttention
-    # rotates the appended keys likewise).
+    # key_space=post (an experiment, docs/design.md §4.6): the keys handed rotated and the cache
+    # told there is no RoPE, so that anchors and residuals are fitted after the rotation
+    # (LibraryAttention rotates the appended keys likewise).
     post = options.pop("key_space", "pre") == "post"
     caches = []
     try:
