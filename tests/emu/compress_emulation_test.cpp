@@ -795,6 +795,11 @@ void check_segment_tables(int shift, int64_t P) {
   std::vector<uint16_t> want_tables(H * segments * T);
   std::vector<float> want_scales(H * segments * 2);
   int64_t outside = 0, most_outside = 0;
+  // A scanned token's other entries whose |cos| is the best's to within fp32 rounding (the
+  // kernel sums in fp32, the rule here in double: such a near tie may go either way), with
+  // their coefficients: (side, token) -> (entry, coefficient).
+  std::map<std::pair<int, int64_t>, std::vector<std::pair<int64_t, float>>> near_ties;
+  constexpr double kTieRel = 1e-5;
   for (int h = 0; h < H; ++h)
     for (int64_t seg = 0; seg < segments; ++seg) {
       const int64_t outside_before = outside;
@@ -821,6 +826,8 @@ void check_segment_tables(int shift, int64_t P) {
           ++outside;
           int64_t best = 0;
           float best_v = -1.0f, best_coef = 0.0f;
+          std::vector<double> vs(n);
+          std::vector<float> coefs(n);
           for (int64_t j = 0; j < n; ++j) {
             double xa = 0.0, aa = 0.0;
             for (int64_t d = 0; d < D; ++d) {
@@ -828,9 +835,13 @@ void check_segment_tables(int shift, int64_t P) {
               xa += X[side][i * D + d] * f;
               aa += f * f;
             }
-            const float v = aa > 0.0 ? static_cast<float>(std::fabs(xa) / std::sqrt(aa)) : -0.5f;
-            if (v > best_v) best_v = v, best = j, best_coef = aa > 0.0 ? static_cast<float>(xa / aa) : 0.0f;
+            vs[j] = aa > 0.0 ? std::fabs(xa) / std::sqrt(aa) : -0.5;
+            coefs[j] = aa > 0.0 ? static_cast<float>(xa / aa) : 0.0f;
+            const float v = static_cast<float>(vs[j]);
+            if (v > best_v) best_v = v, best = j, best_coef = coefs[j];
           }
+          for (int64_t j = 0; j < n; ++j)
+            if (j != best && vs[j] > 0.0 && vs[j] >= vs[best] * (1.0 - kTieRel)) near_ties[{side, i}].push_back({j, coefs[j]});
           want_assigned[side][i] = table[best];
           want_coef[side][i] = best_coef;
           want_entry[side][i] = static_cast<uint8_t>(best);
@@ -865,6 +876,22 @@ void check_segment_tables(int shift, int64_t P) {
              static_cast<const uint16_t *>(anchors[1].data()), static_cast<const uint16_t *>(tables.data()),
              assigned[0].data(), assigned[1].data(), coef[0].data(), coef[1].data(), entry[0].data(), entry[1].data(),
              scales.data());
+  // A near tie decided the other way: the rule's other choice, its coefficient, and its
+  // segment's scale (the largest |coefficient|) again.
+  for (const auto &[at, alternatives] : near_ties) {
+    const auto [side, i] = at;
+    for (const auto &[j, c] : alternatives) {
+      if (entry[side][i] != j) continue;
+      const int64_t h = i / P, seg = (i % P) / L;
+      want_entry[side][i] = static_cast<uint8_t>(j);
+      want_assigned[side][i] = want_tables[(h * segments + seg) * T + j];
+      want_coef[side][i] = c;
+      float mx = 0.0f;
+      for (int64_t t = seg * L; t < std::min(P, (seg + 1) * L); ++t)
+        if (anchor_of_token[h * P + t] < 0) mx = std::max(mx, std::fabs(want_coef[side][h * P + t]));
+      want_scales[(h * segments + seg) * 2 + side] = mx;
+    }
+  }
   EXPECT_EQ(tables, want_tables);
   for (int side = 0; side < 2; ++side) {
     EXPECT_EQ(entry[side], want_entry[side]) << "side " << side;
