@@ -260,8 +260,8 @@ class AnchorHead {
 
   // Without RoPE: per row, gamma times its anchor's score a token, then the tokens with a key
   // residual add its term. Format 3 reads the segment's scores by table entry (seg_scores_,
-  // enter_segment) and the coefficient by code, with no branch a token: an anchor token is
-  // stored as entry 0 with code 0, whose coefficient is 0, and gets its own score after.
+  // enter_segment) and the coefficient by code, with no branch a token: the anchor tokens
+  // (stored as entry 0, code 0) are then overwritten with their own scores.
   void prefix_tile_scores(int64_t t0, int64_t n) {
     const int k = g_.anchors;
     if (g_.format == 2) {
