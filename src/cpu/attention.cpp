@@ -246,11 +246,7 @@ class AnchorHead {
       dot_rows(coef_.data() + static_cast<size_t>(a) * rows_ * two_p_, two_p_, rows_, cs, two_p_, logit_.data());
       const float *C = &coefC_[static_cast<size_t>(a) * rows_];
       for (int i = 0; i < rows_; ++i) L_[i * total_ + t] = gam * (C[i] + logit_[i]);
-      const uint64_t word = kmask_[t >> 6];
-      if (word >> (t & 63) & 1u) {
-        const uint32_t slot = kbase_ + kprefix_[t >> 6] +
-                              static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
-        decode_residual(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot]);
+      if (decode_key_residual(t)) {
         if (pairs_) rope_.apply(r_.data(), cs, cs + pairs_);
         dot_rows(q_.data(), D_, rows_, r_.data(), D_, logit_.data());
         for (int i = 0; i < rows_; ++i) L_[i * total_ + t] += logit_[i];
@@ -290,11 +286,7 @@ class AnchorHead {
       }
     }
     for (int64_t t = t0; t < t0 + n; ++t) {
-      const uint64_t word = kmask_[t >> 6];
-      if (!(word >> (t & 63) & 1u)) continue;
-      const uint32_t slot = kbase_ + kprefix_[t >> 6] +
-                            static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
-      decode_residual(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot]);
+      if (!decode_key_residual(t)) continue;
       dot_rows(q_.data(), D_, rows_, r_.data(), D_, logit_.data());
       for (int i = 0; i < rows_; ++i) L_[i * total_ + t] += logit_[i];
     }
@@ -427,15 +419,19 @@ class AnchorHead {
     } else {
       k.anchor = ak_ + static_cast<int64_t>(format3_anchor(t, &k.gamma)) * D;
     }
-    k.residual = nullptr;
-    const uint64_t word = kmask_[t >> 6];
-    if (word >> (t & 63) & 1u) {
-      const uint32_t slot = kbase_ + kprefix_[t >> 6] +
-                            static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
-      decode_residual(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot]);
-      k.residual = r_.data();
-    }
+    k.residual = decode_key_residual(t) ? r_.data() : nullptr;
     return k;
+  }
+
+  // Whether token t stores a key residual; if so it is decoded into r_ (its slot: the word's
+  // prefix count plus a popcount inside the word).
+  bool decode_key_residual(int64_t t) {
+    const uint64_t word = kmask_[t >> 6];
+    if (!(word >> (t & 63) & 1u)) return false;
+    const uint32_t slot = kbase_ + kprefix_[t >> 6] +
+                          static_cast<uint32_t>(__builtin_popcountll(word & ((1ull << (t & 63)) - 1)));
+    decode_residual(kcodes_ + static_cast<int64_t>(slot) * c_.codec.code_bytes(), kscales_[slot]);
+    return true;
   }
 
   // ResidualCodec::decode into r_, with sixteen lanes where they may run (D' = 64, 128, 256:

@@ -795,6 +795,13 @@ void check_segment_tables(int shift, int64_t P) {
   std::vector<uint16_t> want_tables(H * segments * T);
   std::vector<float> want_scales(H * segments * 2);
   int64_t outside = 0, most_outside = 0;
+  // A segment side's code scale: the largest |coefficient| of its tokens that are not anchors.
+  auto segment_scale = [&](int h, int64_t seg, int side) {
+    float mx = 0.0f;
+    for (int64_t t = seg * L; t < std::min(P, (seg + 1) * L); ++t)
+      if (anchor_of_token[h * P + t] < 0) mx = std::max(mx, std::fabs(want_coef[side][h * P + t]));
+    want_scales[(h * segments + seg) * 2 + side] = mx;
+  };
   // A scanned token's other entries whose |cos| is the best's to within fp32 rounding (the
   // kernel sums in fp32, the rule here in double: such a near tie may go either way), with
   // their coefficients: (side, token) -> (entry, coefficient).
@@ -846,10 +853,7 @@ void check_segment_tables(int shift, int64_t P) {
           want_coef[side][i] = best_coef;
           want_entry[side][i] = static_cast<uint8_t>(best);
         }
-        float mx = 0.0f;
-        for (int64_t t = t0; t < t1; ++t)
-          if (anchor_of_token[h * P + t] < 0) mx = std::max(mx, std::fabs(want_coef[side][h * P + t]));
-        want_scales[(h * segments + seg) * 2 + side] = mx;
+        segment_scale(h, seg, side);
       }
       most_outside = std::max(most_outside, outside - outside_before);
     }
@@ -886,10 +890,7 @@ void check_segment_tables(int shift, int64_t P) {
       want_entry[side][i] = static_cast<uint8_t>(j);
       want_assigned[side][i] = want_tables[(h * segments + seg) * T + j];
       want_coef[side][i] = c;
-      float mx = 0.0f;
-      for (int64_t t = seg * L; t < std::min(P, (seg + 1) * L); ++t)
-        if (anchor_of_token[h * P + t] < 0) mx = std::max(mx, std::fabs(want_coef[side][h * P + t]));
-      want_scales[(h * segments + seg) * 2 + side] = mx;
+      segment_scale(static_cast<int>(h), seg, side);
     }
   }
   EXPECT_EQ(tables, want_tables);
