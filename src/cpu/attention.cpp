@@ -141,7 +141,21 @@ class AnchorHead {
     neox_ = pairs_ && rope_.style == AKV_ROPE_NEOX;
     wide_ = has_avx512() &&
             forced_prefix_logits.load(std::memory_order_relaxed) != static_cast<int>(PrefixLogits::kGatherAvx2);
-    wide_walk_ = wide_ && neox_ && D_ % 16 == 0 && pairs_ % 16 == 0;
+    const bool gptj = pairs_ && rope_.style == AKV_ROPE_GPTJ;
+    wide_walk_ = wide_ && (neox_ || gptj) && D_ % 16 == 0 && pairs_ % 16 == 0;
+    if (wide_walk_ && gptj) {  // the walk rebuilds GPT-J keys in NeoX order: the queries' dims to match
+      gptj_walk_ = true;
+      walk_q_gptj_.assign(q_.size(), 0.0f);
+      for (int i = 0; i < crows_; ++i) {
+        const float *from = &q_[static_cast<size_t>(i) * D_];
+        float *to = &walk_q_gptj_[static_cast<size_t>(i) * D_];
+        for (int j = 0; j < pairs_; ++j) {
+          to[j] = from[2 * j];
+          to[pairs_ + j] = from[2 * j + 1];
+        }
+        for (int d = 2 * pairs_; d < D_; ++d) to[d] = from[d];
+      }
+    }
     const size_t rdim = r_.size();
     if (wide_ && (rdim == 64 || rdim == 128 || rdim == 256)) {  // decode_residual_avx512's norm * sign
       const float norm = 1.0f / std::sqrt(static_cast<float>(rdim));
@@ -334,13 +348,15 @@ class AnchorHead {
   }
 
 #ifdef AKV_HAVE_AVX512_KERNELS
-  // The same walk with sixteen-lane kernels (NeoX pairs, D and pairs multiples of 16): keys
-  // rebuilt sixteen lanes at a time and, where the rows come in fours, four tokens contracted
+  // The same walk with sixteen-lane kernels (NeoX or GPT-J pairs, D and pairs multiples of 16;
+  // GPT-J keys rebuilt in NeoX order and contracted with the queries' dims reordered to match,
+  // walk_q()): keys rebuilt sixteen lanes at a time and, where the rows come in fours, four tokens contracted
   // against four rows per block; the remaining tokens (and other row counts) in pairs as above.
   AKV_TARGET_AVX512 void rebuild_key_avx512(int64_t t, const float *cs, float *x) {
     const KeySource k = key_source(t);
-    if (!neox_key_row_avx512(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x))
-      generic_key(k, cs, x);
+    const bool done = gptj_walk_ ? gptj_key_row_avx512(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x)
+                                 : neox_key_row_avx512(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x);
+    if (!done) generic_key(k, cs, x);  // not for GPT-J: wide_walk_ takes it only where the row kernel applies
   }
   AKV_TARGET_AVX512 void prefix_tile_gather_avx512(int64_t t0, int64_t n, const float *trig) {
     int64_t u = 0;
@@ -349,18 +365,18 @@ class AnchorHead {
       const float *const xs[4] = {x[0], x[1], x[2], x[3]};
       for (; u + 4 <= n; u += 4) {
         for (int j = 0; j < 4; ++j) rebuild_key_avx512(t0 + u + j, trig + (u + j) * two_p_, x[j]);
-        logits4x4_avx512(q_.data(), D_, rows_, xs, L_.data() + t0 + u, total_);
+        logits4x4_avx512(walk_q(), D_, rows_, xs, L_.data() + t0 + u, total_);
       }
     }
     for (; u + 2 <= n; u += 2) {
       rebuild_key_avx512(t0 + u, trig + u * two_p_, x_.data());
       rebuild_key_avx512(t0 + u + 1, trig + (u + 1) * two_p_, x2_.data());
-      dot_rows2(q_.data(), D_, crows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
+      dot_rows2(walk_q(), D_, crows_, x_.data(), x2_.data(), D_, logit_.data(), logit2_.data());
       store_pair(t0 + u);
     }
     for (; u < n; ++u) {
       rebuild_key_avx512(t0 + u, trig + u * two_p_, x_.data());
-      dot_rows(q_.data(), D_, rows_, x_.data(), D_, logit_.data());
+      dot_rows(walk_q(), D_, rows_, x_.data(), D_, logit_.data());
       for (int i = 0; i < rows_; ++i) L_[i * total_ + t0 + u] = logit_[i];
     }
   }
@@ -513,6 +529,9 @@ class AnchorHead {
   bool neox_ = false;  // rotary pairs (j, j + pairs): neox_key_row applies
   bool wide_ = false;       // AVX-512 kernels may run (has_avx512, not forced off by a test)
   bool wide_walk_ = false;  // and the AVX-512 gather walk applies to this shape
+  bool gptj_walk_ = false;  // which rebuilds GPT-J keys in NeoX order (gptj_key_row_avx512)
+  std::vector<float> walk_q_gptj_;  // q_'s dims in that order
+  const float *walk_q() const { return gptj_walk_ ? walk_q_gptj_.data() : q_.data(); }
   std::vector<float> norm_signs_;  // decode_residual_avx512's norm * sign (D' floats)
   std::vector<float> x_, x2_, x3_, x4_, logit2_;
   const akv_cache &c_;

@@ -258,6 +258,32 @@ AKV_TARGET_AVX512 inline bool neox_key_row_avx512(const uint16_t *anchor, akv_dt
   return true;
 }
 
+// The same key for GPT-J (interleaved) pairs (2j, 2j + 1), dims from 2h on passing through,
+// written in NeoX order: x[j] and x[j + h] are pair j's rotated dims 2j and 2j + 1. Its dot
+// products are the interleaved key's when the query's dims are reordered the same way
+// (gptj_to_neox_order). Each 32 dims are loaded as two rows of sixteen and split into their
+// even and odd dims with one two-source permute each.
+AKV_TARGET_AVX512 inline bool gptj_key_row_avx512(const uint16_t *anchor, akv_dtype storage, float gamma,
+                                                   const float *residual, const float *cos_row, const float *sin_row,
+                                                   int h, int D, float *x) {
+  if (h % 16 != 0 || (D - 2 * h) % 16 != 0) return false;
+  const __m512 g = _mm512_set1_ps(gamma);
+  const bool bf16 = storage == AKV_DTYPE_BF16;
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int j = 0; j < h; j += 16) {
+    const __m512 lo = scaled_row16(anchor + 2 * j, bf16, g, residual ? residual + 2 * j : nullptr);
+    const __m512 hi = scaled_row16(anchor + 2 * j + 16, bf16, g, residual ? residual + 2 * j + 16 : nullptr);
+    const __m512 x0 = _mm512_permutex2var_ps(lo, even, hi), x1 = _mm512_permutex2var_ps(lo, odd, hi);
+    const __m512 c = _mm512_loadu_ps(cos_row + j), s = _mm512_loadu_ps(sin_row + j);
+    _mm512_storeu_ps(x + j, _mm512_fmsub_ps(x0, c, _mm512_mul_ps(x1, s)));
+    _mm512_storeu_ps(x + j + h, _mm512_fmadd_ps(x0, s, _mm512_mul_ps(x1, c)));
+  }
+  for (int d = 2 * h; d < D; d += 16)
+    _mm512_storeu_ps(x + d, scaled_row16(anchor + d, bf16, g, residual ? residual + d : nullptr));
+  return true;
+}
+
 // The sixteen horizontal sums of v[0..15] in one vector, transposed: lane 4k + j holds the sum
 // of v[4j + k].
 AKV_TARGET_AVX512 inline __m512 sum16(const __m512 (&v)[16]) {

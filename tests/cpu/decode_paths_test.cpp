@@ -104,10 +104,11 @@ TEST_P(PrefixLogitPaths, TableAndGatherEqualExactAttention) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, PrefixLogitPaths,
-    // NeoX G = 3 (rows padded to four in the AVX-512 walk; SmolLM2's shape) and 2 x 3 rows.
+    // NeoX G = 3 (rows padded to four in the AVX-512 walk; SmolLM2's shape) and 2 x 3 rows;
+    // GPT-J whole and partial (the AVX-512 walk rebuilds its keys in NeoX order).
     ::testing::Values(PathCase{AKV_ROPE_NEOX, 0, 4, 1, AKV_DTYPE_F32}, PathCase{AKV_ROPE_GPTJ, 0, 3, 1, AKV_DTYPE_BF16},
                       PathCase{AKV_ROPE_NEOX, 0, 3, 1, AKV_DTYPE_BF16},
-                      PathCase{AKV_ROPE_NEOX, 32, 2, 3, AKV_DTYPE_F16}, PathCase{AKV_ROPE_NONE, 0, 1, 2, AKV_DTYPE_F32},
+                      PathCase{AKV_ROPE_NEOX, 32, 2, 3, AKV_DTYPE_F16}, PathCase{AKV_ROPE_GPTJ, 32, 4, 2, AKV_DTYPE_F32}, PathCase{AKV_ROPE_NONE, 0, 1, 2, AKV_DTYPE_F32},
                       PathCase{AKV_ROPE_NONE, 0, 3, 1, AKV_DTYPE_BF16}));
 
 }  // namespace

@@ -166,6 +166,9 @@ int run_bench(int argc, char **argv) {
     ("key-space", "pre: keys handed pre-RoPE with the layer's RoPE; post: rotated here and handed with "
                   "no RoPE, so that anchors are fitted after the rotation (an experiment: docs/design.md)",
      cxxopts::value<std::string>()->default_value("pre"), "pre|post")
+    ("rope-style", "neox: rotate-half pairs (j, j + D/2), the generator's; gptj: interleaved pairs (2j, "
+                   "2j + 1), the same layer with its key and query dims reordered to match (GGUF's layout)",
+     cxxopts::value<std::string>()->default_value("neox"), "neox|gptj")
     ("csv", "Print CSV instead of the table")
     ("json", "Print JSON instead of the table")
     ("quiet", "No progress on stderr")
@@ -217,6 +220,27 @@ int run_bench(int argc, char **argv) {
   say("generating " + source.describe());
   LayerTensors layer = source.load(0);
   PositionConfig positions = source.positions();
+  const std::string rope_style = args["rope-style"].as<std::string>();
+  if (rope_style != "neox" && rope_style != "gptj") throw CliError("--rope-style must be neox or gptj", kExitUsage);
+  if (rope_style == "gptj") {  // dims (j, j + D/2) -> (2j, 2j + 1): the same attention under GPT-J pairs
+    const int D = s.head_dim, half = D / 2;
+    std::vector<float> row(D);
+    auto reorder = [&](std::vector<float> &rows) {
+      for (size_t r = 0; r < rows.size(); r += D) {
+        for (int j = 0; j < half; ++j) {
+          row[2 * j] = rows[r + j];
+          row[2 * j + 1] = rows[r + j + half];
+        }
+        std::copy(row.begin(), row.end(), rows.begin() + static_cast<std::ptrdiff_t>(r));
+      }
+    };
+    if (D % 2 != 0 || (positions.rope.rotary_dim != 0 && positions.rope.rotary_dim != D))
+      throw CliError("--rope-style gptj needs an even D and RoPE on every dim", kExitUsage);
+    reorder(layer.keys);
+    reorder(layer.q_window);
+    reorder(layer.q_future);
+    positions.rope.style = AKV_ROPE_GPTJ;
+  }
   if (key_space == "post") {  // every key rotated to its position, and no RoPE for the library
     if (!positions.keys_post_rope) {
       const Rotary rotary(positions.rope, s.head_dim);
