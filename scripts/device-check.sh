@@ -162,7 +162,7 @@ else
   else
     for row in 32768x1 131072x8; do
       step "ncu: split kernel $row" "$logs/bench-decode.log" \
-        "$ncu_bin" --kernel-name-base demangled --kernel-name 'regex:decode_split_kernel<128, 4, true>' \
+        "$ncu_bin" --kernel-name-base demangled --kernel-name 'regex:decode_split_kernel<128, 4, true, false>' \
         --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
         --section SourceCounters python3 "$root/scripts/bench_decode.py" --rows "$row" --iters 5

@@ -149,6 +149,7 @@ def smem_bytes(k, rows=ROWS):
 # before that (all k in shared memory wherever they fit).
 SHARED_WEIGHTS_ONLY = False
 COUNT_DISPERSION = None  # a tile's residual counts' variance / mean: sass_count.py's default unless given
+GPTJ = False  # price the register-gather path's GPT-J kernel (sass_count.py --gptj) instead of its NeoX one
 
 
 def merge_resident(registers, smem):
@@ -195,7 +196,8 @@ def sass_phases(fk, fv, k, block_tiles, segments=False, merge=None):
                            + (["--segment-weights"] if segments else [])
                            + (["--splits", str(merge[0]), "--anchor-parts", str(merge[1]), "--anchors-per-part",
                                str(merge[2])] if merge else [])
-                           + (["--count-dispersion", str(COUNT_DISPERSION)] if COUNT_DISPERSION is not None else []),
+                           + (["--count-dispersion", str(COUNT_DISPERSION)] if COUNT_DISPERSION is not None else [])
+                           + (["--gptj"] if GPTJ else []),
                            capture_output=True, text=True)
         if r.returncode or not os.path.exists(out):
             return None
@@ -334,8 +336,11 @@ def main():
     ap.add_argument("--count-dispersion", type=float, default=None,
                     help="what-if: the variance / mean of a tile's residual counts (sass_count.py: measured on "
                          "SmolLM2, COUNT_DISPERSION; 1: Poisson, residuals spread evenly)")
+    ap.add_argument("--gptj", action="store_true",
+                    help="the caches' RoPE pairs are GPT-J's (2j, 2j + 1): price that kernel's tile loop")
     a = ap.parse_args()
-    global SHARED_WEIGHTS_ONLY, COUNT_DISPERSION
+    global SHARED_WEIGHTS_ONLY, COUNT_DISPERSION, GPTJ
+    GPTJ = a.gptj
     SHARED_WEIGHTS_ONLY = a.shared_weights
     COUNT_DISPERSION = a.count_dispersion
     if a.measure:

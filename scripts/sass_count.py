@@ -75,7 +75,8 @@ VALUE_GROUPS = 4  # SplitBlock::kValueGroups: slot groups (of D / 2 threads at D
 PHASES = [
     ("metadata", ["anchor_meta", "format3_meta", "stage_entries", "stage_tile_words", "stage_next", "tile_words"]),
     ("anchor gather + RoPE + query rotation", ["gather_anchor_rows", "gather_rotate_neox", "gather_anchor_rows_as",
-                                               "put8", "exact_angle", "rotate_queries", "rotate_query_pair", "rotate_pairs4"]),
+                                               "put8", "exact_angle", "rotate_queries", "rotate_query_pair", "rotate_pairs4",
+                                               "rotate_gptj4", "gptj_position"]),
     ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms", "stage_keys"]),
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
     ("contraction", ["contract", "contract_tile", "contract_gathered"]),
@@ -359,7 +360,8 @@ def warps(func, cond_text):
         return 2.0  # warps 0-1: a token a thread
     if func in ("stage_keys", "stage_values", "stage_entries", "stage_tile_words", "stage_next"):
         return 1.0  # warps 6 and 7: the key and value residuals' staging; 4 and 5: the next tile's entries and words
-    if func in ("contract_gathered", "rotate_pairs4", "key_residuals", "key_residuals_tc", "residual_logit_terms"):
+    if func in ("contract_gathered", "rotate_pairs4", "rotate_gptj4", "key_residuals", "key_residuals_tc",
+                "residual_logit_terms"):
         return 4.0  # fast path: warps 0-3 contract, warps 4-7 take the key residuals meanwhile
     if func == "anchor_meta":
         return 2.0  # tid < T (warps 0-1) or T <= tid < T + pairs (warps 2-3): 2 of 8 each
@@ -440,7 +442,7 @@ def nvcc_cubin(workdir, nvcc, name, source, flags=()):
 LOCAL_CHUNKS = (32, 16)  # local_nearest_kernel's candidate chunks (local_chunk picks one per absorb)
 
 
-def compile_cubin(workdir, nvcc, segment_weights=False):
+def compile_cubin(workdir, nvcc, segment_weights=False, gptj=False):
     source = ('#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_local_kernels.cuh"\n'
               '#include "cuda/coverage_select_kernels.cuh"\n#include "cuda/utility_kernels.cuh"\n'
               '#include "cuda/window_outputs_kernels.cuh"\n'
@@ -449,7 +451,8 @@ def compile_cubin(workdir, nvcc, segment_weights=False):
               'template __global__ void akv::cuda::coverage_chunk_kernel<1>(const float *, const float *, '
               'const float *, const float *, int64_t, const float *, int64_t, int64_t, const int32_t *, '
               'uint32_t *, uint32_t *);\n')
-    for k in ("decode_split_kernel<128, 4, true>", "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
+    split = "decode_split_kernel<128, 4, true, true>" if gptj else "decode_split_kernel<128, 4, true>"
+    for k in (split, "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
         source += f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n"
     for ch in LOCAL_CHUNKS:
         source += (f"template __global__ void akv::cuda::local_nearest_kernel<128, {ch}>(const akv::cuda::LocalSide, "
@@ -466,7 +469,8 @@ def compile_cubin(workdir, nvcc, segment_weights=False):
     return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo",) + pins)
 
 
-SHIPPED = [(d, r, f) for d in (64, 128, 256) for r in (4, 8, 16) for f in (True, False)]
+# (D, rows, fast, GPT-J): the register-gather path in its NeoX and GPT-J kernels, and the rest.
+SHIPPED = [(d, r, f, g) for d in (64, 128, 256) for r in (4, 8, 16) for f, g in ((True, False), (False, False), (True, True))]
 
 
 def compile_shipped(workdir, nvcc):
@@ -474,8 +478,8 @@ def compile_shipped(workdir, nvcc):
     its kind, the register-gather path's or the others, as the CUDA build compiles them): the
     cubin and ptxas's log."""
     source = '#include "cuda/decode_kernels.cuh"\n'
-    for d, r, f in SHIPPED:
-        source += (f"template __global__ void akv::cuda::decode_split_kernel<{d}, {r}, {'true' if f else 'false'}>"
+    for d, r, f, g in SHIPPED:
+        source += (f"template __global__ void akv::cuda::decode_split_kernel<{d}, {r}, {str(f).lower()}, {str(g).lower()}>"
                    "(const __grid_constant__ akv::cuda::DecodeLaunch);\n")
     return nvcc_cubin(workdir, nvcc, "shipped", source)
 
@@ -1426,6 +1430,9 @@ def main():
     ap.add_argument("--anchor-parts", type=int, default=13,
                     help="anchor-value blocks a head (the merge kernels; 32K x 1: 13 of 64 anchors)")
     ap.add_argument("--anchors-per-part", type=int, default=64, help="anchors an anchor-value block sums")
+    ap.add_argument("--gptj", action="store_true",
+                    help="count the register-gather path's GPT-J kernel (decode_split_kernel<128, 4, true, true>) "
+                         "instead of its NeoX one")
     ap.add_argument("--json", help="write the counts here")
     ap.add_argument("--by-line", type=int, default=0, metavar="N",
                     help="also print the tile loop's N costliest source lines (warp instructions per tile)")
@@ -1439,7 +1446,7 @@ def main():
         return 0
     workdir = a.keep or tempfile.mkdtemp()
     os.makedirs(workdir, exist_ok=True)
-    cubin, log = compile_cubin(workdir, nvcc, a.segment_weights)
+    cubin, log = compile_cubin(workdir, nvcc, a.segment_weights, a.gptj)
     pinfo = ptxas_info(log)
     funcs = disassemble(nvdisasm, cubin)
     names = dict(zip(funcs, demangle(list(funcs))))
@@ -1589,20 +1596,20 @@ def main():
     cubin2, log2 = compile_shipped(workdir, nvcc)
     info2, funcs2 = ptxas_info(log2), disassemble(nvdisasm, cubin2)
     print("\nShipped decode_split_kernel instantiations (each with every path of its kind, as the library builds "
-          "them; fast: the register-gather path's, fast_decode_path)")
+          "them; fast: the register-gather path's, fast_decode_path, with NeoX or GPT-J pairs)")
     print("| D, rows, fast | regs | stack B | spill st/ld B | LDL/STL | LDL/STL in the prefix tile loop |")
     print("|---|---|---|---|---|---|")
     result["shipped"] = {}
-    for d, r, fa in SHIPPED:
-        m = next(x for x in funcs2 if f"decode_split_kernelILi{d}ELi{r}ELb{int(fa)}E" in x)
+    for d, r, fa, gj in SHIPPED:
+        m = next(x for x in funcs2 if f"decode_split_kernelILi{d}ELi{r}ELb{int(fa)}ELb{int(gj)}E" in x)
         pi, local = info2.get(m, {}), kernel_summary(funcs2[m])["local_accesses"]
         # The AnchorKV prefix tile loop of every path: the innermost loop that holds both the
         # contraction (HMMA) and the per-anchor weights' shared-memory atomics (the window and
         # dense loops have no atomics, the CAS retry loop no HMMA).
         hot = min((l for l in loops(funcs2[m]) if l[3]["HMMA"] and l[3]["ATOMS"]), key=lambda l: l[2], default=None)
         in_loop = hot[3]["LDL"] + hot[3]["STL"] if hot else "?"
-        result["shipped"][f"{d},{r},{int(fa)}"] = dict(pi, local_accesses=local, local_in_tile_loop=in_loop)
-        print(f"| {d}, {r}, {'yes' if fa else 'no'} | {pi.get('registers', '?')} | {pi.get('stack', '?')} | {pi.get('spill_stores', '?')}/"
+        result["shipped"][f"{d},{r},{int(fa)}" + (",gptj" if gj else "")] = dict(pi, local_accesses=local, local_in_tile_loop=in_loop)
+        print(f"| {d}, {r}, {('yes, GPT-J' if gj else 'yes') if fa else 'no'} | {pi.get('registers', '?')} | {pi.get('stack', '?')} | {pi.get('spill_stores', '?')}/"
               f"{pi.get('spill_loads', '?')} | {local} | {in_loop} |")
     if a.json:
         with open(a.json, "w") as fh:

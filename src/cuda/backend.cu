@@ -98,16 +98,16 @@ void launch_after(bool programmatic, Kernel *kernel, dim3 grid, cudaStream_t str
   check(cudaLaunchKernelEx(&config, kernel, p), "cudaLaunchKernelEx (a decode kernel)");
 }
 
-template <int D, int MAXROWS, bool FAST>
+template <int D, int MAXROWS, bool FAST, bool GPTJ>
 void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch &p, int32_t requests,
                    cudaStream_t stream) {
-  allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS, FAST>);
+  allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS, FAST, GPTJ>);
   std::unique_ptr<DecodeProfile> profile;
   if (decode_profiling() && !capturing(stream)) profile = std::make_unique<DecodeProfile>(stream);
   if (profile) profile->mark(0);
   const DecodeGrids g = decode_grids(plan, p.heads, requests);
-  decode_split_kernel<D, MAXROWS, FAST><<<dim3(g.split.x, g.split.y, g.split.z), kDecodeThreads, plan.smem_bytes,
-                                          stream>>>(p);
+  decode_split_kernel<D, MAXROWS, FAST, GPTJ><<<dim3(g.split.x, g.split.y, g.split.z), kDecodeThreads,
+                                                plan.smem_bytes, stream>>>(p);
   if (profile) profile->mark(1);
   // Profiled: every kernel after the one before it, so that the events between them time each.
   const bool programmatic = state(ctx).programmatic_launch && !profile;
@@ -122,43 +122,44 @@ void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch 
   }
 }
 
-// Split blocks of decode_split_kernel<D, MAXROWS, FAST> resident on one multiprocessor, asked
+// Split blocks of decode_split_kernel<D, MAXROWS, FAST, GPTJ> resident on one multiprocessor, asked
 // once per device, kernel and shared-memory size (a decode, captured or not, then makes no query).
-template <int D, int MAXROWS, bool FAST>
+template <int D, int MAXROWS, bool FAST, bool GPTJ>
 int resident_split_blocks(akv_context &ctx, size_t smem) {
   static std::mutex mutex;
   static std::map<std::tuple<int, const void *, size_t>, int> known;
-  const auto key = std::make_tuple(ctx.device, reinterpret_cast<const void *>(decode_split_kernel<D, MAXROWS, FAST>), smem);
+  const auto kernel = decode_split_kernel<D, MAXROWS, FAST, GPTJ>;
+  const auto key = std::make_tuple(ctx.device, reinterpret_cast<const void *>(kernel), smem);
   {
     std::lock_guard<std::mutex> lock(mutex);
     const auto it = known.find(key);
     if (it != known.end()) return it->second;
   }
-  allow_all_shared_memory(ctx, decode_split_kernel<D, MAXROWS, FAST>);
+  allow_all_shared_memory(ctx, kernel);
   int n = 0;
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_split_kernel<D, MAXROWS, FAST>, kDecodeThreads, smem),
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kDecodeThreads, smem),
         "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   std::lock_guard<std::mutex> lock(mutex);
   known[key] = n;
   return n;
 }
 
-template <int D, bool FAST>
+template <int D, bool FAST, bool GPTJ>
 int resident_rows(akv_context &ctx, int maxrows, size_t smem) {
   switch (maxrows) {
-    case 4: return resident_split_blocks<D, 4, FAST>(ctx, smem);
-    case 8: return resident_split_blocks<D, 8, FAST>(ctx, smem);
-    default: return resident_split_blocks<D, 16, FAST>(ctx, smem);
+    case 4: return resident_split_blocks<D, 4, FAST, GPTJ>(ctx, smem);
+    case 8: return resident_split_blocks<D, 8, FAST, GPTJ>(ctx, smem);
+    default: return resident_split_blocks<D, 16, FAST, GPTJ>(ctx, smem);
   }
 }
 
-template <int D, bool FAST>
+template <int D, bool FAST, bool GPTJ>
 void launch_decode_rows(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch &p, int32_t requests,
                         cudaStream_t stream) {
   switch (plan.maxrows) {
-    case 4: return launch_decode<D, 4, FAST>(ctx, plan, p, requests, stream);
-    case 8: return launch_decode<D, 8, FAST>(ctx, plan, p, requests, stream);
-    default: return launch_decode<D, 16, FAST>(ctx, plan, p, requests, stream);
+    case 4: return launch_decode<D, 4, FAST, GPTJ>(ctx, plan, p, requests, stream);
+    case 8: return launch_decode<D, 8, FAST, GPTJ>(ctx, plan, p, requests, stream);
+    default: return launch_decode<D, 16, FAST, GPTJ>(ctx, plan, p, requests, stream);
   }
 }
 
@@ -238,10 +239,13 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
   const akv_shape &s = caches[0]->meta.shape;
   const int D = s.head_dim;
   const bool fast = fast_decode_path(caches, batch, dtype);  // every launch of this decode: all its caches
+  const bool gptj = fast && fast_decode_gptj(caches);
   const DecodePlan plan = plan_decode(caches, batch, q_len, state(ctx).sm_count, state(ctx).smem_optin, [&](int maxrows, size_t smem) {
     int resident = 0;
     with_head_dim(D, [&](auto d) {
-      with_flag(fast, [&](auto f) { resident = resident_rows<decltype(d)::value, decltype(f)::value>(ctx, maxrows, smem); });
+      with_split_path(fast, gptj, [&](auto f, auto g) {
+        resident = resident_rows<decltype(d)::value, decltype(f)::value, decltype(g)::value>(ctx, maxrows, smem);
+      });
     });
     return resident;
   });
@@ -266,7 +270,9 @@ void decode(akv_context &ctx, akv_cache *const *caches, int32_t batch, const voi
     p.lse = lse ? lse + static_cast<size_t>(b0) * s.num_q_heads * q_len : nullptr;
     for (int32_t i = 0; i < n; ++i) p.views[i] = reinterpret_cast<const CacheView *>(caches[b0 + i]->device_view.data());
     with_head_dim(D, [&](auto d) {
-      with_flag(fast, [&](auto f) { launch_decode_rows<decltype(d)::value, decltype(f)::value>(ctx, plan, p, n, st); });
+      with_split_path(fast, gptj, [&](auto f, auto g) {
+        launch_decode_rows<decltype(d)::value, decltype(f)::value, decltype(g)::value>(ctx, plan, p, n, st);
+      });
     });
     check(cudaGetLastError(), "the decode kernel launch");
   }

@@ -78,8 +78,9 @@ __device__ __forceinline__ int64_t split_block_index() {
   return (static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
 }
 
-template <int D, int MAXROWS, bool FAST>
+template <int D, int MAXROWS, bool FAST, bool GPTJ = false>
 struct SplitBlock {
+  static_assert(FAST || !GPTJ, "GPT-J pairs have their own kernel on the register-gather path only");
   static constexpr int NT = kDecodeThreads;
   static constexpr int NW = NT / 32;
   static constexpr int T = kDecodeTile;
@@ -123,11 +124,16 @@ struct SplitBlock {
   // mma products) so that it keeps fp32-level accuracy; bf16 queries: one product.
   bool precise;
   // The register-gather path of anchor tiles (format 3 prefix and every window): bf16 storage,
-  // bf16 queries, NeoX over every dimension. Each of warps 0-3 gathers its 16 tokens' anchor
+  // bf16 queries, NeoX or GPT-J over every dimension. Each of warps 0-3 gathers its 16 tokens' anchor
   // rows straight into mma fragments and rotates them there in packed bf16x2 arithmetic (no
   // key tile in shared memory); gamma scales the logit, and the key residuals (decoded by
   // warps 4-7 meanwhile) enter as logit terms.
   bool fast;
+  // On the fast path: GPT-J pairs (2j, 2j + 1), not NeoX (fast_decode_gptj; a kernel of its
+  // own, so that the NeoX kernel's registers do not pay for it). The rotated queries (qb_s) and
+  // the key residuals' rows are then in GPT-J quad order (gptj_position), which
+  // contract_gathered's fragments take as they load them.
+  static constexpr bool gptj = GPTJ;
   int k, pairs;
   // Per-anchor weights [MAXROWS][wstride]: shared memory (w == w_s, wstride = k) when the
   // cache's k fit (DecodeLaunch::smem_anchors), else this block's rows of ws_w (wstride =
@@ -240,9 +246,9 @@ struct SplitBlock {
     tables = v.table_size != 0;
     precise = p.dtype != AKV_DTYPE_BF16;
     // FAST: the host found every cache of the launch on the register-gather path
-    // (fast_decode_path: bf16 storage and queries, NeoX over every pair, format 3, anchors), so
-    // those flags are constants and the kernel holds that path's code alone; otherwise the
-    // kernel holds every other path and not that one. (One kernel with both spilled at 128
+    // (fast_decode_path: bf16 storage and queries, NeoX or GPT-J over every pair, format 3,
+    // anchors), so those flags are constants and the kernel holds that path's code alone;
+    // otherwise the kernel holds every other path and not that one. (One kernel with both spilled at 128
     // registers, and moved with any change to either.)
     fast = FAST;
     if (FAST) {
@@ -920,14 +926,28 @@ struct SplitBlock {
   // The fast path's, in bf16 only (its contraction and key-residual terms read them): NeoX
   // pair j, j + D / 2 by the thread that computed its angle (anchor_meta), beside the
   // metadata.
+  // GPT-J (gptj): pair j's dims 2j, 2j + 1 at gptj_position(j) and + 2.
   __device__ __forceinline__ void rotate_query_pair(int j, float cs, float sn) {
     constexpr int P = D / 2;
+    const int f = gptj ? 2 * j : j, s = gptj ? 2 * j + 1 : P + j;
+    const int pf = gptj ? gptj_position(j) : j, ps = gptj ? gptj_position(j) + 2 : P + j;
     for (int i = 0; i < MAXROWS; ++i) {
       if (i >= rows) break;  // rows past `rows` stay zero
-      const float q0 = q_s[i * D + j], q1 = q_s[i * D + P + j];
-      qb_s[i * QS + j] = float_to_bits(q0 * cs + q1 * sn, true);
-      qb_s[i * QS + P + j] = float_to_bits(q1 * cs - q0 * sn, true);
+      const float q0 = q_s[i * D + f], q1 = q_s[i * D + s];
+      qb_s[i * QS + pf] = float_to_bits(q0 * cs + q1 * sn, true);
+      qb_s[i * QS + ps] = float_to_bits(q1 * cs - q0 * sn, true);
     }
+  }
+  // GPT-J quad order: pairs j, j + 1 (j even) as a quad x, x', y, y' (dims 2j, 2j + 2, 2j + 1,
+  // 2j + 3), a lane's k slots of an mma fragment, which the anchor row's four dims become after
+  // two half-word permutes and one pair of bf16x2 products (rotate_gptj4). The quads of pairs
+  // 4c, 4c + 1 fill the first half of a stored row (from 4c), those of pairs 4c + 2, 4c + 3 the
+  // second (from D / 2 + 4c): a lane's two quads are then read as the NeoX path's slab and
+  // partner slab are, with the same banks (no conflict). Pair j's first dim sits at
+  // gptj_position(j), its second two on; the rotated queries and the key residuals' rows are
+  // stored so.
+  __device__ __forceinline__ static int gptj_position(int j) {
+    return 4 * (j >> 2) + (j & 1) + ((j >> 1) & 1) * (D / 2);
   }
   // Elsewhere in fp32, one thread a pair, after the barrier that follows the angles.
   __device__ __forceinline__ void rotate_queries() {
@@ -1147,8 +1167,15 @@ struct SplitBlock {
         // codes' shuffles rather than after the products.
         const int n = p0 + slot_residual(w, s * R + mine);
         const int t = bit_s[n < count ? n : p0 + R * w];
-        float4 cs[C8];
-        for (int m = 0; m < C8; ++m) cs[m] = *reinterpret_cast<const float4 *>(step_s + t * P + j[m]);
+        float4 cs[C8];  // NeoX: pairs j, j + 1; GPT-J: pair j / 2, then (P + j) / 2
+        for (int m = 0; m < C8; ++m) {
+          if constexpr (GPTJ) {
+            const float2 a = step_s[t * P + j[m] / 2], b = step_s[t * P + (P + j[m]) / 2];
+            cs[m] = float4{a.x, a.y, b.x, b.y};
+          } else {
+            cs[m] = *reinterpret_cast<const float4 *>(step_s + t * P + j[m]);
+          }
+        }
         uint32_t yb[C8][2];
         if constexpr (D == 256) {
           const uint32_t wr = s < 2 ? word[0] : word[NCW - 1];  // a select: word[s / 2] would index registers
@@ -1173,13 +1200,23 @@ struct SplitBlock {
                                 C8 > 1 ? pack_f16x2(c1[C8 - 1][2], c1[C8 - 1][3]) : 0u};
         for (int m = 0; m < C8; ++m) mma_f16_16816(hy[m], a2, b2[m]);  // dims j, j + 1, P + j, P + j + 1
         if (n < count) {  // D 64: the pair's second may be past the tile's
-          uint32_t *row = xs + (s * R + mine) * kResRowWords;
           for (int m = 0; m < C8; ++m) {
-            // U^T y = diag(signs) H y / sqrt(D), then R_off (pairs j, j + 1: one 16-byte entry).
+            // U^T y = diag(signs) H y / sqrt(D), then R_off: NeoX pairs j, j + 1 (one 16-byte
+            // entry); GPT-J pairs j / 2 and (P + j) / 2, stored in quad order.
             const float x0 = hy[m][0] * sg0[m].x, x1 = hy[m][1] * sg0[m].y, y0 = hy[m][2] * sg1[m].x,
                         y1 = hy[m][3] * sg1[m].y;
-            row[j[m] / 2] = pack_bf16x2(x0 * cs[m].x - y0 * cs[m].y, x1 * cs[m].z - y1 * cs[m].w);
-            row[(P + j[m]) / 2] = pack_bf16x2(x0 * cs[m].y + y0 * cs[m].x, x1 * cs[m].w + y1 * cs[m].z);
+            if constexpr (GPTJ) {
+              uint16_t *row = reinterpret_cast<uint16_t *>(xs + (s * R + mine) * kResRowWords);
+              const int pa = gptj_position(j[m] / 2), pb = gptj_position((P + j[m]) / 2);
+              row[pa] = float_to_bits(x0 * cs[m].x - x1 * cs[m].y, true);
+              row[pa + 2] = float_to_bits(x0 * cs[m].y + x1 * cs[m].x, true);
+              row[pb] = float_to_bits(y0 * cs[m].z - y1 * cs[m].w, true);
+              row[pb + 2] = float_to_bits(y0 * cs[m].w + y1 * cs[m].z, true);
+            } else {
+              uint32_t *row = xs + (s * R + mine) * kResRowWords;
+              row[j[m] / 2] = pack_bf16x2(x0 * cs[m].x - y0 * cs[m].y, x1 * cs[m].z - y1 * cs[m].w);
+              row[(P + j[m]) / 2] = pack_bf16x2(x0 * cs[m].y + y0 * cs[m].x, x1 * cs[m].w + y1 * cs[m].z);
+            }
           }
         }
       }
@@ -1366,6 +1403,20 @@ struct SplitBlock {
     y01 = bf16x2_fma(x.x, cs.z, bf16x2_fma(y.x, cs.x, kBf16x2NegZero));
     y23 = bf16x2_fma(x.y, cs.w, bf16x2_fma(y.y, cs.y, kBf16x2NegZero));
   }
+  // GPT-J: dims d .. d + 7 of token u's anchor row (pairs d / 2 .. d / 2 + 3, one 16-byte
+  // load and one entry of cos | sin) rotated by R_u, in quad order: x01, y01 the first four
+  // dims' (x, x' | y, y'), x23, y23 the next four's; rotate_pairs4's products on the halves.
+  __device__ __forceinline__ void rotate_gptj4(const uint16_t *row, int u, int d, uint32_t &x01, uint32_t &y01,
+                                               uint32_t &x23, uint32_t &y23) const {
+    const uint4 w = *reinterpret_cast<const uint4 *>(row + d);
+    const uint4 cs = cs_s[u * kTrigStride + d / 8];  // cos of the four pairs, then sin
+    const uint32_t xa = low_halves(w.x, w.y), ya = high_halves(w.x, w.y);
+    const uint32_t xb = low_halves(w.z, w.w), yb = high_halves(w.z, w.w);
+    x01 = bf16x2_fms(xa, cs.x, bf16x2_fma(ya, cs.z, kBf16x2NegZero));
+    y01 = bf16x2_fma(xa, cs.z, bf16x2_fma(ya, cs.x, kBf16x2NegZero));
+    x23 = bf16x2_fms(xb, cs.y, bf16x2_fma(yb, cs.w, kBf16x2NegZero));
+    y23 = bf16x2_fma(xb, cs.w, bf16x2_fma(yb, cs.y, kBf16x2NegZero));
+  }
 
   // The fast path: warp w's (w < 4) tokens' anchor rows K_a(t) gathered (through L2) straight
   // into A fragments and rotated there by R_off (off = the token's place in the tile: format 3
@@ -1386,18 +1437,37 @@ struct SplitBlock {
     // would otherwise rebuild from the view every tile (a load and a 64-bit product).
     const uint16_t *ak_h = ha_s->anchor_keys;
     const uint16_t *row0 = ak_h + (a0 < 0 ? 0 : a0) * D, *row1 = ak_h + (a1 < 0 ? 0 : a1) * D;
-    for (int s = 0; s < 2 * SP; ++s) {
-      const int d = s * 16 + 4 * tq;
-      uint32_t ax[4], ay[4];  // slab s (dims d..) and its partner slab (dims P + d..)
-      rotate_pairs4(row0, u0, d, ax[0], ax[2], ay[0], ay[2]);
-      rotate_pairs4(row1, u1, d, ax[1], ax[3], ay[1], ay[3]);
-      for (int n = 0; n < NR8; ++n) {
-        const int r = (n * 8 + g) & (MAXROWS - 1);  // kB columns
-        const uint2 bx = *reinterpret_cast<const uint2 *>(qb_s + r * QS + d);
-        const uint2 by = *reinterpret_cast<const uint2 *>(qb_s + r * QS + P + d);
-        const uint32_t b0[2] = {bx.x, bx.y}, b1[2] = {by.x, by.y};
-        mma_bf16_16816(acc[n], ax, b0);
-        mma_bf16_16816(acc[n], ay, b1);
+    if constexpr (GPTJ) {
+      // Dims d .. d + 7 of the row a lane (pairs d / 2 ..): two quads, the lane's k slots of
+      // two k16 slabs, whose queries sit at d / 2 and D / 2 + d / 2 (gptj_position).
+      for (int s = 0; s < D / 32; ++s) {
+        const int d = s * 32 + 8 * tq;
+        uint32_t a01[4], a23[4];
+        rotate_gptj4(row0, u0, d, a01[0], a01[2], a23[0], a23[2]);
+        rotate_gptj4(row1, u1, d, a01[1], a01[3], a23[1], a23[3]);
+        for (int n = 0; n < NR8; ++n) {
+          const int r = (n * 8 + g) & (MAXROWS - 1);  // kB columns
+          const uint2 bx = *reinterpret_cast<const uint2 *>(qb_s + r * QS + d / 2);
+          const uint2 by = *reinterpret_cast<const uint2 *>(qb_s + r * QS + P + d / 2);
+          const uint32_t b01[2] = {bx.x, bx.y}, b23[2] = {by.x, by.y};
+          mma_bf16_16816(acc[n], a01, b01);
+          mma_bf16_16816(acc[n], a23, b23);
+        }
+      }
+    } else {
+      for (int s = 0; s < 2 * SP; ++s) {
+        const int d = s * 16 + 4 * tq;
+        uint32_t ax[4], ay[4];  // slab s (dims d..) and its partner slab (dims P + d..)
+        rotate_pairs4(row0, u0, d, ax[0], ax[2], ay[0], ay[2]);
+        rotate_pairs4(row1, u1, d, ax[1], ax[3], ay[1], ay[3]);
+        for (int n = 0; n < NR8; ++n) {
+          const int r = (n * 8 + g) & (MAXROWS - 1);  // kB columns
+          const uint2 bx = *reinterpret_cast<const uint2 *>(qb_s + r * QS + d);
+          const uint2 by = *reinterpret_cast<const uint2 *>(qb_s + r * QS + P + d);
+          const uint32_t b0[2] = {bx.x, bx.y}, b1[2] = {by.x, by.y};
+          mma_bf16_16816(acc[n], ax, b0);
+          mma_bf16_16816(acc[n], ay, b1);
+        }
       }
     }
   }
@@ -1803,14 +1873,14 @@ struct SplitBlock {
 // multiprocessor. At D 256 a block's shared memory (SplitSmem: 157 KiB at 4 rows, 170 KiB at
 // 8) leaves room for one, so the registers are not capped: capped, ptxas spilled inside the
 // tile loop (10 and 3 local accesses at 4 and 8 rows).
-template <int D, int MAXROWS, bool FAST>
+template <int D, int MAXROWS, bool FAST, bool GPTJ = false>
 __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 : 1) decode_split_kernel(const __grid_constant__ DecodeLaunch p) {
 #ifdef AKV_SIMT_EMULATION
   unsigned char *smem = ::simt::tl_block->dynamic.data();
 #else
   extern __shared__ __align__(16) unsigned char smem[];
 #endif
-  using Block = SplitBlock<D, MAXROWS, FAST>;
+  using Block = SplitBlock<D, MAXROWS, FAST, GPTJ>;
   constexpr int T = Block::T;
   // The anchor values' and merge kernels may be placed once every split block has begun (they
   // wait for this grid to complete before they read what it writes): their launch and

@@ -188,6 +188,11 @@ __device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t 
 #endif
 }
 
+// Two 16-bit lanes from two words: the low halves of a and b (a's in the low lane), or
+// their high halves (one PRMT each).
+__device__ __forceinline__ uint32_t low_halves(uint32_t a, uint32_t b) { return (a & 0xffffu) | (b << 16); }
+__device__ __forceinline__ uint32_t high_halves(uint32_t a, uint32_t b) { return (a >> 16) | (b & 0xffff0000u); }
+
 // a * b - c on two bf16 lanes at once, rounded once. From sm_90: mul.bf16x2 and sub.bf16x2
 // without a rounding modifier, which ptxas contracts into one HFMA2 with its addend negated
 // (PTX's fma takes no negated operand, and a neg.bf16x2 or a sign XOR before it costs an

@@ -36,5 +36,18 @@ void with_flag(bool flag, F &&f) {
     f(std::false_type{});
 }
 
+// The split kernel's path as its two flags, f(fast, gptj) (std::bool_constant each): the
+// generic path, or the register-gather path with NeoX or GPT-J pairs (gptj implies fast; the
+// generic path's kernel has no GPT-J variant).
+template <typename F>
+void with_split_path(bool fast, bool gptj, F &&f) {
+  if (!fast)
+    f(std::false_type{}, std::false_type{});
+  else if (gptj)
+    f(std::true_type{}, std::true_type{});
+  else
+    f(std::true_type{}, std::false_type{});
+}
+
 }  // namespace cuda
 }  // namespace akv

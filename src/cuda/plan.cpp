@@ -52,19 +52,32 @@ bool rope_fused(const akv_cache &cache) {
   return neox && pairs % 4 == 0 && pairs % (D / 8) == 0 && (pairs == 0 || ratio == 1 || ratio == 2 || ratio == 4);
 }
 
+// GPT-J pairs (2j, 2j + 1) over every dimension: the register-gather path takes them too
+// (CacheView::rope_interleaved), not the other paths' fused gather.
+bool rope_interleaved(const akv_cache &cache) {
+  const int D = cache.meta.shape.head_dim, pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
+  bool gptj = pairs > 0 && 2 * pairs == D;
+  for (int j = 0; j < pairs; ++j) gptj = gptj && cache.rope.first[j] == 2 * j && cache.rope.second[j] == 2 * j + 1;
+  return gptj;
+}
+
 }  // namespace
 
 bool fast_decode_path(const akv_cache *const *caches, int32_t batch, akv_dtype dtype) {
   if (dtype != AKV_DTYPE_BF16) return false;
   for (int32_t b = 0; b < batch; ++b) {
     const akv_cache &c = *caches[b];
+    if (rope_interleaved(c) != rope_interleaved(*caches[0])) return false;  // one kernel: one pairing
     const int D = c.meta.shape.head_dim;
     if (storage_of(c.meta.method) != Storage::kAnchor || c.geometry.format != 3 || c.geometry.anchors <= 0 ||
-        c.meta.storage != AKV_DTYPE_BF16 || !rope_fused(c) || !c.rope.enabled() || 2 * c.rope.pairs() != D)
+        c.meta.storage != AKV_DTYPE_BF16 || !(rope_fused(c) || rope_interleaved(c)) || !c.rope.enabled() ||
+        2 * c.rope.pairs() != D)
       return false;
   }
   return true;
 }
+
+bool fast_decode_gptj(const akv_cache *const *caches) { return rope_interleaved(*caches[0]); }
 
 std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresses &at) {
   const CacheMeta &m = cache.meta;

@@ -77,10 +77,14 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
                        const ResidentBlocks &resident = nullptr);
 
 // Whether every cache of a decode takes the split kernel's register-gather path with queries in
-// `dtype` (decode_split_kernel<D, MAXROWS, true>): bf16 queries and storage, NeoX RoPE over
-// every dimension, storage format 3, an AnchorKV cache with anchors. The kernel's other
+// `dtype` (decode_split_kernel<D, MAXROWS, true>): bf16 queries and storage, NeoX or GPT-J
+// RoPE over every dimension, storage format 3, an AnchorKV cache with anchors. The kernel's other
 // instantiation takes every other cache.
+// One pairing for them all: a batch that mixes NeoX and GPT-J caches takes the other path.
 bool fast_decode_path(const akv_cache *const *caches, int32_t batch, akv_dtype dtype);
+// Where fast_decode_path holds: whether its caches have GPT-J pairs
+// (decode_split_kernel<D, MAXROWS, true, true>).
+bool fast_decode_gptj(const akv_cache *const *caches);
 
 // The parameters of a decode launch under `plan` (views left for the caller): queries and
 // out of its first request, the workspace of plan.workspace_bytes.

@@ -47,27 +47,28 @@ struct HostView {
   }
 };
 
-// Emulated decodes that took decode_split_kernel<D, MAXROWS, true> (kc::fast_decode_path),
+// Emulated decodes that took decode_split_kernel<D, MAXROWS, true> (kc::fast_decode_path), those
+// of them with GPT-J pairs (<D, MAXROWS, true, true>: kc::fast_decode_gptj),
 // and the L2 prefetches the split kernels issued.
-int fast_launches = 0;
+int fast_launches = 0, gptj_launches = 0;
 int64_t prefetches = 0;
 
-template <int D, int MAXROWS, bool FAST>
+template <int D, int MAXROWS, bool FAST, bool GPTJ>
 void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
   const kc::DecodeGrids g = kc::decode_grids(plan, p.heads, batch);
   auto grid = [](const kc::Grid3 &x) { return simt::dim3(x.x, x.y, x.z); };
-  simt::launch(grid(g.split), simt::dim3(kc::kDecodeThreads), plan.smem_bytes, kc::decode_split_kernel<D, MAXROWS, FAST>, p);
+  simt::launch(grid(g.split), simt::dim3(kc::kDecodeThreads), plan.smem_bytes, kc::decode_split_kernel<D, MAXROWS, FAST, GPTJ>, p);
   if (plan.anchor_parts > 0)
     simt::launch(grid(g.anchor_values), simt::dim3(kc::kDecodeThreads), 0, kc::decode_anchor_values_kernel<D, MAXROWS>, p);
   simt::launch(grid(g.merge), simt::dim3(kc::kDecodeThreads), 0, kc::decode_merge_kernel<D, MAXROWS>, p);
 }
 
-template <int D, bool FAST>
+template <int D, bool FAST, bool GPTJ>
 void launch_decode_rows(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
   switch (plan.maxrows) {
-    case 4: return launch_decode<D, 4, FAST>(plan, p, batch);
-    case 8: return launch_decode<D, 8, FAST>(plan, p, batch);
-    default: return launch_decode<D, 16, FAST>(plan, p, batch);
+    case 4: return launch_decode<D, 4, FAST, GPTJ>(plan, p, batch);
+    case 8: return launch_decode<D, 8, FAST, GPTJ>(plan, p, batch);
+    default: return launch_decode<D, 16, FAST, GPTJ>(plan, p, batch);
   }
 }
 
@@ -100,7 +101,9 @@ std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, con
     p.lse = lse->data();
   }
   const bool fast = kc::fast_decode_path(caches.data(), batch, io);  // as the CUDA backend chooses
+  const bool gptj = fast && kc::fast_decode_gptj(caches.data());
   fast_launches += fast;
+  gptj_launches += gptj;
   // The split kernel's L2 prefetches: each address's 128-byte line overlaps a cache's stored
   // arrays or its view block (format 3's tile words; a device allocation is 256-byte aligned,
   // host vectors are not).
@@ -117,7 +120,9 @@ std::vector<uint8_t> emulated_decode(const std::vector<akv_cache *> &caches, con
     outside += !in;
   };
   kc::with_head_dim(s.head_dim, [&](auto d) {
-    kc::with_flag(fast, [&](auto f) { launch_decode_rows<decltype(d)::value, decltype(f)::value>(plan, p, batch); });
+    kc::with_split_path(fast, gptj, [&](auto f, auto g) {
+      launch_decode_rows<decltype(d)::value, decltype(f)::value, decltype(g)::value>(plan, p, batch);
+    });
   });
   simt::prefetch_hook() = nullptr;
   EXPECT_EQ(outside, 0) << "L2 prefetches outside the caches' arrays";
@@ -330,6 +335,26 @@ TEST(EmulatedDecode, Bf16QueriesTakeTheRegisterGatherPath) {
   EXPECT_GT(prefetches - prefetched, 0) << "the staging warps' L2 prefetches";
 }
 
+// GPT-J pairs over every dimension take the same path: the queries and the key residuals' rows
+// in quad order, the anchor rows' halves permuted as they are loaded (decode_split_kernel's
+// gptj_position). D 64, 128 and 256; segment tables (600 anchors), several query rows and
+// appended tokens, and the window past a tile.
+TEST(EmulatedDecode, GptjTakesTheRegisterGatherPath) {
+  const int before = fast_launches, gptj_before = gptj_launches;
+  for (int D : {64, 128, 256}) {
+    Case c{AKV_METHOD_ANCHORKV, 1300, D, 4, 2, 3, AKV_ROPE_GPTJ, false};
+    c.io = AKV_DTYPE_BF16;
+    c.anchors = D == 128 ? 600 : 0;
+    check_case(c, 2, 4, 2);
+  }
+  Case window{AKV_METHOD_ANCHORKV, 1500, 64, 1, 1, 0, AKV_ROPE_GPTJ, false};
+  window.window = 100;
+  window.io = AKV_DTYPE_BF16;
+  check_case(window, 1, 3, 2);
+  EXPECT_EQ(fast_launches - before, 4) << "every case on decode_split_kernel<D, MAXROWS, true>";
+  EXPECT_EQ(gptj_launches - gptj_before, 4) << "every case on decode_split_kernel<D, MAXROWS, true, true>";
+}
+
 // Queries 40 times the usual spread: base-2 logits hundreds apart, so a later tile's max often
 // passes a block's reference by more than fp32's exponent range (2^128) allows without a
 // rescale, and by more than kRescaleSlack: the split kernel's rescale path against the CPU's
@@ -488,7 +513,33 @@ int wavefronts(int width, F bytes) {
 // (contract_gathered's 8-byte loads, the key residuals' 4-byte ones; lane g reads row g % 4,
 // which unpadded rows put in the same banks) and the RoPE table's 16-byte entries (tokens u and
 // u + 1 in each quarter warp).
+// GPT-J's kernel stores the rotated queries and the key residuals' rows in quad order
+// (gptj_position): one place a dim, and a lane's two quads (pairs d / 2 .. d / 2 + 3 of
+// contract_gathered's dims d = 32 s + 8 tq) where the NeoX slab and its partner are read, so the
+// reads below cover it.
+template <int D>
+void check_gptj_places() {
+  using Block = kc::SplitBlock<D, 4, true, true>;
+  std::set<int> places;
+  for (int j = 0; j < D / 2; ++j) {
+    places.insert(Block::gptj_position(j));
+    places.insert(Block::gptj_position(j) + 2);
+  }
+  EXPECT_EQ(places.size(), static_cast<size_t>(D));
+  EXPECT_EQ(*places.begin(), 0);
+  EXPECT_EQ(*places.rbegin(), D - 1);
+  for (int s = 0; s < D / 32; ++s)
+    for (int tq = 0; tq < 4; ++tq) {
+      const int m = (32 * s + 8 * tq) / 2;
+      EXPECT_EQ(Block::gptj_position(m), 16 * s + 4 * tq);
+      EXPECT_EQ(Block::gptj_position(m + 2), D / 2 + 16 * s + 4 * tq);
+    }
+}
+
 TEST(EmulatedDecode, FastPathTablesReadWithoutBankConflicts) {
+  check_gptj_places<64>();
+  check_gptj_places<128>();
+  check_gptj_places<256>();
   for (const int D : {64, 128, 256}) {
     SCOPED_TRACE(D);
     const int QS = kc::SplitSmem::qb_stride(D), TS = kc::SplitSmem::trig_stride(D), P = D / 2;
