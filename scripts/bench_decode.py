@@ -93,6 +93,8 @@ def main():
     parser.add_argument("--rows", nargs="+", metavar="SxB",
                         help="(S x batch) rows to run instead of the --seq-lens x --batches grid, e.g. 32768x1")
     parser.add_argument("--theta", type=float, default=0.05)
+    parser.add_argument("--rope-style", choices=("neox", "gptj"), default="neox",
+                        help="the caches' RoPE pairs (gptj: the register-gather path's GPT-J kernel)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--csv", help="also write the rows to this CSV file")
     parser.add_argument("--profile", action="store_true",
@@ -105,7 +107,8 @@ def main():
     flush = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
     timed = cold_timer(flush)
     ctx = anchorkv.Context("cuda")
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | anchorkv {anchorkv.library_version()}")
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | anchorkv {anchorkv.library_version()} | "
+          f"RoPE {args.rope_style}")
     rows = []
     if args.rows:
         plan = [tuple(int(x) for x in r.lower().split("x")) for r in args.rows]
@@ -117,10 +120,10 @@ def main():
         values = torch.randn(H, S, D, device=dev, dtype=torch.bfloat16)
         window_q = torch.randn(HQ, WINDOW, D, device=dev, dtype=torch.bfloat16)
         t0 = time.perf_counter()
-        compact = ctx.compress(keys, values, window_q, retain_fraction=args.theta)
+        compact = ctx.compress(keys, values, window_q, retain_fraction=args.theta, rope_style=args.rope_style)
         torch.cuda.synchronize()
         compress_s = time.perf_counter() - t0
-        full = ctx.compress(keys, values, window_q, method="fullkv")
+        full = ctx.compress(keys, values, window_q, method="fullkv", rope_style=args.rope_style)
         blob_compact, blob_full = compact.to_bytes(), full.to_bytes()
         cpu_compact = anchorkv.Cache.from_bytes(blob_compact)  # the CPU backend's reference
         stats = compact.stats

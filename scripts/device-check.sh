@@ -141,6 +141,9 @@ else
     # what programmatic dependent launch saves (backend.cu, launch_after).
     step "bench_decode.py, ANCHORKV_DECODE_PDL=0" "$logs/bench-decode.log" \
       env ANCHORKV_DECODE_PDL=0 python3 "$root/scripts/bench_decode.py" --rows 32768x1 131072x1
+    # GPT-J pairs: the register-gather path's own kernel (decode_split_kernel<..., true, true>).
+    step "bench_decode.py, GPT-J RoPE" "$logs/bench-decode.log" \
+      python3 "$root/scripts/bench_decode.py" --rows 32768x1 131072x8 --rope-style gptj
   fi
   if skipped compress-bench; then note SKIP "bench_compress.py" 0
   elif [ "$has_gpu" = 0 ]; then note SKIP "bench_compress.py: no GPU" 0
