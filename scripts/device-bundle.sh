@@ -20,8 +20,8 @@
 #   (default 90: the H200), ANCHORKV_JOBS (default: cores), ANCHORKV_BUNDLE_CMAKE_ARGS (extra
 #   cmake arguments, split at spaces), ANCHORKV_BUNDLE_MAX_MIB.
 # CI (scripts/test.sh, CUDA step) builds it for "80-real;90-real" (SASS, no PTX) so that it
-# cannot rot; on the GPU
-# machine scripts/device-check.sh falls back to this script when no bundle was carried.
+# cannot rot; on the GPU machine scripts/device-check.sh falls back to this script when no
+# bundle was carried.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 absolute() { case "$1" in /*) echo "$1" ;; *) echo "$root/$1" ;; esac; }
