@@ -350,8 +350,9 @@ class AnchorHead {
 #ifdef AKV_HAVE_AVX512_KERNELS
   // The same walk with sixteen-lane kernels (NeoX or GPT-J pairs, D and pairs multiples of 16;
   // GPT-J keys rebuilt in NeoX order and contracted with the queries' dims reordered to match,
-  // walk_q()): keys rebuilt sixteen lanes at a time and, where the rows come in fours, four tokens contracted
-  // against four rows per block; the remaining tokens (and other row counts) in pairs as above.
+  // walk_q()): keys rebuilt sixteen lanes at a time and, where the rows come in fours, four
+  // tokens contracted against four rows per block; the remaining tokens (and other row
+  // counts) in pairs as above.
   AKV_TARGET_AVX512 void rebuild_key_avx512(int64_t t, const float *cs, float *x) {
     const KeySource k = key_source(t);
     const bool done = gptj_walk_ ? gptj_key_row_avx512(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x)

@@ -260,8 +260,8 @@ AKV_TARGET_AVX512 inline bool neox_key_row_avx512(const uint16_t *anchor, akv_dt
 
 // The same key for GPT-J (interleaved) pairs (2j, 2j + 1), dims from 2h on passing through,
 // written in NeoX order: x[j] and x[j + h] are pair j's rotated dims 2j and 2j + 1. Its dot
-// products are the interleaved key's when the query's dims are reordered the same way
-// (gptj_to_neox_order). Each 32 dims are loaded as two rows of sixteen and split into their
+// products are the interleaved key's when the query's dims are reordered the same way (the
+// CPU decode's walk_q()). Each 32 dims are loaded as two rows of sixteen and split into their
 // even and odd dims with one two-source permute each.
 AKV_TARGET_AVX512 inline bool gptj_key_row_avx512(const uint16_t *anchor, akv_dtype storage, float gamma,
                                                    const float *residual, const float *cos_row, const float *sin_row,

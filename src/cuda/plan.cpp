@@ -52,8 +52,9 @@ bool rope_fused(const akv_cache &cache) {
   return neox && pairs % 4 == 0 && pairs % (D / 8) == 0 && (pairs == 0 || ratio == 1 || ratio == 2 || ratio == 4);
 }
 
-// GPT-J pairs (2j, 2j + 1) over every dimension: the register-gather path takes them too
-// (CacheView::rope_interleaved), not the other paths' fused gather.
+// GPT-J pairs (2j, 2j + 1) over every dimension: the register-gather path takes them too, in
+// its own kernel (decode_split_kernel<D, MAXROWS, true, true>); the other paths' fused gather
+// does not.
 bool rope_interleaved(const akv_cache &cache) {
   const int D = cache.meta.shape.head_dim, pairs = cache.rope.enabled() ? cache.rope.pairs() : 0;
   bool gptj = pairs > 0 && 2 * pairs == D;
