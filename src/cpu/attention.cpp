@@ -355,8 +355,8 @@ class AnchorHead {
   // counts) in pairs as above.
   AKV_TARGET_AVX512 void rebuild_key_avx512(int64_t t, const float *cs, float *x) {
     const KeySource k = key_source(t);
-    const bool done = gptj_walk_ ? gptj_key_row_avx512(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x)
-                                 : neox_key_row_avx512(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x);
+    const bool done = gptj_walk_ ? key_row_avx512<true>(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x)
+                                 : key_row_avx512<false>(k.anchor, storage_, k.gamma, k.residual, cs, cs + pairs_, pairs_, D_, x);
     if (!done) generic_key(k, cs, x);  // not for GPT-J: wide_walk_ takes it only where the row kernel applies
   }
   AKV_TARGET_AVX512 void prefix_tile_gather_avx512(int64_t t0, int64_t n, const float *trig) {
@@ -530,7 +530,7 @@ class AnchorHead {
   bool neox_ = false;  // rotary pairs (j, j + pairs): neox_key_row applies
   bool wide_ = false;       // AVX-512 kernels may run (has_avx512, not forced off by a test)
   bool wide_walk_ = false;  // and the AVX-512 gather walk applies to this shape
-  bool gptj_walk_ = false;  // which rebuilds GPT-J keys in NeoX order (gptj_key_row_avx512)
+  bool gptj_walk_ = false;  // which rebuilds GPT-J keys in NeoX order (key_row_avx512<true>)
   std::vector<float> walk_q_gptj_;  // q_'s dims in that order
   const float *walk_q() const { return gptj_walk_ ? walk_q_gptj_.data() : q_.data(); }
   std::vector<float> norm_signs_;  // decode_residual_avx512's norm * sign (D' floats)

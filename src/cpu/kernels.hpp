@@ -240,41 +240,33 @@ AKV_TARGET_AVX512 inline __m512 scaled_row16(const uint16_t *src, bool bf16, __m
   return residual ? _mm512_fmadd_ps(v, g, _mm512_loadu_ps(residual)) : _mm512_mul_ps(v, g);
 }
 
-AKV_TARGET_AVX512 inline bool neox_key_row_avx512(const uint16_t *anchor, akv_dtype storage, float gamma,
-                                                   const float *residual, const float *cos_row, const float *sin_row,
-                                                   int h, int D, float *x) {
-  if (h % 16 != 0 || (D - 2 * h) % 16 != 0) return false;
-  const __m512 g = _mm512_set1_ps(gamma);
-  const bool bf16 = storage == AKV_DTYPE_BF16;
-  for (int j = 0; j < h; j += 16) {
-    const __m512 x0 = scaled_row16(anchor + j, bf16, g, residual ? residual + j : nullptr);
-    const __m512 x1 = scaled_row16(anchor + j + h, bf16, g, residual ? residual + j + h : nullptr);
-    const __m512 c = _mm512_loadu_ps(cos_row + j), s = _mm512_loadu_ps(sin_row + j);
-    _mm512_storeu_ps(x + j, _mm512_fmsub_ps(x0, c, _mm512_mul_ps(x1, s)));
-    _mm512_storeu_ps(x + j + h, _mm512_fmadd_ps(x0, s, _mm512_mul_ps(x1, c)));
-  }
-  for (int d = 2 * h; d < D; d += 16)
-    _mm512_storeu_ps(x + d, scaled_row16(anchor + d, bf16, g, residual ? residual + d : nullptr));
-  return true;
-}
-
-// The same key for GPT-J (interleaved) pairs (2j, 2j + 1), dims from 2h on passing through,
-// written in NeoX order: x[j] and x[j + h] are pair j's rotated dims 2j and 2j + 1. Its dot
-// products are the interleaved key's when the query's dims are reordered the same way (the
-// CPU decode's walk_q()). Each 32 dims are loaded as two rows of sixteen and split into their
-// even and odd dims with one two-source permute each.
-AKV_TARGET_AVX512 inline bool gptj_key_row_avx512(const uint16_t *anchor, akv_dtype storage, float gamma,
-                                                   const float *residual, const float *cos_row, const float *sin_row,
-                                                   int h, int D, float *x) {
+// neox_key_row with sixteen lanes, or (kGptj) the same key for GPT-J (interleaved) pairs
+// (2j, 2j + 1), dims from 2h on passing through, written in NeoX order: x[j] and x[j + h] are
+// pair j's rotated dims 2j and 2j + 1. Its dot products are the interleaved key's when the
+// query's dims are reordered the same way (the CPU decode's walk_q()). GPT-J loads each 32
+// dims as two rows of sixteen and splits them into their even and odd dims with one
+// two-source permute each; the rotation is NeoX's.
+template <bool kGptj>
+AKV_TARGET_AVX512 inline bool key_row_avx512(const uint16_t *anchor, akv_dtype storage, float gamma,
+                                             const float *residual, const float *cos_row, const float *sin_row, int h,
+                                             int D, float *x) {
   if (h % 16 != 0 || (D - 2 * h) % 16 != 0) return false;
   const __m512 g = _mm512_set1_ps(gamma);
   const bool bf16 = storage == AKV_DTYPE_BF16;
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for (int j = 0; j < h; j += 16) {
-    const __m512 lo = scaled_row16(anchor + 2 * j, bf16, g, residual ? residual + 2 * j : nullptr);
-    const __m512 hi = scaled_row16(anchor + 2 * j + 16, bf16, g, residual ? residual + 2 * j + 16 : nullptr);
-    const __m512 x0 = _mm512_permutex2var_ps(lo, even, hi), x1 = _mm512_permutex2var_ps(lo, odd, hi);
+    __m512 x0, x1;
+    if constexpr (kGptj) {
+      const int d = 2 * j;
+      const __m512 lo = scaled_row16(anchor + d, bf16, g, residual ? residual + d : nullptr);
+      const __m512 hi = scaled_row16(anchor + d + 16, bf16, g, residual ? residual + d + 16 : nullptr);
+      x0 = _mm512_permutex2var_ps(lo, even, hi);
+      x1 = _mm512_permutex2var_ps(lo, odd, hi);
+    } else {
+      x0 = scaled_row16(anchor + j, bf16, g, residual ? residual + j : nullptr);
+      x1 = scaled_row16(anchor + j + h, bf16, g, residual ? residual + j + h : nullptr);
+    }
     const __m512 c = _mm512_loadu_ps(cos_row + j), s = _mm512_loadu_ps(sin_row + j);
     _mm512_storeu_ps(x + j, _mm512_fmsub_ps(x0, c, _mm512_mul_ps(x1, s)));
     _mm512_storeu_ps(x + j + h, _mm512_fmadd_ps(x0, s, _mm512_mul_ps(x1, c)));

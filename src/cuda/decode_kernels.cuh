@@ -129,11 +129,6 @@ struct SplitBlock {
   // key tile in shared memory); gamma scales the logit, and the key residuals (decoded by
   // warps 4-7 meanwhile) enter as logit terms.
   bool fast;
-  // On the fast path: GPT-J pairs (2j, 2j + 1), not NeoX (fast_decode_gptj; a kernel of its
-  // own, so that the NeoX kernel's registers do not pay for it). The rotated queries (qb_s) and
-  // the key residuals' rows are then in GPT-J quad order (gptj_position), which
-  // contract_gathered's fragments take as they load them.
-  static constexpr bool gptj = GPTJ;
   int k, pairs;
   // Per-anchor weights [MAXROWS][wstride]: shared memory (w == w_s, wstride = k) when the
   // cache's k fit (DecodeLaunch::smem_anchors), else this block's rows of ws_w (wstride =
@@ -926,11 +921,13 @@ struct SplitBlock {
   // The fast path's, in bf16 only (its contraction and key-residual terms read them): NeoX
   // pair j, j + D / 2 by the thread that computed its angle (anchor_meta), beside the
   // metadata.
-  // GPT-J (gptj): pair j's dims 2j, 2j + 1 at gptj_position(j) and + 2.
+  // GPT-J (GPTJ: fast_decode_gptj, a kernel of its own so that the NeoX kernel's registers do
+  // not pay for it): pair j's dims 2j, 2j + 1 at gptj_position(j) and + 2, as the key
+  // residuals' rows, which contract_gathered's fragments take as they load the anchor rows.
   __device__ __forceinline__ void rotate_query_pair(int j, float cs, float sn) {
     constexpr int P = D / 2;
-    const int f = gptj ? 2 * j : j, s = gptj ? 2 * j + 1 : P + j;
-    const int pf = gptj ? gptj_position(j) : j, ps = gptj ? gptj_position(j) + 2 : P + j;
+    const int f = GPTJ ? 2 * j : j, s = GPTJ ? 2 * j + 1 : P + j;
+    const int pf = GPTJ ? gptj_position(j) : j, ps = GPTJ ? gptj_position(j) + 2 : P + j;
     for (int i = 0; i < MAXROWS; ++i) {
       if (i >= rows) break;  // rows past `rows` stay zero
       const float q0 = q_s[i * D + f], q1 = q_s[i * D + s];
