@@ -56,8 +56,14 @@ float AnchorAccess::gamma(int side, int h, int64_t t) const {
 
 void key_classes(const uint64_t *key_mask, const int64_t *anchor_tokens, int64_t free_anchors, int64_t prefix,
                  uint8_t *out) {
-  for (int64_t t = 0; t < prefix; ++t) out[t] = (key_mask[t >> 6] >> (t & 63) & 1u) ? kKeyResidual : kReconstructed;
-  for (int64_t a = 0; a < free_anchors; ++a) out[anchor_tokens[a]] = kExact;
+  key_classes(key_mask, anchor_tokens, free_anchors, 0, prefix, out);
+}
+
+void key_classes(const uint64_t *key_mask, const int64_t *anchor_tokens, int64_t free_anchors, int64_t t0,
+                 int64_t t1, uint8_t *out) {
+  for (int64_t t = t0; t < t1; ++t) out[t - t0] = (key_mask[t >> 6] >> (t & 63) & 1u) ? kKeyResidual : kReconstructed;
+  const int64_t *end = anchor_tokens + free_anchors;
+  for (const int64_t *a = std::lower_bound(anchor_tokens, end, t0); a != end && *a < t1; ++a) out[*a - t0] = kExact;
 }
 
 void logit_penalties(const akv_cache &cache, Backend &backend, float *out, void *stream) {

@@ -44,6 +44,9 @@ class Backend;
 enum KeyClass : uint8_t { kReconstructed = 0, kKeyResidual = 1, kExact = 2 };
 void key_classes(const uint64_t *key_mask, const int64_t *anchor_tokens, int64_t free_anchors, int64_t prefix,
                  uint8_t *out);
+// The same for tokens [t0, t1) of the prefix: out[t - t0].
+void key_classes(const uint64_t *key_mask, const int64_t *anchor_tokens, int64_t free_anchors, int64_t t0,
+                 int64_t t1, uint8_t *out);
 
 // akv_cache_logit_penalty: [H][T] (T = prompt + appended tokens) into host memory, what the
 // decode subtracts from each token's logit per |scale q|^2 (CacheMeta::logit_penalty for the

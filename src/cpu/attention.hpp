@@ -5,15 +5,16 @@
 
 namespace akv {
 
-// Attention of q_len queries for KV head h of one cache. q: [G][q_len][D] fp32 rows of the
-// group's query heads, out: same layout. Never materialises dense K/V for AnchorKV.
-// lse (optional): [G][q_len], each row's log(sum_t exp(scale * q.k_t)) over what it sees.
-void decode_head_cpu(const akv_cache &cache, int h, const float *q, int32_t q_len, float *out,
-                     float *lse = nullptr);
-// The same for heads [h_begin, h_end) (q and out: consecutive heads' [G][q_len][D] blocks).
-// AnchorKV heads share one walk over the prefix, so RoPE angles are computed once per tile.
-void decode_heads_cpu(const akv_cache &cache, int h_begin, int h_end, const float *q, int32_t q_len,
-                      float *out, float *lse = nullptr);
+class ThreadPool;
+
+// Attention of q_len queries for every KV head of `batch` caches of one shape, shared out over
+// pool's threads. q: [batch][Hq][q_len][D] fp32 rows (each KV head's group of query heads
+// consecutive), out: the same layout; lse (optional): [batch][Hq][q_len], each row's
+// log(sum_t exp(scale * q.k_t)) over what it sees. Never materialises dense K/V for
+// AnchorKV, whose heads are split into fixed chunks of the prefix (the result does not depend
+// on the number of threads).
+void decode_cpu(const akv_cache *const *caches, int32_t batch, const float *q, int32_t q_len, float *out,
+                float *lse, ThreadPool &pool);
 
 // How the AnchorKV decode computes its prefix logits (AnchorHead in attention.cpp): a
 // per-step coefficient table, or each key rebuilt from its anchor row. kAuto picks per call

@@ -133,24 +133,10 @@ class CpuBackend final : public Backend {
   void decode(akv_cache *const *caches, int32_t batch, const void *queries, akv_dtype dtype, int32_t q_len, void *out,
               float *lse, void *) override {
     const akv_shape &s0 = caches[0]->meta.shape;
-    const int H = s0.num_kv_heads, Hq = s0.num_q_heads, D = s0.head_dim, G = Hq / H;
-    const size_t per_request = static_cast<size_t>(Hq) * q_len * D;
+    const size_t per_request = static_cast<size_t>(s0.num_q_heads) * q_len * s0.head_dim;
     const std::vector<float> q = to_float(queries, dtype, per_request * batch, "queries");
     std::vector<float> o(per_request * batch);
-    // Work items are (request, group of heads): as many groups per request as it takes to keep
-    // every worker busy, so that heads in a group share their walk over the prefix.
-    ThreadPool &pool = *ctx_.pool;
-    const int groups = std::min(H, std::max(1, (pool.size() + batch - 1) / batch));
-    pool.parallel_for(static_cast<int64_t>(batch) * groups, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const int64_t r = i / groups;
-        const int grp = static_cast<int>(i % groups);
-        const int h0 = H * grp / groups, h1 = H * (grp + 1) / groups;
-        const size_t off = r * per_request + static_cast<size_t>(h0) * G * q_len * D;
-        float *row_lse = lse ? lse + (r * Hq + static_cast<size_t>(h0) * G) * q_len : nullptr;
-        decode_heads_cpu(*caches[r], h0, h1, q.data() + off, q_len, o.data() + off, row_lse);
-      }
-    });
+    decode_cpu(caches, batch, q.data(), q_len, o.data(), lse, *ctx_.pool);
     for (size_t i = 0; i < o.size(); ++i) store_from_float(out, dtype, i, o[i]);
     for (int32_t r = 0; r < batch; ++r) record_and_maybe_compact(*caches[r], q.data() + r * per_request, q_len);
   }

@@ -7,6 +7,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
+#include <cstring>
 #include <fstream>
 #include <string>
 
@@ -77,6 +79,51 @@ TEST(ContextThreads, CompressionGivesTheSameCacheWithAnyThreadCount) {
       const std::vector<uint8_t> bytes = serialize(cache.get());
       if (threads == 1) first = bytes;
       else EXPECT_TRUE(bytes == first) << "format " << format << ", " << threads << " threads";
+    }
+  }
+}
+
+// The AnchorKV decode splits every head's prefix into fixed chunks and shares the chunks and
+// heads out over the context's threads: its output (and log-sum-exp) is the same bytes with
+// any thread count (a prefix of three chunks, 3 KV heads, 3 appended tokens and q_len 2: 1 thread, and 2, 3
+// and 5, which group the heads differently).
+TEST(ContextThreads, DecodeGivesTheSameOutputWithAnyThreadCount) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  PrefillSpec spec;
+  spec.seq_len = 9000;
+  spec.kv_heads = 3;
+  spec.group = 3;
+  spec.head_dim = 64;
+  const PrefillData data = make_prefill(rng, spec);
+  const int q_len = 2;
+  const Tensor queries = make_tensor(nonzero_normal(rng, static_cast<size_t>(9) * q_len * 64, 1.5), AKV_DTYPE_F32);
+  const Tensor keys = make_tensor(llm_like_keys(rng, 3, 3, 64), AKV_DTYPE_F32);  // 3 appended tokens
+  const Tensor values = make_tensor(nonzero_normal(rng, static_cast<size_t>(3) * 3 * 64), AKV_DTYPE_F32);
+  for (int format : {3, 2}) {
+    akv_compress_options o;
+    akv_compress_options_init(&o);
+    o.storage_format = format;
+    o.retain_fraction = 0.1;
+    std::vector<uint8_t> first;
+    std::vector<float> first_lse;
+    for (int threads : {1, 2, 3, 5}) {
+      ContextPtr context = make_context(threads);
+      CachePtr cache = compress(context.get(), data, o);
+      ok(akv_append(cache.get(), keys.data(), values.data(), AKV_DTYPE_F32, 3, nullptr, nullptr), "akv_append");
+      std::vector<uint8_t> out = poisoned(static_cast<size_t>(9) * q_len * 64, AKV_DTYPE_F32);
+      std::vector<float> lse(static_cast<size_t>(9) * q_len, std::nanf(""));
+      ok(akv_decode_lse(cache.get(), queries.data(), AKV_DTYPE_F32, q_len, out.data(), lse.data(), nullptr), "decode");
+      if (threads == 1) {
+        EXPECT_EQ(count_non_finite(decode_bytes(out, AKV_DTYPE_F32)), 0u);
+        first = out;
+        first_lse = lse;
+      } else {
+        EXPECT_TRUE(out == first) << "format " << format << ", " << threads << " threads";
+        EXPECT_EQ(std::memcmp(lse.data(), first_lse.data(), lse.size() * sizeof(float)), 0)
+            << "format " << format << ", " << threads << " threads";
+      }
     }
   }
 }
