@@ -138,6 +138,8 @@ class AnchorHead {
     chunks_ = (P + kDecodeChunk - 1) / kDecodeChunk;
     max_.assign(static_cast<size_t>(chunks_ + 1) * rows_, 0.0f);
     sums_.assign(static_cast<size_t>(chunks_ + 1) * rows_, 0.0f);
+    wpart_.resize(chunks_);
+    wlo_.assign(chunks_, 0);
     // Fold the softmax scale into the queries once instead of scaling every logit.
     crows_ = rows_in_fours(rows_);
     racc_.assign(static_cast<size_t>(chunks_) * crows_ * cache.codec.rotated_dim(), 0.0f);
@@ -556,6 +558,8 @@ class AnchorHead {
   void chunk_values(int64_t c);
   // The same for the window and the suffix (the suffix's values into tail_acc_).
   void tail_values();
+  // Chunk c's per-anchor value weights (wpart_[c], wlo_[c]): chunk_values's last step.
+  void chunk_weights(int64_t c);
   // The sums of the parts, the per-anchor weights, and the output rows.
   void combine(float *out, float *lse);
 
@@ -620,6 +624,10 @@ class AnchorHead {
   // codec's rotated domain) and the suffix's values ([crows][D]).
   int64_t chunks_ = 0;
   AlignedFloats max_, sums_, racc_, tail_acc_;
+  // Each chunk's per-anchor value weights, [crows][n] over the anchors [wlo_, wlo_ + n) that
+  // its tokens use (chunk_weights).
+  std::vector<AlignedFloats> wpart_;
+  std::vector<int64_t> wlo_;
   float row_max(int i) const {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c <= chunks_; ++c) m = std::max(m, max_[c * rows_ + i]);
@@ -716,6 +724,62 @@ void AnchorHead::chunk_values(int64_t c) {
     }
   }
   if (filled) weighted_rows(racc, p.data(), kBlock, block.data(), filled, RD);
+  chunk_weights(c);
+}
+
+void AnchorHead::chunk_weights(int64_t c) {
+  const akv_cache &cache = c_;
+  const int h = h_, rows = rows_, k = g_.anchors;
+  const int64_t P = g_.prefix, total = total_, t0 = chunk_begin(c), t1 = chunk_end(c);
+  const float *L = L_.data();
+  // The anchors the chunk's tokens use: format 3's segment tables there and its own anchor
+  // tokens (format 2 and format 3 without tables: any).
+  const int64_t first_anchor =
+      free_anchors_ ? std::lower_bound(anchor_tokens_, anchor_tokens_ + free_anchors_, t0) - anchor_tokens_ : 0;
+  int64_t last_anchor = first_anchor;
+  while (last_anchor < free_anchors_ && anchor_tokens_[last_anchor] < t1) ++last_anchor;
+  int64_t lo = 0, hi = k;
+  if (g_.format == 3 && tables_) {
+    lo = first_anchor < last_anchor ? first_anchor : k;
+    hi = first_anchor < last_anchor ? last_anchor : 0;
+    for (int64_t seg = g_.segment_of(t0); seg <= g_.segment_of(t1 - 1); ++seg)
+      for (int e = 0; e < g_.table_size; ++e) {
+        const int64_t a = tables_[seg * g_.table_size + e];
+        lo = std::min(lo, a);
+        hi = std::max(hi, a + 1);
+      }
+    if (lo >= hi) lo = hi = 0;
+  }
+  const int64_t n = hi - lo;
+  wlo_[c] = lo;
+  AlignedFloats &part = wpart_[c];
+  part.assign(static_cast<size_t>(crows_) * n, 0.0f);
+  float *wt = part.data();  // wt[i * n + a - lo] for anchors a in [lo, hi)
+  if (g_.format == 2) {
+    const uint16_t *vidx = cache.section<uint16_t>(kValueIndex) + h * P;
+    const uint16_t *vgam = cache.section<uint16_t>(kValueGamma) + h * P;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int a = vidx[t];
+      const float gam = bf16_to_float(vgam[t]);
+      for (int i = 0; i < rows; ++i) wt[i * n + a - lo] += L[i * total + t] * gam;
+    }
+    return;
+  }
+  const uint8_t *vidx8 = cache.section<uint8_t>(kValueIndex) + h * P;
+  const uint8_t *vcode = cache.section<uint8_t>(kValueGamma) + h * P;
+  for (int64_t seg = g_.segment_of(t0); seg <= g_.segment_of(t1 - 1); ++seg) {
+    const int64_t s0 = std::max(t0, seg * g_.segment_len), s1 = std::min(t1, (seg + 1) * g_.segment_len);
+    const uint16_t *table = tables_ ? tables_ + seg * g_.table_size : nullptr;
+    float value_gamma[256];
+    gamma_values(scales_[seg * 2 + 1], value_gamma);
+    for (int64_t t = s0; t < s1; ++t) {
+      const int a = table ? table[vidx8[t]] : vidx8[t];
+      const float gam = value_gamma[vcode[t]];  // 0 for anchor tokens
+      for (int i = 0; i < rows; ++i) wt[i * n + a - lo] += L[i * total + t] * gam;
+    }
+  }
+  for (int64_t a = first_anchor; a < last_anchor; ++a)
+    for (int i = 0; i < rows; ++i) wt[i * n + a - lo] += L[i * total + anchor_tokens_[a]];
 }
 
 void AnchorHead::tail_values() {
@@ -748,35 +812,18 @@ void AnchorHead::combine(float *out, float *lse) {
   if (lse)
     for (int i = 0; i < rows; ++i) lse[i] = row_max(i) + std::log(sums[i]);
 
-  // Values are never reconstructed: per-anchor weights, then residuals in the rotated
-  // domain with one inverse Hadamard per row.
+  // Values are never reconstructed: per-anchor weights (the chunks' and the window's), then
+  // residuals in the rotated domain with one inverse Hadamard per row.
   // Rows padded to fours with zero weights (weighted_rows' blocks); only rows < rows are read.
   const int crows = crows_;
   AlignedFloats weights(static_cast<size_t>(crows) * k, 0.0f), acc(static_cast<size_t>(crows) * D, 0.0f);
-  if (g_.format == 2) {
-    const uint16_t *vidx = cache.section<uint16_t>(kValueIndex) + h * P;
-    const uint16_t *vgam = cache.section<uint16_t>(kValueGamma) + h * P;
-    for (int64_t t = 0; t < P; ++t) {
-      const int a = vidx[t];
-      const float gam = bf16_to_float(vgam[t]);
-      for (int i = 0; i < rows; ++i) weights[i * k + a] += L[i * total + t] * gam;
+  for (int64_t c = 0; c < chunks_; ++c) {  // the chunks' weights, in chunk order
+    const int64_t lo = wlo_[c], n = static_cast<int64_t>(wpart_[c].size()) / crows;
+    for (int i = 0; i < rows; ++i) {
+      const float *from = &wpart_[c][static_cast<size_t>(i) * n];
+      float *to = &weights[static_cast<size_t>(i) * k + lo];
+      for (int64_t a = 0; a < n; ++a) to[a] += from[a];
     }
-  } else {
-    const uint8_t *vidx8 = cache.section<uint8_t>(kValueIndex) + h * P;
-    const uint8_t *vcode = cache.section<uint8_t>(kValueGamma) + h * P;
-    for (int64_t seg = 0; seg < g_.segments; ++seg) {
-      const int64_t t0 = seg * g_.segment_len, t1 = std::min(P, t0 + g_.segment_len);
-      const uint16_t *table = tables_ ? tables_ + seg * g_.table_size : nullptr;
-      float value_gamma[256];
-      gamma_values(scales_[seg * 2 + 1], value_gamma);
-      for (int64_t t = t0; t < t1; ++t) {
-        const int a = table ? table[vidx8[t]] : vidx8[t];
-        const float gam = value_gamma[vcode[t]];  // 0 for anchor tokens
-        for (int i = 0; i < rows; ++i) weights[i * k + a] += L[i * total + t] * gam;
-      }
-    }
-    for (int64_t a = 0; a < free_anchors_; ++a)
-      for (int i = 0; i < rows; ++i) weights[i * k + a] += L[i * total + anchor_tokens_[a]];
   }
   for (int w = 0; w < W; ++w)
     for (int i = 0; i < rows; ++i) weights[i * k + k - W + w] += L[i * total + P + w];
@@ -870,9 +917,49 @@ void decode_cpu(const akv_cache *const *caches, int32_t batch, const float *q, i
   const int H = s0.num_kv_heads, G = s0.num_q_heads / H, D = s0.head_dim;
   const int64_t rows = static_cast<int64_t>(G) * q_len, per_head = rows * D, per_request = H * per_head;
   const int threads = pool.size();
-  // Per request: its heads in `groups` groups, and AnchorKV's chunks of the prefix. An
-  // AnchorKV group's walk over a chunk is one item (the heads of a group share its RoPE
-  // angles); as many groups as it takes for every thread to have an item.
+  auto q_of = [&](int32_t r, int h) { return q + r * per_request + h * per_head; };
+  auto out_of = [&](int32_t r, int h) { return out + r * per_request + h * per_head; };
+  auto lse_of = [&](int32_t r, int h) { return lse ? lse + (static_cast<int64_t>(r) * H + h) * rows : nullptr; };
+  auto is_anchor = [&](int32_t r) { return storage_of(caches[r]->meta.method) == Storage::kAnchor; };
+  auto chunks_of = [&](int32_t r) {
+    return is_anchor(r) ? (caches[r]->geometry.prefix + kDecodeChunk - 1) / kDecodeChunk : int64_t{0};
+  };
+  int64_t most_chunks = 0;
+  for (int32_t r = 0; r < batch; ++r) most_chunks = std::max(most_chunks, chunks_of(r));
+
+  // Whole heads, one group of a request's heads an item, in one pass through the pool: where
+  // there are heads enough for the threads (two a thread) or no prefix spans two chunks. The
+  // heads of a group share their walks' RoPE angles.
+  if (threads == 1 || most_chunks <= 1 || static_cast<int64_t>(batch) * H >= 2 * threads) {
+    const int groups = std::min(H, std::max(1, (threads + batch - 1) / batch));
+    share_out(pool, static_cast<int64_t>(batch) * groups, [&](int64_t i) {
+      const int32_t r = static_cast<int32_t>(i / groups);
+      const int grp = static_cast<int>(i % groups), h0 = H * grp / groups, h1 = H * (grp + 1) / groups;
+      const akv_cache &cache = *caches[r];
+      if (!is_anchor(r)) {
+        for (int h = h0; h < h1; ++h) decode_head_cpu(cache, h, q_of(r, h), q_len, out_of(r, h), lse_of(r, h));
+        return;
+      }
+      std::vector<std::unique_ptr<AnchorHead>> heads(H);
+      for (int h = h0; h < h1; ++h) heads[h] = std::make_unique<AnchorHead>(cache, h, q_of(r, h), q_len);
+      const std::vector<float> window_trig = window_angles(cache);
+      const int64_t chunks = chunks_of(r);
+      for (int64_t c = 0; c < chunks; ++c) walk_chunk(cache, heads, h0, h1, c);
+      for (int h = h0; h < h1; ++h) {
+        AnchorHead &head = *heads[h];
+        head.tail_logits(window_trig.data());
+        for (int64_t c = 0; c < chunks; ++c) head.chunk_values(c);
+        head.tail_values();
+        head.combine(out_of(r, h), lse_of(r, h));
+      }
+    });
+    return;
+  }
+
+  // Else the AnchorKV heads' chunks are items too, in four passes: the heads' states; each
+  // chunk's walk (a group of heads a chunk) and each head's window and suffix logits; each
+  // chunk's softmax numerators, value residuals and weights; each head's sums and output. The
+  // results are the same bits as above (the same chunks, added in the same order).
   struct Request {
     bool anchor = false;
     int groups = 1;
@@ -881,74 +968,56 @@ void decode_cpu(const akv_cache *const *caches, int32_t batch, const float *q, i
     std::vector<float> window_trig;
   };
   std::vector<Request> req(batch);
-  int64_t anchor_heads = 0;
+  std::vector<std::pair<int32_t, int>> anchor_heads;
   for (int32_t r = 0; r < batch; ++r) {
     Request &x = req[r];
-    x.anchor = storage_of(caches[r]->meta.method) == Storage::kAnchor;
-    const int64_t chunks = x.anchor ? (caches[r]->geometry.prefix + kDecodeChunk - 1) / kDecodeChunk : 0;
+    x.anchor = is_anchor(r);
+    const int64_t chunks = chunks_of(r);
     x.parts = x.anchor ? chunks + 1 : 1;
+    // As many groups as it takes for every thread to have an item.
     const int64_t per_group = static_cast<int64_t>(batch) * std::max<int64_t>(chunks, 1);
     x.groups = static_cast<int>(std::min<int64_t>(H, std::max<int64_t>(1, (threads + per_group - 1) / per_group)));
-    if (x.anchor) {
-      x.heads.resize(H);
-      anchor_heads += H;
-    }
+    if (x.anchor) x.heads.resize(H);
+    for (int h = 0; h < H && x.anchor; ++h) anchor_heads.push_back({r, h});
   }
-  auto lse_of = [&](int32_t r, int h) { return lse ? lse + (static_cast<int64_t>(r) * H + h) * rows : nullptr; };
-  // Items of the walks and of the values: (request, group, part).
-  std::vector<std::array<int64_t, 3>> items;
+  std::vector<std::array<int64_t, 3>> items;  // (request, group, part)
   for (int32_t r = 0; r < batch; ++r)
     for (int grp = 0; grp < req[r].groups; ++grp)
       for (int64_t part = 0; part < req[r].parts; ++part) items.push_back({r, grp, part});
   auto group_heads = [&](int32_t r, int grp) {
     return std::pair<int, int>{H * grp / req[r].groups, H * (grp + 1) / req[r].groups};
   };
-  // 1. Every AnchorKV head's state (its queries, and tables some paths build from them).
-  if (anchor_heads) {
-    std::vector<std::pair<int32_t, int>> heads;
-    for (int32_t r = 0; r < batch; ++r)
-      for (int h = 0; h < H && req[r].anchor; ++h) heads.push_back({r, h});
-    share_out(pool, static_cast<int64_t>(heads.size()), [&](int64_t i) {
-      const auto [r, h] = heads[i];
-      req[r].heads[h] = std::make_unique<AnchorHead>(*caches[r], h, q + r * per_request + h * per_head, q_len);
-      if (h == 0) req[r].window_trig = window_angles(*caches[r]);
-    });
-  }
-  // 2. The walks of the chunks and the window's and suffix's logits; the other methods' whole
-  // decode.
-  share_out(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+  share_out(pool, static_cast<int64_t>(anchor_heads.size()), [&](int64_t i) {
+    const auto [r, h] = anchor_heads[i];
+    req[r].heads[h] = std::make_unique<AnchorHead>(*caches[r], h, q_of(r, h), q_len);
+    if (h == 0) req[r].window_trig = window_angles(*caches[r]);
+  });
+  share_out(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {  // the other methods' whole decode too
     const int32_t r = static_cast<int32_t>(items[i][0]);
     const int64_t part = items[i][2];
     const auto [h0, h1] = group_heads(r, static_cast<int>(items[i][1]));
     Request &x = req[r];
     if (!x.anchor) {
-      for (int h = h0; h < h1; ++h)
-        decode_head_cpu(*caches[r], h, q + r * per_request + h * per_head, q_len, out + r * per_request + h * per_head,
-                        lse_of(r, h));
+      for (int h = h0; h < h1; ++h) decode_head_cpu(*caches[r], h, q_of(r, h), q_len, out_of(r, h), lse_of(r, h));
     } else if (part + 1 < x.parts) {
       walk_chunk(*caches[r], x.heads, h0, h1, part);
     } else {
       for (int h = h0; h < h1; ++h) x.heads[h]->tail_logits(x.window_trig.data());
     }
   });
-  if (!anchor_heads) return;
-  // 3. Softmax numerators and value residuals by chunk, the tails.
   share_out(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
     const int32_t r = static_cast<int32_t>(items[i][0]);
     const int64_t part = items[i][2];
     const auto [h0, h1] = group_heads(r, static_cast<int>(items[i][1]));
     Request &x = req[r];
-    if (!x.anchor) return;
-    for (int h = h0; h < h1; ++h) {
+    for (int h = h0; h < h1 && x.anchor; ++h) {
       if (part + 1 < x.parts) x.heads[h]->chunk_values(part);
       else x.heads[h]->tail_values();
     }
   });
-  // 4. Each head's parts added, its per-anchor weights and anchor values.
-  share_out(pool, static_cast<int64_t>(batch) * H, [&](int64_t i) {
-    const int32_t r = static_cast<int32_t>(i / H);
-    const int h = static_cast<int>(i % H);
-    if (req[r].anchor) req[r].heads[h]->combine(out + r * per_request + h * per_head, lse_of(r, h));
+  share_out(pool, static_cast<int64_t>(anchor_heads.size()), [&](int64_t i) {
+    const auto [r, h] = anchor_heads[i];
+    req[r].heads[h]->combine(out_of(r, h), lse_of(r, h));
   });
 }
 

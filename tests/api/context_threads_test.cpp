@@ -84,9 +84,10 @@ TEST(ContextThreads, CompressionGivesTheSameCacheWithAnyThreadCount) {
 }
 
 // The AnchorKV decode splits every head's prefix into fixed chunks and shares the chunks and
-// heads out over the context's threads: its output (and log-sum-exp) is the same bytes with
-// any thread count (a prefix of three chunks, 3 KV heads, 3 appended tokens and q_len 2: 1 thread, and 2, 3
-// and 5, which group the heads differently).
+// heads out over the context's threads, or whole heads where there are enough of them: its
+// output and log-sum-exp are the same bytes with any thread count and either way. A prefix of
+// three chunks, 3 KV heads, 3 appended tokens, q_len 2, decoded alone (1 thread: whole heads;
+// 2, 3 and 5: chunks) and in a batch of two (2 and 3 threads: whole heads; 5: chunks).
 TEST(ContextThreads, DecodeGivesTheSameOutputWithAnyThreadCount) {
   const uint64_t seed = fresh_seed();
   AKV_TRACE_SEED(seed);
@@ -98,7 +99,10 @@ TEST(ContextThreads, DecodeGivesTheSameOutputWithAnyThreadCount) {
   spec.head_dim = 64;
   const PrefillData data = make_prefill(rng, spec);
   const int q_len = 2;
-  const Tensor queries = make_tensor(nonzero_normal(rng, static_cast<size_t>(9) * q_len * 64, 1.5), AKV_DTYPE_F32);
+  const size_t n_out = static_cast<size_t>(9) * q_len * 64, n_lse = static_cast<size_t>(9) * q_len;
+  const std::vector<float> q = nonzero_normal(rng, 2 * n_out, 1.5);
+  const Tensor queries = make_tensor(std::vector<float>(q.begin(), q.begin() + n_out), AKV_DTYPE_F32);
+  const Tensor both = make_tensor(q, AKV_DTYPE_F32);  // the batch's: queries, then others
   const Tensor keys = make_tensor(llm_like_keys(rng, 3, 3, 64), AKV_DTYPE_F32);  // 3 appended tokens
   const Tensor values = make_tensor(nonzero_normal(rng, static_cast<size_t>(3) * 3 * 64), AKV_DTYPE_F32);
   for (int format : {3, 2}) {
@@ -106,22 +110,35 @@ TEST(ContextThreads, DecodeGivesTheSameOutputWithAnyThreadCount) {
     akv_compress_options_init(&o);
     o.storage_format = format;
     o.retain_fraction = 0.1;
-    std::vector<uint8_t> first;
-    std::vector<float> first_lse;
+    std::vector<uint8_t> first, first_batch;
+    std::vector<float> first_lse, first_batch_lse;
     for (int threads : {1, 2, 3, 5}) {
       ContextPtr context = make_context(threads);
-      CachePtr cache = compress(context.get(), data, o);
-      ok(akv_append(cache.get(), keys.data(), values.data(), AKV_DTYPE_F32, 3, nullptr, nullptr), "akv_append");
-      std::vector<uint8_t> out = poisoned(static_cast<size_t>(9) * q_len * 64, AKV_DTYPE_F32);
-      std::vector<float> lse(static_cast<size_t>(9) * q_len, std::nanf(""));
-      ok(akv_decode_lse(cache.get(), queries.data(), AKV_DTYPE_F32, q_len, out.data(), lse.data(), nullptr), "decode");
+      CachePtr caches[3];
+      for (CachePtr &cache : caches) {
+        cache = compress(context.get(), data, o);
+        ok(akv_append(cache.get(), keys.data(), values.data(), AKV_DTYPE_F32, 3, nullptr, nullptr), "akv_append");
+      }
+      std::vector<uint8_t> out = poisoned(n_out, AKV_DTYPE_F32), out_batch = poisoned(2 * n_out, AKV_DTYPE_F32);
+      std::vector<float> lse(n_lse, std::nanf("")), lse_batch(2 * n_lse, std::nanf(""));
+      ok(akv_decode_lse(caches[0].get(), queries.data(), AKV_DTYPE_F32, q_len, out.data(), lse.data(), nullptr),
+         "decode");
+      akv_cache *pair[2] = {caches[1].get(), caches[2].get()};
+      ok(akv_decode_batch_lse(context.get(), pair, 2, both.data(), AKV_DTYPE_F32, q_len, out_batch.data(),
+                              lse_batch.data(), nullptr),
+         "batch decode");
+      // The batch's first request is the single decode.
+      EXPECT_EQ(std::memcmp(out_batch.data(), out.data(), out.size()), 0) << "format " << format << ", " << threads;
+      EXPECT_EQ(std::memcmp(lse_batch.data(), lse.data(), lse.size() * sizeof(float)), 0)
+          << "format " << format << ", " << threads << " threads";
       if (threads == 1) {
-        EXPECT_EQ(count_non_finite(decode_bytes(out, AKV_DTYPE_F32)), 0u);
-        first = out;
-        first_lse = lse;
+        EXPECT_EQ(count_non_finite(decode_bytes(out_batch, AKV_DTYPE_F32)), 0u);
+        EXPECT_EQ(count_non_finite(lse_batch), 0u);
+        first_batch = out_batch;
+        first_batch_lse = lse_batch;
       } else {
-        EXPECT_TRUE(out == first) << "format " << format << ", " << threads << " threads";
-        EXPECT_EQ(std::memcmp(lse.data(), first_lse.data(), lse.size() * sizeof(float)), 0)
+        EXPECT_TRUE(out_batch == first_batch) << "format " << format << ", " << threads << " threads";
+        EXPECT_EQ(std::memcmp(lse_batch.data(), first_batch_lse.data(), lse_batch.size() * sizeof(float)), 0)
             << "format " << format << ", " << threads << " threads";
       }
     }
