@@ -196,7 +196,9 @@ typedef struct akv_context_options {
   int32_t num_threads;    /* CPU worker threads, at most 1024; 0 = all hardware threads
                              (capped at 1024). They are all the CPU backend uses: when the
                              library was built with OpenBLAS, its first GEMM sets OpenBLAS
-                             to one thread (openblas_set_num_threads(1), process-wide) */
+                             to one thread (openblas_set_num_threads(1), process-wide).
+                             Decode outputs and AnchorKV's compressed caches are the
+                             same bytes with any count */
   akv_allocator allocator;/* all NULL = the library's own (aligned malloc / cudaMalloc) */
 } akv_context_options;
 

@@ -160,7 +160,8 @@ pub struct ContextOptions {
     /// CUDA device ordinal.
     pub device: i32,
     /// CPU worker threads, at most 1024; 0 = all hardware threads (capped at 1024). A thread
-    /// the system refuses gives `Status::OutOfMemory`.
+    /// the system refuses gives `Status::OutOfMemory`. Decode outputs and AnchorKV's compressed
+    /// caches are the same bytes with any count.
     pub num_threads: i32,
 }
 
