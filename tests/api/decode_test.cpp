@@ -238,7 +238,7 @@ INSTANTIATE_TEST_SUITE_P(
         DecodeCase{"AnchorKV3_F32_S4096_G4_D128_Tables",     A, AKV_DTYPE_F32, 4096, 2, 4, 128, AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  1, false, 2, 32, 3, 600},
         // Prefixes of three decode chunks (4096 tokens each, the last one shorter).
         DecodeCase{"AnchorKV3_BF16_S9000_G4_D128_Chunks",    A, AKV_DTYPE_BF16, 9000, 2, 4, 128, AKV_ROPE_NEOX, 0, false, false, false, 0.0f,  3, false, 2, 32, 3},
-        DecodeCase{"AnchorKV_F32_S9000_G2_D64_GptJ_Chunks",  A, AKV_DTYPE_F32, 9000, 2, 2, 64,  AKV_ROPE_GPTJ, 0,  false, true,  false, 0.0f,  2, false, 3},
+        DecodeCase{"AnchorKV_F32_S9000_G2_D64_GptJ_Chunks",  A, AKV_DTYPE_F32, 9000, 2, 2, 64,  AKV_ROPE_GPTJ, 0,  false, false, false, 0.0f,  2, false, 3},
         DecodeCase{"AnchorKV3_F32_S9000_G2_D64_NoRope_Chunks", A, AKV_DTYPE_F32, 9000, 1, 2, 64, AKV_ROPE_NONE, 0, false, false, false, 0.0f, 4, false, 1, 32, 3},
         DecodeCase{"FullKV_F32_G4_D64_NeoX",                 F, AKV_DTYPE_F32,  200, 2, 4, 64,  AKV_ROPE_NEOX, 0,  false, false, false, 0.0f,  4, false, 3},
         DecodeCase{"FullKV_BF16_G1_D128_GptJ_Positions_Post",F, AKV_DTYPE_BF16, 150, 2, 1, 128, AKV_ROPE_GPTJ, 0,  false, true,  true,  0.0f,  2, true,  2},
