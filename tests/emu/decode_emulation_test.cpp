@@ -231,10 +231,13 @@ void check_case(const Case &c, int batch, int sm_count, int resident = 2, size_t
   EXPECT_TRUE(decode_output_near(got, expected, c.io, tol));
   // The merge kernel's log-sum-exp (base-2 running max and sum) against the CPU's. With bf16
   // queries the keys' side runs in bf16: logits off by a few 2^-9 of their size, so the bound
-  // is relative (4e-3, about one bf16 unit: up to 0.2% seen, LSE 10-15); other dtypes keep
-  // fp32-level accuracy.
+  // is relative, 6e-3 (three units of 2^-9). It was 4e-3 (two), past which the tail went now
+  // and then at LSE 10-15: a check's largest error over 25 runs 0.0026 (GPT-J) and 0.0032
+  // (NeoX) at most, but 0.0055 once in CI (GPT-J, D 64, q_len 2) and 0.0050 once (NeoX, D 64,
+  // q_len 1: AKV_TEST_SEED=15873861192233142087, on the CPU decode before and after its chunks
+  // alike). Other dtypes keep fp32-level accuracy.
   const bool bf16_io = c.io == AKV_DTYPE_BF16;
-  EXPECT_TRUE(all_near(got_lse, expected_lse, (bf16_io ? 1e-2 : 1e-4) * spread, (bf16_io ? 4e-3 : 1e-5) * spread))
+  EXPECT_TRUE(all_near(got_lse, expected_lse, (bf16_io ? 1e-2 : 1e-4) * spread, (bf16_io ? 6e-3 : 1e-5) * spread))
       << "log-sum-exp";
 }
 
@@ -339,10 +342,11 @@ TEST(EmulatedDecode, Bf16QueriesTakeTheRegisterGatherPath) {
 // in quad order, the anchor rows' halves permuted as they are loaded (decode_split_kernel's
 // gptj_position). D 64, 128 and 256; segment tables (600 anchors), several query rows and
 // appended tokens, and the window past a tile. D 64 with q_len 1 and no appended tokens, as
-// Bf16QueriesTakeTheRegisterGatherPath's: with 2 and 3 the log-sum-exp's bf16 error reaches
-// the bound's tail for either pairing (25 runs each, 2026-12-06, the largest relative error of
-// a check: GPT-J median 0.0004, 90th percentile 0.0016, most 0.0026; NeoX 0.0006, 0.0016,
-// 0.0032; bound 0.004, which one GPT-J check in about 200 went past, at 0.0055).
+// Bf16QueriesTakeTheRegisterGatherPath's: with 2 and 3 the log-sum-exp's bf16 error reached
+// the then bound's tail for either pairing (25 runs each, 2026-12-06, the largest relative
+// error of a check: GPT-J median 0.0004, 90th percentile 0.0016, most 0.0026; NeoX 0.0006,
+// 0.0016, 0.0032; bound 0.004, which one GPT-J check in about 200 went past, at 0.0055; the
+// bound is 0.006 now, check_case).
 TEST(EmulatedDecode, GptjTakesTheRegisterGatherPath) {
   const int before = fast_launches, gptj_before = gptj_launches;
   for (int D : {64, 128, 256}) {
