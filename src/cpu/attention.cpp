@@ -99,6 +99,7 @@ constexpr int64_t kTokensPerAnchor = 16;
 // the value side) costs little beside its walk.
 constexpr int64_t kDecodeChunk = 4096;
 static_assert(kDecodeChunk % kTile == 0, "chunks of whole tiles");
+inline int64_t decode_chunks(int64_t prefix) { return (prefix + kDecodeChunk - 1) / kDecodeChunk; }
 std::atomic<int> forced_prefix_logits{static_cast<int>(PrefixLogits::kAuto)};
 
 }  // namespace
@@ -135,7 +136,7 @@ class AnchorHead {
     const int k = g_.anchors;
     const int64_t P = g_.prefix, words = g_.words;
     total_ = cache.meta.shape.seq_len + cache.suffix_len;
-    chunks_ = (P + kDecodeChunk - 1) / kDecodeChunk;
+    chunks_ = decode_chunks(P);
     max_.assign(static_cast<size_t>(chunks_ + 1) * rows_, 0.0f);
     sums_.assign(static_cast<size_t>(chunks_ + 1) * rows_, 0.0f);
     wpart_.resize(chunks_);
@@ -533,7 +534,7 @@ class AnchorHead {
     w.r.assign(c_.codec.rotated_dim(), 0.0f);
     w.lut_segment = -1;
     w.segment_table = nullptr;
-    w.next_anchor = free_anchors_ ? std::lower_bound(anchor_tokens_, anchor_tokens_ + free_anchors_, t0) - anchor_tokens_ : 0;
+    w.next_anchor = anchor_from(t0);
     w.next_anchor_token = w.next_anchor < free_anchors_ ? anchor_tokens_[w.next_anchor] : -1;
   }
 
@@ -628,6 +629,14 @@ class AnchorHead {
   // its tokens use (chunk_weights).
   std::vector<AlignedFloats> wpart_;
   std::vector<int64_t> wlo_;
+  // Format 3: the index of the first free anchor whose token is at or after t (free_anchors_
+  // when none; 0 without format 3's list).
+  int64_t anchor_from(int64_t t) const {
+    return free_anchors_ ? std::lower_bound(anchor_tokens_, anchor_tokens_ + free_anchors_, t) - anchor_tokens_ : 0;
+  }
+  // The end of what row i = g * q_len + qi sees: every prompt token and the first
+  // suffix - (q_len - 1 - qi) appended tokens.
+  int64_t row_end(int i) const { return total_ - (q_len_ - 1 - i % q_len_); }
   float row_max(int i) const {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c <= chunks_; ++c) m = std::max(m, max_[c * rows_ + i]);
@@ -674,9 +683,8 @@ void AnchorHead::tail_logits(const float *window_trig) {
     dense_logits(sk + static_cast<int64_t>(h_) * cache.suffix_capacity * D, suffix, D, storage_, q_.data(), rows, L,
                  total, prompt);
   }
-  // Row i = g * q_len + qi sees the first suffix - (q_len - 1 - qi) appended tokens.
   for (int i = 0; i < rows; ++i) {
-    const int64_t end = prompt + suffix - (q_len_ - 1 - i % q_len_);
+    const int64_t end = row_end(i);
     max_[chunks_ * rows + i] =
         end > P ? max_of(L + i * total + P, end - P) : -std::numeric_limits<float>::infinity();
   }
@@ -734,10 +742,7 @@ void AnchorHead::chunk_weights(int64_t c) {
   const float *L = L_.data();
   // The anchors the chunk's tokens use: format 3's segment tables there and its own anchor
   // tokens (format 2 and format 3 without tables: any).
-  const int64_t first_anchor =
-      free_anchors_ ? std::lower_bound(anchor_tokens_, anchor_tokens_ + free_anchors_, t0) - anchor_tokens_ : 0;
-  int64_t last_anchor = first_anchor;
-  while (last_anchor < free_anchors_ && anchor_tokens_[last_anchor] < t1) ++last_anchor;
+  const int64_t first_anchor = anchor_from(t0), last_anchor = anchor_from(t1);
   int64_t lo = 0, hi = k;
   if (g_.format == 3 && tables_) {
     lo = first_anchor < last_anchor ? first_anchor : k;
@@ -787,7 +792,7 @@ void AnchorHead::tail_values() {
   const int64_t P = g_.prefix, total = total_;
   const int64_t prompt = cache.meta.shape.seq_len, suffix = cache.suffix_len;
   for (int i = 0; i < rows_; ++i) {
-    const int64_t end = prompt + suffix - (q_len_ - 1 - i % q_len_);
+    const int64_t end = row_end(i);
     float *l = &L_[static_cast<size_t>(i) * total];
     sums_[chunks_ * rows_ + i] = end > P ? exp_shifted_sum(l + P, end - P, row_max(i)) : 0.0f;
     for (int64_t t = end; t < total; ++t) l[t] = 0.0f;
@@ -922,7 +927,7 @@ void decode_cpu(const akv_cache *const *caches, int32_t batch, const float *q, i
   auto lse_of = [&](int32_t r, int h) { return lse ? lse + (static_cast<int64_t>(r) * H + h) * rows : nullptr; };
   auto is_anchor = [&](int32_t r) { return storage_of(caches[r]->meta.method) == Storage::kAnchor; };
   auto chunks_of = [&](int32_t r) {
-    return is_anchor(r) ? (caches[r]->geometry.prefix + kDecodeChunk - 1) / kDecodeChunk : int64_t{0};
+    return is_anchor(r) ? decode_chunks(caches[r]->geometry.prefix) : int64_t{0};
   };
   int64_t most_chunks = 0;
   for (int32_t r = 0; r < batch; ++r) most_chunks = std::max(most_chunks, chunks_of(r));
