@@ -13,8 +13,8 @@ Compare with a device run: `ANCHORKV_COMPRESS_PROFILE=1` makes the pass print on
 "anchorkv AnchorKV compress S=...: setup x ms; load x ms; ...; total x ms; N stream operations",
 with the stage names used here; scripts/bench_compress.py prints that line after its timed runs.
 The "ops" column is the library's own operation count (CudaDevice::operations) and is checked
-against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 151 per layer up to 64K,
-280 at 128K; format 3: 119 and 216).
+against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 119 per layer up to 64K,
+216 at 128K; format 3: 113 and 204).
 
 Storage format 3 (the default) searches each token's local candidates (local_nearest_kernel in
 src/cuda/compress_local_kernels.cuh): its cost comes from the kernel's SASS, counted by
@@ -100,7 +100,7 @@ STAGES = ["setup", "load", "window attention", "scores+pooling", "anchor selecti
 # ---- Options (akv_compress_options_init) and shape ------------------------------------------
 H, HQ, D, W, THETA = 8, 32, 128, 32, 0.05
 OPT = dict(scored_fraction=0.3, pool_kernel=7, sink_tokens=4, fill_budget=1, anchor_share=0.7,
-           guard_fraction=0.75, coverage_rounds=16)
+           guard_fraction=0.75, coverage_rounds=8)
 PAIRS = D // 2            # NeoX RoPE over the whole head (rotary_dim 0 = D)
 HEAD_BATCH_BUDGET = 2 << 30
 
@@ -244,14 +244,21 @@ class Pass:
         simt = hb * rows * (4 * anchors + 2 * 4 * D + 3 * D)
         self.op(tc=tc, simt=simt, hbm=hb * rows * (D * 4 + 8))  # X once (re-read from L1/L2), outputs
 
-    def coverage_round(self, hb, P, take, local):
+    def coverage_round(self, hb, P, take, local, pool=0, share=1.0):
         """A coverage round's ranking (coverage_round() in compress_anchorkv_pass.hpp): each chunk's
         energy sums (format 2; format 3's come from the last search, local_nearest_kernel's
         energy_parts), each chunk's candidates (keys, a select in shared memory), the merge (one
         block a head over chunks x slots candidates: extra digit and emit trips past one chunk).
-        A block: 32 warps of the kernel's SASS on one multiprocessor (one block a multiprocessor)."""
+        A block: 32 warps of the kernel's SASS on one multiprocessor (one block a multiprocessor).
+        With a pool (core/coverage.hpp: pool > take) the chunks and the merge select the pool,
+        then (format 3) its rows as stored anchors, the cover test and a second merge over the
+        pool take the picks. The cover test (coverage_cover_kernel) is a warp a member walking
+        the members in its reach (`share` of the pool) ranked before it, half of them on
+        average, each a dependent trip to L2 for the member's key and token and one for the two
+        rows (COVER_PAIR_S), every head's members side by side."""
         chunks = -(-P // SELECT_CHUNK)
-        n = chunks * min(take, SELECT_CHUNK)
+        wanted = pool if pool > take else take
+        n = chunks * min(wanted, SELECT_CHUNK)
         block_s = lambda warp_instr: 32 * warp_instr / (4 * IPC * CLOCK_HZ)
         waves = -(-(hb * chunks) // SMS)
         if not local:
@@ -259,9 +266,18 @@ class Pass:
                     latency=waves * block_s(SELECT["coverage_energy_kernel"]["hot_static"]))
         self.op(hbm=hb * P * 20 + hb * n * 8, latency=waves * block_s(SELECT["coverage_chunk_kernel"]["hot_static"]))
         m = SELECT["coverage_merge_kernel"]
-        steps = -(-n // SELECT_CHUNK)
-        warp = m["hot_static"] + (steps - 1) * (sum(m["hist_loops"]) + m["emit_loop"])
-        self.op(hbm=hb * n * 8 * 4 + hb * take * 12, latency=block_s(warp))
+        merge = lambda n, want: self.op(hbm=hb * n * 8 * 4 + hb * want * 12,
+                                        latency=block_s(m["hot_static"] + (-(-n // SELECT_CHUNK) - 1) *
+                                                        (sum(m["hist_loops"]) + m["emit_loop"])))
+        merge(n, wanted)
+        if pool <= take:
+            return
+        if local:
+            self.unit_rows(2 * hb, pool, False)
+        pairs = pool * share / 2
+        self.op(simt=hb * pool * pairs * 2 * 2 * D, hbm=hb * pool * 2 * D * 4 * 2,
+                latency=pairs * COVER_PAIR_S)
+        merge(pool, take)
 
     def unit_rows(self, hb, n, bf16_copy):  # unit_rows_kernel: read X rows, write unit rows (+bf16)
         self.op(simt=hb * n * 3 * D, hbm=hb * n * (D * 4 + D * 4 + (D * 2 if bf16_copy else 4)))
@@ -330,6 +346,12 @@ class Pass:
         self.op(hbm=parts + hb * m * D * 4)
 
 
+def coverage_pool(take, free):
+    """core/coverage.hpp coverage_pool_size(): kCoveragePool (8) x take, at most the free
+    anchors, at least take."""
+    return min(8 * take, max(take, free))
+
+
 def warp_search_rounds(n):
     """warp_lower_bound_u32's rounds over n ids at most: each narrows the range to a probe's
     step, ceil(length / 32), less one."""
@@ -366,7 +388,7 @@ def global_pass(x, g, hb):
     left, at, R = n_rand, n_top, OPT["coverage_rounds"]
     for rnd in range(R):
         take = min(-(-left // (R - rnd)), P - at)
-        x.coverage_round(hb, P, take, False)
+        x.coverage_round(hb, P, take, False, coverage_pool(take, free))
         absorbed.append(take)
         left, at = left - take, at + take
     for n in absorbed:                          # absorb(): both sides' anchor unit rows, per side nearest
@@ -401,6 +423,7 @@ TABLE_MISSES = {32768: 1281, 65536: 5147, 131072: 12471}
 TABLE_MISS_INSTR = 8 * 435
 SHARED_STEP_CYCLES = 120          # a bitonic step: a batch of shared loads, compare, stores, barrier
 TRIP_CYCLES = 900                 # a dependent trip to memory (scripts/sass_count.py's LATENCY["hbm"])
+COVER_PAIR_S = 2 * 300 / CLOCK_HZ  # ASSUMED: a cover test's pair, two dependent trips to L2 (~300 cycles each)
 L2_BPS = 10e12                    # ASSUMED: L2 reads (the tables' rows, reread by each scan)
 
 
@@ -431,7 +454,7 @@ def local_pass(x, g, hb):
     left, at, R = n_rand, n_top, OPT["coverage_rounds"]
     for rnd in range(R):
         take = min(-(-left // (R - rnd)), P - at)
-        x.coverage_round(hb, P, take, True)            # the picks come out in token order
+        x.coverage_round(hb, P, take, True, coverage_pool(take, free), share)  # the picks in token order
         absorbs.append((take, False))
         left, at = left - take, at + take
     for i, (n, fresh) in enumerate(absorbs):        # absorb(): both sides' candidate rows, both sides' search
@@ -545,7 +568,7 @@ def main():
         g, HB, x = predict(S)
         total = {key: sum(r[key] for r in x.rows.values()) for key in Pass.KEYS}
         if S in (32768, 65536, 131072):  # tests/emu CompressLaunchCount.PerLayerAtBenchShapes
-            expected = {(2, 8): 151, (2, 4): 280, (3, 8): 121, (3, 4): 220}[(FORMAT, HB)]
+            expected = {(2, 8): 119, (2, 4): 216, (3, 8): 113, (3, 4): 204}[(FORMAT, HB)]
             assert HB == (8 if S <= 65536 else 4) and total["ops"] == expected, (HB, total["ops"])
         print(f"### S = {S}: k = {g['k']} anchors/head ({g['n_top']} scored, {g['n_rand']} coverage), "
               f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({-(-H // HB)} batches)\n")

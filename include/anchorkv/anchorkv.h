@@ -279,7 +279,9 @@ typedef struct akv_compress_options {
                                      0 = a seeded uniform sample (paper); r >= 1 = in r rounds,
                                      the tokens that the anchors so far represent worst (largest
                                      residual energy against their best-|cos| anchor, keys and
-                                     values each relative to their mean). 0..64; default 16 */
+                                     values each relative to their mean), each round's from a
+                                     pool of 8x as many, skipping those that a worse one would
+                                     represent (docs/design.md 2.2). 0..64; default 8 */
   /* ---- Tensor parallelism (appended in 0.2; docs/engines.md) ---- */
   int32_t pool_heads;             /* ANCHORKV: KV heads per residual-pooling group. The call's
                                      heads split into consecutive groups of pool_heads; each group
@@ -354,7 +356,7 @@ typedef struct akv_compress_options {
  *  - sink_tokens 4: the first positions are always anchors (exact);
  *  - anchor_share 0.7 and fill_budget 1: more anchors than max(W, S/128) where the budget has
  *    room (at 4K tokens the paper's k is the window alone);
- *  - coverage_rounds 16 and scored_fraction 0.3 (paper: rho 0.7): after the scored share, most
+ *  - coverage_rounds 8 and scored_fraction 0.3 (paper: rho 0.7): after the scored share, most
  *    anchors are the tokens the others represent worst, not a uniform sample;
  *  - guard_fraction 0.75: most residual slots go by residual energy, the rest by the Eq. 6
  *    utility (which only sees what the window queries attend to);

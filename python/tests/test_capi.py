@@ -130,7 +130,7 @@ def test_option_init_fills_documented_defaults():
     assert options.window == 32
     assert options.scored_fraction == pytest.approx(0.3)  # measured on a real model; paper 0.7
     assert options.pool_kernel == 7
-    assert (options.sink_tokens, options.fill_budget, options.coverage_rounds) == (4, 1, 16)
+    assert (options.sink_tokens, options.fill_budget, options.coverage_rounds) == (4, 1, 8)
     assert (options.anchor_share, options.guard_fraction) == (pytest.approx(0.7), pytest.approx(0.75))
     paper = _capi.akv_compress_options()
     _capi.akv_compress_options_init_paper(ctypes.byref(paper))

@@ -50,7 +50,7 @@ akv_compress_options default_options() {
   o->fill_budget = 1;
   o->anchor_share = 0.7;
   o->guard_fraction = 0.75;
-  o->coverage_rounds = 16;
+  o->coverage_rounds = 8;
   o->scored_min = 64;
   o->follow_tokens = 8;
   o->logit_correction = 0.5;

@@ -118,6 +118,7 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
       });
     }
   };
+  const int64_t cap = static_cast<int64_t>(anchors.size()) + count;  // the head's non-window anchors
   std::vector<int32_t> fresh(anchors);
   for (int64_t t = P; t < S; ++t) fresh.push_back(static_cast<int32_t>(t));
   absorb(fresh);
@@ -128,7 +129,20 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
     for (int side = 0; side < 2; ++side)
       for (int64_t t = 0; t < P; ++t)
         error[side][t] = norm_sq[side][t] * std::max(0.0f, 1.0f - best_cos_sq[side][t]);
-    fresh = worst_represented(error, take, is_anchor, eligible, anchors);
+    const CoveragePool round_pool = coverage_pool(error, take, cap, is_anchor, eligible);
+    const int64_t C = static_cast<int64_t>(round_pool.tokens.size());
+    std::vector<float> pool_rows[2] = {std::vector<float>(C * D), std::vector<float>(C * D)};
+    for (int side = 0; side < 2; ++side)
+      for (int64_t j = 0; j < C; ++j)
+        std::memcpy(&pool_rows[side][j * D], &unit[side][static_cast<int64_t>(round_pool.tokens[j]) * D], D * sizeof(float));
+    const float *const rows[2] = {pool_rows[0].data(), pool_rows[1].data()};
+    const std::vector<char> covered =
+        covered_members(round_pool, error, rows, rows, D, nullptr, pool, [&](int64_t i, int side, float c) {
+          const int32_t t = round_pool.tokens[i];
+          const float c2 = c * c;
+          return c2 > best_cos_sq[side][t] ? norm_sq[side][t] * std::max(0.0f, 1.0f - c2) : error[side][t];
+        });
+    fresh = pool_picks(round_pool, covered, is_anchor, anchors);
     const int64_t n = static_cast<int64_t>(fresh.size());
     absorb(fresh);
     left -= n;

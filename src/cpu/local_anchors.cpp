@@ -66,28 +66,89 @@ CandidateRange candidate_range(const AnchorGeometry &g, int64_t seg) {
   return {std::max<int64_t>(0, t0 - reach), std::min(P, t1 + reach)};
 }
 
-std::vector<int32_t> worst_represented(const std::vector<float> (&error)[2], int64_t take, std::vector<char> &is_anchor,
-                                       const int8_t *eligible, std::vector<int32_t> &anchors) {
+CoveragePool coverage_pool(const std::vector<float> (&error)[2], int64_t take, int64_t cap,
+                           const std::vector<char> &is_anchor, const int8_t *eligible) {
   const int64_t P = static_cast<int64_t>(error[0].size());
-  double mean[2] = {0.0, 0.0};
+  CoveragePool pool;
   for (int side = 0; side < 2; ++side) {
-    for (int64_t t = 0; t < P; ++t) mean[side] += error[side][t];
-    mean[side] = mean[side] > 0.0 ? mean[side] / P : 1.0;
+    double sum = 0.0;
+    for (int64_t t = 0; t < P; ++t) sum += error[side][t];
+    pool.mean[side] = sum > 0.0 ? sum / P : 1.0;
   }
   std::vector<std::pair<float, int32_t>> order;
   order.reserve(P);
   for (int64_t t = 0; t < P; ++t)
     if (!is_anchor[t] && (!eligible || eligible[t]))
-      order.emplace_back(static_cast<float>(error[0][t] / mean[0] + error[1][t] / mean[1]), static_cast<int32_t>(t));
-  const int64_t n = std::min<int64_t>(take, static_cast<int64_t>(order.size()));
-  std::nth_element(order.begin(), order.begin() + n, order.end(), [](const auto &a, const auto &b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  });
+      order.emplace_back(static_cast<float>(error[0][t] / pool.mean[0] + error[1][t] / pool.mean[1]),
+                         static_cast<int32_t>(t));
+  const int64_t left = static_cast<int64_t>(order.size());
+  pool.take = std::min(take, left);
+  const int64_t C = std::min(left, coverage_pool_size(take, cap));
+  auto ranked = [](const auto &a, const auto &b) { return a.first != b.first ? a.first > b.first : a.second < b.second; };
+  std::nth_element(order.begin(), order.begin() + C, order.end(), ranked);
+  std::sort(order.begin(), order.begin() + C, ranked);
+  for (int64_t i = 0; i < C; ++i) {
+    pool.keys.push_back(order[i].first);
+    pool.tokens.push_back(order[i].second);
+  }
+  return pool;
+}
+
+CoverBlocks cover_blocks(const CoveragePool &pool, const AnchorGeometry *local) {
+  const int64_t C = static_cast<int64_t>(pool.tokens.size());
+  CoverBlocks cb;
+  cb.by_token.resize(C);
+  std::iota(cb.by_token.begin(), cb.by_token.end(), int64_t{0});
+  std::sort(cb.by_token.begin(), cb.by_token.end(), [&](int64_t a, int64_t b) { return pool.tokens[a] < pool.tokens[b]; });
+  auto token_at = [&](int64_t r) { return static_cast<int64_t>(pool.tokens[cb.by_token[r]]); };
+  auto first_at_or_after = [&](int64_t t) {  // the first rank in by_token whose token is >= t
+    int64_t lo = 0, hi = C;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (token_at(mid) < t) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  };
+  for (int64_t r = 0; r < C;) {
+    int64_t e = std::min(C, r + 256), first = 0, last = C;  // without a range: blocks of 256 against all
+    if (local) {
+      const int64_t seg = token_at(r) / local->segment_len;
+      const CandidateRange range = candidate_range(*local, seg);
+      e = first_at_or_after((seg + 1) * local->segment_len);
+      first = first_at_or_after(range.first);
+      last = first_at_or_after(range.last);
+    }
+    cb.begin.push_back(r);
+    cb.end.push_back(e);
+    cb.first.push_back(first);
+    cb.last.push_back(last);
+    r = e;
+  }
+  return cb;
+}
+
+std::vector<float> rows_by_token(const float *rows, const std::vector<int64_t> &by_token, int D) {
+  std::vector<float> out((by_token.size() + 3) * D, 0.0f);  // 3 zero rows: dot_block's padding
+  for (size_t r = 0; r < by_token.size(); ++r)
+    std::memcpy(&out[r * D], rows + by_token[r] * D, D * sizeof(float));
+  return out;
+}
+
+int64_t cover_width(int64_t n) { return dot_width(n); }
+void cover_products(const float *left, int64_t m, const float *right, int64_t n, int D, float *out) {
+  dot_block(left, m, right, n, D, out);
+}
+
+std::vector<int32_t> pool_picks(const CoveragePool &pool, const std::vector<char> &covered,
+                                std::vector<char> &is_anchor, std::vector<int32_t> &anchors) {
   std::vector<int32_t> picked;
-  for (int64_t i = 0; i < n; ++i) {
-    picked.push_back(order[i].second);
-    is_anchor[order[i].second] = 1;
-    anchors.push_back(order[i].second);
+  for (int pass = 0; pass < 2; ++pass)
+    for (size_t i = 0; i < pool.tokens.size() && static_cast<int64_t>(picked.size()) < pool.take; ++i)
+      if (covered[i] == pass) picked.push_back(pool.tokens[i]);
+  for (int32_t t : picked) {
+    is_anchor[t] = 1;
+    anchors.push_back(t);
   }
   return picked;
 }
@@ -202,6 +263,7 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
     }
   };
 
+  const int64_t cap = static_cast<int64_t>(anchors.size()) + count;  // the head's non-window anchors
   std::vector<int32_t> fresh(anchors), everywhere;
   for (int64_t t = P; t < S; ++t) everywhere.push_back(static_cast<int32_t>(t));
   absorb(fresh, everywhere);
@@ -215,7 +277,29 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
         const float c = nearest.dot[side][t];
         error[side][t] = std::max(0.0f, norm_sq[side][t] - c * c);
       }
-    fresh = worst_represented(error, take, is_anchor, eligible, anchors);
+    // The pool's members as tokens (rows as given) and as anchors (as stored, normalised: as
+    // absorb compares them).
+    const CoveragePool round_pool = coverage_pool(error, take, cap, is_anchor, eligible);
+    const int64_t C = static_cast<int64_t>(round_pool.tokens.size());
+    std::vector<float> pool_rows[2][2];  // [side][0 token, 1 anchor]
+    for (int side = 0; side < 2; ++side) {
+      pool_rows[side][0].resize(C * D);
+      pool_rows[side][1].resize(C * D);
+      for (int64_t j = 0; j < C; ++j) {
+        const float *x = &(*X[side])[static_cast<int64_t>(round_pool.tokens[j]) * D];
+        std::memcpy(&pool_rows[side][0][j * D], x, D * sizeof(float));
+        stored_unit_row(x, storage, D, &pool_rows[side][1][j * D]);
+      }
+    }
+    const float *const as_token[2] = {pool_rows[0][0].data(), pool_rows[1][0].data()};
+    const float *const as_anchor[2] = {pool_rows[0][1].data(), pool_rows[1][1].data()};
+    const std::vector<char> covered =
+        covered_members(round_pool, error, as_token, as_anchor, D, &g, pool, [&](int64_t i, int side, float c) {
+          const int32_t t = round_pool.tokens[i];
+          return std::fabs(c) > std::fabs(nearest.dot[side][t]) ? std::max(0.0f, norm_sq[side][t] - c * c)
+                                                                 : error[side][t];
+        });
+    fresh = pool_picks(round_pool, covered, is_anchor, anchors);
     const int64_t n = static_cast<int64_t>(fresh.size());
     absorb(fresh, everywhere);
     left -= n;

@@ -43,6 +43,7 @@ struct CompressScratch {
   // rows reuse rk and kpost, free at that point).
   float *cover_norm_sq[2], *cover_best[2], *select_partials;
   uint32_t *cover_keys, *cover_ids, *cover_fresh;
+  uint32_t *pool_ids, *pool_keys, *pool_final;  // a round's pool (core/coverage.hpp), at most k a head
   int32_t *cover_anchor;
   int32_t *block_table;
   // Storage format 3: each token's nearest candidate per side (its x . unit row in cover_best),
@@ -126,6 +127,9 @@ struct CompressScratch {
     take(cover_keys, H * (P + kSelectChunk));  // select_chunks(P) x select_slots(take) a head
     take(cover_ids, H * (P + kSelectChunk));
     take(cover_fresh, int64_t{H} * fresh_stride(k, 0));  // the next absorb's candidates (sort_fresh_kernel's padding)
+    take(pool_ids, int64_t{H} * k);
+    take(pool_keys, int64_t{H} * k);
+    take(pool_final, int64_t{H} * k);
     take(cover_anchor, H * P);
     take(block_table, table_blocks);  // paged prefill: the block table on the device
     for (int side = 0; side < 2; ++side) {
@@ -197,31 +201,63 @@ void nearest_anchors(Dev &dev, int D, const float *X, int64_t n, int k, const fl
 }
 
 // One coverage round's ranking (coverage_select_kernels.cuh), batched over the H heads: the
-// `take` tokens of each head that its anchors so far represent worst, flagged in
-// s.cover_anchor, appended to its picks at `at` and written in token order to `fresh` (head h's
-// at h fresh_stride). local_tiles > 0: format 3's energies (x . unit row), whose partials the
-// last candidate search left in s.select_partials, local_tiles of them a head; 0: format 2's
-// (|cos|^2), summed by coverage_energy_kernel first.
+// `take` picks of each head's pool of the `pool` tokens its anchors so far represent worst
+// (core/coverage.hpp: uncovered members first), flagged in s.cover_anchor, appended to its picks
+// at `at` and written in token order to `fresh` (head h's at h fresh_stride). local_tiles > 0:
+// format 3's energies (x . unit row), whose partials the last candidate search left in
+// s.select_partials, local_tiles of them a head; 0: format 2's (|cos|^2), summed by
+// coverage_energy_kernel first. `cover`: the rows of the cover test (null, or pool <= take: the
+// pool is the picks).
 template <class Dev>
 void coverage_round(Dev &dev, const CompressScratch &s, int H, int64_t P, int64_t local_tiles, int64_t take,
-                    int64_t at, int64_t free_anchors, uint32_t *fresh, int64_t fresh_stride) {
+                    int64_t pool, int64_t at, int64_t free_anchors, uint32_t *fresh, int64_t fresh_stride,
+                    const CoverRows *cover = nullptr, int D = 0, const LocalRange &range = LocalRange{}) {
   const int chunks = static_cast<int>(select_chunks(P));
+  const bool pooled = cover && pool > take;
+  const int64_t wanted = pooled ? pool : take;
   const float *norm_sq[2] = {s.cover_norm_sq[0], s.cover_norm_sq[1]}, *best[2] = {s.cover_best[0], s.cover_best[1]};
-  auto rank = [&](auto chunk, int64_t parts) {
+  const int64_t parts = local_tiles > 0 ? local_tiles : chunks;
+  auto rank = [&](auto chunk) {
     dev.launch(chunk, chunks, H, kSelectThreads, norm_sq[0], best[0], norm_sq[1], best[1], P,
-               static_cast<const float *>(s.select_partials), parts, take,
+               static_cast<const float *>(s.select_partials), parts, wanted,
                static_cast<const int32_t *>(s.cover_anchor), s.cover_keys, s.cover_ids);
   };
   if (local_tiles > 0) {
-    rank(coverage_chunk_kernel<1>, local_tiles);
+    rank(coverage_chunk_kernel<1>);
   } else {
     dev.launch(coverage_energy_kernel<0>, chunks, H, kSelectThreads, norm_sq[0], best[0], norm_sq[1], best[1], P,
                s.select_partials);
-    rank(coverage_chunk_kernel<0>, chunks);
+    rank(coverage_chunk_kernel<0>);
   }
-  dev.launch(coverage_merge_kernel, 1, H, kSelectThreads, static_cast<const uint32_t *>(s.cover_keys),
-             static_cast<const uint32_t *>(s.cover_ids), chunks * select_slots(take), take, P, s.cover_anchor,
-             s.picks + at, free_anchors, fresh, fresh_stride);
+  const int64_t candidates = chunks * select_slots(wanted);
+  if (!pooled) {
+    dev.launch(coverage_merge_kernel<false>, 1, H, kSelectThreads, static_cast<const uint32_t *>(s.cover_keys),
+               static_cast<const uint32_t *>(s.cover_ids), candidates, take, P, s.cover_anchor, s.picks + at,
+               free_anchors, fresh, fresh_stride);
+    return;
+  }
+  // The pool (tokens and keys, in token order), its cover test, then the picks from it.
+  dev.launch(coverage_merge_kernel<true>, 1, H, kSelectThreads, static_cast<const uint32_t *>(s.cover_keys),
+             static_cast<const uint32_t *>(s.cover_ids), candidates, pool, P, s.cover_anchor, s.pool_ids, pool,
+             s.pool_keys, pool);
+  CoverRows rows = *cover;
+  if (local_tiles > 0) {  // format 3: the members as stored anchors, in pool order (side_rows_kernel's rows)
+    const SideRows sides{{rows.token[0], rows.token[1]}, {s.cand_n[0], s.cand_n[1]}, {nullptr, nullptr}, {nullptr, nullptr}};
+    dev.launch(side_rows_kernel, grid_blocks(pool, 4), 2 * H, 128, sides, rows.token_stride[0],
+               static_cast<const uint32_t *>(s.pool_ids), pool, pool, D, rows.storage, rows.anchor_stride, int64_t{0});
+    rows.anchor[0] = s.cand_n[0];
+    rows.anchor[1] = s.cand_n[1];
+  }
+  auto test = [&](auto kernel) {
+    dev.launch(kernel, static_cast<int>((pool + 7) / 8), H, 256, rows, D, norm_sq[0], best[0], norm_sq[1], best[1], P,
+               static_cast<const float *>(s.select_partials), parts, range, static_cast<const uint32_t *>(s.pool_keys),
+               static_cast<const uint32_t *>(s.pool_ids), pool, s.pool_final);
+  };
+  if (local_tiles > 0) test(coverage_cover_kernel<1>);
+  else test(coverage_cover_kernel<0>);
+  dev.launch(coverage_merge_kernel<false>, 1, H, kSelectThreads, static_cast<const uint32_t *>(s.pool_final),
+             static_cast<const uint32_t *>(s.pool_ids), pool, take, P, s.cover_anchor, s.picks + at, free_anchors,
+             fresh, fresh_stride);
 }
 
 // The coverage share of every head's anchors (CPU: add_coverage_anchors), batched over the H
@@ -261,7 +297,9 @@ void coverage_anchors(Dev &dev, const CompressScratch &s, int H, int64_t S, int6
   for (int round = 0; round < rounds && left > 0; ++round) {
     const int64_t take = std::min<int64_t>((left + (rounds - round) - 1) / (rounds - round), P - at);
     if (take <= 0) break;
-    coverage_round(dev, s, H, P, 0, take, at, free_anchors, s.cover_fresh, k);
+    const CoverRows cover{{unit[0], unit[1]}, {unit_stride[0], unit_stride[1]}, {nullptr, nullptr}, 0, -1};
+    coverage_round(dev, s, H, P, 0, take, coverage_pool_size(take, free_anchors), at, free_anchors, s.cover_fresh, k,
+                   &cover, D);
     absorb(s.cover_fresh, k, take);
     at += take;
     left -= take;
@@ -318,8 +356,9 @@ void local_coverage(Dev &dev, const CompressScratch &s, int H, int64_t S, int64_
   for (int round = 0; round < rounds && left > 0; ++round) {
     const int64_t take = std::min<int64_t>((left + (rounds - round) - 1) / (rounds - round), P - at);
     if (take <= 0) break;
-    coverage_round(dev, s, H, P, grid_blocks(P, near_tokens(D)), take, at, free_anchors, s.cover_fresh,
-                   fresh_stride(take, 0));
+    const CoverRows cover{{X[0], X[1]}, {S * D, S * D}, {nullptr, nullptr}, int64_t{k} * D, storage};
+    coverage_round(dev, s, H, P, grid_blocks(P, near_tokens(D)), take, coverage_pool_size(take, free_anchors), at,
+                   free_anchors, s.cover_fresh, fresh_stride(take, 0), &cover, D, range);
     absorb(take, 0, fresh_stride(take, 0));
     at += take;
     left -= take;

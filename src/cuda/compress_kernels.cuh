@@ -934,7 +934,9 @@ __global__ void side_rows_kernel(const SideRows sides, int64_t x_stride, const u
   uint16_t *rows_b = second ? sides.rows_b[1] : sides.rows_b[0];
   const float *X = second ? sides.X[1] : sides.X[0];
   float *rows = second ? sides.rows[1] : sides.rows[0];
-  unit_row(X + y * x_stride + static_cast<int64_t>(ids[y * ids_stride + i]) * D, D, storage,
+  const uint32_t id = ids[y * ids_stride + i];
+  if (id == 0xFFFFFFFFu) return;  // a pool's empty slot (coverage_merge_kernel<true>'s kNoToken)
+  unit_row(X + y * x_stride + static_cast<int64_t>(id) * D, D, storage,
            rows + y * rows_stride + i * D, rows_b ? rows_b + y * rows_stride + i * D : nullptr,
            norm_sq ? norm_sq + y * norm_stride + i : nullptr);
 }

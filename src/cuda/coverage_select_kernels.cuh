@@ -17,7 +17,9 @@
 // wanted rank) followed by a pass in order that takes the keys below the threshold T and the
 // first `need` keys equal to it.
 #pragma once
+#include "core/coverage.hpp"
 #include "cuda/compress_kernels.cuh"
+#include "cuda/compress_local_kernels.cuh"
 
 namespace akv {
 namespace cuda {
@@ -151,6 +153,21 @@ __device__ __forceinline__ void load_chunk(const float *key_norm_sq, const float
   }
 }
 
+// A round's means of both sides' residual energies from a head's `parts` partials (every lane of
+// a warp calls and gets them): lane l sums partials l, l + 32, ..., then the lanes in order, so
+// that every kernel that ranks the round sees the same means.
+__device__ __forceinline__ void round_means(const float *partials, int64_t parts, int64_t P, float (&mean)[2]) {
+  const int lane = threadIdx.x & 31;
+  float sum[2] = {0.0f, 0.0f};
+  for (int64_t c = lane; c < parts; c += 32)
+    for (int side = 0; side < 2; ++side) sum[side] += partials[c * 2 + side];
+  for (int side = 0; side < 2; ++side) {
+    float total = 0.0f;
+    for (int l = 0; l < 32; ++l) total += __shfl_sync(kFullMask, sum[side], l);
+    mean[side] = total > 0.0f ? total / static_cast<float>(P) : 1.0f;
+  }
+}
+
 // Each chunk's sums of both sides' residual energies (||x||^2 - best^2 with local candidates,
 // LOCAL 1; ||x||^2 (1 - best) without): partials[y][chunk][2]. Grid (chunks, heads): arrays at
 // y P.
@@ -204,15 +221,10 @@ __global__ void __launch_bounds__(kSelectThreads) coverage_chunk_kernel(
   const int64_t slots = select_slots(take);
   const int tid = threadIdx.x;
   for (int i = tid; i < kSelectBins; i += kSelectThreads) hist[i] = 0u;
-  if (tid < 32) {  // the means: lane l sums partials l, l + 32, ..., then the lanes in order
-    float sum[2] = {0.0f, 0.0f};
-    for (int64_t c = tid; c < parts; c += 32)
-      for (int side = 0; side < 2; ++side) sum[side] += partials[(y * parts + c) * 2 + side];
-    for (int side = 0; side < 2; ++side) {
-      float total = 0.0f;
-      for (int l = 0; l < 32; ++l) total += __shfl_sync(kFullMask, sum[side], l);
-      if (tid == 0) mean[side] = total > 0.0f ? total / static_cast<float>(P) : 1.0f;
-    }
+  if (tid < 32) {
+    float m[2];
+    round_means(partials + y * parts * 2, parts, P, m);
+    if (tid == 0) mean[0] = m[0], mean[1] = m[1];
   }
   int32_t anchor[4];
 #pragma unroll
@@ -246,10 +258,13 @@ __global__ void __launch_bounds__(kSelectThreads) coverage_chunk_kernel(
 
 // The round's picks of each head: the `take` smallest of its chunks' candidates (chunks x
 // slots keys in token order, kNotRanked in the unused slots), flagged in is_anchor and written
-// in token order to picks and fresh (the next absorb's candidates). One block per head (grid
-// y): candidates at y chunks slots, flags at y P, picks at y picks_stride, fresh at y
-// fresh_stride. (Bounds with one block a multiprocessor: else ptxas keeps it to 32 registers
-// and spills one.)
+// in token order to picks and fresh (the next absorb's candidates). POOL: the round's pool
+// instead, nothing flagged: the keys to fresh and the tokens to picks, in token order, and the
+// slots past the candidates kNotRanked (tokens kNoToken). One block per head (grid y):
+// candidates at y chunks slots, flags at y P, picks at y picks_stride, fresh at y fresh_stride.
+// (Bounds with one block a multiprocessor: else ptxas keeps it to 32 registers and spills one.)
+constexpr uint32_t kNoToken = 0xFFFFFFFFu;
+template <bool POOL>
 __global__ void __launch_bounds__(kSelectThreads, 1) coverage_merge_kernel(const uint32_t *cand_keys,
                                                                         const uint32_t *cand_ids, int64_t n,
                                                                         int64_t take, int64_t P, int32_t *is_anchor,
@@ -261,7 +276,6 @@ __global__ void __launch_bounds__(kSelectThreads, 1) coverage_merge_kernel(const
   const int64_t y = blockIdx.y;
   cand_keys += y * n;
   cand_ids += y * n;
-  is_anchor += y * P;
   picks += y * picks_stride;
   fresh += y * fresh_stride;
   for (int i = threadIdx.x; i < kSelectBins; i += kSelectThreads) hist[i] = 0u;
@@ -273,9 +287,112 @@ __global__ void __launch_bounds__(kSelectThreads, 1) coverage_merge_kernel(const
   block_select_emit(key_at, n, T, need, sh, [&](uint32_t at, int64_t i) {
     const uint32_t t = cand_ids[i];
     picks[at] = t;
-    fresh[at] = t;
-    is_anchor[t] = 1;
+    if (POOL) {
+      fresh[at] = cand_keys[i];
+    } else {
+      fresh[at] = t;
+      is_anchor[y * P + t] = 1;
+    }
   });
+  if (POOL)
+    for (int64_t j = count + threadIdx.x; j < take; j += kSelectThreads) {
+      picks[j] = kNoToken;
+      fresh[j] = kNotRanked;
+    }
+}
+
+// What coverage_cover_kernel compares, per side (keys 0, values 1): a member as a token
+// (`token`: format 3 its row X, format 2 its unit row; head y at y token_stride, token t at t D)
+// and as an anchor (`anchor`: format 3 the pool's unit rows as stored, in pool order, head y at y
+// anchor_stride; null: the token rows, format 2's unit rows).
+struct CoverRows {
+  const float *token[2];
+  int64_t token_stride[2];
+  const float *anchor[2];
+  int64_t anchor_stride;
+  int storage;  // format 3: the dtype the anchors are stored in (unit_row's: 0 f16, 1 bf16)
+};
+
+// The value of a key (descending_key of a non-negative float).
+__device__ __forceinline__ float key_value(uint32_t key) {
+  const uint32_t bits = ~key & 0x7FFFFFFFu;
+  float value;
+  memcpy(&value, &bits, 4);
+  return value;
+}
+
+// The first of the n increasing tokens ids[0..n) that is >= t (n if none).
+__device__ __forceinline__ int64_t first_token_at(const uint32_t *ids, int64_t n, int64_t t) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (static_cast<int64_t>(ids[mid]) < t) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// A round's cover test (CPU: covered_members in cpu/local_anchors.hpp) over its pool (pool_keys,
+// pool_ids: C a head, in token order, kNotRanked / kNoToken past its members): member i is
+// covered when a member ranked before it (a smaller key, or an equal key and a lower token), in
+// its candidate range (format 3, LOCAL 1: range; format 2: every member), would as an anchor
+// lower i's key below kCoverageCut times its own, with the round's means (round_means over the
+// head's `parts` partials). final_keys: the member's key, covered ones with the top bit set (so
+// that a select takes every uncovered member first; a key's top bit is clear), kNotRanked past
+// the members. A warp a member, 8 a block; grid (ceil(C / 8), heads): norms and bests at y P.
+template <int LOCAL>
+__global__ void __launch_bounds__(256) coverage_cover_kernel(const CoverRows rows, int D, const float *key_norm_sq,
+                                                             const float *key_best, const float *value_norm_sq,
+                                                             const float *value_best, int64_t P, const float *partials,
+                                                             int64_t parts, LocalRange range, const uint32_t *pool_keys,
+                                                             const uint32_t *pool_ids, int64_t C, uint32_t *final_keys) {
+  const int lane = threadIdx.x & 31;
+  const int64_t y = blockIdx.y, i = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  if (i >= C) return;  // the whole warp
+  pool_keys += y * C;
+  pool_ids += y * C;
+  const uint32_t ki = pool_keys[i];
+  if (ki == kNotRanked) {
+    if (lane == 0) final_keys[y * C + i] = kNotRanked;
+    return;
+  }
+  float mean[2];
+  round_means(partials + y * parts * 2, parts, P, mean);
+  const int64_t ti = pool_ids[i];
+  const float bar = kCoverageCut * key_value(ki);
+  int64_t lo = 0, hi = C;
+  if (LOCAL) {
+    int64_t first = 0, last = P;
+    candidate_positions(range, ti >> range.segment_shift, &first, &last);
+    lo = first_token_at(pool_ids, C, first);
+    hi = first_token_at(pool_ids, C, last);
+  }
+  const float *norm_sq[2] = {key_norm_sq + y * P, value_norm_sq + y * P}, *best[2] = {key_best + y * P, value_best + y * P};
+  float n2[2], b[2], e[2];
+  for (int side = 0; side < 2; ++side) {
+    n2[side] = norm_sq[side][ti];
+    b[side] = best[side][ti];
+    e[side] = uncovered_energy(n2[side], b[side], LOCAL);
+  }
+  bool covered = false;
+  for (int64_t j = lo; j < hi && !covered; ++j) {
+    const uint32_t kj = pool_keys[j];
+    const int64_t tj = pool_ids[j];
+    if (!(kj < ki || (kj == ki && tj < ti))) continue;  // ranked after i (or i)
+    float lowered[2];
+    for (int side = 0; side < 2; ++side) {
+      const float *x = rows.token[side] + y * rows.token_stride[side] + ti * D;
+      const float *a = rows.anchor[side] ? rows.anchor[side] + y * rows.anchor_stride + j * D
+                                         : rows.token[side] + y * rows.token_stride[side] + tj * D;
+      float c = 0.0f;
+      for (int d = lane; d < D; d += 32) c += x[d] * a[d];
+      c = warp_sum(c);
+      lowered[side] = LOCAL ? (fabsf(c) > fabsf(b[side]) ? fmaxf(0.0f, n2[side] - c * c) : e[side])
+                            : (c * c > b[side] ? n2[side] * fmaxf(0.0f, 1.0f - c * c) : e[side]);
+    }
+    covered = lowered[0] / mean[0] + lowered[1] / mean[1] < bar;
+  }
+  if (lane == 0) final_keys[y * C + i] = covered ? (ki | 0x80000000u) : ki;
 }
 
 }  // namespace cuda

@@ -150,4 +150,45 @@ TEST(LocalAnchors, CoverageAnchorsThePlantedOutliers) {
   }
 }
 
+// A round's pool (core/coverage.hpp): twelve near-copies of one outlier, all in one segment and
+// ranked above five distinct outliers elsewhere, and a round of six picks. Taking the six
+// worst-represented tokens would spend five picks on copies that the first makes redundant;
+// the pool's cover test skips them, so the round takes one copy and the five others.
+TEST(LocalAnchors, ARoundSkipsWhatAnEarlierPickCovers) {
+  const uint64_t seed = akv_test::fresh_seed();
+  AKV_TRACE_SEED(seed);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> noise(0.0f, 0.05f);
+  const int64_t S = 6144;
+  const int W = 32, k = 600, D = 64;
+  const akv::AnchorGeometry g = geometry(S, W, k, D, 256);
+  const int64_t P = g.prefix;
+  std::vector<float> K = rows(rng, S, D), V = rows(rng, S, D);
+  auto plant = [&](int64_t t, int axis, float norm) {
+    for (int d = 0; d < D; ++d) {
+      K[t * D + d] = (d == axis ? norm : 0.0f) + noise(rng);
+      V[t * D + d] = (d == axis + 16 ? norm : 0.0f) + noise(rng);
+    }
+  };
+  std::vector<int32_t> copies, singles;
+  for (int i = 0; i < 12; ++i) copies.push_back(static_cast<int32_t>(P / 2 + 3 * i));  // one segment
+  for (int32_t t : copies) plant(t, 0, 40.0f);
+  for (int i = 0; i < 5; ++i) singles.push_back(static_cast<int32_t>((2 * i + 1) * P / 10 + 7));
+  for (size_t i = 0; i < singles.size(); ++i) plant(singles[i], 1 + static_cast<int>(i), 30.0f);
+  std::vector<int32_t> anchors;
+  for (int64_t t = 1; t < P && anchors.size() < 300; t += 17)
+    if (std::count(copies.begin(), copies.end(), t) + std::count(singles.begin(), singles.end(), t) == 0)
+      anchors.push_back(static_cast<int32_t>(t));
+  const size_t before = anchors.size();
+  akv::ThreadPool pool(2);
+  akv::LocalNearest nearest;
+  akv::local_coverage(K, V, g, AKV_DTYPE_F32, 1, 6, anchors, nearest, pool);
+  ASSERT_EQ(anchors.size(), before + 6);
+  const std::vector<int32_t> fresh(anchors.begin() + static_cast<int64_t>(before), anchors.end());
+  int64_t copies_taken = 0;
+  for (int32_t t : fresh) copies_taken += std::count(copies.begin(), copies.end(), t);
+  EXPECT_EQ(copies_taken, 1);
+  for (int32_t t : singles) EXPECT_TRUE(std::find(fresh.begin(), fresh.end(), t) != fresh.end()) << "token " << t;
+}
+
 }  // namespace

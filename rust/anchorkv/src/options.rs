@@ -244,7 +244,8 @@ impl CompressOptions {
         self
     }
     /// AnchorKV: the anchors after the scored share are picked for coverage in `rounds`
-    /// rounds (0: a seeded uniform sample, as in the paper).
+    /// rounds, each from a pool that skips what an earlier pick would cover (0: a seeded
+    /// uniform sample, as in the paper; default 8).
     pub fn coverage_rounds(mut self, rounds: i32) -> Self {
         self.raw.coverage_rounds = rounds;
         self
