@@ -6,6 +6,9 @@
 #include "api/paged_util.hpp"
 #include "common/anchor_compare.hpp"
 #include "core/context.hpp"
+#include "core/coverage.hpp"
+#include "core/thread_pool.hpp"
+#include "cpu/local_anchors.hpp"
 #include "cuda/plan.hpp"
 #include "methods/methods.hpp"
 #include <algorithm>
@@ -748,6 +751,154 @@ TEST(EmulatedCoverageSelect, PicksTheWorstRepresentedTiesToTheLowerToken) {
         EXPECT_EQ(std::vector<int32_t>(flags.begin() + h * P, flags.begin() + (h + 1) * P), want_flags) << "head " << h;
       }
     }
+}
+
+// A round's pool (core/coverage.hpp) on the GPU (coverage_round with its cover rows) against the
+// CPU's (coverage_pool, covered_members, pool_picks): ten clusters of six near-copies of one
+// row, each cluster along its own axis, a few positions apart, badly represented (the worst
+// keys), among background tokens that their anchors represent well. A round of ten picks from
+// a pool of 8 x 10 takes one copy of each cluster (its worst: the largest norm), since the rest
+// of a cluster is covered by it; without the cover test it would take whole clusters. Format 3
+// (local: candidate ranges, anchors as stored in bf16, best = x . unit anchor) and format 2
+// (unit rows, best = cos^2).
+TEST(EmulatedCoverageSelect, PoolSkipsCoveredMembersAsTheCpuDoes) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  constexpr int H = 2, D = 64;
+  const int64_t P = 5000, take = 10, cap = 200, pool = akv::coverage_pool_size(take, cap);
+  ASSERT_EQ(pool, 80);
+  for (int local : {1, 0}) {
+    SCOPED_TRACE("local " + std::to_string(local));
+    std::vector<float> X[2], unit[2], norm_sq[2], best[2];
+    std::vector<int32_t> clusters[H][10];
+    for (int side = 0; side < 2; ++side) {
+      X[side].resize(H * P * D);
+      for (float &x : X[side]) x = static_cast<float>(rng.normal());
+      norm_sq[side].resize(H * P);
+      best[side].resize(H * P);
+    }
+    for (int h = 0; h < H; ++h)
+      for (int c = 0; c < 10; ++c) {
+        const int64_t t0 = (2 * c + 1) * P / 20 + static_cast<int64_t>(rng.uniform_int(0, 50));
+        for (int m = 0; m < 6; ++m) {
+          const int64_t t = t0 + 3 * m + static_cast<int64_t>(rng.uniform_int(0, 2));
+          clusters[h][c].push_back(static_cast<int32_t>(t));
+          const float norm = 40.0f + 0.5f * static_cast<float>(rng.uniform_int(0, 40));  // distinct enough
+          for (int side = 0; side < 2; ++side)
+            for (int d = 0; d < D; ++d)
+              X[side][(h * P + t) * D + d] = (d == c + 20 * side ? norm : 0.0f) + 0.02f * static_cast<float>(rng.normal());
+        }
+      }
+    for (int side = 0; side < 2; ++side) {
+      unit[side] = X[side];
+      for (int64_t i = 0; i < H * P; ++i) {
+        double n2 = 0.0;
+        for (int d = 0; d < D; ++d) n2 += double{X[side][i * D + d]} * X[side][i * D + d];
+        norm_sq[side][i] = static_cast<float>(n2);
+        for (int d = 0; d < D; ++d) unit[side][i * D + d] = static_cast<float>(X[side][i * D + d] / std::sqrt(n2));
+      }
+    }
+    std::vector<int32_t> is_anchor(H * P, 0);
+    for (int h = 0; h < H; ++h)
+      for (int64_t t = 0; t < P; ++t) {
+        bool planted = false;
+        for (const auto &c : clusters[h]) planted |= std::count(c.begin(), c.end(), static_cast<int32_t>(t)) > 0;
+        // Planted: 10% of |x| (format 2: cos^2 0.01) their best so far; the rest 90% (0.81).
+        const float share = planted ? 0.1f : 0.9f;
+        for (int side = 0; side < 2; ++side)
+          best[side][h * P + t] = local ? share * std::sqrt(norm_sq[side][h * P + t]) : share * share;
+        if (!planted && rng.uniform(0.0, 1.0) < 0.05) is_anchor[h * P + t] = 1;
+      }
+    auto energy = [&](int side, int64_t i) {
+      const float n = norm_sq[side][i], b = best[side][i];
+      return local ? std::max(0.0f, n - b * b) : n * std::max(0.0f, 1.0f - b);
+    };
+    const int64_t tiles = (P + 63) / 64;
+    std::vector<float> partials(H * std::max(kc::select_chunks(P), tiles) * 2, 0.0f);
+    if (local)
+      for (int h = 0; h < H; ++h)
+        for (int64_t t = 0; t < P; ++t)
+          for (int side = 0; side < 2; ++side) partials[(h * tiles + t / 64) * 2 + side] += energy(side, h * P + t);
+    const int64_t at = 0, stride = take;
+    std::vector<uint32_t> picks(H * stride, 0xA5A5A5A5u), fresh(H * stride, 0xA5A5A5A5u);
+    std::vector<uint32_t> cand_keys(H * (P + kc::kSelectChunk)), cand_ids(cand_keys.size());
+    std::vector<uint32_t> pool_ids(H * pool), pool_keys(H * pool), pool_final(H * pool);
+    std::vector<float> cand_n[2] = {std::vector<float>(H * pool * D), std::vector<float>(H * pool * D)};
+    std::vector<int32_t> flags = is_anchor;
+    kc::CompressScratch s{};
+    for (int side = 0; side < 2; ++side) {
+      s.cover_norm_sq[side] = norm_sq[side].data();
+      s.cover_best[side] = best[side].data();
+      s.cand_n[side] = cand_n[side].data();
+    }
+    s.select_partials = partials.data();
+    s.cover_keys = cand_keys.data();
+    s.cover_ids = cand_ids.data();
+    s.cover_anchor = flags.data();
+    s.picks = picks.data();
+    s.pool_ids = pool_ids.data();
+    s.pool_keys = pool_keys.data();
+    s.pool_final = pool_final.data();
+    const std::vector<float> *rows = local ? X : unit;
+    const kc::CoverRows cover{{rows[0].data(), rows[1].data()}, {P * D, P * D}, {nullptr, nullptr}, pool * D, 1};
+    const kc::LocalRange range{P, 300, 8};  // segments of 256 positions, 300 either side
+    EmulatedDevice dev;
+    kc::coverage_round(dev, s, H, P, local ? tiles : 0, take, pool, at, stride, fresh.data(), stride, &cover, D, range);
+    akv::AnchorGeometry g;  // the CPU's candidate ranges: the same segments and reach
+    g.prefix = P;
+    g.window = 32;
+    g.anchors = static_cast<int32_t>((64 * P + 299) / 300 + 32);
+    g.segment_len = 256;
+    g.segment_shift = 8;
+    g.segments = (P + 255) / 256;
+    g.table_size = 256;
+    ASSERT_EQ(g.candidate_reach(), 300);
+    akv::ThreadPool tp(2);
+    for (int h = 0; h < H; ++h) {
+      std::vector<int32_t> want;  // one copy of each cluster: its largest key
+      for (const auto &c : clusters[h]) {
+        int32_t top = c[0];
+        for (int32_t t : c)
+          if (energy(0, h * P + t) + energy(1, h * P + t) > energy(0, h * P + top) + energy(1, h * P + top)) top = t;
+        want.push_back(top);
+      }
+      std::sort(want.begin(), want.end());
+      std::vector<uint32_t> got(fresh.begin() + h * stride, fresh.begin() + (h + 1) * stride);
+      EXPECT_EQ(got, std::vector<uint32_t>(want.begin(), want.end())) << "head " << h;
+      // The CPU's round on the same keys, rows and flags.
+      std::vector<float> error[2];
+      for (int side = 0; side < 2; ++side)
+        for (int64_t t = 0; t < P; ++t) error[side].push_back(energy(side, h * P + t));
+      std::vector<char> anchor_flags(is_anchor.begin() + h * P, is_anchor.begin() + (h + 1) * P);
+      const akv::CoveragePool cp = akv::coverage_pool(error, take, cap, anchor_flags, nullptr);
+      ASSERT_EQ(static_cast<int64_t>(cp.tokens.size()), pool);
+      std::vector<float> as_token[2], as_anchor[2];
+      for (int side = 0; side < 2; ++side)
+        for (int32_t t : cp.tokens)
+          for (int d = 0; d < D; ++d) {
+            const float x = rows[side][(h * P + t) * D + d];
+            as_token[side].push_back(x);
+            as_anchor[side].push_back(unit[side][(h * P + t) * D + d]);  // (the GPU rounds to bf16 first)
+          }
+      const float *const left[2] = {as_token[0].data(), as_token[1].data()};
+      const float *const right[2] = {as_anchor[0].data(), as_anchor[1].data()};
+      const std::vector<char> covered = akv::covered_members(
+          cp, error, left, right, D, local ? &g : nullptr, tp, [&](int64_t i, int side, float c) {
+            const int64_t t = h * P + cp.tokens[i];
+            const float n = norm_sq[side][t], b = best[side][t];
+            if (local) return std::fabs(c) > std::fabs(b) ? std::max(0.0f, n - c * c) : energy(side, t);
+            return c * c > b ? n * std::max(0.0f, 1.0f - c * c) : energy(side, t);
+          });
+      std::vector<int32_t> cpu_anchors;
+      std::vector<int32_t> cpu = akv::pool_picks(cp, covered, anchor_flags, cpu_anchors);
+      std::sort(cpu.begin(), cpu.end());
+      EXPECT_EQ(cpu, want) << "head " << h;
+      std::vector<int32_t> want_flags(is_anchor.begin() + h * P, is_anchor.begin() + (h + 1) * P);
+      for (int32_t t : want) want_flags[t] = 1;
+      EXPECT_EQ(std::vector<int32_t>(flags.begin() + h * P, flags.begin() + (h + 1) * P), want_flags) << "head " << h;
+    }
+  }
 }
 
 // segment_tables_kernel against the rule (CPU: restrict_to_tables) for segments of 2^shift
