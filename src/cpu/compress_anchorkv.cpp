@@ -130,14 +130,11 @@ void add_coverage_anchors(const std::vector<float> &Kpre, const std::vector<floa
       for (int64_t t = 0; t < P; ++t)
         error[side][t] = norm_sq[side][t] * std::max(0.0f, 1.0f - best_cos_sq[side][t]);
     const CoveragePool round_pool = coverage_pool(error, take, cap, is_anchor, eligible);
-    const int64_t C = static_cast<int64_t>(round_pool.tokens.size());
-    std::vector<float> pool_rows[2] = {std::vector<float>(C * D), std::vector<float>(C * D)};
-    for (int side = 0; side < 2; ++side)
-      for (int64_t j = 0; j < C; ++j)
-        std::memcpy(&pool_rows[side][j * D], &unit[side][static_cast<int64_t>(round_pool.tokens[j]) * D], D * sizeof(float));
-    const float *const rows[2] = {pool_rows[0].data(), pool_rows[1].data()};
+    auto row = [&](int64_t i, int side) {
+      return static_cast<const float *>(&unit[side][static_cast<int64_t>(round_pool.tokens[i]) * D]);
+    };
     const std::vector<char> covered =
-        covered_members(round_pool, error, rows, rows, D, nullptr, pool, [&](int64_t i, int side, float c) {
+        covered_members(round_pool, D, nullptr, row, row, [&](int64_t i, int side, float c) {
           const int32_t t = round_pool.tokens[i];
           const float c2 = c * c;
           return c2 > best_cos_sq[side][t] ? norm_sq[side][t] * std::max(0.0f, 1.0f - c2) : error[side][t];

@@ -94,52 +94,6 @@ CoveragePool coverage_pool(const std::vector<float> (&error)[2], int64_t take, i
   return pool;
 }
 
-CoverBlocks cover_blocks(const CoveragePool &pool, const AnchorGeometry *local) {
-  const int64_t C = static_cast<int64_t>(pool.tokens.size());
-  CoverBlocks cb;
-  cb.by_token.resize(C);
-  std::iota(cb.by_token.begin(), cb.by_token.end(), int64_t{0});
-  std::sort(cb.by_token.begin(), cb.by_token.end(), [&](int64_t a, int64_t b) { return pool.tokens[a] < pool.tokens[b]; });
-  auto token_at = [&](int64_t r) { return static_cast<int64_t>(pool.tokens[cb.by_token[r]]); };
-  auto first_at_or_after = [&](int64_t t) {  // the first rank in by_token whose token is >= t
-    int64_t lo = 0, hi = C;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (token_at(mid) < t) lo = mid + 1;
-      else hi = mid;
-    }
-    return lo;
-  };
-  for (int64_t r = 0; r < C;) {
-    int64_t e = std::min(C, r + 256), first = 0, last = C;  // without a range: blocks of 256 against all
-    if (local) {
-      const int64_t seg = token_at(r) / local->segment_len;
-      const CandidateRange range = candidate_range(*local, seg);
-      e = first_at_or_after((seg + 1) * local->segment_len);
-      first = first_at_or_after(range.first);
-      last = first_at_or_after(range.last);
-    }
-    cb.begin.push_back(r);
-    cb.end.push_back(e);
-    cb.first.push_back(first);
-    cb.last.push_back(last);
-    r = e;
-  }
-  return cb;
-}
-
-std::vector<float> rows_by_token(const float *rows, const std::vector<int64_t> &by_token, int D) {
-  std::vector<float> out((by_token.size() + 3) * D, 0.0f);  // 3 zero rows: dot_block's padding
-  for (size_t r = 0; r < by_token.size(); ++r)
-    std::memcpy(&out[r * D], rows + by_token[r] * D, D * sizeof(float));
-  return out;
-}
-
-int64_t cover_width(int64_t n) { return dot_width(n); }
-void cover_products(const float *left, int64_t m, const float *right, int64_t n, int D, float *out) {
-  dot_block(left, m, right, n, D, out);
-}
-
 std::vector<int32_t> pool_picks(const CoveragePool &pool, const std::vector<char> &covered,
                                 std::vector<char> &is_anchor, std::vector<int32_t> &anchors) {
   std::vector<int32_t> picked;
@@ -277,24 +231,21 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
         const float c = nearest.dot[side][t];
         error[side][t] = std::max(0.0f, norm_sq[side][t] - c * c);
       }
-    // The pool's members as tokens (rows as given) and as anchors (as stored, normalised: as
-    // absorb compares them).
+    // The pool's members as anchors: rows as stored, normalised (as absorb compares them),
+    // made as the cover test reaches them.
     const CoveragePool round_pool = coverage_pool(error, take, cap, is_anchor, eligible);
-    const int64_t C = static_cast<int64_t>(round_pool.tokens.size());
-    std::vector<float> pool_rows[2][2];  // [side][0 token, 1 anchor]
-    for (int side = 0; side < 2; ++side) {
-      pool_rows[side][0].resize(C * D);
-      pool_rows[side][1].resize(C * D);
-      for (int64_t j = 0; j < C; ++j) {
-        const float *x = &(*X[side])[static_cast<int64_t>(round_pool.tokens[j]) * D];
-        std::memcpy(&pool_rows[side][0][j * D], x, D * sizeof(float));
-        stored_unit_row(x, storage, D, &pool_rows[side][1][j * D]);
-      }
-    }
-    const float *const as_token[2] = {pool_rows[0][0].data(), pool_rows[1][0].data()};
-    const float *const as_anchor[2] = {pool_rows[0][1].data(), pool_rows[1][1].data()};
-    const std::vector<char> covered =
-        covered_members(round_pool, error, as_token, as_anchor, D, &g, pool, [&](int64_t i, int side, float c) {
+    std::vector<float> pool_rows[2] = {std::vector<float>(round_pool.tokens.size() * D),
+                                       std::vector<float>(round_pool.tokens.size() * D)};
+    int64_t made = 0;
+    auto row = [&](int side, int64_t i) { return &(*X[side])[static_cast<int64_t>(round_pool.tokens[i]) * D]; };
+    const std::vector<char> covered = covered_members(
+        round_pool, D, &g, [&](int64_t i, int side) { return row(side, i); },
+        [&](int64_t j, int side) {
+          for (; made <= j; ++made)
+            for (int s = 0; s < 2; ++s) stored_unit_row(row(s, made), storage, D, &pool_rows[s][made * D]);
+          return static_cast<const float *>(&pool_rows[side][j * D]);
+        },
+        [&](int64_t i, int side, float c) {
           const int32_t t = round_pool.tokens[i];
           return std::fabs(c) > std::fabs(nearest.dot[side][t]) ? std::max(0.0f, norm_sq[side][t] - c * c)
                                                                  : error[side][t];

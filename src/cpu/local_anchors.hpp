@@ -3,14 +3,17 @@
 // can hold, so the work per token no longer grows with k.
 #pragma once
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "core/coverage.hpp"
 #include "core/dtype.hpp"
 #include "core/layout.hpp"
-#include "core/thread_pool.hpp"
+#include "cpu/kernels.hpp"
 
 namespace akv {
+
+class ThreadPool;
 
 // Per side and prefix token: the anchor token of largest |cos| among the token's candidates
 // (-1: none with a non-zero norm) and x . x_a / ||x_a|| against the anchor rounded to storage.
@@ -46,15 +49,17 @@ struct CoveragePool {
 CoveragePool coverage_pool(const std::vector<float> (&error)[2], int64_t take, int64_t cap,
                            const std::vector<char> &is_anchor, const int8_t *eligible);
 
-// Which members are covered. left[side] and right[side] hold the members' rows in pool order
-// (C x D): a member as the search compares a token (left) and as an anchor (right), so that
-// left_i . right_j is what absorbing j would give i. lowered(i, side, c) is member i's error on
-// that side with such a product c (its current one where c does not beat its best). With
-// `local` (format 3's geometry) only members in i's candidate range count; null: all.
-template <class Lowered>
-std::vector<char> covered_members(const CoveragePool &pool, const std::vector<float> (&error)[2],
-                                  const float *const (&left)[2], const float *const (&right)[2], int D,
-                                  const AnchorGeometry *local, ThreadPool &tp, const Lowered &lowered);
+// Which members are covered, in rank order until take of them are not (the round's picks are
+// then known; the members after are marked covered, and are not taken). token_row(i, side) and
+// anchor_row(j, side) give member i's row as the search compares a token and member j's as an
+// anchor, so that their product is what absorbing j would give i; anchor_row is asked for the
+// members in increasing order (j < i), so it can make them as they come. lowered(i, side, c) is
+// member i's error on that side with such a product c (its current one where c does not beat
+// its best). With `local` (format 3's geometry) only members in i's candidate range count;
+// null: all.
+template <class TokenRow, class AnchorRow, class Lowered>
+std::vector<char> covered_members(const CoveragePool &pool, int D, const AnchorGeometry *local,
+                                  const TokenRow &token_row, const AnchorRow &anchor_row, const Lowered &lowered);
 
 // The round's picks from the pool and its covered flags: marked in is_anchor, appended to
 // `anchors` and returned.
@@ -73,51 +78,42 @@ void local_coverage(const std::vector<float> &Kpre, const std::vector<float> &V,
                     akv_dtype storage, int rounds, int64_t count, std::vector<int32_t> &anchors,
                     LocalNearest &nearest, ThreadPool &pool, const int8_t *eligible = nullptr);
 
-// covered_members' order of work: the members sorted by token, cut into blocks of one segment
-// (without `local`: of 256 members), each with the run of members in its candidate range (all).
-struct CoverBlocks {
-  std::vector<int64_t> by_token;                 // member indices, by token
-  std::vector<int64_t> begin, end, first, last;  // per block: [begin, end) and its range [first, last) in by_token
-};
-CoverBlocks cover_blocks(const CoveragePool &pool, const AnchorGeometry *local);
-// rows[by_token[r]] gathered in by_token order (C x D, then 3 zero rows).
-std::vector<float> rows_by_token(const float *rows, const std::vector<int64_t> &by_token, int D);
-// out[r][q] = left_r . right_q for r < m, q < n, out's rows cover_width(n) apart (right readable
-// for that many rows).
-int64_t cover_width(int64_t n);
-void cover_products(const float *left, int64_t m, const float *right, int64_t n, int D, float *out);
-
-template <class Lowered>
-std::vector<char> covered_members(const CoveragePool &pool, const std::vector<float> (&error)[2],
-                                  const float *const (&left)[2], const float *const (&right)[2], int D,
-                                  const AnchorGeometry *local, ThreadPool &tp, const Lowered &lowered) {
-  const int64_t C = static_cast<int64_t>(pool.tokens.size());
-  std::vector<char> covered(C, 0);
-  if (C == 0) return covered;
-  const CoverBlocks cb = cover_blocks(pool, local);
-  const std::vector<float> L[2] = {rows_by_token(left[0], cb.by_token, D), rows_by_token(left[1], cb.by_token, D)};
-  const std::vector<float> R[2] = {rows_by_token(right[0], cb.by_token, D), rows_by_token(right[1], cb.by_token, D)};
-  tp.parallel_for(static_cast<int64_t>(cb.begin.size()), [&](int64_t b0, int64_t b1) {
-    std::vector<float> G[2];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t m = cb.end[b] - cb.begin[b], n = cb.last[b] - cb.first[b], w = cover_width(n);
-      for (int side = 0; side < 2; ++side) {
-        G[side].resize(static_cast<size_t>(m * w));
-        cover_products(&L[side][cb.begin[b] * D], m, &R[side][cb.first[b] * D], n, D, G[side].data());
-      }
-      for (int64_t r = 0; r < m; ++r) {
-        const int64_t i = cb.by_token[cb.begin[b] + r];
-        const int32_t t = pool.tokens[i];
-        const float bar = kCoverageCut * pool.keys[i];
-        for (int64_t q = 0; q < n && !covered[i]; ++q) {
-          if (cb.by_token[cb.first[b] + q] >= i) continue;  // ranked after i (or i)
-          float e[2] = {error[0][t], error[1][t]};
-          for (int side = 0; side < 2; ++side) e[side] = lowered(i, side, G[side][r * w + q]);
-          covered[i] = static_cast<float>(e[0] / pool.mean[0] + e[1] / pool.mean[1]) < bar;
-        }
-      }
+// a . b for covered_members: two eight-lane accumulators where n is a multiple of 16 (dot's
+// reduction loop stays scalar where it is inlined there, a chain of n dependent adds).
+inline float cover_dot(const float *a, const float *b, int n) {
+#ifdef __AVX2__
+  if (n % 16 == 0) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
     }
-  });
+    return hsum8(_mm256_add_ps(s0, s1));
+  }
+#endif
+  return dot(a, b, n);
+}
+
+template <class TokenRow, class AnchorRow, class Lowered>
+std::vector<char> covered_members(const CoveragePool &pool, int D, const AnchorGeometry *local,
+                                  const TokenRow &token_row, const AnchorRow &anchor_row, const Lowered &lowered) {
+  const int64_t C = static_cast<int64_t>(pool.tokens.size());
+  std::vector<char> covered(C, 1);
+  int64_t uncovered = 0;
+  for (int64_t i = 0; i < C && uncovered < pool.take; ++i) {
+    CandidateRange r{0, std::numeric_limits<int64_t>::max()};
+    if (local) r = candidate_range(*local, pool.tokens[i] / local->segment_len);
+    const float bar = kCoverageCut * pool.keys[i];
+    const float *x[2] = {token_row(i, 0), token_row(i, 1)};
+    covered[i] = 0;
+    for (int64_t j = 0; j < i && !covered[i]; ++j) {
+      if (pool.tokens[j] < r.first || pool.tokens[j] >= r.last) continue;
+      float e[2];
+      for (int side = 0; side < 2; ++side) e[side] = lowered(i, side, cover_dot(x[side], anchor_row(j, side), D));
+      covered[i] = static_cast<float>(e[0] / pool.mean[0] + e[1] / pool.mean[1]) < bar;
+    }
+    uncovered += !covered[i];
+  }
   return covered;
 }
 

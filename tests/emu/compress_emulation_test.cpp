@@ -7,7 +7,6 @@
 #include "common/anchor_compare.hpp"
 #include "core/context.hpp"
 #include "core/coverage.hpp"
-#include "core/thread_pool.hpp"
 #include "cpu/local_anchors.hpp"
 #include "cuda/plan.hpp"
 #include "methods/methods.hpp"
@@ -854,7 +853,6 @@ TEST(EmulatedCoverageSelect, PoolSkipsCoveredMembersAsTheCpuDoes) {
     g.segments = (P + 255) / 256;
     g.table_size = 256;
     ASSERT_EQ(g.candidate_reach(), 300);
-    akv::ThreadPool tp(2);
     for (int h = 0; h < H; ++h) {
       std::vector<int32_t> want;  // one copy of each cluster: its largest key
       for (const auto &c : clusters[h]) {
@@ -873,18 +871,11 @@ TEST(EmulatedCoverageSelect, PoolSkipsCoveredMembersAsTheCpuDoes) {
       std::vector<char> anchor_flags(is_anchor.begin() + h * P, is_anchor.begin() + (h + 1) * P);
       const akv::CoveragePool cp = akv::coverage_pool(error, take, cap, anchor_flags, nullptr);
       ASSERT_EQ(static_cast<int64_t>(cp.tokens.size()), pool);
-      std::vector<float> as_token[2], as_anchor[2];
-      for (int side = 0; side < 2; ++side)
-        for (int32_t t : cp.tokens)
-          for (int d = 0; d < D; ++d) {
-            const float x = rows[side][(h * P + t) * D + d];
-            as_token[side].push_back(x);
-            as_anchor[side].push_back(unit[side][(h * P + t) * D + d]);  // (the GPU rounds to bf16 first)
-          }
-      const float *const left[2] = {as_token[0].data(), as_token[1].data()};
-      const float *const right[2] = {as_anchor[0].data(), as_anchor[1].data()};
       const std::vector<char> covered = akv::covered_members(
-          cp, error, left, right, D, local ? &g : nullptr, tp, [&](int64_t i, int side, float c) {
+          cp, D, local ? &g : nullptr,
+          [&](int64_t i, int side) { return &rows[side][(h * P + cp.tokens[i]) * D]; },
+          [&](int64_t j, int side) { return &unit[side][(h * P + cp.tokens[j]) * D]; },  // (the GPU rounds to bf16 first)
+          [&](int64_t i, int side, float c) {
             const int64_t t = h * P + cp.tokens[i];
             const float n = norm_sq[side][t], b = best[side][t];
             if (local) return std::fabs(c) > std::fabs(b) ? std::max(0.0f, n - c * c) : energy(side, t);
