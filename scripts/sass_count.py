@@ -450,7 +450,9 @@ def compile_cubin(workdir, nvcc, segment_weights=False, gptj=False):
               'const float *, const float *, int64_t, float *);\n'
               'template __global__ void akv::cuda::coverage_chunk_kernel<1>(const float *, const float *, '
               'const float *, const float *, int64_t, const float *, int64_t, int64_t, const int32_t *, '
-              'uint32_t *, uint32_t *);\n')
+              'uint32_t *, uint32_t *);\n'
+              'template __global__ void akv::cuda::coverage_merge_kernel<false>(const uint32_t *, const uint32_t *, '
+              'int64_t, int64_t, int64_t, int32_t *, uint32_t *, int64_t, uint32_t *, int64_t);\n')
     split = "decode_split_kernel<128, 4, true, true>" if gptj else "decode_split_kernel<128, 4, true>"
     for k in (split, "decode_anchor_values_kernel<128, 4>", "decode_merge_kernel<128, 4>"):
         source += f"template __global__ void akv::cuda::{k}(const __grid_constant__ akv::cuda::DecodeLaunch);\n"

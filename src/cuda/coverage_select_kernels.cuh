@@ -1,8 +1,10 @@
-// One coverage round's ranking on the GPU (CPU: worst_represented in cpu/local_anchors.cpp):
-// the `take` tokens of a head that its anchors so far represent worst (largest summed relative
-// error, ties the lower token; anchors never), in token order. Three launches a round, each
-// over every head, instead of a means kernel, a keys kernel, a device-wide segmented sort (a
-// radix sort between a compose and a split kernel), the take and (format 3) a sort by token:
+// One coverage round's ranking on the GPU (CPU: coverage_pool, covered_members and pool_picks
+// in cpu/local_anchors.hpp): the `take` tokens of a head that its anchors so far represent worst
+// (largest summed relative error, ties the lower token; anchors never), in token order, from a
+// pool (core/coverage.hpp) whose covered members go last. Three launches a round (three more
+// with a pool, below), each over every head, instead of a means kernel, a keys kernel, a
+// device-wide segmented sort (a radix sort between a compose and a split kernel), the take and
+// (format 3) a sort by token:
 //   coverage_energy_kernel  each chunk of kSelectChunk tokens sums both sides' residual
 //                           energies (fixed order, so every run gives the same means; storage
 //                           format 3's candidate search sums its tiles' as it ends instead,
@@ -11,7 +13,9 @@
 //                           makes its tokens' keys and selects its own `take` smallest (a
 //                           chunk's share of the round can be no larger), in token order;
 //   coverage_merge_kernel   one block per head selects the `take` smallest of the chunks'
-//                           candidates (which are in token order) and writes the picks.
+//                           candidates (which are in token order) and writes the picks;
+// then, with a pool: the merge writes the pool instead (<true>), coverage_cover_kernel marks
+// its covered members, and a second merge over the pool takes the picks.
 // A select is a radix select (digits of 11, 11 and 10 bits, most significant first: each a
 // histogram of the keys that share the digits so far, and the bin where the count reaches the
 // wanted rank) followed by a pass in order that takes the keys below the threshold T and the
