@@ -188,7 +188,7 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
     arrays += [(i4, H * P)] * 8 + [(u8, P), (i4, hb * P), (i4, hb * P), (i4, S), (i4, PAIRS), (i4, PAIRS),
                (i4, 1)] + [(f, hb * P)] * 4
     arrays += [(f, hb * max(-(-P // SELECT_CHUNK), -(-P // 32)) * 2)]  # select_partials (chunks, or tiles of 32+)
-    arrays += [(i4, hb * P), (i4, hb * P), (i4, hb * k), (i4, hb * P), (i4, 0)]
+    arrays += [(i4, hb * P), (i4, hb * P), (i4, hb * k)] + [(i4, hb * k)] * 3 + [(i4, hb * P), (i4, 0)]  # + the pool's
     arrays += [(i4, hb * P), (i4, hb * P), (f, hb * P), (u2, H * P), (u2, H * P)] * 2 + [(f, 256)]  # format 3's
     arrays += [(i4, 1 + 4 * hb * P)]  # the token-sides outside their tables
     arrays += [(i4, 6), (u2, hb * m * D)]  # search_stats (utility_split before it), q_b
