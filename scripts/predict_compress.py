@@ -253,9 +253,9 @@ class Pass:
         With a pool (core/coverage.hpp: pool > take) the chunks and the merge select the pool,
         then (format 3) its rows as stored anchors, the cover test and a second merge over the
         pool take the picks. The cover test (coverage_cover_kernel) is a warp a member walking
-        the members in its reach (`share` of the pool): their keys and tokens 32 a trip to L2,
-        then the ones ranked before it (half on average) a trip each for their rows
-        (COVER_TRIP_S), every head's members side by side."""
+        the members in its reach (`share` of the pool), 32 a trip to L2 (COVER_TRIP_S), each lane
+        one member's two products as serial dots (2 D dependent FMAs, 4 cycles each), every
+        head's members side by side."""
         chunks = -(-P // SELECT_CHUNK)
         wanted = pool if pool > take else take
         n = chunks * min(wanted, SELECT_CHUNK)
@@ -276,7 +276,7 @@ class Pass:
             self.unit_rows(2 * hb, pool, False)
         pairs = pool * share / 2
         self.op(simt=hb * pool * pairs * 2 * 2 * D, hbm=hb * pool * 2 * D * 4 * 2,
-                latency=(pairs + math.ceil(pool * share / 32)) * COVER_TRIP_S)
+                latency=math.ceil(pool * share / 32) * (COVER_TRIP_S + 2 * D * 4 / CLOCK_HZ))
         merge(pool, take)
 
     def unit_rows(self, hb, n, bf16_copy):  # unit_rows_kernel: read X rows, write unit rows (+bf16)
@@ -423,7 +423,7 @@ TABLE_MISSES = {32768: 1281, 65536: 5147, 131072: 12471}
 TABLE_MISS_INSTR = 8 * 435
 SHARED_STEP_CYCLES = 120          # a bitonic step: a batch of shared loads, compare, stores, barrier
 TRIP_CYCLES = 900                 # a dependent trip to memory (scripts/sass_count.py's LATENCY["hbm"])
-COVER_TRIP_S = 300 / CLOCK_HZ     # ASSUMED: a dependent trip to L2 (~300 cycles): the cover test's, a pair's rows or 32 members' keys
+COVER_TRIP_S = 300 / CLOCK_HZ     # ASSUMED: a dependent trip to L2 (~300 cycles): the cover test's, for 32 members
 L2_BPS = 10e12                    # ASSUMED: L2 reads (the tables' rows, reread by each scan)
 
 

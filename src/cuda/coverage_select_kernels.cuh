@@ -379,29 +379,28 @@ __global__ void __launch_bounds__(256) coverage_cover_kernel(const CoverRows row
     e[side] = uncovered_energy(n2[side], b[side], LOCAL);
   }
   bool covered = false;
-  // 32 members' keys and tokens a trip (a lane each), then the ones ranked before i (a smaller
-  // key, or an equal key and a lower token) one at a time.
+  // 32 members a trip, a lane each: its key and token, and where it is ranked before i (a smaller
+  // key, or an equal key and a lower token) its two products with i, each a serial dot in the
+  // lane (no shuffle a pair: the emulation's fibers switch at every one).
+  const float *x[2] = {rows.token[0] + y * rows.token_stride[0] + ti * D, rows.token[1] + y * rows.token_stride[1] + ti * D};
   for (int64_t j0 = lo; j0 < hi && !covered; j0 += 32) {
-    const int64_t jl = j0 + lane;
-    const uint32_t kl = jl < hi ? pool_keys[jl] : kNotRanked;
-    const int64_t tl = jl < hi ? static_cast<int64_t>(pool_ids[jl]) : P;
-    unsigned before = __ballot_sync(kFullMask, jl < hi && (kl < ki || (kl == ki && tl < ti)));
-    for (; before && !covered; before &= before - 1) {
-      const int src = __ffs(static_cast<int>(before)) - 1;
-      const int64_t j = j0 + src, tj = __shfl_sync(kFullMask, tl, src);
+    const int64_t j = j0 + lane;
+    const uint32_t kj = j < hi ? pool_keys[j] : kNotRanked;
+    const int64_t tj = j < hi ? static_cast<int64_t>(pool_ids[j]) : P;
+    bool mine = false;
+    if (j < hi && (kj < ki || (kj == ki && tj < ti))) {
       float lowered[2];
       for (int side = 0; side < 2; ++side) {
-        const float *x = rows.token[side] + y * rows.token_stride[side] + ti * D;
         const float *a = rows.anchor[side] ? rows.anchor[side] + y * rows.anchor_stride + j * D
                                            : rows.token[side] + y * rows.token_stride[side] + tj * D;
         float c = 0.0f;
-        for (int d = lane; d < D; d += 32) c += x[d] * a[d];
-        c = warp_sum(c);
+        for (int d = 0; d < D; ++d) c += x[side][d] * a[d];
         lowered[side] = LOCAL ? (fabsf(c) > fabsf(b[side]) ? fmaxf(0.0f, n2[side] - c * c) : e[side])
                               : (c * c > b[side] ? n2[side] * fmaxf(0.0f, 1.0f - c * c) : e[side]);
       }
-      covered = lowered[0] / mean[0] + lowered[1] / mean[1] < bar;
+      mine = lowered[0] / mean[0] + lowered[1] / mean[1] < bar;
     }
+    covered = __any_sync(kFullMask, mine);
   }
   if (lane == 0) final_keys[y * C + i] = covered ? (ki | 0x80000000u) : ki;
 }
