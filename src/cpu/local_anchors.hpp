@@ -49,18 +49,6 @@ struct CoveragePool {
 CoveragePool coverage_pool(const std::vector<float> (&error)[2], int64_t take, int64_t cap,
                            const std::vector<char> &is_anchor, const int8_t *eligible);
 
-// Which members are covered, in rank order until take of them are not (the round's picks are
-// then known; the members after are marked covered, and are not taken). token_row(i, side) and
-// anchor_row(j, side) give member i's row as the search compares a token and member j's as an
-// anchor, so that their product is what absorbing j would give i; anchor_row is asked for the
-// members in increasing order (j < i), so it can make them as they come. lowered(i, side, c) is
-// member i's error on that side with such a product c (its current one where c does not beat
-// its best). With `local` (format 3's geometry) only members in i's candidate range count;
-// null: all.
-template <class TokenRow, class AnchorRow, class Lowered>
-std::vector<char> covered_members(const CoveragePool &pool, int D, const AnchorGeometry *local,
-                                  const TokenRow &token_row, const AnchorRow &anchor_row, const Lowered &lowered);
-
 // The round's picks from the pool and its covered flags: marked in is_anchor, appended to
 // `anchors` and returned.
 std::vector<int32_t> pool_picks(const CoveragePool &pool, const std::vector<char> &covered,
@@ -94,6 +82,14 @@ inline float cover_dot(const float *a, const float *b, int n) {
   return dot(a, b, n);
 }
 
+// Which members are covered, in rank order until take of them are not (the round's picks are
+// then known; the members after are marked covered, and are not taken). token_row(i, side) and
+// anchor_row(j, side) give member i's row as the search compares a token and member j's as an
+// anchor, so that their product is what absorbing j would give i; anchor_row is asked for the
+// members in increasing order (j < i), so it can make them as they come. lowered(i, side, c) is
+// member i's error on that side with such a product c (its current one where c does not beat
+// its best). With `local` (format 3's geometry) only members in i's candidate range count;
+// null: all.
 template <class TokenRow, class AnchorRow, class Lowered>
 std::vector<char> covered_members(const CoveragePool &pool, int D, const AnchorGeometry *local,
                                   const TokenRow &token_row, const AnchorRow &anchor_row, const Lowered &lowered) {

@@ -659,6 +659,25 @@ TEST(EmulatedSortFresh, SortsThenAppendsTheWindow) {
     }
 }
 
+// The scratch of a coverage round's ranking over a test's arrays (both sides' norms and bests,
+// the energy partials, the chunks' candidates, the anchor flags and the picks).
+kc::CompressScratch ranking_scratch(std::vector<float> (&norm_sq)[2], std::vector<float> (&best)[2],
+                                    std::vector<float> &partials, std::vector<uint32_t> &cand_keys,
+                                    std::vector<uint32_t> &cand_ids, std::vector<int32_t> &flags,
+                                    std::vector<uint32_t> &picks) {
+  kc::CompressScratch s{};
+  for (int side = 0; side < 2; ++side) {
+    s.cover_norm_sq[side] = norm_sq[side].data();
+    s.cover_best[side] = best[side].data();
+  }
+  s.select_partials = partials.data();
+  s.cover_keys = cand_keys.data();
+  s.cover_ids = cand_ids.data();
+  s.cover_anchor = flags.data();
+  s.picks = picks.data();
+  return s;
+}
+
 // A coverage round's ranking (coverage_round: coverage_select_kernels.cuh's three kernels)
 // against the CPU's rule (worst_represented): the take largest summed relative errors among
 // the tokens that are not anchors, ties to the lower token, in token order. Dyadic norms and
@@ -708,16 +727,7 @@ TEST(EmulatedCoverageSelect, PicksTheWorstRepresentedTiesToTheLowerToken) {
               partials[(h * tiles + t / 64) * 2 + side] += std::max(0.0f, n - b * b);
             }
       std::vector<int32_t> flags = is_anchor;
-      kc::CompressScratch s{};
-      for (int side = 0; side < 2; ++side) {
-        s.cover_norm_sq[side] = norm_sq[side].data();
-        s.cover_best[side] = best[side].data();
-      }
-      s.select_partials = partials.data();
-      s.cover_keys = cand_keys.data();
-      s.cover_ids = cand_ids.data();
-      s.cover_anchor = flags.data();
-      s.picks = picks.data();
+      const kc::CompressScratch s = ranking_scratch(norm_sq, best, partials, cand_keys, cand_ids, flags, picks);
       EmulatedDevice dev;
       kc::coverage_round(dev, s, H, P, local ? tiles : 0, c.take, c.take, at, stride, fresh.data(), stride);
       for (int h = 0; h < H; ++h) {
@@ -825,17 +835,8 @@ TEST(EmulatedCoverageSelect, PoolSkipsCoveredMembersAsTheCpuDoes) {
     std::vector<uint32_t> pool_ids(H * pool), pool_keys(H * pool), pool_final(H * pool);
     std::vector<float> cand_n[2] = {std::vector<float>(H * pool * D), std::vector<float>(H * pool * D)};
     std::vector<int32_t> flags = is_anchor;
-    kc::CompressScratch s{};
-    for (int side = 0; side < 2; ++side) {
-      s.cover_norm_sq[side] = norm_sq[side].data();
-      s.cover_best[side] = best[side].data();
-      s.cand_n[side] = cand_n[side].data();
-    }
-    s.select_partials = partials.data();
-    s.cover_keys = cand_keys.data();
-    s.cover_ids = cand_ids.data();
-    s.cover_anchor = flags.data();
-    s.picks = picks.data();
+    kc::CompressScratch s = ranking_scratch(norm_sq, best, partials, cand_keys, cand_ids, flags, picks);
+    for (int side = 0; side < 2; ++side) s.cand_n[side] = cand_n[side].data();
     s.pool_ids = pool_ids.data();
     s.pool_keys = pool_keys.data();
     s.pool_final = pool_final.data();
