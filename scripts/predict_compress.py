@@ -14,7 +14,7 @@ Compare with a device run: `ANCHORKV_COMPRESS_PROFILE=1` makes the pass print on
 with the stage names used here; scripts/bench_compress.py prints that line after its timed runs.
 The "ops" column is the library's own operation count (CudaDevice::operations) and is checked
 against tests/emu CompressLaunchCount.PerLayerAtBenchShapes (format 2: 119 per layer up to 64K,
-216 at 128K; format 3: 113 and 204).
+232 at 128K; format 3: 113 and 220).
 
 Storage format 3 (the default) searches each token's local candidates (local_nearest_kernel in
 src/cuda/compress_local_kernels.cuh): its cost comes from the kernel's SASS, counted by
@@ -188,7 +188,8 @@ def scratch_bytes(S, P, k, hb, m=(HQ // H) * W):
     arrays += [(i4, H * P)] * 8 + [(u8, P), (i4, hb * P), (i4, hb * P), (i4, S), (i4, PAIRS), (i4, PAIRS),
                (i4, 1)] + [(f, hb * P)] * 4
     arrays += [(f, hb * max(-(-P // SELECT_CHUNK), -(-P // 32)) * 2)]  # select_partials (chunks, or tiles of 32+)
-    arrays += [(i4, hb * P), (i4, hb * P), (i4, hb * k)] + [(i4, hb * k)] * 3 + [(i4, hb * P), (i4, 0)]  # + the pool's
+    arrays += [(i4, hb * P), (i4, hb * P), (i4, hb * k)] + [(i4, hb * k)] * 3  # + the pool's
+    arrays += [(i4, hb * 8 * k)] * 2 + [(i4, hb * P), (i4, 0)]  # a two-level merge's group picks
     arrays += [(i4, hb * P), (i4, hb * P), (f, hb * P), (u2, H * P), (u2, H * P)] * 2 + [(f, 256)]  # format 3's
     arrays += [(i4, 1 + 4 * hb * P)]  # the token-sides outside their tables
     arrays += [(i4, 6), (u2, hb * m * D)]  # search_stats (utility_split before it), q_b
@@ -266,9 +267,18 @@ class Pass:
                     latency=waves * block_s(SELECT["coverage_energy_kernel"]["hot_static"]))
         self.op(hbm=hb * P * 20 + hb * n * 8, latency=waves * block_s(SELECT["coverage_chunk_kernel"]["hot_static"]))
         m = SELECT["coverage_merge_kernel"]
-        merge = lambda n, want: self.op(hbm=hb * n * 8 * 4 + hb * want * 12,
-                                        latency=block_s(m["hot_static"] + (-(-n // SELECT_CHUNK) - 1) *
-                                                        (sum(m["hist_loops"]) + m["emit_loop"])))
+
+        def merge(n, want):  # merge_candidates(): one block a head, or a group's first (merge_groups)
+            def level(n, want, blocks):
+                waves = -(-(hb * blocks) // SMS)
+                self.op(hbm=hb * n * 8 * 4 + hb * blocks * want * 12,
+                        latency=waves * block_s(m["hot_static"] + (-(-merge_group_keys(n, blocks) // SELECT_CHUNK) - 1) *
+                                                (sum(m["hist_loops"]) + m["emit_loop"])))
+            groups = merge_groups(n, want)
+            if groups > 1:
+                level(n, want, groups)
+                n = groups * want
+            level(n, want, 1)
         merge(n, wanted)
         if pool <= take:
             return
@@ -344,6 +354,26 @@ class Pass:
         self.op(tc=2 * products * hb * mp * S * D, hbm=hb * (m * S + S * D) * 4 + parts,
                 latency=blocks * 8 * per_warp / ISSUE_PER_S)
         self.op(hbm=parts + hb * m * D * 4)
+
+
+def merge_group_keys(n, groups):
+    """coverage_select_kernels.cuh merge_group_keys(): a group's keys, whole passes of SELECT_CHUNK."""
+    return -(-(-(-n // groups)) // SELECT_CHUNK) * SELECT_CHUNK
+
+
+def merge_groups(n, take):
+    """coverage_select_kernels.cuh merge_groups(): 1, or the groups (at most 8) of a two-level
+    merge with the fewest passes (a group's, the second level's, 3 for its launch)."""
+    passes = lambda x: -(-x // SELECT_CHUNK)
+    best, fewest = 1, passes(n)
+    for g in range(2, 9):
+        group = merge_group_keys(n, g)
+        if (g - 1) * group >= n:
+            continue
+        cost = passes(group) + passes(g * take) + 3
+        if cost < fewest:
+            best, fewest = g, cost
+    return best
 
 
 def coverage_pool(take, free):
@@ -568,7 +598,7 @@ def main():
         g, HB, x = predict(S)
         total = {key: sum(r[key] for r in x.rows.values()) for key in Pass.KEYS}
         if S in (32768, 65536, 131072):  # tests/emu CompressLaunchCount.PerLayerAtBenchShapes
-            expected = {(2, 8): 119, (2, 4): 216, (3, 8): 113, (3, 4): 204}[(FORMAT, HB)]
+            expected = {(2, 8): 119, (2, 4): 232, (3, 8): 113, (3, 4): 220}[(FORMAT, HB)]
             assert HB == (8 if S <= 65536 else 4) and total["ops"] == expected, (HB, total["ops"])
         print(f"### S = {S}: k = {g['k']} anchors/head ({g['n_top']} scored, {g['n_rand']} coverage), "
               f"N_K = {g['nk']}, N_V = {g['nv']}, {HB} heads per batch ({-(-H // HB)} batches)\n")

@@ -44,6 +44,7 @@ struct CompressScratch {
   float *cover_norm_sq[2], *cover_best[2], *select_partials;
   uint32_t *cover_keys, *cover_ids, *cover_fresh;
   uint32_t *pool_ids, *pool_keys, *pool_final;  // a round's pool (core/coverage.hpp), at most k a head
+  uint32_t *merge_ids, *merge_keys;  // a two-level merge's group picks (merge_groups), at most kMergeGroupsMost k a head
   int32_t *cover_anchor;
   int32_t *block_table;
   // Storage format 3: each token's nearest candidate per side (its x . unit row in cover_best),
@@ -130,6 +131,8 @@ struct CompressScratch {
     take(pool_ids, int64_t{H} * k);
     take(pool_keys, int64_t{H} * k);
     take(pool_final, int64_t{H} * k);
+    take(merge_ids, int64_t{H} * kMergeGroupsMost * k);
+    take(merge_keys, int64_t{H} * kMergeGroupsMost * k);
     take(cover_anchor, H * P);
     take(block_table, table_blocks);  // paged prefill: the block table on the device
     for (int side = 0; side < 2; ++side) {
@@ -200,6 +203,25 @@ void nearest_anchors(Dev &dev, int D, const float *X, int64_t n, int k, const fl
   with_head_dim(D, [&](auto d) { go(nearest_anchor_kernel<decltype(d)::value>, near_tokens(decltype(d)::value)); });
 }
 
+// The `take` smallest of n candidates a head (keys and ids in token order, head h's at h n) by
+// coverage_merge_kernel<POOL>, the other arguments its own: in one level, or in two where
+// merge_groups says so (the groups' picks in s.merge_ids and s.merge_keys first).
+template <bool POOL, class Dev>
+void merge_candidates(Dev &dev, const CompressScratch &s, int H, const uint32_t *keys, const uint32_t *ids, int64_t n,
+                      int64_t take, int64_t P, int32_t *is_anchor, uint32_t *picks, int64_t picks_stride,
+                      uint32_t *fresh, int64_t fresh_stride) {
+  if (const int groups = merge_groups(n, take); groups > 1) {
+    const int64_t m = groups * take;
+    dev.launch(coverage_merge_kernel<true>, groups, H, kSelectThreads, keys, ids, n, take, P, is_anchor, s.merge_ids,
+               m, s.merge_keys, m);
+    keys = s.merge_keys;
+    ids = s.merge_ids;
+    n = m;
+  }
+  dev.launch(coverage_merge_kernel<POOL>, 1, H, kSelectThreads, keys, ids, n, take, P, is_anchor, picks, picks_stride,
+             fresh, fresh_stride);
+}
+
 // One coverage round's ranking (coverage_select_kernels.cuh), batched over the H heads: the
 // `take` picks of each head's pool of the `pool` tokens its anchors so far represent worst
 // (core/coverage.hpp: uncovered members first), flagged in s.cover_anchor, appended to its picks
@@ -231,15 +253,13 @@ void coverage_round(Dev &dev, const CompressScratch &s, int H, int64_t P, int64_
   }
   const int64_t candidates = chunks * select_slots(wanted);
   if (!pooled) {
-    dev.launch(coverage_merge_kernel<false>, 1, H, kSelectThreads, static_cast<const uint32_t *>(s.cover_keys),
-               static_cast<const uint32_t *>(s.cover_ids), candidates, take, P, s.cover_anchor, s.picks + at,
-               free_anchors, fresh, fresh_stride);
+    merge_candidates<false>(dev, s, H, s.cover_keys, s.cover_ids, candidates, take, P, s.cover_anchor, s.picks + at,
+                            free_anchors, fresh, fresh_stride);
     return;
   }
   // The pool (tokens and keys, in token order), its cover test, then the picks from it.
-  dev.launch(coverage_merge_kernel<true>, 1, H, kSelectThreads, static_cast<const uint32_t *>(s.cover_keys),
-             static_cast<const uint32_t *>(s.cover_ids), candidates, pool, P, s.cover_anchor, s.pool_ids, pool,
-             s.pool_keys, pool);
+  merge_candidates<true>(dev, s, H, s.cover_keys, s.cover_ids, candidates, pool, P, s.cover_anchor, s.pool_ids, pool,
+                         s.pool_keys, pool);
   CoverRows rows = *cover;
   if (local_tiles > 0) {  // format 3: the members as stored anchors, in pool order (side_rows_kernel's rows)
     const SideRows sides{{rows.token[0], rows.token[1]}, {s.cand_n[0], s.cand_n[1]}, {nullptr, nullptr}, {nullptr, nullptr}};
@@ -255,9 +275,8 @@ void coverage_round(Dev &dev, const CompressScratch &s, int H, int64_t P, int64_
   };
   if (local_tiles > 0) test(coverage_cover_kernel<1>);
   else test(coverage_cover_kernel<0>);
-  dev.launch(coverage_merge_kernel<false>, 1, H, kSelectThreads, static_cast<const uint32_t *>(s.pool_final),
-             static_cast<const uint32_t *>(s.pool_ids), pool, take, P, s.cover_anchor, s.picks + at, free_anchors,
-             fresh, fresh_stride);
+  merge_candidates<false>(dev, s, H, s.pool_final, s.pool_ids, pool, take, P, s.cover_anchor, s.picks + at,
+                          free_anchors, fresh, fresh_stride);
 }
 
 // The coverage share of every head's anchors (CPU: add_coverage_anchors), batched over the H

@@ -13,7 +13,8 @@
 //                           makes its tokens' keys and selects its own `take` smallest (a
 //                           chunk's share of the round can be no larger), in token order;
 //   coverage_merge_kernel   one block per head selects the `take` smallest of the chunks'
-//                           candidates (which are in token order) and writes the picks;
+//                           candidates (which are in token order) and writes the picks (two
+//                           levels where that takes fewer passes: merge_groups);
 // then, with a pool: the merge writes the pool instead (<true>), coverage_cover_kernel marks
 // its covered members, and a second merge over the pool takes the picks.
 // A select is a radix select (digits of 11, 11 and 10 bits, most significant first: each a
@@ -260,14 +261,44 @@ __global__ void __launch_bounds__(kSelectThreads) coverage_chunk_kernel(
   for (int64_t j = count + tid; j < slots; j += kSelectThreads) out_keys[j] = kNotRanked;
 }
 
-// The round's picks of each head: the `take` smallest of its chunks' candidates (chunks x
-// slots keys in token order, kNotRanked in the unused slots), flagged in is_anchor and written
-// in token order to picks and fresh (the next absorb's candidates). POOL: the round's pool
-// instead, nothing flagged: the keys to fresh and the tokens to picks, in token order, and the
-// slots past the candidates kNotRanked (tokens kNoToken). One block per head (grid y):
-// candidates at y chunks slots, flags at y P, picks at y picks_stride, fresh at y fresh_stride.
-// (Bounds with one block a multiprocessor: else ptxas keeps it to 32 registers and spills one.)
+// The round's picks of each head: the `take` smallest of its chunks' candidates (n keys a head
+// in token order: chunks x slots, kNotRanked in the unused slots), flagged in is_anchor and
+// written in token order to picks and fresh (the next absorb's candidates). POOL: the round's
+// pool instead, nothing flagged: the keys to fresh and the tokens to picks, in token order, and
+// the slots past the candidates kNotRanked (tokens kNoToken). Grid (groups, heads): block x of
+// head y selects among its group's keys, [x g, x g + g) of the head's n with g =
+// merge_group_keys(n, groups), and writes at x take (the first level of a two-level merge,
+// POOL: merge_groups); one group, the whole head. Candidates at y n, flags at y P, picks at
+// y picks_stride, fresh at y fresh_stride. (Bounds with one block a multiprocessor: else ptxas
+// keeps it to 32 registers and spills one.)
 constexpr uint32_t kNoToken = 0xFFFFFFFFu;
+
+// Two-level merges: a head's n candidates in `groups` groups of whole kSelectChunk passes
+// (the last one shorter), each group's `take` smallest by a block (POOL, in token order, padded
+// to take), then the take smallest of those groups x take. The groups' picks hold every pick of
+// the whole (a key among the take smallest of all, ties the lower token, is among them in its
+// group), so both levels pick what one would. A block's select walks its keys in passes of
+// kSelectChunk, four a digit and the emit, one block a head: at 128K a pool of 2.8K from 32
+// chunks is 22 passes in one block, 8 groups 3 passes each beside each other, then 6.
+constexpr int kMergeGroupsMost = 8;
+__host__ __device__ constexpr int64_t merge_group_keys(int64_t n, int64_t groups) {
+  return ((n + groups - 1) / groups + kSelectChunk - 1) / kSelectChunk * kSelectChunk;
+}
+// The groups for n candidates a head and `take` picks: the count whose passes (a group's, then
+// the second level's over groups x take, plus about three passes' worth for its launch and
+// set-up) are fewest, 1 (one level) where splitting saves nothing.
+inline int merge_groups(int64_t n, int64_t take) {
+  const auto passes = [](int64_t x) { return (x + kSelectChunk - 1) / kSelectChunk; };
+  int best = 1;
+  int64_t fewest = passes(n);
+  for (int g = 2; g <= kMergeGroupsMost; ++g) {
+    const int64_t group = merge_group_keys(n, g);
+    if ((g - 1) * group >= n) continue;  // a group would be empty
+    const int64_t cost = passes(group) + passes(g * take) + 3;
+    if (cost < fewest) fewest = cost, best = g;
+  }
+  return best;
+}
 template <bool POOL>
 __global__ void __launch_bounds__(kSelectThreads, 1) coverage_merge_kernel(const uint32_t *cand_keys,
                                                                         const uint32_t *cand_ids, int64_t n,
@@ -277,11 +308,12 @@ __global__ void __launch_bounds__(kSelectThreads, 1) coverage_merge_kernel(const
   AKV_STATIC_SHARED(uint32_t, hist, [kSelectBins]);
   AKV_STATIC_SHARED(uint32_t, warp_sums, [kSelectThreads / 32 + 1]);
   AKV_STATIC_SHARED(uint32_t, found, [2]);
-  const int64_t y = blockIdx.y;
-  cand_keys += y * n;
-  cand_ids += y * n;
-  picks += y * picks_stride;
-  fresh += y * fresh_stride;
+  const int64_t y = blockIdx.y, group = merge_group_keys(n, gridDim.x), first = blockIdx.x * group;
+  cand_keys += y * n + first;
+  cand_ids += y * n + first;
+  picks += y * picks_stride + blockIdx.x * take;
+  fresh += y * fresh_stride + blockIdx.x * take;
+  n = n - first < group ? n - first : group;
   for (int i = threadIdx.x; i < kSelectBins; i += kSelectThreads) hist[i] = 0u;
   __syncthreads();
   const SelectShared sh{hist, warp_sums, found};

@@ -762,6 +762,70 @@ TEST(EmulatedCoverageSelect, PicksTheWorstRepresentedTiesToTheLowerToken) {
     }
 }
 
+// A merge in two levels (merge_candidates, where merge_groups splits a head's candidates into
+// groups whose picks a second merge takes) picks what one select over all of them does: the
+// `take` smallest keys, ties the lower token, in token order, for the picks (flagged) and for
+// a pool (keys beside, padded). Six chunks of 4000 slots a head, few distinct keys (long runs
+// of ties across the groups' bounds, the last group shorter), unused slots kNotRanked.
+TEST(EmulatedCoverageSelect, TwoLevelMergePicksWhatOneSelectDoes) {
+  const uint64_t seed = fresh_seed();
+  AKV_TRACE_SEED(seed);
+  Rng rng(seed);
+  constexpr int H = 2;
+  const int64_t chunks = 6, slots = 4000, n = chunks * slots, P = chunks * kc::kSelectChunk;
+  for (const int64_t take : {int64_t{600}, int64_t{37}})
+    for (int pool : {0, 1}) {
+      SCOPED_TRACE("take " + std::to_string(take) + " pool " + std::to_string(pool));
+      ASSERT_GT(kc::merge_groups(n, take), 1);  // else this would test one level only
+      std::vector<uint32_t> keys(H * n), ids(H * n);
+      for (int h = 0; h < H; ++h)
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t used = slots - static_cast<int64_t>(rng.uniform_int(0, 300));
+          std::vector<uint32_t> tokens(kc::kSelectChunk);
+          for (int64_t t = 0; t < kc::kSelectChunk; ++t) tokens[t] = static_cast<uint32_t>(c * kc::kSelectChunk + t);
+          for (int64_t j = 0; j < used; ++j)  // a sorted sample of the chunk's tokens
+            std::swap(tokens[j], tokens[j + rng.uniform_int(0, kc::kSelectChunk - 1 - j)]);
+          std::sort(tokens.begin(), tokens.begin() + used);
+          for (int64_t j = 0; j < slots; ++j) {
+            const int64_t i = h * n + c * slots + j;
+            keys[i] = j < used ? 1000u + static_cast<uint32_t>(rng.uniform_int(0, 40)) : kc::kNotRanked;
+            ids[i] = j < used ? tokens[j] : 0u;
+          }
+        }
+      std::vector<int32_t> flags(H * P, 0);
+      std::vector<uint32_t> picks(H * take, 0xA5A5A5A5u), fresh(H * take, 0xA5A5A5A5u);
+      std::vector<uint32_t> merge_ids(H * kc::kMergeGroupsMost * take), merge_keys(merge_ids.size());
+      kc::CompressScratch s{};
+      s.merge_ids = merge_ids.data();
+      s.merge_keys = merge_keys.data();
+      EmulatedDevice dev;
+      if (pool)
+        kc::merge_candidates<true>(dev, s, H, keys.data(), ids.data(), n, take, P, flags.data(), picks.data(), take,
+                                   fresh.data(), take);
+      else
+        kc::merge_candidates<false>(dev, s, H, keys.data(), ids.data(), n, take, P, flags.data(), picks.data(), take,
+                                    fresh.data(), take);
+      for (int h = 0; h < H; ++h) {
+        std::vector<int64_t> order;  // the slots in play, by (key, token)
+        for (int64_t i = 0; i < n; ++i)
+          if (keys[h * n + i] != kc::kNotRanked) order.push_back(h * n + i);
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys[a] < keys[b]; });
+        order.resize(take);
+        std::sort(order.begin(), order.end());  // token order (the slots are)
+        std::vector<uint32_t> want_ids, want_keys;
+        for (int64_t i : order) want_ids.push_back(ids[i]), want_keys.push_back(keys[i]);
+        EXPECT_EQ(std::vector<uint32_t>(picks.begin() + h * take, picks.begin() + (h + 1) * take), want_ids) << "head " << h;
+        EXPECT_EQ(std::vector<uint32_t>(fresh.begin() + h * take, fresh.begin() + (h + 1) * take),
+                  pool ? want_keys : want_ids)
+            << "head " << h;
+        std::vector<int32_t> want_flags(P, 0);
+        if (!pool)
+          for (uint32_t t : want_ids) want_flags[t] = 1;
+        EXPECT_EQ(std::vector<int32_t>(flags.begin() + h * P, flags.begin() + (h + 1) * P), want_flags) << "head " << h;
+      }
+    }
+}
+
 // A round's pool (core/coverage.hpp) on the GPU (coverage_round with its cover rows) against the
 // CPU's (coverage_pool, covered_members, pool_picks): ten clusters of six near-copies of one
 // row, each cluster along its own axis, a few positions apart, badly represented (the worst
@@ -1376,9 +1440,11 @@ TEST(CompressLaunchCount, PerLayerAtBenchShapes) {
     // the fill of its list's count): 2 a batch where the layer has tables, 121 / 220 default.
     // A round's picks from a pool (core/coverage.hpp): the pool's merge, its cover test and
     // (format 3) its rows as stored anchors, 3 (format 2: 2) more a round at 8 rounds instead
-    // of 16: 7 and 8 a round, 113 / 204 default in format 3, 119 / 216 in format 2.
+    // of 16: 7 and 8 a round, 113 / 204 default in format 3, 119 / 216 in format 2. At 128K
+    // the pool's merge in two levels (merge_groups: a pool of 2.8K, format 2 3.2K, from 32
+    // chunks; one block a head took 22 passes over 4096 keys): one more a round, 220 and 232.
     EXPECT_EQ(head_batch, S <= 65536 ? 8 : 4) << "S=" << S;
-    const int64_t per_round = (format == 3 ? 7 : 8) * (g.heads / head_batch);
+    const int64_t per_round = ((format == 3 ? 7 : 8) + (S == 131072 ? 1 : 0)) * (g.heads / head_batch);
     const int64_t tables = g.table_size ? 2 * (g.heads / head_batch) : 0;
     const int64_t fixed = format == 3 ? (head_batch == 8 ? (paper ? 80 : 55) : (paper ? 112 : 88)) + tables
                                       : (head_batch == 8 ? (paper ? 71 : 55) : (paper ? 94 : 88));
