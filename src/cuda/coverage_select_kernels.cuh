@@ -277,9 +277,9 @@ constexpr uint32_t kNoToken = 0xFFFFFFFFu;
 // (the last one shorter), each group's `take` smallest by a block (POOL, in token order, padded
 // to take), then the take smallest of those groups x take. The groups' picks hold every pick of
 // the whole (a key among the take smallest of all, ties the lower token, is among them in its
-// group), so both levels pick what one would. A block's select walks its keys in passes of
-// kSelectChunk, four a digit and the emit, one block a head: at 128K a pool of 2.8K from 32
-// chunks is 22 passes in one block, 8 groups 3 passes each beside each other, then 6.
+// group), so both levels pick what one would. A block's select walks its keys kSelectChunk at a
+// time (a pass), once for each of three digits and once to emit: at 128K a pool of 2.8K from 32
+// chunks is 22 passes in one block a head; in 4 groups side by side, 6 passes each, then 3.
 constexpr int kMergeGroupsMost = 8;
 __host__ __device__ constexpr int64_t merge_group_keys(int64_t n, int64_t groups) {
   return ((n + groups - 1) / groups + kSelectChunk - 1) / kSelectChunk * kSelectChunk;
