@@ -920,8 +920,12 @@ struct SideRows {
   float *norm_sq[2];
 };
 
+// A token id that names no token: a coverage pool's empty slot (coverage_merge_kernel<true>).
+constexpr uint32_t kNoToken = 0xFFFFFFFFu;
+
 // unit_row over both sides: grid y over 2 x heads (side y / heads, head y % heads);
-// head h's X at h x_stride, ids at h ids_stride, rows at h rows_stride, norms at h norm_stride.
+// head h's X at h x_stride, ids at h ids_stride, rows at h rows_stride, norms at h norm_stride;
+// an id of kNoToken is skipped.
 __global__ void side_rows_kernel(const SideRows sides, int64_t x_stride, const uint32_t *ids, int64_t ids_stride,
                                  int64_t n, int D, int storage, int64_t rows_stride, int64_t norm_stride) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
@@ -935,7 +939,7 @@ __global__ void side_rows_kernel(const SideRows sides, int64_t x_stride, const u
   const float *X = second ? sides.X[1] : sides.X[0];
   float *rows = second ? sides.rows[1] : sides.rows[0];
   const uint32_t id = ids[y * ids_stride + i];
-  if (id == 0xFFFFFFFFu) return;  // a pool's empty slot (coverage_merge_kernel<true>'s kNoToken)
+  if (id == kNoToken) return;
   unit_row(X + y * x_stride + static_cast<int64_t>(id) * D, D, storage,
            rows + y * rows_stride + i * D, rows_b ? rows_b + y * rows_stride + i * D : nullptr,
            norm_sq ? norm_sq + y * norm_stride + i : nullptr);

@@ -271,8 +271,6 @@ __global__ void __launch_bounds__(kSelectThreads) coverage_chunk_kernel(
 // POOL: merge_groups); one group, the whole head. Candidates at y n, flags at y P, picks at
 // y picks_stride, fresh at y fresh_stride. (Bounds with one block a multiprocessor: else ptxas
 // keeps it to 32 registers and spills one.)
-constexpr uint32_t kNoToken = 0xFFFFFFFFu;
-
 // Two-level merges: a head's n candidates in `groups` groups of whole kSelectChunk passes
 // (the last one shorter), each group's `take` smallest by a block (POOL, in token order, padded
 // to take), then the take smallest of those groups x take. The groups' picks hold every pick of
@@ -357,17 +355,6 @@ __device__ __forceinline__ float key_value(uint32_t key) {
   return value;
 }
 
-// The first of the n increasing tokens ids[0..n) that is >= t (n if none).
-__device__ __forceinline__ int64_t first_token_at(const uint32_t *ids, int64_t n, int64_t t) {
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (static_cast<int64_t>(ids[mid]) < t) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
-}
-
 // A round's cover test (CPU: covered_members in cpu/local_anchors.hpp) over its pool (pool_keys,
 // pool_ids: C a head, in token order, kNotRanked / kNoToken past its members): member i is
 // covered when a member ranked before it (a smaller key, or an equal key and a lower token), in
@@ -400,8 +387,8 @@ __global__ void __launch_bounds__(256) coverage_cover_kernel(const CoverRows row
   if (LOCAL) {
     int64_t first = 0, last = P;
     candidate_positions(range, ti >> range.segment_shift, &first, &last);
-    lo = first_token_at(pool_ids, C, first);
-    hi = first_token_at(pool_ids, C, last);
+    lo = warp_lower_bound_u32(pool_ids, C, first, lane);  // the whole warp, the same member
+    hi = warp_lower_bound_u32(pool_ids, C, last, lane);
   }
   const float *norm_sq[2] = {key_norm_sq + y * P, value_norm_sq + y * P}, *best[2] = {key_best + y * P, value_best + y * P};
   float n2[2], b[2], e[2];
