@@ -101,6 +101,53 @@ PHASES = [
 COUNT_DISPERSION = 5.7
 
 
+def tile_floor(fk, fv):
+    """The tile loop's arithmetic floor by phase, warp instructions per token and head: what any
+    kernel that decodes format 3 as this one does (each token's anchor row rotated to its position
+    in bf16x2, keys and queries contracted on the tensor cores, fp32 softmax and sums) must issue
+    with every lane busy and nothing else: no address arithmetic, loop control, staging through
+    shared memory or barriers. A yardstick for the counts above (how far each phase is from what
+    its data and operations need), not a prediction. At D 128 and 4 rows; fk and fv: residuals a
+    token on each side."""
+    lanes = 32
+    per_pass = T / lanes  # warp passes over a tile's tokens, a token a lane
+    floor = {}
+    # Per tile: the four per-token byte arrays in 4-byte loads, the three mask words and the
+    # first anchor (one load); per token: its packed word's four bytes, the two table lookups
+    # (key and value anchor), the two coefficients by code, whether it is an anchor token
+    # (a popcount below it in the mask).
+    floor["metadata"] = (4 * T / (4 * lanes) + 1 + per_pass * (4 + 2 + 2 + 2)) / T
+    # The anchor row (2 D bytes) and the cos / sin of its D / 2 pairs (2 D bytes) in 16-byte
+    # loads; each pair's two outputs a multiply and a fused multiply-add, two pairs an
+    # instruction (bf16x2); the queries rotated to the tile's start in fp32, once a tile.
+    loads = 2 * (2 * D) / (16 * lanes)
+    rotate = (D // 2) * 2 * 2 / 2 / lanes
+    queries = ROWS * (D // 2) * 2 * 2 / lanes / T
+    floor["anchor gather + RoPE + query rotation"] = loads + rotate + queries
+    # m16n8k16: T / 16 x D / 16 a tile (up to 8 rows in n8), the queries' B fragments (one
+    # 8-byte load a k16 slab and warp of 16 tokens), the coefficient times each logit.
+    floor["contraction"] = ((T // 16) * (D // 16) + (T // 16) * (D // 16) + T * ROWS / lanes) / T
+    # Per token and row: the running max, the subtraction and exp2, the sum, the probability's
+    # store for the value side.
+    floor["softmax"] = 5 * ROWS / lanes
+    # Per token and row: the probability's load, its product with the value coefficient, and a
+    # shared-memory float add (sm_90 has none: a compare-and-swap loop of a load, an add, the
+    # CAS, a compare and a branch).
+    floor["per-anchor weights"] = (1 + 1 + 5) * ROWS / lanes
+    # A key residual: its codes and scale (two loads), D / 32 2-bit levels a lane into f16 pairs
+    # (three operations a pair), the inverse Hadamard (two m16n8k16 at D 128), the scale and the
+    # rotation in fp32 (D / 2 pairs x 2 outputs x 2 operations), its cos / sin, its logit term
+    # batched 16 residuals to an mma (D / 16 a batch, with their B fragments), the term added.
+    key = 2 + (D // 32) // 2 * 3 + 2 + (D // 2) * 2 * 2 / lanes + loads / 2 + 2 * (D // 16) / 16 + ROWS / lanes
+    floor["key residuals"] = fk * key
+    # A value residual: its codes (one load), D / 32 levels a lane (an extract and a lookup
+    # each), the row's probabilities (one load), rows x D fp32 multiply-adds.
+    value = 1 + 2 * (D // 32) + 1 + ROWS * D / lanes
+    floor["value residuals"] = fv * value
+    floor["loop control and barriers"] = 0.0
+    return floor
+
+
 def count_pmf(mean, dispersion):
     """P(c), c = 0 .. T: a tile's residual count with that mean and variance / mean (a negative
     binomial; Poisson at dispersion 1), the mass past T at T."""
@@ -1481,11 +1528,15 @@ def main():
           f"{a.block_tiles} tiles a block, "
           f"{rescale_rate(a.block_tiles):.4f} of them rescaling): {sum(loop['static'].values())} static SASS "
           f"instructions, {loop['inner_loops']} inner loops")
-    print("| phase | static SASS | warp instr per tile | per token and head |")
-    print("|---|---|---|---|")
+    floor = tile_floor(a.fk, a.fv)
+    print("| phase | static SASS | warp instr per tile | per token and head | floor (tile_floor) |")
+    print("|---|---|---|---|---|")
     for name, v in sorted(loop["per_tile"].items(), key=lambda x: -x[1]):
-        print(f"| {name} | {loop['static'][name]} | {v:.0f} | {v / T:.1f} |")
-    print(f"| total | {sum(loop['static'].values())} | {total:.0f} | {total / T:.1f} |")
+        fl = f"{floor[name]:.2f}" if name in floor else ""
+        print(f"| {name} | {loop['static'][name]} | {v:.0f} | {v / T:.1f} | {fl} |")
+    print(f"| total | {sum(loop['static'].values())} | {total:.0f} | {total / T:.1f} | {sum(floor.values()):.2f} |")
+    print("floor: the arithmetic any kernel decoding format 3 this way must issue at these residual fractions, "
+          "every lane busy, no addressing, staging, loop control or barriers (tile_floor's comments)")
     pro = prologue_walk(funcs[split], spans, lines, a.anchors, loop["first"])
     result["prologue"] = pro
     print(f"\nThe split kernel's set-up to its first tile (prologue_walk; k {a.anchors}, weights "
@@ -1558,6 +1609,7 @@ def main():
     for u in loop["unknown_loops"]:
         print(f"note: inner loop at {u[0]} line {u[1]} ({u[2]}) has no trip-count model: counted once")
     result["tile_loop"]["per_token_head"] = total / T
+    result["tile_loop"]["floor_per_token_head"] = floor
     result["local_search"] = {}
     for ch in LOCAL_CHUNKS:
         local = next(m for m in funcs if f"local_nearest_kernelILi128ELi{ch}E" in m)
