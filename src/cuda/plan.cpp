@@ -62,6 +62,17 @@ bool rope_interleaved(const akv_cache &cache) {
   return gptj;
 }
 
+// Whether bf16 queries decode the cache on the register-gather path: a bf16 format-3 anchor
+// cache with NeoX or GPT-J pairs over every dimension, or without RoPE (keys handed rotated:
+// its view then carries D / 2 NeoX pairs of zero frequency, which that path rotates by
+// nothing; build_view_block).
+bool register_gather_cache(const akv_cache &c) {
+  const int D = c.meta.shape.head_dim;
+  const bool rope = c.rope.enabled() && (rope_fused(c) || rope_interleaved(c)) && 2 * c.rope.pairs() == D;
+  return storage_of(c.meta.method) == Storage::kAnchor && c.geometry.format == 3 && c.geometry.anchors > 0 &&
+         c.meta.storage == AKV_DTYPE_BF16 && (rope || !c.rope.enabled()) && D % 2 == 0;
+}
+
 }  // namespace
 
 bool fast_decode_path(const akv_cache *const *caches, int32_t batch, akv_dtype dtype) {
@@ -69,11 +80,7 @@ bool fast_decode_path(const akv_cache *const *caches, int32_t batch, akv_dtype d
   for (int32_t b = 0; b < batch; ++b) {
     const akv_cache &c = *caches[b];
     if (rope_interleaved(c) != rope_interleaved(*caches[0])) return false;  // one kernel: one pairing
-    const int D = c.meta.shape.head_dim;
-    if (storage_of(c.meta.method) != Storage::kAnchor || c.geometry.format != 3 || c.geometry.anchors <= 0 ||
-        c.meta.storage != AKV_DTYPE_BF16 || !(rope_fused(c) || rope_interleaved(c)) || !c.rope.enabled() ||
-        2 * c.rope.pairs() != D)
-      return false;
+    if (!register_gather_cache(c)) return false;
   }
   return true;
 }
@@ -131,24 +138,41 @@ std::vector<uint8_t> build_view_block(const akv_cache &cache, const ViewAddresse
     v.dense_values = reinterpret_cast<const uint16_t *>(at.data) + kept * D;
   }
 
-  const int pairs = v.rope_pairs;
   v.rope_fused = rope_fused(cache);
+  // The register-gather path rotates every NeoX pair (its kernel takes pairs = D / 2 from these
+  // tables): a cache without RoPE that takes it gets D / 2 pairs (j, j + D / 2) of zero
+  // frequency, cos 1 and sin 0, which rotate nothing exactly (bf16x2 and fp32 alike);
+  // rope_pairs stays 0 for every other reader (the other paths, append).
+  std::vector<float> inv_freq;
+  std::vector<int32_t> first, second;
+  if (v.rope_pairs) {
+    inv_freq.assign(cache.rope.inv_freq.begin(), cache.rope.inv_freq.end());
+    first.assign(cache.rope.first.begin(), cache.rope.first.end());
+    second.assign(cache.rope.second.begin(), cache.rope.second.end());
+  } else if (register_gather_cache(cache)) {
+    inv_freq.assign(D / 2, 0.0f);
+    first.resize(D / 2);
+    second.resize(D / 2);
+    for (int j = 0; j < D / 2; ++j) {
+      first[j] = j;
+      second[j] = D / 2 + j;
+    }
+  }
+  const int pairs = static_cast<int>(inv_freq.size());
   // e^{i d omega_j} for the offsets d inside a tile, in double (|d omega| < kDecodeTile rad).
   std::vector<float> step(static_cast<size_t>(2) * kDecodeTile * pairs);
   for (int d = 0; d < kDecodeTile; ++d)
     for (int j = 0; j < pairs; ++j) {
-      const double a = static_cast<double>(d) * static_cast<double>(cache.rope.inv_freq[j]);
+      const double a = static_cast<double>(d) * static_cast<double>(inv_freq[j]);
       step[2 * (static_cast<size_t>(d) * pairs + j)] = static_cast<float>(std::cos(a));
       step[2 * (static_cast<size_t>(d) * pairs + j) + 1] = static_cast<float>(std::sin(a));
     }
 
   std::vector<uint8_t> bytes(sizeof(CacheView));
-  const size_t inv = put(bytes, cache.rope.inv_freq.data(), v.rope_pairs);
+  const size_t inv = put(bytes, inv_freq.data(), pairs);
   const size_t st = put(bytes, step.data(), step.size());
-  std::vector<int32_t> first(cache.rope.first.begin(), cache.rope.first.end());
-  std::vector<int32_t> second(cache.rope.second.begin(), cache.rope.second.end());
-  const size_t f = put(bytes, first.data(), v.rope_pairs);
-  const size_t s = put(bytes, second.data(), v.rope_pairs);
+  const size_t f = put(bytes, first.data(), pairs);
+  const size_t s = put(bytes, second.data(), pairs);
   size_t signs = 0, starts = 0;
   if (v.kind == kKindAnchor) {
     signs = put(bytes, cache.codec.signs().data(), D);

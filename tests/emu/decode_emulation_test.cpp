@@ -252,13 +252,26 @@ TEST(EmulatedDecode, AnchorKvBatchWithAppendedTokensAndQueryBlocks) {
 }
 
 // Keys handed rotated with no RoPE (anchors fitted after the rotation, docs/design.md §4.6) at
-// the size where the recipe is used: segment tables (k > 256), bf16 queries (the generic kernel:
-// the register-gather path needs NeoX), three rows a head, appended tokens.
+// the size where the recipe is used: segment tables (k > 256), three rows a head, appended
+// tokens. bf16 queries take the register-gather path (its view's D / 2 pairs of zero
+// frequency: build_view_block), at D 64 and 128, with a window past a tile; f32 queries the
+// generic kernel.
 TEST(EmulatedDecode, NoRopeWithSegmentTables) {
+  const int before = fast_launches, gptj_before = gptj_launches;
   Case c{AKV_METHOD_ANCHORKV, 1600, 64, 3, 1, 2, AKV_ROPE_NONE, false};
   c.anchors = 300;
   c.io = AKV_DTYPE_BF16;
   check_case(c, 2, 4, 2);
+  Case wide{AKV_METHOD_ANCHORKV, 1400, 128, 4, 2, 3, AKV_ROPE_NONE, false};
+  wide.anchors = 320;
+  wide.window = 100;
+  wide.io = AKV_DTYPE_BF16;
+  check_case(wide, 1, 4, 2);
+  EXPECT_EQ(fast_launches - before, 2) << "bf16 queries on decode_split_kernel<D, MAXROWS, true>";
+  EXPECT_EQ(gptj_launches - gptj_before, 0) << "NeoX's kernel, not GPT-J's";
+  c.io = AKV_DTYPE_F32;
+  check_case(c, 1, 4, 2);
+  EXPECT_EQ(fast_launches - before, 2) << "f32 queries on the generic kernel";
 }
 
 // An appended suffix of 5 tiles over 2 splits: its tiles taken by the splits in turn (split
