@@ -106,6 +106,10 @@ void launch_decode(akv_context &ctx, const DecodePlan &plan, const DecodeLaunch 
   if (decode_profiling() && !capturing(stream)) profile = std::make_unique<DecodeProfile>(stream);
   if (profile) profile->mark(0);
   const DecodeGrids g = decode_grids(plan, p.heads, requests);
+  // Caches without RoPE on the register-gather path: their anchors' scores first (a profile
+  // counts them in the split kernel's time).
+  if (FAST && p.scores)
+    decode_scores_kernel<D, MAXROWS><<<dim3(g.scores.x, g.scores.y, g.scores.z), kDecodeThreads, 0, stream>>>(p);
   decode_split_kernel<D, MAXROWS, FAST, GPTJ><<<dim3(g.split.x, g.split.y, g.split.z), kDecodeThreads,
                                                 plan.smem_bytes, stream>>>(p);
   if (profile) profile->mark(1);

@@ -20,6 +20,7 @@ constexpr int kMaxSplits = 64;        // splits of one (request, head, row chunk
 // the plan's choice (DecodePlan::anchors_per_part).
 constexpr int kMergeAnchorChunk = 64, kMergeMaxAnchorsPerPart = 256;
 constexpr int kMaxBatchPerLaunch = 128;
+constexpr int kScoreAnchors = 64;  // anchors per block of decode_scores_kernel (4 threads an anchor)
 constexpr int kSegmentEntries = 256;  // entries of a format-3 segment table (one-byte indices)
 
 enum CacheKind : int32_t { kKindAnchor = 0, kKindDense = 1 };
@@ -105,6 +106,7 @@ struct HeadArrays {
   const float *key_scales, *value_scales;
   int32_t prefix, segment_shift;
   uint32_t key_slots, value_slots;  // CacheView's
+  const float *scores;  // DecodeLaunch::scores' rows of this (request, head, row chunk), or null
 };
 
 struct DecodeLaunch {
@@ -129,6 +131,11 @@ struct DecodeLaunch {
   // [requests][heads * row_chunks][anchor_parts][MAXROWS][D].
   int32_t anchor_parts, anchors_per_part;
   float *ws_av;
+  // Caches without RoPE on the register-gather path (docs/design.md §4.6): each anchor's logit
+  // for each row, decode_scores_kernel's, which the split kernel looks up by token instead of
+  // gathering the anchor's row: [requests][heads * row_chunks][max_anchors][MAXROWS]; null
+  // where no cache of the decode is such.
+  float *scores;
   float *lse;                  // optional [requests][Hq][q_len]: natural log-sum-exp per row
   // How far (base-2 logits) a tile's max may pass a row's reference max before the reference
   // is raised and what is accumulated rescaled: kRescaleSlack (decode_launch); the emulation

@@ -391,6 +391,7 @@ struct SplitBlock {
       const HeadArrays ha = head_arrays(v);
       if (tid == 0) {
         *ha_s = ha;
+        ha_s->scores = head_scores(v);
         seg_s[0] = -1;
       }
       if (stage && stager) {
@@ -460,7 +461,17 @@ struct SplitBlock {
                       f3 ? v.key_code + hp : nullptr, f3 ? v.value_code + hp : nullptr,
                       v.key_codes, v.value_codes, v.value_chunk, v.key_scales, v.value_scales,
                       static_cast<int32_t>(v.prefix), v.segment_shift,
-                      v.key_slots, v.value_slots};
+                      v.key_slots, v.value_slots, nullptr};  // scores: thread 0's (head_scores)
+  }
+  // The register-gather path over a cache without RoPE: this (request, head, row chunk)'s rows
+  // of DecodeLaunch::scores (lookup_scores); null on every other path.
+  __device__ __forceinline__ const float *head_scores(const CacheView &v) const {
+#ifdef AKV_SASS_PIN_BF16_FUSED  // the count's caches have RoPE
+    return nullptr;
+#endif
+    if (!FAST || v.rope_pairs != 0 || p.scores == nullptr) return nullptr;
+    const int64_t x = (static_cast<int64_t>(blockIdx.z) * p.heads + h) * p.row_chunks + row0 / MAXROWS;
+    return p.scores + x * p.max_anchors * MAXROWS;
   }
 
   // ---- 1. tile metadata: anchor, gamma and position of each token; the first angles ------
@@ -1469,6 +1480,25 @@ struct SplitBlock {
     }
   }
 
+  // A cache without RoPE (docs/design.md §4.6): a token's logits before its coefficient are its
+  // anchor's scores q . K_a (sc: decode_scores_kernel's rows, MAXROWS floats an anchor), read
+  // into contract_gathered's accumulators (token m0 + g + 8 (e / 2), row n 8 + 2 tq + e % 2,
+  // the rows past MAXROWS its kB columns' repeats) instead of gathering and contracting rows.
+  __device__ __forceinline__ void lookup_scores(const float *sc, float (&acc)[NR8][4]) const {
+    const int g = lane >> 2, tq = lane & 3;
+    const int u0 = (warp & 3) * 16 + g, u1 = u0 + 8;
+    const int a0 = a_s[u0], a1 = a_s[u1];  // past the tile's end (a < 0): anchor 0's, masked
+    const float *s0 = sc + (a0 < 0 ? 0 : a0) * MAXROWS, *s1 = sc + (a1 < 0 ? 0 : a1) * MAXROWS;
+    for (int n = 0; n < NR8; ++n) {
+      const int i = (n * 8 + 2 * tq) & (MAXROWS - 1);
+      const float2 x0 = load_ro(reinterpret_cast<const float2 *>(s0 + i)), x1 = load_ro(reinterpret_cast<const float2 *>(s1 + i));
+      acc[n][0] = x0.x;
+      acc[n][1] = x0.y;
+      acc[n][2] = x1.x;
+      acc[n][3] = x1.y;
+    }
+  }
+
   // causal: these are appended tokens, and row i (query qi of its head) sees the first
   // suffix_len - (q_len - 1 - qi) of them. anchor: anchor tiles (R_off keys, rotated queries).
   // residuals: a prefix tile on the fast path, whose key residuals' logit terms warps 4-7
@@ -1485,9 +1515,18 @@ struct SplitBlock {
     float acc[NR8][4];
     for (int n = 0; n < NR8; ++n)
       for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-    if (!gathered) contract_tile(anchor ? qr_s : q_s, acc);
-    else if (half == 0) contract_gathered(acc);
-    else if (residuals) key_residuals_tc();
+    if (!gathered) {
+      contract_tile(anchor ? qr_s : q_s, acc);
+    } else if (half == 0) {
+#ifdef AKV_SASS_PIN_BF16_FUSED  // the count's caches have RoPE: no scores
+      contract_gathered(acc);
+#else
+      if (const float *sc = ha_s->scores) lookup_scores(sc, acc);
+      else contract_gathered(acc);
+#endif
+    } else if (residuals) {
+      key_residuals_tc();
+    }
     // acc[n][e]: token m0 + g + 8 (e / 2), row n * 8 + 2 tq + e % 2.
     if (half == 1 && !gathered) {
       for (int n = 0; n < NR8; ++n)
@@ -1973,6 +2012,50 @@ __global__ void __launch_bounds__(kDecodeThreads, MAXROWS <= 8 && D <= 128 ? 2 :
     }
   }
   blk.write_partial(block_index);
+}
+
+// Caches without RoPE on the register-gather path (DecodeLaunch::scores; docs/design.md §4.6):
+// every anchor's logit for every row of a (request, head, row chunk), q . K_a with the queries
+// scaled and rounded to bf16 as the split kernel's qb_s holds them (zero rows past `rows`) and
+// fp32 sums, so that the split kernel looks a token's up (lookup_scores) where it would gather
+// and contract its anchor's row. A block: kScoreAnchors anchors, four threads an anchor (rows
+// x, x + 4, ...). Other caches' blocks return at once.
+template <int D, int MAXROWS>
+__global__ void __launch_bounds__(kDecodeThreads) decode_scores_kernel(const __grid_constant__ DecodeLaunch p) {
+  static_assert(kDecodeThreads == 4 * kScoreAnchors && MAXROWS % 4 == 0 && D % 8 == 0, "four threads an anchor");
+  AKV_STATIC_SHARED(float, q_s, [MAXROWS * D]);
+  const int tid = threadIdx.x, x = blockIdx.y, b = blockIdx.z;
+  const int h = x / p.row_chunks, rc = x % p.row_chunks;
+  const CacheView &c = *p.views[b];
+  if (c.kind != kKindAnchor || c.rope_pairs != 0) return;  // uniform across the block
+  const int row0 = rc * MAXROWS, rows = p.rows - row0 < MAXROWS ? p.rows - row0 : MAXROWS;
+  const int G = p.q_heads / p.heads;
+  const int64_t qbase = ((static_cast<int64_t>(b) * p.q_heads + static_cast<int64_t>(h) * G) * p.q_len + row0) * D;
+  const float qscale = c.softmax_scale * kLog2e;
+  for (int e = tid; e < MAXROWS * D; e += kDecodeThreads)
+    q_s[e] = e / D < rows ? bits_to_float(float_to_bits(load_elem(p.queries, AKV_DTYPE_BF16, qbase + e) * qscale, true), true)
+                          : 0.0f;
+  __syncthreads();
+  const int a = blockIdx.x * kScoreAnchors + tid / 4, r0 = tid % 4;
+  if (a >= c.anchors) return;
+  const uint16_t *row = c.anchor_keys + (static_cast<int64_t>(h) * c.anchors + a) * D;
+  constexpr int RPT = MAXROWS / 4;  // rows a thread
+  float acc[RPT];
+  for (int r = 0; r < RPT; ++r) acc[r] = 0.0f;
+  for (int d = 0; d < D; d += 8) {
+    const uint4 kv = load_ro(reinterpret_cast<const uint4 *>(row + d));
+    const uint32_t w[4] = {kv.x, kv.y, kv.z, kv.w};
+    float kf[8];
+    for (int j = 0; j < 4; ++j) {
+      kf[2 * j] = bits_to_float(static_cast<uint16_t>(w[j]), true);
+      kf[2 * j + 1] = bits_to_float(static_cast<uint16_t>(w[j] >> 16), true);
+    }
+    for (int r = 0; r < RPT; ++r)
+      for (int j = 0; j < 8; ++j) acc[r] = fmaf(q_s[(r0 + 4 * r) * D + d + j], kf[j], acc[r]);
+  }
+  float *out = p.scores + ((static_cast<int64_t>(b) * p.heads + h) * p.row_chunks + rc) * p.max_anchors * MAXROWS +
+               static_cast<int64_t>(a) * MAXROWS;
+  for (int r = 0; r < RPT; ++r) out[r0 + 4 * r] = acc[r];
 }
 
 // decode_anchor_values_kernel's threads: thread (group, d0) takes DPT consecutive dims of every

@@ -249,6 +249,7 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
     if (storage_of(c.meta.method) == Storage::kAnchor) {
       plan.max_anchors = std::max(plan.max_anchors, c.geometry.anchors);
       max_work = std::max(max_work, c.geometry.prefix);
+      plan.scores = plan.scores || (!c.rope.enabled() && register_gather_cache(c));
     } else {
       for (int64_t n : c.meta.dense_counts) max_work = std::max(max_work, n);
     }
@@ -333,7 +334,8 @@ DecodePlan plan_decode(const akv_cache *const *caches, int32_t batch, int32_t q_
     plan.anchors_per_part -= kMergeAnchorChunk;
   plan.anchor_parts = parts_of(plan.anchors_per_part);
   plan.workspace_bytes = (static_cast<size_t>(plan.blocks) * plan.maxrows * (2 * D + 2 + plan.max_anchors) +
-                          static_cast<size_t>(merge_blocks) * plan.anchor_parts * plan.maxrows * D) *
+                          static_cast<size_t>(merge_blocks) * plan.anchor_parts * plan.maxrows * D +
+                          (plan.scores ? static_cast<size_t>(merge_blocks) * plan.max_anchors * plan.maxrows : 0)) *
                          sizeof(float);
   return plan;
 }
@@ -361,6 +363,8 @@ DecodeLaunch decode_launch(const DecodePlan &plan, const akv_shape &shape, int32
   p.anchor_parts = plan.anchor_parts;
   p.anchors_per_part = plan.anchors_per_part;
   p.ws_av = p.ws_w + plan.blocks * plan.maxrows * plan.max_anchors;
+  const int64_t merge_blocks = plan.blocks / plan.splits;  // (request, head, row chunk)s of a launch
+  p.scores = plan.scores ? p.ws_av + merge_blocks * plan.anchor_parts * plan.maxrows * shape.head_dim : nullptr;
   return p;
 }
 

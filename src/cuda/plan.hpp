@@ -48,24 +48,28 @@ struct DecodePlan {
   int resident = 1;       // split blocks resident per multiprocessor
   size_t smem_bytes = 0;  // dynamic shared memory of decode_split_kernel
   int64_t blocks = 0;     // split blocks of one launch (kMaxBatchPerLaunch requests at most)
+  bool scores = false;    // a cache without RoPE may take the register-gather path (DecodeLaunch::scores)
   size_t workspace_bytes = 0;
 };
 
 // The decode kernels' grids, spelled once for the CUDA backend (backend.cu's launch_decode) and
 // the SIMT emulation (tests/emu): split blocks (splits, heads x row chunks, requests),
 // anchor-value blocks (anchor parts, heads x row chunks, requests; launched only with parts)
-// and merge blocks (heads x row chunks, requests, maxrows).
+// and merge blocks (heads x row chunks, requests, maxrows); and decode_scores_kernel's
+// (kScoreAnchors anchors, heads x row chunks, requests; launched only on the register-gather
+// path with DecodeLaunch::scores).
 struct Grid3 {
   unsigned x, y, z;
 };
 struct DecodeGrids {
-  Grid3 split, anchor_values, merge;
+  Grid3 split, anchor_values, merge, scores;
 };
 inline DecodeGrids decode_grids(const DecodePlan &plan, int heads, int32_t requests) {
   const unsigned hr = static_cast<unsigned>(heads * plan.row_chunks), r = static_cast<unsigned>(requests);
   return DecodeGrids{{static_cast<unsigned>(plan.splits), hr, r},
                      {static_cast<unsigned>(plan.anchor_parts), hr, r},
-                     {hr, r, static_cast<unsigned>(plan.maxrows)}};
+                     {hr, r, static_cast<unsigned>(plan.maxrows)},
+                     {static_cast<unsigned>((plan.max_anchors + kScoreAnchors - 1) / kScoreAnchors), hr, r}};
 }
 
 // sm_count: multiprocessors; smem_limit: the opt-in dynamic shared memory per block.

@@ -48,15 +48,20 @@ struct HostView {
 };
 
 // Emulated decodes that took decode_split_kernel<D, MAXROWS, true> (kc::fast_decode_path), those
-// of them with GPT-J pairs (<D, MAXROWS, true, true>: kc::fast_decode_gptj),
+// of them with GPT-J pairs (<D, MAXROWS, true, true>: kc::fast_decode_gptj), the launches of
+// decode_scores_kernel (a cache without RoPE among them),
 // and the L2 prefetches the split kernels issued.
-int fast_launches = 0, gptj_launches = 0;
+int fast_launches = 0, gptj_launches = 0, scores_launches = 0;
 int64_t prefetches = 0;
 
 template <int D, int MAXROWS, bool FAST, bool GPTJ>
 void launch_decode(const kc::DecodePlan &plan, const kc::DecodeLaunch &p, int32_t batch) {
   const kc::DecodeGrids g = kc::decode_grids(plan, p.heads, batch);
   auto grid = [](const kc::Grid3 &x) { return simt::dim3(x.x, x.y, x.z); };
+  if (FAST && p.scores) {
+    simt::launch(grid(g.scores), simt::dim3(kc::kDecodeThreads), 0, kc::decode_scores_kernel<D, MAXROWS>, p);
+    ++scores_launches;
+  }
   simt::launch(grid(g.split), simt::dim3(kc::kDecodeThreads), plan.smem_bytes, kc::decode_split_kernel<D, MAXROWS, FAST, GPTJ>, p);
   if (plan.anchor_parts > 0)
     simt::launch(grid(g.anchor_values), simt::dim3(kc::kDecodeThreads), 0, kc::decode_anchor_values_kernel<D, MAXROWS>, p);
@@ -257,7 +262,7 @@ TEST(EmulatedDecode, AnchorKvBatchWithAppendedTokensAndQueryBlocks) {
 // frequency: build_view_block), at D 64 and 128, with a window past a tile; f32 queries the
 // generic kernel.
 TEST(EmulatedDecode, NoRopeWithSegmentTables) {
-  const int before = fast_launches, gptj_before = gptj_launches;
+  const int before = fast_launches, gptj_before = gptj_launches, scores_before = scores_launches;
   Case c{AKV_METHOD_ANCHORKV, 1600, 64, 3, 1, 2, AKV_ROPE_NONE, false};
   c.anchors = 300;
   c.io = AKV_DTYPE_BF16;
@@ -267,11 +272,17 @@ TEST(EmulatedDecode, NoRopeWithSegmentTables) {
   wide.window = 100;
   wide.io = AKV_DTYPE_BF16;
   check_case(wide, 1, 4, 2);
-  EXPECT_EQ(fast_launches - before, 2) << "bf16 queries on decode_split_kernel<D, MAXROWS, true>";
+  Case rows16{AKV_METHOD_ANCHORKV, 1200, 64, 8, 2, 2, AKV_ROPE_NONE, false};
+  rows16.anchors = 300;
+  rows16.io = AKV_DTYPE_BF16;
+  check_case(rows16, 1, 4, 2);
+  EXPECT_EQ(fast_launches - before, 3) << "bf16 queries on decode_split_kernel<D, MAXROWS, true>";
   EXPECT_EQ(gptj_launches - gptj_before, 0) << "NeoX's kernel, not GPT-J's";
+  EXPECT_EQ(scores_launches - scores_before, 3) << "the anchors' scores looked up, not their rows gathered";
   c.io = AKV_DTYPE_F32;
   check_case(c, 1, 4, 2);
-  EXPECT_EQ(fast_launches - before, 2) << "f32 queries on the generic kernel";
+  EXPECT_EQ(fast_launches - before, 3) << "f32 queries on the generic kernel";
+  EXPECT_EQ(scores_launches - scores_before, 3) << "and no scores";
 }
 
 // An appended suffix of 5 tiles over 2 splits: its tiles taken by the splits in turn (split

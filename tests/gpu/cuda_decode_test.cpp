@@ -113,13 +113,15 @@ struct DecodeCase {
   akv_dtype dtype;
   int anchors = 0;  // AnchorKV: k per head (0: automatic)
   int storage_format = 0;  // AnchorKV: 2 or 3 for every request (0: request 1 in format 2, the others in 3)
+  akv_rope_style rope = AKV_ROPE_NEOX;  // AKV_ROPE_NONE: keys handed rotated (docs/design.md §4.6)
 };
 
 std::string describe(const DecodeCase &c) {
   return "method " + std::to_string(c.method) + " S=" + std::to_string(c.seq_len) + " D=" + std::to_string(c.head_dim) +
          " G=" + std::to_string(c.group) + " q_len=" + std::to_string(c.q_len) + " dtype " + dtype_name(c.dtype) +
          (c.anchors ? " k=" + std::to_string(c.anchors) : "") +
-         (c.storage_format ? " format " + std::to_string(c.storage_format) : "");
+         (c.storage_format ? " format " + std::to_string(c.storage_format) : "") +
+         (c.rope == AKV_ROPE_NONE ? " no RoPE" : "");
 }
 
 // Tolerance of a GPU output against the CPU one in the output dtype.
@@ -181,6 +183,7 @@ Cuda::Requests Cuda::make_requests(const DecodeCase &c, int batch, Rng &rng) {
   for (int b = 0; b < batch; ++b) {
     akv_compress_options o;
     akv_compress_options_init_method(&o, c.method);
+    o.rope.style = c.rope;
     PrefillSpec spec;
     spec.seq_len = c.seq_len - 331 * b;  // mixed lengths
     spec.kv_heads = H;
@@ -301,6 +304,9 @@ void Cuda::check_one_format(int format) {
   Rng rng(seed);
   for (akv_dtype dtype : {AKV_DTYPE_F32, AKV_DTYPE_BF16})
     check_decode({AKV_METHOD_ANCHORKV, 4096, 128, 4, 1, dtype, 0, format}, 2, rng);
+  // Keys handed rotated (no RoPE): bf16 queries on the register-gather path with the anchors'
+  // scores looked up (decode_scores_kernel), 300 anchors: segment tables.
+  if (format == 3) check_decode({AKV_METHOD_ANCHORKV, 4096, 128, 4, 2, AKV_DTYPE_BF16, 300, 3, AKV_ROPE_NONE}, 2, rng);
 }
 TEST_F(Cuda, FormatTwoDecodeMatchesCpu) { check_one_format(2); }
 TEST_F(Cuda, FormatThreeDecodeMatchesCpu) { check_one_format(3); }
