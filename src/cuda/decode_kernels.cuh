@@ -467,11 +467,13 @@ struct SplitBlock {
   // of DecodeLaunch::scores (lookup_scores); null on every other path.
   __device__ __forceinline__ const float *head_scores(const CacheView &v) const {
 #ifdef AKV_SASS_PIN_BF16_FUSED  // the count's caches have RoPE
+    (void)v;
     return nullptr;
-#endif
+#else
     if (!FAST || v.rope_pairs != 0 || p.scores == nullptr) return nullptr;
     const int64_t x = (static_cast<int64_t>(blockIdx.z) * p.heads + h) * p.row_chunks + row0 / MAXROWS;
     return p.scores + x * p.max_anchors * MAXROWS;
+#endif
   }
 
   // ---- 1. tile metadata: anchor, gamma and position of each token; the first angles ------

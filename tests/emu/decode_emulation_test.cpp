@@ -258,9 +258,10 @@ TEST(EmulatedDecode, AnchorKvBatchWithAppendedTokensAndQueryBlocks) {
 
 // Keys handed rotated with no RoPE (anchors fitted after the rotation, docs/design.md §4.6) at
 // the size where the recipe is used: segment tables (k > 256), three rows a head, appended
-// tokens. bf16 queries take the register-gather path (its view's D / 2 pairs of zero
-// frequency: build_view_block), at D 64 and 128, with a window past a tile; f32 queries the
-// generic kernel.
+// tokens. bf16 queries take the register-gather path, the tokens' logits their anchors' scores
+// (decode_scores_kernel, lookup_scores) and the view's D / 2 pairs of zero frequency
+// (build_view_block) for the queries and key residuals, at D 64 and 128, 4, 8 and 16 rows,
+// with a window past a tile; f32 queries the generic kernel.
 TEST(EmulatedDecode, NoRopeWithSegmentTables) {
   const int before = fast_launches, gptj_before = gptj_launches, scores_before = scores_launches;
   Case c{AKV_METHOD_ANCHORKV, 1600, 64, 3, 1, 2, AKV_ROPE_NONE, false};
