@@ -93,8 +93,9 @@ def main():
     parser.add_argument("--rows", nargs="+", metavar="SxB",
                         help="(S x batch) rows to run instead of the --seq-lens x --batches grid, e.g. 32768x1")
     parser.add_argument("--theta", type=float, default=0.05)
-    parser.add_argument("--rope-style", choices=("neox", "gptj"), default="neox",
-                        help="the caches' RoPE pairs (gptj: the register-gather path's GPT-J kernel)")
+    parser.add_argument("--rope-style", choices=("neox", "gptj", "none"), default="neox",
+                        help="the caches' RoPE pairs (gptj: the register-gather path's GPT-J kernel; none: keys "
+                             "taken as given, the anchors' scores looked up instead of their rows gathered)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--csv", help="also write the rows to this CSV file")
     parser.add_argument("--profile", action="store_true",

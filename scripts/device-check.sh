@@ -144,6 +144,12 @@ else
     # GPT-J pairs: the register-gather path's own kernel (decode_split_kernel<..., true, true>).
     step "bench_decode.py, GPT-J RoPE" "$logs/bench-decode.log" \
       python3 "$root/scripts/bench_decode.py" --rows 32768x1 131072x8 --rope-style gptj
+    # No RoPE (keys handed rotated): the anchors' scores looked up (decode_scores_kernel,
+    # lookup_scores), not their rows gathered: the SASS model says no faster (its tile waits on
+    # the key residuals' chain either way) with 16% fewer instructions and a sixteenth of the
+    # rows' L2 traffic; this says whether the gathers were what the first run waited on.
+    step "bench_decode.py, no RoPE (scores)" "$logs/bench-decode.log" \
+      python3 "$root/scripts/bench_decode.py" --rows 32768x1 --rope-style none
   fi
   if skipped compress-bench; then note SKIP "bench_compress.py" 0
   elif [ "$has_gpu" = 0 ]; then note SKIP "bench_compress.py: no GPU" 0
