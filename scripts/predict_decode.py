@@ -150,6 +150,7 @@ def smem_bytes(k, rows=ROWS):
 SHARED_WEIGHTS_ONLY = False
 COUNT_DISPERSION = None  # a tile's residual counts' variance / mean: sass_count.py's default unless given
 GPTJ = False  # price the register-gather path's GPT-J kernel (sass_count.py --gptj) instead of its NeoX one
+SCORES = False  # price its path for caches without RoPE (sass_count.py --scores; the scores kernel itself not priced)
 
 
 def merge_resident(registers, smem):
@@ -197,7 +198,7 @@ def sass_phases(fk, fv, k, block_tiles, segments=False, merge=None):
                            + (["--splits", str(merge[0]), "--anchor-parts", str(merge[1]), "--anchors-per-part",
                                str(merge[2])] if merge else [])
                            + (["--count-dispersion", str(COUNT_DISPERSION)] if COUNT_DISPERSION is not None else [])
-                           + (["--gptj"] if GPTJ else []),
+                           + (["--gptj"] if GPTJ else []) + (["--scores"] if SCORES else []),
                            capture_output=True, text=True)
         if r.returncode or not os.path.exists(out):
             return None
@@ -338,9 +339,12 @@ def main():
                          "SmolLM2, COUNT_DISPERSION; 1: Poisson, residuals spread evenly)")
     ap.add_argument("--gptj", action="store_true",
                     help="the caches' RoPE pairs are GPT-J's (2j, 2j + 1): price that kernel's tile loop")
+    ap.add_argument("--scores", action="store_true",
+                    help="the caches have no RoPE: price the lookup of their anchors' scores (sass_count.py --scores)")
     a = ap.parse_args()
-    global SHARED_WEIGHTS_ONLY, COUNT_DISPERSION, GPTJ
+    global SHARED_WEIGHTS_ONLY, COUNT_DISPERSION, GPTJ, SCORES
     GPTJ = a.gptj
+    SCORES = a.scores
     SHARED_WEIGHTS_ONLY = a.shared_weights
     COUNT_DISPERSION = a.count_dispersion
     if a.measure:

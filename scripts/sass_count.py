@@ -14,7 +14,8 @@ AKV_SASS_PIN_BF16_FUSED, which makes the rest of that path (a full row chunk, se
 constant so that the SASS holds only the code that runs; the per-kernel table is of that build
 too; its per-anchor weights in shared
 memory, or with --segment-weights a segment table's entries at a time, AKV_SASS_PIN_SEGMENT_WEIGHTS:
-the library's plan at 128K) it also counts the AnchorKV
+the library's plan at 128K; with --scores its path for caches without RoPE, AKV_SASS_PIN_SCORES: the
+anchors' scores looked up, not their rows gathered) it also counts the AnchorKV
 prefix tile loop: the loop is found in the control flow (the innermost backward branch whose
 body holds both the key residuals and the per-anchor weights), each instruction is put in a
 phase by its source line (nvdisasm -gi: its innermost frame in decode_kernels.cuh, through
@@ -79,7 +80,7 @@ PHASES = [
                                                "rotate_gptj4", "gptj_position"]),
     ("key residuals", ["key_residuals", "key_residuals_tc", "residual_logit_terms", "stage_keys"]),
     ("RoPE pass (unfused only)", ["rotate_keys", "offset_angle"]),
-    ("contraction", ["contract", "contract_tile", "contract_gathered"]),
+    ("contraction", ["contract", "contract_tile", "contract_gathered", "lookup_scores"]),
     ("softmax", ["softmax_tile", "settle_tile", "rescale", "new_reference"]),
     ("per-anchor weights", ["prefix_values:weights", "flush_segment"]),
     ("value residuals", ["prefix_values:residuals", "stage_values"]),
@@ -489,7 +490,7 @@ def nvcc_cubin(workdir, nvcc, name, source, flags=()):
 LOCAL_CHUNKS = (32, 16)  # local_nearest_kernel's candidate chunks (local_chunk picks one per absorb)
 
 
-def compile_cubin(workdir, nvcc, segment_weights=False, gptj=False):
+def compile_cubin(workdir, nvcc, segment_weights=False, gptj=False, scores=False):
     source = ('#include "cuda/decode_kernels.cuh"\n#include "cuda/compress_local_kernels.cuh"\n'
               '#include "cuda/coverage_select_kernels.cuh"\n#include "cuda/utility_kernels.cuh"\n'
               '#include "cuda/window_outputs_kernels.cuh"\n'
@@ -514,7 +515,8 @@ def compile_cubin(workdir, nvcc, segment_weights=False, gptj=False):
                    "uint32_t *, uint32_t *, uint32_t *, uint32_t *, uint32_t *, uint32_t *);\n")
         source += (f"template __global__ void akv::cuda::window_outputs_kernel<128, {exact}>(const float *, "
                    "const float *, int64_t, int, float *);\n")
-    pins = ("-DAKV_SASS_PIN_BF16_FUSED",) + (("-DAKV_SASS_PIN_SEGMENT_WEIGHTS",) if segment_weights else ())
+    pins = (("-DAKV_SASS_PIN_BF16_FUSED",) + (("-DAKV_SASS_PIN_SEGMENT_WEIGHTS",) if segment_weights else ())
+            + (("-DAKV_SASS_PIN_SCORES",) if scores else ()))
     return nvcc_cubin(workdir, nvcc, "k", source, ("-lineinfo",) + pins)
 
 
@@ -1492,6 +1494,9 @@ def main():
     ap.add_argument("--gptj", action="store_true",
                     help="count the register-gather path's GPT-J kernel (decode_split_kernel<128, 4, true, true>) "
                          "instead of its NeoX one")
+    ap.add_argument("--scores", action="store_true",
+                    help="count the NeoX kernel's path for caches without RoPE (decode_scores_kernel's scores "
+                         "looked up, lookup_scores, where the default caches' anchor rows are gathered and contracted)")
     ap.add_argument("--json", help="write the counts here")
     ap.add_argument("--by-line", type=int, default=0, metavar="N",
                     help="also print the tile loop's N costliest source lines (warp instructions per tile)")
@@ -1505,7 +1510,9 @@ def main():
         return 0
     workdir = a.keep or tempfile.mkdtemp()
     os.makedirs(workdir, exist_ok=True)
-    cubin, log = compile_cubin(workdir, nvcc, a.segment_weights, a.gptj)
+    if a.scores and a.gptj:
+        ap.error("--scores counts the NeoX kernel (caches without RoPE take it), not --gptj's")
+    cubin, log = compile_cubin(workdir, nvcc, a.segment_weights, a.gptj, a.scores)
     pinfo = ptxas_info(log)
     funcs = disassemble(nvdisasm, cubin)
     names = dict(zip(funcs, demangle(list(funcs))))

@@ -1520,7 +1520,9 @@ struct SplitBlock {
     if (!gathered) {
       contract_tile(anchor ? qr_s : q_s, acc);
     } else if (half == 0) {
-#ifdef AKV_SASS_PIN_BF16_FUSED  // the count's caches have RoPE: no scores
+#if defined(AKV_SASS_PIN_SCORES)  // sass_count.py --scores: the count's caches have no RoPE
+      lookup_scores(ha_s->scores, acc);
+#elif defined(AKV_SASS_PIN_BF16_FUSED)  // the count's caches have RoPE: no scores
       contract_gathered(acc);
 #else
       if (const float *sc = ha_s->scores) lookup_scores(sc, acc);
