@@ -2047,13 +2047,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_scores_kernel(const __g
   float acc[RPT];
   for (int r = 0; r < RPT; ++r) acc[r] = 0.0f;
   for (int d = 0; d < D; d += 8) {
-    const uint4 kv = load_ro(reinterpret_cast<const uint4 *>(row + d));
-    const uint32_t w[4] = {kv.x, kv.y, kv.z, kv.w};
     float kf[8];
-    for (int j = 0; j < 4; ++j) {
-      kf[2 * j] = bits_to_float(static_cast<uint16_t>(w[j]), true);
-      kf[2 * j + 1] = bits_to_float(static_cast<uint16_t>(w[j] >> 16), true);
-    }
+    unpack8(load_ro(reinterpret_cast<const uint4 *>(row + d)), true, kf);
     for (int r = 0; r < RPT; ++r)
       for (int j = 0; j < 8; ++j) acc[r] = fmaf(q_s[(r0 + 4 * r) * D + d + j], kf[j], acc[r]);
   }
